@@ -1,0 +1,55 @@
+"""The `moe-jax` console entry point: one subcommand per binary.
+
+Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> int``.
+Modules are imported lazily so that `moe-jax --help` and the synthetic laboratory do not
+pay for importing TensorFlow/seqio.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module path, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "synthetic": ("moe_jax.synthetic.cli", "regenerate the paper's synthetic experiments"),
+    "train": ("moe_jax.train.train", "T5X-style gin-configured training"),
+    "eval": ("moe_jax.train.evaluate", "evaluate one or more checkpoints"),
+    "infer": ("moe_jax.train.infer", "decode from a checkpoint"),
+    "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
+    "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
+    "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: moe-jax <command> [options]", "", "commands:"]
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        lines.append(f"  {name:<10} {help_text}")
+    lines.append("")
+    lines.append("`moe-jax <command> --help` for the options of one command.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"moe-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and module_name.startswith(err.name):
+            print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

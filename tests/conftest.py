@@ -1,0 +1,21 @@
+"""Test-session set-up shared by every test.
+
+Runs before JAX is imported anywhere: 8 forced CPU devices (so mesh tests see a
+(data, expert, model) mesh on a laptop) and a persistent compilation cache so that a
+second run of the suite compiles almost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
