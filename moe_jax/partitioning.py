@@ -1,0 +1,151 @@
+"""Device meshes and logical-to-mesh axis rules, in the style of T5X's partitioning.
+
+Every parameter and activation of the project's Flax modules is annotated with *logical*
+axis names (``batch``, ``length``, ``embed``, ``mlp``, ``heads``, ``kv``, ``vocab``,
+``expert``, ...). A list of rules maps each logical name to a *mesh* axis (``data``,
+``expert``, ``model``) or to ``None`` (replicated). Rules and mesh shape are gin bindings,
+so data, expert and tensor parallelism are all chosen from gin files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import gin
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, str, str] = ("data", "expert", "model")
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# Logical axis names the project's modules may use. A name outside this set is a typo.
+KNOWN_LOGICAL_AXES: frozenset[str] = frozenset(
+    {
+        "batch", "length", "embed", "mlp", "heads", "kv", "joined_kv", "vocab",
+        "relpos_buckets", "abspos_buckets", "expert", "expert_mlp", "expert_group",
+        "unmodeled", "layers", "stack", "cache_batch", "cache_heads", "cache_kv",
+        "cache_length",
+    }
+)
+
+
+@gin.configurable
+def standard_logical_axis_rules(
+    expert_parallel: bool = True,
+    tensor_parallel: bool = True,
+    additional_rules: LogicalRules = (),
+) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """T5X-like default rules for a (data, expert, model) mesh.
+
+    Non-MoE activations shard their batch over both ``data`` and ``expert`` (the expert
+    devices do data parallelism outside the MoE layers, as in T5X's MoE partitioner);
+    expert weights shard their leading ``expert`` axis over ``expert``; ``mlp``, ``heads``,
+    ``joined_kv`` and ``vocab`` go over ``model`` (Megatron-style tensor parallelism).
+    Rules listed in ``additional_rules`` take precedence (first match wins).
+    """
+    model = "model" if tensor_parallel else None
+    rules: list[tuple[str, str | tuple[str, ...] | None]] = list(additional_rules)
+    rules += [
+        ("batch", ("data", "expert") if expert_parallel else "data"),
+        ("expert", "expert" if expert_parallel else None),
+        ("expert_group", ("data", "expert") if expert_parallel else "data"),
+        ("vocab", model),
+        ("mlp", model),
+        ("expert_mlp", model),
+        ("heads", model),
+        ("joined_kv", model),
+        ("kv", None),
+        ("embed", None),
+        ("length", None),
+        ("relpos_buckets", None),
+        ("abspos_buckets", None),
+        ("unmodeled", None),
+        ("layers", None),
+        ("stack", None),
+        ("cache_batch", ("data", "expert") if expert_parallel else "data"),
+        ("cache_heads", model),
+        ("cache_kv", None),
+        ("cache_length", None),
+    ]
+    return tuple(rules)
+
+
+@gin.configurable
+def make_mesh(
+    mesh_shape: Sequence[int] = (-1, 1, 1),
+    axis_names: Sequence[str] = MESH_AXES,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a global mesh ``[data, expert, model]`` over all (or the given) devices.
+
+    One entry of ``mesh_shape`` may be -1: it takes whatever is left of the device count.
+    Axes are ``Auto`` (sharding propagated by XLA), as T5X expects.
+
+    Raises:
+      ValueError: naming ``mesh_shape`` when it does not tile the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = list(mesh_shape)
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)} has {len(shape)} entries but "
+                         f"axis_names={tuple(axis_names)} has {len(axis_names)}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)}: at most one entry may be -1")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if known <= 0 or len(devices) % known:
+            raise ValueError(f"mesh_shape={tuple(mesh_shape)} does not divide the "
+                             f"{len(devices)} available devices")
+        shape[shape.index(-1)] = len(devices) // known
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)} needs {int(np.prod(shape))} devices "
+                         f"but {len(devices)} are available")
+    try:
+        from jax.experimental import mesh_utils
+
+        device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        device_array = np.asarray(devices).reshape(shape)
+    return Mesh(device_array, tuple(axis_names))
+
+
+def validate_logical_axes(logical_axes: Sequence[str | None], where: str = "") -> None:
+    """Refuses logical axis names the project does not know (typos in gin rules or modules)."""
+    for name in logical_axes:
+        if name is not None and name not in KNOWN_LOGICAL_AXES:
+            raise ValueError(f"unknown logical axis {name!r}{' in ' + where if where else ''}; "
+                             f"known axes: {sorted(KNOWN_LOGICAL_AXES)}")
+
+
+def validate_rules(rules: LogicalRules, mesh: Mesh) -> None:
+    """Refuses rules naming unknown logical axes or mesh axes missing from ``mesh``."""
+    for logical, mesh_axes in rules:
+        validate_logical_axes([logical], where="logical axis rules")
+        targets = (mesh_axes,) if isinstance(mesh_axes, str) or mesh_axes is None else mesh_axes
+        for axis in targets:
+            if axis is not None and axis not in mesh.axis_names:
+                raise ValueError(f"logical axis rule ({logical!r} -> {mesh_axes!r}) names mesh "
+                                 f"axis {axis!r}, not in the mesh axes {mesh.axis_names}")
+
+
+def logical_to_sharding(
+    logical_axes: Sequence[str | None], mesh: Mesh, rules: LogicalRules
+) -> NamedSharding:
+    """The ``NamedSharding`` of one array from its logical axis names."""
+    import flax.linen as nn
+
+    validate_logical_axes(logical_axes)
+    spec = nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def tree_shardings(logical_spec_tree, mesh: Mesh, rules: LogicalRules):
+    """Maps a pytree of logical ``PartitionSpec`` (as from ``nn.get_partition_spec``) to
+    ``NamedSharding`` on ``mesh``."""
+    return jax.tree.map(
+        lambda spec: logical_to_sharding(tuple(spec), mesh, rules),
+        logical_spec_tree,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
