@@ -149,3 +149,33 @@ def tree_shardings(logical_spec_tree, mesh: Mesh, rules: LogicalRules):
         logical_spec_tree,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: LogicalRules) -> None:
+    """Refuses any array whose sharded dimensions do not divide by their mesh axes.
+
+    ``logical_spec_tree`` (logical ``PartitionSpec`` per leaf, e.g. a model's
+    ``param_logical_axes``) and ``shape_tree`` (arrays or ``ShapeDtypeStruct``) have the
+    same structure. Catches e.g. ``num_experts`` not divisible by the ``expert`` axis or
+    ``num_heads`` not divisible by the ``model`` axis before XLA does.
+
+    Raises:
+      ValueError: naming the array path, its dimension and size, the logical axis, and
+      the mesh axes with their total size.
+    """
+    specs = jax.tree_util.tree_flatten_with_path(
+        logical_spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    shapes = jax.tree.leaves(shape_tree)
+    for (path, spec), leaf in zip(specs, shapes):
+        validate_logical_axes(tuple(spec), where=jax.tree_util.keystr(path))
+        mesh_spec = NamedSharding(mesh, PartitionSpec()).spec if not spec else \
+            logical_to_sharding(tuple(spec), mesh, rules).spec
+        for dim, (logical, mesh_axes) in enumerate(zip(tuple(spec), tuple(mesh_spec))):
+            if mesh_axes is None:
+                continue
+            axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+            size = int(np.prod([mesh.shape[a] for a in axes]))
+            if leaf.shape[dim] % size:
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path)}: dimension {dim} ({logical!r}) has size "
+                    f"{leaf.shape[dim]}, not divisible by mesh axes {axes} of size {size}")

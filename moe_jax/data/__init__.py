@@ -1,0 +1,12 @@
+"""seqio data pipeline: mC4 tasks, span corruption, vocabularies, the embedded corpus.
+
+Modules (one job each; see docs/data.md):
+  vocab            gin-selected vocabulary (embedded SentencePiece, mT5 SentencePiece, bytes)
+  sources          gin-selected data source (embedded UDHR corpus or TFDS c4/multilingual)
+  preprocessors    text cleaning, token splitting, the prefix-LM objective
+  span_corruption  the T5/mT5 span-corruption objective as a seqio preprocessor
+  tasks            registers the seqio tasks (importing it is enough; idempotent)
+  pipeline         get_dataset, the resumable TrainIterator, to_global_batch
+
+Importing this package does not import TensorFlow or seqio; import the submodules.
+"""

@@ -1,0 +1,141 @@
+"""Vocabularies, chosen from gin.
+
+``get_vocabulary()`` is the single place the project decides which vocabulary it uses:
+
+* ``kind="embedded"`` (default): the SentencePiece model committed under
+  ``moe_jax/data/embedded/udhr_spm.model`` (8000 pieces) plus ``extra_ids`` sentinels.
+* ``kind="sentencepiece"``: any SentencePiece model by local path or URL (``gs://...``),
+  e.g. the mT5 vocabulary ``gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model``
+  (whose 100 sentinels are already pieces of the model: bind ``extra_ids = 0``).
+* ``kind="byte"``: ``seqio.ByteVocabulary`` (no file at all).
+
+Tasks are registered at import time, before gin files are parsed, so their features hold a
+``GinVocabulary``: a ``seqio.Vocabulary`` that resolves ``get_vocabulary()`` on each use.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from collections.abc import Iterable
+
+import gin
+import seqio
+import tensorflow as tf
+
+EMBEDDED_SPM = pathlib.Path(__file__).resolve().parent / "embedded" / "udhr_spm.model"
+MT5_SPM = "gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model"
+KINDS = ("embedded", "sentencepiece", "byte")
+
+
+@functools.lru_cache(maxsize=16)
+def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
+    if kind not in KINDS:
+        raise ValueError(f"get_vocabulary.kind={kind!r} is not one of {KINDS}")
+    if kind == "byte":
+        if extra_ids <= 0:
+            raise ValueError("get_vocabulary.kind='byte' needs extra_ids > 0 (span-corruption "
+                             f"sentinels), got get_vocabulary.extra_ids={extra_ids}")
+        return seqio.ByteVocabulary(extra_ids=extra_ids)
+    if kind == "embedded":
+        path = str(EMBEDDED_SPM) if path is None else path
+    if not path:
+        raise ValueError("get_vocabulary.kind='sentencepiece' needs get_vocabulary.path "
+                         f"(e.g. {MT5_SPM!r})")
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f"SentencePiece model not found: get_vocabulary.path={path!r} "
+                                f"(kind={kind!r})")
+    return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
+
+
+@gin.configurable
+def get_vocabulary(kind: str = "embedded", path: str | None = None,
+                   extra_ids: int = 100) -> seqio.Vocabulary:
+    """The project's vocabulary (cached per arguments).
+
+    Args:
+      kind: ``"embedded"``, ``"sentencepiece"`` or ``"byte"`` (see the module docstring).
+      path: SentencePiece model file or URL; required for ``"sentencepiece"``, optional
+        override for ``"embedded"``; ignored for ``"byte"``.
+      extra_ids: sentinel ids appended after the model's pieces (the last id is
+        ``<extra_id_0>``).
+
+    Raises:
+      FileNotFoundError: naming ``get_vocabulary.path`` when the model file is missing.
+      ValueError: naming the option for an unknown ``kind`` or a missing ``path``.
+    """
+    return _load(kind, path, extra_ids)
+
+
+class GinVocabulary(seqio.Vocabulary):
+    """A ``seqio.Vocabulary`` that delegates every call to the current ``get_vocabulary()``."""
+
+    def __init__(self) -> None:
+        super().__init__(extra_ids=0)
+
+    @property
+    def resolved(self) -> seqio.Vocabulary:
+        return get_vocabulary()
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.resolved.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.resolved.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.resolved.pad_id
+
+    @property
+    def unk_id(self) -> int | None:
+        return self.resolved.unk_id
+
+    @property
+    def extra_ids(self) -> int:
+        return self.resolved.extra_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.resolved.vocab_size
+
+    @property
+    def _base_vocab_size(self) -> int:
+        return self.resolved._base_vocab_size  # pylint: disable=protected-access
+
+    def encode(self, s: str) -> list[int]:
+        return self.resolved.encode(s)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.resolved.decode(ids)
+
+    def encode_tf(self, s: tf.Tensor) -> tf.Tensor:
+        return self.resolved.encode_tf(s)
+
+    def decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+        return self.resolved.decode_tf(ids)
+
+    # The abstract hooks of seqio.Vocabulary; the public methods above never reach them.
+    def _encode(self, s: str) -> list[int]:
+        return self.encode(s)
+
+    def _decode(self, ids: Iterable[int]) -> str:
+        return self.decode(ids)
+
+    def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
+        return self.encode_tf(s)
+
+    def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+        return self.decode_tf(ids)
+
+    def __eq__(self, other: object) -> bool:
+        other = other.resolved if isinstance(other, GinVocabulary) else other
+        return self.resolved == other
+
+    def __hash__(self) -> int:
+        return id(GinVocabulary)
+
+    def __str__(self) -> str:
+        return f"GinVocabulary({self.resolved})"

@@ -1,0 +1,194 @@
+"""Multi-head dot-product attention (T5 style: no logit scaling, the query init absorbs
+it), attention masks, and the key/value cache used for autoregressive decoding."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DType = Any
+
+
+def make_attention_mask(
+    query_input: jnp.ndarray,
+    key_input: jnp.ndarray,
+    pairwise_fn: Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray] = jnp.logical_and,
+) -> jnp.ndarray:
+    """``[batch, q_len]`` x ``[batch, k_len]`` -> boolean mask ``[batch, 1, q_len, k_len]``.
+
+    With the default ``pairwise_fn`` a pair is kept when both entries are non-zero
+    (padding mask); ``jnp.equal`` on segment ids keeps pairs inside one packed segment.
+    """
+    mask = pairwise_fn(query_input[:, :, None], key_input[:, None, :])
+    return mask[:, None].astype(bool)
+
+
+def make_causal_mask(x: jnp.ndarray) -> jnp.ndarray:
+    """``[batch, length]`` -> lower-triangular boolean mask ``[batch, 1, length, length]``."""
+    idxs = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+    return make_attention_mask(idxs, idxs, jnp.greater_equal)
+
+
+def combine_masks(*masks: jnp.ndarray | None) -> jnp.ndarray | None:
+    """Logical AND of the given masks (``None`` entries are skipped; all ``None`` -> ``None``)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    out = present[0]
+    for m in present[1:]:
+        out = jnp.logical_and(out, m)
+    return out
+
+
+def dot_product_attention(
+    query: jnp.ndarray,
+    key: jnp.ndarray,
+    value: jnp.ndarray,
+    bias: jnp.ndarray | None = None,
+    mask: jnp.ndarray | None = None,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = True,
+    dtype: DType = jnp.float32,
+    float32_logits: bool = True,
+) -> jnp.ndarray:
+    """Softmax(q k^T + bias, masked) v, without 1/sqrt(d) scaling (T5 convention).
+
+    Args:
+      query: ``[batch, q_len, heads, head_dim]``.
+      key, value: ``[batch, k_len, heads, head_dim]``.
+      bias: broadcastable to ``[batch, heads, q_len, k_len]`` (relative positions).
+      mask: boolean, broadcastable to ``[batch, heads, q_len, k_len]``; False = blocked.
+    Returns:
+      ``[batch, q_len, heads, head_dim]``.
+    """
+    if float32_logits:
+        query, key = jnp.asarray(query, jnp.float32), jnp.asarray(key, jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+    if bias is not None:
+        logits = logits + jnp.asarray(bias, logits.dtype)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.asarray(-1e10, logits.dtype))
+    weights = jax.nn.softmax(logits).astype(dtype)
+    if not deterministic and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        weights = weights * keep.astype(dtype) / jnp.asarray(1.0 - dropout_rate, dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, jnp.asarray(value, dtype))
+
+
+class MultiHeadDotProductAttention(nn.Module):
+    """Multi-head attention with ``num_heads x head_dim`` independent of d_model.
+
+    Parameters (logical axes): ``query``/``key``/``value`` ``[embed, heads, kv]``,
+    ``out`` ``[heads, kv, embed]``.
+
+    In ``decode`` mode a ``cache`` collection holds ``cached_key``/``cached_value``
+    ``[batch, max_length, heads, head_dim]`` and ``cache_index``. The first call (with a
+    full-length input, used only to create the cache) runs normally; each later call
+    takes one token, appends its key/value at ``cache_index``, attends to positions
+    ``<= cache_index`` and slices row ``cache_index`` of a full-length ``bias``.
+
+    Attributes:
+      num_heads: attention heads.
+      head_dim: size of each head (the paper keeps 64 at d_model 32).
+      dtype: activation dtype.
+      param_dtype: parameter dtype.
+      dropout_rate: dropout on the attention weights.
+      float32_logits: compute q.k and the softmax in float32 (recommended with bf16).
+    """
+
+    num_heads: int
+    head_dim: int
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    dropout_rate: float = 0.0
+    float32_logits: bool = True
+
+    def _projection(self, name: str, x: jnp.ndarray, init_scale: float) -> jnp.ndarray:
+        """``[batch, length, d_model] -> [batch, length, heads, head_dim]``."""
+        init = nn.initializers.variance_scaling(init_scale, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
+        kernel = self.param(
+            name,
+            nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
+            (x.shape[-1], self.num_heads, self.head_dim),
+            self.param_dtype,
+        )
+        y = jnp.einsum("bld,dhk->blhk", jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype))
+        return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+
+    def _update_cache(
+        self, key: jnp.ndarray, value: jnp.ndarray, bias: jnp.ndarray | None
+    ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray | None, jnp.ndarray | None]:
+        """Writes one step into the cache; returns full keys/values, step mask and bias row."""
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not initialized:
+            return key, value, None, bias
+        if key.shape[1] != 1:
+            raise ValueError(f"decode=True takes one token per call after the cache is "
+                             f"initialised; got a query of length {key.shape[1]}")
+        index = cache_index.value
+        cache_axes = ("cache_batch", "cache_length", "cache_heads", "cache_kv")
+        key = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype), (0, index, 0, 0))
+        value = jax.lax.dynamic_update_slice(cached_value.value, value.astype(cached_value.value.dtype), (0, index, 0, 0))
+        cached_key.value = nn.with_logical_constraint(key, cache_axes)
+        cached_value.value = nn.with_logical_constraint(value, cache_axes)
+        cache_index.value = index + 1
+        max_length = key.shape[1]
+        step_mask = (jnp.arange(max_length) <= index)[None, None, None, :]
+        if bias is not None:
+            bias = jax.lax.dynamic_slice_in_dim(bias, index, 1, axis=2)
+        return key, value, step_mask, bias
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: jnp.ndarray,
+        inputs_kv: jnp.ndarray,
+        mask: jnp.ndarray | None = None,
+        bias: jnp.ndarray | None = None,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jnp.ndarray:
+        """Attends ``inputs_q [batch, q_len, d_model]`` to ``inputs_kv [batch, k_len, d_model]``.
+
+        Args:
+          mask: boolean ``[batch, 1, q_len, k_len]`` (None = attend everywhere).
+          bias: ``[1 or batch, heads, q_len, k_len]`` added to the logits.
+          deterministic: disables attention dropout.
+          decode: use and update the KV cache (decoder self-attention only).
+        Returns:
+          ``[batch, q_len, d_model]``.
+        """
+        features = inputs_q.shape[-1]
+        # T5: logits are not divided by sqrt(head_dim); the query init is scaled instead.
+        query = self._projection("query", inputs_q, 1.0 / self.head_dim)
+        key = self._projection("key", inputs_kv, 1.0)
+        value = self._projection("value", inputs_kv, 1.0)
+        if decode:
+            key, value, step_mask, bias = self._update_cache(key, value, bias)
+            mask = combine_masks(mask, step_mask)
+        dropout_rng = None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
+        heads_out = dot_product_attention(
+            query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate, deterministic=deterministic, dtype=self.dtype,
+            float32_logits=self.float32_logits,
+        )
+        heads_out = nn.with_logical_constraint(heads_out, ("batch", "length", "heads", "kv"))
+        out_kernel = self.param(
+            "out",
+            nn.with_logical_partitioning(
+                nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2),
+                ("heads", "kv", "embed"),
+            ),
+            (self.num_heads, self.head_dim, features),
+            self.param_dtype,
+        )
+        out = jnp.einsum("blhk,hkd->bld", heads_out, jnp.asarray(out_kernel, self.dtype))
+        return nn.with_logical_constraint(out, ("batch", "length", "embed"))

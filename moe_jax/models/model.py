@@ -1,0 +1,233 @@
+"""``EncoderDecoderModel``: the T5X-like wrapper the trainer uses (init, losses, metrics,
+decoding, parameter and FLOP accounting) around the Flax :class:`EncoderDecoder`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from moe_jax.models import accounting, decoding, losses
+from moe_jax.models.t5 import EncoderDecoder
+
+Batch = Mapping[str, jax.Array]
+InputShapes = Mapping[str, tuple[int, ...]]
+
+FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
+            "decoder_loss_weights", "encoder_segment_ids", "decoder_segment_ids",
+            "encoder_positions", "decoder_positions")
+AUX_LOSS_COLLECTION = "aux_loss"
+MOE_METRICS_COLLECTION = "moe_metrics"
+
+
+def _key_name(key: Any) -> str:
+    return str(getattr(key, "key", getattr(key, "idx", key)))
+
+
+def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
+    """Flattens a sown collection to ``{module path + name: value}`` (sown tuples averaged)."""
+    out: dict[tuple[str, ...], list[jax.Array]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = tuple(_key_name(k) for k in path if not isinstance(k, jax.tree_util.SequenceKey))
+        out.setdefault(names, []).append(jnp.asarray(leaf, jnp.float32))
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+@gin.configurable
+class EncoderDecoderModel:
+    """Mirror of T5X's ``EncoderDecoderModel`` for :class:`EncoderDecoder`.
+
+    Args:
+      module: the network (default: ``EncoderDecoder()`` with its gin bindings).
+      vocabulary: a seqio vocabulary (``vocab_size``, ``eos_id``) or an int vocab size.
+        Logits for ids the vocabulary does not have (the network's vocab is padded to a
+        multiple of 128) are never sampled by :meth:`predict_batch`.
+      label_smoothing: in ``[0, 1)``.
+      z_loss: weight of ``logsumexp(logits)^2`` (T5X: 1e-4).
+      loss_normalizing_factor: ``'NUM_REAL_TARGET_TOKENS'`` (mean over tokens with
+        weight), ``'NUM_TOTAL_TARGET_TOKENS'``, a constant, or None (sum).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        vocabulary: Any = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        loss_normalizing_factor: str | float | None = "NUM_REAL_TARGET_TOKENS",
+    ) -> None:
+        self.module = EncoderDecoder() if module is None else module
+        net_vocab = self.module.config.vocab_size
+        if vocabulary is None:
+            vocabulary = net_vocab
+        self.vocabulary = vocabulary
+        self.vocab_size = int(vocabulary if isinstance(vocabulary, int) else vocabulary.vocab_size)
+        self.eos_id = 1 if isinstance(vocabulary, int) else int(vocabulary.eos_id)
+        if self.vocab_size > net_vocab:
+            raise ValueError(f"vocabulary has {self.vocab_size} ids but T5Config.vocab_size="
+                             f"{net_vocab}; set VOCAB_SIZE >= {self.vocab_size}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+        if isinstance(loss_normalizing_factor, str) and loss_normalizing_factor not in losses.LOSS_NORMALIZERS:
+            raise ValueError(f"loss_normalizing_factor={loss_normalizing_factor!r}: use a number, "
+                             f"None or one of {losses.LOSS_NORMALIZERS}")
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.loss_normalizing_factor = loss_normalizing_factor
+
+    # ----------------------------------------------------------------- initialisation
+    def get_initial_variables(self, rng: jax.Array, input_shapes: InputShapes,
+                              input_types: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``{'params': ...}`` with every parameter boxed as ``nn.Partitioned`` (logical names).
+
+        ``input_shapes`` needs ``encoder_input_tokens`` and ``decoder_input_tokens``
+        (``(batch, length)``). For shapes only, close over the shapes:
+        ``jax.eval_shape(functools.partial(model.get_initial_variables, input_shapes=s), rng)``.
+        """
+        del input_types
+        enc = jnp.ones(input_shapes["encoder_input_tokens"], jnp.int32)
+        dec = jnp.ones(input_shapes["decoder_input_tokens"], jnp.int32)
+        variables = self.module.init({"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False)
+        return {"params": variables["params"]}
+
+    def param_logical_axes(self, input_shapes: InputShapes) -> Any:
+        """Pytree (like params) of ``PartitionSpec`` of logical axis names."""
+        shapes = jax.eval_shape(
+            functools.partial(self.get_initial_variables, input_shapes=input_shapes), jax.random.key(0))
+        return nn.get_partition_spec(shapes)["params"]
+
+    # ----------------------------------------------------------------- losses and metrics
+    def _forward(self, params: Any, batch: Batch, enable_dropout: bool,
+                 dropout_rng: jax.Array | None) -> tuple[jax.Array, dict[str, Any]]:
+        missing = [k for k in FEATURES[:3] if k not in batch]
+        if missing:
+            raise KeyError(f"batch lacks features {missing}; it has {sorted(batch)}")
+        rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
+        return self.module.apply(
+            {"params": params},
+            *(batch.get(k) for k in FEATURES[:3]), *(batch.get(k) for k in FEATURES[4:]),
+            enable_dropout=enable_dropout, rngs=rngs,
+            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION],
+        )
+
+    def _loss_and_metrics(self, logits: jax.Array, state: Mapping[str, Any],
+                          batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        targets = batch["decoder_target_tokens"]
+        weights = batch.get("decoder_loss_weights")
+        weights = (targets > 0) if weights is None else weights
+        weights = jnp.asarray(weights, jnp.float32)
+        token_loss, token_z = losses.cross_entropy_with_logits(
+            logits, targets, self.label_smoothing, self.z_loss)
+        total = losses.normalize_loss(jnp.sum(token_loss * weights), weights, self.loss_normalizing_factor)
+        z_term = losses.normalize_loss(jnp.sum(token_z * weights), weights, self.loss_normalizing_factor)
+        metrics: dict[str, jax.Array] = {"cross_entropy": total - z_term, "z_loss": z_term}
+        aux_total = jnp.zeros((), jnp.float32)
+        for path, value in _collection_by_path(state.get(AUX_LOSS_COLLECTION, {})).items():
+            value = jnp.sum(value)
+            aux_total = aux_total + value
+            metrics[path[-1]] = metrics.get(path[-1], 0.0) + value
+        for path, value in _collection_by_path(state.get(MOE_METRICS_COLLECTION, {})).items():
+            metrics["moe/" + "/".join(p for p in path if p not in ("ffn", "moe"))] = value
+        metrics["aux_loss"] = aux_total
+        loss = total + aux_total
+        metrics["loss"] = loss
+        metrics["accuracy"] = losses.token_accuracy(logits, targets, weights)
+        metrics["num_tokens"] = jnp.sum(weights)
+        return loss, metrics
+
+    def loss_fn(self, params: Any, batch: Batch,
+                dropout_rng: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Training loss and metrics (differentiable in ``params``).
+
+        With ``dropout_rng`` set, dropout is on and MoE layers run in training mode
+        (train capacity factor); with None both are off (as in T5X).
+
+        Metrics (per step, already normalised): ``loss`` (= ``cross_entropy`` + ``z_loss``
+        + ``aux_loss``), ``cross_entropy``, ``z_loss``, ``aux_loss`` and each sown aux loss
+        by name summed over layers, ``accuracy`` (weighted token accuracy),
+        ``num_tokens`` (sum of loss weights), and every sown MoE metric per layer as
+        ``moe/<encoder|decoder>/layers_<i>/<name>`` (``expert_load`` is ``[num_experts]``).
+        """
+        logits, state = self._forward(params, batch, dropout_rng is not None, dropout_rng)
+        return self._loss_and_metrics(logits, state, batch)
+
+    def eval_fn(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        """Deterministic metrics (eval capacity factor), same names as :meth:`loss_fn`."""
+        logits, state = self._forward(params, batch, False, None)
+        return self._loss_and_metrics(logits, state, batch)[1]
+
+    # ----------------------------------------------------------------- decoding
+    def predict_batch(self, params: Any, batch: Batch, rng: jax.Array | None = None, *,
+                      decode_method: str = "greedy", temperature: float = 1.0,
+                      max_decode_length: int | None = None) -> jax.Array:
+        """Generates ``[batch, max_decode_length]`` tokens from ``encoder_input_tokens``.
+
+        ``max_decode_length`` defaults to the length of ``decoder_input_tokens`` (or of
+        ``encoder_input_tokens`` if the batch has no decoder features). Jit-friendly.
+        """
+        enc_tokens = batch["encoder_input_tokens"]
+        if max_decode_length is None:
+            ref = batch.get("decoder_input_tokens", enc_tokens)
+            max_decode_length = ref.shape[1]
+        variables = {"params": params}
+        encoded = self.module.apply(variables, enc_tokens, batch.get("encoder_segment_ids"),
+                                    enable_dropout=False, method=EncoderDecoder.encode)
+        batch_size = enc_tokens.shape[0]
+        decode_kwargs = dict(enable_dropout=False, decode=True, max_decode_length=max_decode_length,
+                             method=EncoderDecoder.decode)
+        _, init = self.module.apply(
+            variables, encoded, enc_tokens, jnp.ones((batch_size, max_decode_length), jnp.int32),
+            mutable=["cache"], **decode_kwargs)
+        vocab_ok = jnp.arange(self.module.config.vocab_size) < self.vocab_size
+
+        def step(tokens: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+            logits, state = self.module.apply(
+                {**variables, "cache": cache}, encoded, enc_tokens, tokens, mutable=["cache"], **decode_kwargs)
+            logits = jnp.where(vocab_ok, logits[:, -1].astype(jnp.float32), -1e9)
+            return logits, state["cache"]
+
+        return decoding.decode_tokens(
+            step, init["cache"], batch_size, max_decode_length, self.eos_id, rng,
+            decode_method=decode_method, temperature=temperature)
+
+    # ----------------------------------------------------------------- accounting
+    def num_params(self, params: Any) -> int:
+        """Total parameter count."""
+        return accounting.num_params(params)
+
+    def describe_params(self, params: Any) -> str:
+        """The start-up parameter table (path, shape, logical axes, count) and totals."""
+        return accounting.describe_params(params)
+
+    def _moe_shape(self) -> accounting.MoeShape | None:
+        """The MoE layers' shape, read from ``MoeLayer``'s gin bindings (None if no MoE)."""
+        if not self.module.config.has_moe:
+            return None
+        from moe_jax.moe.layer import MoeLayer
+
+        layer = MoeLayer()
+        return accounting.MoeShape(layer.num_experts, layer.num_selected_experts, layer.d_ff,
+                                   2 if layer.activation == "gated_gelu" else 1)
+
+    def flops_per_example(self, input_shapes: InputShapes, training: bool = True) -> float:
+        """Analytic FLOPs of one example (training = 3x forward: forward + backward)."""
+        enc_len = input_shapes["encoder_input_tokens"][-1]
+        dec_len = input_shapes["decoder_input_tokens"][-1]
+        fwd = accounting.forward_flops_per_example(self.module.config, enc_len, dec_len, self._moe_shape())
+        return 3.0 * fwd if training else fwd
+
+    def flops_per_step(self, input_shapes: InputShapes) -> float:
+        """Training FLOPs of one step on a batch of ``input_shapes``."""
+        return input_shapes["encoder_input_tokens"][0] * self.flops_per_example(input_shapes)
+
+    def flops_per_token(self, input_shapes: InputShapes) -> float:
+        """Training FLOPs per token position, counting encoder and decoder positions
+        (``flops_per_example / (Le + Ld)``); active experts only."""
+        enc_len = input_shapes["encoder_input_tokens"][-1]
+        dec_len = input_shapes["decoder_input_tokens"][-1]
+        return self.flops_per_example(input_shapes) / (enc_len + dec_len)

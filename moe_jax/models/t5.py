@@ -1,0 +1,474 @@
+"""The T5 v1.1 encoder-decoder with MoE feed-forward blocks at chosen depths.
+
+Layout (pre-layer-norm residual blocks, as in T5 v1.1 / T5X / Flaxformer):
+
+    encoder: embed -> dropout -> L x [self-attention block, feed-forward block] -> norm -> dropout
+    decoder: embed -> dropout -> L x [causal self-attention block, cross-attention block,
+             feed-forward block] -> norm -> dropout -> logits
+
+Each block is ``x + dropout(sublayer(rms_norm(x)))``. The feed-forward block of a *sparse*
+layer is the project's ``MoeLayer`` (or, for the FLOP-matched dense baseline, a wider
+dense MLP); which layers are sparse is given by :func:`sparse_layer_indices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax.numpy as jnp
+
+from moe_jax.models.attention import (
+    MultiHeadDotProductAttention, combine_masks, make_attention_mask, make_causal_mask,
+)
+from moe_jax.models.embedding import Embed
+from moe_jax.models.mlp import MlpBlock
+from moe_jax.models.normalization import RMSNorm
+from moe_jax.models.relative_position import RelativePositionBiases
+
+SPARSE_LAYOUTS = ("bottom", "middle", "top", "mixed")
+SPARSE_LAYER_TYPES = ("moe", "dense")
+
+
+def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple[int, ...]:
+    """Which of ``num_layers`` layers have a sparse (MoE) feed-forward block (T5X layouts).
+
+    ``bottom``: the first ``num_sparse``; ``top``: the last; ``middle``: a centred run;
+    ``mixed``: evenly spaced, layer ``i`` sparse when ``i % (L // S) == L // S - 1``
+    (layers 3, 7, 11 for 3 of 12).
+
+    Raises:
+      ValueError: naming the option when the layout is unknown, ``num_sparse`` is out of
+      range, or ``mixed`` would not give exactly ``num_sparse`` layers.
+    """
+    if layout not in SPARSE_LAYOUTS:
+        raise ValueError(f"sparse_layout={layout!r} is not one of {SPARSE_LAYOUTS}")
+    if not 0 <= num_sparse <= num_layers:
+        raise ValueError(f"num_sparse_layers={num_sparse} must be in [0, num_layers={num_layers}]")
+    if num_sparse == 0:
+        return ()
+    if layout == "bottom":
+        return tuple(range(num_sparse))
+    if layout == "top":
+        return tuple(range(num_layers - num_sparse, num_layers))
+    if layout == "middle":
+        start = num_layers // 2 - num_sparse // 2
+        return tuple(range(start, start + num_sparse))
+    period = num_layers // num_sparse
+    layers = tuple(i for i in range(num_layers) if i % period == period - 1)
+    if len(layers) != num_sparse:
+        raise ValueError(f"sparse_layout='mixed' with num_layers={num_layers} gives sparse layers "
+                         f"{layers}, not num_sparse_layers={num_sparse}; choose a divisor of "
+                         f"{num_layers} or another layout")
+    return layers
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """Every hyperparameter of the network (gin: ``T5Config.<field> = ...``).
+
+    Attributes:
+      vocab_size: embedding rows / logits width (T5: 32128, a multiple of 128).
+      emb_dim: d_model.
+      num_heads, head_dim: attention shape, independent of ``emb_dim``.
+      mlp_dim: d_ff of the dense feed-forward blocks.
+      num_encoder_layers, num_decoder_layers: depth of each stack.
+      mlp_activations: ``('gelu', 'linear')`` = gated GELU (v1.1); ``('relu',)`` = v1.0.
+      dropout_rate: dropout after embeddings, every sublayer, attention weights, MLP hidden.
+      logits_via_embedding: tie the output logits to the token embedding.
+      dtype: activation dtype (``'float32'`` or ``'bfloat16'``).
+      param_dtype: parameter dtype (keep ``'float32'``).
+      float32_attention_logits: q.k and softmax in float32.
+      relpos_num_buckets, relpos_max_distance: T5 relative position buckets.
+      num_sparse_encoder_layers, num_sparse_decoder_layers: sparse layers per stack.
+      sparse_layout: ``bottom``, ``middle``, ``top`` or ``mixed`` (see
+        :func:`sparse_layer_indices`).
+      sparse_layer_type: ``'moe'`` puts ``MoeLayer`` at the sparse positions (configured
+        by its own gin bindings); ``'dense'`` puts a dense MLP of width
+        ``flop_matched_mlp_dim`` there (the FLOP-matched dense baseline).
+      flop_matched_mlp_dim: d_ff of those dense layers (top-k routing: ``k * mlp_dim``).
+    """
+
+    vocab_size: int = 32128
+    emb_dim: int = 768
+    num_heads: int = 12
+    head_dim: int = 64
+    mlp_dim: int = 2048
+    num_encoder_layers: int = 12
+    num_decoder_layers: int = 12
+    mlp_activations: Sequence[str] = ("gelu", "linear")
+    dropout_rate: float = 0.0
+    logits_via_embedding: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    float32_attention_logits: bool = True
+    relpos_num_buckets: int = 32
+    relpos_max_distance: int = 128
+    num_sparse_encoder_layers: int = 0
+    num_sparse_decoder_layers: int = 0
+    sparse_layout: str = "mixed"
+    sparse_layer_type: str = "moe"
+    flop_matched_mlp_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim",
+                     "num_encoder_layers", "num_decoder_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"T5Config.{name}={getattr(self, name)} must be positive")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"T5Config.dropout_rate={self.dropout_rate} must be in [0, 1)")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"T5Config.{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'")
+        if self.sparse_layer_type not in SPARSE_LAYER_TYPES:
+            raise ValueError(f"T5Config.sparse_layer_type={self.sparse_layer_type!r} is not one "
+                             f"of {SPARSE_LAYER_TYPES}")
+        if self.sparse_layer_type == "dense" and not self.flop_matched_mlp_dim:
+            raise ValueError("T5Config.sparse_layer_type='dense' needs flop_matched_mlp_dim")
+        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+        self.sparse_layers("encoder")  # validates layout and counts early
+        self.sparse_layers("decoder")
+
+    def sparse_layers(self, stack: str) -> tuple[int, ...]:
+        """Indices of the sparse layers of ``stack`` (``'encoder'`` or ``'decoder'``)."""
+        if stack == "encoder":
+            return sparse_layer_indices(self.num_encoder_layers, self.num_sparse_encoder_layers,
+                                        self.sparse_layout)
+        if stack == "decoder":
+            return sparse_layer_indices(self.num_decoder_layers, self.num_sparse_decoder_layers,
+                                        self.sparse_layout)
+        raise ValueError(f"stack={stack!r} is not 'encoder' or 'decoder'")
+
+    @property
+    def has_moe(self) -> bool:
+        """Whether any layer holds an ``MoeLayer``."""
+        return self.sparse_layer_type == "moe" and (
+            self.num_sparse_encoder_layers + self.num_sparse_decoder_layers > 0)
+
+    @property
+    def activation_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+
+class AttentionBlock(nn.Module):
+    """``x + dropout(attention(rms_norm(x), kv))``: self-attention when ``kv`` is None.
+
+    Attributes:
+      config: the network's :class:`T5Config`.
+    """
+
+    config: T5Config
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jnp.ndarray,
+        kv: jnp.ndarray | None = None,
+        mask: jnp.ndarray | None = None,
+        bias: jnp.ndarray | None = None,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jnp.ndarray:
+        """``x [batch, q_len, d_model]``, ``kv [batch, k_len, d_model]`` -> ``[batch, q_len, d_model]``."""
+        cfg = self.config
+        y = RMSNorm(dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="pre_norm")(x)
+        y = MultiHeadDotProductAttention(
+            num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.activation_dtype,
+            param_dtype=cfg.parameter_dtype, dropout_rate=cfg.dropout_rate,
+            float32_logits=cfg.float32_attention_logits, name="attention",
+        )(y, y if kv is None else kv, mask, bias, deterministic=deterministic, decode=decode)
+        y = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
+        return nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
+
+
+class FeedForwardBlock(nn.Module):
+    """``x + dropout(ffn(rms_norm(x)))`` where ffn is a dense MLP or the MoE layer.
+
+    Attributes:
+      config: the network's :class:`T5Config`.
+      sparse: whether this layer is one of the stack's sparse layers.
+      is_decoder: passed to the MoE layer as ``causal``.
+    """
+
+    config: T5Config
+    sparse: bool = False
+    is_decoder: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jnp.ndarray,
+        *,
+        token_ids: jnp.ndarray | None,
+        padding_mask: jnp.ndarray | None,
+        deterministic: bool,
+    ) -> jnp.ndarray:
+        """``[batch, length, d_model] -> [batch, length, d_model]``.
+
+        ``token_ids``/``padding_mask`` (``[batch, length]``) are only used by the MoE layer.
+        """
+        cfg = self.config
+        y = RMSNorm(dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="pre_norm")(x)
+        if self.sparse and cfg.sparse_layer_type == "moe":
+            from moe_jax.moe.layer import MoeLayer  # only models with MoE layers need it
+
+            # Every other MoE knob is a gin binding on MoeLayer.*; the dtype follows the network.
+            y = MoeLayer(name="moe", causal=self.is_decoder, dtype=cfg.activation_dtype)(
+                y, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+        else:
+            width = cfg.flop_matched_mlp_dim if self.sparse else cfg.mlp_dim
+            y = MlpBlock(
+                intermediate_dim=width, activations=cfg.mlp_activations,
+                intermediate_dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype,
+                param_dtype=cfg.parameter_dtype, name="mlp",
+            )(y, deterministic=deterministic)
+        y = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
+        return nn.with_logical_constraint(x + jnp.asarray(y, x.dtype), ("batch", "length", "embed"))
+
+
+class EncoderLayer(nn.Module):
+    """Bidirectional self-attention block then feed-forward block."""
+
+    config: T5Config
+    sparse: bool = False
+
+    @nn.compact
+    def __call__(self, x, mask, bias, *, token_ids, padding_mask, deterministic: bool) -> jnp.ndarray:
+        """``[batch, length, d_model] -> [batch, length, d_model]``; ``mask [batch, 1, L, L]``."""
+        x = AttentionBlock(self.config, name="self_attention")(x, None, mask, bias, deterministic=deterministic)
+        return FeedForwardBlock(self.config, self.sparse, is_decoder=False, name="ffn")(
+            x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention block, cross-attention block, then feed-forward block."""
+
+    config: T5Config
+    sparse: bool = False
+
+    @nn.compact
+    def __call__(self, x, encoded, self_mask, cross_mask, bias, *, token_ids, padding_mask,
+                 deterministic: bool, decode: bool = False) -> jnp.ndarray:
+        """``x [batch, Ld, d_model]``, ``encoded [batch, Le, d_model]`` -> ``[batch, Ld, d_model]``."""
+        x = AttentionBlock(self.config, name="self_attention")(
+            x, None, self_mask, bias, deterministic=deterministic, decode=decode)
+        x = AttentionBlock(self.config, name="cross_attention")(
+            x, encoded, cross_mask, None, deterministic=deterministic)
+        return FeedForwardBlock(self.config, self.sparse, is_decoder=True, name="ffn")(
+            x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+
+
+def _embed_inputs(embedder: Embed, tokens: jnp.ndarray, rate: float, deterministic: bool) -> jnp.ndarray:
+    """Token embedding followed by dropout: ``[batch, length] -> [batch, length, d_model]``."""
+    x = embedder(tokens)
+    return nn.Dropout(rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
+
+
+def _final_norm(config: T5Config, x: jnp.ndarray, deterministic: bool) -> jnp.ndarray:
+    """Final RMS norm (named ``final_norm``) then dropout, inside the calling stack."""
+    x = RMSNorm(dtype=config.activation_dtype, param_dtype=config.parameter_dtype, name="final_norm")(x)
+    x = nn.Dropout(config.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class Encoder(nn.Module):
+    """The encoder stack; relative position biases shared by its layers."""
+
+    config: T5Config
+    shared_embedding: Embed
+
+    @nn.compact
+    def __call__(self, tokens: jnp.ndarray, mask: jnp.ndarray, *, deterministic: bool) -> jnp.ndarray:
+        """``tokens [batch, Le]``, ``mask [batch, 1, Le, Le]`` -> ``[batch, Le, d_model]``."""
+        cfg = self.config
+        x = _embed_inputs(self.shared_embedding, tokens, cfg.dropout_rate, deterministic)
+        length = tokens.shape[1]
+        bias = RelativePositionBiases(
+            cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
+            dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="relpos_bias",
+        )(length, length, bidirectional=True)
+        sparse = cfg.sparse_layers("encoder")
+        for i in range(cfg.num_encoder_layers):
+            x = EncoderLayer(cfg, sparse=i in sparse, name=f"layers_{i}")(
+                x, mask, bias, token_ids=tokens, padding_mask=tokens > 0, deterministic=deterministic)
+        return _final_norm(cfg, x, deterministic)
+
+
+class Decoder(nn.Module):
+    """The decoder stack and output logits."""
+
+    config: T5Config
+    shared_embedding: Embed
+
+    @nn.compact
+    def __call__(
+        self,
+        encoded: jnp.ndarray,
+        tokens: jnp.ndarray,
+        self_mask: jnp.ndarray | None,
+        cross_mask: jnp.ndarray | None,
+        padding_mask: jnp.ndarray | None,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> jnp.ndarray:
+        """Logits ``[batch, Ld, vocab]`` for decoder inputs ``tokens [batch, Ld]``.
+
+        In ``decode`` mode ``tokens`` is one step ``[batch, 1]`` and the self-attention
+        bias is built for ``max_decode_length`` (the attention slices the current row).
+        """
+        cfg = self.config
+        x = _embed_inputs(self.shared_embedding, tokens, cfg.dropout_rate, deterministic)
+        length = max_decode_length if decode and max_decode_length else tokens.shape[1]
+        bias = RelativePositionBiases(
+            cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
+            dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="relpos_bias",
+        )(length, length, bidirectional=False)
+        sparse = cfg.sparse_layers("decoder")
+        for i in range(cfg.num_decoder_layers):
+            x = DecoderLayer(cfg, sparse=i in sparse, name=f"layers_{i}")(
+                x, encoded, self_mask, cross_mask, bias, token_ids=tokens, padding_mask=padding_mask,
+                deterministic=deterministic, decode=decode)
+        x = _final_norm(cfg, x, deterministic)
+        if cfg.logits_via_embedding:
+            logits = self.shared_embedding.attend(x) / jnp.sqrt(jnp.asarray(cfg.emb_dim, x.dtype))
+        else:
+            kernel = self.param(
+                "logits_dense",
+                nn.with_logical_partitioning(
+                    nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), ("embed", "vocab")),
+                (cfg.emb_dim, cfg.vocab_size),
+                cfg.parameter_dtype,
+            )
+            logits = jnp.einsum("bld,dv->blv", x, jnp.asarray(kernel, cfg.activation_dtype))
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+
+def encoder_mask(tokens: jnp.ndarray, segment_ids: jnp.ndarray | None) -> jnp.ndarray:
+    """Encoder self-attention mask ``[batch, 1, Le, Le]``: non-padding, same segment."""
+    return combine_masks(
+        make_attention_mask(tokens > 0, tokens > 0),
+        None if segment_ids is None else make_attention_mask(segment_ids, segment_ids, jnp.equal),
+    )
+
+
+def decoder_masks(
+    encoder_tokens: jnp.ndarray,
+    decoder_input_tokens: jnp.ndarray,
+    decoder_target_tokens: jnp.ndarray | None,
+    encoder_segment_ids: jnp.ndarray | None,
+    decoder_segment_ids: jnp.ndarray | None,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(causal self-attention mask ``[batch, 1, Ld, Ld]``, cross mask ``[batch, 1, Ld, Le]``).
+
+    Decoder padding is read from ``decoder_target_tokens > 0`` (the inputs start with the
+    pad id 0 as BOS, so they cannot tell); without targets every decoder position counts.
+    Packed segments are kept apart.
+    """
+    dec_valid = (jnp.ones_like(decoder_input_tokens, bool) if decoder_target_tokens is None
+                 else decoder_target_tokens > 0)
+    self_mask = combine_masks(
+        make_causal_mask(decoder_input_tokens),
+        make_attention_mask(dec_valid, dec_valid),
+        None if decoder_segment_ids is None
+        else make_attention_mask(decoder_segment_ids, decoder_segment_ids, jnp.equal),
+    )
+    cross_mask = combine_masks(
+        make_attention_mask(dec_valid, encoder_tokens > 0),
+        None if decoder_segment_ids is None or encoder_segment_ids is None
+        else make_attention_mask(decoder_segment_ids, encoder_segment_ids, jnp.equal),
+    )
+    return self_mask, cross_mask
+
+
+@gin.configurable
+class EncoderDecoder(nn.Module):
+    """The full network; call signature follows T5X's ``EncoderDecoder``.
+
+    Attributes:
+      config: :class:`T5Config` (gin: ``EncoderDecoder.config = @T5Config()``).
+    """
+
+    config: T5Config = dataclasses.field(default_factory=T5Config)
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.token_embedder = Embed(
+            cfg.vocab_size, cfg.emb_dim, dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype)
+        self.encoder = Encoder(cfg, self.token_embedder)
+        self.decoder = Decoder(cfg, self.token_embedder)
+
+    def encode(
+        self,
+        encoder_input_tokens: jnp.ndarray,
+        encoder_segment_ids: jnp.ndarray | None = None,
+        *,
+        enable_dropout: bool = True,
+    ) -> jnp.ndarray:
+        """``[batch, Le]`` tokens -> encoded ``[batch, Le, d_model]``."""
+        mask = encoder_mask(encoder_input_tokens, encoder_segment_ids)
+        return self.encoder(encoder_input_tokens, mask, deterministic=not enable_dropout)
+
+    def decode(
+        self,
+        encoded: jnp.ndarray,
+        encoder_input_tokens: jnp.ndarray,
+        decoder_input_tokens: jnp.ndarray,
+        decoder_target_tokens: jnp.ndarray | None = None,
+        encoder_segment_ids: jnp.ndarray | None = None,
+        decoder_segment_ids: jnp.ndarray | None = None,
+        *,
+        enable_dropout: bool = True,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> jnp.ndarray:
+        """Logits ``[batch, Ld, vocab]``; in ``decode`` mode one step ``[batch, 1]`` at a time."""
+        if decode:
+            self_mask = None  # the KV cache masks positions not yet written
+            cross_mask = make_attention_mask(jnp.ones_like(decoder_input_tokens, bool), encoder_input_tokens > 0)
+            padding_mask = None
+        else:
+            self_mask, cross_mask = decoder_masks(
+                encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
+                encoder_segment_ids, decoder_segment_ids)
+            padding_mask = None if decoder_target_tokens is None else decoder_target_tokens > 0
+        return self.decoder(
+            encoded, decoder_input_tokens, self_mask, cross_mask, padding_mask,
+            deterministic=not enable_dropout, decode=decode, max_decode_length=max_decode_length)
+
+    def __call__(
+        self,
+        encoder_input_tokens: jnp.ndarray,
+        decoder_input_tokens: jnp.ndarray,
+        decoder_target_tokens: jnp.ndarray | None = None,
+        encoder_segment_ids: jnp.ndarray | None = None,
+        decoder_segment_ids: jnp.ndarray | None = None,
+        encoder_positions: jnp.ndarray | None = None,
+        decoder_positions: jnp.ndarray | None = None,
+        *,
+        enable_dropout: bool = True,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> jnp.ndarray:
+        """Logits ``[batch, Ld, vocab]`` from the EncDecFeatureConverter features.
+
+        ``*_positions`` are accepted for interface parity with T5X and unused: relative
+        positions are computed from ``arange`` (each packed segment is contiguous, so
+        within-segment offsets agree and cross-segment pairs are masked).
+        """
+        del encoder_positions, decoder_positions
+        encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout=enable_dropout)
+        return self.decode(
+            encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
+            encoder_segment_ids, decoder_segment_ids, enable_dropout=enable_dropout,
+            decode=decode, max_decode_length=max_decode_length)

@@ -1,0 +1,195 @@
+"""Dispatch tokens to expert buffers and combine expert outputs back.
+
+Two implementations with identical results (up to float summation order):
+
+* ``einsum``: the GShard / Flaxformer reference. Capacity positions from a cumulative
+  sum of one-hot expert masks; dispatch and combine are one-hot tensors
+  ``[groups, tokens_per_group, experts, capacity]`` contracted with einsums. Its cost grows
+  as ``tokens_per_group * experts * capacity * d_model``.
+* ``sort``: assignments sorted by (expert, priority); each buffer slot gathers its token
+  and each token gathers its expert outputs back. Cost ``O(assignments * d_model)`` plus
+  a sort. In dropless mode without expert parallelism it feeds a grouped matmul
+  (``jax.lax.ragged_dot``) instead of fixed-capacity buffers.
+
+Capacity is granted in the same order by both: choice-major (every token's first choice
+before any second choice), then by ``TokenChoiceRouting.priority``. Assignments that do
+not fit are dropped: they contribute nothing, and a token whose every choice is dropped
+gets a zero output (the residual connection around the layer carries it).
+
+``expert_fn`` maps buffers ``[groups, experts, capacity, d_model]`` to expert outputs of
+the same shape; under expert parallelism it contains the all-to-all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
+
+Array = jax.Array
+ExpertFn = Callable[[Array], Array]
+RaggedFn = Callable[[Array, Array], Array]
+
+DISPATCH_IMPLS: tuple[str, ...] = ("einsum", "sort")
+
+
+def default_dispatch(backend: str | None = None) -> str:
+    """The dispatch implementation used for ``MoeLayer.dispatch='auto'``.
+
+    ``sort`` on CPU (measured: benchmarks/RESULTS.md, "MoE layer") and on GPU (gathers
+    are cheap there; not measured in this project); ``einsum`` on TPU, where one-hot
+    matmuls run on the MXU and gathers are slow (the T5X choice; not measured here).
+    """
+    backend = backend or jax.default_backend()
+    return "einsum" if backend == "tpu" else "sort"
+
+
+def _assignment_order(routing: TokenChoiceRouting) -> Array:
+    """``[groups, tokens_per_group, k]`` rank of each assignment for capacity."""
+    k = routing.expert_index.shape[-1]
+    tokens = routing.priority.shape[-1]
+    return jnp.arange(k, dtype=jnp.int32) * tokens + routing.priority[..., None]
+
+
+def _groups_index(groups: int) -> Array:
+    return jnp.arange(groups)[:, None]
+
+
+# ----------------------------------------------------------------------------- einsum
+
+
+def _onehot_positions(routing: TokenChoiceRouting, num_experts: int) -> Array:
+    """``[groups, tokens_per_group, k]`` position of each assignment in its expert buffer,
+    by a cumulative sum of one-hot masks taken in priority order."""
+    groups, tokens, k = routing.expert_index.shape
+    mask = jax.nn.one_hot(routing.expert_index, num_experts, dtype=jnp.int32)  # [G, S, K, E]
+    by_rank = jnp.argsort(routing.priority, axis=-1)  # token at each rank
+    mask = jnp.take_along_axis(mask, by_rank[:, :, None, None], axis=1)
+    mask = jnp.swapaxes(mask, 1, 2).reshape(groups, k * tokens, num_experts)
+    positions = jnp.sum((jnp.cumsum(mask, axis=1) - 1) * mask, axis=-1)
+    positions = jnp.swapaxes(positions.reshape(groups, k, tokens), 1, 2)
+    return jnp.take_along_axis(positions, routing.priority[:, :, None], axis=1)
+
+
+def einsum_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
+                        expert_fn: ExpertFn) -> tuple[Array, Array]:
+    """One-hot dispatch/combine (reference).
+
+    Args:
+      x: ``[groups, tokens_per_group, d_model]``.
+
+    Returns:
+      ``[groups, tokens_per_group, d_model]`` outputs and ``[groups, tokens_per_group, k]``
+      bool: the assignment was processed (not dropped, not padding).
+    """
+    positions = _onehot_positions(routing, num_experts)
+    expert_mask = jax.nn.one_hot(routing.expert_index, num_experts, dtype=x.dtype)  # [G, S, K, E]
+    slot_mask = jax.nn.one_hot(positions, capacity, dtype=x.dtype)  # [G, S, K, C]; 0 past C
+    dispatch = jnp.einsum("gske,gskc->gsec", expert_mask, slot_mask)
+    combine = jnp.einsum("gsk,gske,gskc->gsec", routing.combine_weights.astype(x.dtype),
+                         expert_mask, slot_mask)
+    buffers = jnp.einsum("gsec,gsd->gecd", dispatch, x)
+    outputs = jnp.einsum("gsec,gecd->gsd", combine, expert_fn(buffers))
+    kept = (positions < capacity) & (routing.expert_index < num_experts)
+    return outputs, kept
+
+
+def einsum_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: int,
+                         expert_fn: ExpertFn) -> Array:
+    """One-hot dispatch/combine of an expert-choice decision (reference).
+    ``[groups, tokens_per_group, d_model]`` -> same."""
+    dispatch = jax.nn.one_hot(routing.token_index, x.shape[1], dtype=x.dtype)  # [G, E, C, S]
+    buffers = jnp.einsum("gecs,gsd->gecd", dispatch, x)
+    return jnp.einsum("gecs,gec,gecd->gsd", dispatch, routing.combine_weights.astype(x.dtype),
+                      expert_fn(buffers))
+
+
+# ----------------------------------------------------------------------------- sort
+
+
+def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
+                      expert_fn: ExpertFn) -> tuple[Array, Array]:
+    """Sort/gather dispatch, same contract as ``einsum_token_choice``."""
+    groups, tokens, k = routing.expert_index.shape
+    n = tokens * k
+    expert_flat = routing.expert_index.reshape(groups, n)
+    key = expert_flat * n + _assignment_order(routing).reshape(groups, n)
+    perm = jnp.argsort(key, axis=-1)  # assignments sorted by (expert, order); keys are unique
+    counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=1)  # [G, E]
+    starts = jnp.cumsum(counts, axis=-1) - counts
+    g = _groups_index(groups)
+    # Position of each assignment inside its expert: rank in the sorted list minus start.
+    sorted_expert = jnp.take_along_axis(expert_flat, perm, axis=-1)
+    starts_or_end = jnp.concatenate([starts, jnp.full((groups, 1), n, starts.dtype)], axis=-1)
+    sorted_pos = jnp.arange(n) - jnp.take_along_axis(starts_or_end, sorted_expert, axis=-1)
+    positions = jnp.zeros((groups, n), jnp.int32).at[g, perm].set(sorted_pos).reshape(groups, tokens, k)
+    # Buffer slot (e, c) holds sorted assignment starts[e] + c when c < counts[e].
+    slot = jnp.arange(capacity)
+    filled = slot < counts[..., None]  # [G, E, C]
+    source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(groups, num_experts * capacity)
+    token = jnp.take_along_axis(perm, source, axis=-1) // k
+    buffers = jnp.where(filled.reshape(groups, -1, 1), x[g, token], 0)
+    buffers = buffers.reshape(groups, num_experts, capacity, x.shape[-1])
+    outputs = expert_fn(buffers).reshape(groups, num_experts * capacity, x.shape[-1])
+    kept = (positions < capacity) & (routing.expert_index < num_experts)
+    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0).reshape(groups, n)
+    gathered = outputs[g, flat_slot].reshape(groups, tokens, k, x.shape[-1])
+    weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
+    return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
+
+
+def gather_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: int,
+                         expert_fn: ExpertFn) -> Array:
+    """Gather/scatter-add form of ``einsum_expert_choice``."""
+    groups = x.shape[0]
+    g = _groups_index(groups)[:, :, None]
+    outputs = expert_fn(x[g, routing.token_index])  # [G, E, C, d]
+    weighted = routing.combine_weights[..., None].astype(x.dtype) * outputs
+    return jnp.zeros_like(x).at[g, routing.token_index].add(weighted)
+
+
+def ragged_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int,
+                        ragged_fn: RaggedFn) -> tuple[Array, Array]:
+    """Dropless token choice through a grouped matmul over all groups' assignments.
+
+    ``ragged_fn(rows [assignments, d_model] sorted by expert, group_sizes [experts])``
+    returns ``[assignments, d_model]``. Same contract as ``einsum_token_choice``.
+    """
+    groups, tokens, k = routing.expert_index.shape
+    d_model = x.shape[-1]
+    expert_flat = routing.expert_index.reshape(-1)
+    perm = jnp.argsort(expert_flat, stable=True)
+    counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=0)
+    routed_sorted = (jnp.take(expert_flat, perm) < num_experts)[:, None]
+    rows = x.reshape(-1, d_model)[perm // k]
+    outputs = jnp.where(routed_sorted, ragged_fn(rows, counts), 0)
+    outputs = jnp.zeros_like(outputs).at[perm].set(outputs).reshape(groups, tokens, k, d_model)
+    kept = routing.expert_index < num_experts
+    weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
+    return jnp.einsum("gsk,gskd->gsd", weights, outputs), kept
+
+
+def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertChoiceRouting,
+                     num_experts: int, capacity: int, expert_fn: ExpertFn) -> tuple[Array, Array | None]:
+    """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
+
+    Args:
+      impl: ``einsum`` or ``sort``.
+      x: ``[groups, tokens_per_group, d_model]``.
+      capacity: buffer size per expert and group (token choice; expert choice carries
+        its own in ``routing.token_index``).
+
+    Returns:
+      ``[groups, tokens_per_group, d_model]`` and, for token choice, the
+      ``[groups, tokens_per_group, k]`` kept-assignment mask (None for expert choice).
+    """
+    if impl not in DISPATCH_IMPLS:
+        raise ValueError(f"MoeLayer.dispatch={impl!r} is unknown; choose one of {DISPATCH_IMPLS + ('auto',)}")
+    if isinstance(routing, ExpertChoiceRouting):
+        fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice
+        return fn(x, routing, num_experts, expert_fn), None
+    fn = einsum_token_choice if impl == "einsum" else sort_token_choice
+    return fn(x, routing, num_experts, capacity, expert_fn)

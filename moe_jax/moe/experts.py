@@ -1,0 +1,118 @@
+"""Expert feed-forward networks: weights with a leading ``expert`` logical axis.
+
+The weights live in a Flax module (``Experts``, the layer's ``expert`` submodule); the
+computation is a pure function (``expert_ffn``) so that the same code runs on the full
+set of experts or, inside ``shard_map``, on one device's slice of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gated_gelu")
+
+# T5X's MLP kernel init, with fan-in over the `embed`/`mlp` axis and `expert` as a batch axis.
+default_kernel_init = nn.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+)
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"MoeLayer.activation={activation!r} is unknown; choose one of {ACTIVATIONS}")
+
+
+class Experts(nn.Module):
+    """Parameters of ``num_experts`` MLPs.
+
+    Returns a dict of weights: ``wi`` (or ``wi_0``/``wi_1`` for gated GELU)
+    ``[expert, embed, expert_mlp]`` and ``wo`` ``[expert, expert_mlp, embed]``.
+    """
+
+    num_experts: int
+    d_ff: int
+    activation: str = "relu"
+    dtype: jnp.dtype = jnp.float32
+    kernel_init: Callable = default_kernel_init
+
+    @nn.compact
+    def __call__(self, d_model: int) -> dict[str, jax.Array]:
+        check_activation(self.activation)
+        names_in = ("wi_0", "wi_1") if self.activation == "gated_gelu" else ("wi",)
+        init_in = nn.with_logical_partitioning(self.kernel_init, ("expert", "embed", "expert_mlp"))
+        init_out = nn.with_logical_partitioning(self.kernel_init, ("expert", "expert_mlp", "embed"))
+        weights = {
+            name: self.param(name, init_in, (self.num_experts, d_model, self.d_ff), jnp.float32)
+            for name in names_in
+        }
+        weights["wo"] = self.param("wo", init_out, (self.num_experts, self.d_ff, d_model), jnp.float32)
+        return {k: v.astype(self.dtype) for k, v in weights.items()}
+
+
+def _activate(weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array],
+              activation: str) -> jax.Array:
+    if activation == "gated_gelu":
+        return nn.gelu(h_in(weights["wi_0"]), approximate=True) * h_in(weights["wi_1"])
+    h = h_in(weights["wi"])
+    return nn.relu(h) if activation == "relu" else nn.gelu(h, approximate=True)
+
+
+def _dropout(h: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    if rate <= 0.0 or rng is None:
+        return h
+    keep = jax.random.bernoulli(rng, 1.0 - rate, h.shape)
+    return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
+
+
+def expert_ffn(weights: dict[str, jax.Array], x: jax.Array, activation: str,
+               dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+               per_expert_loop: bool = False) -> jax.Array:
+    """Applies expert ``e`` to ``x[:, e]``.
+
+    Args:
+      weights: from ``Experts`` (possibly one device's slice of experts / of ``expert_mlp``).
+      x: ``[groups, experts, capacity, d_model]`` expert buffers.
+      dropout_rng: when given, dropout at ``dropout_rate`` on the hidden activations.
+      per_expert_loop: one plain matmul per expert inside ``lax.map`` instead of one
+        batched einsum over experts (XLA:CPU runs batched matmuls about 2x slower than
+        the same work as plain matmuls; see benchmarks/RESULTS.md).
+
+    Returns:
+      ``[groups, experts, capacity, d_model]`` (partial sums if ``expert_mlp`` is sharded).
+    """
+    if not per_expert_loop:
+        h = _activate(weights, lambda w: jnp.einsum("gecd,edf->gecf", x, w), activation)
+        h = _dropout(h, dropout_rate, dropout_rng)
+        return jnp.einsum("gecf,efd->gecd", h, weights["wo"])
+    groups, experts, capacity, d_model = x.shape
+    rows = jnp.swapaxes(x, 0, 1).reshape(experts, groups * capacity, d_model)
+    keys = None if dropout_rng is None else jax.random.split(dropout_rng, experts)
+
+    def one_expert(args):
+        w, xe, key = args
+        h = _dropout(_activate(w, lambda wk: xe @ wk, activation), dropout_rate, key)
+        return h @ w["wo"]
+
+    out = jax.lax.map(one_expert, (weights, rows, keys))
+    return jnp.swapaxes(out.reshape(experts, groups, capacity, -1), 0, 1)
+
+
+def ragged_expert_ffn(weights: dict[str, jax.Array], x: jax.Array, group_sizes: jax.Array,
+                      activation: str, dropout_rate: float = 0.0,
+                      dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Grouped-matmul form of ``expert_ffn`` (dropless): rows of ``x`` sorted by expert.
+
+    Args:
+      x: ``[assignments, d_model]``, the first ``group_sizes[0]`` rows for expert 0, etc.
+      group_sizes: ``[experts]`` int32; rows past ``sum(group_sizes)`` give zeros.
+
+    Returns:
+      ``[assignments, d_model]``.
+    """
+    h = _activate(weights, lambda w: jax.lax.ragged_dot(x, w, group_sizes), activation)
+    h = _dropout(h, dropout_rate, dropout_rng)
+    return jax.lax.ragged_dot(h, weights["wo"], group_sizes)

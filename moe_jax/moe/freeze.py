@@ -1,0 +1,95 @@
+"""Learned vs frozen routers, on the optimizer side; data-initialised routers.
+
+A frozen router keeps its random initial weights for the whole run: the trainer wraps
+its optimizer with ``apply_router_mode``, which gives every router leaf
+``optax.set_to_zero()`` (no update, no weight decay, no optimizer state) through
+``optax.multi_transform``. Router leaves are those whose path has a ``router`` key (the
+layer's router submodule is named ``router``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zlib
+
+import gin
+import jax
+import optax
+
+ROUTER_MODES: tuple[str, ...] = ("learned", "frozen")
+_ROUTER, _OTHER = "router", "other"
+
+
+def _key_name(key: Any) -> str | None:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return None
+
+
+def is_router_param(path: tuple[Any, ...] | str) -> bool:
+    """True for a parameter of a router: ``path`` is a ``jax.tree_util`` key path or a
+    ``/``-joined string; any element named ``router`` marks it."""
+    names = path.split("/") if isinstance(path, str) else [_key_name(k) for k in path]
+    return "router" in names
+
+
+def router_labels(params: Any) -> Any:
+    """The pytree of ``"router"`` / ``"other"`` labels of ``params``."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: _ROUTER if is_router_param(p) else _OTHER, params)
+
+
+@gin.configurable
+def router_mode(mode: str = "learned") -> str:
+    """The gin-chosen router mode: ``learned`` (trained like the rest) or ``frozen``."""
+    if mode not in ROUTER_MODES:
+        raise ValueError(f"router_mode.mode={mode!r} is unknown; choose one of {ROUTER_MODES}")
+    return mode
+
+
+def apply_router_mode(tx: optax.GradientTransformation, params: Any = None,
+                      mode: str | None = None) -> optax.GradientTransformation:
+    """``tx`` for ``learned``; for ``frozen``, ``tx`` on every non-router leaf and
+    ``optax.set_to_zero()`` on router leaves.
+
+    Args:
+      tx: the full optimizer (weight decay included).
+      params: unused (labels are computed from the tree ``tx.init`` receives); accepted
+        so callers can pass it.
+      mode: overrides the gin-bound ``router_mode``.
+    """
+    del params
+    mode = router_mode() if mode is None else router_mode(mode)
+    if mode == "learned":
+        return tx
+    return optax.multi_transform({_OTHER: tx, _ROUTER: optax.set_to_zero()}, router_labels)
+
+
+def data_initialized_router(params: Any, samples: jax.Array, rng: jax.Array,
+                            path_contains: str = "", scale: float = 1.0) -> Any:
+    """Router rows set to sampled token representations (the paper's Theorem 2).
+
+    Every router kernel ``.../router/weights/w [d_model, experts]`` whose path contains
+    ``path_contains`` gets column ``i`` = ``scale * samples[j_i]`` for ``experts``
+    distinct random rows ``j_i`` of ``samples [n, d_model]`` (``n >= experts``). Use one
+    call per MoE layer with that layer's input representations to give layers their own.
+    """
+
+    def replace(path, leaf):
+        name = "/".join(n for n in (_key_name(k) for k in path) if n is not None)
+        if not (is_router_param(path) and name.endswith("weights/w") and path_contains in name):
+            return leaf
+        d_model, experts = leaf.shape
+        if samples.shape[-1] != d_model or samples.shape[0] < experts:
+            raise ValueError(f"data_initialized_router: samples {samples.shape} must be [n >= {experts}, "
+                             f"{d_model}] for router kernel {name} {leaf.shape}")
+        key = jax.random.fold_in(rng, zlib.crc32(name.encode()))
+        rows = jax.random.choice(key, samples.shape[0], (experts,), replace=False)
+        return (scale * samples[rows].T).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(replace, params)
+
+
+__all__ = ["ROUTER_MODES", "apply_router_mode", "data_initialized_router", "is_router_param",
+           "router_labels", "router_mode"]

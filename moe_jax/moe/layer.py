@@ -1,0 +1,224 @@
+"""The Mixture-of-Experts feed-forward layer (T5X / Flaxformer ``MoeLayer`` conventions).
+
+``inputs [batch, length, d_model]`` -> routing groups ``[groups, tokens_per_group,
+d_model]`` -> router -> dispatch into expert buffers -> experts -> combine ->
+``[batch, length, d_model]``. Dropped tokens get a zero output: the model's residual
+connection carries them through. Auxiliary losses are sown, already weighted, into the
+``aux_loss`` collection; statistics and the unweighted losses into ``moe_metrics``.
+See docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from moe_jax.moe import capacity as cap
+from moe_jax.moe import expert_parallel as ep
+from moe_jax.moe import losses
+from moe_jax.moe.dispatch import DISPATCH_IMPLS, default_dispatch, dispatch_combine, ragged_token_choice
+from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_expert_ffn
+from moe_jax.moe.routers import ROUTERS, ExpertChoiceRouting, RouterOutput
+
+Array = jax.Array
+
+# Routers that look at the whole routing group (future tokens in a causal decoder).
+_GROUP_WIDE_ROUTERS = ("expert_choice",)
+
+
+@gin.configurable
+class MoeLayer(nn.Module):
+    """Sparse MoE feed-forward layer.
+
+    Attributes:
+      num_experts: E.
+      num_selected_experts: k, experts per token (token-choice routers); for expert choice
+        the average number of experts per token used in the ``k_scaled`` capacity rule.
+      router_type: one of ``routers.ROUTERS``: ``top_k``, ``noisy_top_k``,
+        ``expert_choice``, ``hash``, ``random``.
+      d_ff: hidden size of each expert MLP.
+      activation: ``relu``, ``gelu`` or ``gated_gelu`` (T5 v1.1).
+      expert_dropout_rate: dropout on the experts' hidden activations in training.
+      train_capacity_factor / eval_capacity_factor: used when ``deterministic`` is False /
+        True (the paper: 1.25 / 2.0).
+      min_expert_capacity: lower bound on the capacity.
+      capacity_rule: ``t5x`` (factor * tokens_per_group / E) or ``k_scaled`` (times k).
+      group_size: maximum tokens per routing group.
+      dropless: never drop: capacity = tokens_per_group, or a grouped matmul
+        (``ragged_dot``) with the ``sort`` dispatch outside expert parallelism.
+      dispatch: ``einsum`` (reference), ``sort`` or ``auto`` (per backend).
+      per_expert_loop: expert matmuls one expert at a time (``lax.map``) rather than
+        batched; None = per backend (True on CPU, where batched matmuls are slow).
+      renormalize_gates: top-k gates divided by their sum.
+      jitter_noise: Switch multiplicative router-input noise in training.
+      batch_prioritized_routing: BPR (encoder only).
+      router_init_stddev: router kernel init stddev (T5X: 2e-2).
+      router_seed: seed of the ``hash`` and ``random`` routers.
+      accept_causal_leak: allow routers that see the whole group (expert choice, BPR)
+        in a causal decoder, accepting that they read future tokens.
+      *_loss_weight: weights of the auxiliary losses sown into ``aux_loss`` (0 = not sown).
+      causal: set by a causal decoder.
+      dtype: compute dtype of dispatch and experts (router logits are float32).
+      data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
+    """
+
+    num_experts: int = 8
+    num_selected_experts: int = 2
+    router_type: str = "top_k"
+    d_ff: int = 2048
+    activation: str = "relu"
+    expert_dropout_rate: float = 0.0
+    train_capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    min_expert_capacity: int = 4
+    capacity_rule: str = "t5x"
+    group_size: int = 4096
+    dropless: bool = False
+    dispatch: str = "auto"
+    per_expert_loop: bool | None = None
+    renormalize_gates: bool = False
+    jitter_noise: float = 0.0
+    batch_prioritized_routing: bool = False
+    router_init_stddev: float = 2e-2
+    router_seed: int = 0
+    accept_causal_leak: bool = False
+    load_balancing_loss_weight: float = 1e-2
+    router_z_loss_weight: float = 1e-4
+    importance_loss_weight: float = 0.0
+    load_loss_weight: float = 0.0
+    entropy_loss_weight: float = 0.0
+    causal: bool = False
+    dtype: Any = jnp.float32
+    data_axis: str = "data"
+    expert_axis: str = "expert"
+    model_axis: str = "model"
+
+    def _validate(self) -> None:
+        if self.router_type not in ROUTERS:
+            raise ValueError(f"MoeLayer.router_type={self.router_type!r} is unknown; "
+                             f"choose one of {tuple(ROUTERS)}")
+        if not 1 <= self.num_selected_experts <= self.num_experts:
+            raise ValueError(f"MoeLayer.num_selected_experts={self.num_selected_experts} must be "
+                             f"between 1 and num_experts={self.num_experts}")
+        for name in ("train_capacity_factor", "eval_capacity_factor"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MoeLayer.{name}={getattr(self, name)} must be > 0")
+        if self.dispatch not in DISPATCH_IMPLS + ("auto",):
+            raise ValueError(f"MoeLayer.dispatch={self.dispatch!r} is unknown; "
+                             f"choose one of {DISPATCH_IMPLS + ('auto',)}")
+        check_activation(self.activation)
+        group_wide = self.router_type in _GROUP_WIDE_ROUTERS or self.batch_prioritized_routing
+        if self.causal and group_wide and not self.accept_causal_leak:
+            what = (f"router_type={self.router_type!r}" if self.router_type in _GROUP_WIDE_ROUTERS
+                    else "batch_prioritized_routing=True")
+            raise ValueError(f"MoeLayer.{what} reads every token of a routing group, so in a causal "
+                             f"decoder it leaks future tokens; set MoeLayer.accept_causal_leak=True "
+                             f"to accept the leak")
+        if self.dropless and self.router_type == "expert_choice":
+            raise ValueError("MoeLayer.dropless=True needs a token-choice router, "
+                             "not router_type='expert_choice'")
+
+    def _router(self) -> nn.Module:
+        cls = ROUTERS[self.router_type]
+        options = dict(num_experts=self.num_experts, num_selected_experts=self.num_selected_experts,
+                       renormalize_gates=self.renormalize_gates, jitter_noise=self.jitter_noise,
+                       batch_prioritized=self.batch_prioritized_routing,
+                       init_stddev=self.router_init_stddev, seed=self.router_seed)
+        return cls(**{k: v for k, v in options.items() if k in cls.__dataclass_fields__}, name="router")
+
+    @nn.compact
+    def __call__(self, inputs: Array, *, token_ids: Array | None = None,
+                 padding_mask: Array | None = None, deterministic: bool = True) -> Array:
+        """``[batch, length, d_model]`` -> ``[batch, length, d_model]`` (same dtype).
+
+        Args:
+          token_ids: ``[batch, length]`` int (the ``hash`` router needs them).
+          padding_mask: ``[batch, length]``, 1 = real token, 0 = padding (never routed).
+          deterministic: False in training (train capacity factor, noise, dropout).
+        """
+        self._validate()
+        batch, length, d_model = inputs.shape
+        num_tokens = batch * length
+        mesh = ep.current_mesh()
+        ep.check_divisible(self.num_experts, mesh, self.expert_axis)
+        groups, tokens_per_group = cap.group_layout(
+            num_tokens, self.group_size, ep.group_shards(mesh, self.data_axis, self.expert_axis))
+
+        def grouped(a: Array) -> Array:
+            return cap.to_groups(a.reshape((num_tokens,) + a.shape[2:]), groups, tokens_per_group)
+
+        x = nn.with_logical_constraint(grouped(inputs.astype(self.dtype)), ("expert_group", "length", "embed"))
+        mask = grouped(jnp.ones((batch, length), jnp.float32) if padding_mask is None
+                       else (padding_mask > 0).astype(jnp.float32))
+        ids = None if token_ids is None else grouped(token_ids)
+        if self.dropless:
+            capacity = tokens_per_group
+        else:
+            factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
+            capacity = cap.expert_capacity(tokens_per_group, self.num_experts, self.num_selected_experts,
+                                           factor, self.min_expert_capacity, self.capacity_rule)
+
+        router_output = self._router()(x, mask, ids, capacity, deterministic)
+        weights = Experts(self.num_experts, self.d_ff, self.activation, self.dtype, name="expert")(d_model)
+        y, kept = self._experts(x, router_output, weights, capacity, mesh, deterministic)
+        self._sow_losses_and_metrics(router_output, mask, kept)
+        y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model).astype(inputs.dtype)
+        return nn.with_logical_constraint(y, ("batch", "length", "embed"))
+
+    def _experts(self, x: Array, router_output: RouterOutput, weights: dict[str, Array], capacity: int,
+                 mesh, deterministic: bool) -> tuple[Array, Array | None]:
+        """Dispatch, expert MLPs, combine: ``[groups, tokens_per_group, d_model]`` -> same,
+        plus the kept-assignment mask (token choice)."""
+        impl = default_dispatch() if self.dispatch == "auto" else self.dispatch
+        per_expert_loop = (jax.default_backend() == "cpu" if self.per_expert_loop is None
+                           else self.per_expert_loop)
+        use_dropout = self.expert_dropout_rate > 0 and not deterministic
+        rng = self.make_rng("dropout") if use_dropout else jax.random.PRNGKey(0)
+        routing = router_output.routing
+        expert_parallel = ep.axis_size(mesh, self.expert_axis) > 1
+
+        def run_experts(w: dict[str, Array], buffers: Array, key: Array) -> Array:
+            return expert_ffn(w, buffers, self.activation, self.expert_dropout_rate,
+                              key if use_dropout else None, per_expert_loop)
+
+        if self.dropless and impl == "sort" and not expert_parallel:
+            return ragged_token_choice(x, routing, self.num_experts, lambda rows, sizes: ragged_expert_ffn(
+                weights, rows, sizes, self.activation, self.expert_dropout_rate, rng if use_dropout else None))
+
+        def local_fn(x, routing, w, key, comm):
+            y, kept = dispatch_combine(impl, x, routing, self.num_experts, capacity,
+                                       lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)))
+            return (y,) if kept is None else (y, kept)
+
+        num_outputs = 1 if isinstance(routing, ExpertChoiceRouting) else 2
+        if expert_parallel:
+            outputs = ep.expert_parallel(local_fn, mesh, data_axis=self.data_axis, expert_axis=self.expert_axis,
+                                         model_axis=self.model_axis)(x, routing, weights, rng, num_outputs)
+        else:
+            outputs = local_fn(x, routing, weights, rng, ep.local_comm)
+        return outputs[0], (outputs[1] if num_outputs == 2 else None)
+
+    def _sow_losses_and_metrics(self, router_output: RouterOutput, mask: Array, kept: Array | None) -> None:
+        if kept is None:  # expert choice: tokens no expert took
+            untaken = (jnp.sum(router_output.assigned, axis=-1) == 0).astype(jnp.float32)
+            dropped = jnp.sum(untaken * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        else:
+            routed = router_output.routing.expert_index < self.num_experts
+            dropped = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1)
+        weights = {
+            "load_balancing_loss": self.load_balancing_loss_weight,
+            "router_z_loss": self.router_z_loss_weight,
+            "importance_loss": self.importance_loss_weight,
+            "load_loss": self.load_loss_weight,
+            "entropy_loss": self.entropy_loss_weight,
+        }
+        for name, value in losses.auxiliary_losses(router_output, mask).items():
+            if weights[name]:
+                self.sow("aux_loss", name, weights[name] * value)
+            self.sow("moe_metrics", name, value)
+        for name, value in losses.routing_metrics(router_output, mask, dropped).items():
+            self.sow("moe_metrics", name, value)

@@ -1,0 +1,32 @@
+"""The experiments. A module holds one experiment (or two that share a setting); it exposes
+``EXPERIMENTS: dict[str, common.Experiment]`` (description, presets, ``run``).
+
+Modules are imported lazily so that ``moe-jax synthetic --help`` stays cheap and only
+``cifar100`` ever imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from moe_jax.synthetic.experiments.common import Experiment
+
+# CLI name -> module (under moe_jax.synthetic.experiments)
+EXPERIMENTS: dict[str, str] = {
+    "fig2": "fig2",
+    "fig3": "mixture_mlp",
+    "fig4": "mixture_mlp",
+    "spurious": "spurious",
+    "lemma1": "lemma1",
+    "theorem4": "theorem4",
+}
+
+# `moe-jax synthetic all` runs these
+SUITE: tuple[str, ...] = tuple(EXPERIMENTS)
+
+
+def load(name: str) -> Experiment:
+    """The experiment called ``name`` (its module is imported now)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or 'all'")
+    return importlib.import_module(f"{__name__}.{EXPERIMENTS[name]}").EXPERIMENTS[name]

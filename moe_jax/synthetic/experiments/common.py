@@ -1,0 +1,120 @@
+"""What every experiment shares: per-seed datasets, summaries over seeds, output files."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import pathlib
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+
+from moe_jax.synthetic.data import Batch
+from moe_jax.synthetic.train import stack_datasets
+
+PRESETS = ("quick", "paper")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A CLI experiment: ``run(config, seeds, out_dir)`` writes ``<out_dir>/<name>.{json,csv,png}``
+    and returns the JSON dict; ``presets`` maps "quick" / "paper" to its config dict."""
+
+    name: str
+    description: str
+    presets: dict[str, dict[str, Any]]
+    run: Callable[[dict[str, Any], list[int], pathlib.Path], dict[str, Any]]
+
+
+def seed_key(seed: int, purpose: int) -> jax.Array:
+    """The PRNG key of one ``purpose`` (0 task, 1 runs, 2 train set, 3 test set) of a seed."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), purpose)
+
+
+def seed_datasets(
+    make: Callable[[jax.Array], Any], sample: Callable[[Any, jax.Array, int], Batch], seeds: list[int], n_train: int, n_test: int
+) -> tuple[list[Any], Batch, Batch]:
+    """One task per seed (``make(key)``) and its train / test sets stacked ``[S, n, ...]``."""
+    tasks = [make(seed_key(s, 0)) for s in seeds]
+    train = stack_datasets([sample(t, seed_key(s, 2), n_train) for t, s in zip(tasks, seeds)])
+    test = stack_datasets([sample(t, seed_key(s, 3), n_test) for t, s in zip(tasks, seeds)])
+    return tasks, train, test
+
+
+def table(rows: list[dict[str, Any]], results: dict[str, np.ndarray], **extra: Any) -> list[dict[str, Any]]:
+    """One row per run: its coordinates, ``extra`` columns and every metric."""
+    return [{**row, **extra, **{k: float(v[i]) for k, v in results.items()}} for i, row in enumerate(rows)]
+
+
+def summarise(rows: list[dict[str, Any]], by: Iterable[str], metrics: Iterable[str]) -> list[dict[str, Any]]:
+    """Mean and std over seeds of ``metrics`` for each distinct value of the ``by`` columns."""
+    by, metrics = list(by), list(metrics)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[b] for b in by), []).append(row)
+    out = []
+    for key, members in groups.items():
+        entry = dict(zip(by, key), seeds=len(members))
+        for m in metrics:
+            values = np.array([r[m] for r in members if m in r], dtype=float)
+            if values.size:
+                entry[m] = float(values.mean())
+                entry[m + "_std"] = float(values.std())
+        out.append(entry)
+    return out
+
+
+def curve(summary: list[dict[str, Any]], x: str, y: str, **where: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, std) of metric ``y`` over the summary entries matching ``where``, sorted by x."""
+    entries = sorted((e for e in summary if all(e.get(k) == v for k, v in where.items()) and y in e), key=lambda e: e[x])
+    return (np.array([e[x] for e in entries]), np.array([e[y] for e in entries]), np.array([e[y + "_std"] for e in entries]))
+
+
+def plot_curves(ax, summary: list[dict[str, Any]], x: str, y: str, series: dict[str, dict[str, Any]], *, logx: bool = True, ylabel: str | None = None, title: str = "") -> None:
+    """One line (mean +- std over seeds) per ``series`` label -> filter on the summary."""
+    for label, where in series.items():
+        xs, mean, std = curve(summary, x, y, **where)
+        if xs.size:
+            ax.errorbar(xs, mean, yerr=std, marker="o", ms=3, capsize=2, label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel(ylabel or y.replace("_", " "))
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def figure(ncols: int, width: float = 4.0):
+    """A row of ``ncols`` matplotlib axes (Agg backend; imported lazily)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, 3.2), squeeze=False)
+    return fig, list(axes[0])
+
+
+def write_outputs(out_dir: pathlib.Path, name: str, result: dict[str, Any], rows: list[dict[str, Any]], fig) -> dict[str, str]:
+    """Write ``<out_dir>/<name>.json`` (``result``), ``<name>.csv`` (``rows``) and ``<name>.png``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {ext: str(out_dir / f"{name}.{ext}") for ext in ("json", "csv", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    if rows:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        with open(paths["csv"], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        paths.pop("csv")
+    fig.tight_layout()
+    fig.savefig(paths["png"], dpi=80)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return paths

@@ -1,0 +1,208 @@
+"""The one training loop and evaluator of the laboratory, vectorised over runs.
+
+A *run* is one training of one model: a seed's dataset, a training-set size and (for
+sweeps over expert counts) a number of active experts. ``train_runs`` trains R runs at
+once: ``vmap`` over runs of a ``lax.scan`` over ``cfg.chunk`` steps, jitted once; a Python
+loop over chunks only advances a tqdm bar (and an optional callback). Different
+training-set sizes share one jit because minibatch indices are drawn in ``[0, n_run)``
+from a dataset padded to the largest size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from moe_jax.synthetic import metrics, routers
+from moe_jax.synthetic.data import Batch
+from moe_jax.synthetic.models import MoE
+from moe_jax.synthetic.routers import Params
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation of one run (Appendix C).
+
+    batch_size None means full-batch gradient descent (the theory's population GD).
+    router_mode "frozen" keeps the router's initial weights bit-for-bit (its updates are
+    zeroed by the optimizer). weight_decay is an L2 penalty added to the gradients of
+    every parameter (router and experts).
+    """
+
+    steps: int
+    batch_size: int | None = 256
+    optimizer: str = "adam"
+    lr_router: float = 3.2e-3
+    lr_experts: float = 3.2e-4
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    router_mode: str = "learned"
+    chunk: int = 250
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.router_mode not in ("learned", "frozen"):
+            raise ValueError(f"router_mode must be 'learned' or 'frozen', got {self.router_mode!r}")
+        if self.steps % self.chunk and self.steps > self.chunk:
+            raise ValueError(f"steps ({self.steps}) must be a multiple of chunk ({self.chunk})")
+
+
+def param_labels(params: Params) -> Params:
+    """Label every leaf with its top-level group, "router" or "experts"."""
+    return {group: jax.tree.map(lambda _, g=group: g, tree) for group, tree in params.items()}
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Separate learning rates for router and experts; a frozen router gets zero updates."""
+
+    def branch(lr: float) -> optax.GradientTransformation:
+        base = optax.adam(lr) if cfg.optimizer == "adam" else optax.sgd(lr, momentum=cfg.momentum)
+        return optax.chain(optax.add_decayed_weights(cfg.weight_decay), base) if cfg.weight_decay else base
+
+    router = optax.set_to_zero() if cfg.router_mode == "frozen" else branch(cfg.lr_router)
+    return optax.multi_transform({"router": router, "experts": branch(cfg.lr_experts)}, param_labels)
+
+
+class Runs(NamedTuple):
+    """R runs. key ``[R, 2]`` (init + minibatches), data_index ``[R]`` (which seed's
+    dataset), num_train ``[R]``, expert_count ``[R]`` (active experts; E when unswept)."""
+
+    key: Array
+    data_index: Array
+    num_train: Array
+    expert_count: Array
+
+
+def grid(seeds: list[int], num_train: list[int], expert_count: list[int]) -> tuple[Runs, list[dict[str, int]]]:
+    """The cartesian product seeds x num_train x expert_count as ``Runs`` plus one row of
+    coordinates per run (for tables)."""
+    rows = [dict(seed=s, num_train=n, num_experts=e) for s, n, e in itertools.product(seeds, num_train, expert_count)]
+    runs = Runs(
+        key=jnp.stack([jax.random.fold_in(jax.random.PRNGKey(r["seed"]), 1) for r in rows]),
+        data_index=jnp.array([seeds.index(r["seed"]) for r in rows]),
+        num_train=jnp.array([r["num_train"] for r in rows]),
+        expert_count=jnp.array([r["num_experts"] for r in rows]),
+    )
+    return runs, rows
+
+
+def concat(*grids: tuple[Runs, list[dict[str, int]]]) -> tuple[Runs, list[dict[str, int]]]:
+    """Several ``grid`` results as one batch of runs (trained in one jit)."""
+    runs = Runs(*(jnp.concatenate(fields) for fields in zip(*(g[0] for g in grids))))
+    return runs, [row for g in grids for row in g[1]]
+
+
+def _select(data: Batch, data_index: Array, index: Array) -> Batch:
+    """Examples ``index`` of dataset ``data_index`` from data stacked ``[S, n, ...]``."""
+    return jax.tree.map(lambda leaf: leaf[data_index, index], data)
+
+
+def init_runs(model: Any, runs: Runs, train: Batch) -> Params:
+    """Initial params of every run, stacked ``[R, ...]`` (the data-initialised router
+    draws its rows from the run's own training set)."""
+    if getattr(model, "router_init", "random") == "data":
+        init = lambda key, i: model.init(jax.random.fold_in(key, 0), train.x[i])
+    else:
+        init = lambda key, i: model.init(jax.random.fold_in(key, 0))
+    return jax.jit(jax.vmap(init))(runs.key, runs.data_index)
+
+
+def train_runs(
+    model: Any,
+    cfg: TrainConfig,
+    runs: Runs,
+    train: Batch,
+    params: Params | None = None,
+    *,
+    desc: str = "train",
+    callback: Callable[[int, Params], None] | None = None,
+) -> Params:
+    """Train R runs for ``cfg.steps`` steps; returns the final params ``[R, ...]``.
+
+    train: the training sets stacked ``[S, n_max, ...]``; run r reads dataset
+    ``runs.data_index[r]`` and samples minibatches among its first ``runs.num_train[r]``
+    examples. ``callback(step, params)`` runs after each chunk (for trajectories).
+    """
+    optimizer = make_optimizer(cfg)
+    params = init_runs(model, runs, train) if params is None else params
+    opt_state = jax.jit(jax.vmap(optimizer.init))(params)
+    chunk = min(cfg.chunk, cfg.steps)
+
+    def loss_fn(p: Params, batch: Batch, expert_count: Array) -> Array:
+        pred, _ = model.apply(p, batch.x, expert_count=expert_count)
+        return metrics.mse(pred, batch.y)
+
+    def one_run(p, state, key, data_index, num_train, expert_count, start):
+        def step(carry, t):
+            p, state = carry
+            if cfg.batch_size is None:
+                batch = jax.tree.map(lambda leaf: leaf[data_index], train)
+            else:
+                idx = jax.random.randint(jax.random.fold_in(key, t), (cfg.batch_size,), 0, num_train)
+                batch = _select(train, data_index, idx)
+            grads = jax.grad(loss_fn)(p, batch, expert_count)
+            updates, state = optimizer.update(grads, state, p)
+            return (optax.apply_updates(p, updates), state), None
+
+        (p, state), _ = jax.lax.scan(step, (p, state), start + jnp.arange(chunk))
+        return p, state
+
+    run_chunk = jax.jit(jax.vmap(one_run, in_axes=(0, 0, 0, 0, 0, 0, None)))
+    with tqdm(total=cfg.steps, desc=desc, leave=False, mininterval=1.0) as bar:
+        for start in range(0, cfg.steps, chunk):
+            params, opt_state = run_chunk(params, opt_state, runs.key, runs.data_index, runs.num_train, runs.expert_count, start)
+            bar.update(chunk)
+            if callback is not None:
+                callback(start + chunk, params)
+    return params
+
+
+def evaluate_runs(model: Any, params: Params, runs: Runs, test: Batch, num_clusters: int) -> dict[str, np.ndarray]:
+    """Test metrics of every run (top-1 routing, Section 2), each ``[R]``:
+
+    loss (normalised, top-1), loss_soft (normalised, probability-weighted), and for MoE
+    models sparsity_nats / sparsity (exp of it), the same for the shuffled router
+    (linear / MLP routers), purity, and for the linear router norm_uniformity of its rows.
+    ``test.cluster`` is flattened alongside the routing probabilities (tokens).
+    """
+    is_moe = isinstance(model, MoE)
+    shuffleable = is_moe and model.router in ("linear", "mlp")
+
+    def one(args):
+        p, key, data_index, expert_count = args
+        batch = jax.tree.map(lambda leaf: leaf[data_index], test)
+        pred, probs = model.apply(p, batch.x, top1=True, expert_count=expert_count)
+        soft, _ = model.apply(p, batch.x, expert_count=expert_count)
+        out = {"loss": metrics.normalised_loss(pred, batch.y), "loss_soft": metrics.normalised_loss(soft, batch.y)}
+        if not is_moe:
+            return out
+        flat = probs.reshape(-1, probs.shape[-1])
+        cluster = batch.cluster.reshape(-1)
+        s = metrics.sparsity(flat, cluster, num_clusters)
+        out.update(sparsity_nats=s["nats"], sparsity=s["effective"], purity=metrics.purity(flat, cluster, num_clusters))
+        if shuffleable:
+            shuffled = {**p, "router": routers.shuffle_columns(model.router, p["router"], jax.random.fold_in(key, 2))}
+            _, sprobs = model.apply(shuffled, batch.x, expert_count=expert_count)
+            s = metrics.sparsity(sprobs.reshape(flat.shape), cluster, num_clusters)
+            out.update(shuffled_sparsity_nats=s["nats"], shuffled_sparsity=s["effective"])
+        if model.router == "linear":
+            out["norm_uniformity"] = metrics.norm_uniformity(p["router"]["w"])
+        return out
+
+    result = jax.jit(lambda p: jax.lax.map(one, (p, runs.key, runs.data_index, runs.expert_count)))(params)
+    return {name: np.asarray(value) for name, value in result.items()}
+
+
+def stack_datasets(batches: list[Batch]) -> Batch:
+    """One dataset per seed -> stacked ``[S, n, ...]``."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *batches)

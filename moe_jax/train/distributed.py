@@ -1,0 +1,103 @@
+"""Multi-host start-up and preemption notices.
+
+:func:`initialize` calls ``jax.distributed.initialize`` when the run is multi-process:
+  * TPU pods and SLURM/Open MPI clusters: JAX detects its peers itself
+    (``--multiprocess_gpu`` or ``JAX_MULTIPROCESS=1`` asks for that detection on GPUs);
+  * explicit: ``--coordinator_address=HOST:PORT --process_count=N --process_index=I``
+    (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_PROCESS_COUNT``, ``JAX_PROCESS_INDEX``).
+Timeouts are bounded: start-up waits at most ``initialization_timeout`` seconds for the
+peers, and the coordination service's heartbeat makes every process exit with an error
+within about ``heartbeat_timeout`` seconds when one of them dies, instead of hanging in a
+collective. ``JAX_NUM_CPU_DEVICES`` sets the CPU devices per process (local pod emulation).
+
+:class:`PreemptionWatcher` turns SIGTERM (a TPU preemption notice) into "save and exit"
+at a step every process agrees on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import jax
+
+
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-host")
+    group.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                       help="HOST:PORT of process 0's coordinator (GPU clusters, local emulation)")
+    group.add_argument("--process_count", type=int,
+                       default=_env_int("JAX_PROCESS_COUNT"), help="number of processes")
+    group.add_argument("--process_index", type=int,
+                       default=_env_int("JAX_PROCESS_INDEX"), help="this process's index")
+    group.add_argument("--multiprocess_gpu", action="store_true",
+                       default=os.environ.get("JAX_MULTIPROCESS") == "1",
+                       help="let JAX detect the cluster (SLURM, Open MPI) itself")
+    group.add_argument("--initialization_timeout", type=int, default=300,
+                       help="seconds to wait for all processes at start-up")
+    group.add_argument("--heartbeat_timeout", type=int, default=60,
+                       help="seconds without a peer's heartbeat before every process fails")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _on_tpu_pod() -> bool:
+    return bool(os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",")) or bool(
+        os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def initialize(args: argparse.Namespace) -> None:
+    """Starts ``jax.distributed`` when the flags/environment describe a multi-process run.
+
+    Must run before any other JAX call. A single process without flags does nothing.
+    """
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+    explicit = args.coordinator_address is not None or (args.process_count or 1) > 1
+    if not (explicit or args.multiprocess_gpu or _on_tpu_pod()):
+        return
+    if explicit and (args.coordinator_address is None or args.process_count is None
+                     or args.process_index is None):
+        raise ValueError("a multi-process run needs all of --coordinator_address, "
+                         "--process_count and --process_index (or let JAX detect the cluster "
+                         "with --multiprocess_gpu / on a TPU pod)")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator_address,
+        num_processes=args.process_count,
+        process_id=args.process_index,
+        initialization_timeout=args.initialization_timeout,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+        shutdown_timeout_seconds=min(args.heartbeat_timeout, 60),
+    )
+
+
+class PreemptionWatcher:
+    """SIGTERM -> :meth:`reached` is True at a step all processes agree on.
+
+    Multi-process: JAX's preemption service (started by ``jax.distributed``) catches the
+    signal and picks the sync step. Single process: a signal handler sets a flag.
+    """
+
+    def __init__(self) -> None:
+        self._signalled = False
+        self._multi = jax.process_count() > 1
+        if not self._multi:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self._signalled = True
+
+    def reached(self, step: int) -> bool:
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self._signalled
+
+    def close(self) -> None:
+        if not self._multi:
+            signal.signal(signal.SIGTERM, self._previous)

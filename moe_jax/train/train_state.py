@@ -1,0 +1,99 @@
+"""The train state pytree and its shardings on a mesh.
+
+``TrainState`` holds everything a resumed run needs besides the data-iterator position:
+the step, the parameters, the optimizer state and the RNG key (raw ``uint32[2]`` key
+data, so that orbax saves it as a plain array). Dropout keys are
+``fold_in(rng, step)``: a resumed run draws the same dropout masks as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from moe_jax import partitioning
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step: int32[]; params: the model's parameter tree; opt_state: optax state;
+    rng: uint32[2] raw key data of the run's base key."""
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+    rng: jax.Array
+
+    def dropout_rng(self) -> jax.Array:
+        """The dropout key of the current step (a typed key)."""
+        return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+
+
+def init_train_state(model, tx: optax.GradientTransformation, input_shapes: dict[str, tuple],
+                     seed: int) -> TrainState:
+    """A fresh state: parameters from ``model.get_initial_variables(PRNGKey(seed), ...)``.
+
+    Run under ``jax.jit`` with ``out_shardings`` from :func:`state_shardings` so that each
+    device only materialises its shards.
+    """
+    init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+    variables = model.get_initial_variables(init_key, input_shapes)
+    params = nn.unbox(variables["params"])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=run_key)
+
+
+def param_shardings(model, input_shapes: dict[str, tuple], mesh: Mesh, rules) -> PyTree:
+    """``NamedSharding`` of every parameter from the model's logical axis names."""
+    return partitioning.tree_shardings(model.param_logical_axes(input_shapes), mesh, rules)
+
+
+def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: Mesh) -> TrainState:
+    """Shardings for a whole state: parameters by their rules; an optimizer-state leaf whose
+    tree path ends with a parameter's path and has its shape (Adam's moments) follows that
+    parameter; other leaves (Adafactor's factored moments, counts), step and rng are
+    replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    by_path = {path: (leaf.shape, sharding) for (path, leaf), sharding in zip(
+        jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
+        jax.tree.leaves(params_sharding))}
+
+    def follow_param(path, leaf):
+        for start in range(len(path)):
+            shape, sharding = by_path.get(tuple(path[start:]), (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return replicated
+
+    opt_shardings = jax.tree_util.tree_map_with_path(follow_param, abstract_state.opt_state)
+    return TrainState(step=replicated, params=params_sharding, opt_state=opt_shardings,
+                      rng=replicated)
+
+
+def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
+    """``jax.ShapeDtypeStruct`` leaves carrying their sharding (orbax restore targets)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+
+
+def create_sharded_state(model, tx, input_shapes, seed: int, mesh: Mesh, rules,
+                         *, init: bool = True) -> tuple[TrainState, TrainState]:
+    """(state, shardings): the state initialised on ``mesh`` (or, with ``init=False``, its
+    abstract ``ShapeDtypeStruct`` tree with shardings, as a restore target)."""
+    init_fn: Callable[[], TrainState] = lambda: init_train_state(model, tx, input_shapes, seed)
+    abstract = jax.eval_shape(init_fn)
+    shardings = state_shardings(abstract, param_shardings(model, input_shapes, mesh, rules), mesh)
+    if not init:
+        return abstract_with_shardings(abstract, shardings), shardings
+    with jax.set_mesh(mesh):
+        state = jax.jit(init_fn, out_shardings=shardings)()
+    return state, shardings

@@ -1,0 +1,109 @@
+"""The train step and the eval step, MaxText-style: one readable function each.
+
+``train_step(state, batch)``: forward + backward (over ``accum_steps`` microbatches),
+optimizer update, and, when ``skip_nonfinite``, the update is dropped for a step whose
+loss or gradients are not finite. Jitted with the state donated (:func:`jit_train_step`).
+
+Batches are dicts of ``int32[batch, length]`` arrays (``encoder_input_tokens``,
+``decoder_input_tokens``, ``decoder_target_tokens``, ``decoder_loss_weights``, ...), sharded
+over the mesh's batch axes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from moe_jax.train.train_state import TrainState
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, Any]
+
+
+def _split_microbatches(batch: Batch, accum_steps: int) -> Batch:
+    """[batch, ...] -> [accum_steps, batch // accum_steps, ...]."""
+    def split(x):
+        if x.shape[0] % accum_steps:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by accum_steps={accum_steps}")
+        return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])
+    return jax.tree.map(split, batch)
+
+
+def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTransformation,
+               learning_rate_fn: optax.Schedule, accum_steps: int = 1,
+               skip_nonfinite: bool = False) -> tuple[TrainState, Metrics]:
+    """One optimizer step. Returns the new state and scalar/array metrics (the model's
+    ``loss_fn`` metrics averaged over microbatches, plus ``grad_norm``, ``learning_rate``
+    and ``skipped``)."""
+    grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+    rng = state.dropout_rng()
+    if accum_steps == 1:
+        (_, metrics), grads = grad_fn(state.params, batch, rng)
+    else:
+        micro = _split_microbatches(batch, accum_steps)
+
+        def microbatch_grads(index):
+            microbatch = jax.tree.map(lambda x: x[index], micro)
+            (_, m), g = grad_fn(state.params, microbatch, jax.random.fold_in(rng, index))
+            return g, m
+
+        def accumulate(total, index):
+            return jax.tree.map(jnp.add, total, microbatch_grads(index)), None
+
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(microbatch_grads, 0))
+        (grads, metrics), _ = jax.lax.scan(accumulate, zeros, jnp.arange(accum_steps))
+        num_tokens = metrics.get("num_tokens")
+        grads, metrics = jax.tree.map(lambda x: x / accum_steps, (grads, metrics))
+        if num_tokens is not None:
+            metrics["num_tokens"] = num_tokens  # a count: summed, not averaged
+
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state,
+                                 state.replace(step=state.step + 1))
+    skipped = (~finite if skip_nonfinite else jnp.zeros((), bool)).astype(jnp.int32)
+    metrics = {**metrics, "grad_norm": grad_norm, "learning_rate": learning_rate_fn(state.step),
+               "skipped": skipped}
+    return new_state, metrics
+
+
+def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mesh: Mesh,
+                   batch_axes: tuple[str, ...] = ("data", "expert"), *, accum_steps: int = 1,
+                   skip_nonfinite: bool = False):
+    """``train_step`` jitted with the state donated and its shardings pinned."""
+    batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
+    step = functools.partial(train_step, model=model, tx=tx, learning_rate_fn=learning_rate_fn,
+                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
+    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+                     donate_argnums=0)
+    return _under_mesh(jitted, mesh)
+
+
+def jit_eval_step(model, params_shardings, mesh: Mesh,
+                  batch_axes: tuple[str, ...] = ("data", "expert")):
+    """``model.eval_fn(params, batch) -> metrics`` jitted (eval capacity factor)."""
+    batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
+    jitted = jax.jit(model.eval_fn, in_shardings=(params_shardings, batch_sharding),
+                     out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return _under_mesh(jitted, mesh)
+
+
+def _under_mesh(fn, mesh: Mesh):
+    """``fn`` called under ``jax.set_mesh(mesh)`` (MoE layers read the current mesh to run
+    expert parallelism)."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+    return wrapped

@@ -1,0 +1,139 @@
+"""Training input pipeline: determinism, restarts, per-host sharding, global batches, gin."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+import pathlib
+
+import gin
+import jax
+import numpy as np
+import pytest
+import seqio
+
+from moe_jax import partitioning
+from moe_jax.data import pipeline, vocab
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+LENGTHS = {"inputs": 64, "targets": 16}
+
+
+def _iterator(seed: int, **kwargs) -> pipeline.TrainIterator:
+    return pipeline.TrainIterator("mc4_span_corruption", LENGTHS, batch_size=4, seed=seed,
+                                  shard_info=seqio.ShardInfo(0, 1), shuffle_buffer_size=128,
+                                  **kwargs)
+
+
+def _take(it: pipeline.TrainIterator, n: int) -> list[dict[str, np.ndarray]]:
+    return [next(it) for _ in range(n)]
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_same_seed_same_batches_other_seed_other_batches():
+    with _iterator(7) as a, _iterator(7) as b, _iterator(8) as c:
+        xs, ys, zs = _take(a, 3), _take(b, 3), _take(c, 3)
+    assert all(_equal(x, y) for x, y in zip(xs, ys))
+    assert not any(_equal(x, z) for x, z in zip(xs, zs))
+
+
+def test_restart_sees_the_batches_of_an_uninterrupted_run():
+    with _iterator(3) as it:
+        uninterrupted = _take(it, 6)
+    with _iterator(3) as it:
+        _take(it, 4)
+        state = json.loads(json.dumps(it.get_state()))  # as saved in a checkpoint
+    assert state["step"] == 4 and state["seed"] == 3
+    with pipeline.TrainIterator.restore(state) as resumed:
+        assert resumed.step == 4
+        after = _take(resumed, 2)
+        assert resumed.get_state()["step"] == 6
+    assert _equal(after[0], uninterrupted[4]) and _equal(after[1], uninterrupted[5])
+
+
+def test_restore_refuses_an_incomplete_state():
+    with pytest.raises(ValueError, match="lacks"):
+        pipeline.TrainIterator.restore({"step": 3})
+
+
+def test_close_stops_the_prefetch_thread():
+    it = _iterator(0)
+    next(it)
+    it.close()
+    assert not it._thread.is_alive()  # pylint: disable=protected-access
+
+
+def _segments(shard: seqio.ShardInfo | None) -> set[tuple[int, ...]]:
+    """Original token segments (span corruption undone) of one shard of the validation split."""
+    size = vocab.get_vocabulary().vocab_size
+    ds = pipeline.get_dataset("mc4_span_corruption", LENGTHS, "validation", batch_size=1,
+                              shuffle=False, seed=0, shard_info=shard, pack=False,
+                              num_epochs=1)
+    out = set()
+    for batch in ds.as_numpy_iterator():
+        inputs, targets = batch["encoder_input_tokens"][0], batch["decoder_target_tokens"][0]
+        fills, key = {}, None
+        for t in targets[targets > 1].tolist():
+            if t >= size - 100:
+                key = t
+                fills[key] = []
+            else:
+                fills[key].append(t)
+        out.add(tuple(x for t in inputs[inputs > 1].tolist()
+                      for x in (fills[t] if t >= size - 100 else [t])))
+    return out
+
+
+def test_host_shards_are_disjoint_and_cover_the_split():
+    everything = _segments(None)
+    first, second = _segments(seqio.ShardInfo(0, 2)), _segments(seqio.ShardInfo(1, 2))
+    assert first and second and not first & second
+    assert first | second == everything
+
+
+def test_host_shard_info_uses_the_process_index():
+    assert pipeline.host_shard_info() == seqio.ShardInfo(jax.process_index(),
+                                                         jax.process_count())
+
+
+def test_to_global_batch_shards_the_batch_over_data_and_expert():
+    mesh = partitioning.make_mesh((2, 4, 1))
+    with _iterator(0) as it:
+        local = {k: np.concatenate([v, v]) for k, v in next(it).items()}  # 8 rows
+    global_batch = pipeline.to_global_batch(local, mesh)
+    for name, array in global_batch.items():
+        assert array.shape == local[name].shape  # one process: global == local
+        assert array.sharding.spec == jax.sharding.PartitionSpec(("data", "expert"))
+        assert len(array.addressable_shards) == 8
+        np.testing.assert_array_equal(np.asarray(array), local[name])
+    with pytest.raises(ValueError, match="not divisible"):
+        pipeline.to_global_batch({k: v[:3] for k, v in local.items()}, mesh)
+
+
+def test_gin_files_drive_the_pipeline():
+    gin.parse_config_files_and_bindings(
+        [str(REPO / "gin/data/embedded.gin"), str(REPO / "gin/data/vocab_byte.gin")],
+        ["TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
+         "MIXTURE_OR_TASK_NAME = 'mc4_el_prefix_lm'"])
+    ds = pipeline.get_dataset(split="train", batch_size=2, shuffle=True, seed=0,
+                              shuffle_buffer_size=16)
+    batch = next(ds.as_numpy_iterator())
+    assert batch["encoder_input_tokens"].shape == (2, 32)
+    assert batch["decoder_target_tokens"].shape == (2, 8)
+    assert batch["encoder_input_tokens"].max() < 359  # byte vocabulary
+    text = seqio.ByteVocabulary(extra_ids=100).decode(batch["decoder_target_tokens"][0].tolist())
+    assert any("GREEK" in unicodedata.name(c, "") for c in text), text
+
+
+def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
+    monkeypatch.chdir(REPO)  # gin `include` paths are relative to the repository root
+    gin.parse_config_files_and_bindings(["gin/data/mc4.gin"], [])
+    assert gin.query_parameter("make_source.corpus") == "tfds"
+    assert gin.query_parameter("make_source.tfds_name") == "c4/multilingual:3.1.0"
+    assert gin.query_parameter("get_vocabulary.kind") == "sentencepiece"
+    assert gin.query_parameter("MIXTURE_OR_TASK_NAME/macro.value") == "mc4_span_corruption"
+    assert gin.query_parameter("TASK_FEATURE_LENGTHS/macro.value") == {"inputs": 512,
+                                                                        "targets": 114}

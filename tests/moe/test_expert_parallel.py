@@ -1,0 +1,61 @@
+"""Expert parallelism on 8 forced CPU devices (tests/conftest.py): equal to the
+single-device run, all-to-all in the compiled program, experts split over devices."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from moe_testlib import make_inputs
+
+from moe_jax import partitioning
+from moe_jax.moe import MoeLayer
+
+LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
+             eval_capacity_factor=1.0, dispatch="sort")
+
+
+def _value_and_grad(layer):
+    def loss(p, x):
+        y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
+        return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@pytest.mark.parametrize("shape", [
+    (2, 4, 1),
+    pytest.param((1, 8, 1), marks=pytest.mark.slow),
+    pytest.param((2, 2, 2), marks=pytest.mark.slow),
+    pytest.param((8, 1, 1), marks=pytest.mark.slow),
+])
+@pytest.mark.parametrize("dispatch", ["sort", pytest.param("einsum", marks=pytest.mark.slow)])
+def test_sharded_run_equals_single_device(shape, dispatch):
+    assert len(jax.devices()) == 8
+    layer = MoeLayer(**dict(LAYER, dispatch=dispatch))
+    x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
+    boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
+    params = nn.unbox(boxed)
+    ref = _value_and_grad(layer)(params, x)
+    mesh = partitioning.make_mesh(shape)
+    rules = partitioning.standard_logical_axis_rules()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        shardings = partitioning.tree_shardings(nn.get_partition_spec(boxed), mesh, rules)
+        sharded = jax.device_put(params, shardings)
+        fn = _value_and_grad(layer)
+        out = fn(sharded, x)
+        hlo = fn.lower(sharded, x).compile().as_text()
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    ep = shape[1]
+    assert ("all-to-all" in hlo) == (ep > 1)
+    wi = sharded["expert"]["wi"]
+    assert {s.data.shape for s in wi.addressable_shards} == {(8 // ep, 8, 16 // shape[2])}
+
+
+def test_experts_not_divisible_by_expert_axis_refused():
+    layer = MoeLayer(**dict(LAYER, num_experts=6))
+    with jax.set_mesh(partitioning.make_mesh((2, 4, 1))):
+        with pytest.raises(ValueError, match="num_experts"):
+            jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs(8, 8, 8))

@@ -1,0 +1,112 @@
+"""The trainer end to end on the tiny smoke config (8 forced CPU devices, data parallel):
+exact resumption, checkpoint refusal, bad gin input, NaN handling, restore onto another mesh."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax.train import checkpoints, gin_utils, train, train_state
+
+TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+        "--gin.train_script.train.checkpoint_period=3", "--gin.train_script.train.log_period=1",
+        "--gin.train_script.train.eval_period=0", "--gin.train_script.train.async_checkpointing=True"]
+
+
+def parse(*flags: str):
+    args = gin_utils.parse_flags(train.build_parser("test", "test"), [*TINY, *flags])
+    gin_utils.parse_gin(args)
+
+
+def run(model_dir, steps: int, *flags: str, stop_after: int | None = None) -> dict:
+    parse(f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags)
+    return train.train(stop_after_steps=stop_after)
+
+
+def test_interrupted_run_continues_exactly(tmp_path):
+    full = run(tmp_path / "full", 6)
+    first = run(tmp_path / "resumed", 6, stop_after=3)
+    assert first["step"] == 3 and sorted(first["losses"]) == [1, 2, 3]
+    second = run(tmp_path / "resumed", 6)
+    assert sorted(second["losses"]) == [4, 5, 6]
+    resumed = {**first["losses"], **second["losses"]}
+    assert resumed == full["losses"]  # bit-identical, step for step
+    assert np.isfinite(list(full["losses"].values())).all()
+    # the run keeps its routers' initial weights for drift measurements
+    assert checkpoints.load_router_init(str(tmp_path / "full"))
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    run(tmp_path, 1)
+    with pytest.raises(checkpoints.CheckpointMismatchError, match=r"other shapes \(\d+\): decoder/final_norm/scale: checkpoint \[32\] vs model \[16\]"):
+        run(tmp_path, 2, "--gin.EMBED_DIM=16")
+    with pytest.raises(checkpoints.CheckpointMismatchError, match="not the checkpoint"):
+        run(tmp_path, 2, "--gin.NUM_ENCODER_LAYERS=3")
+
+
+def test_restore_onto_another_mesh_gives_same_params(tmp_path):
+    from moe_jax import partitioning
+    from moe_jax.models.model import EncoderDecoderModel
+
+    run(tmp_path, 1)  # saved from the (8, 1, 1) data-parallel mesh
+    model = EncoderDecoderModel()  # the gin-configured tiny model
+    shapes = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
+    rules = partitioning.standard_logical_axis_rules()
+    ckpt = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    restored = []
+    for shape in [(8, 1, 1), (2, 4, 1), (1, 1, 1)]:
+        mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
+        sharding = train_state.param_shardings(model, shapes, mesh, rules)
+        target = train_state.abstract_with_shardings(train.abstract_params(model, shapes), sharding)
+        params, meta = ckpt.restore_params(1, target)
+        assert meta["step"] == 1
+        assert jax.tree.leaves(params)[0].sharding.mesh.shape == mesh.shape
+        restored.append(jax.tree.map(np.asarray, params))
+    for other in restored[1:]:
+        jax.tree.map(np.testing.assert_array_equal, restored[0], other)
+
+
+def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
+    huge_lr = "--gin.learning_rate_schedule.base_learning_rate=1e30"
+    with pytest.raises(train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"):
+        run(tmp_path / "stop", 8, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0")
+    result = run(tmp_path / "skip", 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
+                 "--gin.train_script.train.on_nonfinite='skip'")
+    assert result["step"] == 4
+
+
+def test_unwritable_model_dir_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(PermissionError, match="MODEL_DIR="):
+        run(blocker / "run", 1)
+    assert not (blocker.parent / "run").exists()
+
+
+def test_gin_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.gin"
+    bad.write_text("include 'gin/runs/smoke_cpu.gin'\n\ntrain_script.train.chekpoint_period = 3\n")
+    with pytest.raises(gin_utils.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
+        gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [f"--gin_file={bad}"]))
+    undefined = tmp_path / "macro.gin"
+    undefined.write_text("include 'gin/runs/smoke_cpu.gin'\ntrain_script.train.total_steps = %TRAIN_STEPZ\n")
+    with pytest.raises(gin_utils.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
+        gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [f"--gin_file={undefined}"]))
+    with pytest.raises(gin_utils.GinConfigError, match="TRAIN_STEP .*not used"):
+        parse("--gin.TRAIN_STEP=10")
+
+
+def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
+    assert train.main([*TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
+    assert "TRAIN_STEPZ" in capsys.readouterr().err
+
+
+def test_resolves_checkpoint_paths():
+    assert checkpoints.split_checkpoint_path("/r/run") == ("/r/run", None)
+    assert checkpoints.split_checkpoint_path("/r/run/300") == ("/r/run", 300)
+    assert checkpoints.split_checkpoint_path("/r/run/checkpoints/300") == ("/r/run", 300)
+    assert pathlib.Path(gin_utils.REPO_GIN_DIR, "runs", "smoke_cpu.gin").exists()
