@@ -15,6 +15,7 @@ import argparse
 import functools
 import time
 
+import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -57,9 +58,7 @@ def bench(kind: str, size: str, layers: int, sparse: int, experts: int, batch: i
         config = T5Config(sparse_layer_type="dense", flop_matched_mlp_dim=2 * SIZES[size]["mlp_dim"], **common)
     model = EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)
     shapes = {"encoder_input_tokens": (batch, enc_len), "decoder_input_tokens": (batch, dec_len)}
-    params = jax.tree.map(lambda x: x, model.get_initial_variables(jax.random.key(0), shapes)["params"])
-    import flax.linen as nn
-    params = nn.unbox(params)
+    params = nn.unbox(model.get_initial_variables(jax.random.key(0), shapes)["params"])
     tx = optax.adam(1e-3)
     opt_state = tx.init(params)
     rng = np.random.default_rng(0)

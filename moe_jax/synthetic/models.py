@@ -104,9 +104,6 @@ class MoE:
             pred = jnp.einsum("ne,neo->no", probs, outputs)
         return pred, probs
 
-    def with_router(self, params: Params, router_params: Params) -> Params:
-        return {**params, "router": router_params}
-
 
 @dataclasses.dataclass(frozen=True)
 class Dense:

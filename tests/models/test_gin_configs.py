@@ -11,7 +11,6 @@ import jax
 import pytest
 
 import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
-from moe_jax.models.model import EncoderDecoderModel
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}

@@ -51,3 +51,14 @@ def test_group_layout_pads_to_the_shard_count():
     assert group_layout(8, 4096, 8) == (8, 1)
     groups, size = group_layout(35, 16, 2)
     assert groups % 2 == 0 and groups * size >= 35 and size <= 16
+
+
+def test_per_expert_loop_equals_batched_expert_matmuls():
+    x = make_inputs()
+    layer = MoeLayer(**dict(SMALL, per_expert_loop=False, activation="gated_gelu"))
+    params = init_params(layer, x)
+    (_, y_ref), g_ref = _loss_and_grads(layer, params, x)
+    (_, y), g = _loss_and_grads(layer.clone(per_expert_loop=True), params, x)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -75,3 +75,13 @@ def test_dense_baseline_matches_a_parameter_budget_and_bad_options_are_named():
         models.MoE("attention", "mlp", 4, 4, 1)
     with pytest.raises(ValueError, match="optimizer"):
         train.TrainConfig(steps=10, optimizer="rmsprop")
+
+
+def test_cnn_router_feeds_its_features_to_the_experts():
+    model = models.MoE("cnn", "mlp", 5, 3, 1, expert_hidden=8, cnn_channels=(4,), cnn_features=6)
+    params = model.init(jax.random.PRNGKey(0))
+    images = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 8, 3))
+    v = jax.random.normal(jax.random.PRNGKey(2), (2, 3))
+    pred, probs = model.apply(params, (images, v), top1=True)
+    assert pred.shape == (2, 1) and probs.shape == (2, 5)
+    assert params["experts"]["layers"][0]["w"].shape == (5, 3 + 6, 8)

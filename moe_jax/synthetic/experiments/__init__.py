@@ -17,6 +17,7 @@ EXPERIMENTS: dict[str, str] = {
     "fig3": "mixture_mlp",
     "fig4": "mixture_mlp",
     "spurious": "spurious",
+    "theorem2": "theorem2",
     "lemma1": "lemma1",
     "theorem4": "theorem4",
 }
