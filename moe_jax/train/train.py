@@ -154,7 +154,8 @@ def train(
     Args:
       checkpoint_period: save every N steps (and at the end); keep the last
         ``keep_checkpoints``.
-      log_period: write train metrics (averaged over no steps: the logged step's own) every N.
+      log_period: write the logged step's train metrics and the throughput since the last
+        log every N steps.
       eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
         (0: never).
       accum_steps: gradient accumulation microbatches per step.
