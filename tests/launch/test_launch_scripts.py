@@ -1,0 +1,86 @@
+"""The launch scripts in dry-run mode: every step echoed, nothing run, bad flags named."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+LAUNCH = pathlib.Path(__file__).resolve().parents[2] / "launch"
+
+
+def _run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(LAUNCH / script), *args],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _steps(out: str) -> list[str]:
+    return [line[2:] for line in out.splitlines() if line.startswith("+ ")]
+
+
+def test_tpu_pod_dry_run_creates_installs_trains_on_all_workers_and_deletes():
+    proc = _run("tpu_pod.sh", "--dry-run", "--tpu", "moe1", "--zone", "us-central2-b",
+                "--accelerator", "v4-32", "--model-dir", "gs://bucket/runs/fig5",
+                "--", "--gin_file=models/t5_moe.gin", "--gin.TRAIN_STEPS=500000")
+    assert proc.returncode == 0, proc.stderr
+    steps = _steps(proc.stdout)
+    assert steps[0].startswith("gcloud compute tpus tpu-vm create moe1")
+    assert "--accelerator-type v4-32" in steps[0]
+    train = [s for s in steps if "nohup" in s]
+    assert len(train) == 1 and "--worker=all" in train[0]
+    assert "gs://bucket/runs/fig5" in train[0] and "--gin.TRAIN_STEPS=500000" in train[0]
+    assert any("pip\\ install" in s and "--worker=all" in s for s in steps)
+    assert steps[-1].startswith("gcloud compute tpus tpu-vm delete moe1")
+
+
+def test_tpu_pod_reuse_and_keep_skip_create_and_delete():
+    proc = _run("tpu_pod.sh", "--dry-run", "--reuse", "--keep", "--tpu", "moe1", "--zone", "z",
+                "--accelerator", "v5p-128", "--model-dir", "gs://b/r", "--", "--gin_file=x.gin")
+    steps = _steps(proc.stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert "describe moe1" in steps[0]
+    assert not any(" create " in s or " delete " in s for s in steps)
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--zone", "z", "--accelerator", "v4-8", "--model-dir", "gs://b", "--", "--gin_file=x"], "--tpu"),
+        (["--tpu", "t", "--zone", "z", "--accelerator", "v4-8", "--model-dir", "/local", "--", "--gin_file=x"], "--model-dir"),
+        (["--tpu", "t", "--zone", "z", "--accelerator", "v4-8", "--model-dir", "gs://b"], "train flags"),
+        (["--tpu", "t", "--bogus"], "--bogus"),
+    ],
+)
+def test_tpu_pod_refuses_bad_flags_by_name(args, named):
+    proc = _run("tpu_pod.sh", "--dry-run", *args)
+    assert proc.returncode == 2
+    assert named in proc.stderr
+    assert _steps(proc.stdout) == []
+
+
+def test_slurm_script_passes_coordinator_count_and_rank_to_every_task():
+    proc = _run("slurm_gpu.sbatch", "--gin_file=models/t5_moe.gin",
+                env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu-node7,gpu-node8", "SLURM_NTASKS": "16"})
+    assert proc.returncode == 0, proc.stderr
+    (step,) = _steps(proc.stdout)
+    assert step.startswith("srun --kill-on-bad-exit=1")
+    for expected in ("--coordinator_address=gpu-node7:29500", "--process_count=16",
+                     "--process_index=\\$SLURM_PROCID", "--multiprocess_gpu"):
+        assert expected in step
+
+
+def test_local_multiprocess_dry_run_starts_one_process_per_rank():
+    proc = _run("local_cpu_multiprocess.sh", "--dry-run", "--processes", "3", "--devices", "2",
+                "--", "--gin_file=runs/smoke_cpu.gin", env={"MOE_JAX_COORDINATOR_PORT": "23456"})
+    assert proc.returncode == 0, proc.stderr
+    steps = _steps(proc.stdout)
+    assert len(steps) == 3
+    for rank, step in enumerate(steps):
+        assert "JAX_NUM_CPU_DEVICES=2" in step
+        assert "--coordinator_address=127.0.0.1:23456" in step
+        assert f"--process_index={rank}" in step and "--process_count=3" in step
