@@ -20,6 +20,7 @@ EXPERIMENTS: dict[str, str] = {
     "theorem2": "theorem2",
     "lemma1": "lemma1",
     "theorem4": "theorem4",
+    "tokenized": "tokenized",
 }
 
 # `moe-jax synthetic all` runs these
