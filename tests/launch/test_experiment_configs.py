@@ -1,0 +1,63 @@
+"""The paper's experiment gin files (gin/experiments/) parse through the trainer's flag
+parser and describe the runs of Section 3.7 / Appendix C.4."""
+
+from __future__ import annotations
+
+import argparse
+
+import gin
+import pytest
+
+from moe_jax.train import gin_utils
+
+
+def _parse(*files: str, bindings: tuple[str, ...] = ()) -> None:
+    parser = argparse.ArgumentParser()
+    gin_utils.add_gin_flags(parser)
+    argv = [f"--gin_file=experiments/{f}" for f in files] + [f"--gin.{b}" for b in bindings]
+    gin_utils.parse_gin(gin_utils.parse_flags(parser, argv + ["--gin.MODEL_DIR=/tmp/x"]))
+
+
+@pytest.fixture(autouse=True)
+def _clean_gin():
+    yield
+    gin.clear_config()
+
+
+def _model_config() -> dict:
+    return {name: gin.query_parameter(f"%{name}") for name in
+            ("EMBED_DIM", "MLP_DIM", "NUM_HEADS", "HEAD_DIM", "NUM_ENCODER_LAYERS", "NUM_DECODER_LAYERS")}
+
+
+@pytest.mark.parametrize("mode", ["frozen", "learned"])
+def test_fig5_moe_runs_are_the_papers_model_with_the_requested_router(mode):
+    _parse(f"fig5_{mode}.gin")
+    assert _model_config() == {"EMBED_DIM": 32, "MLP_DIM": 256, "NUM_HEADS": 12, "HEAD_DIM": 64,
+                               "NUM_ENCODER_LAYERS": 12, "NUM_DECODER_LAYERS": 12}
+    assert gin.query_parameter("freeze.router_mode.mode") == mode
+    assert gin.query_parameter("MoeLayer.num_selected_experts") == 2
+    assert gin.query_parameter("MoeLayer.train_capacity_factor") == 1.25
+    assert gin.query_parameter("MoeLayer.eval_capacity_factor") == 2.0
+    assert gin.query_parameter("%NUM_EXPERTS") == 32
+    assert gin.query_parameter("%TRAIN_STEPS") == 500000
+    assert gin.query_parameter("create_optimizer.name") == "adam"
+    assert gin.query_parameter("sources.make_source.corpus") == "tfds"
+
+
+def test_fig5_dense_baseline_doubles_the_mlp_where_the_moe_is_sparse():
+    _parse("fig5_dense.gin")
+    assert gin.query_parameter("T5Config.sparse_layer_type") == "dense"
+    assert gin.query_parameter("%FLOP_MATCHED_MLP_DIM") == 2 * gin.query_parameter("%MLP_DIM")
+
+
+def test_base_scale_and_expert_count_family():
+    _parse("base_learned.gin", bindings=("NUM_EXPERTS=8",))
+    assert _model_config()["EMBED_DIM"] == 768 and _model_config()["MLP_DIM"] == 2048
+    assert gin.query_parameter("%NUM_EXPERTS") == 8
+
+
+def test_cpu_overlay_switches_to_the_embedded_corpus_and_short_sequences():
+    _parse("fig5_learned.gin", "cpu_scale.gin")
+    assert gin.query_parameter("sources.make_source.corpus") == "embedded"
+    assert gin.query_parameter("%TASK_FEATURE_LENGTHS") == {"inputs": 64, "targets": 16}
+    assert _model_config()["EMBED_DIM"] == 32
