@@ -113,6 +113,17 @@ def input_weight(kind: str, params: Params) -> Array:
     raise ValueError(f"router {kind!r} has no input weight matrix over a feature vector")
 
 
+def expert_weight(kind: str, params: Params) -> Array:
+    """The router weights feeding each expert's logit, ``[E, fan_in]`` (the M_i of the
+    norm-uniformity metric, Appendix C.1): W's rows for the linear router, the last layer's
+    columns for the MLP router."""
+    if kind == "linear":
+        return params["w"]
+    if kind == "mlp":
+        return params["layers"][-1]["w"].T
+    raise ValueError(f"expert_weight is defined for 'linear' and 'mlp' routers, not {kind!r}")
+
+
 def shuffle_columns(kind: str, params: Params, key: Array) -> Params:
     """The shuffled-router baseline of Section 2.1: the columns of W (input dims) permuted.
 

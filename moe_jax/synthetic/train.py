@@ -172,7 +172,8 @@ def evaluate_runs(model: Any, params: Params, runs: Runs, test: Batch, num_clust
 
     loss (normalised, top-1), loss_soft (normalised, probability-weighted), and for MoE
     models sparsity_nats / sparsity (exp of it), the same for the shuffled router
-    (linear / MLP routers), purity, and for the linear router norm_uniformity of its rows.
+    (linear / MLP routers), purity, and for those routers norm_uniformity of the weights
+    feeding each expert's logit (``routers.expert_weight``).
     ``test.cluster`` is flattened alongside the routing probabilities (tokens).
     """
     is_moe = isinstance(model, MoE)
@@ -195,8 +196,7 @@ def evaluate_runs(model: Any, params: Params, runs: Runs, test: Batch, num_clust
             _, sprobs = model.apply(shuffled, batch.x, expert_count=expert_count)
             s = metrics.sparsity(sprobs.reshape(flat.shape), cluster, num_clusters)
             out.update(shuffled_sparsity_nats=s["nats"], shuffled_sparsity=s["effective"])
-        if model.router == "linear":
-            out["norm_uniformity"] = metrics.norm_uniformity(p["router"]["w"])
+            out["norm_uniformity"] = metrics.norm_uniformity(routers.expert_weight(model.router, p["router"]))
         return out
 
     result = jax.jit(lambda p: jax.lax.map(one, (p, runs.key, runs.data_index, runs.expert_count)))(params)

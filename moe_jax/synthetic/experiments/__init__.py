@@ -21,6 +21,7 @@ EXPERIMENTS: dict[str, str] = {
     "lemma1": "lemma1",
     "theorem4": "theorem4",
     "tokenized": "tokenized",
+    "fig6": "fig6",
 }
 
 # `moe-jax synthetic all` runs these
