@@ -60,6 +60,12 @@ def subspace_weight_fraction(w: Array, d_signal: int) -> Array:
     return jnp.sum(w[:, :d_signal] ** 2) / jnp.sum(w**2)
 
 
+def off_subspace_norm(w: Array, d_signal: int) -> Array:
+    """Mean over router rows w ``[E, d]`` of ||Proj_{V^perp}(w_i)||, V = the first
+    ``d_signal`` coordinates (Theorem 1: 0 at any regularised local minimum)."""
+    return jnp.mean(jnp.linalg.norm(w[:, d_signal:], axis=-1))
+
+
 def norm_uniformity(w: Array) -> Array:
     """E||M_i||^2 / (E||M_i||)^2 for the weights M_i ``[E, ...]`` feeding expert i
     (Appendix C.1): 1 if all norms are equal, E if only one is non-zero."""

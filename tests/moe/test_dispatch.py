@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_testlib import SMALL, init_params, make_inputs
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_testlib import make_inputs
+from tests.moe.moe_testlib import make_inputs
 
 from moe_jax import partitioning
 from moe_jax.moe import MoeLayer

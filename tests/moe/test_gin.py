@@ -8,7 +8,7 @@ import gin
 import jax
 import jax.numpy as jnp
 import pytest
-from moe_testlib import apply, init_params, make_inputs
+from tests.moe.moe_testlib import apply, init_params, make_inputs
 
 from moe_jax.moe import MoeLayer, freeze
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_testlib import SMALL, apply, init_params, make_inputs, metric
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
 
 from moe_jax.moe import MoeLayer, losses
 from moe_jax.moe.routers import NoisyTopKRouter, TopKRouter

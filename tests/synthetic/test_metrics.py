@@ -42,6 +42,7 @@ def test_normalised_loss_is_one_for_the_mean_and_zero_when_perfect():
 def test_subspace_fraction_and_norm_uniformity():
     w = jnp.array([[3.0, 4.0, 0.0], [0.0, 0.0, 5.0]])
     np.testing.assert_allclose(metrics.subspace_weight_fraction(w, 2), 25 / 50)
+    np.testing.assert_allclose(metrics.off_subspace_norm(w, 2), 2.5)  # rows' off-V norms 0 and 5
     np.testing.assert_allclose(metrics.norm_uniformity(w), 1.0)
     np.testing.assert_allclose(metrics.norm_uniformity(jnp.array([[1.0], [0.0], [0.0], [0.0]])), 4.0)
 
