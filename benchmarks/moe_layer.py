@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.hardware import measured_matmul_flops
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout
 
@@ -37,13 +38,6 @@ def _best_ms(fn, *args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
     return 1e3 * min(times)  # best of reps: the machine is shared, load only adds time
-
-
-def matmul_rate(reps: int) -> float:
-    """Measured float32 FLOP/s of a jitted 2048 x 2048 matmul."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (2048, 2048), jnp.float32)
-    ms = _best_ms(jax.jit(jnp.matmul), a, a, reps=max(reps, 5))
-    return 2 * 2048**3 / (ms * 1e-3)
 
 
 def _grad_fn(apply):
@@ -74,7 +68,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="T5-Base with E=8 only, plus the small shape")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    rate = matmul_rate(args.reps)
+    rate = measured_matmul_flops(repeats=max(args.reps, 5))
     print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); "
           f"float32 matmul rate {rate / 1e9:.1f} GFLOP/s")
     print("| shape | E | capacity | impl | ms | vs einsum | useful GFLOP/s | of matmul rate |")

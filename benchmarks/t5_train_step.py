@@ -22,24 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from moe_jax.hardware import measured_matmul_flops
 import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, T5Config
 
 SIZES = {"d32": dict(emb_dim=32, mlp_dim=256), "d768": dict(emb_dim=768, mlp_dim=2048)}
-
-
-def matmul_rate(n: int = 2048, repeats: int = 10) -> float:
-    """Median float32 FLOP/s of an n x n matmul."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / float(np.median(times))
 
 
 def bench(kind: str, size: str, layers: int, sparse: int, experts: int, batch: int, enc_len: int,
@@ -104,7 +92,7 @@ def main() -> None:
     parser.add_argument("--dec_len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    peak = matmul_rate()
+    peak = measured_matmul_flops(repeats=10)
     print(f"backend {jax.default_backend()}, {jax.device_count()} device(s); "
           f"float32 2048^2 matmul: {peak / 1e9:.1f} GFLOP/s; batch {args.batch}, "
           f"lengths {args.enc_len}/{args.dec_len}, top-2\n")

@@ -18,6 +18,8 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax.hardware import measured_matmul_flops
+
 # Dense peak FLOP/s per chip (bf16 for accelerators) for MFU. CPU: measured (see below).
 PEAK_FLOPS = {
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
@@ -35,20 +37,7 @@ def peak_flops_per_device(override: float | None = None) -> float:
     for name, flops in PEAK_FLOPS.items():
         if kind.startswith(name):
             return flops
-    return _measured_matmul_flops()
-
-
-def _measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    device = jax.local_devices()[0]
-    a = jax.device_put(np.ones((n, n), np.float32), device)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / float(np.median(times))
+    return measured_matmul_flops()
 
 
 def scalarize(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
