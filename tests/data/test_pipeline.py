@@ -13,7 +13,8 @@ import pytest
 import seqio
 
 from moe_jax import partitioning
-from moe_jax.data import pipeline, vocab
+from moe_jax.data import pipeline
+from tests.data.span_lib import original_tokens
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LENGTHS = {"inputs": 64, "targets": 16}
@@ -68,23 +69,10 @@ def test_close_stops_the_prefetch_thread():
 
 def _segments(shard: seqio.ShardInfo | None) -> set[tuple[int, ...]]:
     """Original token segments (span corruption undone) of one shard of the validation split."""
-    size = vocab.get_vocabulary().vocab_size
     ds = pipeline.get_dataset("mc4_span_corruption", LENGTHS, "validation", batch_size=1,
                               shuffle=False, seed=0, shard_info=shard, pack=False,
                               num_epochs=1)
-    out = set()
-    for batch in ds.as_numpy_iterator():
-        inputs, targets = batch["encoder_input_tokens"][0], batch["decoder_target_tokens"][0]
-        fills, key = {}, None
-        for t in targets[targets > 1].tolist():
-            if t >= size - 100:
-                key = t
-                fills[key] = []
-            else:
-                fills[key].append(t)
-        out.add(tuple(x for t in inputs[inputs > 1].tolist()
-                      for x in (fills[t] if t >= size - 100 else [t])))
-    return out
+    return {tuple(original_tokens(batch)) for batch in ds.as_numpy_iterator()}
 
 
 def test_host_shards_are_disjoint_and_cover_the_split():

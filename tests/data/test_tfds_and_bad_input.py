@@ -9,6 +9,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from moe_jax.data import pipeline, vocab
+from tests.data.span_lib import original_tokens
 
 LENGTHS = {"inputs": 64, "targets": 16}
 REPLACEMENT = "\ufffd"
@@ -18,20 +19,6 @@ def _examples(task: str, **kwargs) -> list[dict[str, np.ndarray]]:
     ds = pipeline.get_dataset(task, LENGTHS, "train", batch_size=1, shuffle=False, seed=0,
                               pack=False, num_epochs=1, **kwargs)
     return list(ds.as_numpy_iterator())
-
-
-def _original_tokens(batch: dict[str, np.ndarray]) -> list[int]:
-    size = vocab.get_vocabulary().vocab_size
-    inputs = batch["encoder_input_tokens"][0]
-    targets = batch["decoder_target_tokens"][0]
-    fills, key = {}, None
-    for t in targets[targets > 1].tolist():
-        if t >= size - 100:
-            key = t
-            fills[key] = []
-        else:
-            fills[key].append(t)
-    return [x for t in inputs[inputs > 1].tolist() for x in (fills[t] if t >= size - 100 else [t])]
 
 
 @pytest.mark.parametrize("tfds_name,task", [("c4/multilingual:3.1.0", "mc4_de_span_corruption"),
@@ -70,7 +57,7 @@ def test_bad_documents_are_skipped_replaced_or_split():
     for b in batches:
         assert (b["encoder_input_tokens"] > 0).sum() <= 64
         assert (b["decoder_target_tokens"] > 0).sum() <= 16
-    tokens = [t for b in batches for t in _original_tokens(b)]
+    tokens = [t for b in batches for t in original_tokens(b)]
     # The empty and whitespace-only documents produce nothing; the rest comes back whole.
     expected = (v.encode(f"café abc{REPLACEMENT}{REPLACEMENT}def")
                 + v.encode(" ".join(["freedom"] * 3000))
