@@ -59,5 +59,7 @@ def test_base_scale_and_expert_count_family():
 def test_cpu_overlay_switches_to_the_embedded_corpus_and_short_sequences():
     _parse("fig5_learned.gin", "cpu_scale.gin")
     assert gin.query_parameter("sources.make_source.corpus") == "embedded"
+    assert gin.query_parameter("vocab.get_vocabulary.kind") == "embedded"
+    assert gin.query_parameter("vocab.get_vocabulary.path") is None  # nothing fetched from gs://
     assert gin.query_parameter("%TASK_FEATURE_LENGTHS") == {"inputs": 64, "targets": 16}
     assert _model_config()["EMBED_DIM"] == 32
