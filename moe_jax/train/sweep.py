@@ -1,0 +1,345 @@
+"""`moe-jax sweep`: expand an experiment family into training runs, then collect their
+eval curves into the paper's plots.
+
+A family is a TOML file (``configs/*.toml``)::
+
+    name = "fig5_cpu"
+    gin_files = ["experiments/cpu_scale.gin"]   # overlays, after each run's own files
+    seeds = [0, 1, 2]                            # -> --gin.RANDOM_SEED
+    metric = "accuracy"                          # eval metric to plot (default accuracy)
+    [bindings]                                   # --gin.KEY=VALUE for every run
+    TRAIN_STEPS = 600
+    [axes]                                       # optional: a run per value (product)
+    NUM_EXPERTS = [8, 16, 32, 64]
+    [runs.frozen]
+    gin_files = ["experiments/fig5_frozen.gin"]
+    bindings = {}                                # optional, per run
+
+Every (run, axis values, seed) becomes one ``moe-jax train`` invocation whose MODEL_DIR is
+``ROOT/<run>[/<AXIS>-<value>...]/seed<N>``. Subcommands::
+
+    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run]
+    moe-jax sweep collect FAMILY --root=DIR --out=DIR
+
+``run`` starts ``--parallel`` trainings at a time, writes each one's log to
+``<MODEL_DIR>/log.txt`` and a ``DONE`` marker when it exits cleanly; runs with a marker are
+skipped, runs without one resume from their last checkpoint (the trainer's own resume).
+``--dry-run`` prints the commands, one per line, e.g. to hand them to ``launch/`` scripts.
+``collect`` reads each run's ``metrics.jsonl`` eval records and writes ``<name>.json``
+(per-step mean/std/min/max over seeds, final values, paired per-seed gaps between runs),
+``<name>_curves.png`` (metric vs steps per run, band = seed range) and, when the family
+has an axis, ``<name>_vs_<axis>.png`` (final metric vs axis value per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+FAMILY_KEYS = frozenset({"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"})
+RUN_KEYS = frozenset({"gin_files", "bindings"})
+
+
+class FamilyError(ValueError):
+    """A family file that cannot be expanded; the message names the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training run of a family."""
+
+    run: str                          # the family's run name, e.g. "learned"
+    axes: tuple[tuple[str, Any], ...]  # ((axis, value), ...) in family order
+    seed: int
+    gin_files: tuple[str, ...]
+    bindings: tuple[tuple[str, Any], ...]
+
+    @property
+    def group(self) -> str:
+        """The run and its axis values without the seed, e.g. ``learned/NUM_EXPERTS-8``."""
+        return "/".join([self.run, *(f"{k}-{v}" for k, v in self.axes)])
+
+    def model_dir(self, root: str) -> str:
+        return os.path.join(root, self.group, f"seed{self.seed}")
+
+    def command(self, root: str) -> list[str]:
+        """The ``moe-jax train`` argv of this run."""
+        flags = [f"--gin_file={f}" for f in self.gin_files]
+        flags += [f"--gin.{k}={_gin_literal(v)}" for k, v in self.bindings]
+        flags += [f"--gin.MODEL_DIR={self.model_dir(root)}", f"--gin.RANDOM_SEED={self.seed}"]
+        return ["moe-jax", "train", *flags]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    metric: str
+    axes: tuple[tuple[str, tuple[Any, ...]], ...]
+    runs: tuple[RunSpec, ...]
+
+
+def _gin_literal(value: Any) -> str:
+    """A TOML value as gin text (strings quoted, booleans capitalised)."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str):
+        return repr(value)
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _require(cond: bool, path: str, message: str) -> None:
+    if not cond:
+        raise FamilyError(f"{path}: {message}")
+
+
+def load_family(path: str) -> Family:
+    """Parse and validate a family file; errors name the file and the offending key."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise FamilyError(f"{path}: no such family file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise FamilyError(f"{path}: not valid TOML ({err})") from None
+    unknown = sorted(set(raw) - FAMILY_KEYS)
+    _require(not unknown, path, f"unknown key(s) {unknown}; allowed: {sorted(FAMILY_KEYS)}")
+    name = raw.get("name", os.path.splitext(os.path.basename(path))[0])
+    seeds = raw.get("seeds", [0])
+    _require(isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
+             path, f"'seeds' must be a non-empty list of integers, got {seeds!r}")
+    runs = raw.get("runs", {})
+    _require(isinstance(runs, dict) and runs, path, "needs at least one [runs.<name>] table")
+    axes = raw.get("axes", {})
+    for axis, values in axes.items():
+        _require(isinstance(values, list) and values, path, f"axes.{axis} must be a non-empty list")
+    common_files = raw.get("gin_files", [])
+    common_bindings = raw.get("bindings", {})
+    specs = []
+    for run_name, run in runs.items():
+        _require(isinstance(run, dict), path, f"runs.{run_name} must be a table")
+        unknown = sorted(set(run) - RUN_KEYS)
+        _require(not unknown, path, f"runs.{run_name}: unknown key(s) {unknown}; allowed: {sorted(RUN_KEYS)}")
+        _require(bool(run.get("gin_files")), path, f"runs.{run_name}.gin_files is missing or empty")
+        for point in itertools.product(*axes.values()):
+            axis_values = tuple(zip(axes, point))
+            bindings = {**common_bindings, **run.get("bindings", {}), **dict(axis_values)}
+            for seed in seeds:
+                specs.append(RunSpec(run_name, axis_values, seed,
+                                     (*run["gin_files"], *common_files), tuple(bindings.items())))
+    return Family(name, raw.get("metric", "accuracy"),
+                  tuple((k, tuple(v)) for k, v in axes.items()), tuple(specs))
+
+
+# ---------------------------------------------------------------------------------- run
+
+
+def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSpec, int, float]:
+    model_dir = spec.model_dir(root)
+    os.makedirs(model_dir, exist_ok=True)
+    start = time.time()
+    with open(os.path.join(model_dir, "log.txt"), "a") as log:
+        rc = subprocess.call([*executable, *spec.command(root)[2:]], stdout=log, stderr=subprocess.STDOUT)
+    if rc == 0:
+        with open(os.path.join(model_dir, "DONE"), "w") as f:
+            f.write(f"{time.time() - start:.1f} s\n")
+    return spec, rc, time.time() - start
+
+
+def run_family(family: Family, root: str, parallel: int = 1,
+               executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train")) -> int:
+    """Train every run of ``family`` not yet marked DONE; returns the number that failed."""
+    todo = [s for s in family.runs if not os.path.exists(os.path.join(s.model_dir(root), "DONE"))]
+    print(f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
+          f"{len(todo)} to run, {parallel} at a time", flush=True)
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = [pool.submit(_execute, s, root, executable) for s in todo]
+        for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            spec, rc, seconds = future.result()
+            status = "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.model_dir(root)}/log.txt)"
+            print(f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in {seconds / 60:.1f} min",
+                  flush=True)
+            failed += rc != 0
+    return failed
+
+
+# ------------------------------------------------------------------------------ collect
+
+
+def read_eval_curve(model_dir: str, metric: str) -> dict[int, float]:
+    """``{step: value}`` of ``metric`` over the eval records of ``model_dir/metrics.jsonl``."""
+    path = os.path.join(model_dir, "metrics.jsonl")
+    curve: dict[int, float] = {}
+    if not os.path.exists(path):
+        return curve
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("split") == "eval" and metric in record:
+                curve[int(record["step"])] = float(record[metric])  # a resumed run overwrites
+    return curve
+
+
+def _stats(values: np.ndarray) -> dict[str, float]:
+    return {"mean": float(values.mean()), "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+            "min": float(values.min()), "max": float(values.max()), "n": int(len(values))}
+
+
+def summarize(family: Family, root: str) -> dict[str, Any]:
+    """Per group: the curve over steps all its seeds reached, and the final value per seed;
+    per pair of runs at the same axis point: per-seed final gaps (paired by seed)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for spec in family.runs:
+        curve = read_eval_curve(spec.model_dir(root), family.metric)
+        group = groups.setdefault(spec.group, {"run": spec.run, "axes": dict(spec.axes), "seeds": {}})
+        if curve:
+            group["seeds"][spec.seed] = curve
+    for name, group in groups.items():
+        curves = group.pop("seeds")
+        if not curves:
+            group.update(missing=True)
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in curves.values())))
+        values = np.array([[c[s] for s in steps] for c in curves.values()])  # [seeds, steps]
+        group["steps"] = steps
+        group["curve"] = {k: [_stats(values[:, j])[k] for j in range(len(steps))] for k in ("mean", "min", "max", "std")}
+        group["final_step"] = steps[-1] if steps else None
+        group["final"] = {str(seed): c[steps[-1]] for seed, c in curves.items()} if steps else {}
+        group["final_stats"] = _stats(values[:, -1]) if steps else None
+    gaps = []
+    complete = {k: g for k, g in groups.items() if g.get("final")}
+    for (b_name, b), (a_name, a) in itertools.combinations(complete.items(), 2):
+        if a["axes"] != b["axes"]:  # a later run of the file minus an earlier one
+            continue
+        seeds = sorted(set(a["final"]) & set(b["final"]))
+        if not seeds:
+            continue
+        diff = np.array([a["final"][s] - b["final"][s] for s in seeds])
+        gaps.append({"a": a_name, "b": b_name, "per_seed": dict(zip(seeds, diff.tolist())),
+                     "a_wins": int((diff > 0).sum()), **_stats(diff)})
+    return {"family": family.name, "metric": family.metric, "groups": groups, "gaps": gaps}
+
+
+def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]:
+    """Write the curve plot and, for families with axes, the final-vs-axis plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric, written = summary["metric"], []
+    groups = {k: g for k, g in summary["groups"].items() if not g.get("missing")}
+    points = sorted({tuple(g["axes"].items()) for g in groups.values()})
+    fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points), 4), squeeze=False)
+    for ax, point in zip(axs[0], points):
+        for name, g in groups.items():
+            if tuple(g["axes"].items()) != point:
+                continue
+            n = g["final_stats"]["n"]
+            line, = ax.plot(g["steps"], g["curve"]["mean"], marker="o", ms=3, label=f"{g['run']} ({n} seeds)")
+            ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=line.get_color(), alpha=0.2)
+        ax.set(xlabel="step", ylabel=f"eval {metric}",
+               title=", ".join(f"{k}={v}" for k, v in point) or summary["family"])
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written.append(os.path.join(out, f"{summary['family']}_curves.png"))
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    for axis, values in family.axes:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for run in dict.fromkeys(g["run"] for g in groups.values()):
+            xs, ys, lo, hi = [], [], [], []
+            for value in values:
+                match = [g for g in groups.values() if g["run"] == run and g["axes"].get(axis) == value]
+                if match:
+                    s = match[0]["final_stats"]
+                    xs.append(value), ys.append(s["mean"]), lo.append(s["mean"] - s["min"]), hi.append(s["max"] - s["mean"])
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=run)
+        ax.set(xlabel=axis, ylabel=f"final eval {metric}", title=summary["family"])
+        if all(isinstance(v, (int, float)) and v > 0 for v in values):
+            ax.set_xscale("log", base=2)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(os.path.join(out, f"{summary['family']}_vs_{axis}.png"))
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """Final values and paired gaps as text (what ``collect`` prints)."""
+    metric = summary["metric"]
+    lines = [f"{'run':<32} {'step':>7} {'mean ' + metric:>16} {'std':>8} {'min':>8} {'max':>8} seeds"]
+    for name, g in summary["groups"].items():
+        if g.get("missing"):
+            lines.append(f"{name:<32} (no eval records yet)")
+            continue
+        s = g["final_stats"]
+        lines.append(f"{name:<32} {g['final_step']:>7} {s['mean']:>16.4f} {s['std']:>8.4f} "
+                     f"{s['min']:>8.4f} {s['max']:>8.4f} {s['n']}")
+    for gap in summary["gaps"]:
+        lines.append(f"gap {gap['a']} - {gap['b']}: {gap['mean']:+.4f} ± {gap['std']:.4f} "
+                     f"(min {gap['min']:+.4f}, max {gap['max']:+.4f}; {gap['a']} ahead in "
+                     f"{gap['a_wins']}/{gap['n']} seeds)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-jax sweep", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    run = sub.add_parser("run", help="train every run of a family")
+    collect = sub.add_parser("collect", help="gather eval curves into JSON and PNG plots")
+    for p in (run, collect):
+        p.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
+        p.add_argument("--root", required=True, help="parent of the runs' MODEL_DIRs")
+    run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
+    run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    collect.add_argument("--out", help="where the JSON and PNGs go (default: ROOT)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        family = load_family(args.family)
+    except FamilyError as err:
+        print(f"moe-jax sweep: {err}", file=sys.stderr)
+        return 2
+    if args.action == "run":
+        if args.dry_run:
+            import shlex
+
+            for spec in family.runs:
+                print(shlex.join(spec.command(args.root)))
+            return 0
+        return 1 if run_family(family, args.root, args.parallel) else 0
+    out = args.out or args.root
+    os.makedirs(out, exist_ok=True)
+    summary = summarize(family, args.root)
+    if all(g.get("missing") for g in summary["groups"].values()):
+        print(f"moe-jax sweep: no eval records under {args.root} for family {family.name}", file=sys.stderr)
+        return 1
+    path = os.path.join(out, f"{family.name}.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    pngs = plot_summary(summary, family, out)
+    print(format_table(summary))
+    print("wrote", path, *pngs)
+    return 0
