@@ -161,6 +161,7 @@ def run_family(family: Family, root: str, parallel: int = 1,
                executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train")) -> int:
     """Train every run of ``family`` not yet marked DONE; returns the number that failed."""
     todo = [s for s in family.runs if not os.path.exists(os.path.join(s.model_dir(root), "DONE"))]
+    todo.sort(key=lambda s: s.seed)  # whole seeds first: a cut-short sweep still compares runs
     print(f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
           f"{len(todo)} to run, {parallel} at a time", flush=True)
     failed = 0
