@@ -145,6 +145,31 @@ class Checkpointer:
         self._manager.close()
 
 
+def restore_params_from(path: str, target: PyTree) -> tuple[PyTree, int, dict[str, Any]]:
+    """The parameters of the checkpoint at ``path`` laid out as ``target``, its step and
+    metadata (for eval/analysis). ``path`` is ``MODEL_DIR`` (latest step), ``MODEL_DIR/STEP``
+    or ``MODEL_DIR/checkpoints/STEP``.
+
+    Raises:
+      FileNotFoundError: naming ``path`` when it holds no checkpoints or not that step.
+      CheckpointMismatchError: when the checkpoint is another model's.
+    """
+    model_dir, step = split_checkpoint_path(path)
+    directory = os.path.join(model_dir, "checkpoints")
+    if "://" not in directory and not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: {directory} does not exist")
+    ckpt = Checkpointer(model_dir, read_only=True)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None or step not in ckpt.all_steps():
+            raise FileNotFoundError(f"no checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
+                                    f"at {path!r} (steps in {directory}: {ckpt.all_steps()})")
+        params, meta = ckpt.restore_params(step, target)
+    finally:
+        ckpt.close()
+    return params, step, meta
+
+
 def gather_from_processes(obj: Any) -> list[Any]:
     """Every process's JSON-serialisable ``obj``, in process order (one collective)."""
     if jax.process_count() == 1:

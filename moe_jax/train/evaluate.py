@@ -163,18 +163,12 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
     os.makedirs(output_dir, exist_ok=True)
     results = {}
     for label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
-        model_dir, step = checkpoints.split_checkpoint_path(path)
-        ckpt = checkpoints.Checkpointer(model_dir, read_only=True)
-        step = ckpt.latest_step() if step is None else step
-        if step is None or step not in ckpt.all_steps():
-            raise FileNotFoundError(f"no checkpoint {'step ' + str(step) + ' ' if step else ''}in "
-                                    f"{ckpt.directory} (steps: {ckpt.all_steps()})")
-        params, _ = ckpt.restore_params(step, target)
-        ckpt.close()
+        model_dir = checkpoints.split_checkpoint_path(path)[0]
+        params, step, _ = checkpoints.restore_params_from(path, target)
         metrics = run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps)
         routing = routing_by_layer(metrics)
         results[label] = {
-            "checkpoint": f"{ckpt.directory}/{step}", "step": step,
+            "checkpoint": f"{os.path.join(model_dir, 'checkpoints')}/{step}", "step": step,
             "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
             "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
                         for layer, stats in routing.items()},

@@ -1,0 +1,166 @@
+"""Per-token routing of a trained checkpoint on a dataset.
+
+:func:`restore_params` restores a checkpoint's parameters onto the current mesh (through
+:func:`moe_jax.train.checkpoints.restore_params_from`, as `moe-jax eval` does);
+:func:`collect_routing` runs batches through the network with the MoE layers' opt-in
+``routing`` collection mutable and returns, for each MoE layer (``"encoder/layers_3"``,
+``"decoder/layers_7"``, ...), every token's expert choices, router probabilities and router
+inputs together with its position in its sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.moe.layer import ROUTING_COLLECTION
+
+_SKIPPED_PATH_PARTS = ("ffn", "moe")
+
+
+@dataclasses.dataclass
+class LayerRouting:
+    """One MoE layer's routing of ``n`` rows of ``length`` token slots.
+
+    Attributes:
+      expert_index: ``int32 [n, length, k]`` chosen experts, best first (``num_experts``
+        on padding); expert-choice layers: the argmax expert, ``k = 1``.
+      router_probs: ``float32 [n, length, num_experts]`` router softmax.
+      router_inputs: ``float32 [n, length, d_model]`` what the router read (after pre-norm).
+      positions: ``int32 [n, length]`` position of each token in its sequence (0-based).
+      segments: ``int32 [n, length]`` sequence id within its row (packed rows hold several),
+        0 on padding.
+    """
+
+    expert_index: np.ndarray
+    router_probs: np.ndarray
+    router_inputs: np.ndarray
+    positions: np.ndarray
+    segments: np.ndarray
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.router_probs.shape[-1])
+
+    @property
+    def valid(self) -> np.ndarray:
+        """``bool [n, length]``: real (non-padding) tokens."""
+        return self.segments > 0
+
+
+def restore_params(checkpoint_path: str, model: Any, input_shapes: Mapping[str, tuple[int, int]],
+                   ctx: Any) -> tuple[Any, int]:
+    """(parameters laid out on ``ctx.mesh``, step) of ``checkpoint_path`` (``MODEL_DIR``,
+    ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``).
+
+    Raises:
+      FileNotFoundError: naming the path when it holds no such checkpoint.
+      moe_jax.train.checkpoints.CheckpointMismatchError: the checkpoint is another model's.
+    """
+    from moe_jax.train import checkpoints, train, train_state
+
+    shardings = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
+    target = train_state.abstract_with_shardings(train.abstract_params(model, input_shapes), shardings)
+    params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
+    return params, step
+
+
+def _positions_and_segments(tokens: jax.Array, valid: jax.Array, batch: Mapping[str, jax.Array],
+                            prefix: str) -> tuple[jax.Array, jax.Array]:
+    """``[batch, length]`` positions and segment ids (0 = padding) of one stack's tokens:
+    the packed features when present, else the column index and one segment per row."""
+    positions = batch.get(f"{prefix}_positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    segments = batch.get(f"{prefix}_segment_ids")
+    segments = jnp.ones_like(tokens, jnp.int32) if segments is None else segments.astype(jnp.int32)
+    return positions.astype(jnp.int32), jnp.where(valid, segments, 0)
+
+
+def _layer_name(path) -> tuple[str, str]:
+    """(layer name without the ffn/moe parts, sown variable name) of a collection path."""
+    names = [str(getattr(k, "key", k)) for k in path if not isinstance(k, jax.tree_util.SequenceKey)]
+    return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
+
+
+def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh,
+               batch_axes: tuple[str, ...] = ("data", "expert")):
+    """Jitted ``(params, batch) -> {layer: {name: array}}``: the deterministic forward pass
+    (eval capacity factor) with the ``routing`` collection sown, plus per stack
+    ``positions``/``segments`` of the global batch; outputs replicated on every process."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from moe_jax.models.model import FEATURES
+
+    def fn(params, batch):
+        args = [batch.get(k) for k in FEATURES[:3]] + [batch.get(k) for k in FEATURES[4:]]
+        _, state = model.module.apply({"params": params}, *args, enable_dropout=False,
+                                      mutable=[ROUTING_COLLECTION])
+        out: dict[str, dict[str, jax.Array]] = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state.get(ROUTING_COLLECTION, {}))[0]:
+            layer, name = _layer_name(path)
+            out.setdefault(layer, {})[name] = leaf
+        enc = batch["encoder_input_tokens"]
+        dec_targets = batch["decoder_target_tokens"]
+        out["_positions"] = {}
+        for prefix, tokens in (("encoder", enc), ("decoder", dec_targets)):
+            pos, seg = _positions_and_segments(tokens, tokens > 0, batch, prefix)
+            out["_positions"][f"{prefix}_positions"] = pos
+            out["_positions"][f"{prefix}_segments"] = seg
+        return out
+
+    jitted = jax.jit(fn, in_shardings=(params_shardings, NamedSharding(mesh, PartitionSpec(batch_axes))),
+                     out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def run(params, batch):
+        with jax.set_mesh(mesh):
+            return jitted(params, batch)
+
+    return run
+
+
+def _layer_order(name: str) -> tuple:
+    """Encoder layers first, then decoder ones, each by depth."""
+    return tuple((0, int(p)) if p.isdigit() else (1, {"encoder": "0", "decoder": "1"}.get(p, p))
+                 for p in re.split(r"[/_]", name))
+
+
+def collect_routing(fn, params: Any, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, LayerRouting]:
+    """Runs ``fn`` (from :func:`routing_fn`) over global ``batches`` and concatenates the
+    rows: ``{"encoder/layers_3": LayerRouting, ...}``, encoder layers first, by depth.
+
+    Raises:
+      ValueError: no batches, or a model without MoE layers.
+    """
+    parts: dict[str, dict[str, list[np.ndarray]]] = {}
+    for batch in batches:
+        out = jax.device_get(fn(params, batch))
+        for layer, arrays in out.items():
+            for name, value in arrays.items():
+                parts.setdefault(layer, {}).setdefault(name, []).append(np.asarray(value))
+    if not parts:
+        raise ValueError("the dataset gave no batches to analyse")
+    pos = {name: np.concatenate(v) for name, v in parts.pop("_positions").items()}
+    if not parts:
+        raise ValueError("the model has no MoE layers (nothing sowed per-token routing)")
+    layers = {}
+    for layer, arrays in sorted(parts.items(), key=lambda item: _layer_order(item[0])):
+        stack = re.match(r"^(encoder|decoder)\b", layer)
+        prefix = stack.group(1) if stack else "encoder"
+        cat = {name: np.concatenate(v) for name, v in arrays.items()}
+        probs = cat["router_probs"].astype(np.float32)
+        segments = pos[f"{prefix}_segments"]
+        index = cat.get("expert_index")
+        if index is None:  # expert choice: a token's own choice is its argmax expert
+            index = np.argmax(probs, axis=-1)[..., None]
+        index = np.where(segments[..., None] > 0, index, probs.shape[-1]).astype(np.int32)
+        layers[layer] = LayerRouting(expert_index=index, router_probs=probs,
+                                     router_inputs=cat["router_inputs"].astype(np.float32),
+                                     positions=pos[f"{prefix}_positions"], segments=segments)
+    return layers

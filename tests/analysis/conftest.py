@@ -1,0 +1,28 @@
+"""A tiny trained checkpoint shared by the analysis tests (the tests/train smoke pattern):
+the size_tiny MoE T5 (1 sparse layer per stack, 4 experts, top-2) trained for 1 step on the
+embedded corpus, 32 encoder / 8 decoder positions."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from moe_jax.train import gin_utils, train
+
+TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+        "--gin.train_script.train.checkpoint_period=1", "--gin.train_script.train.log_period=1",
+        "--gin.train_script.train.eval_period=0"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> pathlib.Path:
+    """``MODEL_DIR`` of a 1-step run: ``checkpoints/1`` and the run's ``config.gin``."""
+    model_dir = tmp_path_factory.mktemp("tiny_run")
+    args = gin_utils.parse_flags(train.build_parser("test", "test"),
+                                 [*TINY, f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=1"])
+    gin_utils.parse_gin(args)
+    train.train()
+    assert (model_dir / "checkpoints" / "1").is_dir() and (model_dir / "config.gin").exists()
+    return model_dir
