@@ -5,6 +5,8 @@ d_model]`` -> router -> dispatch into expert buffers -> experts -> combine ->
 ``[batch, length, d_model]``. Dropped tokens get a zero output: the model's residual
 connection carries them through. Auxiliary losses are sown, already weighted, into the
 ``aux_loss`` collection; statistics and the unweighted losses into ``moe_metrics``.
+Opt-in, only when the caller makes the ``routing`` collection mutable (never in training):
+per-token routing for analyses (moe_jax/analysis), see :meth:`MoeLayer._sow_routing`.
 See docs/moe.md.
 """
 
@@ -22,12 +24,20 @@ from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
 from moe_jax.moe.dispatch import DISPATCH_IMPLS, default_dispatch, dispatch_combine, ragged_token_choice
 from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_expert_ffn
-from moe_jax.moe.routers import ROUTERS, ExpertChoiceRouting, RouterOutput
+from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS, check_hierarchical_options
+from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
+from moe_jax.moe.routers import ROUTERS as _FLAT_ROUTERS
 
 Array = jax.Array
 
+# Every router by its MoeLayer.router_type name.
+ROUTERS: dict[str, type[nn.Module]] = {**_FLAT_ROUTERS, **HIERARCHICAL_ROUTERS}
+
 # Routers that look at the whole routing group (future tokens in a causal decoder).
 _GROUP_WIDE_ROUTERS = ("expert_choice",)
+
+# Opt-in collection of per-token routing decisions (see MoeLayer._sow_routing).
+ROUTING_COLLECTION = "routing"
 
 
 @gin.configurable
@@ -37,9 +47,14 @@ class MoeLayer(nn.Module):
     Attributes:
       num_experts: E.
       num_selected_experts: k, experts per token (token-choice routers); for expert choice
-        the average number of experts per token used in the ``k_scaled`` capacity rule.
-      router_type: one of ``routers.ROUTERS``: ``top_k``, ``noisy_top_k``,
-        ``expert_choice``, ``hash``, ``random``.
+        the average number of experts per token used in the ``k_scaled`` capacity rule;
+        for the hierarchical routers k2, the experts chosen inside each chosen group.
+      router_type: one of ``ROUTERS``: ``top_k``, ``noisy_top_k``, ``expert_choice``,
+        ``hash``, ``random``, ``hierarchical``, ``noisy_hierarchical``.
+      num_expert_groups: G, expert groups of the hierarchical routers (E / G experts each;
+        not the routing groups of ``group_size``).
+      num_selected_groups: k1, expert groups each token is sent to (hierarchical routers);
+        a token then has ``k1 * k2`` assignments.
       d_ff: hidden size of each expert MLP.
       activation: ``relu``, ``gelu`` or ``gated_gelu`` (T5 v1.1).
       expert_dropout_rate: dropout on the experts' hidden activations in training.
@@ -69,6 +84,8 @@ class MoeLayer(nn.Module):
     num_experts: int = 8
     num_selected_experts: int = 2
     router_type: str = "top_k"
+    num_expert_groups: int = 1
+    num_selected_groups: int = 1
     d_ff: int = 2048
     activation: str = "relu"
     expert_dropout_rate: float = 0.0
@@ -111,6 +128,9 @@ class MoeLayer(nn.Module):
             raise ValueError(f"MoeLayer.dispatch={self.dispatch!r} is unknown; "
                              f"choose one of {DISPATCH_IMPLS + ('auto',)}")
         check_activation(self.activation)
+        if self.router_type in HIERARCHICAL_ROUTERS:
+            check_hierarchical_options(self.num_experts, self.num_selected_experts,
+                                       self.num_expert_groups, self.num_selected_groups)
         group_wide = self.router_type in _GROUP_WIDE_ROUTERS or self.batch_prioritized_routing
         if self.causal and group_wide and not self.accept_causal_leak:
             what = (f"router_type={self.router_type!r}" if self.router_type in _GROUP_WIDE_ROUTERS
@@ -122,12 +142,20 @@ class MoeLayer(nn.Module):
             raise ValueError("MoeLayer.dropless=True needs a token-choice router, "
                              "not router_type='expert_choice'")
 
+    @property
+    def choices_per_token(self) -> int:
+        """Assignments per token: ``k``, or ``k1 * k2`` for the hierarchical routers."""
+        if self.router_type in HIERARCHICAL_ROUTERS:
+            return self.num_selected_groups * self.num_selected_experts
+        return self.num_selected_experts
+
     def _router(self) -> nn.Module:
         cls = ROUTERS[self.router_type]
         options = dict(num_experts=self.num_experts, num_selected_experts=self.num_selected_experts,
                        renormalize_gates=self.renormalize_gates, jitter_noise=self.jitter_noise,
                        batch_prioritized=self.batch_prioritized_routing,
-                       init_stddev=self.router_init_stddev, seed=self.router_seed)
+                       init_stddev=self.router_init_stddev, seed=self.router_seed,
+                       num_groups=self.num_expert_groups, num_selected_groups=self.num_selected_groups)
         return cls(**{k: v for k, v in options.items() if k in cls.__dataclass_fields__}, name="router")
 
     @nn.compact
@@ -159,10 +187,11 @@ class MoeLayer(nn.Module):
             capacity = tokens_per_group
         else:
             factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
-            capacity = cap.expert_capacity(tokens_per_group, self.num_experts, self.num_selected_experts,
+            capacity = cap.expert_capacity(tokens_per_group, self.num_experts, self.choices_per_token,
                                            factor, self.min_expert_capacity, self.capacity_rule)
 
         router_output = self._router()(x, mask, ids, capacity, deterministic)
+        self._sow_routing(router_output, x, num_tokens, (batch, length))
         weights = Experts(self.num_experts, self.d_ff, self.activation, self.dtype, name="expert")(d_model)
         y, kept = self._experts(x, router_output, weights, capacity, mesh, deterministic)
         self._sow_losses_and_metrics(router_output, mask, kept)
@@ -201,6 +230,28 @@ class MoeLayer(nn.Module):
         else:
             outputs = local_fn(x, routing, weights, rng, ep.local_comm)
         return outputs[0], (outputs[1] if num_outputs == 2 else None)
+
+    def _sow_routing(self, router_output: RouterOutput, x: Array, num_tokens: int,
+                     batch_length: tuple[int, int]) -> None:
+        """Sows per-token routing into ``routing`` when that collection is mutable (and not
+        at init), so training and eval are unaffected. In ``[batch, length, ...]`` layout:
+
+          ``router_inputs [batch, length, d_model]`` what the router reads (after the
+            block's pre-norm, in the layer's dtype);
+          ``router_probs [batch, length, experts]`` float32 softmax of the router logits;
+          ``expert_index [batch, length, k]`` int32 chosen experts, best first, before
+            capacity (``num_experts`` = padding); token-choice routers only.
+        """
+        if self.is_initializing() or not self.is_mutable_collection(ROUTING_COLLECTION):
+            return
+
+        def ungrouped(a: Array) -> Array:
+            return cap.from_groups(a, num_tokens).reshape(batch_length + a.shape[2:])
+
+        self.sow(ROUTING_COLLECTION, "router_inputs", ungrouped(x))
+        self.sow(ROUTING_COLLECTION, "router_probs", ungrouped(router_output.probs))
+        if not isinstance(router_output.routing, ExpertChoiceRouting):
+            self.sow(ROUTING_COLLECTION, "expert_index", ungrouped(router_output.routing.expert_index))
 
     def _sow_losses_and_metrics(self, router_output: RouterOutput, mask: Array, kept: Array | None) -> None:
         if kept is None:  # expert choice: tokens no expert took

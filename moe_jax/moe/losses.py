@@ -53,9 +53,28 @@ def importance_loss(gates: Array, padding_mask: Array) -> Array:
     return cv_squared(jnp.sum(gates * padding_mask[..., None], axis=(0, 1)))
 
 
+def expert_importance(router_output: RouterOutput, padding_mask: Array) -> Array:
+    """``[experts]`` summed gates over real tokens: the router's own definition when it has
+    one (hierarchical: ``Importance_H``), else the sum of the dense ``gates``."""
+    if router_output.importance is not None:
+        return router_output.importance
+    return jnp.sum(router_output.gates * padding_mask[..., None], axis=(0, 1))
+
+
+def hierarchical_z_loss(primary_logits: Array, secondary_logits: Array, padding_mask: Array) -> Array:
+    """Z-loss of a two-level router: the primary gate's plus the mean over expert groups of
+    each secondary gate's (``secondary_logits [..., G * b]``, group ``i`` in columns
+    ``i * b ... (i + 1) * b - 1``)."""
+    num_groups = primary_logits.shape[-1]
+    inner = secondary_logits.reshape(secondary_logits.shape[:-1] + (num_groups, -1))
+    per_group = jnp.mean(jnp.square(jax.nn.logsumexp(inner, axis=-1)), axis=-1)
+    return router_z_loss(primary_logits, padding_mask) + _token_mean(per_group, padding_mask)
+
+
 def load_loss(router_output: RouterOutput, padding_mask: Array) -> Array:
-    """Shazeer: CV^2 of the load. Uses the smooth (normal-CDF) estimate of noisy top-k in
-    training, which has gradients; otherwise the hard token counts (no gradient)."""
+    """Shazeer: CV^2 of the load. Uses the smooth (normal-CDF) estimate of noisy top-k (or
+    the hierarchical ``Load_H`` of noisy hierarchical gating) in training, which has
+    gradients; otherwise the hard token counts (no gradient)."""
     if router_output.smooth_load is not None:
         return cv_squared(router_output.smooth_load)
     return cv_squared(jnp.sum(router_output.assigned * padding_mask[..., None], axis=(0, 1)))
@@ -69,10 +88,14 @@ def routing_entropy(probs: Array, padding_mask: Array) -> Array:
 def auxiliary_losses(router_output: RouterOutput, padding_mask: Array) -> dict[str, Array]:
     """Every unweighted auxiliary loss, by the name used in the sown collections."""
     probs, mask = router_output.probs, padding_mask
+    if router_output.primary_logits is None:
+        z_loss = router_z_loss(router_output.logits, mask)
+    else:
+        z_loss = hierarchical_z_loss(router_output.primary_logits, router_output.logits, mask)
     return {
         "load_balancing_loss": load_balancing_loss(probs, router_output.assigned, mask),
-        "router_z_loss": router_z_loss(router_output.logits, mask),
-        "importance_loss": importance_loss(router_output.gates, mask),
+        "router_z_loss": z_loss,
+        "importance_loss": cv_squared(expert_importance(router_output, mask)),
         "load_loss": load_loss(router_output, mask),
         "entropy_loss": routing_entropy(probs, mask),
     }

@@ -3,9 +3,10 @@
 Every router maps ``x [groups, tokens_per_group, d_model]`` (with a padding mask
 ``[groups, tokens_per_group]``, 1 = real token) to a ``RouterOutput``:
 
-* token-choice routers (``top_k``, ``noisy_top_k``, ``hash``, ``random``) give each token
-  ``k`` experts (``TokenChoiceRouting``); capacity is enforced later by the dispatcher,
-  in priority order;
+* token-choice routers (``top_k``, ``noisy_top_k``, ``hash``, ``random``,
+  ``hierarchical``, ``noisy_hierarchical``) give each token ``k`` experts
+  (``TokenChoiceRouting``); capacity is enforced later by the dispatcher, in priority
+  order;
 * the expert-choice router (``expert_choice``) gives each expert its top-``C`` tokens
   (``ExpertChoiceRouting``); it looks at the whole group, so it leaks future tokens in a
   causal decoder (the layer refuses it there unless the leak is accepted).
@@ -69,8 +70,13 @@ class RouterOutput:
       assigned: ``[groups, tokens_per_group, experts]`` 1 where a token is sent to an
         expert before capacity is applied.
       gates: ``[groups, tokens_per_group, experts]`` dense combine weights (importance).
-      smooth_load: ``[experts]`` differentiable expected load (noisy top-k in training),
-        or None.
+      smooth_load: ``[experts]`` differentiable expected load (noisy top-k in training;
+        ``Load_H`` of the noisy hierarchical router in training), or None (hard counts).
+      importance: ``[experts]`` importance (summed gates over real tokens) when the router
+        defines its own (hierarchical: ``Importance_H``), or None (sum of ``gates``).
+      primary_logits: ``[groups, tokens_per_group, expert_groups]`` float32 logits of a
+        hierarchical router's primary gate (``logits`` are then the secondary ones, group
+        ``i``'s experts in columns ``i * b ... (i + 1) * b - 1``), or None.
     """
 
     routing: TokenChoiceRouting | ExpertChoiceRouting
@@ -79,6 +85,8 @@ class RouterOutput:
     assigned: Array
     gates: Array
     smooth_load: Array | None = None
+    importance: Array | None = None
+    primary_logits: Array | None = None
 
 
 class RouterWeights(nn.Module):
@@ -112,7 +120,7 @@ def _priority(probs: Array, padding_mask: Array, batch_prioritized: bool) -> Arr
 
 def _token_choice(logits: Array, probs: Array, expert_index: Array, gates: Array,
                   padding_mask: Array, batch_prioritized: bool,
-                  smooth_load: Array | None = None) -> RouterOutput:
+                  smooth_load: Array | None = None, **extra: Array | None) -> RouterOutput:
     """Packs a token-choice decision; padding tokens are routed nowhere."""
     num_experts = logits.shape[-1]
     real = padding_mask[..., None] > 0
@@ -126,7 +134,21 @@ def _token_choice(logits: Array, probs: Array, expert_index: Array, gates: Array
         assigned=_dense(expert_index, jnp.ones_like(gates), num_experts),
         gates=_dense(expert_index, gates, num_experts),
         smooth_load=smooth_load,
+        **extra,
     )
+
+
+def _prob_in_top_k(clean: Array, noisy: Array, noise_std: Array, k: int) -> Array:
+    """Shazeer's ``P(x, i)`` ``[..., n]``: probability that entry ``i`` of ``noisy [..., n]``
+    is in the top ``k`` when its own noise is redrawn and the others' kept:
+    ``Phi((clean_i - kth_excluding(noisy, k, i)) / noise_std_i)``."""
+    if k >= clean.shape[-1]:
+        return jnp.ones_like(clean)
+    top, _ = jax.lax.top_k(noisy, k + 1)
+    in_top_k = noisy >= top[..., k - 1:k]
+    # Threshold for entry i with the other noises fixed: the k-th largest of the others.
+    threshold = jnp.where(in_top_k, top[..., k:k + 1], top[..., k - 1:k])
+    return norm.cdf((clean - threshold) / noise_std)
 
 
 class TopKRouter(nn.Module):
@@ -201,14 +223,7 @@ class NoisyTopKRouter(nn.Module):
 
     def _smooth_load(self, clean: Array, noisy: Array, noise_std: Array, padding_mask: Array) -> Array:
         """``[experts]``: expected number of tokens routed to each expert (normal CDF)."""
-        k = self.num_selected_experts
-        if k >= self.num_experts:
-            return jnp.sum(padding_mask, axis=(0, 1))[None].repeat(self.num_experts, 0).astype(jnp.float32)
-        top, _ = jax.lax.top_k(noisy, k + 1)
-        in_top_k = noisy >= top[..., k - 1:k]
-        # Threshold for expert i with the other noises fixed: the k-th largest of the others.
-        threshold = jnp.where(in_top_k, top[..., k:k + 1], top[..., k - 1:k])
-        prob = norm.cdf((clean - threshold) / noise_std)
+        prob = _prob_in_top_k(clean, noisy, noise_std, self.num_selected_experts)
         return jnp.sum(prob * padding_mask[..., None], axis=(0, 1))
 
 

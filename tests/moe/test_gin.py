@@ -31,5 +31,6 @@ def test_gin_file_builds_a_working_layer(path):
         gin.clear_config()
     assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
     assert mode in freeze.ROUTER_MODES
-    assert layer.router_type in ("top_k", "noisy_top_k", "expert_choice", "hash", "random")
+    assert layer.router_type in ("top_k", "noisy_top_k", "expert_choice", "hash", "random",
+                                 "hierarchical", "noisy_hierarchical")
     assert "expert_load" in state["moe_metrics"]
