@@ -4,7 +4,7 @@
         [--gin_file=...] [--gin.positions_script.analyze.num_batches=16]
 
 The model and data come from the run's ``MODEL_DIR/config.gin`` (written by
-`moe-jax train`), then the analysis' defaults (``moe_jax/analysis/<analysis>.gin``), then
+`moe-jax train`), then the analysis' defaults (``gin/analysis/<analysis>.gin``), then
 ``--gin_file`` and ``--gin.NAME=VALUE`` flags, later ones overriding earlier ones. Without
 a ``config.gin``, pass the run's gin files as for `moe-jax eval`. See docs/analysis.md.
 """
@@ -12,7 +12,6 @@ a ``config.gin``, pass the run's gin files as for `moe-jax eval`. See docs/analy
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 from moe_jax.train import checkpoints, distributed, gin_utils
@@ -22,7 +21,7 @@ ANALYSES: dict[str, tuple[str, str]] = {
     "positions": ("moe_jax.analysis.positions", "positional routing: activation by position, "
                   "correlation length, position probes (Bershatsky & Oseledets)"),
 }
-DEFAULTS_DIR = pathlib.Path(__file__).resolve().parent
+DEFAULTS_DIR = gin_utils.REPO_GIN_DIR / "analysis"
 
 
 def _usage() -> str:
