@@ -286,3 +286,74 @@ def sample_truncated_pair(task: TruncatedPair, key: Array, n: int) -> Batch:
     radii = task.sigma * _truncated_radii(k_r, n, d, task.radius / task.sigma)
     x = sign[:, None] * task.z + direction * radii[:, None]
     return Batch(x, sign[:, None] * task.v, cluster)
+
+
+# ---------------------------------------------------------------------------------------
+# Mixture of classification (Chen et al. 2022, Definition 3.1)
+# ---------------------------------------------------------------------------------------
+
+
+class PatchMixture(NamedTuple):
+    """K clusters, each with a feature (label) signal v_k and a centre signal c_k.
+
+    features, centres: ``[K, d]`` (all 2K rows orthonormal); alpha, beta, gamma: the
+    (low, high) ranges of the uniform signal strengths; sigma_p: the random-noise patches
+    are N(0, sigma_p^2 / d I_d); num_patches: P >= 3; scale multiplies every patch (the
+    authors' code multiplies inputs by 10).
+    """
+
+    features: Array
+    centres: Array
+    alpha: tuple[float, float]
+    beta: tuple[float, float]
+    gamma: tuple[float, float]
+    sigma_p: float
+    num_patches: int
+    scale: float
+
+
+def make_patch_mixture(
+    key: Array,
+    k: int,
+    d: int,
+    *,
+    num_patches: int = 4,
+    alpha: tuple[float, float] = (0.5, 2.0),
+    beta: tuple[float, float] = (1.0, 2.0),
+    gamma: tuple[float, float] = (0.5, 3.0),
+    sigma_p: float = 1.0,
+    scale: float = 1.0,
+) -> PatchMixture:
+    """2K random orthonormal signals in R^d (needs 2K <= d); defaults are Table 1's setting 1."""
+    if 2 * k > d:
+        raise ValueError(f"2k orthogonal signals need d >= 2k, got k={k}, d={d}")
+    if num_patches < 3:
+        raise ValueError(f"num_patches must be >= 3 (signal, centre, feature noise), got {num_patches}")
+    q, _ = jnp.linalg.qr(jax.random.normal(key, (d, 2 * k)))  # [d, 2k] orthonormal columns
+    return PatchMixture(q[:, :k].T, q[:, k:].T, tuple(alpha), tuple(beta), tuple(gamma), sigma_p, num_patches, scale)
+
+
+def sample_patch_mixture(task: PatchMixture, key: Array, n: int) -> Batch:
+    """``n`` examples of Definition 3.1: x ``[n, P, d]``, y ``[n, 1]`` in {-1, +1}, cluster ``[n]``.
+
+    Cluster k uniform, feature-noise cluster k' uniform among the others, y and eps
+    Rademacher, alpha / beta / gamma uniform in their ranges. Patches before shuffling:
+    alpha y v_k (feature signal), beta c_k (cluster centre), gamma eps v_k' (feature
+    noise), then P - 3 patches of N(0, sigma_p^2 / d I); their order is a fresh uniform
+    permutation per example.
+    """
+    k, d = task.features.shape
+    keys = jax.random.split(key, 9)
+    cluster = jax.random.randint(keys[0], (n,), 0, k)
+    other = (cluster + jax.random.randint(keys[1], (n,), 1, k)) % k
+    y = jax.random.rademacher(keys[2], (n,)).astype(jnp.float32)
+    eps = jax.random.rademacher(keys[3], (n,)).astype(jnp.float32)
+    alpha, beta, gamma = (jax.random.uniform(kk, (n, 1), minval=lo, maxval=hi) for kk, (lo, hi) in zip(keys[4:7], (task.alpha, task.beta, task.gamma)))
+    signal = alpha * y[:, None] * task.features[cluster]
+    centre = beta * task.centres[cluster]
+    feature_noise = gamma * eps[:, None] * task.features[other]
+    noise = jax.random.normal(keys[7], (n, task.num_patches - 3, d)) * task.sigma_p / d**0.5
+    patches = jnp.concatenate([jnp.stack([signal, centre, feature_noise], axis=1), noise], axis=1)
+    order = jnp.argsort(jax.random.uniform(keys[8], (n, task.num_patches)), axis=1)
+    x = jnp.take_along_axis(patches, order[:, :, None], axis=1) * task.scale
+    return Batch(x, y[:, None], cluster.astype(jnp.int32))

@@ -94,3 +94,16 @@ def cluster_coverage(probs: Array, cluster: Array, num_clusters: int, threshold:
     served = jnp.sum(jnp.where(specialist, mass, 0.0), axis=1) / jnp.maximum(jnp.sum(mass, axis=1), 1e-12)
     present = jnp.sum(mass, axis=1) > 0
     return jnp.sum((served >= threshold) & present) / jnp.maximum(jnp.sum(present), 1)
+
+
+def dispatch_entropy(expert: Array, cluster: Array, num_experts: int, num_clusters: int) -> Array:
+    """Chen et al. (2022) eq. 6.1: sum_m (n_m / n) H(cluster | dispatched to expert m).
+
+    expert ``[n]`` (each example's top-1 expert), cluster ``[n]`` -> scalar in nats. With
+    n_{k,m} examples of cluster k sent to expert m: 0 when every expert receives at most
+    one cluster; log k when every expert receives the clusters in equal numbers.
+    """
+    counts = jnp.zeros((num_clusters, num_experts)).at[cluster, expert].add(1.0)  # n_{k,m}
+    per_expert = jnp.sum(counts, axis=0)  # n_m
+    share = counts / jnp.maximum(per_expert, 1.0)
+    return jnp.sum(per_expert * entropy(share.T)) / jnp.sum(per_expert)

@@ -35,7 +35,9 @@ class TrainConfig:
     batch_size None means full-batch gradient descent (the theory's population GD).
     router_mode "frozen" keeps the router's initial weights bit-for-bit (its updates are
     zeroed by the optimizer). weight_decay is an L2 penalty added to the gradients of
-    every parameter (router and experts).
+    every parameter (router and experts). normalize_experts divides each expert's gradient
+    by its norm before the expert optimizer (normalised gradient descent with "sgd" and
+    momentum 0, Chen et al. 2022), see ``normalize_per_expert``.
     """
 
     steps: int
@@ -46,6 +48,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     router_mode: str = "learned"
+    normalize_experts: bool = False
     chunk: int = 250
 
     def __post_init__(self) -> None:
@@ -62,6 +65,20 @@ def param_labels(params: Params) -> Params:
     return {group: jax.tree.map(lambda _, g=group: g, tree) for group, tree in params.items()}
 
 
+def normalize_per_expert(eps: float = 1e-30) -> optax.GradientTransformation:
+    """Scale each expert's gradient to unit norm: every leaf is ``[E, ...]`` and expert i's
+    norm is taken over slice i of all leaves together (an expert that got no gradient
+    keeps its zero)."""
+
+    def update_fn(updates: Params, state: optax.EmptyState, params: Params | None = None) -> tuple[Params, optax.EmptyState]:
+        leaves = jax.tree.leaves(updates)
+        sq = sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves)  # [E]
+        scale = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
+        return jax.tree.map(lambda g: g * scale.reshape((-1,) + (1,) * (g.ndim - 1)), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Separate learning rates for router and experts; a frozen router gets zero updates."""
 
@@ -70,7 +87,8 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         return optax.chain(optax.add_decayed_weights(cfg.weight_decay), base) if cfg.weight_decay else base
 
     router = optax.set_to_zero() if cfg.router_mode == "frozen" else branch(cfg.lr_router)
-    return optax.multi_transform({"router": router, "experts": branch(cfg.lr_experts)}, param_labels)
+    experts = optax.chain(normalize_per_expert(), branch(cfg.lr_experts)) if cfg.normalize_experts else branch(cfg.lr_experts)
+    return optax.multi_transform({"router": router, "experts": experts}, param_labels)
 
 
 class Runs(NamedTuple):
@@ -132,25 +150,30 @@ def train_runs(
     train: the training sets stacked ``[S, n_max, ...]``; run r reads dataset
     ``runs.data_index[r]`` and samples minibatches among its first ``runs.num_train[r]``
     examples. ``callback(step, params)`` runs after each chunk (for trajectories).
+    A model with a ``loss(params, batch, key)`` method (noisy routing, auxiliary losses)
+    is trained on it, with a fresh key each step; others on the MSE of ``apply``.
     """
     optimizer = make_optimizer(cfg)
     params = init_runs(model, runs, train) if params is None else params
     opt_state = jax.jit(jax.vmap(optimizer.init))(params)
     chunk = min(cfg.chunk, cfg.steps)
 
-    def loss_fn(p: Params, batch: Batch, expert_count: Array) -> Array:
+    def loss_fn(p: Params, batch: Batch, expert_count: Array, key: Array) -> Array:
+        if hasattr(model, "loss"):
+            return model.loss(p, batch, key)
         pred, _ = model.apply(p, batch.x, expert_count=expert_count)
         return metrics.mse(pred, batch.y)
 
     def one_run(p, state, key, data_index, num_train, expert_count, start):
         def step(carry, t):
             p, state = carry
+            step_key = jax.random.fold_in(key, t)
             if cfg.batch_size is None:
                 batch = jax.tree.map(lambda leaf: leaf[data_index], train)
             else:
-                idx = jax.random.randint(jax.random.fold_in(key, t), (cfg.batch_size,), 0, num_train)
+                idx = jax.random.randint(step_key, (cfg.batch_size,), 0, num_train)
                 batch = _select(train, data_index, idx)
-            grads = jax.grad(loss_fn)(p, batch, expert_count)
+            grads = jax.grad(loss_fn)(p, batch, expert_count, jax.random.fold_in(step_key, 1))
             updates, state = optimizer.update(grads, state, p)
             return (optax.apply_updates(p, updates), state), None
 

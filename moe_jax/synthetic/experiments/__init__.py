@@ -25,6 +25,8 @@ EXPERIMENTS: dict[str, str] = {
     "theorem1": "spurious",
     "dictionary": "dictionary",
     "cifar100": "cifar100",
+    "chen2022": "chen2022",
+    "mmoe": "mmoe",
 }
 
 # `moe-jax synthetic all` runs these (cifar100 needs the downloaded dataset)
