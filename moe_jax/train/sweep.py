@@ -19,7 +19,7 @@ Every (run, axis values, seed) becomes one ``moe-jax train`` invocation whose MO
 ``ROOT/<run>[/<AXIS>-<value>...]/seed<N>``. Subcommands::
 
     moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run]
-    moe-jax sweep collect FAMILY --root=DIR --out=DIR
+    moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss]
 
 ``run`` starts ``--parallel`` trainings at a time, writes each one's log to
 ``<MODEL_DIR>/log.txt`` and a ``DONE`` marker when it exits cleanly; runs with a marker are
@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     collect.add_argument("--out", help="where the JSON and PNGs go (default: ROOT)")
+    collect.add_argument("--metric", help="eval metric to collect (default: the family's, else accuracy); "
+                         "outputs are named <family>_<metric> when given")
     return parser
 
 
@@ -331,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(shlex.join(spec.command(args.root)))
             return 0
         return 1 if run_family(family, args.root, args.parallel) else 0
+    if args.metric:
+        family = dataclasses.replace(family, name=f"{family.name}_{args.metric}", metric=args.metric)
     out = args.out or args.root
     os.makedirs(out, exist_ok=True)
     summary = summarize(family, args.root)

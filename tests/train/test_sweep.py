@@ -136,6 +136,10 @@ gin_files = ["b.gin"]
     for png in ["fam_curves.png", "fam_vs_NUM_EXPERTS.png"]:
         image = matplotlib.image.imread(out / png)
         assert image.ndim == 3 and image.shape[0] > 100
+    assert sweep.main(["collect", path, "--root", root, "--out", str(out), "--metric", "loss"]) == 0
+    by_loss = json.loads((out / "fam_loss.json").read_text())
+    assert by_loss["metric"] == "loss" and by_loss["groups"]["frozen/NUM_EXPERTS-8"]["final_stats"]["mean"] == 1.0
+    assert (out / "fam_loss_curves.png").exists()
 
 
 def test_collect_without_any_eval_record_fails_clearly(tmp_path, capsys):
