@@ -229,7 +229,7 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
             continue
         diff = np.array([a["final"][s] - b["final"][s] for s in seeds])
         gaps.append({"a": a_name, "b": b_name, "per_seed": dict(zip(seeds, diff.tolist())),
-                     "a_wins": int((diff > 0).sum()), **_stats(diff)})
+                     "a_higher": int((diff > 0).sum()), **_stats(diff)})
     return {"family": family.name, "metric": family.metric, "groups": groups, "gaps": gaps}
 
 
@@ -294,8 +294,8 @@ def format_table(summary: dict[str, Any]) -> str:
                      f"{s['min']:>8.4f} {s['max']:>8.4f} {s['n']}")
     for gap in summary["gaps"]:
         lines.append(f"gap {gap['a']} - {gap['b']}: {gap['mean']:+.4f} ± {gap['std']:.4f} "
-                     f"(min {gap['min']:+.4f}, max {gap['max']:+.4f}; {gap['a']} ahead in "
-                     f"{gap['a_wins']}/{gap['n']} seeds)")
+                     f"(min {gap['min']:+.4f}, max {gap['max']:+.4f}; {gap['a']} higher in "
+                     f"{gap['a_higher']}/{gap['n']} seeds)")
     return "\n".join(lines)
 
 

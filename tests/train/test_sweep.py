@@ -128,7 +128,7 @@ gin_files = ["b.gin"]
     diff = np.array([finals[("learned/NUM_EXPERTS-8", s)] - finals[("frozen/NUM_EXPERTS-8", s)] for s in range(3)])
     gap = gaps[("learned/NUM_EXPERTS-8", "frozen/NUM_EXPERTS-8")]
     assert gap["mean"] == pytest.approx(diff.mean()) and gap["std"] == pytest.approx(diff.std(ddof=1))
-    assert gap["a_wins"] == int((diff > 0).sum())
+    assert gap["a_higher"] == int((diff > 0).sum())
 
     out = tmp_path / "out"
     assert sweep.main(["collect", path, "--root", root, "--out", str(out)]) == 0
