@@ -22,6 +22,12 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def activation_heatmap(name: str, stats: dict[str, Any], path: str, title: str = "") -> None:
     """Heatmap of ``stats["activation_rate"]["top_k"]`` (``[positions, experts]``)."""
     plt = _pyplot()
@@ -32,9 +38,7 @@ def activation_heatmap(name: str, stats: dict[str, Any], path: str, title: str =
     ax.set_xlabel("expert")
     ax.set_ylabel("token position")
     ax.set_title(f"{title}  {name}".strip(), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def correlation_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
@@ -55,9 +59,7 @@ def correlation_bars(layers: dict[str, dict[str, Any]], path: str, title: str = 
         ax.set_title(label, fontsize=9)
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"{title}: correlation length of the top-1 expert sequence".strip(": "), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def probe_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
@@ -79,9 +81,7 @@ def probe_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") ->
     axes[0, 0].set_ylabel("held-out accuracy")
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"{title}: position probes on router inputs".strip(": "), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") -> list[str]:

@@ -253,12 +253,8 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
             ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=line.get_color(), alpha=0.2)
         ax.set(xlabel="step", ylabel=f"eval {metric}",
                title=", ".join(f"{k}={v}" for k, v in point) or summary["family"])
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    written.append(os.path.join(out, f"{summary['family']}_curves.png"))
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+        _finish_axes(ax)
+    written.append(_save(plt, fig, os.path.join(out, f"{summary['family']}_curves.png")))
     for axis, values in family.axes:
         fig, ax = plt.subplots(figsize=(5, 4))
         for run in dict.fromkeys(g["run"] for g in groups.values()):
@@ -272,13 +268,21 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
         ax.set(xlabel=axis, ylabel=f"final eval {metric}", title=summary["family"])
         if all(isinstance(v, (int, float)) and v > 0 for v in values):
             ax.set_xscale("log", base=2)
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        written.append(os.path.join(out, f"{summary['family']}_vs_{axis}.png"))
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        _finish_axes(ax)
+        written.append(_save(plt, fig, os.path.join(out, f"{summary['family']}_vs_{axis}.png")))
     return written
+
+
+def _finish_axes(ax) -> None:
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def format_table(summary: dict[str, Any]) -> str:
