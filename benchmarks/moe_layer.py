@@ -12,7 +12,10 @@ matmul rate (2048^3, jitted) is measured in the same timing rounds as each shape
 implementations, so "of matmul rate" compares runs under the same load. Every time is the
 best of --reps runs after a warm-up, the implementations timed in turn, one of each per
 round (the machine is shared; other jobs only add time). --quick runs T5-Base with E=8
-only plus the small shape.
+only plus the small shape. The last two columns are the operating system's share of a
+step (medians): minor page faults, i.e. first touches of memory XLA:CPU freshly allocated
+for that call's outputs and temporaries, and the system CPU time they cost; the matmul
+reference reuses its memory and has none.
 
 The timed step is ``value_and_grad`` of ``sum(y * r)`` with a fixed random cotangent ``r``
 (``--loss cotangent``, the default), which makes every implementation do the work of a
@@ -26,6 +29,9 @@ must keep it (the router gradient reads the expert outputs), so the dense refere
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import resource
+import statistics
 import time
 
 import flax.linen as nn
@@ -41,18 +47,33 @@ MATMUL_N = 2048
 SHAPES = {"t5-base": (768, 2048), "small": (32, 256)}
 
 
-def _best_ms_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, float]:
-    """Best-of-``reps`` milliseconds of each ``name: (fn, args)``, the runs taken in turn
-    (one of each per round) so that a burst of load on the shared machine hits them all."""
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Best-of-reps wall time of one implementation, and the operating-system cost of a
+    call: minor page faults (first touches of freshly allocated memory) and system CPU time,
+    medians over the reps."""
+
+    ms: float
+    page_faults: float
+    system_ms: float
+
+
+def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
+    """Times each ``name: (fn, args)`` ``reps`` times after a warm-up, the runs taken in
+    turn (one of each per round) so that a burst of load on the shared machine hits them all."""
     for fn, args in runs.values():
         jax.block_until_ready(fn(*args))  # compile + warm up
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    samples: dict[str, list[tuple[float, int, float]]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, (fn, args) in runs.items():
-            t = time.perf_counter()
+            before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - t)
-    return {name: 1e3 * min(ts) for name, ts in times.items()}  # load only adds time
+            wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+            samples[name].append((wall, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
+    return {name: Timing(ms=1e3 * min(w for w, _, _ in ts),  # load only adds time
+                         page_faults=statistics.median(f for _, f, _ in ts),
+                         system_ms=1e3 * statistics.median(st for _, _, st in ts))
+            for name, ts in samples.items()}
 
 
 def _grad_fn(apply, out_shape, loss: str):
@@ -96,8 +117,9 @@ def main() -> None:
     a = jnp.ones((MATMUL_N, MATMUL_N), jnp.float32)
     matmul = (jax.jit(lambda a: a @ a), (a,))
     print(f"loss: {args.loss}")
-    print("| shape | E | capacity | impl | ms | vs einsum | of dense FFN rate | useful GFLOP/s | of matmul rate |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | E | capacity | impl | ms | vs einsum | of dense FFN rate | useful GFLOP/s | of matmul rate "
+          "| page faults / step | system CPU ms / step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     tokens = TOKENS[0] * TOKENS[1]
     for shape, (d_model, d_ff) in SHAPES.items():
         for experts in (8, 32, 64):
@@ -110,17 +132,17 @@ def main() -> None:
             runs = {impl: moe_run(d_model, d_ff, experts, impl, args.loss) for impl in ("einsum", "sort")}
             runs["dense FFN"] = dense_run(d_model, d_ff * slots // tokens, args.loss)
             runs["matmul"] = matmul
-            results = _best_ms_interleaved(runs, args.reps)
-            rate = 2 * MATMUL_N**3 / (results.pop("matmul") * 1e-3)
+            results = timed_interleaved(runs, args.reps)
+            reference = results.pop("matmul")
+            rate = 2 * MATMUL_N**3 / (reference.ms * 1e-3)
             print(f"| {shape} | {experts} | {capacity} | float32 matmul {MATMUL_N}^3, same rounds | "
-                  f"| | | {rate / 1e9:.1f} | 100% |")
-            for impl, ms in results.items():
-                achieved = useful / (ms * 1e-3)
-                print(f"| {shape} | {experts} | {capacity} | {impl} | {ms:.1f} | "
-                      f"{results['einsum'] / ms:.2f}x | {results['dense FFN'] / ms:.0%} | "
-                      f"{achieved / 1e9:.1f} | {achieved / rate:.0%} |",
-                      flush=True)
-
+                  f"| | | {rate / 1e9:.1f} | 100% | {reference.page_faults:.0f} | {reference.system_ms:.0f} |")
+            for impl, timing in results.items():
+                achieved = useful / (timing.ms * 1e-3)
+                print(f"| {shape} | {experts} | {capacity} | {impl} | {timing.ms:.1f} | "
+                      f"{results['einsum'].ms / timing.ms:.2f}x | {results['dense FFN'].ms / timing.ms:.0%} | "
+                      f"{achieved / 1e9:.1f} | {achieved / rate:.0%} | {timing.page_faults:.0f} | "
+                      f"{timing.system_ms:.0f} |", flush=True)
 
 if __name__ == "__main__":
     main()
