@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_jax.moe.capacity import expert_capacity
-from moe_layer import timed_interleaved
+from moe_layer import timed_interleaved, useful_flops
 
 D_MODEL, D_FF, TOKENS = 768, 2048, 4096
 LAYOUTS = {"x @ w": ((1,), (0,)), "dy @ w^T": ((1,), (1,)), "x^T @ dy": ((0,), (0,))}
@@ -84,7 +84,7 @@ def main() -> None:
         print(f"| {owner}: {name} | {m} x {k} x {n} | {ms:.2f} | {rate / 1e9:.1f} | {rate / reference_rate:.0%} |")
         if owner in totals:
             totals[owner] += ms * (args.experts if owner == "expert" and not args.batched else 1)
-    useful = 12 * args.experts * capacity * D_MODEL * D_FF
+    useful = useful_flops(args.experts * capacity, D_MODEL, D_FF)
     for owner, ms in totals.items():
         rate = useful / (ms * 1e-3)
         times_e = " (x E)" if owner == "expert" and not args.batched else ""

@@ -58,6 +58,12 @@ class Timing:
     system_ms: float
 
 
+def useful_flops(slots: int, d_model: int, d_ff: int) -> int:
+    """FLOPs of the expert matmuls of one fwd+bwd on ``slots`` capacity slots:
+    3 (fwd + bwd) x 2 matmuls x 2 x slots x d_model x d_ff."""
+    return 3 * 2 * 2 * slots * d_model * d_ff
+
+
 def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
     """Times each ``name: (fn, args)`` ``reps`` times after a warm-up, the runs taken in
     turn (one of each per round) so that a burst of load on the shared machine hits them all."""
@@ -128,7 +134,7 @@ def main() -> None:
             groups, per_group = group_layout(tokens, 4096)
             capacity = expert_capacity(per_group, experts, 2, 1.25, 4, "t5x")
             slots = experts * capacity * groups
-            useful = 3 * 2 * 2 * slots * d_model * d_ff
+            useful = useful_flops(slots, d_model, d_ff)
             runs = {impl: moe_run(d_model, d_ff, experts, impl, args.loss) for impl in ("einsum", "sort")}
             runs["dense FFN"] = dense_run(d_model, d_ff * slots // tokens, args.loss)
             runs["matmul"] = matmul

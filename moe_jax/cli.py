@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Collection
 
 # subcommand -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -31,15 +32,24 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def split_command(argv: list[str], known: Collection[str], prog: str, usage: str,
+                  what: str = "command") -> tuple[str, list[str]] | int:
+    """``(name, rest)`` of a ``prog <name> [options]`` command line, or an exit code once
+    ``usage`` is printed: 0 for no name or help, 2 for a name not in ``known``."""
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+        print(usage)
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"moe-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+    if argv[0] not in known:
+        print(f"{prog}: unknown {what} {argv[0]!r}\n\n{usage}", file=sys.stderr)
         return 2
+    return argv[0], argv[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    picked = split_command(list(sys.argv[1:] if argv is None else argv), SUBCOMMANDS, "moe-jax", _usage())
+    if isinstance(picked, int):
+        return picked
+    name, rest = picked
     module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from moe_jax.cli import split_command
 from moe_jax.train import checkpoints, distributed, gin_utils
 
 # analysis -> (module with ``analyze(checkpoint_path, out_dir)``, one-line help)
@@ -59,14 +60,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from moe_jax.train import train
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
-        return 0
-    analysis, rest = argv[0], argv[1:]
-    if analysis not in ANALYSES:
-        print(f"moe-jax analyze: unknown analysis {analysis!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+    picked = split_command(list(sys.argv[1:] if argv is None else argv), ANALYSES, "moe-jax analyze",
+                           _usage(), what="analysis")
+    if isinstance(picked, int):
+        return picked
+    analysis, rest = picked
     with gin.unlock_config():  # its gin configurables register on import (a config may be locked)
         module = importlib.import_module(ANALYSES[analysis][0])
     parser = train.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 
+import gin
 import pytest
 
 from moe_jax.train import gin_utils, train
@@ -23,6 +24,16 @@ def tiny_run(tmp_path_factory) -> pathlib.Path:
     args = gin_utils.parse_flags(train.build_parser("test", "test"),
                                  [*TINY, f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=1"])
     gin_utils.parse_gin(args)
-    train.train()
+    try:
+        train.train()
+    finally:
+        gin.clear_config()
     assert (model_dir / "checkpoints" / "1").is_dir() and (model_dir / "config.gin").exists()
     return model_dir
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gin():
+    """The analysis CLI parses gin; leave no bindings to the tests that run next."""
+    yield
+    gin.clear_config()
