@@ -1,8 +1,13 @@
-"""PNGs of the positional routing analysis (matplotlib, Agg backend).
+"""PNGs of the routing analyses (matplotlib, Agg backend).
 
+Positions (:func:`write_all`):
 ``activation_<stack>_<layer>.png``  heatmap of the top-k activation rate ``[position, expert]``
 ``correlation_length.png``          ``xi_int``, ``corr_lag`` and ``xi_domain`` per layer, model vs shuffled
 ``probe_accuracy.png``              probe accuracy per layer and target, with chance and majority
+
+Languages (:func:`write_languages`):
+``languages_<run>_step<N>.png``     per MoE layer, heatmap of the top-1 share ``[language, expert]``
+``languages_curves.png``            I(language; expert) and sparsity per cluster vs step, per run and layer
 """
 
 from __future__ import annotations
@@ -94,3 +99,72 @@ def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") 
     correlation_bars(layers, os.path.join(out_dir, "correlation_length.png"), title)
     probe_bars(layers, os.path.join(out_dir, "probe_accuracy.png"), title)
     return files + ["correlation_length.png", "probe_accuracy.png"]
+
+
+def language_heatmaps(result: dict[str, Any], labels: list[str], path: str) -> None:
+    """One heatmap per MoE layer of ``result["layers"][name]["top1_share"]``."""
+    plt = _pyplot()
+    names = list(result["layers"])
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 0.16 * len(labels) * rows + 1.6), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    for ax, name in zip(axes.flat, names):
+        stats = result["layers"][name]
+        image = ax.imshow(np.asarray(stats["top1_share"]), aspect="auto", cmap="viridis",
+                          interpolation="nearest", vmin=0)
+        ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_xlabel("expert", fontsize=8)
+        ax.set_title(f"{name}: I = {stats['bits']:.2f} bits (floor {stats['shuffled_label_bits']:.2f})",
+                     fontsize=8)
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle(f"{result['run']} step {result['step']}: share of each language's tokens by top-1 expert",
+                 fontsize=10)
+    _save(plt, fig, path)
+
+
+def language_curves(checkpoints: list[dict[str, Any]], path: str) -> None:
+    """Per MoE layer: I(language; top-1 expert) (solid) with its shuffled-label floor
+    (dotted), and sparsity per language (solid) with the shuffled router (dashed), vs step,
+    one colour per run."""
+    plt = _pyplot()
+    runs = list(dict.fromkeys(c["run"] for c in checkpoints))
+    names = list(checkpoints[0]["layers"])
+    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6.2), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for r, run in enumerate(runs):
+        points = sorted((c for c in checkpoints if c["run"] == run), key=lambda c: c["step"])
+        steps = [c["step"] for c in points]
+        for j, name in enumerate(names):
+            layer = [c["layers"][name] for c in points]
+            axes[0, j].plot(steps, [s["bits"] for s in layer], "-o", ms=3, color=colours(r), label=run)
+            axes[0, j].plot(steps, [s["shuffled_label_bits"] for s in layer], ":", color=colours(r))
+            axes[1, j].plot(steps, [s["sparsity"] for s in layer], "-o", ms=3, color=colours(r), label=run)
+            if layer[0]["sparsity_shuffled_router"] is not None:
+                axes[1, j].plot(steps, [s["sparsity_shuffled_router"] for s in layer], "--", color=colours(r))
+    for j, name in enumerate(names):
+        axes[0, j].set_title(name, fontsize=9)
+        axes[1, j].set_xlabel("step")
+    axes[0, 0].set_ylabel("I(language; top-1 expert), bits\n(dotted: shuffled labels)", fontsize=8)
+    axes[1, 0].set_ylabel("sparsity per language (eff. experts)\n(dashed: shuffled router)", fontsize=8)
+    axes[0, 0].legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+def write_languages(report: dict[str, Any], out_dir: str) -> list[str]:
+    """The heatmap of each run's last analysed step and, when a run has several steps, the
+    curves; returns the file names."""
+    files = []
+    last: dict[str, dict[str, Any]] = {}
+    for result in report["checkpoints"]:
+        if result["run"] not in last or result["step"] > last[result["run"]]["step"]:
+            last[result["run"]] = result
+    for run, result in last.items():
+        fname = f"languages_{run.replace('/', '_')}_step{result['step']}.png"
+        language_heatmaps(result, report["labels"], os.path.join(out_dir, fname))
+        files.append(fname)
+    if len(report["checkpoints"]) > len(last):
+        language_curves(report["checkpoints"], os.path.join(out_dir, "languages_curves.png"))
+        files.append("languages_curves.png")
+    return files

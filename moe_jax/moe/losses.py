@@ -104,13 +104,17 @@ def auxiliary_losses(router_output: RouterOutput, padding_mask: Array) -> dict[s
 def routing_metrics(router_output: RouterOutput, padding_mask: Array,
                     dropped_fraction: Array) -> dict[str, Array]:
     """Statistics sown per layer: ``expert_load [experts]``, ``dropped_fraction``,
-    ``router_confidence`` (mean top-1 probability), ``router_entropy``,
+    ``router_confidence`` (mean top-1 probability), ``gate_margin`` (mean top-1 minus
+    top-2 probability: how decided the router is), ``router_entropy``,
     ``max_router_logit`` (over real tokens)."""
     real = padding_mask[..., None] > 0
+    top2 = jax.lax.top_k(router_output.probs, min(2, router_output.probs.shape[-1]))[0]
+    margin = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
     return {
         "expert_load": expert_load(router_output.assigned, padding_mask),
         "dropped_fraction": dropped_fraction,
         "router_confidence": _token_mean(jnp.max(router_output.probs, axis=-1), padding_mask),
+        "gate_margin": _token_mean(margin, padding_mask),
         "router_entropy": routing_entropy(router_output.probs, padding_mask),
         "max_router_logit": jnp.max(jnp.where(real, router_output.logits, -jnp.inf)),
     }

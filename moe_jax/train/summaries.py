@@ -5,6 +5,15 @@ event files (as in T5X); ``MODEL_DIR/metrics.jsonl`` one JSON object per logged 
 ``{"step": 100, "split": "train", "loss": ..., "accuracy": ..., "steps_per_sec": ...}``.
 Array-valued metrics (expert load per layer) go to the JSON file as lists and to
 TensorBoard as histograms.
+
+Routing telemetry per MoE layer (``moe/<stack>/layers_<i>/<name>``), derived from what the
+layers sow (no extra forward pass in training): ``dead_experts`` (experts receiving under
+``1 / (10 E)`` of the assignments), ``shard_imbalance`` (max / mean tokens per device along
+the ``expert`` mesh axis: what makes the all-to-all wait; 1 = balanced or one shard),
+``expert_imbalance`` (max / mean tokens per expert), ``gate_margin`` (sown: mean top-1 minus
+top-2 router probability). At each evaluation :class:`ChurnProbe` adds ``routing_churn``:
+the fraction of a fixed probe batch's tokens whose top-1 expert changed since the previous
+evaluation (one extra eval-mode forward pass of one batch).
 """
 
 from __future__ import annotations
@@ -62,11 +71,99 @@ def flatten_metrics(metrics: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("/"): metrics}
 
 
-class MetricsWriter:
-    """TensorBoard + JSON lines for one split (``train``/``eval``) of a run."""
+DEAD_EXPERT_FRACTION = 0.1  # dead: under DEAD_EXPERT_FRACTION / E of the assignments
+_LOAD_SUFFIX = "/expert_load"
 
-    def __init__(self, model_dir: str, split: str):
+
+def dead_experts(expert_load: np.ndarray, fraction: float = DEAD_EXPERT_FRACTION) -> np.ndarray:
+    """Experts receiving under ``fraction / E`` of the assignments.
+
+    Args:
+      expert_load: ``[..., experts]`` tokens (or fractions of tokens) sent to each expert.
+
+    Returns:
+      int ``[...]`` counts.
+    """
+    load = np.asarray(expert_load, np.float64)
+    share = load / np.maximum(load.sum(-1, keepdims=True), 1e-12)
+    return (share < fraction / load.shape[-1]).sum(-1)
+
+
+def shard_imbalance(expert_load: np.ndarray, num_shards: int) -> np.ndarray:
+    """Max / mean tokens per shard when the experts are split into ``num_shards``
+    contiguous blocks (the ``expert`` mesh axis): ``[..., experts]`` -> ``[...]``; 1 when
+    balanced, ``num_shards`` when one shard gets every token."""
+    load = np.asarray(expert_load, np.float64)
+    if load.shape[-1] % num_shards:
+        raise ValueError(f"{load.shape[-1]} experts do not split over {num_shards} shards")
+    per_shard = load.reshape(load.shape[:-1] + (num_shards, -1)).sum(-1)
+    return per_shard.max(-1) / np.maximum(per_shard.mean(-1), 1e-12)
+
+
+def routing_telemetry(metrics: dict[str, Any], expert_shards: int = 1) -> dict[str, Any]:
+    """``metrics`` plus, for every ``<layer>/expert_load``, ``<layer>/dead_experts``,
+    ``<layer>/shard_imbalance`` (over ``expert_shards`` devices) and
+    ``<layer>/expert_imbalance``."""
+    out = dict(metrics)
+    for key, value in metrics.items():
+        if key.endswith(_LOAD_SUFFIX):
+            layer = key[: -len(_LOAD_SUFFIX)]
+            load = np.asarray(value)
+            out[f"{layer}/dead_experts"] = int(dead_experts(load))
+            out[f"{layer}/shard_imbalance"] = float(shard_imbalance(load, expert_shards))
+            out[f"{layer}/expert_imbalance"] = float(shard_imbalance(load, load.shape[-1]))
+    return out
+
+
+def routing_churn(previous: np.ndarray, current: np.ndarray, valid: np.ndarray) -> float:
+    """Fraction of the ``valid`` tokens whose top-1 expert differs: ``[n, length]`` x3."""
+    valid = np.asarray(valid, bool)
+    return float(np.mean(np.asarray(previous)[valid] != np.asarray(current)[valid])) if valid.any() else 0.0
+
+
+class ChurnProbe:
+    """Top-1 experts of a fixed probe batch at each evaluation, and the churn since the
+    previous one. The last choices persist in ``MODEL_DIR/routing_probe.npz``, so a resumed
+    run measures churn against the evaluation before the interruption."""
+
+    FILE = "routing_probe.npz"
+
+    def __init__(self, model: Any, params_shardings: Any, ctx: Any, probe_batch: dict[str, np.ndarray],
+                 model_dir: str):
+        from moe_jax.analysis import routing
+
+        self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.batch_axes)
+        self._batch = probe_batch
+        self._path = os.path.join(model_dir, self.FILE)
+        self._previous: dict[str, np.ndarray] = {}
+        if os.path.exists(self._path):
+            with np.load(self._path) as saved:
+                self._previous = {k.replace("|", "/"): saved[k] for k in saved.files}
+
+    def __call__(self, params: Any) -> dict[str, float]:
+        """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation)."""
+        from moe_jax.analysis import routing
+
+        layers = routing.collect_routing(self._fn, params, [self._batch])
+        top1 = {name: layer.expert_index[..., 0] for name, layer in layers.items()}
+        churn = {f"moe/{name}/routing_churn": routing_churn(self._previous[name], choice,
+                                                            layers[name].valid)
+                 for name, choice in top1.items()
+                 if name in self._previous and self._previous[name].shape == choice.shape}
+        self._previous = top1
+        if jax.process_index() == 0:
+            np.savez(self._path, **{k.replace("/", "|"): v for k, v in top1.items()})
+        return churn
+
+
+class MetricsWriter:
+    """TensorBoard + JSON lines for one split (``train``/``eval``) of a run; adds the
+    routing telemetry (:func:`routing_telemetry`) for ``expert_shards`` devices along the
+    ``expert`` mesh axis."""
+
+    def __init__(self, model_dir: str, split: str, expert_shards: int = 1):
         self.split = split
+        self.expert_shards = expert_shards
         self.enabled = jax.process_index() == 0
         self._tb = None
         self._jsonl = None
@@ -80,7 +177,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        scalars, arrays = scalarize(flatten_metrics(metrics))
+        scalars, arrays = scalarize(routing_telemetry(flatten_metrics(metrics), self.expert_shards))
         self._tb.write_scalars(step, scalars)
         if arrays:
             self._tb.write_histograms(step, {k: v for k, v in arrays.items() if v.size})

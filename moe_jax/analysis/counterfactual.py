@@ -1,0 +1,202 @@
+"""Counterfactual routers: the same trained weights evaluated with the routers replaced
+(`moe-jax eval --router=NAME`; docs/analysis.md).
+
+Each variant is a transform of the parameters and/or a Flax method interceptor on the
+routers' ``__call__`` (``flax.linen.intercept_methods``), active while the eval step is
+traced, so no model code changes and the experts' weights are never touched:
+
+  ``learned``   the checkpoint as trained (identical to plain evaluation)
+  ``init``      router weights replaced by the run's initial ones (``router_init.npz``)
+  ``random``    router weights replaced by fresh draws, normal with the init stddev
+  ``shuffled``  each router kernel ``[d_model, experts]`` with its input rows permuted
+                (the paper's shuffled-router baseline: same entries, alignment broken)
+  ``hash``      each token's experts chosen by its token id (``HashRouter``), each choice
+                keeping the learned router's gate value of that rank
+  ``uniform``   the learned choice of experts, its gate mass split equally over them
+
+``hash`` and ``uniform`` keep each token's total gate mass: with T5X's unnormalised top-k
+gates (about 2/E each for a near-uniform router) a gate of 1/k would scale every expert
+output by a factor the trained network never saw, which measures the scale, not the routing.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.moe.layer import MoeLayer
+from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
+from moe_jax.synthetic.routers import shuffle_columns
+from moe_jax.train import checkpoints
+
+ROUTER_VARIANTS = ("learned", "init", "random", "hash", "uniform", "shuffled")
+Interceptor = Callable[..., Any]
+
+
+def check_variants(names: list[str]) -> list[str]:
+    """``names`` (default ``["learned"]``), refusing unknown ones with the valid list."""
+    unknown = [n for n in names if n not in ROUTER_VARIANTS]
+    if unknown:
+        raise ValueError(f"--router={unknown[0]!r} is unknown; valid routers: {', '.join(ROUTER_VARIANTS)}")
+    return list(dict.fromkeys(names)) or ["learned"]
+
+
+def _map_routers(params: Any, fn: Callable[[str, jax.Array], jax.Array]) -> Any:
+    """``params`` with every router leaf ``x`` (by :func:`checkpoints.router_params` name)
+    replaced by ``fn(name, x)``; all other leaves are the same objects."""
+    def visit(path, leaf):
+        name = checkpoints.path_name(path)
+        return fn(name, leaf) if "router" in name else leaf
+
+    return jax.tree_util.tree_map_with_path(visit, params)
+
+
+def _is_kernel(name: str, leaf: Any) -> bool:
+    return name.endswith("/w") and np.ndim(leaf) == 2
+
+
+def shuffle_router_inputs(params: Any, seed: int = 0) -> Any:
+    """Every router kernel ``w [d_model, experts]`` with its input rows (the paper's
+    "columns of W", ``W [experts, d_model]``) permuted, one permutation per kernel."""
+    key = jax.random.PRNGKey(seed)
+
+    def shuffle(name: str, w: jax.Array) -> jax.Array:
+        if not _is_kernel(name, w):
+            return w
+        k = jax.random.fold_in(key, zlib.crc32(name.encode()))
+        shuffled = shuffle_columns("linear", {"w": jnp.asarray(w).T}, k)["w"].T
+        return jax.device_put(shuffled, w.sharding) if isinstance(w, jax.Array) else shuffled
+
+    return _map_routers(params, shuffle)
+
+
+def replace_routers(params: Any, new: dict[str, np.ndarray], what: str) -> Any:
+    """Router leaves replaced by ``new[name]``; a router leaf missing there is refused."""
+    def replace(name: str, w: jax.Array) -> jax.Array:
+        if name not in new:
+            raise ValueError(f"{what} has no weights for {name}")
+        value = jnp.asarray(new[name], w.dtype)
+        return jax.device_put(value, w.sharding) if isinstance(w, jax.Array) else value
+
+    return _map_routers(params, replace)
+
+
+def init_stddev() -> float:
+    """The routers' init stddev: gin's ``MoeLayer.router_init_stddev`` or its default."""
+    import gin
+
+    try:
+        return float(gin.query_parameter("MoeLayer.router_init_stddev"))
+    except ValueError:
+        return MoeLayer.router_init_stddev
+
+
+def random_routers(params: Any, seed: int = 0, stddev: float | None = None) -> Any:
+    """Router kernels replaced by fresh ``normal(0, stddev)`` draws (one key per kernel)."""
+    stddev = init_stddev() if stddev is None else stddev
+    key = jax.random.PRNGKey(seed)
+
+    def draw(name: str, w: jax.Array) -> jax.Array:
+        if not _is_kernel(name, w):
+            return w
+        value = stddev * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), w.shape, w.dtype)
+        return jax.device_put(value, w.sharding) if isinstance(w, jax.Array) else value
+
+    return _map_routers(params, draw)
+
+
+# ------------------------------------------------------------------------ interceptors
+
+
+def _router_call(context) -> bool:
+    from moe_jax.moe.layer import ROUTERS
+
+    return context.method_name == "__call__" and isinstance(context.module, tuple(ROUTERS.values()))
+
+
+def _token_choice(out: RouterOutput) -> TokenChoiceRouting:
+    if not isinstance(out.routing, TokenChoiceRouting):
+        raise ValueError("--router=hash and --router=uniform need a token-choice router, "
+                         "not expert choice")
+    return out.routing
+
+
+def _with_choices(out: RouterOutput, expert_index: jax.Array, weights: jax.Array) -> RouterOutput:
+    """``out`` routing each token to ``expert_index [g, t, k]`` with gates ``weights``."""
+    num_experts = out.probs.shape[-1]
+    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [g, t, k, E]
+    routing = TokenChoiceRouting(expert_index, weights, out.routing.priority)
+    return out.replace(routing=routing, assigned=jnp.sum(one_hot, axis=-2),
+                       gates=jnp.einsum("gtk,gtke->gte", weights, one_hot))
+
+
+def uniform_gates(next_fun, args, kwargs, context):
+    """Interceptor: the router's own experts, its gate mass split equally over them."""
+    out = next_fun(*args, **kwargs)
+    if not _router_call(context):
+        return out
+    routing = _token_choice(out)
+    routed = routing.expert_index < out.probs.shape[-1]
+    mass = jnp.sum(routing.combine_weights, axis=-1, keepdims=True)
+    share = mass / jnp.maximum(jnp.sum(routed, axis=-1, keepdims=True), 1)
+    return _with_choices(out, routing.expert_index, jnp.where(routed, share, 0.0))
+
+
+def hash_routing(seed: int = 0) -> Interceptor:
+    """Interceptor: experts by token id (``HashRouter`` with the router's k), the i-th
+    choice weighted by the learned router's i-th gate."""
+    def intercept(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if not _router_call(context):
+            return out
+        learned = _token_choice(out)
+        x, mask, token_ids, capacity, deterministic = args
+        hashed = HashRouter(num_experts=out.probs.shape[-1], num_selected_experts=learned.expert_index.shape[-1],
+                            seed=seed, parent=None).apply({}, x, mask, token_ids, capacity, deterministic)
+        return _with_choices(out, hashed.routing.expert_index, learned.combine_weights)
+
+    return intercept
+
+
+def variant(name: str, params: Any, model_dir: str, seed: int = 0) -> tuple[Any, Interceptor | None]:
+    """(parameters, interceptor or None) that evaluate ``params`` with router ``name``.
+
+    Raises:
+      ValueError: an unknown name (listing the valid ones), or ``init`` for a run without
+        ``router_init.npz``.
+    """
+    check_variants([name])
+    if name == "learned":
+        return params, None
+    if name == "init":
+        initial = checkpoints.load_router_init(model_dir)
+        if not initial:
+            raise ValueError(f"--router=init: the run {model_dir} saved no initial router "
+                             f"({os.path.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)")
+        return replace_routers(params, initial, checkpoints.ROUTER_INIT_FILE), None
+    if name == "random":
+        return random_routers(params, seed), None
+    if name == "shuffled":
+        return shuffle_router_inputs(params, seed), None
+    if name == "hash":
+        return params, hash_routing(seed)
+    return params, uniform_gates
+
+
+def intercepted(fn: Callable[..., Any], interceptor: Interceptor | None) -> Callable[..., Any]:
+    """``fn`` run (and therefore traced) under ``interceptor``; ``fn`` itself when None."""
+    if interceptor is None:
+        return fn
+
+    def wrapped(*args, **kwargs):
+        with nn.intercept_methods(interceptor):
+            return fn(*args, **kwargs)
+
+    return wrapped
