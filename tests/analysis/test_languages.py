@@ -1,0 +1,77 @@
+"""Statistics of `moe-jax analyze languages` and the routing telemetry on constructed inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_jax.analysis import languages
+from moe_jax.train import summaries
+
+
+def _rows(labels_per_row: list[int], length: int = 6):
+    row_labels = np.asarray(labels_per_row)
+    valid = np.ones((len(row_labels), length), bool)
+    valid[:, -1] = False  # a padding column: must be ignored
+    return row_labels, valid
+
+
+def test_mutual_information_is_zero_for_routing_independent_of_language():
+    # 4 languages x 4 experts, every language uses every expert equally often.
+    row_labels, valid = _rows([0, 1, 2, 3] * 4, length=5)
+    top1 = np.tile(np.array([0, 1, 2, 3, 0]), (16, 1))
+    top1[:, -1] = 3  # padding: would create dependence if counted
+    info = languages.language_information(top1, row_labels, valid, 4, 4, np.random.default_rng(0))
+    assert info["bits"] == 0.0
+    assert info["language_entropy_bits"] == pytest.approx(2.0)
+
+
+def test_mutual_information_equals_language_entropy_for_one_expert_per_language():
+    # Unequal language frequencies (H != log2 L); language i -> expert 5 - i.
+    row_labels, valid = _rows([0, 0, 0, 1, 1, 2, 3, 3])
+    top1 = np.broadcast_to(5 - row_labels[:, None], valid.shape).copy()
+    top1[~valid] = 0
+    info = languages.language_information(top1, row_labels, valid, 4, 6, np.random.default_rng(0))
+    freq = np.array([3, 2, 1, 2]) / 8
+    entropy = float(-(freq * np.log2(freq)).sum())
+    assert info["language_entropy_bits"] == pytest.approx(entropy, abs=1e-12)
+    assert info["bits"] == pytest.approx(entropy, abs=1e-12)
+    assert info["shuffled_label_bits"] <= info["bits"]
+
+
+def test_sparsity_and_share_of_one_expert_per_language():
+    row_labels, valid = _rows([0, 1, 2, 0])
+    experts = np.array([2, 0, 1])[row_labels]
+    probs = np.zeros(valid.shape + (3,))
+    probs[np.arange(4)[:, None], np.arange(6)[None], experts[:, None]] = 1.0
+    assert languages.cluster_sparsity(probs, row_labels, valid, 3) == pytest.approx(1.0)
+    uniform = np.full(valid.shape + (3,), 1 / 3)
+    assert languages.cluster_sparsity(uniform, row_labels, valid, 3) == pytest.approx(3.0)
+    share = languages.top1_share(np.broadcast_to(experts[:, None], valid.shape), row_labels, valid, 3, 3)
+    np.testing.assert_array_equal(share, np.eye(3)[[2, 0, 1]])
+
+
+def test_dead_experts_and_imbalance_on_hand_built_loads():
+    # 8 experts, top-2 loads summing to 2: expert 7 gets 1/100 of the assignments (< 1/80).
+    load = np.array([0.3, 0.3, 0.3, 0.3, 0.3, 0.28, 0.2, 0.02])
+    assert summaries.dead_experts(load) == 1
+    assert summaries.dead_experts(np.full(8, 0.25)) == 0
+    # 2 shards: experts 0-3 get 1.2, 4-7 get 0.8 -> max / mean = 1.2 / 1.0.
+    assert summaries.shard_imbalance(load, 2) == pytest.approx(1.2)
+    assert summaries.shard_imbalance(load, 1) == pytest.approx(1.0)
+    assert summaries.shard_imbalance(load, 8) == pytest.approx(0.3 / 0.25)
+    with pytest.raises(ValueError, match="3 shards"):
+        summaries.shard_imbalance(load, 3)
+    out = summaries.routing_telemetry({"moe/encoder/layers_1/expert_load": load, "loss": 1.0}, expert_shards=2)
+    assert out["moe/encoder/layers_1/dead_experts"] == 1
+    assert out["moe/encoder/layers_1/shard_imbalance"] == pytest.approx(1.2)
+    assert out["loss"] == 1.0
+
+
+def test_routing_churn_counts_changed_valid_tokens():
+    previous = np.array([[0, 1, 2, 3], [1, 1, 0, 0]])
+    valid = np.array([[True, True, True, False], [True, True, True, True]])
+    assert summaries.routing_churn(previous, previous, valid) == 0.0
+    swapped = np.select([previous == 0, previous == 1], [1, 0], previous)  # experts 0 <-> 1
+    changed = ((previous == 0) | (previous == 1))[valid].mean()
+    assert summaries.routing_churn(previous, swapped, valid) == pytest.approx(changed)
