@@ -154,7 +154,7 @@ def hash_routing(seed: int = 0) -> Interceptor:
     choice weighted by the learned router's i-th gate."""
     def intercept(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
-        if not _router_call(context):
+        if not _router_call(context) or isinstance(context.module, HashRouter):  # (incl. the one below)
             return out
         learned = _token_choice(out)
         x, mask, token_ids, capacity, deterministic = args
