@@ -2,6 +2,7 @@
 
     moe-jax analyze positions --checkpoint=MODEL_DIR/checkpoints/600 --out=/tmp/positions \\
         [--gin_file=...] [--gin.positions_script.analyze.num_batches=16]
+    moe-jax analyze languages --checkpoint=RUN_A --checkpoint=RUN_B --all_steps --out=/tmp/languages
 
 The model and data come from the run's ``MODEL_DIR/config.gin`` (written by
 `moe-jax train`), then the analysis' defaults (``gin/analysis/<analysis>.gin``), then
@@ -21,7 +22,11 @@ from moe_jax.train import checkpoints, distributed, gin_utils
 ANALYSES: dict[str, tuple[str, str]] = {
     "positions": ("moe_jax.analysis.positions", "positional routing: activation by position, "
                   "correlation length, position probes (Bershatsky & Oseledets)"),
+    "languages": ("moe_jax.analysis.languages", "languages as latent clusters: I(language; expert) vs "
+                  "shuffled labels, sparsity per language vs a shuffled router, heatmaps, curves over steps"),
 }
+# Analyses taking several checkpoints (``--checkpoint`` repeated, ``--all_steps``).
+MULTI_CHECKPOINT = frozenset({"languages"})
 DEFAULTS_DIR = gin_utils.REPO_GIN_DIR / "analysis"
 
 
@@ -68,16 +73,25 @@ def main(argv: list[str] | None = None) -> int:
     with gin.unlock_config():  # its gin configurables register on import (a config may be locked)
         module = importlib.import_module(ANALYSES[analysis][0])
     parser = setup.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
-    parser.add_argument("--checkpoint", required=True, metavar="DIR[/checkpoints/STEP]",
-                        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
+    parser.add_argument("--checkpoint", required=True, action="append", metavar="DIR[/checkpoints/STEP]",
+                        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP"
+                             + ("; repeat for several (runs of one model)" if analysis in MULTI_CHECKPOINT else ""))
+    if analysis in MULTI_CHECKPOINT:
+        parser.add_argument("--all_steps", action="store_true",
+                            help="every saved step of each --checkpoint's run (curves over steps)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: MODEL_DIR/analysis)")
     args = gin_utils.parse_flags(parser, rest)
+    if analysis not in MULTI_CHECKPOINT and len(args.checkpoint) > 1:
+        parser.error(f"{analysis} takes one --checkpoint")
     try:
-        args.gin_file = gin_files_for(args.checkpoint, analysis, args.gin_file)
+        args.gin_file = gin_files_for(args.checkpoint[0], analysis, args.gin_file)
         distributed.initialize(args)
         gin_utils.parse_gin(args)
-        module.analyze(args.checkpoint, args.out)
+        if analysis in MULTI_CHECKPOINT:
+            module.analyze(args.checkpoint, args.out, args.all_steps)
+        else:
+            module.analyze(args.checkpoint[0], args.out)
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax analyze: error: {err}", file=sys.stderr)
         return 1

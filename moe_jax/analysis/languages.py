@@ -142,7 +142,7 @@ def labelled_examples(groups: Mapping[str, str], feature_lengths: Mapping[str, i
 def global_batches(features: Mapping[str, np.ndarray], batch_size: int, ctx: Any) -> Iterator[dict[str, jax.Array]]:
     """``features`` in global batches of ``batch_size`` rows, the last padded with empty
     rows (never routed); each process feeds its contiguous share of every batch."""
-    from moe_jax.train import train
+    from moe_jax.train import setup
 
     n = len(next(iter(features.values())))
     per_process = batch_size // jax.process_count()
@@ -153,7 +153,7 @@ def global_batches(features: Mapping[str, np.ndarray], batch_size: int, ctx: Any
             pad = np.zeros((batch_size - len(block),) + block.shape[1:], block.dtype)
             block = np.concatenate([block, pad])
             batch[name] = block[jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
-        yield train.global_batch(batch, ctx)
+        yield setup.global_batch(batch, ctx)
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -219,11 +219,11 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
     """
     from moe_jax.analysis import plots
     from moe_jax.data import labels as data_labels
-    from moe_jax.train import checkpoints, train
+    from moe_jax.train import checkpoints, setup
 
     groups = data_labels.label_groups(mixture_or_task_name)
     paths = expand_checkpoints(checkpoint_paths, all_steps)
-    ctx = train.run_context()
+    ctx = setup.run_context()
     features, row_labels = labelled_examples(groups, task_feature_lengths, split, max_examples_per_label, seed)
     input_shapes = {"encoder_input_tokens": (batch_size, task_feature_lengths["inputs"]),
                     "decoder_input_tokens": (batch_size, task_feature_lengths["targets"])}

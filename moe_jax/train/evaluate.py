@@ -12,6 +12,12 @@ histogram, dropped fraction, router entropy, router weight drift from initialisa
 the output directory, plus ``comparison.txt``/``comparison.json`` with the side-by-side
 table that is also printed.
 
+``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
+(moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
+``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``)
+and ``routers.png``, accuracy and cross-entropy per router. Routing telemetry per layer
+(dead experts, per-shard imbalance, gate margin) is in the table and the JSON.
+
 A checkpoint trained from another model config than the gin files describe is refused
 with the mismatching parameter names (evaluate each with its own gin files).
 """
@@ -117,6 +123,9 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         stats = [r["routing"].get(layer, {}) for r in results.values()]
         add(f"{layer} dropped", [s.get("dropped_fraction", "-") for s in stats])
         add(f"{layer} entropy", [s.get("router_entropy", "-") for s in stats])
+        add(f"{layer} gate margin", [s.get("gate_margin", "-") for s in stats])
+        add(f"{layer} dead experts", [str(s["dead_experts"]) if "dead_experts" in s else "-" for s in stats])
+        add(f"{layer} shard imbalance", [s.get("shard_imbalance", "-") for s in stats])
         add(f"{layer} max load", [float(np.max(s["expert_load"])) if "expert_load" in s else "-"
                                   for s in stats])
         add(f"{layer} drift", [r["router_drift"].get(layer, "-") for r in results.values()])
@@ -141,42 +150,85 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
     return labels
 
 
-@gin.configurable(module="eval_script", denylist=["checkpoint_paths", "output_dir"])
-def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
+def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
+    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    checkpoints_seen = list(dict.fromkeys(r["label"] for r in results.values()))
+    routers = list(dict.fromkeys(r["router"] for r in results.values()))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, metric in zip(axes, ("accuracy", "cross_entropy")):
+        for label in checkpoints_seen:
+            values = {r["router"]: r["metrics"].get(metric, np.nan) for r in results.values() if r["label"] == label}
+            ax.plot(range(len(routers)), [values.get(name, np.nan) for name in routers], "o-", label=label)
+        ax.set_xticks(range(len(routers)), routers)
+        ax.set_ylabel(f"eval {metric}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@gin.configurable(module="eval_script", denylist=["checkpoint_paths", "output_dir", "routers"])
+def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, routers: Sequence[str] = (), *,
              model: Any = gin.REQUIRED, dataset_cfg: Any = gin.REQUIRED,
-             eval_steps: int = 20) -> dict[str, dict[str, Any]]:
-    """Evaluates each checkpoint on ``dataset_cfg`` and writes JSON, plots and the table.
+             eval_steps: int = 20, router_seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Evaluates each checkpoint on ``dataset_cfg`` with each of ``routers`` (default: as
+    trained) and writes JSON, plots and the table.
 
-    Returns ``{label: {"checkpoint", "step", "metrics", "routing", "router_drift"}}``.
+    Args:
+      routers: counterfactual router names (``counterfactual.ROUTER_VARIANTS``); with
+        several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
+      router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.
+
+    Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``.
     """
-    from moe_jax.train import checkpoints, train_state, train_step
+    from moe_jax.analysis import counterfactual
+    from moe_jax.train import checkpoints, summaries, train_state, train_step
 
+    names = counterfactual.check_variants(list(routers))
     ctx = setup.run_context()
+    expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
     params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
     target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
-    eval_fn = train_step.jit_eval_step(model, params_sharding, ctx.mesh, ctx.batch_axes)
+    eval_fns: dict[str | None, Any] = {}
     output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
                                             "eval_results")
     os.makedirs(output_dir, exist_ok=True)
     results = {}
-    for label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
+    for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
-        params, step, _ = checkpoints.restore_params_from(path, target)
-        metrics = run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps)
-        routing = routing_by_layer(metrics)
-        results[label] = {
-            "checkpoint": f"{os.path.join(model_dir, 'checkpoints')}/{step}", "step": step,
-            "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
-            "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
-                        for layer, stats in routing.items()},
-            "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
-        }
-        if jax.process_index() == 0:
-            with open(os.path.join(output_dir, f"{label}.json"), "w") as f:
-                json.dump(results[label], f, indent=1)
-            plot_expert_load(routing, f"{label} (step {step}): expert load",
-                             os.path.join(output_dir, f"{label}_expert_load.png"))
+        trained, step, _ = checkpoints.restore_params_from(path, target)
+        for name in names:
+            params, interceptor = counterfactual.variant(name, trained, model_dir, router_seed)
+            key = name if interceptor else None  # variants of the parameters share one step
+            if key not in eval_fns:
+                eval_fns[key] = train_step.jit_eval_step(
+                    model, params_sharding, ctx.mesh, ctx.batch_axes,
+                    eval_fn=counterfactual.intercepted(model.eval_fn, interceptor) if interceptor else None)
+            metrics = summaries.routing_telemetry(run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps),
+                                                  expert_shards)
+            routing = routing_by_layer(metrics)
+            label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
+            results[label] = {
+                "checkpoint": f"{os.path.join(model_dir, 'checkpoints')}/{step}", "step": step,
+                "label": ckpt_label, "router": name,
+                "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
+                "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
+                            for layer, stats in routing.items()},
+                "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
+            }
+            if jax.process_index() == 0:
+                with open(os.path.join(output_dir, f"{label}.json"), "w") as f:
+                    json.dump(results[label], f, indent=1)
+                plot_expert_load(routing, f"{label} (step {step}): expert load",
+                                 os.path.join(output_dir, f"{label}_expert_load.png"))
     table = comparison_table(results)
     if jax.process_index() == 0:
         print(table, flush=True)
@@ -184,6 +236,8 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
             f.write(table + "\n")
         with open(os.path.join(output_dir, "comparison.json"), "w") as f:
             json.dump(results, f, indent=1)
+        if len(names) > 1:
+            plot_routers(results, os.path.join(output_dir, "routers.png"))
         print(f"[moe-jax] eval results in {output_dir}", file=sys.stderr)
     return results
 
@@ -194,11 +248,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare")
     parser.add_argument("--output_dir", default=None,
                         help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results)")
+    parser.add_argument("--router", action="append", default=[], metavar="NAME",
+                        help="evaluate with the routers replaced: learned (default), init, random, hash, "
+                             "uniform, shuffled; repeat to compare")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     try:
         distributed.initialize(args)
         gin_utils.parse_gin(args)
-        evaluate(args.checkpoint, args.output_dir)
+        evaluate(args.checkpoint, args.output_dir, args.router)
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax eval: error: {err}", file=sys.stderr)
         return 1

@@ -130,10 +130,12 @@ class ChurnProbe:
 
     def __init__(self, model: Any, params_shardings: Any, ctx: Any, probe_batch: dict[str, np.ndarray],
                  model_dir: str):
+        """``probe_batch``: this process's share of the probe batch (numpy)."""
         from moe_jax.analysis import routing
+        from moe_jax.train import setup
 
         self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.batch_axes)
-        self._batch = probe_batch
+        self._batch = setup.global_batch(probe_batch, ctx)
         self._path = os.path.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
         if os.path.exists(self._path):
@@ -143,7 +145,10 @@ class ChurnProbe:
     def __call__(self, params: Any) -> dict[str, float]:
         """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation)."""
         from moe_jax.analysis import routing
+        from moe_jax.train import checkpoints
 
+        if not checkpoints.router_params(params):  # a dense model: nothing routes
+            return {}
         layers = routing.collect_routing(self._fn, params, [self._batch])
         top1 = {name: layer.expert_index[..., 0] for name, layer in layers.items()}
         churn = {f"moe/{name}/routing_churn": routing_churn(self._previous[name], choice,

@@ -65,6 +65,7 @@ def train(
     eval_steps: int = 10,
     accum_steps: int = 1,
     on_nonfinite: str = "stop",
+    routing_churn: bool = True,
     stop_after_steps: int | None = None,
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
@@ -78,6 +79,9 @@ def train(
         (0: never).
       accum_steps: gradient accumulation microbatches per step.
       on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
+      routing_churn: at each evaluation, also route the first eval batch and log per MoE
+        layer the fraction of its tokens whose top-1 expert changed since the previous
+        evaluation (``summaries.ChurnProbe``).
       stop_after_steps: end (with a checkpoint) after this many steps of *this* invocation
         (tests of interrupted runs); not a gin parameter.
 
@@ -116,8 +120,11 @@ def train(
 
     step_fn = run.train_step
     eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
-    writer = summaries.MetricsWriter(model_dir, "train")
-    eval_writer = summaries.MetricsWriter(model_dir, "eval") if eval_fn else None
+    expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
+    writer = summaries.MetricsWriter(model_dir, "train", expert_shards)
+    eval_writer = summaries.MetricsWriter(model_dir, "eval", expert_shards) if eval_fn else None
+    churn = (summaries.ChurnProbe(model, run.shardings.params, ctx, next(setup.eval_batches(train_eval_dataset_cfg, 1)),
+                                  model_dir) if eval_fn and routing_churn else None)
     tokens_per_step = int(np.prod(input_shapes["decoder_input_tokens"]) +
                           np.prod(input_shapes["encoder_input_tokens"]))
     meter = summaries.ThroughputMeter(model.flops_per_step(input_shapes), tokens_per_step,
@@ -165,6 +172,8 @@ def train(
             if eval_fn and step % eval_period == 0:
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
                                                  ctx, eval_steps)
+                if churn:
+                    eval_metrics.update(churn(state.params))
                 eval_writer.write(step, eval_metrics)
                 bar.write(f"step {step}: eval loss {eval_metrics['loss']:.4f} "
                           f"accuracy {eval_metrics['accuracy']:.4f}")

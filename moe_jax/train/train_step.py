@@ -91,10 +91,11 @@ def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mes
 
 
 def jit_eval_step(model, params_shardings, mesh: Mesh,
-                  batch_axes: tuple[str, ...] = ("data", "expert")):
-    """``model.eval_fn(params, batch) -> metrics`` jitted (eval capacity factor)."""
+                  batch_axes: tuple[str, ...] = ("data", "expert"), eval_fn=None):
+    """``model.eval_fn(params, batch) -> metrics`` jitted (eval capacity factor); ``eval_fn``
+    replaces ``model.eval_fn`` (e.g. wrapped in a Flax method interceptor)."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
-    jitted = jax.jit(model.eval_fn, in_shardings=(params_shardings, batch_sharding),
+    jitted = jax.jit(eval_fn or model.eval_fn, in_shardings=(params_shardings, batch_sharding),
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
     return _under_mesh(jitted, mesh)
 

@@ -1,0 +1,90 @@
+"""`moe-jax eval --router` and `moe-jax analyze languages` end to end on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from tests.analysis.conftest import TINY
+
+from moe_jax.analysis import cli
+from moe_jax.data import sources
+from moe_jax.train import evaluate
+
+LAYERS = ["encoder/layers_1", "decoder/layers_1"]
+
+
+def _eval(run, out, *routers):
+    return evaluate.main([*TINY, f"--checkpoint={run}", f"--output_dir={out}",
+                          "--gin.eval_script.evaluate.eval_steps=2", *(f"--router={r}" for r in routers)])
+
+
+@pytest.fixture(scope="module")
+def router_results(tiny_run, tmp_path_factory):
+    plain_dir, routers_dir = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("routers")
+    assert _eval(tiny_run, plain_dir) == 0
+    assert _eval(tiny_run, routers_dir, "learned", "init", "random", "hash", "uniform", "shuffled") == 0
+    return (json.loads((plain_dir / "comparison.json").read_text()),
+            json.loads((routers_dir / "comparison.json").read_text()), routers_dir)
+
+
+def test_learned_router_equals_plain_evaluation_exactly(router_results, tiny_run):
+    plain, routers, _ = router_results
+    (label,) = plain
+    assert plain[label]["metrics"] == routers[f"{label}:learned"]["metrics"]
+    assert plain[label]["routing"] == routers[f"{label}:learned"]["routing"]
+    for stats in plain[label]["routing"].values():  # telemetry in the eval report
+        assert {"gate_margin", "dead_experts", "shard_imbalance"} <= set(stats)
+
+
+def test_replaced_routers_change_the_evaluation(router_results):
+    _, routers, out = router_results
+    ce = {r["router"]: r["metrics"]["cross_entropy"] for r in routers.values()}
+    assert set(ce) == {"learned", "init", "random", "hash", "uniform", "shuffled"}
+    for name in ("random", "hash", "shuffled"):
+        assert ce[name] != ce["learned"], name
+    drift = {r["router"]: r["router_drift"] for r in routers.values()}
+    assert all(v == 0.0 for v in drift["init"].values())     # the initial router itself
+    assert (out / "routers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys):
+    assert _eval(tiny_run, tmp_path, "best") == 1
+    assert "valid routers: learned, init, random, hash, uniform, shuffled" in capsys.readouterr().err
+    copy = tmp_path / "run"
+    shutil.copytree(tiny_run, copy)
+    (copy / "router_init.npz").unlink()
+    assert _eval(copy, tmp_path / "out", "init") == 1
+    assert "saved no initial router" in capsys.readouterr().err
+
+
+def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
+    rc = cli.main(["languages", f"--checkpoint={tiny_run}", "--all_steps", f"--out={tmp_path}",
+                   "--gin.languages_script.analyze.max_examples_per_label=2",
+                   "--gin.languages_script.analyze.batch_size=8"])
+    assert rc == 0
+    report = json.loads((tmp_path / "languages.json").read_text())
+    assert report["labels"] == list(sources.embedded_languages())
+    (result,) = report["checkpoints"]
+    assert result["step"] == 1 and list(result["layers"]) == LAYERS
+    for stats in result["layers"].values():
+        assert 0.0 <= stats["bits"] <= stats["language_entropy_bits"] + 1e-9
+        assert 1.0 <= stats["sparsity"] <= 4.0 and 1.0 <= stats["sparsity_shuffled_router"] <= 4.0
+        share = np.asarray(stats["top1_share"])
+        assert share.shape == (20, 4)
+        np.testing.assert_allclose(share.sum(1), 1.0)
+    (png,) = report["files"]
+    assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_analyze_languages_refuses_unlabelled_data(tiny_run, tmp_path, capsys):
+    assert cli.main(["languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
+                     "--gin.MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'"]) == 1
+    assert "MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'" in capsys.readouterr().err
+    assert cli.main(["languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
+                     "--gin.sources.make_source.corpus='tfds'",
+                     "--gin.sources.make_source.tfds_name='c4/en:3.1.0'"]) == 1
+    assert "tfds_name='c4/en:3.1.0'" in capsys.readouterr().err
+    assert not (tmp_path / "languages.json").exists()
