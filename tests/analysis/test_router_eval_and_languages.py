@@ -60,6 +60,7 @@ def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys)
     assert "saved no initial router" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 20 per-language data pipelines: about a minute of CPU
 def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
     rc = cli.main(["languages", f"--checkpoint={tiny_run}", "--all_steps", f"--out={tmp_path}",
                    "--gin.languages_script.analyze.max_examples_per_label=2",
