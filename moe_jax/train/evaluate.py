@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import sys
 from collections.abc import Sequence
@@ -138,16 +139,24 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def checkpoint_labels(paths: Sequence[str]) -> list[str]:
-    """Short unique labels (run directory names, with the step when given)."""
+    """Short unique labels: the run directory's name, with ``@STEP`` when a step is given;
+    runs of the same name (``learned/seed0``, ``frozen/seed0``) get their parent's name
+    too (``learned_seed0``)."""
+    from moe_jax.train import checkpoints
+
+    split = [checkpoints.split_checkpoint_path(os.path.normpath(p)) for p in paths]
+    short = {d: pathlib.Path(d).name for d, _ in split}
     labels = []
-    for path in paths:
-        p = os.path.normpath(path)
-        label = os.path.basename(p) if not os.path.basename(p).isdigit() else \
-            f"{os.path.basename(os.path.dirname(p))}@{os.path.basename(p)}"
-        while label in labels:
-            label += "'"
-        labels.append(label)
-    return labels
+    for model_dir, step in split:
+        clash = any(other != model_dir and name == short[model_dir] for other, name in short.items())
+        name = "_".join(pathlib.Path(model_dir).parts[-2:]) if clash else short[model_dir]
+        labels.append(name if step is None else f"{name}@{step}")
+    unique: list[str] = []
+    for name in labels:
+        while name in unique:
+            name += "'"
+        unique.append(name)
+    return unique
 
 
 def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:

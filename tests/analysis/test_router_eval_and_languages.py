@@ -89,3 +89,10 @@ def test_analyze_languages_refuses_unlabelled_data(tiny_run, tmp_path, capsys):
                      "--gin.sources.make_source.tfds_name='c4/en:3.1.0'"]) == 1
     assert "tfds_name='c4/en:3.1.0'" in capsys.readouterr().err
     assert not (tmp_path / "languages.json").exists()
+
+
+def test_checkpoint_labels_tell_runs_of_the_same_name_apart():
+    assert evaluate.checkpoint_labels(["/r/learned/seed0", "/r/frozen/seed0/checkpoints/300", "/r/dense"]) == [
+        "learned_seed0", "frozen_seed0@300", "dense"]
+    assert evaluate.checkpoint_labels(["/a/run/500", "/b/run"]) == ["a_run@500", "b_run"]
+    assert evaluate.checkpoint_labels(["/x/run/100", "/x/run", "/x/run"]) == ["run@100", "run", "run'"]
