@@ -3,11 +3,15 @@
 Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> int``.
 Modules are imported lazily so that `moe-jax --help` and the synthetic laboratory do not
 pay for importing TensorFlow/seqio.
+
+This is the one place that turns the project's expected errors (:mod:`moe_jax.errors`)
+into one line ``moe-jax <command>: error: ...`` and an exit code, for every command.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Collection
 
@@ -45,7 +49,41 @@ def split_command(argv: list[str], known: Collection[str], prog: str, usage: str
     return argv[0], argv[1:]
 
 
+# Before TensorFlow or JAX is imported: TensorFlow's C++ INFO/WARNING lines (the oneDNN
+# notice, "Could not find cuda drivers", cuInit on a CPU-only machine) read as faults to a
+# new user. Set the variable yourself (e.g. TF_CPP_MIN_LOG_LEVEL=0) to see them.
+QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+# Library errors that, reaching a command's top, mean bad input rather than a bug: gin's
+# and seqio's configuration checks raise ValueError; a missing or unreadable file the user
+# named raises one of these OSErrors (its message names the file).
+EXPECTED_LIBRARY_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                           PermissionError, UnicodeDecodeError)
+
+
+def quiet_startup(env: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
+    """Sets :data:`QUIET_ENV` defaults (values the user set are kept)."""
+    for name, value in QUIET_ENV.items():
+        env.setdefault(name, value)
+
+
+def run_command(name: str, module_main, argv: list[str]) -> int:
+    """``module_main(argv)``'s exit code; an expected error becomes one line on stderr and
+    its exit code (``MOE_JAX_TRACEBACK=1`` re-raises it for the traceback)."""
+    from moe_jax import errors
+
+    try:
+        return int(module_main(argv) or 0)
+    except (errors.UserError, *EXPECTED_LIBRARY_ERRORS) as err:
+        if os.environ.get("MOE_JAX_TRACEBACK"):
+            raise
+        message = str(err) if isinstance(err, errors.UserError | ValueError) else errors.one_line(err)
+        print(f"moe-jax {name}: error: {message}", file=sys.stderr, flush=True)
+        return getattr(err, "exit_code", errors.EXIT_USER_ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_startup()
     picked = split_command(list(sys.argv[1:] if argv is None else argv), SUBCOMMANDS, "moe-jax", _usage())
     if isinstance(picked, int):
         return picked
@@ -58,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    return run_command(name, module.main, rest)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,6 @@
 
 import sys
 
-from moe_jax.train.train import main
+from moe_jax.cli import main
 
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(["train", *sys.argv[1:]]))
