@@ -67,6 +67,19 @@ def quiet_startup(env: dict[str, str] = os.environ) -> None:  # type: ignore[ass
         env.setdefault(name, value)
 
 
+def error_message(err: BaseException) -> str:
+    """What the user sees of an expected error: a UserError's or a short ValueError's own
+    message (without gin's "In call to configurable" context lines), else its first line."""
+    from moe_jax import errors
+
+    lines = [line for line in str(err).rstrip().splitlines()
+             if not line.lstrip().startswith("In call to configurable")]
+    text = "\n".join(lines)
+    if isinstance(err, errors.UserError) or (isinstance(err, ValueError) and len(text) < 1000):
+        return text
+    return errors.one_line(err)
+
+
 def run_command(name: str, module_main, argv: list[str]) -> int:
     """``module_main(argv)``'s exit code; an expected error becomes one line on stderr and
     its exit code (``MOE_JAX_TRACEBACK=1`` re-raises it for the traceback)."""
@@ -77,8 +90,7 @@ def run_command(name: str, module_main, argv: list[str]) -> int:
     except (errors.UserError, *EXPECTED_LIBRARY_ERRORS) as err:
         if os.environ.get("MOE_JAX_TRACEBACK"):
             raise
-        message = str(err) if isinstance(err, errors.UserError | ValueError) else errors.one_line(err)
-        print(f"moe-jax {name}: error: {message}", file=sys.stderr, flush=True)
+        print(f"moe-jax {name}: error: {error_message(err)}", file=sys.stderr, flush=True)
         return getattr(err, "exit_code", errors.EXIT_USER_ERROR)
 
 

@@ -37,19 +37,22 @@ def gin_files_for(checkpoint: str, analysis: str, gin_files: list[str]) -> list[
     one), the analysis' defaults, then ``gin_files``.
 
     Raises:
-      FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint.
+      MissingCheckpointError: naming ``checkpoint`` when it is no run directory's checkpoint.
+      GinConfigError: the run's config.gin imports a module outside the project.
     """
     model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
     if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
-        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
-                                f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
-    config = os.path.join(model_dir, "config.gin")
+        raise checkpoints.MissingCheckpointError(
+            f"--checkpoint={checkpoint!r}: no checkpoints there "
+            f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
+    config = gin_utils.run_config_file(model_dir)  # refuses imports of foreign modules
     defaults = str(DEFAULTS_DIR / f"{analysis}.gin")
-    if os.path.exists(config):
+    if config is not None:
         return [config, defaults, *gin_files]
     if not gin_files:
-        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no {config}; "
-                                "pass its model and data gin files with --gin_file")
+        raise checkpoints.MissingCheckpointError(
+            f"--checkpoint={checkpoint!r}: the run has no {os.path.join(model_dir, 'config.gin')}; "
+            "pass its model and data gin files with --gin_file")
     return [defaults, *gin_files]
 
 
@@ -73,12 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: MODEL_DIR/analysis)")
     args = gin_utils.parse_flags(parser, rest)
-    try:
-        args.gin_file = gin_files_for(args.checkpoint, analysis, args.gin_file)
-        distributed.initialize(args)
-        gin_utils.parse_gin(args)
-        module.analyze(args.checkpoint, args.out)
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax analyze: error: {err}", file=sys.stderr)
-        return 1
+    args.gin_file = gin_files_for(args.checkpoint, analysis, args.gin_file)
+    distributed.initialize(args)
+    gin_utils.parse_gin(args)
+    module.analyze(args.checkpoint, args.out)
     return 0

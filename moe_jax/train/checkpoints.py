@@ -119,6 +119,16 @@ def ensure_writable(model_dir: str) -> None:
         raise UnwritableModelDirError(f"MODEL_DIR={model_dir!r} is not writable ({err.strerror or err})") from None
 
 
+def reached_step(model_dir: str) -> int | None:
+    """The newest finished checkpoint step of a local ``MODEL_DIR`` (None: none, or remote),
+    read from the directory names without creating anything."""
+    directory = os.path.join(model_dir, "checkpoints")
+    if "://" in model_dir or not os.path.isdir(directory):
+        return None
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    return max(steps, default=None)
+
+
 def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     """``DIR`` -> (DIR, None: latest); ``DIR/STEP`` or ``DIR/checkpoints/STEP`` -> (DIR, STEP)."""
     p = pathlib.Path(path)

@@ -199,11 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", default=None,
                         help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    try:
-        distributed.initialize(args)
-        gin_utils.parse_gin(args)
-        evaluate(args.checkpoint, args.output_dir)
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax eval: error: {err}", file=sys.stderr)
-        return 1
+    distributed.initialize(args)
+    gin_utils.parse_gin(args)
+    evaluate(args.checkpoint, args.output_dir)
     return 0

@@ -70,6 +70,10 @@ class GinConfigError(errors.UserError, ValueError):
     """A gin file, binding or flag is wrong; the message names where."""
 
 
+class ConfigChangedError(GinConfigError):
+    """A run would resume with another gin config than it was trained with."""
+
+
 def add_gin_flags(parser: argparse.ArgumentParser) -> None:
     """Adds T5X's gin flags to ``parser`` (``--gin.NAME=VALUE`` is handled by :func:`parse_flags`)."""
     parser.add_argument("--gin_file", action="append", default=[], metavar="PATH",
@@ -283,3 +287,39 @@ def config_changes(saved: str, current: str) -> list[str]:
     before, after = config_bindings(saved, "saved config.gin"), config_bindings(current, "operative config")
     return [f"{name}: {before[name]!r} -> {after[name]!r}" for name in sorted(set(before) & set(after))
             if before[name] != after[name] and not RESUMABLE_CHANGES.match(name.rsplit("/", 1)[-1])]
+
+
+def record_run_config(model_dir: str, operative: str, step: int, *, allow_change: bool = False) -> str:
+    """Keeps the run's gin config: writes ``MODEL_DIR/config.gin`` on the first start; on a
+    resumption (at ``step``) compares ``operative`` with it, which is never overwritten.
+
+    Returns:
+      the path the operative config is kept at: ``config.gin``, or ``config.step-N.gin``
+      when a resumption changed something and ``allow_change`` let it.
+
+    Raises:
+      ConfigChangedError: listing the differing bindings, when ``allow_change`` is False.
+    """
+    first = os.path.join(model_dir, "config.gin")
+    if not os.path.exists(first):
+        _write(first, operative)
+        return first
+    changes = config_changes(_read(first), operative)
+    if not changes:
+        return first
+    if not allow_change:
+        raise ConfigChangedError(
+            f"MODEL_DIR={model_dir} was trained with another gin config ({first}); resuming at step "
+            f"{step} would change {len(changes)} binding(s) (pass --allow_config_change to resume "
+            "with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
+    kept = os.path.join(model_dir, f"config.step-{step}.gin")
+    _write(kept, f"# resumed at step {step} with --allow_config_change; changed from config.gin:\n"
+                 + "".join(f"#   {line}\n" for line in changes) + operative)
+    return kept
+
+
+def _write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -17,12 +17,15 @@ the launcher's job (docs/training.md, "Reliability").
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import socket
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from moe_jax import errors
@@ -146,3 +149,34 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def hold(model_dir: str) -> Iterator[RunLock | None]:
+    """Holds ``model_dir``'s lock on process 0 for the ``with`` block; every process raises
+    :class:`~moe_jax.errors.RunLockedError` when process 0 could not take it."""
+    import jax
+    import numpy as np
+
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = RunLock(model_dir).acquire()
+        except errors.RunLockedError as err:
+            error = err
+        if lock is not None and lock.took_over:
+            old = lock.took_over
+            print(f"[moe-jax] took over the lock of {model_dir} from host {old.get('host')} PID "
+                  f"{old.get('pid')} (since {old.get('since')}): {old['reason']}", file=sys.stderr, flush=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if bool(multihost_utils.broadcast_one_to_all(np.array(error is not None))) and error is None:
+            error = errors.RunLockedError(f"{model_dir} is locked by another trainer (see process 0)")
+    if error is not None:
+        raise error
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
