@@ -49,10 +49,13 @@ def split_command(argv: list[str], known: Collection[str], prog: str, usage: str
     return argv[0], argv[1:]
 
 
-# Before TensorFlow or JAX is imported: TensorFlow's C++ INFO/WARNING lines (the oneDNN
-# notice, "Could not find cuda drivers", cuInit on a CPU-only machine) read as faults to a
-# new user. Set the variable yourself (e.g. TF_CPP_MIN_LOG_LEVEL=0) to see them.
+# TensorFlow (the data pipeline's) prints C++ log lines at import (the oneDNN notice, "Could
+# not find cuda drivers", a CPU-features notice) and a cuInit error on a machine without a
+# GPU: they read as faults to a new user. Commands that read data import it quietly first
+# (its output hidden) and hide GPUs from it (data runs on the host; JAX owns accelerators),
+# as T5X and MaxText do. Set TF_CPP_MIN_LOG_LEVEL yourself (e.g. 0) to see those lines.
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+NO_TENSORFLOW = frozenset({"synthetic", "sweep"})  # commands that never import it
 
 # Library errors that, reaching a command's top, mean bad input rather than a bug: gin's
 # and seqio's configuration checks raise ValueError; a missing or unreadable file the user
@@ -61,10 +64,29 @@ EXPECTED_LIBRARY_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, Not
                            PermissionError, UnicodeDecodeError)
 
 
-def quiet_startup(env: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
-    """Sets :data:`QUIET_ENV` defaults (values the user set are kept)."""
-    for name, value in QUIET_ENV.items():
-        env.setdefault(name, value)
+def quiet_startup(command: str, argv: list[str]) -> None:
+    """Unless the user set ``TF_CPP_MIN_LOG_LEVEL``: sets :data:`QUIET_ENV` and, for a
+    command that reads data, imports TensorFlow with file descriptor 2 pointed at
+    /dev/null and makes it see no GPU."""
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        return
+    os.environ.update(QUIET_ENV)
+    if command in NO_TENSORFLOW or "tensorflow" in sys.modules or {"-h", "--help"} & set(argv):
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        try:
+            import tensorflow as tf
+        except ImportError:
+            return  # reported, with its message, where the command imports it
+        tf.config.set_visible_devices([], "GPU")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def error_message(err: BaseException) -> str:
@@ -95,11 +117,11 @@ def run_command(name: str, module_main, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_startup()
     picked = split_command(list(sys.argv[1:] if argv is None else argv), SUBCOMMANDS, "moe-jax", _usage())
     if isinstance(picked, int):
         return picked
     name, rest = picked
+    quiet_startup(name, rest)
     module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)

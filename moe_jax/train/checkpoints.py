@@ -148,8 +148,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                save_interval_steps=save_period or 1, max_to_keep=keep, create=not read_only,
-                enable_async_checkpointing=async_save, read_only=read_only))
+                save_interval_steps=0 if read_only else save_period or 1, max_to_keep=keep,
+                create=not read_only, enable_async_checkpointing=async_save, read_only=read_only))
         self._pending: int | None = None  # a step being written in the background
         self.last_good: int | None = self._manager.latest_step()
 
@@ -235,11 +235,8 @@ class Checkpointer:
         except CheckpointMismatchError:
             raise
         except Exception as err:
-            found = _FILE_IN_MESSAGE.search(str(err))
-            where = found.group(1) if found else self.step_dir(step)
-            raise UnreadableCheckpointError(
-                f"checkpoint step {step} is unreadable: {where}: {errors.one_line(err, 160)}",
-                step) from err
+            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: "
+                                            f"{_read_cause(err, self.step_dir(step))}", step) from err
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state at ``step`` laid out as ``target`` (``ShapeDtypeStruct`` leaves with the
@@ -360,6 +357,17 @@ def check_integrity(step_dir: str, step: int, items: tuple[str, ...] | None = No
         if actual != size:
             cause = "missing" if actual is None else f"{actual} bytes, {size} when saved (truncated)"
             raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {path}: {cause}", step)
+
+
+def _read_cause(err: BaseException, step_dir: str) -> str:
+    """``"FILE: cause"`` of a failed read: TensorStore nests its errors as ``...local file
+    "F": cause [tensorstore_spec=...]``; the innermost file and cause are the useful part."""
+    text = str(err)
+    files = list(re.finditer(r'local file "([^"]+)": ', text))
+    if not files:
+        return f"{step_dir}: {errors.one_line(err, 200)}"
+    cause = text[files[-1].end():].split(" [tensorstore_spec", 1)[0].splitlines()[0]
+    return f"{files[-1].group(1)}: {cause[:200]}"
 
 
 def _write_cause(err: BaseException) -> str:

@@ -45,7 +45,7 @@ def test_unreadable_latest_checkpoint_falls_back_and_continues_exactly(tmp_path,
         checkpoints.restore_params_from(str(tmp_path / "run"), None)
     assert "\n" not in str(err.value)
     resumed = run(tmp_path / "run", 9)
-    warning = [line for line in capsys.readouterr().err.splitlines() if "unreadable" in line]
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[moe-jax] warning")]
     assert len(warning) == 1 and "step 6" in warning[0] and "resuming from step 3 instead" in warning[0]
     assert (tmp_path / "run/unreadable_checkpoints/6").is_dir()  # moved aside, not deleted
     assert sorted(resumed["losses"]) == list(range(4, 10))
