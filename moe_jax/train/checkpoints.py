@@ -33,6 +33,7 @@ import contextlib
 import errno
 import glob
 import json
+import logging
 import os
 import pathlib
 import re
@@ -138,11 +139,25 @@ def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     return str(p), None
 
 
+class _OrbaxErrorFilter(logging.Filter):
+    """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
+    writer threads): :class:`Checkpointer` raises each failure as one line naming the step
+    and cause instead. ``MOE_JAX_TRACEBACK=1`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+                or bool(os.environ.get("MOE_JAX_TRACEBACK")))
+
+
+_ORBAX_ERRORS = _OrbaxErrorFilter()
+
+
 class Checkpointer:
     """Async orbax checkpoints of a :class:`TrainState` plus JSON metadata."""
 
     def __init__(self, model_dir: str, *, save_period: int | None = None, keep: int | None = None,
                  async_save: bool = True, read_only: bool = False):
+        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: filters are a set
         self.model_dir = model_dir
         self.directory = os.path.join(model_dir, "checkpoints")
         self._manager = ocp.CheckpointManager(
