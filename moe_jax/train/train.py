@@ -19,11 +19,8 @@ config differs from the run's ``config.gin`` is refused unless ``--allow_config_
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import gin
@@ -31,7 +28,7 @@ import jax
 import numpy as np
 
 from moe_jax import errors
-from moe_jax.train import distributed, gin_utils
+from moe_jax.train import distributed, gin_utils, setup
 
 EXIT_PREEMPTED = errors.EXIT_PREEMPTED
 
@@ -42,57 +39,7 @@ class NonFiniteLossError(errors.UserError, FloatingPointError):
     exit_code = errors.EXIT_NONFINITE
 
 
-@gin.configurable(module="utils")
-@dataclasses.dataclass(frozen=True)
-class DatasetConfig:
-    """One dataset of a run, as T5X's ``utils.DatasetConfig`` (bind with a scope:
-    ``train/DatasetConfig.split = 'train'``, ``train_eval/DatasetConfig.split = 'validation'``).
-
-    ``batch_size`` is global (all processes together); ``task_feature_lengths`` e.g.
-    ``{"inputs": 512, "targets": 114}``.
-    """
-
-    mixture_or_task_name: str
-    task_feature_lengths: Mapping[str, int]
-    split: str = "train"
-    batch_size: int = 8
-    shuffle: bool = True
-    seed: int | None = 0
-    use_cached: bool = False
-    pack: bool = True
-
-    def __post_init__(self):
-        if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-            raise errors.ConfigError(f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}; "
-                                     "expected a positive integer")
-
-    def input_shapes(self) -> dict[str, tuple[int, int]]:
-        """Model input shapes of one global batch."""
-        return {"encoder_input_tokens": (self.batch_size, self.task_feature_lengths["inputs"]),
-                "decoder_input_tokens": (self.batch_size, self.task_feature_lengths["targets"])}
-
-
-@dataclasses.dataclass
-class RunContext:
-    """What train/eval/infer share once gin is parsed: mesh, rules, batch axes."""
-
-    mesh: jax.sharding.Mesh
-    rules: tuple
-    batch_axes: tuple[str, ...]
-
-
-@gin.configurable
-def run_context(batch_axes: tuple[str, ...] = ("data", "expert")) -> RunContext:
-    """The global mesh (``make_mesh`` gin bindings) and logical axis rules."""
-    from moe_jax import partitioning
-
-    mesh = partitioning.make_mesh()
-    rules = partitioning.standard_logical_axis_rules()
-    partitioning.validate_rules(rules, mesh)
-    return RunContext(mesh=mesh, rules=rules, batch_axes=tuple(batch_axes))
-
-
-def make_iterator(cfg: DatasetConfig, *, state: dict | None = None, start_step: int = 0):
+def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
     """This process's resumable stream of training batches (``[batch / processes, length]``
     numpy arrays); ``state`` (from ``get_state()``) continues a saved position exactly,
     ``start_step`` skips that many batches of a fresh stream."""
@@ -109,46 +56,12 @@ def make_iterator(cfg: DatasetConfig, *, state: dict | None = None, start_step: 
         pack=cfg.pack, use_cached=cfg.use_cached, start_step=start_step)
 
 
-def eval_batches(cfg: DatasetConfig, num_batches: int):
-    """The first ``num_batches`` batches of ``cfg``'s split, unshuffled (the split repeats
-    if shorter, so every process runs the same number of steps)."""
-    from moe_jax.data import pipeline
-
-    ds = pipeline.get_dataset(cfg.mixture_or_task_name, dict(cfg.task_feature_lengths), cfg.split,
-                              cfg.batch_size // jax.process_count(), shuffle=cfg.shuffle,
-                              seed=cfg.seed, shard_info=pipeline.host_shard_info(), pack=cfg.pack,
-                              num_epochs=None, use_cached=cfg.use_cached)
-    return ds.take(num_batches).as_numpy_iterator()
-
-
-def global_batch(local_batch: dict[str, np.ndarray], ctx: RunContext) -> dict[str, jax.Array]:
-    from moe_jax.data import pipeline
-
-    return pipeline.to_global_batch(local_batch, ctx.mesh, batch_axes=ctx.batch_axes)
-
-
-def build_optimizer(model_params_abstract):
-    """The gin optimizer, with router updates zeroed when the router mode is ``frozen``."""
-    from moe_jax.moe import freeze
-    from moe_jax.train import optimizers
-
-    tx, schedule = optimizers.create_optimizer()
-    return freeze.apply_router_mode(tx, model_params_abstract), schedule
-
-
-def abstract_params(model, input_shapes) -> Any:
-    import flax.linen as nn
-
-    variables = jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes))
-    return nn.unbox(variables["params"])
-
-
 @gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
 def train(
     *,
     model: Any = gin.REQUIRED,
-    train_dataset_cfg: DatasetConfig = gin.REQUIRED,
-    train_eval_dataset_cfg: DatasetConfig | None = None,
+    train_dataset_cfg: setup.DatasetConfig = gin.REQUIRED,
+    train_eval_dataset_cfg: setup.DatasetConfig | None = None,
     model_dir: str = gin.REQUIRED,
     total_steps: int = gin.REQUIRED,
     random_seed: int = 0,
@@ -215,22 +128,18 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
            checkpoint_period, keep_checkpoints, async_checkpointing, log_period, eval_period,
            eval_steps, accum_steps, on_nonfinite, stop_after_steps, allow_config_change):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
-    from moe_jax.train import checkpoints, summaries, train_state, train_step
+    from moe_jax.train import checkpoints, evaluate, summaries
 
-    ctx = run_context()
+    ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
-    tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
+    run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
+                                  skip_nonfinite=on_nonfinite == "skip")
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
-    restored = None
-    if ckpt.all_steps():
-        target, shardings = train_state.create_sharded_state(model, tx, input_shapes, random_seed,
-                                                             ctx.mesh, ctx.rules, init=False)
-        restored = checkpoints.restore_latest_readable(ckpt, target, _log)
+    restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
     if restored is None:
         latest = None
-        state, shardings = train_state.create_sharded_state(model, tx, input_shapes, random_seed,
-                                                            ctx.mesh, ctx.rules)
+        state = run.init_state()
         iterator = make_iterator(train_dataset_cfg)
         checkpoints.save_router_init(model_dir, state.params)
     else:
@@ -248,10 +157,8 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     _log(f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
          f"{jax.process_count()} process(es), {jax.device_count()} devices")
 
-    step_fn = train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.batch_axes,
-                                        accum_steps=accum_steps, skip_nonfinite=on_nonfinite == "skip")
-    eval_fn = (train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes)
-               if train_eval_dataset_cfg is not None and eval_period else None)
+    step_fn = run.train_step
+    eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
     writer = summaries.MetricsWriter(model_dir, "train")
     eval_writer = summaries.MetricsWriter(model_dir, "eval") if eval_fn else None
     tokens_per_step = int(np.prod(input_shapes["decoder_input_tokens"]) +
@@ -268,12 +175,12 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     bar = summaries.progress_bar(step, total_steps)
     start_time = time.perf_counter()
     try:
-        batch = global_batch(next(iterator), ctx)
+        batch = setup.global_batch(next(iterator), ctx)
         while step < end:
             state, metrics = step_fn(state, batch)            # async dispatch; state donated
             data_state = iterator.get_state()                 # position after this step's batch
             if step + 1 < end:
-                batch = global_batch(next(iterator), ctx)     # overlaps the device's step
+                batch = setup.global_batch(next(iterator), ctx)     # overlaps the device's step
             metrics = jax.device_get(metrics)
             ckpt.check_for_errors()                           # a failed background save stops here
             step += 1
@@ -300,8 +207,6 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
                 _log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
                 break
             if eval_fn and step % eval_period == 0:
-                from moe_jax.train import evaluate
-
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
                                                  ctx, eval_steps)
                 eval_writer.write(step, eval_metrics)
@@ -345,17 +250,10 @@ def _log(message: str) -> None:
         print(f"[moe-jax] {message}", file=sys.stderr, flush=True)
 
 
-def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    gin_utils.add_gin_flags(parser)
-    distributed.add_distributed_flags(parser)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit code 0, or :data:`EXIT_PREEMPTED`; expected errors are raised for
     :func:`moe_jax.cli.main` to report (codes in :mod:`moe_jax.errors`)."""
-    parser = build_parser("moe-jax train", __doc__.splitlines()[0])
+    parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
     parser.add_argument("--allow_config_change", action="store_true",
                         help="resume although the gin config differs from the run's config.gin "
                              "(the new one is kept as MODEL_DIR/config.step-N.gin)")
