@@ -4,4 +4,5 @@ import sys
 
 from moe_jax.cli import main
 
-sys.exit(main(["train", *sys.argv[1:]]))
+sys.argv[1:1] = ["train"]
+sys.exit(main())

@@ -38,6 +38,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -152,12 +153,34 @@ class _OrbaxErrorFilter(logging.Filter):
 _ORBAX_ERRORS = _OrbaxErrorFilter()
 
 
+def _quiet_closed_loop_hook(previous):
+    """``sys.unraisablehook`` that drops asyncio's "Event loop is closed" RuntimeError:
+    after a failed read or write, TensorStore's pending callbacks reach an orbax event loop
+    that was already closed and report it as unraisable, once per callback (hundreds of
+    tracebacks for one full disk); the failure itself is reported as one line."""
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if (type(value) is RuntimeError and str(value) == "Event loop is closed"
+                and not os.environ.get("MOE_JAX_TRACEBACK")):
+            return
+        previous(unraisable)
+
+    hook.moe_jax_quiet = True
+    return hook
+
+
+def _install_quiet_hooks() -> None:
+    logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: filters are a set
+    if not getattr(sys.unraisablehook, "moe_jax_quiet", False):
+        sys.unraisablehook = _quiet_closed_loop_hook(sys.unraisablehook)
+
+
 class Checkpointer:
     """Async orbax checkpoints of a :class:`TrainState` plus JSON metadata."""
 
     def __init__(self, model_dir: str, *, save_period: int | None = None, keep: int | None = None,
                  async_save: bool = True, read_only: bool = False):
-        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: filters are a set
+        _install_quiet_hooks()
         self.model_dir = model_dir
         self.directory = os.path.join(model_dir, "checkpoints")
         self._manager = ocp.CheckpointManager(
