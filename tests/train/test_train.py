@@ -85,9 +85,11 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     assert result["step"] == 4 and skipped == {1: 0, 2: 1, 3: 1, 4: 1}
     assert np.isfinite(result["losses"][1]) and not np.isfinite(result["losses"][2])
     ckpt = checkpoints.Checkpointer(str(skip_dir), read_only=True)
-    saved = {s: jax.tree.map(np.asarray, ckpt._manager.restore(s, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
-        params=checkpoints.ocp.args.StandardRestore(), train=checkpoints.ocp.args.StandardRestore())))
-        for s in (1, 2, 3, 4)}
+    saved = {}
+    for s in (1, 2, 3, 4):
+        out = ckpt._manager.restore(s, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
+            params=checkpoints.ocp.args.StandardRestore(), train=checkpoints.ocp.args.StandardRestore()))
+        saved[s] = {item: jax.tree.map(np.asarray, out[item]) for item in ("params", "train")}
     ckpt.close()
     for s in (2, 3, 4):
         jax.tree.map(np.testing.assert_array_equal, saved[1]["params"], saved[s]["params"])
