@@ -18,10 +18,13 @@ as ``--gin.TRAIN_STEP=10`` would otherwise be silently ignored).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import pathlib
 import re
+import sys
 from collections.abc import Iterable, Sequence
 
 import gin
@@ -42,8 +45,10 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.train.train",
     "moe_jax.train.evaluate",
     "moe_jax.train.infer",
+    "moe_jax.train.export",
 )
 
+_SEARCH_PATHS_ADDED: set[str] = set()
 _MACRO_REF = re.compile(r"%([A-Za-z_][\w./]*)")
 _MACRO_DEF = re.compile(r"^\s*([A-Za-z_][\w]*)\s*=")
 
@@ -123,12 +128,15 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
     gin.clear_config()
     roots = search_paths(args.gin_search_paths)
     for path in roots:
-        gin.add_config_file_search_path(path)
+        if path not in _SEARCH_PATHS_ADDED:  # gin keeps them across clear_config()
+            gin.add_config_file_search_path(path)
+            _SEARCH_PATHS_ADDED.add(path)
     files = [_resolve(f, roots) for f in args.gin_file]
     bindings = [*args.gin_bindings, *args.gin_dot_bindings]
     try:
-        parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
-    except (ValueError, SyntaxError, TypeError) as err:
+        with _quiet_include_search():
+            parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+    except (ValueError, SyntaxError, TypeError, OSError) as err:
         raise GinConfigError(f"gin: {err}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
@@ -136,6 +144,23 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
             gin.finalize()
         except ValueError as err:
             raise GinConfigError(f"gin: {err}") from None
+
+
+def _drop_path_not_found(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Path not found")
+
+
+@contextlib.contextmanager
+def _quiet_include_search():
+    """Silences gin's ``ERROR:root:Path not found`` lines while it tries each search path for
+    an ``include`` (it logs one per miss, then uses the path that holds the file). A file
+    found nowhere still fails, with gin's ``Unable to open file`` naming the searched paths."""
+    root = logging.getLogger()
+    root.addFilter(_drop_path_not_found)
+    try:
+        yield
+    finally:
+        root.removeFilter(_drop_path_not_found)
 
 
 def _resolve(path: str, roots: Sequence[str]) -> str:
@@ -188,6 +213,48 @@ def _read(path: str) -> str:
 
 def _gin_has_macro(name: str) -> bool:
     return (name, "gin.macro") in gin.config._CONFIG  # noqa: SLF001 - gin has no public query
+
+
+def run_config_path(model_dir: str) -> str | None:
+    """``MODEL_DIR/config.gin`` (written by `moe-jax train`), or None when the run has none."""
+    path = os.path.join(model_dir, "config.gin")
+    return path if os.path.exists(path) else None
+
+
+def run_gin_files(checkpoint: str, defaults: Sequence[str], gin_files: Sequence[str], *,
+                  extend_run_config: bool = False, command: str = "moe-jax") -> list[str]:
+    """The gin files of a command reading a run's checkpoint (eval, infer, analyze, export)
+    and a line on stderr saying which config that is.
+
+    ``defaults`` (the command's own files, e.g. ``runs/eval.gin``; resolved against the
+    search paths) come first, then the run's ``MODEL_DIR/config.gin``, so the run's macros
+    (task, feature lengths, batch size) win over the defaults'. The run's config is used when
+    no ``gin_files`` are given, or with ``extend_run_config`` before them (``analyze``:
+    the command line overrides the run).
+
+    Raises:
+      FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint, or
+        when the run has no config.gin and no gin file was given.
+    """
+    from moe_jax.train import checkpoints
+
+    model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
+    if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
+                                f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
+    roots = search_paths([])
+    defaults = [_resolve(f, roots) for f in defaults]
+    config = run_config_path(model_dir) if extend_run_config or not gin_files else None
+    if config is None and not gin_files:
+        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
+                                f"{os.path.join(model_dir, 'config.gin')}; pass its model and data "
+                                "gin files with --gin_file")
+    files = [*defaults, *([config] if config else []), *gin_files]
+    used = f"the run's {config}" + (f" + {', '.join(gin_files)}" if gin_files else "") if config \
+        else ", ".join(gin_files)
+    print(f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'})",
+          file=sys.stderr, flush=True)
+    return files
 
 
 def operative_config() -> str:
