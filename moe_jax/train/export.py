@@ -62,6 +62,7 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
     (r"(encoder|decoder)/layers_(\d+)/ffn/mlp/(wi|wi_\d+|wo)", r"\1/layers_\2/mlp/\3/kernel"),
     (r"(encoder|decoder)/layers_(\d+)/ffn/moe/expert/(wi|wi_\d+|wo)", r"\1/layers_\2/mlp/expert/\3/kernel"),
     (r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/weights/w", r"\1/layers_\2/mlp/router/router_weights/w/kernel"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/(\w+)/w", r"\1/layers_\2/mlp/router/\3/w/kernel"),
     (r"(encoder|decoder)/layers_(\d+)/ffn/moe/(.+)", r"\1/layers_\2/mlp/\3"),
     (r"encoder/final_norm/scale", r"encoder/encoder_norm/scale"),
     (r"decoder/final_norm/scale", r"decoder/decoder_norm/scale"),

@@ -57,8 +57,57 @@ class GinConfigError(ValueError):
     """A gin file, binding or flag is wrong; the message names where."""
 
 
-def add_gin_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds T5X's gin flags to ``parser`` (``--gin.NAME=VALUE`` is handled by :func:`parse_flags`)."""
+# Macros the repository's gin files define, by the file that defines them (shown by --help).
+MACROS: dict[str, tuple[str, str]] = {
+    "MODEL_DIR": ("runs/pretrain.gin", "run directory: checkpoints, config.gin, metrics"),
+    "TRAIN_STEPS": ("runs/pretrain.gin", "total training steps"),
+    "BATCH_SIZE": ("runs/pretrain.gin", "global batch size (all processes together)"),
+    "RANDOM_SEED": ("runs/pretrain.gin", "parameter init, dropout and data order"),
+    "MIXTURE_OR_TASK_NAME": ("runs/pretrain.gin", "seqio task or mixture: mc4_span_corruption, "
+                             "mc4_<lang>_prefix_lm, text_span_corruption, text_<label>_..., yours"),
+    "MIXTURE_OR_TASK_MODULE": ("runs/pretrain.gin", "module (or .py file) that registers your own "
+                               "seqio tasks/mixtures, imported before the data is read (T5X)"),
+    "TASK_FEATURE_LENGTHS": ("runs/pretrain.gin", "{'inputs': I, 'targets': T}"),
+    "USE_CACHED_TASKS": ("runs/pretrain.gin", "read seqio's offline cache"),
+    "TFDS_DATA_DIR": ("data/embedded.gin", "TFDS data directory (data/mc4.gin: where mC4 lives)"),
+    "TEXT_TRAIN_FILES": ("data/text.gin", "your text files: a glob, or {label: glob} per language/domain"),
+    "TEXT_VALIDATION_FILES": ("data/text.gin", "validation files, same form (default: held out)"),
+    "TEXT_VALIDATION_FRACTION": ("data/text.gin", "fraction of training lines held out for validation"),
+    "VOCAB_SIZE": ("models/t5_dense.gin", "embedding rows (>= the vocabulary's size)"),
+    "EMBED_DIM": ("models/t5_dense.gin", "d_model (also MLP_DIM, NUM_HEADS, HEAD_DIM, "
+                  "NUM_ENCODER_LAYERS, NUM_DECODER_LAYERS)"),
+    "DROPOUT_RATE": ("models/t5_dense.gin", "dropout everywhere"),
+    "ACTIVATION_DTYPE": ("models/t5_dense.gin", "'float32' or 'bfloat16' activations"),
+    "NUM_EXPERTS": ("models/t5_moe.gin", "experts per MoE layer (also NUM_SELECTED_EXPERTS, "
+                    "NUM_SPARSE_LAYERS, SPARSE_LAYOUT, GROUP_SIZE)"),
+    "TRAIN_CAPACITY_FACTOR": ("models/t5_moe.gin", "expert capacity factor (EVAL_CAPACITY_FACTOR in eval)"),
+    "CHECKPOINT_PATH": ("runs/eval.gin", "eval/infer: the checkpoint (T5X; same as --checkpoint)"),
+    "EVAL_OUTPUT_DIR": ("runs/eval.gin", "eval: where results go (T5X; same as --output_dir)"),
+    "INFER_OUTPUT_DIR": ("runs/infer.gin", "infer: writes predictions.jsonl there (T5X)"),
+}
+
+GIN_FLAG_HELP = """\
+gin flags, as in T5X:
+  --gin.NAME=VALUE      bind one gin parameter or macro, e.g. --gin.TRAIN_STEPS=1000,
+                        --gin.train_script.train.eval_period=100, --gin.MODEL_DIR=/tmp/run
+                        (a bare word or path is quoted for you; lists and dicts in gin syntax:
+                        --gin.TASK_FEATURE_LENGTHS="{'inputs': 64, 'targets': 16}")
+  --gin_file, --gin_bindings, --gin_search_paths: see above. Later files and flags override
+  earlier ones; a binding no gin file uses is refused as a likely typo.
+"""
+
+
+def gin_help(macros: Sequence[str] = ()) -> str:
+    """The help epilog: the gin flags and the macros (all of :data:`MACROS` by default)."""
+    names = list(macros) or list(MACROS)
+    lines = [GIN_FLAG_HELP, "macros (set with --gin.NAME=VALUE; defined in gin/<file>):"]
+    lines += [f"  {name:<25} {MACROS[name][1]} [{MACROS[name][0]}]" for name in names]
+    return "\n".join(lines)
+
+
+def add_gin_flags(parser: argparse.ArgumentParser, macros: Sequence[str] = ()) -> None:
+    """Adds T5X's gin flags to ``parser`` (``--gin.NAME=VALUE`` is handled by
+    :func:`parse_flags`) and, in ``--help``, their description and the ``macros``."""
     parser.add_argument("--gin_file", action="append", default=[], metavar="PATH",
                         help="gin file (repeatable); later files override earlier ones")
     parser.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
@@ -67,6 +116,8 @@ def add_gin_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated gin search paths (default: {REPO_GIN_DIR})")
     parser.add_argument("--tfds_data_dir", default=None, metavar="DIR",
                         help="TFDS data directory (sets TFDS_DATA_DIR)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = gin_help(macros)
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
