@@ -194,9 +194,9 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     """
     from safetensors.numpy import save_file
 
-    from moe_jax.train import checkpoints, train
+    from moe_jax.train import checkpoints, setup
 
-    abstract = train.abstract_params(model, _PROBE_SHAPES)
+    abstract = setup.abstract_params(model, _PROBE_SHAPES)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     try:
@@ -265,25 +265,22 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
     Raises:
       ExportError: the export is unreadable or does not fit the gin config's model.
     """
-    from moe_jax.train import checkpoints, train, train_state
+    from moe_jax.train import checkpoints, setup, train_state
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
     checkpoints.ensure_writable(model_dir)
-    ctx = train.run_context()
-    abstract_params = train.abstract_params(model, _PROBE_SHAPES)
-    tx, _ = train.build_optimizer(abstract_params)
-    abstract, shardings = train_state.create_sharded_state(
-        model, tx, _PROBE_SHAPES, random_seed, ctx.mesh, ctx.rules, init=False)
+    run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
+    abstract_params = run.abstract_state.params
     host_params = params_from_export(arrays, abstract_params, os.path.join(export_dir, WEIGHTS_FILE))
     params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
-                          host_params, shardings.params)
-    with jax.set_mesh(ctx.mesh):
-        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    rng = jax.random.split(jax.random.PRNGKey(random_seed))[1]
-    state = train_state.TrainState(step=jax.numpy.asarray(step, jax.numpy.int32), params=params,
-                                   opt_state=opt_state, rng=rng)
-    del abstract
+                          host_params, run.shardings.params)
+    with jax.set_mesh(run.ctx.mesh):
+        opt_state = jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(params)
+    rng = jax.random.split(jax.random.PRNGKey(random_seed))[1]  # as a fresh run's
+    state = train_state.TrainState(
+        step=jax.device_put(np.int32(step), run.shardings.step), params=params,
+        opt_state=opt_state, rng=jax.device_put(rng, run.shardings.rng))
     ckpt = checkpoints.Checkpointer(model_dir, async_save=False)
     try:
         if step in ckpt.all_steps():
@@ -303,9 +300,9 @@ def _run_config_for_import(export_dir: str, model_dir: str) -> str:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import train
+    from moe_jax.train import setup
 
-    parser = train.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
+    parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
     parser.add_argument("--checkpoint", required=True, metavar="DIR[/STEP]",
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
     parser.add_argument("--out", required=True, metavar="DIR", help="the export directory")
@@ -327,9 +324,9 @@ def export_main(argv: list[str] | None = None) -> int:
 
 
 def import_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import train
+    from moe_jax.train import setup
 
-    parser = train.build_parser("moe-jax import", "read an export into a new run directory")
+    parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
     parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
     parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)

@@ -18,6 +18,7 @@ as ``--gin.TRAIN_STEP=10`` would otherwise be silently ignored).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import logging
@@ -26,6 +27,7 @@ import pathlib
 import re
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import gin
 
@@ -272,7 +274,31 @@ def run_config_path(model_dir: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def run_gin_files(checkpoint: str, defaults: Sequence[str], gin_files: Sequence[str], *,
+def command_line_value(args: argparse.Namespace, name: str) -> Any:
+    """The value ``--gin.NAME=...`` / ``--gin_bindings='NAME = ...'`` gives macro ``name``
+    (the last one wins), as a Python literal; None when the command line does not set it."""
+    value = None
+    for binding in [*args.gin_bindings, *args.gin_dot_bindings]:
+        left, sep, right = binding.partition("=")
+        if sep and left.strip() == name:
+            try:
+                value = ast.literal_eval(right.strip())
+            except (ValueError, SyntaxError):
+                raise GinConfigError(f"gin: {name} = {right.strip()}: expected a path or a list "
+                                     "of paths") from None
+    return value
+
+
+def first_checkpoint(args: argparse.Namespace) -> str | None:
+    """The first checkpoint a command names: ``--checkpoint`` (one or a list) or T5X's
+    ``--gin.CHECKPOINT_PATH``; None when neither is given."""
+    given = getattr(args, "checkpoint", None) or command_line_value(args, "CHECKPOINT_PATH")
+    if isinstance(given, (list, tuple)):
+        given = given[0] if given else None
+    return given or None
+
+
+def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Sequence[str], *,
                   extend_run_config: bool = False, command: str = "moe-jax") -> list[str]:
     """The gin files of a command reading a run's checkpoint (eval, infer, analyze, export)
     and a line on stderr saying which config that is.
@@ -286,16 +312,23 @@ def run_gin_files(checkpoint: str, defaults: Sequence[str], gin_files: Sequence[
     Raises:
       FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint, or
         when the run has no config.gin and no gin file was given.
+      ValueError: neither a checkpoint nor a gin file was given.
     """
     from moe_jax.train import checkpoints
 
-    model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
-    if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
-        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
-                                f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
     roots = search_paths([])
     defaults = [_resolve(f, roots) for f in defaults]
-    config = run_config_path(model_dir) if extend_run_config or not gin_files else None
+    config = None
+    if checkpoint is None:
+        if not gin_files:
+            raise ValueError("no checkpoint: pass --checkpoint=DIR (or --gin.CHECKPOINT_PATH=DIR)")
+    else:
+        model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
+        if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+            raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
+                                    f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
+        if extend_run_config or not gin_files:
+            config = run_config_path(model_dir)
     if config is None and not gin_files:
         raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
                                 f"{os.path.join(model_dir, 'config.gin')}; pass its model and data "
