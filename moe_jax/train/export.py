@@ -269,10 +269,10 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
-    checkpoints.ensure_writable(model_dir)
     run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
-    abstract_params = run.abstract_state.params
-    host_params = params_from_export(arrays, abstract_params, os.path.join(export_dir, WEIGHTS_FILE))
+    host_params = params_from_export(arrays, run.abstract_state.params,
+                                     os.path.join(export_dir, WEIGHTS_FILE))
+    checkpoints.ensure_writable(model_dir)  # only once the export fits the model
     params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
                           host_params, run.shardings.params)
     with jax.set_mesh(run.ctx.mesh):
@@ -299,6 +299,19 @@ def _run_config_for_import(export_dir: str, model_dir: str) -> str:
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
+def _export(args) -> dict[str, Any]:
+    from moe_jax.train import checkpoints
+
+    distributed.initialize(args)
+    run_files = gin_utils.run_gin_files(args.checkpoint, ["runs/export.gin"], args.gin_file,
+                                        command="moe-jax export")
+    config = gin_utils.run_config_path(checkpoints.split_checkpoint_path(args.checkpoint)[0])
+    config = config if config in run_files else None  # copied into the export as it is
+    args.gin_file = run_files
+    gin_utils.parse_gin(args)
+    return export_checkpoint(args.checkpoint, args.out, config)
+
+
 def export_main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
@@ -307,29 +320,18 @@ def export_main(argv: list[str] | None = None) -> int:
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
     parser.add_argument("--out", required=True, metavar="DIR", help="the export directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    distributed.initialize(args)
-    from moe_jax.train import checkpoints
-
-    run_files = gin_utils.run_gin_files(args.checkpoint, ["runs/export.gin"], args.gin_file,
-                                        command="moe-jax export")
-    config = gin_utils.run_config_path(checkpoints.split_checkpoint_path(args.checkpoint)[0])
-    config = config if config in run_files else None  # copied into the export as it is
-    args.gin_file = run_files
-    gin_utils.parse_gin(args)
-    result = export_checkpoint(args.checkpoint, args.out, config)
+    try:
+        result = _export(args)
+    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
+        print(f"moe-jax export: error: {err}", file=sys.stderr)
+        return 1
     print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
           f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
           file=sys.stderr, flush=True)
     return 0
 
 
-def import_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
-
-    parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
-    parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
-    parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+def _import(args) -> int:
     distributed.initialize(args)
     exported_gin = os.path.join(args.export, CONFIG_GIN)
     use_export_config = not args.gin_file and os.path.isfile(exported_gin)
@@ -346,6 +348,21 @@ def import_main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         with open(os.path.join(args.model_dir, CONFIG_GIN), "w") as f:
             f.write(config_text if config_text is not None else gin_utils.operative_config())
+    return step
+
+
+def import_main(argv: list[str] | None = None) -> int:
+    from moe_jax.train import setup
+
+    parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
+    parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
+    parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
+    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    try:
+        step = _import(args)
+    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
+        print(f"moe-jax import: error: {err}", file=sys.stderr)
+        return 1
     print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,
           flush=True)
     return 0
