@@ -116,9 +116,10 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
                    label=f"uniform: k/E = {k:.3g}/{load.size}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlim(-0.6, load.size - 0.4)
+        ax.set_ylim(0, 1.4 * max(float(load.max()), k / load.size))  # room for the legend
         ax.set_ylabel("load")
         ax.set_title(name, fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper right", ncol=2)
     axes[-1, 0].set_xlabel("expert")
     fig.suptitle(title, fontsize=10)
     return fig
