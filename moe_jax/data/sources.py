@@ -175,11 +175,18 @@ class TextFilesSource(seqio.TextLineDataSource):
         super().__init__(split_to_filepattern={k: list(v) for k, v in split_to_files.items()})
         self._validation_fraction = validation_fraction
 
-    def get_dataset(self, split: str = "train", shuffle: bool = True, seed: int | None = None,
-                    shard_info: seqio.ShardInfo | None = None, **kwargs) -> tf.data.Dataset:
+    def _check_split(self, split: str) -> None:
         if split not in self.splits:
             raise ValueError(f"the text corpus has no {split!r} split: bind "
                              "make_source.validation_patterns or make_source.validation_fraction")
+
+    def list_shards(self, split: str) -> Sequence[str]:
+        self._check_split(split)
+        return super().list_shards(split)
+
+    def get_dataset(self, split: str = "train", shuffle: bool = True, seed: int | None = None,
+                    shard_info: seqio.ShardInfo | None = None, **kwargs) -> tf.data.Dataset:
+        self._check_split(split)
         ds = super().get_dataset(split=split, shuffle=shuffle, seed=seed, shard_info=shard_info,
                                  **kwargs)
         if self._validation_fraction:

@@ -7,6 +7,7 @@ import unicodedata
 
 import gin
 import pytest
+import seqio
 
 from moe_jax.data import pipeline, sources, tasks, vocab
 from tests.data.span_lib import original_tokens
@@ -96,8 +97,10 @@ def test_a_pattern_matching_no_file_is_named(corpus):
 
 def test_no_validation_split_and_bad_labels_are_refused(corpus):
     _parse_text_gin([f"TEXT_TRAIN_FILES = '{corpus}/en/*.txt'", "TEXT_VALIDATION_FRACTION = 0.0"])
-    with pytest.raises(ValueError, match="validation_fraction"):
-        pipeline.get_dataset("text_span_corruption", LENGTHS, "validation", 1, False, 0)
+    for shard_info in (None, seqio.ShardInfo(0, 2)):  # as one host, as one of two hosts
+        with pytest.raises(ValueError, match="validation_fraction"):
+            pipeline.get_dataset("text_span_corruption", LENGTHS, "validation", 1, False, 0,
+                                 shard_info=shard_info)
     gin.clear_config()
     _parse_text_gin([f"TEXT_TRAIN_FILES = {{'en us': '{corpus}/en/*.txt'}}"])
     with pytest.raises(ValueError, match="label 'en us'"):
