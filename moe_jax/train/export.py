@@ -95,15 +95,15 @@ def name_map(param_names: list[str]) -> dict[str, str]:
     return mapping
 
 
-def to_export_layout(exported: str, array: np.ndarray) -> np.ndarray:
-    """T5X's layout: attention query/key/value ``[d, h, hd] -> [d, h*hd]``, out
-    ``[h, hd, d] -> [h*hd, d]``; every other array unchanged."""
+def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """T5X's layout of an array of ``shape``: attention query/key/value ``[d, h, hd] ->
+    [d, h*hd]``, out ``[h, hd, d] -> [h*hd, d]``; every other shape unchanged."""
     match = _ATTENTION.search(exported)
-    if match is None or array.ndim != 3:
-        return array
+    if match is None or len(shape) != 3:
+        return tuple(shape)
     if match.group(2) == "out":
-        return array.reshape(array.shape[0] * array.shape[1], array.shape[2])
-    return array.reshape(array.shape[0], array.shape[1] * array.shape[2])
+        return (shape[0] * shape[1], shape[2])
+    return (shape[0], shape[1] * shape[2])
 
 
 def _flat(params) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def arrays_for_export(params) -> dict[str, np.ndarray]:
     """``{exported name: host array in T5X layout}`` of a parameter tree."""
     flat = _flat(params)
     mapping = name_map(list(flat))
-    return {mapping[name]: to_export_layout(mapping[name], np.asarray(jax.device_get(leaf)))
+    return {mapping[name]: np.asarray(jax.device_get(leaf)).reshape(export_shape(mapping[name], leaf.shape))
             for name, leaf in flat.items()}
 
 
@@ -142,7 +142,7 @@ def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where:
     for name, leaf in flat.items():
         exported = mapping[name]
         array = arrays[exported]
-        expected = to_export_layout(exported, np.zeros(leaf.shape, np.uint8)).shape
+        expected = export_shape(exported, leaf.shape)
         if array.shape != expected:
             raise ExportError(f"{where}: array {exported!r} has shape {list(array.shape)} in the "
                               f"export but {list(expected)} in the gin config's model "
@@ -295,7 +295,8 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
 
 def _run_config_for_import(export_dir: str, model_dir: str) -> str:
     """The export's ``config.gin`` with ``MODEL_DIR`` pointing at the new run directory."""
-    text = open(os.path.join(export_dir, CONFIG_GIN)).read()
+    with open(os.path.join(export_dir, CONFIG_GIN)) as f:
+        text = f.read()
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
