@@ -300,6 +300,15 @@ def _run_config_for_import(export_dir: str, model_dir: str) -> str:
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
+def _reporting_errors(command: str, fn, args) -> tuple[int, Any]:
+    """``(0, fn(args))``, or ``(1, None)`` once an expected error is printed as one line."""
+    try:
+        return 0, fn(args)
+    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
+        print(f"moe-jax {command}: error: {err}", file=sys.stderr)
+        return 1, None
+
+
 def _export(args) -> dict[str, Any]:
     from moe_jax.train import checkpoints
 
@@ -321,11 +330,9 @@ def export_main(argv: list[str] | None = None) -> int:
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
     parser.add_argument("--out", required=True, metavar="DIR", help="the export directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    try:
-        result = _export(args)
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax export: error: {err}", file=sys.stderr)
-        return 1
+    rc, result = _reporting_errors("export", _export, args)
+    if rc:
+        return rc
     print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
           f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
           file=sys.stderr, flush=True)
@@ -359,11 +366,9 @@ def import_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
     parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    try:
-        step = _import(args)
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax import: error: {err}", file=sys.stderr)
-        return 1
+    rc, step = _reporting_errors("import", _import, args)
+    if rc:
+        return rc
     print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,
           flush=True)
     return 0
