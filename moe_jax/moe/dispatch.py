@@ -7,7 +7,8 @@ Two implementations with identical results (up to float summation order):
   ``[groups, tokens_per_group, experts, capacity]`` contracted with einsums. Its cost grows
   as ``tokens_per_group * experts * capacity * d_model``.
 * ``sort``: assignments sorted by (expert, priority); each buffer slot gathers its token
-  and each token gathers its expert outputs back. Cost ``O(assignments * d_model)`` plus
+  and each token gathers its expert outputs back (choice-major). The default on every
+  platform (``layer_choices``). Cost ``O(assignments * d_model)`` plus
   a sort. In dropless mode without expert parallelism it feeds a grouped matmul
   (``jax.lax.ragged_dot``) instead of fixed-capacity buffers.
 
@@ -45,15 +46,20 @@ def layer_choices(platform: str) -> tuple[str, bool]:
     """``(dispatch, per_expert_loop)`` that ``MoeLayer(dispatch='auto', per_expert_loop=None)``
     uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``).
 
-    * CPU: ``sort`` with one plain matmul per expert (measured: benchmarks/RESULTS.md,
-      "MoE layer"; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
-    * GPU: ``sort``, batched expert matmuls.
-    * TPU: ``einsum``, batched expert matmuls (one-hot matmuls run on the MXU).
+    ``sort`` everywhere, from the compiled executables (benchmarks/RESULTS.md, "MoE layer";
+    "MoE layer on TPU and GPU targets"):
+
+    * CPU: ``sort`` with one plain matmul per expert (measured: 2.3-2.7x faster than
+      ``einsum``; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
+    * TPU: ``sort``, batched expert matmuls. At the T5-Base shape (one group of 4096
+      tokens) the one-hot ``einsum`` does 2.7x the FLOPs, and v5p's cost analysis and the
+      TPU compiler's own cycle estimate both put it behind ``sort`` at E = 8 / 32 / 64.
+    * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
     """
     family = _PLATFORM_FAMILY.get(platform)
     if family is None:
         raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
-    return {"cpu": ("sort", True), "gpu": ("sort", False), "tpu": ("einsum", False)}[family]
+    return "sort", family == "cpu"
 
 
 def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
@@ -152,10 +158,13 @@ def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, c
     buffers = buffers.reshape(groups, num_experts, capacity, x.shape[-1])
     outputs = expert_fn(buffers).reshape(groups, num_experts * capacity, x.shape[-1])
     kept = (positions < capacity) & (routing.expert_index < num_experts)
-    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0).reshape(groups, n)
-    gathered = outputs[g, flat_slot].reshape(groups, tokens, k, x.shape[-1])
+    # Combine choice-major: k contiguous gathers of `tokens` rows. The TPU compiler
+    # estimates this at 0.44x the cycles of one token-major gather fused into the
+    # weighted sum (fwd+bwd; benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets").
+    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0)
+    gathered = outputs[g, jnp.swapaxes(flat_slot, 1, 2).reshape(groups, n)].reshape(groups, k, tokens, x.shape[-1])
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
-    return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
+    return jnp.einsum("gks,gksd->gsd", jnp.swapaxes(weights, 1, 2), gathered), kept
 
 
 def gather_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: int,
