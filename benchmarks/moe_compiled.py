@@ -18,7 +18,10 @@ returns none); ``HLO bytes``: one read of every operand and one write of every r
 each scheduled operation (what the program moves if every op streams its operands once);
 temporaries; roofline time ``max(FLOPs / peak, bytes / HBM bandwidth)`` with either
 bytes; the TPU compiler's own estimate (sum of ``estimated_cycles``); each as a ratio to
-the dense FFN. ``--ops N`` lists the N largest operations of each compiled layer.
+the dense FFN. ``floor``: the dense FFN's HLO bytes plus 8 bytes (read a float32 weight,
+write its float32 gradient) per parameter the layer has beyond the dense FFN's, as a ratio
+to the dense FFN: what the layer would move with a free dispatch. ``--ops N`` lists the
+N largest operations of each compiled layer.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class Row:
     temp_bytes: float
     cycles: float
     sparse_core_ops: int
+    params: int
     ops: list[hlo_costs.Op] = dataclasses.field(repr=False)
 
     def roofline_ms(self, chip: tuple[float, float], bytes_: float | None) -> float | None:
@@ -119,7 +123,8 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
     totals = hlo_costs.summary(ops)
     return Row(name=name, flops=cost.get("flops", totals["flops"]), cost_bytes=cost.get("bytes accessed"),
                hlo_bytes=totals["bytes"], temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-               cycles=totals["cycles"], sparse_core_ops=int(totals["sparse_core_ops"]), ops=ops)
+               cycles=totals["cycles"], sparse_core_ops=int(totals["sparse_core_ops"]),
+               params=sum(p.size for p in jax.tree.leaves(params)), ops=ops)
 
 
 def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str]) -> None:
@@ -209,8 +214,8 @@ def main() -> None:
           f"{chip[0] / 1e12:.0f} TFLOP/s bf16, HBM {chip[1] / 1e12:.2f} TB/s; compiled from a CPU host "
           f"(nothing ran on the target)")
     print("| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB | roofline ms (cost / HLO bytes) "
-          "| vs dense (cost / HLO) | TPU est. cycles vs dense | SparseCore ops |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| vs dense (cost / HLO) | TPU est. cycles vs dense | floor vs dense | SparseCore ops |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     table = []
     tokens = TOKENS[0] * TOKENS[1]
     for experts in args.experts:
@@ -228,7 +233,9 @@ def main() -> None:
             print(f"| {experts} | {row.name} | {row.flops / 1e9:.1f} | {_gib(row.cost_bytes)} | {_gib(row.hlo_bytes)} | "
                   f"{row.temp_bytes / MIB:.1f} | {'' if cost_ms is None else f'{cost_ms:.3f}'} / {hlo_ms:.3f} | "
                   f"{_ratio(cost_ms, dense_cost_ms)} / {_ratio(hlo_ms, dense_hlo_ms)} | "
-                  f"{_ratio(row.cycles or None, dense.cycles)} | {row.sparse_core_ops} |", flush=True)
+                  f"{_ratio(row.cycles or None, dense.cycles)} | "
+                  f"{_ratio(dense.hlo_bytes + 8 * (row.params - dense.params), dense.hlo_bytes)} | "
+                  f"{row.sparse_core_ops} |", flush=True)
             table.append(dict(target=args.target, device=device.device_kind, experts=experts, layer=row.name,
                               flops=row.flops, cost_bytes=row.cost_bytes, hlo_bytes=row.hlo_bytes,
                               temp_bytes=row.temp_bytes, roofline_ms_cost=cost_ms, roofline_ms_hlo=hlo_ms,
