@@ -14,7 +14,8 @@ import pytest
 
 from moe_jax import hlo_costs
 from moe_jax.moe import MoeLayer
-from moe_jax.moe.routers import top_k
+from moe_jax.moe.dispatch import choice_major_combine, sort_token_choice
+from moe_jax.moe.routers import TokenChoiceRouting, top_k
 
 
 def test_top_k_equals_lax_top_k_with_a_scatter_free_gradient():
@@ -68,3 +69,25 @@ def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic(monkeypatch):
     totals = hlo_costs.summary(ops)
     assert totals["sparse_core_ops"] == 0, [op.source for op in ops if op.sparse_core_offload]
     assert compiled.cost_analysis()["bytes accessed"] <= COST_OVER_HLO_BYTES_BOUND * totals["bytes"]
+
+
+def test_choice_major_combine_equals_token_major():
+    groups, tokens, k, experts, capacity, d = 2, 16, 2, 4, 5, 8
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(keys[0], (groups, tokens, d))
+    index = jax.random.randint(keys[1], (groups, tokens, k), 0, experts + 1)  # experts = not routed
+    weights = jax.random.uniform(keys[2], (groups, tokens, k))
+    priority = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (groups, tokens))
+
+    def run(choice_major, x, weights):
+        routing = TokenChoiceRouting(index, weights, priority)
+        y, _ = sort_token_choice(x, routing, experts, capacity, jnp.tanh, choice_major)
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y_ref), g_ref = jax.value_and_grad(lambda *a: run(False, *a), argnums=(0, 1), has_aux=True)(x, weights)
+    (_, y), g = jax.value_and_grad(lambda *a: run(True, *a), argnums=(0, 1), has_aux=True)(x, weights)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert float(jnp.max(jnp.abs(g[0]))) > 0
+    assert choice_major_combine("tpu") and choice_major_combine("gpu") and not choice_major_combine("cpu")
