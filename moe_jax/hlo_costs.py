@@ -203,6 +203,12 @@ def summary(ops: list[Op]) -> dict[str, float]:
     }
 
 
+def summary_of(ops: list[Op], source_contains: str) -> dict[str, float]:
+    """``summary`` of the operations whose JAX source names ``source_contains`` (e.g.
+    ``"MoeLayer"``: the MoE layers' share of a compiled train step)."""
+    return summary([op for op in ops if source_contains in op.source])
+
+
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
                "collective-permute")
 

@@ -39,6 +39,8 @@ def test_hlo_costs_count_matmul_flops_and_operand_bytes():
     assert totals["flops"] == 2 * 64 * 32 * 48
     assert totals["bytes"] >= 4 * (64 * 32 + 32 * 48 + 64 * 48)
     assert hlo_costs.shape_bytes("(bf16[8,640,768]{2,1,0}, s32[2])") == 8 * 640 * 768 * 2 + 8
+    assert hlo_costs.summary_of(ops, "dot_general")["flops"] == totals["flops"]
+    assert hlo_costs.summary_of(ops, "MoeLayer")["bytes"] == 0
 
 
 # Bound for the layer below on v5p: cost_analysis() bytes over the bytes of one read of every
