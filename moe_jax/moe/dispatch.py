@@ -65,7 +65,7 @@ def layer_choices(platform: str) -> tuple[str, bool]:
 def choice_major_combine(platform: str) -> bool:
     """Whether the ``sort`` combine gathers choice-major on ``platform``: yes on TPU and
     GPU (for v5p the TPU compiler estimates 0.44x the cycles of the token-major gather fused
-    into the weighted sum, fwd+bwd); no on CPU (token-major measured 1.15x faster there).
+    into the weighted sum, fwd+bwd); no on CPU (there the choice-major step measured 1.15x slower).
     benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets"."""
     layer_choices(platform)  # validates the name
     return _PLATFORM_FAMILY[platform] != "cpu"
