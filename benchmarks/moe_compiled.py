@@ -1,6 +1,7 @@
 """The MoE layer compiled for a TPU or GPU target from this CPU: where the bytes go.
 
-Usage (TPU; libtpu importable, e.g. PYTHONPATH=.:/work/cache/libtpu):
+Usage (TPU; libtpu importable, e.g. PYTHONPATH=.:/work/cache/libtpu; add
+ALLOW_MULTIPLE_LIBTPU_LOAD=1 when another process has libtpu loaded):
   TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target tpu:v5p:2x2x1
 GPU (the CUDA PJRT plugin importable; no GPU needed):
   JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target gpu:h100
