@@ -1,6 +1,7 @@
 """The `moe-jax` console entry point: one subcommand per binary.
 
-Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> int``.
+Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> int`` (or
+the function named after a colon: ``module:function``).
 Modules are imported lazily so that `moe-jax --help` and the synthetic laboratory do not
 pay for importing TensorFlow/seqio.
 
@@ -24,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
     "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
+    "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
+    "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),
 }
 
 
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return picked
     name, rest = picked
     quiet_startup(name, rest)
-    module_name = SUBCOMMANDS[name][0]
+    module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return run_command(name, module.main, rest)
+    return run_command(name, getattr(module, function or "main"), rest)
 
 
 if __name__ == "__main__":

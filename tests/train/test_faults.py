@@ -86,8 +86,6 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
 
 
 def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):
-    from moe_jax.analysis import cli as analysis_cli
-
     package = tmp_path / "pkg"
     package.mkdir()
     marker = tmp_path / "ran"
@@ -98,7 +96,7 @@ def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):
     (run_dir / "config.gin").write_text("from moe_jax.data import vocab\n# c\nimport evilmod\nA = 1\n")
     with pytest.raises(gin_utils.GinConfigError,
                        match=r"config.gin, line 3: refusing `import evilmod`"):
-        analysis_cli.gin_files_for(str(run_dir), "positions", [])
+        gin_utils.run_gin_files(str(run_dir), [], [], extend_run_config=True)
     assert cli.main(["analyze", "positions", f"--checkpoint={run_dir}"]) == 1
     assert not marker.exists()                                 # the module never ran
     (run_dir / "config.gin").write_text("import moe_jax.models.t5 as moe_jax2\nA = 1\n")
