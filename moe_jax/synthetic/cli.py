@@ -16,7 +16,7 @@ import time
 from moe_jax.synthetic.experiments import EXPERIMENTS, SUITE, load
 from moe_jax.synthetic.experiments.common import PRESETS
 
-DEFAULT_SEEDS = {"quick": [0, 1], "paper": [0, 1, 2]}
+DEFAULT_SEEDS = {"quick": [0, 1], "converged": [0, 1, 2], "paper": [0, 1, 2]}
 
 
 def _seeds(text: str) -> list[int]:

@@ -12,9 +12,12 @@ import jax
 import numpy as np
 
 from moe_jax.synthetic.data import Batch
-from moe_jax.synthetic.train import stack_datasets
+from moe_jax.synthetic.train import TrainConfig, stack_datasets
 
-PRESETS = ("quick", "paper")
+PRESETS = ("quick", "converged", "paper")
+
+# TrainConfig fields a preset may set (the convergence criterion and the schedule)
+TRAINING_KEYS = ("schedule", "warmup", "converge_window", "converge_rtol", "converge_atol", "chunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +29,12 @@ class Experiment:
     description: str
     presets: dict[str, dict[str, Any]]
     run: Callable[[dict[str, Any], list[int], pathlib.Path], dict[str, Any]]
+
+
+def train_config(cfg: dict[str, Any], **fixed: Any) -> TrainConfig:
+    """The experiment's ``TrainConfig``: ``fixed`` fields plus any ``TRAINING_KEYS`` the
+    preset ``cfg`` sets (a ``converged`` preset's schedule and stopping criterion)."""
+    return TrainConfig(**{**{k: cfg[k] for k in TRAINING_KEYS if k in cfg}, **fixed})
 
 
 def seed_key(seed: int, purpose: int) -> jax.Array:
