@@ -22,7 +22,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(k=4, d=8, t=2, noise=0.25, expert="linear", hidden=32, sizes=[1024, 8192], steps=3000, batch=128, n_test=2048),
-    "converged": dict(k=4, d=8, t=2, noise=0.25, expert="linear", hidden=32, sizes=[1024, 8192], steps=10000, batch=256, n_test=4096, schedule="cosine", converge_window=1000, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "converged": dict(k=4, d=8, t=2, noise=0.25, expert="linear", hidden=32, sizes=[1024, 8192], steps=6000, batch=256, n_test=4096, schedule="cosine", converge_window=1000, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(k=64, d=24, t=8, noise=0.25, expert="mlp", hidden=96, sizes=[640, 1600, 3200, 6400, 12800, 25600], steps=20000, batch=256, n_test=8192),
 }
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity", "norm_uniformity")

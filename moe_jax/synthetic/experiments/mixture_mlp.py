@@ -16,7 +16,7 @@ from moe_jax.synthetic import data, experts, models, train
 from moe_jax.synthetic.experiments import common
 
 _QUICK = dict(k=16, d=16, c=2.0, hidden=64, sizes=[256, 1024, 4096], steps=1000, batch=128, n_test=2048)
-_CONVERGED = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 6400, 25600], steps=4000, batch=32, n_test=8192, schedule="cosine", converge_window=500, converge_rtol=1e-2, converge_atol=1e-5, chunk=250)
+_CONVERGED = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 25600], steps=3000, batch=32, n_test=4096, schedule="cosine", converge_window=500, converge_rtol=1e-2, converge_atol=1e-5, chunk=250)
 _PAPER = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 1600, 3200, 6400, 12800, 25600], steps=20000, batch=256, n_test=8192)
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity", "norm_uniformity")
 

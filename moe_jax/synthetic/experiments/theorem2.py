@@ -20,7 +20,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(k=16, d=32, c=2.0, multiples=[1.0, 2.0, 1.0 * math.log(16), 2.0 * math.log(16)], n_train=8192, n_test=2048, steps=1500, batch=256),
-    "converged": dict(k=16, d=32, c=2.0, multiples=[1.0, 2.0, 1.0 * math.log(16), 2.0 * math.log(16)], n_train=8192, n_test=4096, steps=6000, batch=256, converge_window=1000, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "converged": dict(k=16, d=32, c=2.0, multiples=[1.0, 2.0, 1.0 * math.log(16), 2.0 * math.log(16)], n_train=8192, n_test=4096, steps=4000, batch=256, converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(k=64, d=64, c=2.0, multiples=[1.0, 2.0, math.log(64), 2.0 * math.log(64)], n_train=65536, n_test=8192, steps=10000, batch=256),
 }
 
