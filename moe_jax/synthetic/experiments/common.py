@@ -102,13 +102,20 @@ def plot_curves(ax, summary: list[dict[str, Any]], x: str, y: str, series: dict[
 
 
 def style_log_axes(ax, xticks: list[float] | None = None) -> None:
-    """Readable log axes: no labels on minor ticks (they overlap within a decade) and, when
+    """Readable log axes: labels only at 1, 2 and 5 x 10^i (10^i alone over more than two
+    decades), written plainly (0.2, 5, 100), none
+    on minor ticks (matplotlib's overlap within a decade, the fig4 bug) and, when
     ``xticks`` is given, major ticks exactly at the data's x values, labelled plainly
     (640, 3200, 25600) with every other label dropped if there are more than 6."""
-    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
     for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
-        if scale == "log":
+        if scale == "log" and not isinstance(axis.get_major_locator(), FixedLocator):
+            low, high = sorted(abs(v) for v in axis.get_view_interval())
+            decades = np.log10(high / max(low, 1e-300))  # over 2 decades: powers of ten only
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades > 2 else (1.0, 2.0, 5.0)))
+            axis.set_major_formatter(plain)
             axis.set_minor_formatter(NullFormatter())
     if xticks and ax.get_xscale() == "log":
         ax.xaxis.set_major_locator(FixedLocator(xticks))
