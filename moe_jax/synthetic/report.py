@@ -239,20 +239,37 @@ def rows(converged: dict[str, Result], quick: dict[str, Result]) -> list[dict[st
         if t.experiment not in converged:
             continue
         result = converged[t.experiment]
-        mean, std = t.get(result)
-        q = t.get(quick[t.experiment])[0] if t.experiment in quick else None
-        out.append(dict(experiment=t.experiment, result=t.name, quantity=t.quantity, source=t.source, paper=t.paper, bound=t.bound, quick=q, converged=mean, std=std, seeds=len(result.get("seeds", [])), verdict=t.verdict(result)))
+        try:
+            mean, std = t.get(result)
+            verdict = t.verdict(result)
+        except (KeyError, ValueError):  # a setting this run did not train (e.g. a smaller preset)
+            out.append(dict(experiment=t.experiment, result=t.name, absent=True))
+            continue
+        q = _optional(t.get, quick.get(t.experiment))
+        out.append(dict(experiment=t.experiment, result=t.name, quantity=t.quantity, source=t.source, paper=t.paper, bound=t.bound, quick=q, converged=mean, std=std, seeds=len(result.get("seeds", [])), verdict=verdict))
     return out
+
+
+def _optional(get: Callable[[Result], tuple[float, float]], result: Result | None) -> float | None:
+    """The mean of ``get(result)``, or None when there is no result or it lacks the setting."""
+    try:
+        return None if result is None else get(result)[0]
+    except (KeyError, ValueError):
+        return None
 
 
 def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
     paper = lambda r: "-" if r["paper"] is None else ("<= " if r["bound"] == "upper" else ">= " if r["bound"] == "lower" else "") + _cell(r["paper"])
     lines = ["| experiment | result | quantity | paper (source) | quick | converged (mean +- std over seeds) | verdict |", "|---|---|---|---|---|---|---|"]
+    absent = [f"{r['experiment']}: {r['result']}" for r in table if r.get("absent")]
+    table = [r for r in table if not r.get("absent")]
     for r in table:
         quick = "-" if r["quick"] is None else _cell(r["quick"])
         lines.append(f"| {r['experiment']} | {r['result']} | {r['quantity']} | {paper(r)} ({r['source']}) | {quick} | {_cell(r['converged'], r['std'])} ({r['seeds']} seeds) | {r['verdict']} |")
     counts = {v: sum(r["verdict"] == v for r in table) for v in VERDICTS}
     lines += ["", "Verdicts: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + f" (of {len(table)} rows)."]
+    if absent:
+        lines.append(f"Not in these runs (setting not trained): {'; '.join(absent)}.")
     if missing:
         lines.append(f"Missing (no JSON in the results folder): {', '.join(m + '.json' for m in missing)}.")
     return "\n".join(lines) + "\n"
@@ -263,7 +280,7 @@ def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     axis, the 2x band shaded), coloured by verdict."""
     from moe_jax.synthetic.experiments import common
 
-    shown = [r for r in table if r["paper"] not in (None, 0.0)]
+    shown = [r for r in table if not r.get("absent") and r["paper"] not in (None, 0.0)]
     fig, (ax,) = common.figure(1, 9.0)
     fig.set_size_inches(9.0, 0.28 * max(len(shown), 4) + 1.2)
     colours = {VERDICTS[0]: "tab:green", VERDICTS[1]: "tab:orange", VERDICTS[2]: "tab:red"}

@@ -62,3 +62,12 @@ def test_report_on_a_missing_folder_is_one_line(tmp_path, capsys):
     assert cli.main(["report", "--results", str(tmp_path / "nowhere")]) == 1
     assert "is not a folder" in capsys.readouterr().err
     assert cli.main(["report"]) == 2
+
+
+def test_a_setting_the_run_did_not_train_is_listed_not_fatal(tmp_path):
+    result = _fig2(0.3, 0.015, 1.4, 4.0)
+    result["summary"] = [e for e in result["summary"] if e["num_experts"] != 16]  # no E = k/4 run
+    table = report.rows({"fig2": result}, {})
+    md = report.markdown(table, [])
+    assert "Not in these runs (setting not trained): fig2: Fig 2(b)" in md
+    assert "Fig 2(a)" in md.split("Not in these runs")[0]
