@@ -25,7 +25,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=4096, n_test=1024, steps=1500, batch=64, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05),
-    "converged": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear"], n_train=8192, n_test=2048, steps=2000, batch=128, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=1.0, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "converged": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear"], n_train=8192, n_test=2048, steps=4000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.25, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=51200, n_test=8192, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05),
 }
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity")
