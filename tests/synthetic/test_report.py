@@ -71,3 +71,10 @@ def test_a_setting_the_run_did_not_train_is_listed_not_fatal(tmp_path):
     md = report.markdown(table, [])
     assert "Not in these runs (setting not trained): fig2: Fig 2(b)" in md
     assert "Fig 2(a)" in md.split("Not in these runs")[0]
+
+
+def test_an_exact_identity_passes_up_to_float32_rounding():
+    target = next(t for t in report.TARGETS if t.experiment == "lemma1")
+    assert target.verdict({"summary": {"max_grad_gap": 6e-7}}) == "magnitude within 2x"
+    assert target.verdict({"summary": {"max_grad_gap": 5e-5}}) == "direction reproduced"  # < 1e-4: holds, not exactly
+    assert target.verdict({"summary": {"max_grad_gap": 0.1}}) == "not reproduced"
