@@ -199,7 +199,7 @@ TARGETS: list[Target] = [
     Target("fig3", "Fig 3(a): frozen / learned loss, largest n (target >= 3)", 3.0, "l. 139, Fig. 3; issue 19 target", _fig3_ratio, lambda r: _fig3_ratio(r)[0] > 1, "normalised, top-1", "lower"),
     Target("fig3", "Fig 3(a): MoE between the two dense models", None, "l. 143", _largest_n("loss", "MoE learned"),
            lambda r: _largest_n("loss", "dense (whole MoE's params)")(r)[0] < _largest_n("loss", "MoE learned")(r)[0] < _largest_n("loss", "dense (1 expert's params)")(r)[0], "normalised, top-1"),
-    Target("fig3", "Fig 3(b) / C.1: norm uniformity, largest n", 1.025, "l. 295", _largest_n("norm_uniformity", "MoE learned"), lambda r: _largest_n("norm_uniformity", "MoE learned")(r)[0] < 2.0, "E||M_i||^2 / (E||M_i||)^2"),
+    Target("fig3", "Fig 3(b) / C.1: norm uniformity, largest n", 1.025, "l. 295", _largest_n("norm_uniformity", "MoE learned"), lambda r: _largest_n("norm_uniformity", "MoE learned")(r)[0] < 2.0, "E norm(M_i)^2 / (E norm(M_i))^2"),
     Target("fig4", "Fig 4(a): frozen / learned loss, largest n", None, "l. 155, Fig. 4", lambda r: _fig3_ratio(r), lambda r: _fig3_ratio(r)[0] > 1, "normalised, top-1"),
     Target("fig4", "Fig 4(b): learned sparsity below shuffled", None, "l. 155", _largest_n("sparsity", "MoE learned"), lambda r: _largest_n("sparsity", "MoE learned")(r)[0] < _largest_n("shuffled_sparsity", "MoE learned")(r)[0], "mean of exp(entropy)"),
     Target("fig6", "Fig 6: frozen / learned loss, largest n", None, "l. 161, Fig. 6", lambda r: _fig3_ratio(r), lambda r: _fig3_ratio(r)[0] > 1, "normalised, top-1"),
