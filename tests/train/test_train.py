@@ -3,13 +3,14 @@ exact resumption, checkpoint refusal, bad gin input, NaN handling, restore onto 
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, gin_utils, train, train_state
+from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
@@ -18,7 +19,7 @@ TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
 
 
 def parse(*flags: str):
-    args = gin_utils.parse_flags(train.build_parser("test", "test"), [*TINY, *flags])
+    args = gin_utils.parse_flags(setup.build_parser("test", "test"), [*TINY, *flags])
     gin_utils.parse_gin(args)
 
 
@@ -61,7 +62,7 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
     for shape in [(8, 1, 1), (2, 4, 1), (1, 1, 1)]:
         mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
         sharding = train_state.param_shardings(model, shapes, mesh, rules)
-        target = train_state.abstract_with_shardings(train.abstract_params(model, shapes), sharding)
+        target = train_state.abstract_with_shardings(setup.abstract_params(model, shapes), sharding)
         params, meta = ckpt.restore_params(1, target)
         assert meta["step"] == 1
         assert jax.tree.leaves(params)[0].sharding.mesh.shape == mesh.shape
@@ -74,9 +75,25 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     huge_lr = "--gin.learning_rate_schedule.base_learning_rate=1e30"
     with pytest.raises(train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"):
         run(tmp_path / "stop", 8, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0")
-    result = run(tmp_path / "skip", 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
-                 "--gin.train_script.train.on_nonfinite='skip'")
-    assert result["step"] == 4
+    # skip: a step whose loss is non-finite leaves parameters (and optimizer state) as they were
+    skip_dir = tmp_path / "skip"
+    result = run(skip_dir, 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
+                 "--gin.train_script.train.on_nonfinite='skip'",
+                 "--gin.train_script.train.checkpoint_period=1", "--gin.train_script.train.keep_checkpoints=None")
+    records = [json.loads(line) for line in (skip_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r["skipped"] for r in records}
+    assert result["step"] == 4 and skipped == {1: 0, 2: 1, 3: 1, 4: 1}
+    assert np.isfinite(result["losses"][1]) and not np.isfinite(result["losses"][2])
+    ckpt = checkpoints.Checkpointer(str(skip_dir), read_only=True)
+    saved = {}
+    for s in (1, 2, 3, 4):
+        out = ckpt._manager.restore(s, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
+            params=checkpoints.ocp.args.StandardRestore(), train=checkpoints.ocp.args.StandardRestore()))
+        saved[s] = {item: jax.tree.map(np.asarray, out[item]) for item in ("params", "train")}
+    ckpt.close()
+    for s in (2, 3, 4):
+        jax.tree.map(np.testing.assert_array_equal, saved[1]["params"], saved[s]["params"])
+        jax.tree.map(np.testing.assert_array_equal, saved[1]["train"]["opt_state"], saved[s]["train"]["opt_state"])
 
 
 def test_unwritable_model_dir_is_refused_before_training(tmp_path):
@@ -91,18 +108,21 @@ def test_gin_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.gin"
     bad.write_text("include 'gin/runs/smoke_cpu.gin'\n\ntrain_script.train.chekpoint_period = 3\n")
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
-        gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [f"--gin_file={bad}"]))
+        gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={bad}"]))
     undefined = tmp_path / "macro.gin"
     undefined.write_text("include 'gin/runs/smoke_cpu.gin'\ntrain_script.train.total_steps = %TRAIN_STEPZ\n")
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
-        gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [f"--gin_file={undefined}"]))
+        gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={undefined}"]))
     with pytest.raises(gin_utils.GinConfigError, match="TRAIN_STEP .*not used"):
         parse("--gin.TRAIN_STEP=10")
 
 
 def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
-    assert train.main([*TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
-    assert "TRAIN_STEPZ" in capsys.readouterr().err
+    from moe_jax import cli
+
+    assert cli.main(["train", *TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moe-jax train: error: gin: macro TRAIN_STEPZ") and "Traceback" not in err
 
 
 def test_resolves_checkpoint_paths():
