@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tests.analysis.conftest import TINY
 
-from moe_jax.analysis import cli
+from moe_jax import cli as moe_cli
 from moe_jax.data import sources
 from moe_jax.train import evaluate
 
@@ -17,7 +17,7 @@ LAYERS = ["encoder/layers_1", "decoder/layers_1"]
 
 
 def _eval(run, out, *routers):
-    return evaluate.main([*TINY, f"--checkpoint={run}", f"--output_dir={out}",
+    return moe_cli.main(["eval", *TINY, f"--checkpoint={run}", f"--output_dir={out}",
                           "--gin.eval_script.evaluate.eval_steps=2", *(f"--router={r}" for r in routers)])
 
 
@@ -62,7 +62,7 @@ def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys)
 
 @pytest.mark.slow  # 20 per-language data pipelines: about a minute of CPU
 def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
-    rc = cli.main(["languages", f"--checkpoint={tiny_run}", "--all_steps", f"--out={tmp_path}",
+    rc = moe_cli.main(["analyze", "languages", f"--checkpoint={tiny_run}", "--all_steps", f"--out={tmp_path}",
                    "--gin.languages_script.analyze.max_examples_per_label=2",
                    "--gin.languages_script.analyze.batch_size=8"])
     assert rc == 0
@@ -81,10 +81,10 @@ def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
 
 
 def test_analyze_languages_refuses_unlabelled_data(tiny_run, tmp_path, capsys):
-    assert cli.main(["languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
+    assert moe_cli.main(["analyze", "languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
                      "--gin.MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'"]) == 1
     assert "MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'" in capsys.readouterr().err
-    assert cli.main(["languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
+    assert moe_cli.main(["analyze", "languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
                      "--gin.sources.make_source.corpus='tfds'",
                      "--gin.sources.make_source.tfds_name='c4/en:3.1.0'"]) == 1
     assert "tfds_name='c4/en:3.1.0'" in capsys.readouterr().err
