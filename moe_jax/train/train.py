@@ -166,8 +166,10 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     writer = summaries.MetricsWriter(model_dir, "train", expert_shards)
     eval_writer = summaries.MetricsWriter(model_dir, "eval", expert_shards) if eval_fn else None
-    churn = (summaries.ChurnProbe(model, run.shardings.params, ctx, next(setup.eval_batches(train_eval_dataset_cfg, 1)),
-                                  model_dir) if eval_fn and routing_churn else None)
+    churn = None
+    if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
+        probe_batch = next(setup.eval_batches(train_eval_dataset_cfg, 1))
+        churn = summaries.ChurnProbe(model, run.shardings.params, ctx, probe_batch, model_dir)
     tokens_per_step = int(np.prod(input_shapes["decoder_input_tokens"]) +
                           np.prod(input_shapes["encoder_input_tokens"]))
     meter = summaries.ThroughputMeter(model.flops_per_step(input_shapes), tokens_per_step,
