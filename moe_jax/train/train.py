@@ -112,8 +112,8 @@ def train(
                       checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
                       async_checkpointing=async_checkpointing, log_period=log_period,
                       eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
-                      on_nonfinite=on_nonfinite, stop_after_steps=stop_after_steps,
-                      allow_config_change=allow_config_change)
+                      on_nonfinite=on_nonfinite, routing_churn=routing_churn,
+                      stop_after_steps=stop_after_steps, allow_config_change=allow_config_change)
 
 
 def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
@@ -130,7 +130,7 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
 
 def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total_steps, random_seed,
            checkpoint_period, keep_checkpoints, async_checkpointing, log_period, eval_period,
-           eval_steps, accum_steps, on_nonfinite, stop_after_steps, allow_config_change):
+           eval_steps, accum_steps, on_nonfinite, routing_churn, stop_after_steps, allow_config_change):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
     from moe_jax.train import checkpoints, evaluate, summaries
 
