@@ -83,3 +83,8 @@ def test_accelerator_meshes_switch_a_run_to_bfloat16(mesh, dtype):
     gin_utils.parse_gin(gin_utils.parse_flags(parser, [
         "--gin_file=runs/smoke_cpu.gin", f"--gin_file=meshes/{mesh}.gin"]))
     assert gin.query_parameter("%ACTIVATION_DTYPE") == dtype
+
+
+def test_base_runs_shard_parameters_over_the_batch_axes():
+    _parse("base_learned.gin")
+    assert gin.query_parameter("standard_logical_axis_rules.fsdp") is True
