@@ -3,6 +3,7 @@ exact resumption, checkpoint refusal, bad gin input, NaN handling, restore onto 
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -77,9 +78,25 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     huge_lr = "--gin.learning_rate_schedule.base_learning_rate=1e30"
     with pytest.raises(train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"):
         run(tmp_path / "stop", 8, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0")
-    result = run(tmp_path / "skip", 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
-                 "--gin.train_script.train.on_nonfinite='skip'")
-    assert result["step"] == 4
+    # skip: a step whose loss is non-finite leaves parameters (and optimizer state) as they were
+    skip_dir = tmp_path / "skip"
+    result = run(skip_dir, 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
+                 "--gin.train_script.train.on_nonfinite='skip'",
+                 "--gin.train_script.train.checkpoint_period=1", "--gin.train_script.train.keep_checkpoints=None")
+    records = [json.loads(line) for line in (skip_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r["skipped"] for r in records}
+    assert result["step"] == 4 and skipped == {1: 0, 2: 1, 3: 1, 4: 1}
+    assert np.isfinite(result["losses"][1]) and not np.isfinite(result["losses"][2])
+    ckpt = checkpoints.Checkpointer(str(skip_dir), read_only=True)
+    saved = {}
+    for s in (1, 2, 3, 4):
+        out = ckpt._manager.restore(s, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
+            params=checkpoints.ocp.args.StandardRestore(), train=checkpoints.ocp.args.StandardRestore()))
+        saved[s] = {item: jax.tree.map(np.asarray, out[item]) for item in ("params", "train")}
+    ckpt.close()
+    for s in (2, 3, 4):
+        jax.tree.map(np.testing.assert_array_equal, saved[1]["params"], saved[s]["params"])
+        jax.tree.map(np.testing.assert_array_equal, saved[1]["train"]["opt_state"], saved[s]["train"]["opt_state"])
 
 
 @pytest.mark.parametrize("sync_every_step", [False, True])
@@ -130,8 +147,11 @@ def test_gin_errors_name_file_and_line(tmp_path):
 
 
 def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
-    assert train.main([*TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
-    assert "TRAIN_STEPZ" in capsys.readouterr().err
+    from moe_jax import cli
+
+    assert cli.main(["train", *TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moe-jax train: error: gin: macro TRAIN_STEPZ") and "Traceback" not in err
 
 
 def test_resolves_checkpoint_paths():
