@@ -17,6 +17,7 @@ them and never probe for a TPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -234,8 +235,10 @@ def _backends_started() -> bool:
 # ----------------------------------------------------------------------------- measured
 
 
+@functools.lru_cache(maxsize=None)
 def measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Median FLOP/s of a jitted float32 ``[n, n] @ [n, n]`` matmul on the first local device."""
+    """Median FLOP/s of a jitted float32 ``[n, n] @ [n, n]`` matmul on the first local device
+    (measured once per process and arguments)."""
     import jax
 
     a = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])

@@ -84,15 +84,17 @@ def train(
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "model_dir", "wall_sec"}``.
     """
-    from moe_jax.train import checkpoints, evaluate, summaries
+    from moe_jax.train import aot, checkpoints, evaluate, summaries
 
     if on_nonfinite not in ("stop", "skip"):
         raise ValueError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
     checkpoints.ensure_writable(model_dir)
+    model.check_vocabulary()
     ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
     run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
                                   skip_nonfinite=on_nonfinite == "skip")
+    aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
     latest = ckpt.latest_step()
