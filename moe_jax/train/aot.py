@@ -148,12 +148,64 @@ def train_bindings() -> dict[str, Any]:
     return gin.get_bindings("train_script.train")
 
 
-def compile_train_setup(run: setup.TrainSetup, cfg: setup.DatasetConfig) -> tuple[Any, float]:
-    """(compiled train step, seconds) of ``run`` for batches of ``cfg``."""
+_SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_OOM_TEMPS = re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def compile_step(lowered_fn, abstract_args: tuple, facts: hardware.DeviceFacts, *, state_bytes: int,
+                 flops_per_step: float, tokens_per_step: int, num_devices: int) -> tuple[Any, dict]:
+    """(compiled executable or None, :func:`analyze` result plus ``compile_s``) of
+    ``lowered_fn.lower(*abstract_args)``. A compiler that refuses the program for lack of
+    memory (XLA:TPU does) gives a result with ``fits`` False, the temporaries it reported
+    and its message, instead of an error."""
+    import jax
+
     start = time.perf_counter()
-    compiled = run.train_step.lower(run.abstract_state,
-                                    setup.abstract_batch(run.ctx, cfg.input_shapes(), cfg.pack)).compile()
-    return compiled, time.perf_counter() - start
+    try:
+        compiled = lowered_fn.lower(*abstract_args).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        temps = _OOM_TEMPS.search(str(err))
+        temporaries = int(float(temps.group(1)) * _SIZE[temps.group(2)]) if temps else 0
+        return None, {
+            "compile_s": time.perf_counter() - start, "fits": False,
+            "compiler_error": str(err).splitlines()[0],
+            "bytes": {"params_and_optimizer": state_bytes, "arguments": state_bytes, "outputs": 0,
+                      "aliased": 0, "temporaries": temporaries, "total": state_bytes + temporaries,
+                      "device_memory": facts.hbm_bytes},
+            "collectives": {}, "flops_per_step": flops_per_step, "hlo_flops_per_device": None,
+            "hlo_bytes_accessed_per_device": None, "estimate": None}
+    seconds = time.perf_counter() - start
+    return compiled, {"compile_s": seconds, **analyze(
+        compiled, facts, state_bytes=state_bytes, flops_per_step=flops_per_step,
+        tokens_per_step=tokens_per_step, num_devices=num_devices)}
+
+
+def _tokens(shapes: Mapping[str, tuple[int, int]]) -> int:
+    return int(sum(math.prod(s) for s in shapes.values()))
+
+
+def compile_train(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
+                  facts: hardware.DeviceFacts) -> tuple[Any, dict]:
+    """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
+    shapes = cfg.input_shapes()
+    return compile_step(run.train_step, (run.abstract_state, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+                        facts, state_bytes=per_device_bytes(run.abstract_state),
+                        flops_per_step=model.flops_per_step(shapes), tokens_per_step=_tokens(shapes),
+                        num_devices=run.ctx.mesh.size)
+
+
+def compile_eval(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
+                 facts: hardware.DeviceFacts) -> tuple[Any, dict]:
+    """:func:`compile_step` of ``run``'s eval step on batches of ``cfg`` (forward FLOPs:
+    a third of training's)."""
+    shapes = cfg.input_shapes()
+    params = run.abstract_state.params
+    return compile_step(run.eval_step, (params, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+                        facts, state_bytes=per_device_bytes(params),
+                        flops_per_step=model.flops_per_step(shapes) / 3, tokens_per_step=_tokens(shapes),
+                        num_devices=run.ctx.mesh.size)
 
 
 def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[str, Any]:
@@ -162,13 +214,7 @@ def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[s
     with the numbers and what to change when it needs more memory than they have (on
     CPU: the machine's available memory, shared by its devices). Returns the analysis."""
     devices = list(run.ctx.mesh.devices.flat)
-    facts = hardware.device_facts(devices)
-    compiled, _ = compile_train_setup(run, cfg)
-    shapes = cfg.input_shapes()
-    step = analyze(compiled, facts, state_bytes=per_device_bytes(run.abstract_state),
-                   flops_per_step=model.flops_per_step(shapes),
-                   tokens_per_step=int(sum(math.prod(s) for s in shapes.values())),
-                   num_devices=len(devices))
+    _, step = compile_train(run, cfg, model, hardware.device_facts(devices))
     if not step["fits"]:
         b = step["bytes"]
         where = ("of this machine's available memory" if devices[0].platform == "cpu"
@@ -194,33 +240,21 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
     run = setup.build_train_setup(model, cfg.input_shapes(), ctx, seed=args.get("random_seed", 0),
                                   accum_steps=args.get("accum_steps", 1),
                                   skip_nonfinite=args.get("on_nonfinite", "stop") == "skip")
-    shapes = cfg.input_shapes()
-    tokens = int(sum(math.prod(s) for s in shapes.values()))
     report: dict[str, Any] = {
         "target": target, "devices": len(devices), "device_kind": devices[0].device_kind,
         "mesh_shape": dict(ctx.mesh.shape), "batch_size": cfg.batch_size,
         "task_feature_lengths": dict(cfg.task_feature_lengths),
         "parameters": int(sum(math.prod(p.shape) for p in _leaves(run.abstract_state.params))),
         "activation_dtype": model.module.config.dtype,
+        "model_dims": {name: getattr(model.module.config, name) for name in (
+            "vocab_size", "emb_dim", "mlp_dim", "num_encoder_layers", "num_decoder_layers")},
         "moe_layer": layer_choices(devices[0].platform), "steps": {}}
     progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
              f"{report['mesh_shape']})...")
-    compiled, seconds = compile_train_setup(run, cfg)
-    state_bytes = per_device_bytes(run.abstract_state)
-    report["steps"]["train"] = {"compile_s": seconds, **analyze(
-        compiled, facts, state_bytes=state_bytes, flops_per_step=model.flops_per_step(shapes),
-        tokens_per_step=tokens, num_devices=len(devices))}
+    report["steps"]["train"] = compile_train(run, cfg, model, facts)[1]
     if eval_step:
         progress("[moe-jax] compiling the eval step...")
-        start = time.perf_counter()
-        eval_shapes = eval_cfg.input_shapes()
-        compiled = run.eval_step.lower(run.abstract_state.params,
-                                       setup.abstract_batch(ctx, eval_shapes, eval_cfg.pack)).compile()
-        report["steps"]["eval"] = {"compile_s": time.perf_counter() - start, **analyze(
-            compiled, facts, state_bytes=per_device_bytes(run.abstract_state.params),
-            flops_per_step=model.flops_per_step(eval_shapes) / 3,  # forward only
-            tokens_per_step=int(sum(math.prod(s) for s in eval_shapes.values())),
-            num_devices=len(devices))}
+        report["steps"]["eval"] = compile_eval(run, eval_cfg, model, facts)[1]
     report["fits"] = all(step["fits"] for step in report["steps"].values())
     if not report["fits"]:
         worst = max(report["steps"].values(), key=lambda s: s["bytes"]["total"])
@@ -250,6 +284,11 @@ def format_report(report: Mapping[str, Any]) -> str:
              f"{report['moe_layer']['dispatch']!r}, per_expert_loop={report['moe_layer']['per_expert_loop']}"]
     for name, step in report["steps"].items():
         b, est = step["bytes"], step["estimate"]
+        if est is None:  # the compiler refused it for lack of memory
+            lines += [f"{name} step, per device: params + optimizer {_gib(b['params_and_optimizer'])}, "
+                      f"temporaries {_gib(b['temporaries'])}: DOES NOT FIT {_gib(b['device_memory'])}",
+                      f"  compiler: {step['compiler_error']}"]
+            continue
         coll = ", ".join(f"{c['count']} {kind}" for kind, c in step["collectives"].items()) or "none"
         lines += [
             f"{name} step (compiled in {step['compile_s']:.1f} s), per device:",
