@@ -113,3 +113,16 @@ def test_collectives_parses_sync_and_async_ops():
     assert aot.collectives(hlo) == {"all-to-all": {"count": 1, "bytes": 4 * 32},
                                     "all-reduce": {"count": 1, "bytes": 2 * 16},
                                     "all-gather": {"count": 1, "bytes": 4 * 6}}
+
+
+@pytest.mark.slow
+def test_gpu_compile_of_the_smoke_config(tmp_path):
+    """8 H100s from the bare CUDA PJRT plugin (`make compilers`; no CUDA libraries)."""
+    code, output, report = compile_cli(tmp_path, "--target=gpu:h100:8", *SMOKE,
+                                       "--gin_file=meshes/gpu_8x_h100.gin", "--gin.NUM_EXPERTS=8")
+    assert code == 0, output
+    assert report["device_kind"].startswith("NVIDIA H100") and report["devices"] == 8
+    assert report["moe_layer"] == {"platform": "gpu", "dispatch": "sort", "per_expert_loop": False}
+    step = report["steps"]["train"]
+    assert step["collectives"]["all-to-all"]["count"] >= 2
+    assert 0 < step["bytes"]["total"] < step["bytes"]["device_memory"]
