@@ -109,8 +109,10 @@ def test_collectives_parses_sync_and_async_ops():
   %ars = (bf16[16]{0}, bf16[16]{0}) all-reduce-start(bf16[16]{0} %y), to_apply=%add
   %ard = bf16[16]{0} all-reduce-done(%ars)
   %ag = s32[2,3]{1,0} all-gather(s32[1,3]{1,0} %z), dimensions={0}
+  %all-to-all-start = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}
+  ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
 """
-    assert aot.collectives(hlo) == {"all-to-all": {"count": 1, "bytes": 4 * 32},
+    assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
                                     "all-reduce": {"count": 1, "bytes": 2 * 16},
                                     "all-gather": {"count": 1, "bytes": 4 * 6}}
 
