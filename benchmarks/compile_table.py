@@ -4,10 +4,10 @@ and benchmarks/RESULTS.md ("Documented runs on their targets").
     python benchmarks/compile_table.py run [--only base] [--force]   # compile (slow: minutes each)
     python benchmarks/compile_table.py table                         # print the markdown table
 
-``run`` calls ``moe-jax compile --out`` once per (run, target) in a fresh process, one at a
-time, and keeps each report as ``benchmarks/compile_reports/<run>__<target>.json`` (an
-existing report is kept unless ``--force``); a failed compile leaves ``.err`` with its last
-lines. ``table`` renders the reports; a pair without one is listed as not compiled.
+``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
+in a fresh process, one at a time, and keeps each report as
+``benchmarks/compile_reports/<run>__<target>.json`` (an existing report is kept unless
+``--force``); a failed compile leaves ``.err`` with its last lines. ``table`` renders the reports; a pair without one is listed as not compiled.
 Numbers are those of the executable compiled for the target (memory_analysis,
 cost_analysis, HLO) and a roofline estimate from the chip table, not measurements.
 """
@@ -57,7 +57,7 @@ def compile_one(run: str, target: str, force: bool) -> None:
     if out.exists() and not force:
         return
     spec, mesh = TARGETS[target]
-    cmd = [sys.executable, "-m", "moe_jax.cli", "compile", f"--target={spec}", *RUNS[run], *mesh,
+    cmd = [sys.executable, "-m", "moe_jax.cli", "compile", f"--target={spec}", "--no_eval", *RUNS[run], *mesh,
            f"--out={out}"]
     print(f"[compile_table] {run} on {target}: {' '.join(cmd[3:])}", flush=True)
     start = time.perf_counter()
