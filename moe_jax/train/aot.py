@@ -101,19 +101,20 @@ def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_pe
 
 def fit_advice(step: Mapping[str, Any], *, mesh_shape: Mapping[str, int], batch_size: int,
                activation_dtype: str | None) -> list[str]:
-    """What to change when ``step`` (an :func:`analyze` result) does not fit, largest
-    memory first."""
-    b = step["bytes"]
+    """What to change when ``step`` (an :func:`analyze` result) does not fit: for
+    activations (temporaries) first when they dominate, then for the state; options already
+    on (bfloat16, full remat, FSDP) are not proposed again."""
     advice = []
-    if b["temporaries"] >= b["params_and_optimizer"]:
+    if step["bytes"]["temporaries"] >= step["bytes"]["params_and_optimizer"]:
         if activation_dtype == "float32":
-            advice.append("--gin.ACTIVATION_DTYPE=\"'bfloat16'\" (halves activations)")
-        advice.append("a remat policy (--gin.REMAT_POLICY=\"'full'\", activations recomputed "
-                      "in the backward pass)")
+            advice.append("--gin.ACTIVATION_DTYPE=bfloat16 (halves activations)")
+        if _gin_value("REMAT_POLICY/macro.value", "none") != "full":
+            advice.append("--gin.REMAT_POLICY=full (activations recomputed in the backward pass)")
         advice.append(f"a smaller per-step batch: --gin.BATCH_SIZE={max(1, batch_size // 2)} or "
                       "--gin.train_script.train.accum_steps=2 (same batch in 2 microbatches)")
-    advice.append("parameter and optimizer-state sharding over the data axis "
-                  "(--gin_file=gin/meshes/fsdp.gin)")
+    if not _gin_value("standard_logical_axis_rules.fsdp", False):
+        advice.append("--gin.standard_logical_axis_rules.fsdp=True (parameters and optimizer "
+                      "state sharded over the batch axes)")
     advice.append(f"more devices along the data or expert axis (mesh_shape now "
                   f"{tuple(mesh_shape.values())} for {tuple(mesh_shape)})")
     return advice
