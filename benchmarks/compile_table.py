@@ -72,7 +72,9 @@ def compile_one(run: str, target: str, force: bool) -> None:
 
 
 def table() -> str:
-    """The markdown table of all (run, target) pairs."""
+    """The markdown table of the compiled (run, target) pairs, then one line naming the
+    pairs not compiled (or failed)."""
+    missing = []
     rows = ["| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
             "(train step) | TFLOP/step | est. step | compile |",
             "|---|---|---|---|---|---|---|---|"]
@@ -80,8 +82,8 @@ def table() -> str:
         for target, (spec, _) in TARGETS.items():
             path = report_path(run, target)
             if not path.exists():
-                why = "failed: see .err" if path.with_suffix(".err").exists() else "not compiled"
-                rows.append(f"| {run} | {target} (`{spec}`) | {why} | | | | | |")
+                failed = " (failed: see .err)" if path.with_suffix(".err").exists() else ""
+                missing.append(f"{run} on {target}{failed}")
                 continue
             r = json.loads(path.read_text())
             step = r["steps"]["train"]
@@ -94,6 +96,8 @@ def table() -> str:
                 f"{gib(b['params_and_optimizer'])} / {gib(b['temporaries'])} / {gib(b['total'])} of "
                 f"{gib(b['device_memory'])} | {coll} | {step['flops_per_step'] / 1e12:.1f} | "
                 f"{est} | {step['compile_s']:.0f} s |")
+    if missing:
+        rows += ["", "Not compiled: " + ", ".join(missing) + "."]
     return "\n".join(rows)
 
 
