@@ -103,6 +103,18 @@ class RouterWeights(nn.Module):
         return jnp.einsum("gsd,de->gse", x.astype(jnp.float32), w)
 
 
+def top_k(values: Array, k: int) -> tuple[Array, Array]:
+    """``jax.lax.top_k`` over the last axis, ``[..., n]`` -> ``([..., k], [..., k] int32)``,
+    whose values are read back through a one-hot mask rather than indexed: the gradient
+    is then a masked product, not the scatter into ``[..., n]`` that ``top_k``'s own
+    gradient is. Same values and gradients; on TPU v5p XLA offloads that scatter to the
+    SparseCore, and cost analysis counts it as about 4 GiB of traffic for a 4096 x 8 router
+    (benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets")."""
+    _, index = jax.lax.top_k(jax.lax.stop_gradient(values), k)
+    chosen = jax.nn.one_hot(index, values.shape[-1], dtype=values.dtype)  # [..., k, n]
+    return jnp.sum(values[..., None, :] * chosen, axis=-1), index
+
+
 def _dense(index: Array, values: Array, num_experts: int) -> Array:
     """Scatters ``values [..., k]`` at ``index [..., k]`` into ``[..., experts]``."""
     return jnp.einsum("...k,...ke->...e", values, jax.nn.one_hot(index, num_experts, dtype=values.dtype))
@@ -144,7 +156,7 @@ def _prob_in_top_k(clean: Array, noisy: Array, noise_std: Array, k: int) -> Arra
     ``Phi((clean_i - kth_excluding(noisy, k, i)) / noise_std_i)``."""
     if k >= clean.shape[-1]:
         return jnp.ones_like(clean)
-    top, _ = jax.lax.top_k(noisy, k + 1)
+    top, _ = top_k(noisy, k + 1)
     in_top_k = noisy >= top[..., k - 1:k]
     # Threshold for entry i with the other noises fixed: the k-th largest of the others.
     threshold = jnp.where(in_top_k, top[..., k:k + 1], top[..., k - 1:k])
@@ -182,7 +194,7 @@ class TopKRouter(nn.Module):
         del token_ids, capacity
         logits = self._logits(x, deterministic)
         probs = jax.nn.softmax(logits, axis=-1)
-        gates, expert_index = jax.lax.top_k(probs, self.num_selected_experts)
+        gates, expert_index = top_k(probs, self.num_selected_experts)
         if self.renormalize_gates:
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         return _token_choice(logits, probs, expert_index, gates, padding_mask, self.batch_prioritized)
@@ -216,7 +228,7 @@ class NoisyTopKRouter(nn.Module):
             noise_std = jax.nn.softplus(noise_logits) + self.min_noise_std
             noisy = clean + jax.random.normal(self.make_rng("dropout"), clean.shape) * noise_std
             smooth_load = self._smooth_load(clean, noisy, noise_std, padding_mask)
-        top_values, expert_index = jax.lax.top_k(noisy, k)
+        top_values, expert_index = top_k(noisy, k)
         gates = jax.nn.softmax(top_values, axis=-1)
         return _token_choice(clean, jax.nn.softmax(clean, axis=-1), expert_index, gates,
                              padding_mask, self.batch_prioritized, smooth_load)
