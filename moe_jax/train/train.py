@@ -138,12 +138,14 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
            eval_steps, accum_steps, on_nonfinite, sync_every_step, stop_after_steps,
            allow_config_change):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
-    from moe_jax.train import checkpoints, evaluate, summaries
+    from moe_jax.train import aot, checkpoints, evaluate, summaries
 
+    model.check_vocabulary()
     ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
     run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
                                   skip_nonfinite=on_nonfinite == "skip")
+    aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
     restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
