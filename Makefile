@@ -10,7 +10,11 @@ STAMP := $(VENV)/.installed
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: smoke test test-slow bench clean-venv
+COMPILERS := $(VENV)/compilers
+# The pins of pyproject.toml's compile-tpu / compile-gpu extras (one place).
+extra = $(shell $(PYTHON) -c "import tomllib; print(' '.join(repr(p) for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
+
+.PHONY: smoke test test-slow bench clean-venv compilers
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -19,13 +23,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# TPU/GPU compilers for `moe-jax compile`, outside the venv's import path (see pyproject.toml).
+$(COMPILERS)/tpu/.installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet --upgrade --target $(COMPILERS)/tpu $(call extra,compile-tpu)
+	touch $@
+
+$(COMPILERS)/gpu/.installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet --upgrade --no-deps --target $(COMPILERS)/gpu $(call extra,compile-gpu)
+	touch $@
+
+compilers: $(COMPILERS)/tpu/.installed $(COMPILERS)/gpu/.installed
+
 smoke: $(STAMP)
 	$(VENV)/bin/moe-jax smoke
 
-test: $(STAMP)
+test: $(STAMP) $(COMPILERS)/tpu/.installed
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) compilers
 	$(PY) -m pytest -m slow -q
 
 bench: $(STAMP)

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("moe_jax.train.infer", "decode from a checkpoint"),
     "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
     "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
+    "compile": ("moe_jax.train.aot", "compile a run for a TPU/GPU/CPU target: memory, fit, step time"),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
     "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
     "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),

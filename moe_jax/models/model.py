@@ -44,7 +44,9 @@ class EncoderDecoderModel:
 
     Args:
       module: the network (default: ``EncoderDecoder()`` with its gin bindings).
-      vocabulary: a seqio vocabulary (``vocab_size``, ``eos_id``) or an int vocab size.
+      vocabulary: a seqio vocabulary (``vocab_size``, ``eos_id``), an int vocab size, or a
+        function returning one, called on first use (gin: ``@vocab.get_vocabulary`` without
+        parentheses), so that building the model opens no vocabulary file.
         Logits for ids the vocabulary does not have (the network's vocab is padded to a
         multiple of 128) are never sampled by :meth:`predict_batch`.
       label_smoothing: in ``[0, 1)``.
@@ -62,15 +64,9 @@ class EncoderDecoderModel:
         loss_normalizing_factor: str | float | None = "NUM_REAL_TARGET_TOKENS",
     ) -> None:
         self.module = EncoderDecoder() if module is None else module
-        net_vocab = self.module.config.vocab_size
-        if vocabulary is None:
-            vocabulary = net_vocab
-        self.vocabulary = vocabulary
-        self.vocab_size = int(vocabulary if isinstance(vocabulary, int) else vocabulary.vocab_size)
-        self.eos_id = 1 if isinstance(vocabulary, int) else int(vocabulary.eos_id)
-        if self.vocab_size > net_vocab:
-            raise ValueError(f"vocabulary has {self.vocab_size} ids but T5Config.vocab_size="
-                             f"{net_vocab}; set VOCAB_SIZE >= {self.vocab_size}")
+        self._vocabulary = self.module.config.vocab_size if vocabulary is None else vocabulary
+        if not callable(self._vocabulary):
+            self.check_vocabulary()
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
         if isinstance(loss_normalizing_factor, str) and loss_normalizing_factor not in losses.LOSS_NORMALIZERS:
@@ -79,6 +75,27 @@ class EncoderDecoderModel:
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.loss_normalizing_factor = loss_normalizing_factor
+
+    @functools.cached_property
+    def vocabulary(self) -> Any:
+        """The seqio vocabulary or int vocab size (resolved on first use)."""
+        return self._vocabulary() if callable(self._vocabulary) else self._vocabulary
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.vocabulary if isinstance(self.vocabulary, int) else self.vocabulary.vocab_size)
+
+    @property
+    def eos_id(self) -> int:
+        return 1 if isinstance(self.vocabulary, int) else int(self.vocabulary.eos_id)
+
+    def check_vocabulary(self) -> None:
+        """Raises ValueError naming ``VOCAB_SIZE`` when the vocabulary has more ids than the
+        network's embedding rows (resolves the vocabulary)."""
+        net_vocab = self.module.config.vocab_size
+        if self.vocab_size > net_vocab:
+            raise ValueError(f"vocabulary has {self.vocab_size} ids but T5Config.vocab_size="
+                             f"{net_vocab}; set VOCAB_SIZE >= {self.vocab_size}")
 
     # ----------------------------------------------------------------- initialisation
     def get_initial_variables(self, rng: jax.Array, input_shapes: InputShapes,

@@ -13,6 +13,8 @@ Modules, one job each:
   train          the training loop (`moe-jax train`)
   evaluate       checkpoint evaluation and comparison tables (`moe-jax eval`)
   infer          decoding from a checkpoint (`moe-jax infer`)
+  aot            ahead-of-time compile for a TPU/GPU/CPU target: memory, fit, step time
+                 (`moe-jax compile`; `train` checks the fit with it before its first step)
 
 Nothing here imports TensorFlow/seqio at import time.
 """

@@ -145,20 +145,23 @@ class TrainSetup:
         with jax.set_mesh(self.ctx.mesh):
             return jax.jit(self._init_fn, out_shardings=self.shardings)()
 
-    def abstract_batch(self, pack: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
-        """One global batch as sharded ``ShapeDtypeStruct`` s: the ``int32[batch, length]``
-        features of an encoder-decoder batch (with segment ids and positions when ``pack``)."""
-        from jax.sharding import NamedSharding, PartitionSpec
 
-        sharding = NamedSharding(self.ctx.mesh, PartitionSpec(self.ctx.batch_axes))
-        enc, dec = self.input_shapes["encoder_input_tokens"], self.input_shapes["decoder_input_tokens"]
-        features = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-                    "decoder_target_tokens": dec, "decoder_loss_weights": dec}
-        if pack:
-            features |= {"encoder_segment_ids": enc, "encoder_positions": enc,
-                         "decoder_segment_ids": dec, "decoder_positions": dec}
-        return {name: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
-                for name, shape in features.items()}
+def abstract_batch(ctx: RunContext, input_shapes: Mapping[str, tuple[int, int]],
+                   pack: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
+    """One global batch as ``ShapeDtypeStruct`` s sharded over ``ctx``'s batch axes: the
+    ``int32[batch, length]`` features of an encoder-decoder batch (with segment ids and
+    positions when ``pack``), as the data pipeline yields them."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(ctx.mesh, PartitionSpec(ctx.batch_axes))
+    enc, dec = input_shapes["encoder_input_tokens"], input_shapes["decoder_input_tokens"]
+    features = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+                "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+    if pack:
+        features |= {"encoder_segment_ids": enc, "encoder_positions": enc,
+                     "decoder_segment_ids": dec, "decoder_positions": dec}
+    return {name: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+            for name, shape in features.items()}
 
 
 def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunContext, *,

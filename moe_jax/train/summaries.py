@@ -27,26 +27,17 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax.hardware import measured_matmul_flops
-
-# Dense peak FLOP/s per chip (bf16 for accelerators) for MFU. CPU: measured (see below).
-PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
-}
+from moe_jax import hardware
 
 
 @gin.configurable
 def peak_flops_per_device(override: float | None = None) -> float:
-    """Peak FLOP/s of one device: ``override`` when bound, else the table above by device
-    kind, else (CPU) the measured rate of a jitted float32 2048x2048 matmul."""
+    """Peak FLOP/s of one device: ``override`` when bound, else the chip's dense bf16 peak
+    (``moe_jax.hardware.CHIPS``, by device kind), else (CPU) the measured rate of a jitted
+    float32 2048x2048 matmul."""
     if override:
         return float(override)
-    kind = jax.devices()[0].device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if kind.startswith(name):
-            return flops
-    return measured_matmul_flops()
+    return hardware.device_facts(jax.devices()).peak_flops
 
 
 def scalarize(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:

@@ -5,10 +5,12 @@
 
 The loop: restore the latest checkpoint of ``MODEL_DIR`` (state, step, data-iterator
 position, RNG) or initialise; then per step fetch this host's batch shard, run the jitted
-train step (state donated), check the loss, log, save every ``checkpoint_period`` steps
-(async), evaluate every ``eval_period`` steps. SIGTERM saves a checkpoint and exits 143;
-a non-finite loss stops with the step and the last good checkpoint (or, with
-``train.on_nonfinite = 'skip'``, drops that step's update).
+train step (state donated), check the *previous* step's loss (so the host never waits for
+the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
+evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
+loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM saves
+a checkpoint and exits 143; a non-finite loss stops with its step and the last good
+checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that step's update).
 
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
@@ -73,6 +75,7 @@ def train(
     eval_steps: int = 10,
     accum_steps: int = 1,
     on_nonfinite: str = "stop",
+    sync_every_step: bool = False,
     routing_churn: bool = True,
     stop_after_steps: int | None = None,
     allow_config_change: bool = False,
@@ -88,6 +91,12 @@ def train(
         (0: never).
       accum_steps: gradient accumulation microbatches per step.
       on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
+        The loss is checked one step late, so a stop comes with the next step already
+        dispatched (never saved: a checkpoint is written only after its step's loss is
+        checked).
+      sync_every_step: fetch every step's metrics and check its loss before dispatching
+        the next step (the loop before issue 15: the device idles while the host works;
+        for debugging and as the baseline of ``benchmarks/train_loop.py``).
       routing_churn: at each evaluation, also route the first eval batch and log per MoE
         layer the fraction of its tokens whose top-1 expert changed since the previous
         evaluation (``summaries.ChurnProbe``).
@@ -112,7 +121,8 @@ def train(
                       checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
                       async_checkpointing=async_checkpointing, log_period=log_period,
                       eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
-                      on_nonfinite=on_nonfinite, routing_churn=routing_churn,
+                      on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
+                      routing_churn=routing_churn,
                       stop_after_steps=stop_after_steps, allow_config_change=allow_config_change)
 
 
@@ -130,14 +140,17 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
 
 def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total_steps, random_seed,
            checkpoint_period, keep_checkpoints, async_checkpointing, log_period, eval_period,
-           eval_steps, accum_steps, on_nonfinite, routing_churn, stop_after_steps, allow_config_change):
+           eval_steps, accum_steps, on_nonfinite, sync_every_step, routing_churn, stop_after_steps,
+           allow_config_change):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
-    from moe_jax.train import checkpoints, evaluate, summaries
+    from moe_jax.train import aot, checkpoints, evaluate, summaries
 
+    model.check_vocabulary()
     ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
     run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
                                   skip_nonfinite=on_nonfinite == "skip")
+    aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
     restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
@@ -183,6 +196,19 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     preempted = False
     bar = summaries.progress_bar(step, total_steps)
     start_time = time.perf_counter()
+
+    def check_loss(checked_step: int, step_metrics) -> float:
+        """Fetches one step's loss (a scalar) and stops on NaN/Inf when asked to."""
+        loss = float(step_metrics["loss"])
+        losses[checked_step] = loss
+        if not np.isfinite(loss) and on_nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {checked_step}; last good checkpoint: "
+                f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
+                "train.on_nonfinite='skip' to skip such steps instead.")
+        return loss
+
+    unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
     try:
         batch = setup.global_batch(next(iterator), ctx)
         while step < end:
@@ -190,24 +216,28 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
             data_state = iterator.get_state()                 # position after this step's batch
             if step + 1 < end:
                 batch = setup.global_batch(next(iterator), ctx)     # overlaps the device's step
-            metrics = jax.device_get(metrics)
+            if sync_every_step:
+                metrics = jax.device_get(metrics)
             ckpt.check_for_errors()                           # a failed background save stops here
             step += 1
             meter.tick()
             bar.update(1)
-            loss = float(metrics["loss"])
-            losses[step] = loss
-            if not np.isfinite(loss) and on_nonfinite == "stop":
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {step}; last good checkpoint: "
-                    f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
-                    "train.on_nonfinite='skip' to skip such steps instead.")
-            if step % log_period == 0 or step == end:
-                rates = meter.rates()
-                writer.write(step, {**metrics, **rates})
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+            if unchecked is not None:  # the previous step: done, or queued just before this one
+                check_loss(*unchecked)
+            unchecked = (step, metrics)
             preempted = preemption.reached(step)
-            if ckpt.should_save(step) or step == end or preempted:
+            log_now = step % log_period == 0 or step == end
+            save_now = ckpt.should_save(step) or step == end or preempted
+            eval_now = bool(eval_fn) and step % eval_period == 0
+            if not (sync_every_step or log_now or save_now or eval_now):
+                continue
+            loss = check_loss(*unchecked)                     # waits for this step
+            unchecked = None
+            if log_now:
+                rates = meter.rates()
+                writer.write(step, {**jax.device_get(metrics), **rates})
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+            if save_now:
                 meta = {"data_iterators": checkpoints.gather_from_processes(data_state),
                         "random_seed": random_seed}
                 if ckpt.save(state, meta, force=True):
@@ -215,7 +245,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
             if preempted:
                 _log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
                 break
-            if eval_fn and step % eval_period == 0:
+            if eval_now:
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
                                                  ctx, eval_steps)
                 if churn:

@@ -101,10 +101,17 @@ def jit_eval_step(model, params_shardings, mesh: Mesh,
 
 
 def _under_mesh(fn, mesh: Mesh):
-    """``fn`` called under ``jax.set_mesh(mesh)`` (MoE layers read the current mesh to run
-    expert parallelism)."""
+    """``fn`` called (and, with ``.lower(*abstract_args)``, lowered ahead of time) under
+    ``jax.set_mesh(mesh)`` (MoE layers read the current mesh to run expert parallelism and
+    to pick their implementation for the mesh's platform)."""
     @functools.wraps(fn)
     def wrapped(*args):
         with jax.set_mesh(mesh):
             return fn(*args)
+
+    def lower(*args):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args)
+
+    wrapped.lower = lower
     return wrapped

@@ -7,6 +7,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +15,7 @@ from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-        "--gin.train_script.train.checkpoint_period=3", "--gin.train_script.train.log_period=1",
+        "--gin.train_script.train.checkpoint_period=3", "--gin.train_script.train.log_period=2",
         "--gin.train_script.train.eval_period=0", "--gin.train_script.train.async_checkpointing=True"]
 
 
@@ -29,6 +30,8 @@ def run(model_dir, steps: int, *flags: str, stop_after: int | None = None) -> di
 
 
 def test_interrupted_run_continues_exactly(tmp_path):
+    """Steps 1 and 5 neither log (every 2nd) nor save (every 3rd): their loss is read one
+    step late, and the run still matches step for step."""
     full = run(tmp_path / "full", 6)
     first = run(tmp_path / "resumed", 6, stop_after=3)
     assert first["step"] == 3 and sorted(first["losses"]) == [1, 2, 3]
@@ -94,6 +97,32 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     for s in (2, 3, 4):
         jax.tree.map(np.testing.assert_array_equal, saved[1]["params"], saved[s]["params"])
         jax.tree.map(np.testing.assert_array_equal, saved[1]["train"]["opt_state"], saved[s]["train"]["opt_state"])
+
+
+@pytest.mark.parametrize("sync_every_step", [False, True])
+def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatch, sync_every_step):
+    """The loss turns NaN on the device at step 5 (no log, no save there): the lagged check
+    reads it while step 6 runs and stops before step 6's save, naming step 5 and the
+    checkpoint of step 3; the step-by-step loop (``sync_every_step``) says the same."""
+    build = setup.build_train_setup
+
+    def nan_at_step_5(*args, **kwargs):
+        run_setup = build(*args, **kwargs)
+        step_fn = run_setup.train_step
+
+        def step(state, batch):
+            state, metrics = step_fn(state, batch)
+            return state, {**metrics, "loss": jnp.where(state.step == 5, jnp.nan, metrics["loss"])}
+
+        run_setup.train_step = step
+        return run_setup
+
+    monkeypatch.setattr(setup, "build_train_setup", nan_at_step_5)
+    with pytest.raises(train.NonFiniteLossError,
+                       match=r"loss is nan at step 5; last good checkpoint: .*checkpoints/3\."):
+        run(tmp_path, 8, "--gin.train_script.train.log_period=100",
+            f"--gin.train_script.train.sync_every_step={sync_every_step}")
+    assert checkpoints.Checkpointer(str(tmp_path), read_only=True).latest_step() == 3
 
 
 def test_unwritable_model_dir_is_refused_before_training(tmp_path):

@@ -1,0 +1,122 @@
+"""Every documented run compiled for its documented target: the table of docs/training.md
+and benchmarks/RESULTS.md ("Documented runs on their targets").
+
+    python benchmarks/compile_table.py run [--only base] [--force]   # compile (slow: minutes each)
+    python benchmarks/compile_table.py table                         # print the markdown table
+
+``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
+in a fresh process, one at a time, and keeps each report as
+``benchmarks/compile_reports/<run>__<target>.json`` (an existing report is kept unless
+``--force``); a failed compile leaves ``.err`` with its last lines. ``table`` renders the reports; a pair without one is listed as not compiled.
+Numbers are those of the executable compiled for the target (memory_analysis,
+cost_analysis, HLO) and a roofline estimate from the chip table, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+REPORTS = REPO / "benchmarks" / "compile_reports"
+
+# run name -> gin flags (the documented launch: docs/lm_experiments.md, configs/*.toml)
+RUNS: dict[str, list[str]] = {
+    "fig5_learned": ["--gin_file=experiments/fig5_learned.gin"],
+    "fig5_frozen": ["--gin_file=experiments/fig5_frozen.gin"],
+    "fig5_dense": ["--gin_file=experiments/fig5_dense.gin"],
+    "fig7_learned_e8": ["--gin_file=experiments/fig5_learned.gin", "--gin.NUM_EXPERTS=8"],
+    "fig7_learned_e16": ["--gin_file=experiments/fig5_learned.gin", "--gin.NUM_EXPERTS=16"],
+    "fig7_learned_e64": ["--gin_file=experiments/fig5_learned.gin", "--gin.NUM_EXPERTS=64"],
+    "base_learned": ["--gin_file=experiments/base_learned.gin"],
+    "base_frozen": ["--gin_file=experiments/base_frozen.gin"],
+    "base_dense": ["--gin_file=experiments/base_dense.gin"],
+}
+# target name -> (--target, mesh flags). v4: libtpu describes a v4 chip as 2 TensorCore
+# devices (16 GiB each), so v4_32.gin's 16-device mesh is compiled on 8 chips' 16 cores:
+# the same per-device program with half a megacore chip's memory (a conservative verdict).
+TARGETS: dict[str, tuple[str, list[str]]] = {
+    "v4-32": ("tpu:v4:2x2x2", ["--gin_file=meshes/v4_32.gin"]),
+    "v5p-16": ("tpu:v5p:2x2x4", ["--gin_file=meshes/v4_32.gin"]),
+    "v5p-128": ("tpu:v5p:4x4x4", ["--gin_file=meshes/v5p_128.gin"]),
+    "8xH100": ("gpu:h100:8", ["--gin_file=meshes/gpu_8x_h100.gin"]),
+    "v5e-16": ("tpu:v5e:4x4", ["--gin.make_mesh.mesh_shape=(1,16,1)"]),
+}
+
+
+def report_path(run: str, target: str) -> pathlib.Path:
+    return REPORTS / f"{run}__{target}.json"
+
+
+def compile_one(run: str, target: str, force: bool) -> None:
+    out = report_path(run, target)
+    if out.exists() and not force:
+        return
+    spec, mesh = TARGETS[target]
+    cmd = [sys.executable, "-m", "moe_jax.cli", "compile", f"--target={spec}", "--no_eval", *RUNS[run], *mesh,
+           f"--out={out}"]
+    print(f"[compile_table] {run} on {target}: {' '.join(cmd[3:])}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    err = out.with_suffix(".err")
+    if not out.exists():
+        err.write_text("\n".join((proc.stdout + proc.stderr).splitlines()[-5:]) + "\n")
+        print(f"  failed (exit {proc.returncode}); see {err}", flush=True)
+    else:
+        err.unlink(missing_ok=True)
+        print(f"  exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def table() -> str:
+    """The markdown table of the compiled (run, target) pairs, then one line naming the
+    pairs not compiled (or failed)."""
+    missing = []
+    rows = ["| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
+            "(train step) | TFLOP/step | est. step | compile |",
+            "|---|---|---|---|---|---|---|---|"]
+    for run in RUNS:
+        for target, (spec, _) in TARGETS.items():
+            path = report_path(run, target)
+            if not path.exists():
+                failed = " (failed: see .err)" if path.with_suffix(".err").exists() else ""
+                missing.append(f"{run} on {target}{failed}")
+                continue
+            r = json.loads(path.read_text())
+            step = r["steps"]["train"]
+            b = step["bytes"]
+            gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+            coll = ", ".join(f"{c['count']} {k}" for k, c in step["collectives"].items()) or "-"
+            est = "-" if step["estimate"] is None else f"{step['estimate']['step_s'] * 1e3:.0f} ms"
+            rows.append(
+                f"| {run} | {target} (`{spec}`) | {'yes' if r['fits'] else '**no**'} | "
+                f"{gib(b['params_and_optimizer'])} / {gib(b['temporaries'])} / {gib(b['total'])} of "
+                f"{gib(b['device_memory'])} | {coll} | {step['flops_per_step'] / 1e12:.1f} | "
+                f"{est} | {step['compile_s']:.0f} s |")
+    if missing:
+        rows += ["", "Not compiled: " + ", ".join(missing) + "."]
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("run", "table"))
+    parser.add_argument("--only", default="", help="substring of 'run__target' to compile")
+    parser.add_argument("--force", action="store_true", help="recompile existing reports")
+    args = parser.parse_args(argv)
+    if args.command == "table":
+        print(table())
+        return 0
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    for run in RUNS:
+        for target in TARGETS:
+            if args.only in f"{run}__{target}":
+                compile_one(run, target, args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,359 @@
+"""`moe-jax compile`: compile a run for its TPU, GPU or CPU target before launching it.
+
+Ahead of time (hence the module name): nothing runs, no device is needed.
+
+    moe-jax compile --target=tpu:v5p:2x2x4 --gin_file=gin/experiments/base_learned.gin \\
+        --gin_file=gin/meshes/v4_32.gin [--out=report.json]
+
+Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
+model, optimizer with frozen-router masking, shardings, donation: ``setup.build_train_setup``)
+over the target's devices from abstract shapes, compiles both (no device, data or
+vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
+the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
+step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
+target. Exits 1, naming what to change, when the run does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from moe_jax import hardware
+from moe_jax.train import setup
+
+COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) +
+                     r")(?:-start)?\(")
+_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+class DoesNotFitError(ValueError):
+    """The step needs more memory per device than the devices have; the message gives the
+    numbers and what to change."""
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """``{kind: {"count": n, "bytes": result bytes}}`` of the collective ops of an HLO module
+    (async ``-start`` ops counted once; an op inside a loop body counted once)."""
+    out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+    for match in _HLO_OP.finditer(hlo_text):
+        shapes = _SHAPE.findall(match.group("shape"))
+        if match.group(0).count("-start(") and len(shapes) > 1:
+            shapes = shapes[len(shapes) // 2:]  # async start: (operands, results)
+        kind = out[match.group("op")]
+        kind["count"] += 1
+        kind["bytes"] += sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                             for dtype, dims in shapes)
+    return {kind: stats for kind, stats in out.items() if stats["count"]}
+
+
+def per_device_bytes(abstract_tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s (its largest shard)."""
+    import jax
+
+    return int(sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree.leaves(abstract_tree)))
+
+
+def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_per_step: float,
+            tokens_per_step: int, num_devices: int) -> dict[str, Any]:
+    """Memory, collectives, cost and a roofline step time of one compiled step (per device).
+
+    The estimate: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + collective bytes /
+    interconnect bandwidth``, with the model's FLOPs split evenly over the devices (XLA's
+    cost analysis counts a loop body once) and the chip's bf16 peak.
+    """
+    mem = compiled.memory_analysis()
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + \
+        mem.temp_size_in_bytes
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
+    coll = collectives(compiled.as_text())
+    compute_s = flops_per_step / num_devices / facts.peak_flops
+    hbm_s = (cost.get("bytes accessed", 0.0) / facts.hbm_bandwidth) if facts.hbm_bandwidth else 0.0
+    comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
+              if facts.interconnect_bandwidth else 0.0)
+    step_s = max(compute_s, hbm_s) + comm_s
+    return {
+        "bytes": {"params_and_optimizer": state_bytes, "arguments": mem.argument_size_in_bytes,
+                  "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
+                  "temporaries": mem.temp_size_in_bytes, "total": total,
+                  "device_memory": facts.hbm_bytes},
+        "fits": total <= facts.hbm_bytes,
+        "collectives": coll,
+        "flops_per_step": flops_per_step,
+        "hlo_flops_per_device": cost.get("flops"),
+        "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
+        "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
+                     "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None},
+    }
+
+
+def fit_advice(step: Mapping[str, Any], *, mesh_shape: Mapping[str, int], batch_size: int,
+               activation_dtype: str | None) -> list[str]:
+    """What to change when ``step`` (an :func:`analyze` result) does not fit: for
+    activations (temporaries) first when they dominate, then for the state; options already
+    on (bfloat16, full remat, FSDP) are not proposed again."""
+    advice = []
+    if step["bytes"]["temporaries"] >= step["bytes"]["params_and_optimizer"]:
+        if activation_dtype == "float32":
+            advice.append("--gin.ACTIVATION_DTYPE=bfloat16 (halves activations)")
+        if _gin_value("REMAT_POLICY/macro.value", "none") != "full":
+            advice.append("--gin.REMAT_POLICY=full (activations recomputed in the backward pass)")
+        advice.append(f"a smaller per-step batch: --gin.BATCH_SIZE={max(1, batch_size // 2)} or "
+                      "--gin.train_script.train.accum_steps=2 (same batch in 2 microbatches)")
+    if not _gin_value("standard_logical_axis_rules.fsdp", False):
+        advice.append("--gin.standard_logical_axis_rules.fsdp=True (parameters and optimizer "
+                      "state sharded over the batch axes)")
+    advice.append(f"more devices along the data or expert axis (mesh_shape now "
+                  f"{tuple(mesh_shape.values())} for {tuple(mesh_shape)})")
+    return advice
+
+
+def _gin_value(name: str, default: Any) -> Any:
+    import gin
+
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
+
+
+def layer_choices(platform: str) -> dict[str, Any]:
+    """The MoE layer's dispatch / per_expert_loop when compiled for ``platform`` devices
+    (gin bindings of ``MoeLayer`` win over the platform's default)."""
+    from moe_jax.moe import dispatch
+
+    auto_dispatch, auto_loop = dispatch.layer_choices(platform)
+    bound_dispatch = _gin_value("MoeLayer.dispatch", "auto")
+    bound_loop = _gin_value("MoeLayer.per_expert_loop", None)
+    return {"platform": platform,
+            "dispatch": auto_dispatch if bound_dispatch == "auto" else bound_dispatch,
+            "per_expert_loop": auto_loop if bound_loop is None else bound_loop}
+
+
+def train_bindings() -> dict[str, Any]:
+    """The evaluated gin arguments of ``train_script.train`` (model, dataset configs, ...)."""
+    import gin
+
+    return gin.get_bindings("train_script.train")
+
+
+_SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_OOM_TEMPS = re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def compile_step(lowered_fn, abstract_args: tuple, facts: hardware.DeviceFacts, *, state_bytes: int,
+                 flops_per_step: float, tokens_per_step: int, num_devices: int) -> tuple[Any, dict]:
+    """(compiled executable or None, :func:`analyze` result plus ``compile_s``) of
+    ``lowered_fn.lower(*abstract_args)``. A compiler that refuses the program for lack of
+    memory (XLA:TPU does) gives a result with ``fits`` False, the temporaries it reported
+    and its message, instead of an error."""
+    import jax
+
+    start = time.perf_counter()
+    try:
+        compiled = lowered_fn.lower(*abstract_args).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        temps = _OOM_TEMPS.search(str(err))
+        temporaries = int(float(temps.group(1)) * _SIZE[temps.group(2)]) if temps else 0
+        return None, {
+            "compile_s": time.perf_counter() - start, "fits": False,
+            "compiler_error": str(err).splitlines()[0],
+            "bytes": {"params_and_optimizer": state_bytes, "arguments": state_bytes, "outputs": 0,
+                      "aliased": 0, "temporaries": temporaries, "total": state_bytes + temporaries,
+                      "device_memory": facts.hbm_bytes},
+            "collectives": {}, "flops_per_step": flops_per_step, "hlo_flops_per_device": None,
+            "hlo_bytes_accessed_per_device": None, "estimate": None}
+    seconds = time.perf_counter() - start
+    return compiled, {"compile_s": seconds, **analyze(
+        compiled, facts, state_bytes=state_bytes, flops_per_step=flops_per_step,
+        tokens_per_step=tokens_per_step, num_devices=num_devices)}
+
+
+def _tokens(shapes: Mapping[str, tuple[int, int]]) -> int:
+    return int(sum(math.prod(s) for s in shapes.values()))
+
+
+def compile_train(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
+                  facts: hardware.DeviceFacts) -> tuple[Any, dict]:
+    """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
+    shapes = cfg.input_shapes()
+    return compile_step(run.train_step, (run.abstract_state, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+                        facts, state_bytes=per_device_bytes(run.abstract_state),
+                        flops_per_step=model.flops_per_step(shapes), tokens_per_step=_tokens(shapes),
+                        num_devices=run.ctx.mesh.size)
+
+
+def compile_eval(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
+                 facts: hardware.DeviceFacts) -> tuple[Any, dict]:
+    """:func:`compile_step` of ``run``'s eval step on batches of ``cfg`` (forward FLOPs:
+    a third of training's)."""
+    shapes = cfg.input_shapes()
+    params = run.abstract_state.params
+    return compile_step(run.eval_step, (params, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+                        facts, state_bytes=per_device_bytes(params),
+                        flops_per_step=model.flops_per_step(shapes) / 3, tokens_per_step=_tokens(shapes),
+                        num_devices=run.ctx.mesh.size)
+
+
+def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[str, Any]:
+    """Compiles ``run``'s train step for the devices of its mesh (what ``train`` is about to
+    run; the jitted step then reuses this compilation) and raises :class:`DoesNotFitError`
+    with the numbers and what to change when it needs more memory than they have (on
+    CPU: the machine's available memory, shared by its devices). Returns the analysis."""
+    devices = list(run.ctx.mesh.devices.flat)
+    _, step = compile_train(run, cfg, model, hardware.device_facts(devices))
+    if not step["fits"]:
+        b = step["bytes"]
+        where = ("of this machine's available memory" if devices[0].platform == "cpu"
+                 else f"of {devices[0].device_kind} memory")
+        advice = fit_advice(step, mesh_shape=dict(run.ctx.mesh.shape), batch_size=cfg.batch_size,
+                            activation_dtype=model.module.config.dtype)
+        raise DoesNotFitError(
+            f"the train step needs {_gib(b['total'])} per device ({_gib(b['params_and_optimizer'])} "
+            f"parameters + optimizer, {_gib(b['temporaries'])} temporaries; batch {cfg.batch_size} x "
+            f"{dict(cfg.task_feature_lengths)}) but each of the {len(devices)} devices has "
+            f"{_gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice))
+    return step
+
+
+def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
+                eval_step: bool = True, progress=print) -> dict[str, Any]:
+    """Compiles the gin-configured run's train (and eval) step for ``devices``; the report
+    that :func:`format_report` prints and ``--out`` writes."""
+    args = train_bindings()
+    model, cfg = args["model"], args["train_dataset_cfg"]
+    eval_cfg = args.get("train_eval_dataset_cfg") or cfg
+    ctx = setup.run_context(devices=devices)
+    run = setup.build_train_setup(model, cfg.input_shapes(), ctx, seed=args.get("random_seed", 0),
+                                  accum_steps=args.get("accum_steps", 1),
+                                  skip_nonfinite=args.get("on_nonfinite", "stop") == "skip")
+    report: dict[str, Any] = {
+        "target": target, "devices": len(devices), "device_kind": devices[0].device_kind,
+        "mesh_shape": dict(ctx.mesh.shape), "batch_size": cfg.batch_size,
+        "task_feature_lengths": dict(cfg.task_feature_lengths),
+        "parameters": int(sum(math.prod(p.shape) for p in _leaves(run.abstract_state.params))),
+        "activation_dtype": model.module.config.dtype,
+        "model_dims": {name: getattr(model.module.config, name) for name in (
+            "vocab_size", "emb_dim", "mlp_dim", "num_encoder_layers", "num_decoder_layers")},
+        "moe_layer": layer_choices(devices[0].platform), "steps": {}}
+    progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
+             f"{report['mesh_shape']})...")
+    report["steps"]["train"] = compile_train(run, cfg, model, facts)[1]
+    if eval_step:
+        progress("[moe-jax] compiling the eval step...")
+        report["steps"]["eval"] = compile_eval(run, eval_cfg, model, facts)[1]
+    report["fits"] = all(step["fits"] for step in report["steps"].values())
+    if not report["fits"]:
+        worst = max(report["steps"].values(), key=lambda s: s["bytes"]["total"])
+        report["advice"] = fit_advice(worst, mesh_shape=report["mesh_shape"],
+                                      batch_size=cfg.batch_size,
+                                      activation_dtype=report["activation_dtype"])
+    return report
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _gib(n: float) -> str:
+    return f"{n / hardware.GiB:.2f} GiB"
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The printed report: one block per step, then the verdict."""
+    lines = [f"target {report['target']}: {report['devices']} x {report['device_kind']}, mesh "
+             f"{report['mesh_shape']}; {report['parameters']:,} parameters; batch "
+             f"{report['batch_size']} x {report['task_feature_lengths']}; activations "
+             f"{report['activation_dtype']}",
+             f"MoE layer for {report['moe_layer']['platform']}: dispatch="
+             f"{report['moe_layer']['dispatch']!r}, per_expert_loop={report['moe_layer']['per_expert_loop']}"]
+    for name, step in report["steps"].items():
+        b, est = step["bytes"], step["estimate"]
+        if est is None:  # the compiler refused it for lack of memory
+            lines += [f"{name} step, per device: params + optimizer {_gib(b['params_and_optimizer'])}, "
+                      f"temporaries {_gib(b['temporaries'])}: DOES NOT FIT {_gib(b['device_memory'])}",
+                      f"  compiler: {step['compiler_error']}"]
+            continue
+        coll = ", ".join(f"{c['count']} {kind}" for kind, c in step["collectives"].items()) or "none"
+        lines += [
+            f"{name} step (compiled in {step['compile_s']:.1f} s), per device:",
+            f"  params + optimizer {_gib(b['params_and_optimizer'])}, arguments {_gib(b['arguments'])}, "
+            f"temporaries {_gib(b['temporaries'])}",
+            f"  total {_gib(b['total'])} of {_gib(b['device_memory'])} "
+            f"({100 * b['total'] / b['device_memory']:.0f}%): {'fits' if step['fits'] else 'DOES NOT FIT'}",
+            f"  collectives: {coll}",
+            f"  {step['flops_per_step'] / 1e12:.3g} TFLOP per step (model); HLO per device: "
+            f"{_num(step['hlo_flops_per_device'], 1e12, 'TFLOP')}, "
+            f"{_num(step['hlo_bytes_accessed_per_device'], 1e9, 'GB')} accessed",
+            f"  estimate: {est['step_s'] * 1e3:.1f} ms/step (compute {est['compute_s'] * 1e3:.1f}, "
+            f"HBM {est['hbm_s'] * 1e3:.1f}, collectives {est['collectives_s'] * 1e3:.1f}), "
+            f"{_num(est['tokens_per_s'], 1e3, 'k tokens/s')}"]
+    if report["fits"]:
+        lines.append("verdict: fits")
+    else:
+        lines.append("verdict: DOES NOT FIT. Change one of:")
+        lines += [f"  - {a}" for a in report["advice"]]
+    return "\n".join(lines)
+
+
+def _num(value: float | None, scale: float, unit: str) -> str:
+    return "n/a" if value is None else f"{value / scale:.3g} {unit}"
+
+
+def parse_gin_for_compile(args) -> None:
+    """``gin_utils.parse_gin``, with the run-only macros a compile does not need (``MODEL_DIR``,
+    ``TRAIN_STEPS``) given placeholders where the gin files leave them required."""
+    import gin
+
+    from moe_jax.train import gin_utils
+
+    gin_utils.parse_gin(args, finalize=False)
+    for macro, placeholder in (("MODEL_DIR", "/tmp/moe_jax_compile"), ("TRAIN_STEPS", 1)):
+        if str(_gin_value(f"{macro}/macro.value", None)) == "%gin.REQUIRED":
+            gin.bind_parameter(f"{macro}/macro.value", placeholder)
+    try:
+        gin.finalize()
+    except ValueError as err:
+        raise gin_utils.GinConfigError(f"gin: {err}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_jax.train import gin_utils
+
+    parser = setup.build_parser("moe-jax compile", __doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, metavar="PLATFORM:CHIP:TOPOLOGY",
+                        help="tpu:v5e:4x4, tpu:v5p:2x2x4, gpu:h100:8, cpu:8, ...")
+    parser.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
+    parser.add_argument("--no_eval", action="store_true", help="compile the train step only")
+    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    try:
+        target = hardware.parse_target(args.target)
+        devices = hardware.target_devices(target)
+        parse_gin_for_compile(args)
+        report = compile_run(devices, hardware.device_facts(devices, target.chip, target.num_chips),
+                             target=target.spec, eval_step=not args.no_eval,
+                             progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
+        print(f"moe-jax compile: error: {err}", file=sys.stderr)
+        return 1
+    print(format_report(report), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if report["fits"] else 1
