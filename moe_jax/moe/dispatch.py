@@ -36,15 +36,32 @@ RaggedFn = Callable[[Array, Array], Array]
 DISPATCH_IMPLS: tuple[str, ...] = ("einsum", "sort")
 
 
-def default_dispatch(backend: str | None = None) -> str:
-    """The dispatch implementation used for ``MoeLayer.dispatch='auto'``.
+# Platform names as ``jax.Device.platform`` / ``AbstractMesh.abstract_device.platform``
+# report them, mapped to the backend family whose choices apply.
+_PLATFORM_FAMILY = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
-    ``sort`` on CPU (measured: benchmarks/RESULTS.md, "MoE layer") and on GPU (gathers
-    are cheap there; not measured in this project); ``einsum`` on TPU, where one-hot
-    matmuls run on the MXU and gathers are slow (the T5X choice; not measured here).
+
+def layer_choices(platform: str) -> tuple[str, bool]:
+    """``(dispatch, per_expert_loop)`` that ``MoeLayer(dispatch='auto', per_expert_loop=None)``
+    uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``).
+
+    * CPU: ``sort`` with one plain matmul per expert (measured: benchmarks/RESULTS.md,
+      "MoE layer"; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
+    * GPU: ``sort``, batched expert matmuls.
+    * TPU: ``einsum``, batched expert matmuls (one-hot matmuls run on the MXU).
     """
-    backend = backend or jax.default_backend()
-    return "einsum" if backend == "tpu" else "sort"
+    family = _PLATFORM_FAMILY.get(platform)
+    if family is None:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
+    return {"cpu": ("sort", True), "gpu": ("sort", False), "tpu": ("einsum", False)}[family]
+
+
+def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
+    """Platform of the devices a step is being compiled for: the platform of ``mesh``'s
+    devices (the mesh set with ``jax.set_mesh``, which carries it even when compiling for a
+    TPU from a CPU host), else the default backend (no mesh: the step runs on it)."""
+    device = None if mesh is None else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
 
 
 def _assignment_order(routing: TokenChoiceRouting) -> Array:

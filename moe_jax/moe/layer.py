@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
-from moe_jax.moe.dispatch import DISPATCH_IMPLS, default_dispatch, dispatch_combine, ragged_token_choice
+from moe_jax.moe.dispatch import DISPATCH_IMPLS, dispatch_combine, layer_choices, ragged_token_choice, target_platform
 from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS, check_hierarchical_options
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
@@ -67,9 +67,11 @@ class MoeLayer(nn.Module):
       group_size: maximum tokens per routing group.
       dropless: never drop: capacity = tokens_per_group, or a grouped matmul
         (``ragged_dot``) with the ``sort`` dispatch outside expert parallelism.
-      dispatch: ``einsum`` (reference), ``sort`` or ``auto`` (per backend).
+      dispatch: ``einsum`` (reference), ``sort`` or ``auto``: per the platform of the
+        devices compiled for (the current mesh's, see ``dispatch.layer_choices``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``) rather than
-        batched; None = per backend (True on CPU, where batched matmuls are slow).
+        batched; None = per platform, as ``dispatch`` (True on CPU, where batched matmuls
+        are slow).
       renormalize_gates: top-k gates divided by their sum.
       jitter_noise: Switch multiplicative router-input noise in training.
       batch_prioritized_routing: BPR (encoder only).
@@ -272,9 +274,9 @@ class MoeLayer(nn.Module):
                  mesh, deterministic: bool) -> tuple[Array, Array | None]:
         """Dispatch, expert MLPs, combine: ``[groups, tokens_per_group, d_model]`` -> same,
         plus the kept-assignment mask (token choice)."""
-        impl = default_dispatch() if self.dispatch == "auto" else self.dispatch
-        per_expert_loop = (jax.default_backend() == "cpu" if self.per_expert_loop is None
-                           else self.per_expert_loop)
+        auto_impl, auto_loop = layer_choices(target_platform(mesh))
+        impl = auto_impl if self.dispatch == "auto" else self.dispatch
+        per_expert_loop = auto_loop if self.per_expert_loop is None else self.per_expert_loop
         use_dropout = self.expert_dropout_rate > 0 and not deterministic
         rng = self.make_rng("dropout") if use_dropout else jax.random.PRNGKey(0)
         routing = router_output.routing
