@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
     "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
+    "upcycle": ("moe_jax.train.upcycle", "an MoE run from a dense run's checkpoint (sparse upcycling)"),
 }
 
 
