@@ -92,7 +92,8 @@ class MoeLayer(nn.Module):
         updated by ``u * sign(mean load - load_e)`` every training step (DeepSeek-V3).
       num_limited_groups, max_groups_per_token: group-limited routing: each token picks
         its top experts inside its best M of G expert groups (M = 0: off; G = None: the
-        ``expert`` mesh axis size, so a token reaches at most M devices).
+        ``expert`` mesh axis size, so a token reaches at most M devices; M >= that size
+        limits nothing).
     """
 
     num_experts: int = 8
@@ -206,9 +207,14 @@ class MoeLayer(nn.Module):
             return self.num_selected_groups * self.num_selected_experts
         return self.num_selected_experts * self.expert_granularity
 
-    def _limited_groups(self, mesh) -> int:
-        """G of group-limited routing: the binding, or the ``expert`` mesh axis size."""
-        return self.num_limited_groups or max(ep.axis_size(mesh, self.expert_axis), 1)
+    def _group_limit(self, mesh) -> tuple[int, int]:
+        """(G, M) of group-limited routing. G: the binding, or the ``expert`` mesh axis size;
+        with the mesh's G, an M >= G limits nothing (M = 0: off), so a config written for a
+        large mesh also runs on one device."""
+        if self.num_limited_groups:
+            return self.num_limited_groups, self.max_groups_per_token
+        groups = ep.axis_size(mesh, self.expert_axis)
+        return groups, (self.max_groups_per_token if self.max_groups_per_token < groups else 0)
 
     def _router(self, mesh) -> nn.Module:
         cls = ROUTERS[self.router_type]
@@ -219,8 +225,8 @@ class MoeLayer(nn.Module):
                        init_stddev=self.router_init_stddev, seed=self.router_seed,
                        num_groups=self.num_expert_groups, num_selected_groups=self.num_selected_groups,
                        score_function=self.router_score, bias_update_rate=self.bias_update_rate,
-                       num_limited_groups=self._limited_groups(mesh),
-                       max_groups_per_token=self.max_groups_per_token)
+                       num_limited_groups=self._group_limit(mesh)[0],
+                       max_groups_per_token=self._group_limit(mesh)[1])
         return cls(**{k: v for k, v in options.items() if k in cls.__dataclass_fields__}, name="router")
 
     @nn.compact
@@ -239,7 +245,7 @@ class MoeLayer(nn.Module):
         mesh = ep.current_mesh()
         ep.check_divisible(self.routed_experts, mesh, self.expert_axis)
         check_selection_options(self.routed_experts, self.choices_per_token, self.router_score,
-                                self._limited_groups(mesh), self.max_groups_per_token)
+                                *self._group_limit(mesh))
         groups, tokens_per_group = cap.group_layout(
             num_tokens, self.group_size, ep.group_shards(mesh, self.data_axis, self.expert_axis))
 

@@ -34,15 +34,15 @@ from moe_jax.train import distributed, gin_utils
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
 
 
-def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int) -> dict[str, Any]:
-    """Mean of ``eval_fn(params, batch)`` metrics over the first ``eval_steps`` batches of
-    ``dataset_cfg`` (``num_tokens`` summed)."""
+def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None) -> dict[str, Any]:
+    """Mean of ``eval_fn(params, batch, collections)`` metrics over the first ``eval_steps``
+    batches of ``dataset_cfg`` (``num_tokens`` summed)."""
     from moe_jax.train import train
 
     totals: dict[str, np.ndarray] = {}
     count = 0
     for local in train.eval_batches(dataset_cfg, eval_steps):
-        metrics = jax.device_get(eval_fn(params, train.global_batch(local, ctx)))
+        metrics = jax.device_get(eval_fn(params, train.global_batch(local, ctx), collections))
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
         count += 1

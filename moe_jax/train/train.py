@@ -200,7 +200,7 @@ def train(
 
     step_fn = train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.batch_axes,
                                         accum_steps=accum_steps, skip_nonfinite=on_nonfinite == "skip")
-    eval_fn = (train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes)
+    eval_fn = (train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes, shardings.collections)
                if train_eval_dataset_cfg is not None and eval_period else None)
     writer = summaries.MetricsWriter(model_dir, "train")
     eval_writer = summaries.MetricsWriter(model_dir, "eval") if eval_fn else None
@@ -252,7 +252,7 @@ def train(
                 from moe_jax.train import evaluate
 
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
-                                                 ctx, eval_steps)
+                                                 ctx, eval_steps, state.collections)
                 eval_writer.write(step, eval_metrics)
                 bar.write(f"step {step}: eval loss {eval_metrics['loss']:.4f} "
                           f"accuracy {eval_metrics['accuracy']:.4f}")

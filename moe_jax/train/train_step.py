@@ -95,12 +95,15 @@ def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mes
 
 
 def jit_eval_step(model, params_shardings, mesh: Mesh,
-                  batch_axes: tuple[str, ...] = ("data", "expert")):
-    """``model.eval_fn(params, batch) -> metrics`` jitted (eval capacity factor)."""
+                  batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings=None):
+    """``(params, batch, collections=None) -> metrics``: ``model.eval_fn`` jitted (eval
+    capacity factor); ``collections`` are the state's non-parameter collections."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
-    jitted = jax.jit(model.eval_fn, in_shardings=(params_shardings, batch_sharding),
-                     out_shardings=NamedSharding(mesh, PartitionSpec()))
-    return _under_mesh(jitted, mesh)
+    jitted = _under_mesh(jax.jit(
+        lambda params, batch, collections: model.eval_fn(params, batch, collections),
+        in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
+        out_shardings=NamedSharding(mesh, PartitionSpec())), mesh)
+    return lambda params, batch, collections=None: jitted(params, batch, collections or {})
 
 
 def _under_mesh(fn, mesh: Mesh):
