@@ -20,13 +20,13 @@ import numpy as np
 
 
 def main(argv: list[str]) -> int:
-    from moe_jax.train import gin_utils, train
+    from moe_jax.train import gin_utils, setup, train
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     args, extra = parser.parse_known_args(argv)
     model_dir = tempfile.mkdtemp(prefix="moe_jax_bench_")
-    flags = gin_utils.parse_flags(train.build_parser("bench", "bench"), [
+    flags = gin_utils.parse_flags(setup.build_parser("bench", "bench"), [
         "--gin_file=runs/smoke_cpu.gin", f"--gin.MODEL_DIR={model_dir}",
         f"--gin.TRAIN_STEPS={args.steps}", "--gin.train_script.train.log_period=25",
         "--gin.train_script.train.eval_period=0", *extra])

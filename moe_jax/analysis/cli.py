@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import gin
 
-    from moe_jax.train import train
+    from moe_jax.train import setup
 
     picked = split_command(list(sys.argv[1:] if argv is None else argv), ANALYSES, "moe-jax analyze",
                            _usage(), what="analysis")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     analysis, rest = picked
     with gin.unlock_config():  # its gin configurables register on import (a config may be locked)
         module = importlib.import_module(ANALYSES[analysis][0])
-    parser = train.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
+    parser = setup.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
     parser.add_argument("--checkpoint", required=True, metavar="DIR[/checkpoints/STEP]",
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
     parser.add_argument("--out", default=None, metavar="DIR",

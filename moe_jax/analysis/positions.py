@@ -328,12 +328,12 @@ def analyze(checkpoint_path: str, out_dir: str | None = None, *, model: Any = gi
     Returns the JSON's content: ``{"checkpoint", "step", "dataset", "settings", "layers":
     {"encoder/layers_3": analyze_layer(...), ...}, "files"}``.
     """
-    from moe_jax.train import checkpoints, train
+    from moe_jax.train import checkpoints, setup
 
-    ctx = train.run_context()
+    ctx = setup.run_context()
     params, step = routing.restore_params(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
     fn = routing.routing_fn(model, jax.tree.map(lambda a: a.sharding, params), ctx.mesh, ctx.batch_axes)
-    batches = (train.global_batch(b, ctx) for b in train.eval_batches(dataset_cfg, num_batches))
+    batches = (setup.global_batch(b, ctx) for b in setup.eval_batches(dataset_cfg, num_batches))
     layers = routing.collect_routing(fn, params, batches)
     settings = dict(num_batches=num_batches, block_sizes=list(block_sizes), max_lag=max_lag,
                     lag_threshold=lag_threshold, probe_train_fraction=probe_train_fraction, seed=seed)

@@ -63,10 +63,10 @@ def restore_params(checkpoint_path: str, model: Any, input_shapes: Mapping[str, 
       FileNotFoundError: naming the path when it holds no such checkpoint.
       moe_jax.train.checkpoints.CheckpointMismatchError: the checkpoint is another model's.
     """
-    from moe_jax.train import checkpoints, train, train_state
+    from moe_jax.train import checkpoints, setup, train_state
 
     shardings = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(train.abstract_params(model, input_shapes), shardings)
+    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), shardings)
     params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
     return params, step
 

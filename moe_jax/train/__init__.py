@@ -5,6 +5,8 @@ Modules, one job each:
   distributed    `jax.distributed` start-up from flags/environment; preemption notices
   optimizers     optax optimizers and learning-rate schedules from gin
   train_state    the train state pytree (step, params, optimizer state, RNG)
+  setup          what train, eval, infer, analyze and compile share: mesh, optimizer,
+                 sharded state layout, jitted steps, dataset configs
   train_step     the jitted train and eval steps
   checkpoints    orbax checkpoint manager: async saves, restore onto any mesh, config checks
   summaries      TensorBoard + JSON-lines metrics, progress bar, MFU

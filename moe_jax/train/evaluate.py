@@ -29,20 +29,19 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax.train import distributed, gin_utils
+from moe_jax.train import distributed, gin_utils, setup
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
 
 
 def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None) -> dict[str, Any]:
     """Mean of ``eval_fn(params, batch, collections)`` metrics over the first ``eval_steps``
-    batches of ``dataset_cfg`` (``num_tokens`` summed)."""
-    from moe_jax.train import train
-
+    batches of ``dataset_cfg`` (``num_tokens`` summed); ``collections``: the model's
+    non-parameter state (e.g. MoE balancing biases), if any."""
     totals: dict[str, np.ndarray] = {}
     count = 0
-    for local in train.eval_batches(dataset_cfg, eval_steps):
-        metrics = jax.device_get(eval_fn(params, train.global_batch(local, ctx), collections))
+    for local in setup.eval_batches(dataset_cfg, eval_steps):
+        metrics = jax.device_get(eval_fn(params, setup.global_batch(local, ctx), collections))
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
         count += 1
@@ -151,12 +150,12 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
 
     Returns ``{label: {"checkpoint", "step", "metrics", "routing", "router_drift"}}``.
     """
-    from moe_jax.train import checkpoints, train, train_state, train_step
+    from moe_jax.train import checkpoints, train_state, train_step
 
-    ctx = train.run_context()
+    ctx = setup.run_context()
     input_shapes = dataset_cfg.input_shapes()
     params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(train.abstract_params(model, input_shapes), params_sharding)
+    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
     eval_fn = train_step.jit_eval_step(model, params_sharding, ctx.mesh, ctx.batch_axes)
     output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
                                             "eval_results")
@@ -191,9 +190,7 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import train
-
-    parser = train.build_parser("moe-jax eval", __doc__.splitlines()[0])
+    parser = setup.build_parser("moe-jax eval", __doc__.splitlines()[0])
     parser.add_argument("--checkpoint", action="append", required=True, metavar="DIR[/STEP]",
                         help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare")
     parser.add_argument("--output_dir", default=None,

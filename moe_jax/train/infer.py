@@ -20,7 +20,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax.train import distributed, gin_utils
+from moe_jax.train import distributed, gin_utils, setup
 
 
 def vocabulary_of(model):
@@ -61,18 +61,18 @@ def infer(checkpoint_path: str, inputs: Sequence[str], *, model: Any = gin.REQUI
     """Decodes each input text with the checkpoint's parameters; returns the output texts."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from moe_jax.train import checkpoints, train, train_state
+    from moe_jax.train import checkpoints, train_state
 
     if decode_method not in ("greedy", "sample"):
         raise ValueError(f"infer.decode_method={decode_method!r}; expected 'greedy' or 'sample'")
-    ctx = train.run_context()
+    ctx = setup.run_context()
     vocabulary = vocabulary_of(model)
     batch_multiple = int(np.prod([ctx.mesh.shape[a] for a in ctx.batch_axes]))
     enc = encode_inputs(inputs, vocabulary, task_feature_lengths["inputs"], batch_multiple)
     dec_len = max_decode_length or task_feature_lengths["targets"]
     input_shapes = {"encoder_input_tokens": enc.shape, "decoder_input_tokens": (enc.shape[0], dec_len)}
     params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(train.abstract_params(model, input_shapes), params_sharding)
+    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
     model_dir, step = checkpoints.split_checkpoint_path(checkpoint_path)
     ckpt = checkpoints.Checkpointer(model_dir, read_only=True)
     step = ckpt.latest_step() if step is None else step
@@ -97,9 +97,7 @@ def infer(checkpoint_path: str, inputs: Sequence[str], *, model: Any = gin.REQUI
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import train
-
-    parser = train.build_parser("moe-jax infer", __doc__.splitlines()[0])
+    parser = setup.build_parser("moe-jax infer", __doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, metavar="DIR[/STEP]")
     parser.add_argument("--input", action="append", default=[], help="input text (repeatable)")
     parser.add_argument("--input_file", default=None, help="one input per line")

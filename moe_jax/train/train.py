@@ -13,19 +13,16 @@ a non-finite loss stops with the step and the last good checkpoint (or, with
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import gin
 import jax
 import numpy as np
 
-from moe_jax.train import distributed, gin_utils
+from moe_jax.train import distributed, gin_utils, setup
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, as a shell reports a terminated process
 
@@ -34,52 +31,7 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN/Inf; the message names the step and the last good checkpoint."""
 
 
-@gin.configurable(module="utils")
-@dataclasses.dataclass(frozen=True)
-class DatasetConfig:
-    """One dataset of a run, as T5X's ``utils.DatasetConfig`` (bind with a scope:
-    ``train/DatasetConfig.split = 'train'``, ``train_eval/DatasetConfig.split = 'validation'``).
-
-    ``batch_size`` is global (all processes together); ``task_feature_lengths`` e.g.
-    ``{"inputs": 512, "targets": 114}``.
-    """
-
-    mixture_or_task_name: str
-    task_feature_lengths: Mapping[str, int]
-    split: str = "train"
-    batch_size: int = 8
-    shuffle: bool = True
-    seed: int | None = 0
-    use_cached: bool = False
-    pack: bool = True
-
-    def input_shapes(self) -> dict[str, tuple[int, int]]:
-        """Model input shapes of one global batch."""
-        return {"encoder_input_tokens": (self.batch_size, self.task_feature_lengths["inputs"]),
-                "decoder_input_tokens": (self.batch_size, self.task_feature_lengths["targets"])}
-
-
-@dataclasses.dataclass
-class RunContext:
-    """What train/eval/infer share once gin is parsed: mesh, rules, batch axes."""
-
-    mesh: jax.sharding.Mesh
-    rules: tuple
-    batch_axes: tuple[str, ...]
-
-
-@gin.configurable
-def run_context(batch_axes: tuple[str, ...] = ("data", "expert")) -> RunContext:
-    """The global mesh (``make_mesh`` gin bindings) and logical axis rules."""
-    from moe_jax import partitioning
-
-    mesh = partitioning.make_mesh()
-    rules = partitioning.standard_logical_axis_rules()
-    partitioning.validate_rules(rules, mesh)
-    return RunContext(mesh=mesh, rules=rules, batch_axes=tuple(batch_axes))
-
-
-def make_iterator(cfg: DatasetConfig, *, state: dict | None = None, start_step: int = 0):
+def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
     """This process's resumable stream of training batches (``[batch / processes, length]``
     numpy arrays); ``state`` (from ``get_state()``) continues a saved position exactly,
     ``start_step`` skips that many batches of a fresh stream."""
@@ -96,46 +48,12 @@ def make_iterator(cfg: DatasetConfig, *, state: dict | None = None, start_step: 
         pack=cfg.pack, use_cached=cfg.use_cached, start_step=start_step)
 
 
-def eval_batches(cfg: DatasetConfig, num_batches: int):
-    """The first ``num_batches`` batches of ``cfg``'s split, unshuffled (the split repeats
-    if shorter, so every process runs the same number of steps)."""
-    from moe_jax.data import pipeline
-
-    ds = pipeline.get_dataset(cfg.mixture_or_task_name, dict(cfg.task_feature_lengths), cfg.split,
-                              cfg.batch_size // jax.process_count(), shuffle=cfg.shuffle,
-                              seed=cfg.seed, shard_info=pipeline.host_shard_info(), pack=cfg.pack,
-                              num_epochs=None, use_cached=cfg.use_cached)
-    return ds.take(num_batches).as_numpy_iterator()
-
-
-def global_batch(local_batch: dict[str, np.ndarray], ctx: RunContext) -> dict[str, jax.Array]:
-    from moe_jax.data import pipeline
-
-    return pipeline.to_global_batch(local_batch, ctx.mesh, batch_axes=ctx.batch_axes)
-
-
-def build_optimizer(model_params_abstract):
-    """The gin optimizer, with router updates zeroed when the router mode is ``frozen``."""
-    from moe_jax.moe import freeze
-    from moe_jax.train import optimizers
-
-    tx, schedule = optimizers.create_optimizer()
-    return freeze.apply_router_mode(tx, model_params_abstract), schedule
-
-
-def abstract_params(model, input_shapes) -> Any:
-    import flax.linen as nn
-
-    variables = jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes))
-    return nn.unbox(variables["params"])
-
-
 @gin.configurable(module="train_script", denylist=["stop_after_steps"])
 def train(
     *,
     model: Any = gin.REQUIRED,
-    train_dataset_cfg: DatasetConfig = gin.REQUIRED,
-    train_eval_dataset_cfg: DatasetConfig | None = None,
+    train_dataset_cfg: setup.DatasetConfig = gin.REQUIRED,
+    train_eval_dataset_cfg: setup.DatasetConfig | None = None,
     model_dir: str = gin.REQUIRED,
     total_steps: int = gin.REQUIRED,
     random_seed: int = 0,
@@ -166,26 +84,24 @@ def train(
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "model_dir", "wall_sec"}``.
     """
-    from moe_jax.train import checkpoints, summaries, train_state, train_step
+    from moe_jax.train import checkpoints, evaluate, summaries
 
     if on_nonfinite not in ("stop", "skip"):
         raise ValueError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
     checkpoints.ensure_writable(model_dir)
-    ctx = run_context()
+    ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
-    tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
+    run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
+                                  skip_nonfinite=on_nonfinite == "skip")
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
     latest = ckpt.latest_step()
     if latest is None:
-        state, shardings = train_state.create_sharded_state(model, tx, input_shapes, random_seed,
-                                                            ctx.mesh, ctx.rules)
+        state = run.init_state()
         iterator = make_iterator(train_dataset_cfg)
         checkpoints.save_router_init(model_dir, state.params)
     else:
-        target, shardings = train_state.create_sharded_state(model, tx, input_shapes, random_seed,
-                                                             ctx.mesh, ctx.rules, init=False)
-        state, meta = ckpt.restore(latest, target)
+        state, meta = ckpt.restore(latest, run.abstract_state)
         saved = meta["data_iterators"]
         if len(saved) == jax.process_count():
             iterator = make_iterator(train_dataset_cfg, state=saved[jax.process_index()])
@@ -198,10 +114,8 @@ def train(
     _log(f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
          f"{jax.process_count()} process(es), {jax.device_count()} devices")
 
-    step_fn = train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.batch_axes,
-                                        accum_steps=accum_steps, skip_nonfinite=on_nonfinite == "skip")
-    eval_fn = (train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes, shardings.collections)
-               if train_eval_dataset_cfg is not None and eval_period else None)
+    step_fn = run.train_step
+    eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
     writer = summaries.MetricsWriter(model_dir, "train")
     eval_writer = summaries.MetricsWriter(model_dir, "eval") if eval_fn else None
     tokens_per_step = int(np.prod(input_shapes["decoder_input_tokens"]) +
@@ -218,12 +132,12 @@ def train(
     bar = summaries.progress_bar(step, total_steps)
     start_time = time.perf_counter()
     try:
-        batch = global_batch(next(iterator), ctx)
+        batch = setup.global_batch(next(iterator), ctx)
         while step < end:
             state, metrics = step_fn(state, batch)            # async dispatch; state donated
             data_state = iterator.get_state()                 # position after this step's batch
             if step + 1 < end:
-                batch = global_batch(next(iterator), ctx)     # overlaps the device's step
+                batch = setup.global_batch(next(iterator), ctx)     # overlaps the device's step
             metrics = jax.device_get(metrics)
             step += 1
             meter.tick()
@@ -249,8 +163,6 @@ def train(
                 _log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
                 break
             if eval_fn and step % eval_period == 0:
-                from moe_jax.train import evaluate
-
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
                                                  ctx, eval_steps, state.collections)
                 eval_writer.write(step, eval_metrics)
@@ -279,15 +191,8 @@ def _log(message: str) -> None:
         print(f"[moe-jax] {message}", file=sys.stderr, flush=True)
 
 
-def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    gin_utils.add_gin_flags(parser)
-    distributed.add_distributed_flags(parser)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser("moe-jax train", __doc__.splitlines()[0])
+    parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     try:
         distributed.initialize(args)

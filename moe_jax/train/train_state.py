@@ -10,7 +10,6 @@ train step's forward pass updates and the optimizer never sees. Dropout keys are
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -91,19 +90,3 @@ def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` leaves carrying their sharding (orbax restore targets)."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, shardings)
-
-
-def create_sharded_state(model, tx, input_shapes, seed: int, mesh: Mesh, rules,
-                         *, init: bool = True) -> tuple[TrainState, TrainState]:
-    """(state, shardings): the state initialised on ``mesh`` (or, with ``init=False``, its
-    abstract ``ShapeDtypeStruct`` tree with shardings, as a restore target)."""
-    init_fn: Callable[[], TrainState] = lambda: init_train_state(model, tx, input_shapes, seed)
-    abstract = jax.eval_shape(init_fn)
-    collections_sharding = partitioning.tree_shardings(model.state_logical_axes(input_shapes), mesh, rules)
-    shardings = state_shardings(abstract, param_shardings(model, input_shapes, mesh, rules), mesh,
-                                collections_sharding)
-    if not init:
-        return abstract_with_shardings(abstract, shardings), shardings
-    with jax.set_mesh(mesh):
-        state = jax.jit(init_fn, out_shardings=shardings)()
-    return state, shardings

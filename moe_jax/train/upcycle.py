@@ -54,7 +54,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
 def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
     from moe_jax.moe.upcycle import upcycle_params
-    from moe_jax.train import checkpoints, train, train_state
+    from moe_jax.train import checkpoints, setup
 
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"upcycle: --out={out!r} is not empty; give a new directory")
@@ -66,15 +66,13 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
         raise ValueError("upcycle: the gin files describe a model without MoE layers "
                          "(T5Config.num_sparse_*_layers = 0)")
     dense, dense_step = _dense_params(checkpoint)
-    ctx = train.run_context()
-    input_shapes = dataset_cfg.input_shapes()
-    tx, _ = train.build_optimizer(train.abstract_params(model, input_shapes))
-    state, shardings = train_state.create_sharded_state(model, tx, input_shapes, seed, ctx.mesh, ctx.rules)
+    run = setup.build_train_setup(model, dataset_cfg.input_shapes(), setup.run_context(), seed=seed)
+    state, shardings = run.init_state(), run.shardings
     params = upcycle_params(dense, jax.device_get(state.params), noise_std=noise_std,
                             rng=jax.random.PRNGKey(seed))
     params = jax.device_put(params, shardings.params)
-    with jax.set_mesh(ctx.mesh):
-        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    with jax.set_mesh(run.ctx.mesh):
+        opt_state = jax.jit(run.tx.init, out_shardings=shardings.opt_state)(params)
     step = 0 if reset_step else dense_step
     state = state.replace(step=jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), shardings.step),
                           params=params, opt_state=opt_state)
@@ -94,9 +92,9 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import train
+    from moe_jax.train import setup
 
-    parser = train.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
+    parser = setup.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, metavar="DENSE_DIR[/STEP]",
                         help="the dense run (MODEL_DIR, latest step) or MODEL_DIR/STEP; only read")
     parser.add_argument("--out", required=True, metavar="MOE_DIR", help="new MoE run directory (must be empty)")

@@ -9,7 +9,7 @@ import pathlib
 import gin
 import pytest
 
-from moe_jax.train import gin_utils, train
+from moe_jax.train import gin_utils, setup, train
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
@@ -21,7 +21,7 @@ TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
 def tiny_run(tmp_path_factory) -> pathlib.Path:
     """``MODEL_DIR`` of a 1-step run: ``checkpoints/1`` and the run's ``config.gin``."""
     model_dir = tmp_path_factory.mktemp("tiny_run")
-    args = gin_utils.parse_flags(train.build_parser("test", "test"),
+    args = gin_utils.parse_flags(setup.build_parser("test", "test"),
                                  [*TINY, f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=1"])
     gin_utils.parse_gin(args)
     try:

@@ -117,9 +117,9 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
     assert [s["shard_index"] for s in meta["data_iterators"]] == [0, 1]
     # restore in this single process, on 8 devices and on 1: the same parameters
     from moe_jax import partitioning
-    from moe_jax.train import gin_utils, train, train_state
+    from moe_jax.train import gin_utils, setup, train_state
 
-    gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [
+    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [
         *FLAGS, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=3"]))
     from moe_jax.models.model import EncoderDecoderModel
 
@@ -130,7 +130,7 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
     for shape in [(2, 4, 1), (1, 1, 1)]:
         mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
         target = train_state.abstract_with_shardings(
-            train.abstract_params(model, shapes), train_state.param_shardings(model, shapes, mesh, rules))
+            setup.abstract_params(model, shapes), train_state.param_shardings(model, shapes, mesh, rules))
         restored.append(jax.tree.map(np.asarray, ckpt.restore_params(3, target)[0]))
     jax.tree.map(np.testing.assert_array_equal, *restored)
     init = checkpoints.load_router_init(str(tmp_path))

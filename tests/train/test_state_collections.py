@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, gin_utils, train, train_state
+from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=routers/aux_free_bias.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BIAS_UPDATE_RATE=0.01",
@@ -18,16 +18,14 @@ SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 
 
 def _run(model_dir, steps: int, *flags: str) -> dict:
-    gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [
+    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [
         *TINY, f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags]))
     return train.train()
 
 
 def _restore(model_dir) -> train_state.TrainState:
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    ctx = train.run_context()
-    tx, _ = train.build_optimizer(train.abstract_params(model, SHAPES))
-    target, _ = train_state.create_sharded_state(model, tx, SHAPES, 0, ctx.mesh, ctx.rules, init=False)
+    target = setup.build_train_setup(model, SHAPES, setup.run_context()).abstract_state
     ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
     try:
         return ckpt.restore(ckpt.latest_step(), target)[0]

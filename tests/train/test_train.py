@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, gin_utils, train, train_state
+from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
@@ -18,7 +18,7 @@ TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
 
 
 def parse(*flags: str):
-    args = gin_utils.parse_flags(train.build_parser("test", "test"), [*TINY, *flags])
+    args = gin_utils.parse_flags(setup.build_parser("test", "test"), [*TINY, *flags])
     gin_utils.parse_gin(args)
 
 
@@ -61,7 +61,7 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
     for shape in [(8, 1, 1), (2, 4, 1), (1, 1, 1)]:
         mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
         sharding = train_state.param_shardings(model, shapes, mesh, rules)
-        target = train_state.abstract_with_shardings(train.abstract_params(model, shapes), sharding)
+        target = train_state.abstract_with_shardings(setup.abstract_params(model, shapes), sharding)
         params, meta = ckpt.restore_params(1, target)
         assert meta["step"] == 1
         assert jax.tree.leaves(params)[0].sharding.mesh.shape == mesh.shape
@@ -91,11 +91,11 @@ def test_gin_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.gin"
     bad.write_text("include 'gin/runs/smoke_cpu.gin'\n\ntrain_script.train.chekpoint_period = 3\n")
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
-        gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [f"--gin_file={bad}"]))
+        gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={bad}"]))
     undefined = tmp_path / "macro.gin"
     undefined.write_text("include 'gin/runs/smoke_cpu.gin'\ntrain_script.train.total_steps = %TRAIN_STEPZ\n")
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
-        gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("t", "t"), [f"--gin_file={undefined}"]))
+        gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={undefined}"]))
     with pytest.raises(gin_utils.GinConfigError, match="TRAIN_STEP .*not used"):
         parse("--gin.TRAIN_STEP=10")
 

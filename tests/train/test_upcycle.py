@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, gin_utils, train, train_state, upcycle
+from moe_jax.train import checkpoints, gin_utils, setup, train, upcycle
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.TRAIN_STEPS=4",
@@ -23,16 +23,14 @@ SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 
 
 def _parse(*flags: str):
-    gin_utils.parse_gin(gin_utils.parse_flags(train.build_parser("test", "test"), [*TINY, *flags]))
+    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("test", "test"), [*TINY, *flags]))
 
 
 def _dense_run(model_dir: pathlib.Path, step: int = 7):
     """A dense run's checkpoint at ``step`` (initialised weights; no training needed)."""
     _parse("--gin.NUM_SPARSE_LAYERS=0", f"--gin.MODEL_DIR={model_dir}")
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    ctx = train.run_context()
-    tx, _ = train.build_optimizer(train.abstract_params(model, SHAPES))
-    state, _ = train_state.create_sharded_state(model, tx, SHAPES, 3, ctx.mesh, ctx.rules)
+    state = setup.build_train_setup(model, SHAPES, setup.run_context(), seed=3).init_state()
     state = state.replace(step=jnp.asarray(step, jnp.int32))
     ckpt = checkpoints.Checkpointer(str(model_dir), async_save=False)
     ckpt.save(state, {"data_iterators": [], "random_seed": 3}, force=True)
@@ -64,9 +62,7 @@ def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path):
     assert _files(tmp_path / "dense") == before  # the dense run is only read
     assert (out / "config.gin").exists()
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    target, _ = train_state.create_sharded_state(
-        model, train.build_optimizer(train.abstract_params(model, SHAPES))[0], SHAPES, 0,
-        train.run_context().mesh, train.run_context().rules, init=False)
+    target = setup.build_train_setup(model, SHAPES, setup.run_context()).abstract_state
     ckpt = checkpoints.Checkpointer(str(out), read_only=True)
     state, meta = ckpt.restore(ckpt.latest_step(), target)
     ckpt.close()

@@ -1,0 +1,182 @@
+"""What `train`, `eval`, `infer`, `analyze` and `compile` share: one place that builds a run.
+
+- :class:`DatasetConfig`: one dataset of a run and its global input shapes.
+- :class:`RunContext` / :func:`run_context`: the mesh over the given devices (default: all
+  of this process's global devices), the logical axis rules and the batch axes.
+- :func:`build_optimizer`: the gin optimizer with router updates masked for frozen routers.
+- :func:`build_train_setup`: the abstract train state with its shardings and the jitted
+  train step (state donated) and eval step, for a model, input shapes and a run context.
+  ``compile`` lowers exactly these for a target's devices; ``train`` runs them.
+- :func:`global_batch` / :func:`eval_batches`: batches laid out on the run's mesh.
+- :func:`build_parser`: the flags every gin-configured command takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+
+from moe_jax.train import distributed, gin_utils
+
+
+@gin.configurable(module="utils")
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+    """One dataset of a run, as T5X's ``utils.DatasetConfig`` (bind with a scope:
+    ``train/DatasetConfig.split = 'train'``, ``train_eval/DatasetConfig.split = 'validation'``).
+
+    ``batch_size`` is global (all processes together); ``task_feature_lengths`` e.g.
+    ``{"inputs": 512, "targets": 114}``.
+    """
+
+    mixture_or_task_name: str
+    task_feature_lengths: Mapping[str, int]
+    split: str = "train"
+    batch_size: int = 8
+    shuffle: bool = True
+    seed: int | None = 0
+    use_cached: bool = False
+    pack: bool = True
+
+    def input_shapes(self) -> dict[str, tuple[int, int]]:
+        """Model input shapes of one global batch."""
+        return {"encoder_input_tokens": (self.batch_size, self.task_feature_lengths["inputs"]),
+                "decoder_input_tokens": (self.batch_size, self.task_feature_lengths["targets"])}
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What train/eval/infer/compile share once gin is parsed: mesh, rules, batch axes."""
+
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    batch_axes: tuple[str, ...]
+
+
+@gin.configurable(denylist=["devices"])
+def run_context(batch_axes: tuple[str, ...] = ("data", "expert"),
+                devices: Sequence[jax.Device] | None = None) -> RunContext:
+    """The mesh (``make_mesh`` gin bindings) over ``devices`` (default: all global devices)
+    and the logical axis rules."""
+    from moe_jax import partitioning
+
+    mesh = partitioning.make_mesh(devices=devices)
+    rules = partitioning.standard_logical_axis_rules()
+    partitioning.validate_rules(rules, mesh)
+    return RunContext(mesh=mesh, rules=rules, batch_axes=tuple(batch_axes))
+
+
+def global_batch(local_batch: dict[str, np.ndarray], ctx: RunContext) -> dict[str, jax.Array]:
+    """This process's ``[batch / processes, length]`` arrays as global arrays on ``ctx.mesh``."""
+    from moe_jax.data import pipeline
+
+    return pipeline.to_global_batch(local_batch, ctx.mesh, batch_axes=ctx.batch_axes)
+
+
+def eval_batches(cfg: DatasetConfig, num_batches: int):
+    """The first ``num_batches`` batches of ``cfg``'s split, unshuffled (the split repeats
+    if shorter, so every process runs the same number of steps)."""
+    from moe_jax.data import pipeline
+
+    ds = pipeline.get_dataset(cfg.mixture_or_task_name, dict(cfg.task_feature_lengths), cfg.split,
+                              cfg.batch_size // jax.process_count(), shuffle=cfg.shuffle,
+                              seed=cfg.seed, shard_info=pipeline.host_shard_info(), pack=cfg.pack,
+                              num_epochs=None, use_cached=cfg.use_cached)
+    return ds.take(num_batches).as_numpy_iterator()
+
+
+def build_optimizer(model_params_abstract):
+    """The gin optimizer, with router updates zeroed when the router mode is ``frozen``."""
+    from moe_jax.moe import freeze
+    from moe_jax.train import optimizers
+
+    tx, schedule = optimizers.create_optimizer()
+    return freeze.apply_router_mode(tx, model_params_abstract), schedule
+
+
+def abstract_params(model, input_shapes) -> Any:
+    """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+    import flax.linen as nn
+
+    variables = jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes))
+    return nn.unbox(variables["params"])
+
+
+@dataclasses.dataclass
+class TrainSetup:
+    """A run's state layout and jitted steps on ``ctx.mesh``.
+
+    ``abstract_state``: the ``TrainState`` as ``ShapeDtypeStruct`` leaves carrying their
+    shardings (a restore target, or the input of ``train_step.lower``); ``train_step(state,
+    batch) -> (state, metrics)`` donates ``state``; ``eval_step(params, batch, collections=None)
+    -> metrics`` (``collections``: the state's non-parameter collections).
+    """
+
+    ctx: RunContext
+    input_shapes: dict[str, tuple[int, int]]
+    tx: Any
+    learning_rate_fn: Callable[[Any], Any]
+    abstract_state: Any
+    shardings: Any
+    train_step: Callable
+    eval_step: Callable
+    _init_fn: Callable[[], Any]
+
+    def init_state(self):
+        """A freshly initialised state, each device materialising only its shards."""
+        with jax.set_mesh(self.ctx.mesh):
+            return jax.jit(self._init_fn, out_shardings=self.shardings)()
+
+    def abstract_batch(self, pack: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
+        """One global batch as sharded ``ShapeDtypeStruct`` s: the ``int32[batch, length]``
+        features of an encoder-decoder batch (with segment ids and positions when ``pack``)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        sharding = NamedSharding(self.ctx.mesh, PartitionSpec(self.ctx.batch_axes))
+        enc, dec = self.input_shapes["encoder_input_tokens"], self.input_shapes["decoder_input_tokens"]
+        features = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+                    "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+        if pack:
+            features |= {"encoder_segment_ids": enc, "encoder_positions": enc,
+                         "decoder_segment_ids": dec, "decoder_positions": dec}
+        return {name: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+                for name, shape in features.items()}
+
+
+def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunContext, *,
+                      seed: int = 0, accum_steps: int = 1, skip_nonfinite: bool = False) -> TrainSetup:
+    """The optimizer, the abstract sharded state and the jitted steps of ``model`` on
+    ``ctx.mesh`` for batches of ``input_shapes``."""
+    from moe_jax.train import train_state, train_step
+
+    tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
+    init_fn = lambda: train_state.init_train_state(model, tx, input_shapes, seed)  # noqa: E731
+    abstract = jax.eval_shape(init_fn)
+    from moe_jax import partitioning
+
+    collections_sharding = partitioning.tree_shardings(model.state_logical_axes(input_shapes), ctx.mesh, ctx.rules)
+    shardings = train_state.state_shardings(
+        abstract, train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules), ctx.mesh,
+        collections_sharding)
+    return TrainSetup(
+        ctx=ctx, input_shapes=dict(input_shapes), tx=tx, learning_rate_fn=lr_fn,
+        abstract_state=train_state.abstract_with_shardings(abstract, shardings), shardings=shardings,
+        train_step=train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.batch_axes,
+                                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite),
+        eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes,
+                                           shardings.collections),
+        _init_fn=init_fn)
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags every gin-configured command takes (gin files/bindings, distributed)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    gin_utils.add_gin_flags(parser)
+    distributed.add_distributed_flags(parser)
+    return parser
