@@ -51,6 +51,18 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=Non
     return {name: (value / count if name != "num_tokens" else value) for name, value in totals.items()}
 
 
+def _restore_collections(path: str, step: int, abstract_state) -> Any:
+    """The non-parameter state collections (e.g. MoE balancing biases) saved at ``step``
+    of ``path``'s run (restored with the rest of the train state, which is dropped)."""
+    from moe_jax.train import checkpoints
+
+    ckpt = checkpoints.Checkpointer(checkpoints.split_checkpoint_path(path)[0], read_only=True)
+    try:
+        return ckpt.restore(step, abstract_state)[0].collections
+    finally:
+        ckpt.close()
+
+
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``."""
     layers: dict[str, dict[str, Any]] = {}
@@ -156,7 +168,9 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
     input_shapes = dataset_cfg.input_shapes()
     params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
     target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
-    eval_fn = train_step.jit_eval_step(model, params_sharding, ctx.mesh, ctx.batch_axes)
+    full = setup.build_train_setup(model, input_shapes, ctx) if model.state_logical_axes(input_shapes) else None
+    eval_fn = train_step.jit_eval_step(model, params_sharding, ctx.mesh, ctx.batch_axes,
+                                       full.shardings.collections if full else None)
     output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
                                             "eval_results")
     os.makedirs(output_dir, exist_ok=True)
@@ -164,7 +178,8 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
     for label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
         params, step, _ = checkpoints.restore_params_from(path, target)
-        metrics = run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps)
+        collections = _restore_collections(path, step, full.abstract_state) if full else None
+        metrics = run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps, collections)
         routing = routing_by_layer(metrics)
         results[label] = {
             "checkpoint": f"{os.path.join(model_dir, 'checkpoints')}/{step}", "step": step,

@@ -1,6 +1,7 @@
 """Non-parameter state collections in training: the auxiliary-loss-free balancing bias
 (routers/aux_free_bias.gin) is updated by the train step, never by the optimizer, survives a
-checkpoint round trip, and stays put under ``freeze.bias_mode.mode = 'frozen'``."""
+checkpoint round trip, stays put under ``freeze.bias_mode.mode = 'frozen'``, and is read
+by `moe-jax eval`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
+from moe_jax.train import checkpoints, evaluate, gin_utils, setup, train, train_state
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=routers/aux_free_bias.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BIAS_UPDATE_RATE=0.01",
@@ -55,6 +56,8 @@ def test_bias_is_trained_by_the_step_and_survives_a_checkpoint_round_trip(tmp_pa
 
 
 @pytest.mark.slow
-def test_frozen_bias_mode_keeps_the_bias(tmp_path):
+def test_frozen_bias_mode_keeps_the_bias_and_eval_reads_it(tmp_path):
     _run(tmp_path, 2, "--gin_file=routers/frozen.gin", "--gin_file=routers/frozen_bias.gin")
     np.testing.assert_array_equal(np.concatenate(_biases(_restore(tmp_path))), 0.0)
+    results = evaluate.evaluate([str(tmp_path)], str(tmp_path / "eval"))  # `moe-jax eval` restores the bias
+    assert np.isfinite(next(iter(results.values()))["metrics"]["loss"])
