@@ -70,6 +70,18 @@ def bias_update(bias: Array, load: Array, rate: float) -> Array:
     return bias + rate * jnp.sign(jnp.mean(load) - load)
 
 
+def check_expert_groups(num_experts: int, num_groups: int, groups_per_token: int,
+                        groups_option: str, per_token_option: str) -> None:
+    """Refuses G not dividing the experts or a per-token group count outside ``[1, G]``,
+    naming the ``MoeLayer`` options (group-limited and hierarchical routing)."""
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"MoeLayer.{groups_option}={num_groups} must be >= 1 and divide the number "
+                         f"of experts ({num_experts})")
+    if not 1 <= groups_per_token <= num_groups:
+        raise ValueError(f"MoeLayer.{per_token_option}={groups_per_token} must be between 1 and "
+                         f"{groups_option}={num_groups}")
+
+
 def check_selection_options(num_experts: int, k: int, score_function: str, num_groups: int,
                             groups_per_token: int) -> None:
     """Raises ``ValueError`` naming the ``MoeLayer`` option that is out of range."""
@@ -78,12 +90,7 @@ def check_selection_options(num_experts: int, k: int, score_function: str, num_g
                          f"{SCORE_FUNCTIONS}")
     if not groups_per_token:
         return
-    if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(f"MoeLayer.num_limited_groups={num_groups} must divide the number of "
-                         f"routed experts ({num_experts})")
-    if not 1 <= groups_per_token <= num_groups:
-        raise ValueError(f"MoeLayer.max_groups_per_token={groups_per_token} must be between 1 and "
-                         f"num_limited_groups={num_groups}")
+    check_expert_groups(num_experts, num_groups, groups_per_token, "num_limited_groups", "max_groups_per_token")
     reachable = groups_per_token * (num_experts // num_groups)
     if k > reachable:
         raise ValueError(f"MoeLayer.num_selected_experts: {k} experts per token, but "
