@@ -99,9 +99,9 @@ def _grad_fn(apply, out_shape, loss: str):
 def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
     """Fwd+bwd of a training-mode MoeLayer (``options``: extra ``MoeLayer`` fields); a
     balancing bias is passed in and updated as in a train step."""
-    layer = MoeLayer(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
-                     train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
-                     load_balancing_loss_weight=0.0, router_z_loss_weight=0.0, **options)
+    layer = MoeLayer(**{**dict(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
+                               train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
+                               load_balancing_loss_weight=0.0, router_z_loss_weight=0.0), **options})
     x = jax.random.normal(jax.random.PRNGKey(0), TOKENS + (d_model,))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
     state = {k: v for k, v in variables.items() if k == "router_bias"}
