@@ -1,6 +1,7 @@
 """The `moe-jax` console entry point: one subcommand per binary.
 
-Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> int``.
+Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> int`` (or
+the function named after a colon: ``module:function``).
 Modules are imported lazily so that `moe-jax --help` and the synthetic laboratory do not
 pay for importing TensorFlow/seqio.
 """
@@ -21,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
     "upcycle": ("moe_jax.train.upcycle", "an MoE run from a dense run's checkpoint (sparse upcycling)"),
+    "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
+    "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),
 }
 
 
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(picked, int):
         return picked
     name, rest = picked
-    module_name = SUBCOMMANDS[name][0]
+    module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    return int(getattr(module, function or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

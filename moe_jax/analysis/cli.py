@@ -3,19 +3,19 @@
     moe-jax analyze positions --checkpoint=MODEL_DIR/checkpoints/600 --out=/tmp/positions \\
         [--gin_file=...] [--gin.positions_script.analyze.num_batches=16]
 
-The model and data come from the run's ``MODEL_DIR/config.gin`` (written by
-`moe-jax train`), then the analysis' defaults (``gin/analysis/<analysis>.gin``), then
-``--gin_file`` and ``--gin.NAME=VALUE`` flags, later ones overriding earlier ones. Without
-a ``config.gin``, pass the run's gin files as for `moe-jax eval`. See docs/analysis.md.
+Gin: the analysis' defaults (``gin/analysis/<analysis>.gin``), then the run's
+``MODEL_DIR/config.gin`` (written by `moe-jax train`; model and data), then ``--gin_file``
+and ``--gin.NAME=VALUE`` flags, later ones overriding earlier ones
+(``gin_utils.run_gin_files``, shared with eval, infer and export). Without a
+``config.gin``, pass the run's gin files as for `moe-jax eval`. See docs/analysis.md.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from moe_jax.cli import split_command
-from moe_jax.train import checkpoints, distributed, gin_utils
+from moe_jax.train import distributed, gin_utils
 
 # analysis -> (module with ``analyze(checkpoint_path, out_dir)``, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
@@ -30,27 +30,6 @@ def _usage() -> str:
              "[gin flags]", "", "analyses:"]
     lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in ANALYSES.items()]
     return "\n".join(lines)
-
-
-def gin_files_for(checkpoint: str, analysis: str, gin_files: list[str]) -> list[str]:
-    """The gin files of one analysis run: the run's ``config.gin`` (when ``MODEL_DIR`` has
-    one), the analysis' defaults, then ``gin_files``.
-
-    Raises:
-      FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint.
-    """
-    model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
-    if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
-        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
-                                f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
-    config = os.path.join(model_dir, "config.gin")
-    defaults = str(DEFAULTS_DIR / f"{analysis}.gin")
-    if os.path.exists(config):
-        return [config, defaults, *gin_files]
-    if not gin_files:
-        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no {config}; "
-                                "pass its model and data gin files with --gin_file")
-    return [defaults, *gin_files]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="output directory (default: MODEL_DIR/analysis)")
     args = gin_utils.parse_flags(parser, rest)
     try:
-        args.gin_file = gin_files_for(args.checkpoint, analysis, args.gin_file)
+        args.gin_file = gin_utils.run_gin_files(
+            args.checkpoint, [str(DEFAULTS_DIR / f"{analysis}.gin")], args.gin_file,
+            extend_run_config=True, command=f"moe-jax analyze {analysis}")
         distributed.initialize(args)
         gin_utils.parse_gin(args)
         module.analyze(args.checkpoint, args.out)

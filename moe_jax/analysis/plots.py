@@ -44,12 +44,19 @@ def activation_heatmap(name: str, stats: dict[str, Any], path: str, title: str =
 def correlation_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
     """Grouped bars per layer: each correlation length for the model and shuffled positions."""
     plt = _pyplot()
+    _save(plt, correlation_figure(layers, title), path)
+
+
+def correlation_figure(layers: dict[str, dict[str, Any]], title: str = ""):
+    """The figure of :func:`correlation_bars` (one panel per length, each with its unit)."""
+    plt = _pyplot()
     names = list(layers)
-    metrics = (("xi_int", "xi_int = 1 + 2 sum rho"), ("corr_lag", "corr_lag (lags with rho >= thr)"),
-               ("xi_domain", "xi_domain (mean run length)"))
+    metrics = (("xi_int", "xi_int = 1 + 2 sum rho", "integrated autocorrelation time (tokens)"),
+               ("corr_lag", "corr_lag (lags with rho >= thr)", "leading correlated lags"),
+               ("xi_domain", "xi_domain (mean run length)", "mean run of one expert (tokens)"))
     fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False)
     x = np.arange(len(names))
-    for ax, (key, label) in zip(axes[0], metrics):
+    for ax, (key, label, unit) in zip(axes[0], metrics):
         model = [layers[n]["correlation"]["model"][key] for n in names]
         shuffled = [layers[n]["correlation"]["shuffled"][key] for n in names]
         ax.bar(x - 0.2, model, 0.4, label="model", color="tab:blue")
@@ -57,9 +64,10 @@ def correlation_bars(layers: dict[str, dict[str, Any]], path: str, title: str = 
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=7)
         ax.set_ylim(0, max(1.0, *model, *shuffled) * 1.1)
         ax.set_title(label, fontsize=9)
+        ax.set_ylabel(unit, fontsize=8)
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"{title}: correlation length of the top-1 expert sequence".strip(": "), fontsize=10)
-    _save(plt, fig, path)
+    return fig
 
 
 def probe_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") -> None:

@@ -301,9 +301,21 @@ def analyze_layer(layer: routing.LayerRouting, *, block_sizes: Sequence[int] = (
     }
 
 
+SUMMARY_LEGEND = """\
+I(pos;expert)  mutual information between token position and top-1 expert, in bits
+xi_int         integrated autocorrelation time of the top-1 expert along a sequence, in
+               tokens (1 + 2 sum of the leading positive correlations; ~1: uncorrelated)
+corr_lag       leading lags whose correlation rho reaches lag_threshold (0: uncorrelated)
+xi_domain      mean length of a run of one expert, in tokens (1/(1-b) when uncorrelated)
+A vs B         this model vs the same sequences with token positions shuffled
+probes         held-out accuracy of a linear probe from the router inputs to position
+               parity (p mod 2) and block index (p // n), vs chance 1/C and the majority class"""
+
+
 def summary_table(layers: dict[str, dict[str, Any]]) -> str:
-    """One line per layer: MI, correlation lengths (model / shuffled), probe accuracies."""
-    lines = []
+    """The names' legend (:data:`SUMMARY_LEGEND`), then one line per layer: MI, correlation
+    lengths (model vs shuffled), probe accuracies."""
+    lines = [SUMMARY_LEGEND, ""]
     for name, stats in layers.items():
         c = stats["correlation"]
         probes = "  ".join(f"{t} {p['accuracy']:.3f} (chance {p['chance']:.3f}, majority {p['majority']:.3f})"

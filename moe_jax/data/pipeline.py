@@ -39,14 +39,19 @@ def host_shard_info() -> seqio.ShardInfo:
 
 
 def get_provider(mixture_or_task_name: str) -> seqio.DatasetProviderBase:
-    """The registered task or mixture, or a ``ValueError`` naming ``MIXTURE_OR_TASK_NAME``."""
+    """The registered task or mixture (a text-corpus group task is registered on first
+    use), or a ``ValueError`` naming ``MIXTURE_OR_TASK_NAME``."""
+    tasks.register_group_task(mixture_or_task_name)
     try:
         return seqio.get_mixture_or_task(mixture_or_task_name)
     except ValueError as e:
-        known = [tasks.task_name(objective) for objective in tasks.OBJECTIVES]
+        known = [tasks.task_name(objective, prefix=prefix) for prefix in ("mc4", tasks.TEXT_PREFIX)
+                 for objective in tasks.OBJECTIVES]
         raise ValueError(f"unknown task or mixture MIXTURE_OR_TASK_NAME="
-                         f"{mixture_or_task_name!r}; the project registers {known} and "
-                         "mc4_<lang>_<objective> for every mC4 language") from e
+                         f"{mixture_or_task_name!r}; the project registers {known}, "
+                         "mc4_<lang>_<objective> for every mC4 language and "
+                         "text_<label>_<objective> for the text corpus' groups; set "
+                         "MIXTURE_OR_TASK_MODULE to the module registering your own") from e
 
 
 @gin.configurable

@@ -7,10 +7,20 @@ Task names (usable as gin ``MIXTURE_OR_TASK_NAME``)::
     mc4_prefix_lm                  all languages, prefix LM (next-token continuation)
     mc4_<lang>_prefix_lm           one language
 
-``<lang>`` is the TFDS ``c4/multilingual`` split name, lower-cased, ``-`` -> ``_``. Every
-task reads whatever corpus gin selects (``moe_jax.data.sources.make_source``: the embedded
-UDHR corpus by default, TFDS ``c4/multilingual`` for the paper's runs) and tokenizes with
-``moe_jax.data.vocab.get_vocabulary()``. Each task yields ``inputs`` and ``targets`` (int32,
+    text_span_corruption           the same objectives, named for the user's own text
+    text_prefix_lm                 (gin/data/text.gin); identical to mc4_<objective>
+    text_<label>_span_corruption   one group of the text corpus (make_source.train_patterns
+    text_<label>_prefix_lm         {label: pattern}); registered when first asked for
+
+``<lang>`` is the TFDS ``c4/multilingual`` split name, lower-cased, ``-`` -> ``_`` (labels
+likewise). Every task reads whatever corpus gin selects
+(``moe_jax.data.sources.make_source``: the embedded UDHR corpus by default, TFDS
+``c4/multilingual`` for the paper's runs, the user's files with ``corpus='text'``) and
+tokenizes with ``moe_jax.data.vocab.get_vocabulary()``. ``group_task(label)`` names the task
+of one group of the selected corpus (``sources.corpus_groups()`` lists them).
+
+Other tasks: T5X's ``MIXTURE_OR_TASK_MODULE`` names a module that registers the user's own
+seqio tasks or mixtures; :func:`import_task_module` imports it before the data is read. Each task yields ``inputs`` and ``targets`` (int32,
 EOS-terminated). The paper's accuracy numbers are T5X MoE mC4 pre-training, i.e. span
 corruption (``DEFAULT_TASK``); see docs/data.md.
 """
@@ -18,6 +28,11 @@ corruption (``DEFAULT_TASK``); see docs/data.md.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import os
+import re
+import sys
 
 import seqio
 
@@ -32,12 +47,15 @@ DEFAULT_TASK = "mc4_span_corruption"
 SHUFFLE_BUFFER_SIZE = 10_000
 
 
-def task_name(objective: str, language: str | None = None) -> str:
-    """``mc4[_<lang>]_<objective>`` for ``language`` (``None``: all languages)."""
+TEXT_PREFIX = "text"
+
+
+def task_name(objective: str, language: str | None = None, prefix: str = "mc4") -> str:
+    """``<prefix>[_<lang>]_<objective>`` for ``language`` (``None``: all languages)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {tuple(OBJECTIVES)}")
     lang = "" if language is None else language.lower().replace("-", "_") + "_"
-    return f"mc4_{lang}{objective}"
+    return f"{prefix}_{lang}{objective}"
 
 
 def output_features() -> dict[str, seqio.Feature]:
@@ -46,9 +64,9 @@ def output_features() -> dict[str, seqio.Feature]:
             "targets": seqio.Feature(vocabulary, add_eos=True)}
 
 
-def _add_task(objective: str, language: str | None) -> None:
+def _add_task(objective: str, language: str | None, prefix: str = "mc4") -> None:
     seqio.TaskRegistry.add(
-        task_name(objective, language),
+        task_name(objective, language, prefix),
         source=sources.CorpusSource(language),
         preprocessors=[
             preprocessors.clean_text,
@@ -74,7 +92,72 @@ def register_tasks() -> tuple[str, ...]:
             if name not in registered:
                 _add_task(objective, language)
             names.append(name)
+        name = task_name(objective, prefix=TEXT_PREFIX)
+        if name not in registered:
+            _add_task(objective, None, TEXT_PREFIX)
+        names.append(name)
     return tuple(names)
+
+
+def group_task(label: str, objective: str = "span_corruption") -> str:
+    """The registered task reading only group ``label`` of the corpus gin selects (one of
+    ``sources.corpus_groups()``): ``mc4_<lang>_<objective>`` for the embedded corpus and
+    mC4, ``text_<label>_<objective>`` (registered now if new) for the text corpus."""
+    groups = sources.corpus_groups()
+    if label not in groups:
+        raise ValueError(f"group {label!r} is not in the selected corpus; groups: {groups}")
+    if label in sources.mc4_languages() and not sources.is_text_corpus():
+        return task_name(objective, label)
+    name = task_name(objective, label, TEXT_PREFIX)
+    if name not in seqio.TaskRegistry.names():
+        _add_task(objective, label, TEXT_PREFIX)
+    return name
+
+
+def register_group_task(name: str) -> bool:
+    """Registers ``text_<label>_<objective>`` when ``name`` is one for a label of the text
+    corpus gin selects; True when ``name`` is (now) registered."""
+    if name in seqio.TaskRegistry.names():
+        return True
+    match = re.fullmatch(rf"{TEXT_PREFIX}_(.+)_({'|'.join(OBJECTIVES)})", name)
+    if not match or not sources.is_text_corpus():
+        return False
+    for label in sources.corpus_groups():
+        if task_name(match.group(2), label, TEXT_PREFIX) == name:
+            group_task(label, match.group(2))
+            return True
+    return False
+
+
+def import_task_module(module: str | None) -> None:
+    """Imports T5X's ``MIXTURE_OR_TASK_MODULE``: a module (dotted name on ``sys.path``, the
+    working directory included) or a ``.py`` file that registers seqio tasks/mixtures.
+
+    Raises:
+      ValueError: naming ``MIXTURE_OR_TASK_MODULE`` when it cannot be found.
+    """
+    if not module:
+        return
+    if module.endswith(".py"):
+        if not os.path.isfile(module):
+            raise ValueError(f"MIXTURE_OR_TASK_MODULE={module!r}: no such file")
+        name = os.path.splitext(os.path.basename(module))[0]
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == os.path.abspath(module):
+            return
+        spec = importlib.util.spec_from_file_location(name, os.path.abspath(module))
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[name] = loaded
+        spec.loader.exec_module(loaded)
+        return
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name and module.startswith(err.name):
+            raise ValueError(f"MIXTURE_OR_TASK_MODULE={module!r}: no module named {err.name!r} "
+                             "(put its folder on PYTHONPATH or give the .py file's path)") from None
+        raise
 
 
 TASK_NAMES = register_tasks()

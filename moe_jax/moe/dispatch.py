@@ -7,7 +7,8 @@ Two implementations with identical results (up to float summation order):
   ``[groups, tokens_per_group, experts, capacity]`` contracted with einsums. Its cost grows
   as ``tokens_per_group * experts * capacity * d_model``.
 * ``sort``: assignments sorted by (expert, priority); each buffer slot gathers its token
-  and each token gathers its expert outputs back. Cost ``O(assignments * d_model)`` plus
+  and each token gathers its expert outputs back. The default on every platform
+  (``layer_choices``). Cost ``O(assignments * d_model)`` plus
   a sort. In dropless mode without expert parallelism it feeds a grouped matmul
   (``jax.lax.ragged_dot``) instead of fixed-capacity buffers.
 
@@ -45,15 +46,29 @@ def layer_choices(platform: str) -> tuple[str, bool]:
     """``(dispatch, per_expert_loop)`` that ``MoeLayer(dispatch='auto', per_expert_loop=None)``
     uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``).
 
-    * CPU: ``sort`` with one plain matmul per expert (measured: benchmarks/RESULTS.md,
-      "MoE layer"; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
-    * GPU: ``sort``, batched expert matmuls.
-    * TPU: ``einsum``, batched expert matmuls (one-hot matmuls run on the MXU).
+    ``sort`` everywhere, from the compiled executables (benchmarks/RESULTS.md, "MoE layer";
+    "MoE layer on TPU and GPU targets"):
+
+    * CPU: ``sort`` with one plain matmul per expert (measured: 2.3-2.7x faster than
+      ``einsum``; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
+    * TPU: ``sort``, batched expert matmuls. At the T5-Base shape (one group of 4096
+      tokens) the one-hot ``einsum`` does 2.7x the FLOPs, and v5p's cost analysis and the
+      TPU compiler's own cycle estimate both put it behind ``sort`` at E = 8 / 32 / 64.
+    * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
     """
     family = _PLATFORM_FAMILY.get(platform)
     if family is None:
         raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
-    return {"cpu": ("sort", True), "gpu": ("sort", False), "tpu": ("einsum", False)}[family]
+    return "sort", family == "cpu"
+
+
+def choice_major_combine(platform: str) -> bool:
+    """Whether the ``sort`` combine gathers choice-major on ``platform``: yes on TPU and
+    GPU (for v5p the TPU compiler estimates 0.44x the cycles of the token-major gather fused
+    into the weighted sum, fwd+bwd); no on CPU (there the choice-major step measured 1.15x slower).
+    benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets"."""
+    layer_choices(platform)  # validates the name
+    return _PLATFORM_FAMILY[platform] != "cpu"
 
 
 def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
@@ -128,8 +143,13 @@ def einsum_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: in
 
 
 def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
-                      expert_fn: ExpertFn) -> tuple[Array, Array]:
-    """Sort/gather dispatch, same contract as ``einsum_token_choice``."""
+                      expert_fn: ExpertFn, choice_major: bool = False) -> tuple[Array, Array]:
+    """Sort/gather dispatch, same contract as ``einsum_token_choice``.
+
+    ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
+    (k gathers of ``tokens`` rows) rather than ``[groups, tokens, k, d_model]``; same result.
+    See ``choice_major_combine``.
+    """
     groups, tokens, k = routing.expert_index.shape
     n = tokens * k
     expert_flat = routing.expert_index.reshape(groups, n)
@@ -152,9 +172,13 @@ def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, c
     buffers = buffers.reshape(groups, num_experts, capacity, x.shape[-1])
     outputs = expert_fn(buffers).reshape(groups, num_experts * capacity, x.shape[-1])
     kept = (positions < capacity) & (routing.expert_index < num_experts)
-    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0).reshape(groups, n)
-    gathered = outputs[g, flat_slot].reshape(groups, tokens, k, x.shape[-1])
+    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0)
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
+    if choice_major:  # k gathers of `tokens` rows each
+        gathered = outputs[g, jnp.swapaxes(flat_slot, 1, 2).reshape(groups, n)]
+        gathered = gathered.reshape(groups, k, tokens, x.shape[-1])
+        return jnp.einsum("gks,gksd->gsd", jnp.swapaxes(weights, 1, 2), gathered), kept
+    gathered = outputs[g, flat_slot.reshape(groups, n)].reshape(groups, tokens, k, x.shape[-1])
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
 
 
@@ -190,7 +214,8 @@ def ragged_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int,
 
 
 def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertChoiceRouting,
-                     num_experts: int, capacity: int, expert_fn: ExpertFn) -> tuple[Array, Array | None]:
+                     num_experts: int, capacity: int, expert_fn: ExpertFn,
+                     choice_major: bool = False) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
 
     Args:
@@ -198,6 +223,7 @@ def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertCh
       x: ``[groups, tokens_per_group, d_model]``.
       capacity: buffer size per expert and group (token choice; expert choice carries
         its own in ``routing.token_index``).
+      choice_major: layout of the ``sort`` combine gather (``sort_token_choice``).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` and, for token choice, the
@@ -208,5 +234,6 @@ def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertCh
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice
         return fn(x, routing, num_experts, expert_fn), None
-    fn = einsum_token_choice if impl == "einsum" else sort_token_choice
-    return fn(x, routing, num_experts, capacity, expert_fn)
+    if impl == "einsum":
+        return einsum_token_choice(x, routing, num_experts, capacity, expert_fn)
+    return sort_token_choice(x, routing, num_experts, capacity, expert_fn, choice_major)

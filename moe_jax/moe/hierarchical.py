@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.moe.routers import RouterOutput, RouterWeights, _dense, _prob_in_top_k, _token_choice
+from moe_jax.moe.routers import RouterOutput, RouterWeights, _dense, _prob_in_top_k, _token_choice, top_k
 from moe_jax.moe.selection import check_expert_groups
 
 Array = jax.Array
@@ -121,7 +121,7 @@ class HierarchicalRouter(nn.Module):
         Shazeer's in-top-k probability, given only for noisy gating in training.
         """
         if not self.noisy:
-            gates, index = jax.lax.top_k(jax.nn.softmax(clean, axis=-1), k)
+            gates, index = top_k(jax.nn.softmax(clean, axis=-1), k)
             if self.renormalize_gates:
                 gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
             return index, gates, None
@@ -132,7 +132,7 @@ class HierarchicalRouter(nn.Module):
             noise_std = jax.nn.softplus(noise_logits) + self.min_noise_std
             noisy = clean + jax.random.normal(self.make_rng("dropout"), clean.shape) * noise_std
             prob = _prob_in_top_k(clean, noisy, noise_std, k)
-        top_values, index = jax.lax.top_k(noisy, k)
+        top_values, index = top_k(noisy, k)
         return index, jax.nn.softmax(top_values, axis=-1), prob
 
     @nn.compact
@@ -157,7 +157,7 @@ class HierarchicalRouter(nn.Module):
         chosen_gates = jnp.take_along_axis(inner_gates, group_index[..., None], axis=-2)
         expert_index = (group_index[..., None] * per_group + chosen_inner).reshape(lead + (k1 * k2,))
         gates = (group_gates[..., None] * chosen_gates).reshape(lead + (k1 * k2,))
-        gates, order = jax.lax.top_k(gates, k1 * k2)  # descending final gate: capacity order
+        gates, order = top_k(gates, k1 * k2)  # descending final gate: capacity order
         expert_index = jnp.take_along_axis(expert_index, order, axis=-1)
 
         mask = padding_mask.astype(jnp.float32)

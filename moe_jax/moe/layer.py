@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
-from moe_jax.moe.dispatch import DISPATCH_IMPLS, dispatch_combine, layer_choices, ragged_token_choice, target_platform
+from moe_jax.moe.dispatch import (DISPATCH_IMPLS, choice_major_combine, dispatch_combine, layer_choices,
+                                  ragged_token_choice, target_platform)
 from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS, check_hierarchical_options
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
@@ -280,7 +281,8 @@ class MoeLayer(nn.Module):
                  mesh, deterministic: bool) -> tuple[Array, Array | None]:
         """Dispatch, expert MLPs, combine: ``[groups, tokens_per_group, d_model]`` -> same,
         plus the kept-assignment mask (token choice)."""
-        auto_impl, auto_loop = layer_choices(target_platform(mesh))
+        platform = target_platform(mesh)
+        auto_impl, auto_loop = layer_choices(platform)
         impl = auto_impl if self.dispatch == "auto" else self.dispatch
         per_expert_loop = auto_loop if self.per_expert_loop is None else self.per_expert_loop
         use_dropout = self.expert_dropout_rate > 0 and not deterministic
@@ -298,7 +300,8 @@ class MoeLayer(nn.Module):
 
         def local_fn(x, routing, w, key, comm):
             y, kept = dispatch_combine(impl, x, routing, self.routed_experts, capacity,
-                                       lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)))
+                                       lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)),
+                                       choice_major_combine(platform))
             return (y,) if kept is None else (y, kept)
 
         num_outputs = 1 if isinstance(routing, ExpertChoiceRouting) else 2

@@ -105,6 +105,20 @@ class RouterWeights(nn.Module):
         return jnp.einsum("gsd,de->gse", x.astype(jnp.float32), w)
 
 
+def top_k(values: Array, k: int, select: Array | None = None) -> tuple[Array, Array]:
+    """``jax.lax.top_k`` over the last axis, ``[..., n]`` -> ``([..., k], [..., k] int32)``
+    (the indices of the top ``k`` of ``select``, default ``values``; the values of ``values``
+    there),
+    whose values are read back through a one-hot mask rather than indexed: the gradient
+    is then a masked product, not the scatter into ``[..., n]`` that ``top_k``'s own
+    gradient is. Same values and gradients; on TPU v5p XLA offloads that scatter to the
+    SparseCore, and cost analysis counts it as about 4 GiB of traffic for a 4096 x 8 router
+    (benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets")."""
+    _, index = jax.lax.top_k(jax.lax.stop_gradient(values if select is None else select), k)
+    chosen = jax.nn.one_hot(index, values.shape[-1], dtype=values.dtype)  # [..., k, n]
+    return jnp.sum(values[..., None, :] * chosen, axis=-1), index
+
+
 def _dense(index: Array, values: Array, num_experts: int) -> Array:
     """Scatters ``values [..., k]`` at ``index [..., k]`` into ``[..., experts]``."""
     return jnp.einsum("...k,...ke->...e", values, jax.nn.one_hot(index, num_experts, dtype=values.dtype))
@@ -146,7 +160,7 @@ def _prob_in_top_k(clean: Array, noisy: Array, noise_std: Array, k: int) -> Arra
     ``Phi((clean_i - kth_excluding(noisy, k, i)) / noise_std_i)``."""
     if k >= clean.shape[-1]:
         return jnp.ones_like(clean)
-    top, _ = jax.lax.top_k(noisy, k + 1)
+    top, _ = top_k(noisy, k + 1)
     in_top_k = noisy >= top[..., k - 1:k]
     # Threshold for entry i with the other noises fixed: the k-th largest of the others.
     threshold = jnp.where(in_top_k, top[..., k:k + 1], top[..., k - 1:k])
@@ -211,8 +225,7 @@ class TopKRouter(nn.Module):
         select = scores if bias is None else scores + bias.value
         if self.max_groups_per_token:
             select = selection.group_limited(select, self.num_limited_groups, self.max_groups_per_token)
-        _, expert_index = jax.lax.top_k(select, self.num_selected_experts)
-        gates = jnp.take_along_axis(scores, expert_index, axis=-1)
+        gates, expert_index = top_k(scores, self.num_selected_experts, select)
         if self.renormalize_gates or self.score_function == "sigmoid":
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         output = _token_choice(logits, probs, expert_index, gates, padding_mask, self.batch_prioritized)
@@ -251,7 +264,7 @@ class NoisyTopKRouter(nn.Module):
             noise_std = jax.nn.softplus(noise_logits) + self.min_noise_std
             noisy = clean + jax.random.normal(self.make_rng("dropout"), clean.shape) * noise_std
             smooth_load = self._smooth_load(clean, noisy, noise_std, padding_mask)
-        top_values, expert_index = jax.lax.top_k(noisy, k)
+        top_values, expert_index = top_k(noisy, k)
         gates = jax.nn.softmax(top_values, axis=-1)
         return _token_choice(clean, jax.nn.softmax(clean, axis=-1), expert_index, gates,
                              padding_mask, self.batch_prioritized, smooth_load)

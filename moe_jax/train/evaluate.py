@@ -1,7 +1,13 @@
 """`moe-jax eval`: evaluate one or more checkpoints and compare them side by side.
 
-    moe-jax eval --gin_file=runs/eval.gin --gin_file=models/t5_moe.gin \\
+    moe-jax eval --checkpoint=/runs/learned --checkpoint=/runs/frozen/2000
+    moe-jax eval --gin_file=models/t5_moe.gin --gin_file=models/size_d32.gin \\
         --checkpoint=/runs/learned --checkpoint=/runs/frozen/2000 --checkpoint=/runs/dense
+
+Gin: ``runs/eval.gin``, then the first run's ``MODEL_DIR/config.gin`` when no ``--gin_file``
+is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` then the
+``--gin_file`` files. T5X's ``--gin.CHECKPOINT_PATH`` / ``--gin.EVAL_OUTPUT_DIR`` work as
+``--checkpoint`` / ``--output_dir``.
 
 Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on
@@ -91,27 +97,45 @@ def router_drift(params, initial: dict[str, np.ndarray] | None, layers: Sequence
 
 
 def plot_expert_load(layers: dict[str, dict[str, Any]], title: str, path: str) -> None:
-    """One bar chart of the fraction of tokens per expert for each MoE layer."""
+    """Writes :func:`expert_load_figure` to ``path`` (nothing when no layer has a load)."""
+    import matplotlib.pyplot as plt
+
+    fig = expert_load_figure(layers, title)
+    if fig is not None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
+    """One bar chart per MoE layer of the fraction of tokens routed to each expert, with
+    the uniform load as a dashed line. A token counts once per chosen expert, so top-k
+    loads sum to k and the uniform load is k/E; experts are labelled by integer index."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     loads = {name: np.asarray(stats["expert_load"]) for name, stats in layers.items()
              if "expert_load" in stats}
     if not loads:
-        return
-    fig, axes = plt.subplots(len(loads), 1, figsize=(7, 1.8 * len(loads) + 0.6), squeeze=False)
+        return None
+    fig, axes = plt.subplots(len(loads), 1, figsize=(7, 1.9 * len(loads) + 0.7), squeeze=False)
     for ax, (name, load) in zip(axes[:, 0], loads.items()):
-        ax.bar(np.arange(load.size), load, color="tab:blue")
-        ax.axhline(1.0 / load.size, color="gray", linestyle="--", linewidth=0.8)
+        k = float(load.sum())  # experts chosen per token
+        ax.bar(np.arange(load.size), load, color="tab:blue", label="fraction of tokens")
+        ax.axhline(k / load.size, color="gray", linestyle="--", linewidth=0.8,
+                   label=f"uniform: k/E = {k:.3g}/{load.size}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(-0.6, load.size - 0.4)
+        ax.set_ylim(0, 1.4 * max(float(load.max()), k / load.size))  # room for the legend
         ax.set_ylabel("load")
         ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7, loc="upper right", ncol=2)
     axes[-1, 0].set_xlabel("expert")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
@@ -154,15 +178,23 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
     return labels
 
 
-@gin.configurable(module="eval_script", denylist=["checkpoint_paths", "output_dir"])
-def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
+@gin.configurable(module="eval_script")
+def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: str | None = None, *,
              model: Any = gin.REQUIRED, dataset_cfg: Any = gin.REQUIRED,
              eval_steps: int = 20) -> dict[str, dict[str, Any]]:
     """Evaluates each checkpoint on ``dataset_cfg`` and writes JSON, plots and the table.
 
+    ``checkpoint_paths`` and ``output_dir`` come from ``--checkpoint`` / ``--output_dir`` or
+    T5X's gin macros ``CHECKPOINT_PATH`` / ``EVAL_OUTPUT_DIR`` (runs/eval.gin).
+
     Returns ``{label: {"checkpoint", "step", "metrics", "routing", "router_drift"}}``.
     """
     from moe_jax.train import checkpoints, train_state, train_step
+
+    if not checkpoint_paths:
+        raise ValueError("no checkpoint to evaluate: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
+    if isinstance(checkpoint_paths, str):
+        checkpoint_paths = [checkpoint_paths]
 
     ctx = setup.run_context()
     input_shapes = dataset_cfg.input_shapes()
@@ -206,15 +238,21 @@ def evaluate(checkpoint_paths: Sequence[str], output_dir: str | None = None, *,
 
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax eval", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", action="append", required=True, metavar="DIR[/STEP]",
-                        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="DIR[/STEP]",
+                        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare "
+                             "(or gin CHECKPOINT_PATH)")
     parser.add_argument("--output_dir", default=None,
-                        help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results)")
+                        help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
+                             "or gin EVAL_OUTPUT_DIR)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     try:
         distributed.initialize(args)
+        args.gin_file = gin_utils.run_gin_files(
+            gin_utils.first_checkpoint(args), ["runs/eval.gin"], args.gin_file,
+            command="moe-jax eval")
         gin_utils.parse_gin(args)
-        evaluate(args.checkpoint, args.output_dir)
+        evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
+                                      ("output_dir", args.output_dir)) if v})
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax eval: error: {err}", file=sys.stderr)
         return 1

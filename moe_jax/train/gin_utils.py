@@ -18,11 +18,16 @@ as ``--gin.TRAIN_STEP=10`` would otherwise be silently ignored).
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import importlib
+import logging
 import os
 import pathlib
 import re
+import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import gin
 
@@ -42,8 +47,10 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.train.train",
     "moe_jax.train.evaluate",
     "moe_jax.train.infer",
+    "moe_jax.train.export",
 )
 
+_SEARCH_PATHS_ADDED: set[str] = set()
 _MACRO_REF = re.compile(r"%([A-Za-z_][\w./]*)")
 _MACRO_DEF = re.compile(r"^\s*([A-Za-z_][\w]*)\s*=")
 
@@ -52,8 +59,57 @@ class GinConfigError(ValueError):
     """A gin file, binding or flag is wrong; the message names where."""
 
 
-def add_gin_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds T5X's gin flags to ``parser`` (``--gin.NAME=VALUE`` is handled by :func:`parse_flags`)."""
+# Macros the repository's gin files define, by the file that defines them (shown by --help).
+MACROS: dict[str, tuple[str, str]] = {
+    "MODEL_DIR": ("runs/pretrain.gin", "run directory: checkpoints, config.gin, metrics"),
+    "TRAIN_STEPS": ("runs/pretrain.gin", "total training steps"),
+    "BATCH_SIZE": ("runs/pretrain.gin", "global batch size (all processes together)"),
+    "RANDOM_SEED": ("runs/pretrain.gin", "parameter init, dropout and data order"),
+    "MIXTURE_OR_TASK_NAME": ("runs/pretrain.gin", "seqio task or mixture: mc4_span_corruption, "
+                             "mc4_<lang>_prefix_lm, text_span_corruption, text_<label>_..., yours"),
+    "MIXTURE_OR_TASK_MODULE": ("runs/pretrain.gin", "module (or .py file) that registers your own "
+                               "seqio tasks/mixtures, imported before the data is read (T5X)"),
+    "TASK_FEATURE_LENGTHS": ("runs/pretrain.gin", "{'inputs': I, 'targets': T}"),
+    "USE_CACHED_TASKS": ("runs/pretrain.gin", "read seqio's offline cache"),
+    "TFDS_DATA_DIR": ("data/embedded.gin", "TFDS data directory (data/mc4.gin: where mC4 lives)"),
+    "TEXT_TRAIN_FILES": ("data/text.gin", "your text files: a glob, or {label: glob} per language/domain"),
+    "TEXT_VALIDATION_FILES": ("data/text.gin", "validation files, same form (default: held out)"),
+    "TEXT_VALIDATION_FRACTION": ("data/text.gin", "fraction of training lines held out for validation"),
+    "VOCAB_SIZE": ("models/t5_dense.gin", "embedding rows (>= the vocabulary's size)"),
+    "EMBED_DIM": ("models/t5_dense.gin", "d_model (also MLP_DIM, NUM_HEADS, HEAD_DIM, "
+                  "NUM_ENCODER_LAYERS, NUM_DECODER_LAYERS)"),
+    "DROPOUT_RATE": ("models/t5_dense.gin", "dropout everywhere"),
+    "ACTIVATION_DTYPE": ("models/t5_dense.gin", "'float32' or 'bfloat16' activations"),
+    "NUM_EXPERTS": ("models/t5_moe.gin", "experts per MoE layer (also NUM_SELECTED_EXPERTS, "
+                    "NUM_SPARSE_LAYERS, SPARSE_LAYOUT, GROUP_SIZE)"),
+    "TRAIN_CAPACITY_FACTOR": ("models/t5_moe.gin", "expert capacity factor (EVAL_CAPACITY_FACTOR in eval)"),
+    "CHECKPOINT_PATH": ("runs/eval.gin", "eval/infer: the checkpoint (T5X; same as --checkpoint)"),
+    "EVAL_OUTPUT_DIR": ("runs/eval.gin", "eval: where results go (T5X; same as --output_dir)"),
+    "INFER_OUTPUT_DIR": ("runs/infer.gin", "infer: writes predictions.jsonl there (T5X)"),
+}
+
+GIN_FLAG_HELP = """\
+gin flags, as in T5X:
+  --gin.NAME=VALUE      bind one gin parameter or macro, e.g. --gin.TRAIN_STEPS=1000,
+                        --gin.train_script.train.eval_period=100, --gin.MODEL_DIR=/tmp/run
+                        (a bare word or path is quoted for you; lists and dicts in gin syntax:
+                        --gin.TASK_FEATURE_LENGTHS="{'inputs': 64, 'targets': 16}")
+  --gin_file, --gin_bindings, --gin_search_paths: see above. Later files and flags override
+  earlier ones; a binding no gin file uses is refused as a likely typo.
+"""
+
+
+def gin_help(macros: Sequence[str] = ()) -> str:
+    """The help epilog: the gin flags and the macros (all of :data:`MACROS` by default)."""
+    names = list(macros) or list(MACROS)
+    lines = [GIN_FLAG_HELP, "macros (set with --gin.NAME=VALUE; defined in gin/<file>):"]
+    lines += [f"  {name:<25} {MACROS[name][1]} [{MACROS[name][0]}]" for name in names]
+    return "\n".join(lines)
+
+
+def add_gin_flags(parser: argparse.ArgumentParser, macros: Sequence[str] = ()) -> None:
+    """Adds T5X's gin flags to ``parser`` (``--gin.NAME=VALUE`` is handled by
+    :func:`parse_flags`) and, in ``--help``, their description and the ``macros``."""
     parser.add_argument("--gin_file", action="append", default=[], metavar="PATH",
                         help="gin file (repeatable); later files override earlier ones")
     parser.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
@@ -62,6 +118,8 @@ def add_gin_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated gin search paths (default: {REPO_GIN_DIR})")
     parser.add_argument("--tfds_data_dir", default=None, metavar="DIR",
                         help="TFDS data directory (sets TFDS_DATA_DIR)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = gin_help(macros)
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
@@ -123,12 +181,15 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
     gin.clear_config()
     roots = search_paths(args.gin_search_paths)
     for path in roots:
-        gin.add_config_file_search_path(path)
+        if path not in _SEARCH_PATHS_ADDED:  # gin keeps them across clear_config()
+            gin.add_config_file_search_path(path)
+            _SEARCH_PATHS_ADDED.add(path)
     files = [_resolve(f, roots) for f in args.gin_file]
     bindings = [*args.gin_bindings, *args.gin_dot_bindings]
     try:
-        parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
-    except (ValueError, SyntaxError, TypeError) as err:
+        with _quiet_include_search():
+            parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+    except (ValueError, SyntaxError, TypeError, OSError) as err:
         raise GinConfigError(f"gin: {err}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
@@ -136,6 +197,23 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
             gin.finalize()
         except ValueError as err:
             raise GinConfigError(f"gin: {err}") from None
+
+
+def _drop_path_not_found(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Path not found")
+
+
+@contextlib.contextmanager
+def _quiet_include_search():
+    """Silences gin's ``ERROR:root:Path not found`` lines while it tries each search path for
+    an ``include`` (it logs one per miss, then uses the path that holds the file). A file
+    found nowhere still fails, with gin's ``Unable to open file`` naming the searched paths."""
+    root = logging.getLogger()
+    root.addFilter(_drop_path_not_found)
+    try:
+        yield
+    finally:
+        root.removeFilter(_drop_path_not_found)
 
 
 def _resolve(path: str, roots: Sequence[str]) -> str:
@@ -188,6 +266,79 @@ def _read(path: str) -> str:
 
 def _gin_has_macro(name: str) -> bool:
     return (name, "gin.macro") in gin.config._CONFIG  # noqa: SLF001 - gin has no public query
+
+
+def run_config_path(model_dir: str) -> str | None:
+    """``MODEL_DIR/config.gin`` (written by `moe-jax train`), or None when the run has none."""
+    path = os.path.join(model_dir, "config.gin")
+    return path if os.path.exists(path) else None
+
+
+def command_line_value(args: argparse.Namespace, name: str) -> Any:
+    """The value ``--gin.NAME=...`` / ``--gin_bindings='NAME = ...'`` gives macro ``name``
+    (the last one wins), as a Python literal; None when the command line does not set it."""
+    value = None
+    for binding in [*args.gin_bindings, *args.gin_dot_bindings]:
+        left, sep, right = binding.partition("=")
+        if sep and left.strip() == name:
+            try:
+                value = ast.literal_eval(right.strip())
+            except (ValueError, SyntaxError):
+                raise GinConfigError(f"gin: {name} = {right.strip()}: expected a path or a list "
+                                     "of paths") from None
+    return value
+
+
+def first_checkpoint(args: argparse.Namespace) -> str | None:
+    """The first checkpoint a command names: ``--checkpoint`` (one or a list) or T5X's
+    ``--gin.CHECKPOINT_PATH``; None when neither is given."""
+    given = getattr(args, "checkpoint", None) or command_line_value(args, "CHECKPOINT_PATH")
+    if isinstance(given, (list, tuple)):
+        given = given[0] if given else None
+    return given or None
+
+
+def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Sequence[str], *,
+                  extend_run_config: bool = False, command: str = "moe-jax") -> list[str]:
+    """The gin files of a command reading a run's checkpoint (eval, infer, analyze, export)
+    and a line on stderr saying which config that is.
+
+    ``defaults`` (the command's own files, e.g. ``runs/eval.gin``; resolved against the
+    search paths) come first, then the run's ``MODEL_DIR/config.gin``, so the run's macros
+    (task, feature lengths, batch size) win over the defaults'. The run's config is used when
+    no ``gin_files`` are given, or with ``extend_run_config`` before them (``analyze``:
+    the command line overrides the run).
+
+    Raises:
+      FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint, or
+        when the run has no config.gin and no gin file was given.
+      ValueError: neither a checkpoint nor a gin file was given.
+    """
+    from moe_jax.train import checkpoints
+
+    roots = search_paths([])
+    defaults = [_resolve(f, roots) for f in defaults]
+    config = None
+    if checkpoint is None:
+        if not gin_files:
+            raise ValueError("no checkpoint: pass --checkpoint=DIR (or --gin.CHECKPOINT_PATH=DIR)")
+    else:
+        model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
+        if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+            raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
+                                    f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
+        if extend_run_config or not gin_files:
+            config = run_config_path(model_dir)
+    if config is None and not gin_files:
+        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
+                                f"{os.path.join(model_dir, 'config.gin')}; pass its model and data "
+                                "gin files with --gin_file")
+    files = [*defaults, *([config] if config else []), *gin_files]
+    used = f"the run's {config}" + (f" + {', '.join(gin_files)}" if gin_files else "") if config \
+        else ", ".join(gin_files)
+    print(f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'})",
+          file=sys.stderr, flush=True)
+    return files
 
 
 def operative_config() -> str:

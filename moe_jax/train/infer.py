@@ -1,9 +1,11 @@
 """`moe-jax infer`: decode from a checkpoint (greedy or temperature sampling).
 
-    moe-jax infer --gin_file=runs/infer.gin --gin_file=models/t5_moe.gin \\
-        --checkpoint=/runs/learned --input="The quick brown <extra_id_0> jumps" \\
-        [--input_file=lines.txt] [--output_file=out.jsonl]
+    moe-jax infer --checkpoint=/runs/learned --input="The quick brown <extra_id_0> jumps" \\
+        [--input_file=lines.txt] [--output_file=out.jsonl] [--gin.INFER_OUTPUT_DIR=/tmp/preds]
 
+Gin: ``runs/infer.gin``, then the run's ``MODEL_DIR/config.gin`` when no ``--gin_file`` is
+given (the line ``gin config: ...`` says which), else the ``--gin_file`` files. T5X's
+``--gin.CHECKPOINT_PATH`` works as ``--checkpoint``.
 ``infer.decode_method``, ``infer.temperature``, ``infer.max_decode_length``,
 ``infer.seed`` and ``infer.task_feature_lengths`` are gin bindings. Prints one line
 ``input -> output`` per input and, with ``--output_file``, writes JSON lines.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,16 +56,26 @@ def decode_outputs(tokens: np.ndarray, vocabulary) -> list[str]:
     return out
 
 
-@gin.configurable(module="infer_script", denylist=["checkpoint_path", "inputs"])
-def infer(checkpoint_path: str, inputs: Sequence[str], *, model: Any = gin.REQUIRED,
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+@gin.configurable(module="infer_script", denylist=["inputs"])
+def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: Any = gin.REQUIRED,
           task_feature_lengths: Mapping[str, int] = gin.REQUIRED, decode_method: str = "greedy",
           temperature: float = 1.0, max_decode_length: int | None = None,
-          seed: int = 0) -> list[str]:
-    """Decodes each input text with the checkpoint's parameters; returns the output texts."""
+          seed: int = 0, output_dir: str | None = None) -> list[str]:
+    """Decodes each input text with the checkpoint's parameters; returns the output texts.
+
+    ``checkpoint_path``: ``--checkpoint`` or T5X's gin ``CHECKPOINT_PATH``; ``output_dir``
+    (T5X's ``INFER_OUTPUT_DIR``): also write ``{input, output}`` JSON lines to
+    ``output_dir/predictions.jsonl``.
+    """
     from jax.sharding import NamedSharding, PartitionSpec
 
     from moe_jax.train import checkpoints, train_state
 
+    if not checkpoint_path:
+        raise ValueError("no checkpoint: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
     if decode_method not in ("greedy", "sample"):
         raise ValueError(f"infer.decode_method={decode_method!r}; expected 'greedy' or 'sample'")
     ctx = setup.run_context()
@@ -93,12 +106,24 @@ def infer(checkpoint_path: str, inputs: Sequence[str], *, model: Any = gin.REQUI
     from jax.experimental import multihost_utils
 
     tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
-    return decode_outputs(tokens, vocabulary)[: len(inputs)]
+    outputs = decode_outputs(tokens, vocabulary)[: len(inputs)]
+    if output_dir and jax.process_index() == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        write_predictions(os.path.join(output_dir, PREDICTIONS_FILE), inputs, outputs)
+    return outputs
+
+
+def write_predictions(path: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    """``{"input", "output"}`` JSON lines."""
+    with open(path, "w") as f:
+        for text, out in zip(inputs, outputs):
+            f.write(json.dumps({"input": text, "output": out}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax infer", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, metavar="DIR[/STEP]")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR[/STEP]",
+                        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP (or gin CHECKPOINT_PATH)")
     parser.add_argument("--input", action="append", default=[], help="input text (repeatable)")
     parser.add_argument("--input_file", default=None, help="one input per line")
     parser.add_argument("--output_file", default=None, help="JSON lines {input, output}")
@@ -111,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one --input or an --input_file")
     try:
         distributed.initialize(args)
+        args.gin_file = gin_utils.run_gin_files(
+            gin_utils.first_checkpoint(args), ["runs/infer.gin"], args.gin_file,
+            command="moe-jax infer")
         gin_utils.parse_gin(args)
-        outputs = infer(args.checkpoint, inputs)
+        outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax infer: error: {err}", file=sys.stderr)
         return 1
@@ -120,7 +148,5 @@ def main(argv: list[str] | None = None) -> int:
         for text, out in zip(inputs, outputs):
             print(f"{text} -> {out}")
         if args.output_file:
-            with open(args.output_file, "w") as f:
-                for text, out in zip(inputs, outputs):
-                    f.write(json.dumps({"input": text, "output": out}) + "\n")
+            write_predictions(args.output_file, inputs, outputs)
     return 0

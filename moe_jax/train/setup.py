@@ -32,7 +32,8 @@ class DatasetConfig:
     ``train/DatasetConfig.split = 'train'``, ``train_eval/DatasetConfig.split = 'validation'``).
 
     ``batch_size`` is global (all processes together); ``task_feature_lengths`` e.g.
-    ``{"inputs": 512, "targets": 114}``.
+    ``{"inputs": 512, "targets": 114}``. ``module`` (T5X's ``MIXTURE_OR_TASK_MODULE``): a
+    module or ``.py`` file registering the task, imported when the config is built.
     """
 
     mixture_or_task_name: str
@@ -43,6 +44,12 @@ class DatasetConfig:
     seed: int | None = 0
     use_cached: bool = False
     pack: bool = True
+    module: str | None = None
+
+    def __post_init__(self) -> None:
+        from moe_jax.data import tasks
+
+        tasks.import_task_module(self.module)
 
     def input_shapes(self) -> dict[str, tuple[int, int]]:
         """Model input shapes of one global batch."""

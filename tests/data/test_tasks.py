@@ -36,7 +36,8 @@ def test_registration_is_idempotent_and_names_follow_mc4_splits():
     for name in ("mc4_span_corruption", "mc4_en_span_corruption", "mc4_zh_latn_prefix_lm",
                  "mc4_prefix_lm", "mc4_iw_span_corruption"):
         assert name in tasks.TASK_NAMES and name in seqio.TaskRegistry.names()
-    assert len(tasks.TASK_NAMES) == 2 * (1 + len(sources.mc4_languages()))
+    assert len(tasks.TASK_NAMES) == 2 * (2 + len(sources.mc4_languages()))  # + text_<objective>
+    assert {"text_span_corruption", "text_prefix_lm"} <= set(seqio.TaskRegistry.names())
     assert set(sources.embedded_languages()) <= set(sources.mc4_languages())
     assert tasks.DEFAULT_TASK == "mc4_span_corruption"
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+import flax.linen as nn
 import gin
+import jax
 import pytest
 
 from moe_jax.train import gin_utils
@@ -51,9 +53,22 @@ def test_fig5_dense_baseline_doubles_the_mlp_where_the_moe_is_sparse():
 
 
 def test_base_scale_and_expert_count_family():
-    _parse("base_learned.gin", bindings=("NUM_EXPERTS=8",))
-    assert _model_config()["EMBED_DIM"] == 768 and _model_config()["MLP_DIM"] == 2048
-    assert gin.query_parameter("%NUM_EXPERTS") == 8
+    """The Base-scale file builds T5-Base with the requested expert count in layers 3, 7, 11
+    of each stack (parameter shapes of the model gin constructs, not the bindings)."""
+    _parse("base_learned.gin", bindings=("NUM_EXPERTS=8", "EncoderDecoderModel.vocabulary=250112"))
+    model = gin.query_parameter("%MODEL").scoped_configurable_fn()
+    shapes = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
+    params = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))["params"]
+    flat = {"/".join(str(k.key) for k in path): leaf.shape
+            for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]}
+    for stack in ("encoder", "decoder"):
+        sparse = sorted(int(name.split("/")[1][len("layers_"):]) for name in flat
+                        if name.startswith(f"{stack}/") and name.endswith("moe/expert/wi_0"))
+        assert sparse == [3, 7, 11]
+        assert flat[f"{stack}/layers_3/ffn/moe/expert/wi_0"] == (8, 768, 2048)
+        assert flat[f"{stack}/layers_3/ffn/moe/router/weights/w"] == (768, 8)
+        assert flat[f"{stack}/layers_0/ffn/mlp/wi_0"] == (768, 2048)
+    assert flat["token_embedder/embedding"] == (250112, 768)
 
 
 def test_cpu_overlay_switches_to_the_embedded_corpus_and_short_sequences():

@@ -150,7 +150,23 @@ def test_bad_options_are_refused_by_name(overrides, option):
 
 
 def test_causal_leak_can_be_accepted_explicitly():
-    layer = MoeLayer(**dict(SMALL, router_type="expert_choice", causal=True, accept_causal_leak=True))
+    """Accepted, expert choice lets a later token change earlier tokens' outputs (it takes
+    or frees their expert slots). Token choice with one expert per token, or without
+    capacity (dropless), serves earlier tokens first and never does. (Top-2 with capacity
+    can: T5X/GShard queue every token's first choice before any second choice, so a later
+    first choice may evict an earlier token's second choice.)"""
     x = make_inputs()
-    y, _ = apply(layer, init_params(layer, x), x)
-    assert y.shape == x.shape
+    # Futures: only the last token of sequence 0 differs from x (zeroed, scaled, redrawn).
+    futures = [x.at[0, -1].set(v) for v in (jnp.zeros_like(x[0, -1]), -50.0 * x[0, -1],
+                                             *make_inputs(1, 4, seed=7)[0])]
+
+    def earlier_outputs_change(router_type: str, **extra) -> list[bool]:
+        layer = MoeLayer(**dict(SMALL, router_type=router_type, causal=True, **extra))
+        params = init_params(layer, x)
+        run = jax.jit(lambda inputs: layer.apply({"params": params}, inputs))  # one compile
+        y = run(x)
+        return [bool(jnp.any(jnp.abs(y[0, :-1] - run(f)[0, :-1]) > 1e-6)) for f in futures]
+
+    assert any(earlier_outputs_change("expert_choice", accept_causal_leak=True))
+    assert not any(earlier_outputs_change("top_k", num_selected_experts=1))
+    assert not any(earlier_outputs_change("top_k", dropless=True))

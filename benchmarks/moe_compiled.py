@@ -1,0 +1,254 @@
+"""The MoE layer compiled for a TPU or GPU target from this CPU: where the bytes go.
+
+Usage (TPU; libtpu importable, e.g. PYTHONPATH=.:/work/cache/libtpu; add
+ALLOW_MULTIPLE_LIBTPU_LOAD=1 when another process has libtpu loaded):
+  TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target tpu:v5p:2x2x1
+GPU (the CUDA PJRT plugin importable; no GPU needed):
+  JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target gpu:h100
+
+Compiles forward + backward with a cotangent (``value_and_grad`` of ``sum(y * r)``) of the
+MoE layer at the T5-Base shape (8 x 512 tokens, d_model 768, d_ff 2048, top-2, capacity
+factor 1.25, T5X capacity rule, one routing group, bfloat16 compute, float32 parameters)
+on ONE device of the target, for each dispatch and E, beside a dense ReLU FFN of the same
+expert-matmul FLOPs (hidden = d_ff x E x capacity / tokens). Nothing runs: every number is
+read from the compiled executable (``cost_analysis()``, ``memory_analysis()``, the
+optimised HLO through ``moe_jax.hlo_costs``).
+
+Columns: FLOPs and bytes as ``cost_analysis()`` reports them (TPU only: the GPU client
+returns none); ``HLO bytes``: one read of every operand and one write of every result of
+each scheduled operation (what the program moves if every op streams its operands once);
+temporaries; roofline time ``max(FLOPs / peak, bytes / HBM bandwidth)`` with either
+bytes; the TPU compiler's own estimate (sum of ``estimated_cycles``); each as a ratio to
+the dense FFN. ``floor``: the dense FFN's HLO bytes plus 8 bytes (read a float32 weight,
+write its float32 gradient) per parameter the layer has beyond the dense FFN's, as a ratio
+to the dense FFN: what the layer would move with a free dispatch. ``--ops N`` lists the
+N largest operations of each compiled layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import hlo_costs
+from moe_jax.moe import MoeLayer
+from moe_jax.moe.capacity import expert_capacity
+
+TOKENS = (8, 512)
+D_MODEL, D_FF = 768, 2048
+GIB, MIB = 2**30, 2**20
+
+# Peak dense bfloat16 FLOP/s and HBM bytes/s per chip (vendor figures).
+CHIPS = {
+    "TPU v5": (459e12, 2.765e12),  # v5p
+    "TPU v5 lite": (197e12, 0.819e12),  # v5e
+    "TPU v6 lite": (918e12, 1.640e12),  # v6e
+    "TPU v4": (275e12, 1.228e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12),
+}
+GPU_TARGET_CONFIGS = {"h100": pathlib.Path(__file__).with_name("h100_sxm.txtpb")}
+
+
+def target_devices(target: str) -> np.ndarray:
+    """Devices of ``tpu:<topology>`` (e.g. ``tpu:v5p:2x2x1``) or ``gpu:h100``, from this CPU."""
+    from jax.experimental import topologies
+
+    kind, _, name = target.partition(":")
+    if kind == "tpu":
+        return np.array(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    if kind == "gpu" and name in GPU_TARGET_CONFIGS:
+        return np.array(topologies.get_topology_desc(platform="cuda", topology_name=name, topology="1x1x1",
+                                                     target_config=GPU_TARGET_CONFIGS[name].read_text()).devices)
+    raise ValueError(f"--target={target!r}: expected tpu:<topology> or gpu:{{{','.join(GPU_TARGET_CONFIGS)}}}")
+
+
+@dataclasses.dataclass
+class Row:
+    """Costs of one compiled fwd+bwd; bytes in bytes, times in ms."""
+
+    name: str
+    flops: float
+    cost_bytes: float | None
+    hlo_bytes: float
+    temp_bytes: float
+    cycles: float
+    sparse_core_ops: int
+    params: int
+    ops: list[hlo_costs.Op] = dataclasses.field(repr=False)
+
+    def roofline_ms(self, chip: tuple[float, float], bytes_: float | None) -> float | None:
+        return None if bytes_ is None else 1e3 * max(self.flops / chip[0], bytes_ / chip[1])
+
+
+def moe_step(experts: int, dispatch: str, **layer_options):
+    layer = MoeLayer(num_experts=experts, num_selected_experts=2, d_ff=D_FF, dispatch=dispatch,
+                     per_expert_loop=False, train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
+                     dtype=jnp.bfloat16, **layer_options)
+    x = jax.ShapeDtypeStruct(TOKENS + (D_MODEL,), jnp.bfloat16)
+    params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
+
+    def apply(p, x):
+        return layer.apply({"params": p}, x, deterministic=False, mutable=["aux_loss", "moe_metrics"])[0]
+
+    return apply, params, x
+
+
+def dense_step(hidden: int):
+    x = jax.ShapeDtypeStruct(TOKENS + (D_MODEL,), jnp.bfloat16)
+    params = {"wi": jax.ShapeDtypeStruct((D_MODEL, hidden), jnp.float32),
+              "wo": jax.ShapeDtypeStruct((hidden, D_MODEL), jnp.float32)}
+
+    def apply(p, x):
+        return jnp.maximum(x @ p["wi"].astype(x.dtype), 0) @ p["wo"].astype(x.dtype)
+
+    return apply, params, x
+
+
+def compile_row(name: str, apply, params, x, mesh) -> Row:
+    def step(p, x, r):
+        return jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) * r), argnums=(0, 1))(p, x)
+
+    r = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step).lower(params, x, r).compile()
+    cost = compiled.cost_analysis() or {}
+    ops = hlo_costs.parse(compiled.as_text())
+    totals = hlo_costs.summary(ops)
+    return Row(name=name, flops=cost.get("flops", totals["flops"]), cost_bytes=cost.get("bytes accessed"),
+               hlo_bytes=totals["bytes"], temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+               cycles=totals["cycles"], sparse_core_ops=int(totals["sparse_core_ops"]),
+               params=sum(p.size for p in jax.tree.leaves(params)), ops=ops)
+
+
+def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str]) -> None:
+    """All-to-all traffic and overlap of the layer under expert parallelism over every
+    device of the target (mesh (1, N, 1)), N x 8 x 512 tokens (4096 per device), per
+    dispatch, plus the dropless layout (capacity = group); then whether a ragged all-to-all
+    (the exchange a dropless ``ragged_dot`` path needs) compiles for the target."""
+    n = devices.size
+    mesh = jax.sharding.Mesh(devices.reshape(1, n, 1), ("data", "expert", "model"))
+    print(f"\nexpert parallelism over {n} devices, mesh (1, {n}, 1), E = {experts}, {n} x 8 x 512 tokens")
+    print("| layer | all-to-alls | MiB sent per device per step | async (work between start and done) "
+          "| GFLOP overlapped | temp MiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    variants = [(d, {}) for d in dispatches] + [("sort", {"dropless": True})]
+    for dispatch, options in variants:
+        apply, params, x = moe_step(experts, dispatch, **options)
+        x = jax.ShapeDtypeStruct((n * TOKENS[0],) + x.shape[1:], x.dtype)
+        row = compile_row(dispatch, apply, params, x, mesh)
+        found = [c for c in hlo_costs.collectives(row.ops) if c.kind == "all-to-all"]
+        label = dispatch + (" dropless (padded to the group)" if options else "")
+        print(f"| {label} | {len(found)} | {sum(c.bytes for c in found) / MIB:.1f} | "
+              f"{sum(c.overlapped_ops > 0 for c in found)} of {len(found)} ({sum(c.overlapped_ops for c in found)} ops) | "
+              f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.temp_bytes / MIB:.1f} |", flush=True)
+    print(f"ragged all-to-all for this target: {ragged_all_to_all_check(mesh)}")
+
+
+def ragged_all_to_all_check(mesh) -> str:
+    """Compiles ``jax.lax.ragged_all_to_all`` of ``[4096, 768]`` bfloat16 rows per device
+    over the ``expert`` axis (XLA:CPU cannot) and says what the compiled program holds."""
+    n = mesh.shape["expert"]
+    spec = jax.sharding.PartitionSpec("expert")
+
+    def exchange(rows, sizes):
+        sizes = sizes.reshape(n)
+        offsets = jnp.cumsum(sizes) - sizes
+        received = jax.lax.all_to_all(sizes, "expert", 0, 0, tiled=True)
+        output_offsets = jax.lax.all_to_all(offsets, "expert", 0, 0, tiled=True)
+        return jax.lax.ragged_all_to_all(rows, jnp.zeros_like(rows), offsets, sizes, output_offsets, received,
+                                         axis_name="expert")
+
+    fn = jax.shard_map(exchange, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    rows = jax.ShapeDtypeStruct((n * 4096, D_MODEL), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((n * n,), jnp.int32)
+    try:
+        with jax.set_mesh(mesh):
+            text = jax.jit(fn).lower(rows, sizes).compile().as_text()
+    except Exception as error:  # report, do not fail the table  # noqa: BLE001
+        return f"does not compile ({str(error).splitlines()[0][:120]})"
+    found = [c for c in hlo_costs.collectives(hlo_costs.parse(text)) if c.kind == "ragged-all-to-all"]
+    return f"compiles ({len(found)} ragged-all-to-all op(s), {sum(c.bytes for c in found) / MIB:.1f} MiB of operands)"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or not b else f"{a / b:.2f}x"
+
+
+def _gib(b: float | None) -> str:
+    return "" if b is None else f"{b / GIB:.3f}"
+
+
+def print_ops(row: Row, count: int) -> None:
+    print(f"\n{row.name}: {count} largest operations by TPU estimated cycles (else HLO bytes)")
+    print("| op | cycles | HLO MiB | GFLOP | indexed | SparseCore | source |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for op in sorted(row.ops, key=lambda o: (-o.cycles, -o.bytes))[:count]:
+        indexed = ",".join(sorted(op.kinds & hlo_costs.INDEXED_KINDS))
+        print(f"| {op.name} | {op.cycles} | {op.bytes / MIB:.1f} | {op.flops / 1e9:.2f} | {indexed} | "
+              f"{'yes' if op.sparse_core_offload else ''} | {op.source[-70:]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="tpu:v5p:2x2x1", help="tpu:<topology> or gpu:h100")
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--dispatch", nargs="+", default=["auto", "sort", "einsum"])
+    parser.add_argument("--ops", type=int, default=0, help="list the N largest operations of each layer")
+    parser.add_argument("--json", type=pathlib.Path, help="write the table here")
+    parser.add_argument("--expert-parallel", type=int, default=0, metavar="E",
+                        help="also compile the layer with E experts split over all the target's devices")
+    args = parser.parse_args()
+
+    devices = target_devices(args.target)
+    device = devices.flat[0]
+    chip = CHIPS[device.device_kind]
+    mesh = jax.sharding.Mesh(devices.flat[:1].reshape(1, 1, 1), ("data", "expert", "model"))
+    print(f"target {args.target}: {device.device_kind} ({device.platform}), one device; peak "
+          f"{chip[0] / 1e12:.0f} TFLOP/s bf16, HBM {chip[1] / 1e12:.2f} TB/s; compiled from a CPU host "
+          f"(nothing ran on the target)")
+    print("| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB | roofline ms (cost / HLO bytes) "
+          "| vs dense (cost / HLO) | TPU est. cycles vs dense | floor vs dense | SparseCore ops |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    table = []
+    tokens = TOKENS[0] * TOKENS[1]
+    for experts in args.experts:
+        capacity = expert_capacity(tokens, experts, 2, 1.25, 4, "t5x")
+        hidden = D_FF * experts * capacity // tokens
+        rows = [compile_row(f"dense FFN (d_ff {hidden})", *dense_step(hidden), mesh)]
+        for dispatch in args.dispatch:
+            start = time.perf_counter()
+            rows.append(compile_row(dispatch, *moe_step(experts, dispatch), mesh))
+            rows[-1].name += f" (compile {time.perf_counter() - start:.0f} s)"
+        dense = rows[0]
+        for row in rows:
+            cost_ms, hlo_ms = row.roofline_ms(chip, row.cost_bytes), row.roofline_ms(chip, row.hlo_bytes)
+            dense_cost_ms, dense_hlo_ms = dense.roofline_ms(chip, dense.cost_bytes), dense.roofline_ms(chip, dense.hlo_bytes)
+            print(f"| {experts} | {row.name} | {row.flops / 1e9:.1f} | {_gib(row.cost_bytes)} | {_gib(row.hlo_bytes)} | "
+                  f"{row.temp_bytes / MIB:.1f} | {'' if cost_ms is None else f'{cost_ms:.3f}'} / {hlo_ms:.3f} | "
+                  f"{_ratio(cost_ms, dense_cost_ms)} / {_ratio(hlo_ms, dense_hlo_ms)} | "
+                  f"{_ratio(row.cycles or None, dense.cycles)} | "
+                  f"{_ratio(dense.hlo_bytes + 8 * (row.params - dense.params), dense.hlo_bytes)} | "
+                  f"{row.sparse_core_ops} |", flush=True)
+            table.append(dict(target=args.target, device=device.device_kind, experts=experts, layer=row.name,
+                              flops=row.flops, cost_bytes=row.cost_bytes, hlo_bytes=row.hlo_bytes,
+                              temp_bytes=row.temp_bytes, roofline_ms_cost=cost_ms, roofline_ms_hlo=hlo_ms,
+                              tpu_cycles=row.cycles, sparse_core_ops=row.sparse_core_ops))
+        if args.ops:
+            for row in rows:
+                print_ops(row, args.ops)
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1))
+    if args.expert_parallel:
+        expert_parallel_rows(devices, args.expert_parallel, args.dispatch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Per-operation costs read from an optimised (compiled) HLO module's text.
+
+``compiled.cost_analysis()`` gives one total per executable (and none at all for GPU
+executables compiled without a GPU); this module breaks a compiled step into the
+operations the device runs, so that the largest contributors can be named:
+
+* every *scheduled* instruction (the entry computation and the bodies of its ``while`` /
+  ``call`` / ``conditional`` / async calls), with the bytes of its operands and results as
+  laid out (``bf16[8,640,768]`` = 7.5 MiB): what a roofline model would charge it, one read
+  of each operand and one write of each result;
+* the TPU compiler's own time estimate of each instruction (``estimated_cycles`` in its
+  ``backend_config``), which models what a gather, scatter or sort really costs there;
+* dense FLOPs of matmuls (``dot``, ``convolution`` and cuBLAS / cuDNN GEMM custom calls)
+  inside each instruction;
+* flags for operations that ``cost_analysis()`` is known to over-count
+  (``sparse_core_offload``: an instruction run asynchronously on a TPU SparseCore, counted
+  by the TPU cost model as gigabytes for a scatter of kilobytes; see benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
+_NOT_WORK = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "after-all", "partition-id",
+             "replica-id")
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__triton_gemm")
+
+
+def shape_bytes(text: str) -> float:
+    """Bytes of every array shape written in ``text`` (``f32[8,512]`` = 16 KiB)."""
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(text):
+        total += math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+    return total
+
+
+def _dims(text: str) -> list[int]:
+    """Dimensions of the first array shape in ``text``."""
+    match = _SHAPE.search(text)
+    return [] if match is None else [int(d) for d in match.group(2).split(",") if d]
+
+
+@dataclasses.dataclass
+class Op:
+    """One instruction of the optimised module.
+
+    Attributes:
+      name / opcode: as in the HLO (``fusion.15``, ``fusion``).
+      source: the JAX ``op_name`` of its metadata (which part of the program it came from).
+      operand_bytes / output_bytes: bytes of its operands / results as laid out.
+      cycles: the TPU compiler's estimate (0 where the backend gives none).
+      flops: dense matmul FLOPs of the dots / convolutions / GEMM calls in it.
+      kinds: opcodes inside it (its fused computation's, for a fusion).
+      sparse_core_offload: it (or what it calls) runs on a TPU SparseCore.
+    """
+
+    name: str
+    opcode: str
+    source: str
+    operand_bytes: float
+    output_bytes: float
+    cycles: int
+    flops: float = 0.0
+    kinds: frozenset[str] = frozenset()
+    sparse_core_offload: bool = False
+    operands: tuple[str, ...] = ()
+
+    @property
+    def bytes(self) -> float:
+        return self.operand_bytes + self.output_bytes
+
+
+def _split_operands(rest: str) -> tuple[str, str]:
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        i += 1
+    return rest[:i - 1], rest[i:]
+
+
+# Larger "estimated_cycles" are sentinels (INT64_MAX for work handed to a SparseCore).
+_MAX_CYCLES = 1 << 40
+
+
+@dataclasses.dataclass(frozen=True)
+class _Line:
+    name: str
+    result_type: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+
+def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
+    """Dense FLOPs of a ``dot`` (2 x result elements x contracted size), a ``convolution``
+    (2 x result elements x kernel elements per output feature) or a GEMM custom call."""
+    out = math.prod(_dims(line.result_type))
+    lhs = _dims(types.get(line.operands[0], "")) if line.operands else []
+    if line.opcode == "convolution":
+        rhs = _dims(types.get(line.operands[1], "")) if len(line.operands) > 1 else []
+        labels = re.search(r"dim_labels=\w*_(\w+)->", line.attributes)
+        out_features = rhs[labels.group(1).index("o")] if labels and rhs and "o" in labels.group(1) else 1
+        groups = re.search(r"feature_group_count=(\d+)", line.attributes)
+        flops = 2.0 * out * math.prod(rhs) / out_features / (int(groups.group(1)) if groups else 1)
+        window = re.search(r"window=\{size=([0-9x]+)[^}]*lhs_dilate=", line.attributes)
+        if window:  # a batched matmul written as a base-dilated convolution: one tap per window
+            flops /= math.prod(int(d) for d in window.group(1).split("x"))
+        return flops
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line.attributes)
+    if not contracting or not lhs:
+        return 0.0
+    return 2.0 * out * math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+
+
+def parse(hlo_text: str) -> list[Op]:
+    """The scheduled instructions of ``hlo_text`` (``compiled.as_text()``), in order."""
+    computations: dict[str, list[_Line]] = {}
+    types: dict[str, dict[str, str]] = {}
+    entry, current = None, None
+    for text in hlo_text.splitlines():
+        if text.startswith("ENTRY") or (text.startswith("%") and text.rstrip().endswith("{")):
+            current = text.split()[1 if text.startswith("ENTRY") else 0].lstrip("%")
+            computations[current], types[current] = [], {}
+            entry = current if text.startswith("ENTRY") else entry
+            continue
+        if text.startswith("}"):
+            current = None
+            continue
+        match = _INSTRUCTION.match(text) if current else None
+        if match:
+            name, result_type, opcode, rest = match.groups()
+            operands, attributes = _split_operands(rest)
+            computations[current].append(_Line(name, result_type, opcode,
+                                               tuple(re.findall(r"%([\w.\-]+)", operands)), attributes))
+            types[current][name] = result_type
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    def inside(computation: str, seen: set[str]) -> tuple[set[str], float, bool]:
+        """Opcodes, matmul FLOPs and SparseCore use of ``computation`` and what it calls."""
+        kinds, flops, sparse = set(), 0.0, False
+        for line in computations.get(computation, []):
+            kinds.add(line.opcode)
+            if line.opcode in ("dot", "convolution"):
+                flops += _matmul_flops(line, types[computation])
+            sparse |= "sparsecore" in line.attributes
+            for called in _CALLED.findall(line.attributes):
+                if called not in seen:
+                    seen.add(called)
+                    k, f, s = inside(called, seen)
+                    kinds, flops, sparse = kinds | k, flops + f, sparse or s
+        return kinds, flops, sparse
+
+    scheduled, ops = [entry], []
+    for computation in scheduled:
+        for line in computations[computation]:
+            called = _CALLED.findall(line.attributes)
+            if line.opcode in ("while", "call", "conditional", "async-start", "call-start"):
+                scheduled.extend(c for c in called if c not in scheduled)
+            if line.opcode in _NOT_WORK:
+                continue
+            kinds, flops, sparse = {line.opcode}, 0.0, "sparsecore" in line.attributes
+            for c in called:
+                k, f, s = inside(c, {c})
+                kinds, flops, sparse = kinds | k, flops + f, sparse or s
+            target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
+            gemm = line.opcode == "custom-call" and target and target.group(1).startswith(_GEMM_TARGETS)
+            if line.opcode in ("dot", "convolution") or gemm:
+                flops += _matmul_flops(line, types[computation])
+            cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
+            source = re.search(r'op_name="([^"]*)"', line.attributes)
+            ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
+                          operand_bytes=sum(shape_bytes(types[computation].get(o, "")) for o in line.operands),
+                          output_bytes=shape_bytes(line.result_type),
+                          cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
+                          flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
+                          operands=line.operands))
+    return ops
+
+
+# Opcodes whose data movement depends on indices: a cost model may charge them for the
+# whole buffer they index into, or for tiles rather than rows.
+INDEXED_KINDS = frozenset({"gather", "scatter", "sort", "dynamic-slice", "dynamic-update-slice"})
+
+
+def summary(ops: list[Op]) -> dict[str, float]:
+    """Totals: ``bytes`` (one read per operand, one write per result, all scheduled ops),
+    ``flops`` (matmuls), ``cycles`` (TPU estimate), ``indexed_bytes`` (ops holding a gather,
+    scatter, sort or dynamic slice) and ``sparse_core_ops``."""
+    return {
+        "bytes": sum(op.bytes for op in ops),
+        "flops": sum(op.flops for op in ops),
+        "cycles": float(sum(op.cycles for op in ops)),
+        "indexed_bytes": sum(op.bytes for op in ops if op.kinds & INDEXED_KINDS),
+        "sparse_core_ops": float(sum(op.sparse_core_offload for op in ops)),
+    }
+
+
+def summary_of(ops: list[Op], source_contains: str) -> dict[str, float]:
+    """``summary`` of the operations whose JAX source names ``source_contains`` (e.g.
+    ``"MoeLayer"``: the MoE layers' share of a compiled train step)."""
+    return summary([op for op in ops if source_contains in op.source])
+
+
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
+               "collective-permute")
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective of the schedule: its kind, the bytes it sends (its operands), and the
+    work the schedule places between its start and its done (0 ops when it is synchronous)."""
+
+    kind: str
+    bytes: float
+    overlapped_ops: int
+    overlapped_flops: float
+
+
+def collectives(ops: list[Op]) -> list[Collective]:
+    """The collectives of ``ops`` (``parse`` order = the entry schedule) and their overlap."""
+    found = []
+    for i, op in enumerate(ops):
+        kind = next((c for c in COLLECTIVES if c in op.kinds), None)
+        if kind is None or op.opcode.endswith("-done"):
+            continue
+        done = i
+        if op.opcode.endswith("-start"):
+            done = next((j for j in range(i + 1, len(ops)) if op.name in ops[j].operands
+                         and ops[j].opcode.endswith("-done")), i)
+        between = [o for o in ops[i + 1:done] if o.flops > 0 or o.cycles > 0]
+        found.append(Collective(kind=kind, bytes=op.operand_bytes, overlapped_ops=len(between),
+                                overlapped_flops=sum(o.flops for o in between)))
+    return found

@@ -1,0 +1,374 @@
+"""`moe-jax export` / `moe-jax import`: a checkpoint to safetensors and back.
+
+    moe-jax export --checkpoint=MODEL_DIR[/STEP] --out=EXPORT_DIR [--gin_file=...]
+    moe-jax import --export=EXPORT_DIR --model_dir=NEW_MODEL_DIR [--gin_file=...]
+
+An export directory holds:
+
+* ``model.safetensors``: every parameter as one float array under a stable name close to
+  T5X/Flaxformer's (``encoder/layers_0/attention/query/kernel``,
+  ``decoder/layers_1/mlp/expert/wi_0/kernel``, ``token_embedder/embedding``; the map is
+  :data:`NAME_RULES`, documented in docs/training.md). Attention kernels are stored as
+  T5X stores them, 2-D: query/key/value ``[d_model, heads * head_dim]``, out
+  ``[heads * head_dim, d_model]``; expert kernels ``[experts, d_in, d_out]``.
+* ``config.json``: the architecture (``T5Config``), the routing settings (``MoeLayer``
+  and router mode), the vocabulary, the source checkpoint and step, and for every array
+  its shape, dtype and moe-jax parameter name.
+* ``config.gin``: the run's gin config (its ``MODEL_DIR/config.gin``), so that `import`
+  rebuilds the same model without any gin file.
+
+`import` reads an export into a new run directory: an orbax checkpoint at the export's step
+(parameters as exported, a fresh optimizer state) and the run's ``config.gin``, so that
+`eval`, `infer`, `analyze` and `train` (fine-tuning) use it like any run. The round trip
+gives bit-identical parameters. Gin: ``runs/export.gin`` (the model of both commands) is
+added to the run's config; ``--gin_file`` / ``--gin.NAME=VALUE`` override as elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+
+from moe_jax.train import distributed, gin_utils
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_JSON = "config.json"
+CONFIG_GIN = "config.gin"
+FORMAT = "moe-jax-export"
+FORMAT_VERSION = 1
+# Shapes the model is built with to list its parameters (parameter shapes do not depend on them).
+_PROBE_SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
+
+# (moe-jax parameter name pattern, exported name); first match wins. Names that match no
+# rule are exported unchanged.
+NAME_RULES: tuple[tuple[str, str], ...] = (
+    (r"encoder/layers_(\d+)/self_attention/pre_norm/scale", r"encoder/layers_\1/pre_attention_layer_norm/scale"),
+    (r"encoder/layers_(\d+)/self_attention/attention/(query|key|value|out)", r"encoder/layers_\1/attention/\2/kernel"),
+    (r"decoder/layers_(\d+)/self_attention/pre_norm/scale", r"decoder/layers_\1/pre_self_attention_layer_norm/scale"),
+    (r"decoder/layers_(\d+)/self_attention/attention/(query|key|value|out)", r"decoder/layers_\1/self_attention/\2/kernel"),
+    (r"decoder/layers_(\d+)/cross_attention/pre_norm/scale", r"decoder/layers_\1/pre_cross_attention_layer_norm/scale"),
+    (r"decoder/layers_(\d+)/cross_attention/attention/(query|key|value|out)", r"decoder/layers_\1/encoder_decoder_attention/\2/kernel"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/pre_norm/scale", r"\1/layers_\2/pre_mlp_layer_norm/scale"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/mlp/(wi|wi_\d+|wo)", r"\1/layers_\2/mlp/\3/kernel"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/expert/(wi|wi_\d+|wo)", r"\1/layers_\2/mlp/expert/\3/kernel"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/weights/w", r"\1/layers_\2/mlp/router/router_weights/w/kernel"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/(\w+)/w", r"\1/layers_\2/mlp/router/\3/w/kernel"),
+    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/(.+)", r"\1/layers_\2/mlp/\3"),
+    (r"encoder/final_norm/scale", r"encoder/encoder_norm/scale"),
+    (r"decoder/final_norm/scale", r"decoder/decoder_norm/scale"),
+    (r"decoder/logits_dense", r"decoder/logits_dense/kernel"),
+)
+_ATTENTION = re.compile(r"/(attention|self_attention|encoder_decoder_attention)/(query|key|value|out)/kernel$")
+
+
+class ExportError(ValueError):
+    """An export cannot be written or read; the message names the file, array or checkpoint."""
+
+
+def export_name(name: str) -> str:
+    """The exported name of moe-jax parameter ``name`` (``encoder/layers_0/...``)."""
+    for pattern, template in NAME_RULES:
+        if re.fullmatch(pattern, name):
+            return re.sub(f"^{pattern}$", template, name)
+    return name
+
+
+def name_map(param_names: list[str]) -> dict[str, str]:
+    """``{moe-jax name: exported name}``; refuses two parameters mapped to one name."""
+    mapping = {name: export_name(name) for name in param_names}
+    seen: dict[str, str] = {}
+    for name, exported in mapping.items():
+        if exported in seen:
+            raise ExportError(f"parameters {seen[exported]!r} and {name!r} would both be exported "
+                              f"as {exported!r}")
+        seen[exported] = name
+    return mapping
+
+
+def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """T5X's layout of an array of ``shape``: attention query/key/value ``[d, h, hd] ->
+    [d, h*hd]``, out ``[h, hd, d] -> [h*hd, d]``; every other shape unchanged."""
+    match = _ATTENTION.search(exported)
+    if match is None or len(shape) != 3:
+        return tuple(shape)
+    if match.group(2) == "out":
+        return (shape[0] * shape[1], shape[2])
+    return (shape[0], shape[1] * shape[2])
+
+
+def _flat(params) -> dict[str, Any]:
+    from moe_jax.train import checkpoints
+
+    return {checkpoints.path_name(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def arrays_for_export(params) -> dict[str, np.ndarray]:
+    """``{exported name: host array in T5X layout}`` of a parameter tree."""
+    flat = _flat(params)
+    mapping = name_map(list(flat))
+    return {mapping[name]: np.asarray(jax.device_get(leaf)).reshape(export_shape(mapping[name], leaf.shape))
+            for name, leaf in flat.items()}
+
+
+def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where: str):
+    """The parameter tree of ``abstract_params``'s structure filled from exported
+    ``arrays``, each reshaped back to the model's layout.
+
+    Raises:
+      ExportError: naming missing or extra arrays, or an array whose shape differs from the
+        one the gin config's model expects (both shapes named).
+    """
+    flat = _flat(abstract_params)
+    mapping = name_map(list(flat))
+    missing = sorted(mapping[n] for n in flat if mapping[n] not in arrays)
+    extra = sorted(set(arrays) - set(mapping.values()))
+    if missing or extra:
+        raise ExportError(f"{where} does not hold the gin config's model: "
+                          + (f"arrays the model needs but the export lacks: {missing[:8]}" if missing else "")
+                          + ("; " if missing and extra else "")
+                          + (f"arrays the model does not have: {extra[:8]}" if extra else ""))
+    leaves = []
+    for name, leaf in flat.items():
+        exported = mapping[name]
+        array = arrays[exported]
+        expected = export_shape(exported, leaf.shape)
+        if array.shape != expected:
+            raise ExportError(f"{where}: array {exported!r} has shape {list(array.shape)} in the "
+                              f"export but {list(expected)} in the gin config's model "
+                              f"(moe-jax parameter {name})")
+        leaves.append(array.reshape(leaf.shape).astype(leaf.dtype, copy=False))
+    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+def routing_settings() -> dict[str, Any]:
+    """``MoeLayer``'s fields as gin binds them, and the router mode (learned/frozen)."""
+    from moe_jax.moe import freeze
+    from moe_jax.moe.layer import MoeLayer
+
+    fields = {f.name: f.default for f in dataclasses.fields(MoeLayer)
+              if f.init and f.name not in ("parent", "name")
+              and f.default is not dataclasses.MISSING}
+    fields.update(gin.get_bindings(MoeLayer))
+    return {"moe_layer": _jsonable(fields), "router_mode": freeze.router_mode()}
+
+
+def architecture(model) -> dict[str, Any]:
+    """The network's ``T5Config`` and the vocabulary it was trained with."""
+    vocabulary = model.vocabulary
+    return {"t5_config": _jsonable(dataclasses.asdict(model.module.config)),
+            "vocabulary": {"size": model.vocab_size, "eos_id": model.eos_id,
+                           "type": type(vocabulary).__name__,
+                           "path": getattr(vocabulary, "sentencepiece_model_file",
+                                           getattr(vocabulary, "path", None))}}
+
+
+@gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir", "config_gin"])
+def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None = None, *,
+                      model: Any = gin.REQUIRED) -> dict[str, Any]:
+    """Writes the export of ``checkpoint_path`` (``MODEL_DIR``, ``MODEL_DIR/STEP``) to
+    ``out_dir``; returns the ``config.json`` content.
+
+    Raises:
+      ExportError: the checkpoint cannot be read (names it and the cause).
+    """
+    from safetensors.numpy import save_file
+
+    from moe_jax.train import checkpoints, setup
+
+    abstract = setup.abstract_params(model, _PROBE_SHAPES)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    try:
+        params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
+    except (FileNotFoundError, checkpoints.CheckpointMismatchError):
+        raise
+    except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ExportError(f"cannot read the checkpoint at {checkpoint_path!r}: "
+                          f"{type(err).__name__}: {first}") from err
+    arrays = arrays_for_export(params)
+    names = {v: k for k, v in name_map(list(_flat(params))).items()}
+    config = {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "source_checkpoint": os.path.abspath(checkpoint_path) if "://" not in checkpoint_path else checkpoint_path,
+        "step": step, **architecture(model), "routing": routing_settings(),
+        "num_parameters": int(sum(a.size for a in arrays.values())),
+        "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
+                   for name, a in sorted(arrays.items())},
+    }
+    if jax.process_index() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(arrays, os.path.join(out_dir, WEIGHTS_FILE),
+                  metadata={"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)})
+        with open(os.path.join(out_dir, CONFIG_JSON), "w") as f:
+            json.dump(config, f, indent=1)
+        gin_path = os.path.join(out_dir, CONFIG_GIN)
+        if config_gin:
+            shutil.copyfile(config_gin, gin_path)
+        else:
+            with open(gin_path, "w") as f:
+                f.write(gin_utils.operative_config())
+    return config
+
+
+def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The arrays and ``config.json`` of an export directory.
+
+    Raises:
+      ExportError: naming the file that is missing or not an export.
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    weights, config_path = os.path.join(export_dir, WEIGHTS_FILE), os.path.join(export_dir, CONFIG_JSON)
+    for path in (weights, config_path):
+        if not os.path.isfile(path):
+            raise ExportError(f"--export={export_dir}: {path} does not exist (not an export directory?)")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+        arrays = load_file(weights)
+    except (json.JSONDecodeError, SafetensorError, OSError) as err:
+        raise ExportError(f"--export={export_dir}: cannot read {err}") from None
+    if config.get("format") != FORMAT:
+        raise ExportError(f"{config_path} is not a {FORMAT} config (format {config.get('format')!r})")
+    return arrays, config
+
+
+@gin.configurable(module="export_script", denylist=["export_dir", "model_dir"])
+def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
+                  random_seed: int = 0) -> int:
+    """Writes an orbax checkpoint of the export's parameters (at its step, with a fresh
+    optimizer state and RNG from ``random_seed``) into ``model_dir``; returns the step.
+
+    Raises:
+      ExportError: the export is unreadable or does not fit the gin config's model.
+    """
+    from moe_jax.train import checkpoints, setup, train_state
+
+    arrays, config = read_export(export_dir)
+    step = int(config.get("step", 0))
+    run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
+    host_params = params_from_export(arrays, run.abstract_state.params,
+                                     os.path.join(export_dir, WEIGHTS_FILE))
+    checkpoints.ensure_writable(model_dir)  # only once the export fits the model
+    params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
+                          host_params, run.shardings.params)
+    with jax.set_mesh(run.ctx.mesh):
+        opt_state = jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(params)
+    rng = jax.random.split(jax.random.PRNGKey(random_seed))[1]  # as a fresh run's
+    state = train_state.TrainState(
+        step=jax.device_put(np.int32(step), run.shardings.step), params=params,
+        opt_state=opt_state, rng=jax.device_put(rng, run.shardings.rng))
+    ckpt = checkpoints.Checkpointer(model_dir, async_save=False)
+    try:
+        if step in ckpt.all_steps():
+            raise ExportError(f"{model_dir} already has a checkpoint at step {step}")
+        ckpt.save(state, {"data_iterators": [], "random_seed": random_seed,
+                          "imported_from": os.path.abspath(export_dir)}, force=True)
+        ckpt.wait_until_finished()
+    finally:
+        ckpt.close()
+    return step
+
+
+def _run_config_for_import(export_dir: str, model_dir: str) -> str:
+    """The export's ``config.gin`` with ``MODEL_DIR`` pointing at the new run directory."""
+    with open(os.path.join(export_dir, CONFIG_GIN)) as f:
+        text = f.read()
+    return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
+
+
+def _reporting_errors(command: str, fn, args) -> tuple[int, Any]:
+    """``(0, fn(args))``, or ``(1, None)`` once an expected error is printed as one line."""
+    try:
+        return 0, fn(args)
+    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
+        print(f"moe-jax {command}: error: {err}", file=sys.stderr)
+        return 1, None
+
+
+def _export(args) -> dict[str, Any]:
+    from moe_jax.train import checkpoints
+
+    distributed.initialize(args)
+    run_files = gin_utils.run_gin_files(args.checkpoint, ["runs/export.gin"], args.gin_file,
+                                        command="moe-jax export")
+    config = gin_utils.run_config_path(checkpoints.split_checkpoint_path(args.checkpoint)[0])
+    config = config if config in run_files else None  # copied into the export as it is
+    args.gin_file = run_files
+    gin_utils.parse_gin(args)
+    return export_checkpoint(args.checkpoint, args.out, config)
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    from moe_jax.train import setup
+
+    parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR[/STEP]",
+                        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the export directory")
+    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    rc, result = _reporting_errors("export", _export, args)
+    if rc:
+        return rc
+    print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
+          f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def _import(args) -> int:
+    distributed.initialize(args)
+    exported_gin = os.path.join(args.export, CONFIG_GIN)
+    use_export_config = not args.gin_file and os.path.isfile(exported_gin)
+    if not args.gin_file and not use_export_config:
+        raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
+                          "files with --gin_file")
+    config_text = None
+    if use_export_config:
+        config_text = _run_config_for_import(args.export, args.model_dir)
+        args.gin_file = [exported_gin]
+    args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
+    gin_utils.parse_gin(args)
+    step = import_export(args.export, args.model_dir)
+    if jax.process_index() == 0:
+        with open(os.path.join(args.model_dir, CONFIG_GIN), "w") as f:
+            f.write(config_text if config_text is not None else gin_utils.operative_config())
+    return step
+
+
+def import_main(argv: list[str] | None = None) -> int:
+    from moe_jax.train import setup
+
+    parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
+    parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
+    parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
+    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    rc, step = _reporting_errors("import", _import, args)
+    if rc:
+        return rc
+    print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,
+          flush=True)
+    return 0
