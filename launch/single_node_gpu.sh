@@ -8,4 +8,5 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/common.sh"
 if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
 [ $# -gt 0 ] || die "no train flags (at least --gin_file=...)"
-run "$here/../.venv/bin/moe-jax" train --gin_file=meshes/gpu_8x_h100.gin "$@"
+# the mesh file goes last: its bfloat16 ACTIVATION_DTYPE must follow the model files
+run "$here/../.venv/bin/moe-jax" train "$@" --gin_file=meshes/gpu_8x_h100.gin

@@ -4,11 +4,15 @@ Each subcommand lives in its own module and exposes ``main(argv: list[str]) -> i
 the function named after a colon: ``module:function``).
 Modules are imported lazily so that `moe-jax --help` and the synthetic laboratory do not
 pay for importing TensorFlow/seqio.
+
+This is the one place that turns the project's expected errors (:mod:`moe_jax.errors`)
+into one line ``moe-jax <command>: error: ...`` and an exit code, for every command.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Collection
 
@@ -49,11 +53,79 @@ def split_command(argv: list[str], known: Collection[str], prog: str, usage: str
     return argv[0], argv[1:]
 
 
+# TensorFlow (the data pipeline's) prints C++ log lines at import (the oneDNN notice, "Could
+# not find cuda drivers", a CPU-features notice) and a cuInit error on a machine without a
+# GPU: they read as faults to a new user. Commands that read data import it quietly first
+# (its output hidden) and hide GPUs from it (data runs on the host; JAX owns accelerators),
+# as T5X and MaxText do. Set TF_CPP_MIN_LOG_LEVEL yourself (e.g. 0) to see those lines.
+QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+NO_TENSORFLOW = frozenset({"synthetic", "sweep"})  # commands that never import it
+
+# Library errors that, reaching a command's top, mean bad input rather than a bug: gin's
+# and seqio's configuration checks raise ValueError; a missing or unreadable file the user
+# named raises one of these OSErrors (its message names the file).
+EXPECTED_LIBRARY_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                           PermissionError, UnicodeDecodeError)
+
+
+def quiet_startup(command: str, argv: list[str]) -> None:
+    """Unless the user set ``TF_CPP_MIN_LOG_LEVEL``: sets :data:`QUIET_ENV` and, for a
+    command that reads data, imports TensorFlow with file descriptor 2 pointed at
+    /dev/null and makes it see no GPU."""
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        return
+    os.environ.update(QUIET_ENV)
+    if command in NO_TENSORFLOW or "tensorflow" in sys.modules or {"-h", "--help"} & set(argv):
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        try:
+            import tensorflow as tf
+        except ImportError:
+            return  # reported, with its message, where the command imports it
+        tf.config.set_visible_devices([], "GPU")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def error_message(err: BaseException) -> str:
+    """What the user sees of an expected error: a UserError's or a short ValueError's own
+    message (without gin's "In call to configurable" context lines), else its first line."""
+    from moe_jax import errors
+
+    lines = [line for line in str(err).rstrip().splitlines()
+             if not line.lstrip().startswith("In call to configurable")]
+    text = "\n".join(lines)
+    if isinstance(err, errors.UserError) or (isinstance(err, ValueError) and len(text) < 1000):
+        return text
+    return errors.one_line(err)
+
+
+def run_command(name: str, module_main, argv: list[str]) -> int:
+    """``module_main(argv)``'s exit code; an expected error becomes one line on stderr and
+    its exit code (``MOE_JAX_TRACEBACK=1`` re-raises it for the traceback)."""
+    from moe_jax import errors
+
+    try:
+        return int(module_main(argv) or 0)
+    except (errors.UserError, *EXPECTED_LIBRARY_ERRORS) as err:
+        if os.environ.get("MOE_JAX_TRACEBACK"):
+            raise
+        print(f"moe-jax {name}: error: {error_message(err)}", file=sys.stderr, flush=True)
+        return getattr(err, "exit_code", errors.EXIT_USER_ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     picked = split_command(list(sys.argv[1:] if argv is None else argv), SUBCOMMANDS, "moe-jax", _usage())
     if isinstance(picked, int):
         return picked
     name, rest = picked
+    quiet_startup(name, rest)
     module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -62,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return int(getattr(module, function or "main")(rest) or 0)
+    return run_command(name, getattr(module, function or "main"), rest)
 
 
 if __name__ == "__main__":

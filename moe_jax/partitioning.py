@@ -35,6 +35,7 @@ KNOWN_LOGICAL_AXES: frozenset[str] = frozenset(
 def standard_logical_axis_rules(
     expert_parallel: bool = True,
     tensor_parallel: bool = True,
+    fsdp: bool = False,
     additional_rules: LogicalRules = (),
 ) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """T5X-like default rules for a (data, expert, model) mesh.
@@ -44,19 +45,33 @@ def standard_logical_axis_rules(
     expert weights shard their leading ``expert`` axis over ``expert``; ``mlp``, ``heads``,
     ``joined_kv`` and ``vocab`` go over ``model`` (Megatron-style tensor parallelism).
     Rules listed in ``additional_rules`` take precedence (first match wins).
+
+    ``fsdp=True`` (gin: ``standard_logical_axis_rules.fsdp = True``) also shards every
+    parameter's ``embed`` dimension over the batch's mesh axes (``data`` x ``expert``;
+    for expert weights, whose ``expert`` dimension already holds the ``expert`` axis, over
+    ``data`` alone), ZeRO-3 / FSDP style: each device keeps 1/N of the weights and of the
+    optimizer state (which follows the parameters, see ``train_state.state_shardings``),
+    XLA all-gathers a weight where it is used and reduce-scatters its gradient. Activations
+    are unaffected: their ``batch`` rule comes first and takes those mesh axes, so their
+    ``embed`` falls through to replicated. ``d_model`` must divide by the axes' size.
     """
     model = "model" if tensor_parallel else None
+    batch_axes = ("data", "expert") if expert_parallel else "data"
     rules: list[tuple[str, str | tuple[str, ...] | None]] = list(additional_rules)
     rules += [
-        ("batch", ("data", "expert") if expert_parallel else "data"),
+        ("batch", batch_axes),
         ("expert", "expert" if expert_parallel else None),
-        ("expert_group", ("data", "expert") if expert_parallel else "data"),
+        ("expert_group", batch_axes),
         ("vocab", model),
         ("mlp", model),
         ("expert_mlp", model),
         ("heads", model),
         ("joined_kv", model),
         ("kv", None),
+    ]
+    if fsdp:  # after "batch" and "expert": a rule whose mesh axes are taken is skipped
+        rules += [("embed", batch_axes), ("embed", "data")]
+    rules += [
         ("embed", None),
         ("length", None),
         ("relpos_buckets", None),
@@ -64,7 +79,7 @@ def standard_logical_axis_rules(
         ("unmodeled", None),
         ("layers", None),
         ("stack", None),
-        ("cache_batch", ("data", "expert") if expert_parallel else "data"),
+        ("cache_batch", batch_axes),
         ("cache_heads", model),
         ("cache_kv", None),
         ("cache_length", None),

@@ -52,14 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="output directory (default: MODEL_DIR/analysis)")
     args = gin_utils.parse_flags(parser, rest)
-    try:
-        args.gin_file = gin_utils.run_gin_files(
-            args.checkpoint, [str(DEFAULTS_DIR / f"{analysis}.gin")], args.gin_file,
-            extend_run_config=True, command=f"moe-jax analyze {analysis}")
-        distributed.initialize(args)
-        gin_utils.parse_gin(args)
-        module.analyze(args.checkpoint, args.out)
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax analyze: error: {err}", file=sys.stderr)
-        return 1
+    args.gin_file = gin_utils.run_gin_files(
+        args.checkpoint, [str(DEFAULTS_DIR / f"{analysis}.gin")], args.gin_file,
+        extend_run_config=True, command=f"moe-jax analyze {analysis}")
+    distributed.initialize(args)
+    gin_utils.parse_gin(args)
+    module.analyze(args.checkpoint, args.out)
     return 0

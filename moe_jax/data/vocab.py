@@ -23,6 +23,8 @@ import gin
 import seqio
 import tensorflow as tf
 
+from moe_jax.errors import InputFileError
+
 EMBEDDED_SPM = pathlib.Path(__file__).resolve().parent / "embedded" / "udhr_spm.model"
 MT5_SPM = "gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model"
 KINDS = ("embedded", "sentencepiece", "byte")
@@ -43,7 +45,7 @@ def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
         raise ValueError("get_vocabulary.kind='sentencepiece' needs get_vocabulary.path "
                          f"(e.g. {MT5_SPM!r})")
     if not tf.io.gfile.exists(path):
-        raise FileNotFoundError(f"SentencePiece model not found: get_vocabulary.path={path!r} "
+        raise InputFileError(f"SentencePiece model not found: get_vocabulary.path={path!r} "
                                 f"(kind={kind!r})")
     return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import flax.linen as nn
 import gin
+import jax
 import jax.numpy as jnp
 
 from moe_jax.models.attention import (
@@ -31,6 +32,20 @@ from moe_jax.models.relative_position import RelativePositionBiases
 
 SPARSE_LAYOUTS = ("bottom", "middle", "top", "mixed")
 SPARSE_LAYER_TYPES = ("moe", "dense")
+
+# What each layer keeps for the backward pass (``T5Config.remat_policy``); anything not kept
+# is recomputed from the layer's input. ``None``: no rematerialisation (keep everything).
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    # keep only each layer's input: the whole layer runs twice (least memory)
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # keep the outputs of matmuls without batch dimensions (the projections: q/k/v/o,
+    # MLP in/out, logits); recompute attention scores, softmax, norms, MoE dispatch and
+    # the experts' per-expert (batched) matmuls. MaxText's 'minimal'.
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep every matmul output, the experts' and attention's batched ones included
+    "dots": jax.checkpoint_policies.dots_saveable,
+}
 
 
 def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple[int, ...]:
@@ -91,6 +106,9 @@ class T5Config:
         by its own gin bindings); ``'dense'`` puts a dense MLP of width
         ``flop_matched_mlp_dim`` there (the FLOP-matched dense baseline).
       flop_matched_mlp_dim: d_ff of those dense layers (top-k routing: ``k * mlp_dim``).
+      remat_policy: activation checkpointing of each encoder/decoder layer (one of
+        :data:`REMAT_POLICIES`: ``'none'``, ``'full'``, ``'minimal'``, ``'dots'``); the
+        loss and gradients are the same, the backward pass recomputes what was not kept.
     """
 
     vocab_size: int = 32128
@@ -113,6 +131,7 @@ class T5Config:
     sparse_layout: str = "mixed"
     sparse_layer_type: str = "moe"
     flop_matched_mlp_dim: int | None = None
+    remat_policy: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim",
@@ -129,6 +148,9 @@ class T5Config:
                              f"of {SPARSE_LAYER_TYPES}")
         if self.sparse_layer_type == "dense" and not self.flop_matched_mlp_dim:
             raise ValueError("T5Config.sparse_layer_type='dense' needs flop_matched_mlp_dim")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"T5Config.remat_policy={self.remat_policy!r} is not one of "
+                             f"{tuple(REMAT_POLICIES)}")
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
         self.sparse_layers("encoder")  # validates layout and counts early
         self.sparse_layers("decoder")
@@ -236,13 +258,16 @@ class FeedForwardBlock(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """Bidirectional self-attention block then feed-forward block."""
+    """Bidirectional self-attention block then feed-forward block.
+
+    Arguments are positional so that :func:`remat_layer` can mark ``deterministic`` static.
+    """
 
     config: T5Config
     sparse: bool = False
 
     @nn.compact
-    def __call__(self, x, mask, bias, *, token_ids, padding_mask, deterministic: bool) -> jnp.ndarray:
+    def __call__(self, x, mask, bias, token_ids, padding_mask, deterministic: bool) -> jnp.ndarray:
         """``[batch, length, d_model] -> [batch, length, d_model]``; ``mask [batch, 1, L, L]``."""
         x = AttentionBlock(self.config, name="self_attention")(x, None, mask, bias, deterministic=deterministic)
         return FeedForwardBlock(self.config, self.sparse, is_decoder=False, name="ffn")(
@@ -250,13 +275,17 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Causal self-attention block, cross-attention block, then feed-forward block."""
+    """Causal self-attention block, cross-attention block, then feed-forward block.
+
+    Arguments are positional so that :func:`remat_layer` can mark ``deterministic`` and
+    ``decode`` static.
+    """
 
     config: T5Config
     sparse: bool = False
 
     @nn.compact
-    def __call__(self, x, encoded, self_mask, cross_mask, bias, *, token_ids, padding_mask,
+    def __call__(self, x, encoded, self_mask, cross_mask, bias, token_ids, padding_mask,
                  deterministic: bool, decode: bool = False) -> jnp.ndarray:
         """``x [batch, Ld, d_model]``, ``encoded [batch, Le, d_model]`` -> ``[batch, Ld, d_model]``."""
         x = AttentionBlock(self.config, name="self_attention")(
@@ -265,6 +294,17 @@ class DecoderLayer(nn.Module):
             x, encoded, cross_mask, None, deterministic=deterministic)
         return FeedForwardBlock(self.config, self.sparse, is_decoder=True, name="ffn")(
             x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+
+
+def remat_layer(layer_cls: type[nn.Module], config: T5Config, static_argnums: tuple[int, ...],
+                decode: bool = False) -> type[nn.Module]:
+    """``layer_cls`` wrapped in ``nn.remat`` with the config's policy (unchanged for
+    ``'none'`` and when decoding: no backward pass). ``static_argnums`` count ``self`` as 0.
+    Parameter names and shapes do not change."""
+    if config.remat_policy == "none" or decode:
+        return layer_cls
+    return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy],
+                    static_argnums=static_argnums)
 
 
 def _embed_inputs(embedder: Embed, tokens: jnp.ndarray, rate: float, deterministic: bool) -> jnp.ndarray:
@@ -297,9 +337,10 @@ class Encoder(nn.Module):
             dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="relpos_bias",
         )(length, length, bidirectional=True)
         sparse = cfg.sparse_layers("encoder")
+        layer_cls = remat_layer(EncoderLayer, cfg, static_argnums=(6,))
         for i in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg, sparse=i in sparse, name=f"layers_{i}")(
-                x, mask, bias, token_ids=tokens, padding_mask=tokens > 0, deterministic=deterministic)
+            x = layer_cls(cfg, sparse=i in sparse, name=f"layers_{i}")(
+                x, mask, bias, tokens, tokens > 0, deterministic)
         return _final_norm(cfg, x, deterministic)
 
 
@@ -335,10 +376,10 @@ class Decoder(nn.Module):
             dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="relpos_bias",
         )(length, length, bidirectional=False)
         sparse = cfg.sparse_layers("decoder")
+        layer_cls = remat_layer(DecoderLayer, cfg, static_argnums=(8, 9), decode=decode)
         for i in range(cfg.num_decoder_layers):
-            x = DecoderLayer(cfg, sparse=i in sparse, name=f"layers_{i}")(
-                x, encoded, self_mask, cross_mask, bias, token_ids=tokens, padding_mask=padding_mask,
-                deterministic=deterministic, decode=decode)
+            x = layer_cls(cfg, sparse=i in sparse, name=f"layers_{i}")(
+                x, encoded, self_mask, cross_mask, bias, tokens, padding_mask, deterministic, decode)
         x = _final_norm(cfg, x, deterministic)
         if cfg.logits_via_embedding:
             logits = self.shared_embedding.attend(x) / jnp.sqrt(jnp.asarray(cfg.emb_dim, x.dtype))

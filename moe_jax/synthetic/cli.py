@@ -1,7 +1,10 @@
-"""`moe-jax synthetic <experiment> [--preset quick|paper] [--seed N | --seeds 0,1,2] [--out DIR]`.
+"""`moe-jax synthetic <experiment> [--preset quick|converged|paper] [--seed N | --seeds 0,1,2] [--out DIR]`.
 
 Regenerates one synthetic result of the paper (or `all` of the suite) into ``--out``:
-``<name>.json`` (numbers), ``<name>.csv`` (one row per run) and ``<name>.png``.
+``<name>.json`` (numbers), ``<name>.csv`` (one row per run) and ``<name>.png``, and prints
+its results table. `moe-jax synthetic list` describes the experiments;
+`moe-jax synthetic report --results DIR [--quick DIR]` writes the fidelity table
+(``report.md``, ``report.png``) of a folder of results.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import sys
 import time
 
 from moe_jax.synthetic.experiments import EXPERIMENTS, SUITE, load
-from moe_jax.synthetic.experiments.common import PRESETS
+from moe_jax.synthetic.experiments.common import PRESETS, console_table
 
-DEFAULT_SEEDS = {"quick": [0, 1], "paper": [0, 1, 2]}
+DEFAULT_SEEDS = {"quick": [0, 1], "converged": [0, 1, 2], "paper": [0, 1, 2]}
 
 
 def _seeds(text: str) -> list[int]:
@@ -31,40 +34,65 @@ def _seeds(text: str) -> list[int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax synthetic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("experiment", help=f"one of: {', '.join(EXPERIMENTS)}, or 'all' (the suite without cifar100), or 'list'")
-    p.add_argument("--preset", default="quick", help="quick (CPU minutes) or paper (the paper's sizes)")
+    p.add_argument("experiment", help=f"one of: {', '.join(EXPERIMENTS)}, or 'all' (the suite without cifar100), 'list' or 'report'")
+    p.add_argument("--preset", default="quick", help="quick (CPU minutes), converged (trained until the loss stops moving, docs/synthetic.md) or paper (the paper's sizes)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--seed", type=int, help="a single seed")
     group.add_argument("--seeds", type=_seeds, help="comma-separated seeds, e.g. 0,1,2 (vmapped in one jit)")
-    p.add_argument("--out", default="results/synthetic", help="output directory (default: results/synthetic)")
+    p.add_argument("--out", default=None, help="output directory (default: results/synthetic; for report: the --results folder)")
+    p.add_argument("--results", default=None, help="report: the folder of <experiment>.json files to judge")
+    p.add_argument("--quick", default=None, help="report: a folder of quick-preset results for the 'quick' column (optional)")
     return p
+
+
+def report(args: argparse.Namespace) -> int:
+    from moe_jax.synthetic import report as fidelity
+
+    if args.results is None:
+        print("moe-jax synthetic report: --results DIR is required", file=sys.stderr)
+        return 2
+    results = pathlib.Path(args.results)
+    if not results.is_dir():
+        print(f"moe-jax synthetic report: --results {results} is not a folder", file=sys.stderr)
+        return 1
+    quick = pathlib.Path(args.quick) if args.quick else None
+    paths, missing = fidelity.write(results, quick, pathlib.Path(args.out) if args.out else results)
+    for name in missing:
+        print(f"moe-jax synthetic report: {results / (name + '.json')} is missing; its rows are left out", file=sys.stderr)
+    print(pathlib.Path(paths["md"]).read_text())
+    print(f"wrote {paths['md']} and {paths['png']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.experiment == "list":
+        width = max(map(len, EXPERIMENTS))
         for name in EXPERIMENTS:
-            print(name)
+            print(f"{name:<{width}}  {load(name).description}")
         return 0
+    if args.experiment == "report":
+        return report(args)
     if args.preset not in PRESETS:
         print(f"moe-jax synthetic: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     names = list(SUITE) if args.experiment == "all" else [args.experiment]
     if args.experiment != "all" and args.experiment not in EXPERIMENTS:
-        print(f"moe-jax synthetic: unknown experiment {args.experiment!r}; choose one of {', '.join(EXPERIMENTS)}, all, list", file=sys.stderr)
+        print(f"moe-jax synthetic: unknown experiment {args.experiment!r}; choose one of {', '.join(EXPERIMENTS)}, all, list, report", file=sys.stderr)
         return 2
     seeds = [args.seed] if args.seed is not None else (args.seeds or DEFAULT_SEEDS[args.preset])
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         import jax
 
         jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(".cache/jax").resolve()))
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out or "results/synthetic")
     timings = {}
     for name in names:
         experiment = load(name)
         start = time.perf_counter()
         result = experiment.run(dict(experiment.presets[args.preset]), seeds, out)
         timings[name] = time.perf_counter() - start
+        print(f"\n{name} ({args.preset}, seeds {','.join(map(str, seeds))}):\n{console_table(result)}")
         print(f"{name}: {timings[name]:.1f}s -> {result['files']['json']}", flush=True)
     if len(names) > 1:
         print(json.dumps({"total_s": round(sum(timings.values()), 1), "per_experiment_s": {k: round(v, 1) for k, v in timings.items()}}))

@@ -2,6 +2,7 @@
 
 import sys
 
-from moe_jax.train.train import main
+from moe_jax.cli import main
 
-sys.exit(main(sys.argv[1:]))
+sys.argv[1:1] = ["train"]
+sys.exit(main())

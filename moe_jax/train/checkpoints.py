@@ -14,26 +14,70 @@ Saves are asynchronous (training continues while the arrays are written) every
 name and renames it when complete, so a step half-written by a killed process is never
 listed: restoring takes the previous one. Restore targets carry the *current* mesh's
 shardings, so a checkpoint saved from any mesh shape restores onto any other.
+
+Faults (docs/training.md, "Reliability"):
+  * Once a step is finalized, process 0 writes ``<step>/{INTEGRITY_FILE}`` (every file's
+    size in bytes; local directories only). Before restoring, the sizes are checked;
+    a missing or truncated file, or any error while reading, raises
+    :class:`UnreadableCheckpointError` naming the step, the file and the cause in one line.
+    `train` then moves the step aside to ``MODEL_DIR/unreadable_checkpoints/<step>`` (never
+    deletes it) and falls back to the newest readable step (:func:`restore_latest_readable`).
+  * A failed save (disk full, quota, permission) raises :class:`~moe_jax.errors.WriteFailedError`
+    naming ``MODEL_DIR``, the step, the cause and the last good checkpoint, at the save that
+    follows it or at the next :meth:`Checkpointer.check_for_errors`; the step's partial
+    temporary directory is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import json
+import logging
 import os
 import pathlib
+import re
+import shutil
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from moe_jax import errors
 from moe_jax.train.train_state import TrainState
 
 PyTree = Any
 
+INTEGRITY_FILE = "moe_jax_files.json"
+UNREADABLE_DIR = "unreadable_checkpoints"
+# Causes of a failed write, as the OS words them (found inside library error messages).
+_WRITE_CAUSES = tuple(os.strerror(code) for code in (
+    errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EIO))
+_FILE_IN_MESSAGE = re.compile(r'(?:local file|file) "([^"]+)"')
 
-class CheckpointMismatchError(ValueError):
+
+class CheckpointMismatchError(errors.CheckpointError, ValueError):
     """A checkpoint does not fit the configured model; the message names the parameters."""
+
+
+class MissingCheckpointError(errors.CheckpointError, FileNotFoundError):
+    """No checkpoint (or not the asked-for step) at a path the user named."""
+
+
+class UnwritableModelDirError(errors.UserError, PermissionError):
+    """``MODEL_DIR`` cannot be written (found before anything is built)."""
+
+
+class UnreadableCheckpointError(errors.CheckpointError):
+    """A checkpoint's files are missing, truncated or unreadable; names step, file and cause."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 def param_shapes(params: PyTree) -> dict[str, list[int]]:
@@ -75,7 +119,17 @@ def ensure_writable(model_dir: str) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise PermissionError(f"MODEL_DIR={model_dir!r} is not writable ({err.strerror or err})") from None
+        raise UnwritableModelDirError(f"MODEL_DIR={model_dir!r} is not writable ({err.strerror or err})") from None
+
+
+def reached_step(model_dir: str) -> int | None:
+    """The newest finished checkpoint step of a local ``MODEL_DIR`` (None: none, or remote),
+    read from the directory names without creating anything."""
+    directory = os.path.join(model_dir, "checkpoints")
+    if "://" in model_dir or not os.path.isdir(directory):
+        return None
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    return max(steps, default=None)
 
 
 def split_checkpoint_path(path: str) -> tuple[str, int | None]:
@@ -96,18 +150,56 @@ def _train_item(state: TrainState) -> dict[str, Any]:
     return item
 
 
+class _OrbaxErrorFilter(logging.Filter):
+    """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
+    writer threads): :class:`Checkpointer` raises each failure as one line naming the step
+    and cause instead. ``MOE_JAX_TRACEBACK=1`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+                or bool(os.environ.get("MOE_JAX_TRACEBACK")))
+
+
+_ORBAX_ERRORS = _OrbaxErrorFilter()
+
+
+def _quiet_closed_loop_hook(previous):
+    """``sys.unraisablehook`` that drops asyncio's "Event loop is closed" RuntimeError:
+    after a failed read or write, TensorStore's pending callbacks reach an orbax event loop
+    that was already closed and report it as unraisable, once per callback (hundreds of
+    tracebacks for one full disk); the failure itself is reported as one line."""
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if (type(value) is RuntimeError and str(value) == "Event loop is closed"
+                and not os.environ.get("MOE_JAX_TRACEBACK")):
+            return
+        previous(unraisable)
+
+    hook.moe_jax_quiet = True
+    return hook
+
+
+def _install_quiet_hooks() -> None:
+    logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: filters are a set
+    if not getattr(sys.unraisablehook, "moe_jax_quiet", False):
+        sys.unraisablehook = _quiet_closed_loop_hook(sys.unraisablehook)
+
+
 class Checkpointer:
     """Async orbax checkpoints of a :class:`TrainState` plus JSON metadata."""
 
     def __init__(self, model_dir: str, *, save_period: int | None = None, keep: int | None = None,
                  async_save: bool = True, read_only: bool = False):
+        _install_quiet_hooks()
         self.model_dir = model_dir
         self.directory = os.path.join(model_dir, "checkpoints")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                save_interval_steps=save_period or 1, max_to_keep=keep, create=not read_only,
-                enable_async_checkpointing=async_save, read_only=read_only))
+                save_interval_steps=0 if read_only else save_period or 1, max_to_keep=keep,
+                create=not read_only, enable_async_checkpointing=async_save, read_only=read_only))
+        self._pending: int | None = None  # a step being written in the background
+        self.last_good: int | None = self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -118,41 +210,226 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self._manager.should_save(step)
 
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
     def save(self, state: TrainState, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Starts an async save of ``state`` at its step (all processes call it)."""
+        """Starts an async save of ``state`` at its step (all processes call it).
+
+        Raises:
+          WriteFailedError: this save, or the previous one still being written, failed.
+        """
         step = int(jax.device_get(state.step))
         train = _train_item(state)
-        return self._manager.save(step, force=force, args=ocp.args.Composite(
+        args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
-            meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)})))
+            meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}))
+        with self._write_errors(step):
+            saved = self._manager.save(step, force=force, args=args)  # waits for the previous save
+        self._finished()
+        if saved:
+            self._pending = step
+        return saved
+
+    def check_for_errors(self) -> None:
+        """Raises :class:`~moe_jax.errors.WriteFailedError` as soon as a background save
+        has failed (cheap; call it every step); records a finished save's integrity."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self.wait_until_finished()
+
+    def wait_until_finished(self) -> None:
+        with self._write_errors(self._pending):
+            self._manager.wait_until_finished()
+        self._finished()
+
+    @contextlib.contextmanager
+    def _write_errors(self, step: int | None):
+        """Turns a failed write of ``step`` (or of the pending one) into WriteFailedError."""
+        try:
+            yield
+        except Exception as err:  # orbax/TensorStore wrap OSErrors in various types
+            failed = self._pending if self._pending is not None else step
+            self._pending = None
+            self._remove_partial()
+            raise errors.WriteFailedError(
+                f"cannot write checkpoint step {failed} to MODEL_DIR={self.model_dir}: "
+                f"{_write_cause(err)}; last good checkpoint: {self.name(self.last_good)}") from err
+
+    def _finished(self) -> None:
+        """After a save completed: record its integrity, advance ``last_good``."""
+        if self._pending is None or self._pending not in self._manager.all_steps():
+            return
+        if jax.process_index() == 0 and "://" not in self.directory:
+            write_integrity(self.step_dir(self._pending))
+        self.last_good, self._pending = self._pending, None
+
+    def _remove_partial(self) -> None:
+        if jax.process_index() == 0 and "://" not in self.directory:
+            for tmp in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def name(self, step: int | None) -> str:
+        """``MODEL_DIR/checkpoints/STEP`` or ``"none yet"``."""
+        return "none yet" if step is None else self.step_dir(step)
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        with self._read_errors(step):
+            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    @contextlib.contextmanager
+    def _read_errors(self, step: int):
+        try:
+            yield
+        except CheckpointMismatchError:
+            raise
+        except Exception as err:
+            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: "
+                                            f"{_read_cause(err, self.step_dir(step))}", step) from err
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state at ``step`` laid out as ``target`` (``ShapeDtypeStruct`` leaves with the
-        current mesh's shardings), and its metadata; refuses another model's checkpoint."""
+        current mesh's shardings), and its metadata; refuses another model's checkpoint.
+
+        Raises:
+          UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
+          CheckpointMismatchError: the checkpoint is another model config's.
+        """
+        check_integrity(self.step_dir(step), step)
         meta = self.read_meta(step)
-        check_compatible(meta["params"], param_shapes(target.params), f"{self.directory}/{step}")
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(target.params),
-            train=ocp.args.StandardRestore(_train_item(target))))
+        check_compatible(meta["params"], param_shapes(target.params), self.step_dir(step))
+        with self._read_errors(step):
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(target.params),
+                train=ocp.args.StandardRestore(_train_item(target))))
         train = out["train"]
         return TrainState(step=train["step"], params=out["params"], opt_state=train["opt_state"],
                           rng=train["rng"], collections=train.get("collections", {})), meta
 
     def restore_params(self, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Only the parameters at ``step`` (for eval/infer), laid out as ``target``."""
+        check_integrity(self.step_dir(step), step, items=("params", "meta"))
         meta = self.read_meta(step)
-        check_compatible(meta["params"], param_shapes(target), f"{self.directory}/{step}")
-        out = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        check_compatible(meta["params"], param_shapes(target), self.step_dir(step))
+        with self._read_errors(step):
+            out = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
         return out["params"], meta
 
-    def wait_until_finished(self) -> None:
-        self._manager.wait_until_finished()
+    def move_aside(self, step: int) -> str:
+        """Moves an unreadable step to ``MODEL_DIR/unreadable_checkpoints/<step>`` (process
+        0; all processes wait for it) and forgets it; returns where it went."""
+        dest = os.path.join(self.model_dir, UNREADABLE_DIR, str(step))
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if os.path.exists(dest):
+                dest = f"{dest}.{len(os.listdir(os.path.dirname(dest)))}"
+            os.rename(self.step_dir(step), dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"moe_jax_move_aside_{step}")
+        self._manager.reload()
+        self.last_good = self._manager.latest_step()
+        return dest
 
     def close(self) -> None:
         self._manager.close()
+
+
+def restore_latest_readable(ckpt: Checkpointer, target: TrainState,
+                            warn: Callable[[str], None]) -> tuple[TrainState, dict[str, Any], int] | None:
+    """The newest readable checkpoint of ``ckpt`` (state, metadata, step), or None when
+    there is none. Each unreadable newer step is moved aside with a warning that names it
+    and the step used instead.
+
+    Raises:
+      UnreadableCheckpointError: every checkpoint is unreadable (all moved aside).
+    """
+    steps = ckpt.all_steps()
+    for step in sorted(steps, reverse=True):
+        try:
+            state, meta = ckpt.restore(step, target)
+            return state, meta, step
+        except UnreadableCheckpointError as err:
+            moved = ckpt.move_aside(step)
+            older = [s for s in steps if s < step]
+            warn(f"warning: {err}; moved it to {moved}; "
+                 + (f"resuming from step {max(older)} instead" if older else "no older checkpoint"))
+            if not older:
+                raise UnreadableCheckpointError(
+                    f"no readable checkpoint in {ckpt.directory} (unreadable ones moved to "
+                    f"{os.path.join(ckpt.model_dir, UNREADABLE_DIR)}); {err}", step) from None
+    return None
+
+
+def write_integrity(step_dir: str) -> None:
+    """Writes ``step_dir/INTEGRITY_FILE``: the size of every file of a finished step."""
+    sizes = {}
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                sizes[os.path.relpath(path, step_dir)] = os.path.getsize(path)
+            except FileNotFoundError:  # removed meanwhile (keep-K garbage collection)
+                return
+    tmp = os.path.join(step_dir, INTEGRITY_FILE + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"files": sizes}, f)
+        os.replace(tmp, os.path.join(step_dir, INTEGRITY_FILE))
+    except FileNotFoundError:
+        return
+
+
+def check_integrity(step_dir: str, step: int, items: tuple[str, ...] | None = None) -> None:
+    """Compares a step's files with its integrity record (when it has one; ``items``:
+    only files under these item folders).
+
+    Raises:
+      UnreadableCheckpointError: naming the first missing or resized file.
+    """
+    record_path = os.path.join(step_dir, INTEGRITY_FILE)
+    if "://" in step_dir or not os.path.exists(record_path):
+        return
+    try:
+        with open(record_path) as f:
+            sizes = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise UnreadableCheckpointError(
+            f"checkpoint step {step} is unreadable: {record_path}: {errors.one_line(err)}", step) from None
+    for rel, size in sorted(sizes.items()):
+        if items is not None and rel.split(os.sep, 1)[0] not in items:
+            continue
+        path = os.path.join(step_dir, rel)
+        actual = os.path.getsize(path) if os.path.exists(path) else None
+        if actual != size:
+            cause = "missing" if actual is None else f"{actual} bytes, {size} when saved (truncated)"
+            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {path}: {cause}", step)
+
+
+def _read_cause(err: BaseException, step_dir: str) -> str:
+    """``"FILE: cause"`` of a failed read: TensorStore nests its errors as ``...local file
+    "F": cause [tensorstore_spec=...]``; the innermost file and cause are the useful part."""
+    text = str(err)
+    files = list(re.finditer(r'local file "([^"]+)": ', text))
+    if not files:
+        return f"{step_dir}: {errors.one_line(err, 200)}"
+    cause = text[files[-1].end():].split(" [tensorstore_spec", 1)[0].splitlines()[0]
+    return f"{files[-1].group(1)}: {cause[:200]}"
+
+
+def _write_cause(err: BaseException) -> str:
+    """The OS's words for a failed write found in ``err``'s chain, else its first line."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return errors.one_line(seen)
+        text = str(seen)
+        for cause in _WRITE_CAUSES:
+            if cause in text:
+                found = _FILE_IN_MESSAGE.search(text)
+                return cause + (f" ({found.group(1)})" if found else "")
+        seen = seen.__cause__ or seen.__context__
+    return errors.one_line(err)
 
 
 def restore_params_from(path: str, target: PyTree) -> tuple[PyTree, int, dict[str, Any]]:
@@ -161,18 +438,19 @@ def restore_params_from(path: str, target: PyTree) -> tuple[PyTree, int, dict[st
     or ``MODEL_DIR/checkpoints/STEP``.
 
     Raises:
-      FileNotFoundError: naming ``path`` when it holds no checkpoints or not that step.
+      MissingCheckpointError: naming ``path`` when it holds no checkpoints or not that step.
       CheckpointMismatchError: when the checkpoint is another model's.
+      UnreadableCheckpointError: naming the step, file and cause.
     """
     model_dir, step = split_checkpoint_path(path)
     directory = os.path.join(model_dir, "checkpoints")
     if "://" not in directory and not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint at {path!r}: {directory} does not exist")
+        raise MissingCheckpointError(f"no checkpoint at {path!r}: {directory} does not exist")
     ckpt = Checkpointer(model_dir, read_only=True)
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None or step not in ckpt.all_steps():
-            raise FileNotFoundError(f"no checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
+            raise MissingCheckpointError(f"no checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
                                     f"at {path!r} (steps in {directory}: {ckpt.all_steps()})")
         params, meta = ckpt.restore_params(step, target)
     finally:

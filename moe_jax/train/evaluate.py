@@ -245,15 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
                              "or gin EVAL_OUTPUT_DIR)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    try:
-        distributed.initialize(args)
-        args.gin_file = gin_utils.run_gin_files(
-            gin_utils.first_checkpoint(args), ["runs/eval.gin"], args.gin_file,
-            command="moe-jax eval")
-        gin_utils.parse_gin(args)
-        evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
-                                      ("output_dir", args.output_dir)) if v})
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax eval: error: {err}", file=sys.stderr)
-        return 1
+    distributed.initialize(args)
+    args.gin_file = gin_utils.run_gin_files(
+        gin_utils.first_checkpoint(args), ["runs/eval.gin"], args.gin_file,
+        command="moe-jax eval")
+    gin_utils.parse_gin(args)
+    evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
+                                  ("output_dir", args.output_dir)) if v})
     return 0

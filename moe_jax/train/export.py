@@ -39,6 +39,7 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax.errors import UserError
 from moe_jax.train import distributed, gin_utils
 
 WEIGHTS_FILE = "model.safetensors"
@@ -71,7 +72,7 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
 _ATTENTION = re.compile(r"/(attention|self_attention|encoder_decoder_attention)/(query|key|value|out)/kernel$")
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """An export cannot be written or read; the message names the file, array or checkpoint."""
 
 
@@ -300,15 +301,6 @@ def _run_config_for_import(export_dir: str, model_dir: str) -> str:
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
-def _reporting_errors(command: str, fn, args) -> tuple[int, Any]:
-    """``(0, fn(args))``, or ``(1, None)`` once an expected error is printed as one line."""
-    try:
-        return 0, fn(args)
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax {command}: error: {err}", file=sys.stderr)
-        return 1, None
-
-
 def _export(args) -> dict[str, Any]:
     from moe_jax.train import checkpoints
 
@@ -330,9 +322,7 @@ def export_main(argv: list[str] | None = None) -> int:
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
     parser.add_argument("--out", required=True, metavar="DIR", help="the export directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    rc, result = _reporting_errors("export", _export, args)
-    if rc:
-        return rc
+    result = _export(args)
     print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
           f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
           file=sys.stderr, flush=True)
@@ -341,8 +331,8 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def _import(args) -> int:
     distributed.initialize(args)
-    exported_gin = os.path.join(args.export, CONFIG_GIN)
-    use_export_config = not args.gin_file and os.path.isfile(exported_gin)
+    exported_gin = gin_utils.run_config_file(args.export)  # a downloaded export: imports checked
+    use_export_config = not args.gin_file and exported_gin is not None
     if not args.gin_file and not use_export_config:
         raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
                           "files with --gin_file")
@@ -366,9 +356,7 @@ def import_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
     parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    rc, step = _reporting_errors("import", _import, args)
-    if rc:
-        return rc
+    step = _import(args)
     print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,
           flush=True)
     return 0

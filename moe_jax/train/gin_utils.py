@@ -13,6 +13,12 @@ Every gin error names the file (or ``--gin...`` flag) and line: gin already does
 unknown configurables and parameters; :func:`parse_gin` adds it for macros referenced but
 never defined, and refuses macros set on the command line that nothing uses (a typo such
 as ``--gin.TRAIN_STEP=10`` would otherwise be silently ignored).
+
+Config files that come with a run directory (``MODEL_DIR/config.gin``, perhaps downloaded)
+are read through :func:`run_config_file`, which refuses ``import`` lines of modules outside
+the project (gin would import, i.e. run, them). :func:`config_changes` lists the bindings
+that differ between a run's saved config and the operative one (`train` refuses to resume
+with changes unless ``--allow_config_change``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import gin
+from gin import config_parser
+
+from moe_jax import errors
 
 REPO_GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
 
@@ -55,8 +64,21 @@ _MACRO_REF = re.compile(r"%([A-Za-z_][\w./]*)")
 _MACRO_DEF = re.compile(r"^\s*([A-Za-z_][\w]*)\s*=")
 
 
-class GinConfigError(ValueError):
+# Modules a run directory's config file may import (gin runs an import when parsing).
+PROJECT_MODULES: tuple[str, ...] = ("moe_jax",)
+
+# Bindings that may differ when a run resumes: its length, periods and paths.
+RESUMABLE_CHANGES = re.compile(
+    r"^(MODEL_DIR|TRAIN_STEPS|.*(_period|_dir|_path|\.path|total_steps|eval_steps|keep_checkpoints|"
+    r"async_checkpointing))$")
+
+
+class GinConfigError(errors.UserError, ValueError):
     """A gin file, binding or flag is wrong; the message names where."""
+
+
+class ConfigChangedError(GinConfigError):
+    """A run would resume with another gin config than it was trained with."""
 
 
 # Macros the repository's gin files define, by the file that defines them (shown by --help).
@@ -217,13 +239,18 @@ def _quiet_include_search():
 
 
 def _resolve(path: str, roots: Sequence[str]) -> str:
-    """``path`` as given when it exists, else under the first search path holding it."""
-    if os.path.exists(path):
+    """``path`` as given when it exists, else under the first search path holding it.
+
+    Raises:
+      GinConfigError: naming ``path`` and the places searched when none holds it.
+    """
+    if os.path.exists(path) or "://" in path:
         return path
     for root in roots:
         if os.path.exists(os.path.join(root, path)):
             return os.path.join(root, path)
-    return path  # gin searches its own search paths and reports a missing file
+    raise GinConfigError(f"--gin_file={path}: no such file in the working directory or the "
+                         f"gin search paths ({', '.join(roots)})")
 
 
 def _walk_files(parsed) -> Iterable[str]:
@@ -269,9 +296,9 @@ def _gin_has_macro(name: str) -> bool:
 
 
 def run_config_path(model_dir: str) -> str | None:
-    """``MODEL_DIR/config.gin`` (written by `moe-jax train`), or None when the run has none."""
-    path = os.path.join(model_dir, "config.gin")
-    return path if os.path.exists(path) else None
+    """``MODEL_DIR/config.gin`` (written by `moe-jax train`), or None when the run has none;
+    checked by :func:`run_config_file` (imports only of the project's modules)."""
+    return run_config_file(model_dir)
 
 
 def command_line_value(args: argparse.Namespace, name: str) -> Any:
@@ -344,3 +371,106 @@ def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Se
 def operative_config() -> str:
     """The gin config actually used (T5X writes it to ``MODEL_DIR/config.gin``)."""
     return gin.operative_config_str()
+
+
+class _InertDelegate(config_parser.ParserDelegate):
+    """Parses references as text (``@name()``, ``%MACRO``) without looking anything up."""
+
+    def configurable_reference(self, scoped_configurable_name, evaluate):
+        return f"@{scoped_configurable_name}{'()' if evaluate else ''}"
+
+    def macro(self, macro_name):
+        return f"%{macro_name}"
+
+
+def _parse_statements(text: str, origin: str) -> list:
+    try:
+        return list(config_parser.ConfigParser(text, _InertDelegate()))
+    except (SyntaxError, ValueError) as err:
+        raise GinConfigError(f"gin: {origin}: {err}") from None
+
+
+def run_config_file(model_dir: str, allowed_modules: Sequence[str] = ()) -> str | None:
+    """``MODEL_DIR/config.gin`` (None when the run has none), checked to be safe to parse:
+    every ``import`` names a module of the project (:data:`PROJECT_MODULES`) or of
+    ``allowed_modules``, and it includes no other file. The CLIs that read a run's config
+    (analyze, eval, infer) call this rather than parsing the file directly.
+
+    Raises:
+      GinConfigError: naming the file and line of an import of another module, or of an include.
+    """
+    path = os.path.join(model_dir, "config.gin")
+    if not os.path.exists(path):
+        return None
+    allowed = (*PROJECT_MODULES, *allowed_modules)
+    for statement in _parse_statements(_read(path), path):
+        line = statement.location.line_num if hasattr(statement, "location") else "?"
+        if isinstance(statement, config_parser.ImportStatement):
+            if not any(statement.module == m or statement.module.startswith(m + ".") for m in allowed):
+                raise GinConfigError(
+                    f"{path}, line {line}: refusing `{statement.format()}`: a run directory's config "
+                    f"may import only the project's modules ({', '.join(allowed)}); parsing it would run "
+                    f"{statement.module}")
+        elif isinstance(statement, config_parser.IncludeStatement):
+            raise GinConfigError(f"{path}, line {line}: refusing `include {statement.filename!r}`: "
+                                 "a run directory's config must be self-contained")
+    return path
+
+
+def config_bindings(text: str, origin: str = "config") -> dict[str, object]:
+    """``{"scope/configurable.param" or "MACRO": value}`` of a gin config text (an operative
+    config as written to ``config.gin``); values as parsed, references as text."""
+    out = {}
+    for statement in _parse_statements(text, origin):
+        if isinstance(statement, config_parser.BindingStatement):
+            name = ".".join(p for p in (statement.selector, statement.arg_name) if p)
+            out[f"{statement.scope}/{name}" if statement.scope else name] = statement.value
+    return out
+
+
+def config_changes(saved: str, current: str) -> list[str]:
+    """The bindings set in both configs whose values differ, except those a resumed run may
+    change (:data:`RESUMABLE_CHANGES`), as ``"name: saved -> current"`` lines.
+
+    Bindings in only one of the two are not compared: an operative config lists only the
+    configurables the run called, which differs between a fresh start and a resumption.
+    """
+    before, after = config_bindings(saved, "saved config.gin"), config_bindings(current, "operative config")
+    return [f"{name}: {before[name]!r} -> {after[name]!r}" for name in sorted(set(before) & set(after))
+            if before[name] != after[name] and not RESUMABLE_CHANGES.match(name.rsplit("/", 1)[-1])]
+
+
+def record_run_config(model_dir: str, operative: str, step: int, *, allow_change: bool = False) -> str:
+    """Keeps the run's gin config: writes ``MODEL_DIR/config.gin`` on the first start; on a
+    resumption (at ``step``) compares ``operative`` with it, which is never overwritten.
+
+    Returns:
+      the path the operative config is kept at: ``config.gin``, or ``config.step-N.gin``
+      when a resumption changed something and ``allow_change`` let it.
+
+    Raises:
+      ConfigChangedError: listing the differing bindings, when ``allow_change`` is False.
+    """
+    first = os.path.join(model_dir, "config.gin")
+    if not os.path.exists(first):
+        _write(first, operative)
+        return first
+    changes = config_changes(_read(first), operative)
+    if not changes:
+        return first
+    if not allow_change:
+        raise ConfigChangedError(
+            f"MODEL_DIR={model_dir} was trained with another gin config ({first}); resuming at step "
+            f"{step} would change {len(changes)} binding(s) (pass --allow_config_change to resume "
+            "with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
+    kept = os.path.join(model_dir, f"config.step-{step}.gin")
+    _write(kept, f"# resumed at step {step} with --allow_config_change; changed from config.gin:\n"
+                 + "".join(f"#   {line}\n" for line in changes) + operative)
+    return kept
+
+
+def _write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -23,6 +23,7 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import errors
 from moe_jax.train import distributed, gin_utils, setup
 
 
@@ -120,6 +121,22 @@ def write_predictions(path: str, inputs: Sequence[str], outputs: Sequence[str]) 
             f.write(json.dumps({"input": text, "output": out}) + "\n")
 
 
+def read_input_lines(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file.
+
+    Raises:
+      InputFileError: naming ``--input_file`` when it is missing, unreadable or not UTF-8.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as err:
+        raise errors.InputFileError(f"--input_file={path}: not UTF-8 text (byte {err.start}: "
+                                    f"{err.reason})") from None
+    except OSError as err:
+        raise errors.InputFileError(f"--input_file={path}: {err.strerror or err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax infer", __doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None, metavar="DIR[/STEP]",
@@ -128,22 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input_file", default=None, help="one input per line")
     parser.add_argument("--output_file", default=None, help="JSON lines {input, output}")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    inputs = list(args.input)
-    if args.input_file:
-        with open(args.input_file) as f:
-            inputs += [line.rstrip("\n") for line in f if line.strip()]
+    inputs = list(args.input) + (read_input_lines(args.input_file) if args.input_file else [])
     if not inputs:
         parser.error("give at least one --input or an --input_file")
-    try:
-        distributed.initialize(args)
-        args.gin_file = gin_utils.run_gin_files(
-            gin_utils.first_checkpoint(args), ["runs/infer.gin"], args.gin_file,
-            command="moe-jax infer")
-        gin_utils.parse_gin(args)
-        outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax infer: error: {err}", file=sys.stderr)
-        return 1
+    distributed.initialize(args)
+    args.gin_file = gin_utils.run_gin_files(
+        gin_utils.first_checkpoint(args), ["runs/infer.gin"], args.gin_file,
+        command="moe-jax infer")
+    gin_utils.parse_gin(args)
+    outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
     if jax.process_index() == 0:
         for text, out in zip(inputs, outputs):
             print(f"{text} -> {out}")

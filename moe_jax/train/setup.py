@@ -22,6 +22,7 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import errors
 from moe_jax.train import distributed, gin_utils
 
 
@@ -50,6 +51,11 @@ class DatasetConfig:
         from moe_jax.data import tasks
 
         tasks.import_task_module(self.module)
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or self.batch_size <= 0:
+            raise errors.ConfigError(f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}; "
+                                     "expected a positive integer")
 
     def input_shapes(self) -> dict[str, tuple[int, int]]:
         """Model input shapes of one global batch."""

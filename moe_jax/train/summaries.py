@@ -123,3 +123,40 @@ def progress_bar(start: int, total: int, desc: str = "train"):
 
     return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True,
                 disable=jax.process_index() != 0, mininterval=1.0)
+
+
+def drop_records_after(model_dir: str, step: int) -> None:
+    """Removes the metrics of steps after ``step`` from ``metrics.jsonl`` and the
+    TensorBoard event files of ``MODEL_DIR/{train,eval}`` (process 0, on resume), so a run
+    resumed from its checkpoint at ``step`` logs each later step once."""
+    path = os.path.join(model_dir, "metrics.jsonl")
+    if "://" in model_dir:
+        return
+    if os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+    for split in ("train", "eval"):
+        folder = os.path.join(model_dir, split)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if "tfevents" in name:
+                _drop_events_after(os.path.join(folder, name), step)
+
+
+def _drop_events_after(path: str, step: int) -> None:
+    """Rewrites one TensorBoard event file without the events of steps after ``step``."""
+    import tensorflow as tf
+    from tensorboard.compat.proto import event_pb2
+
+    records = [bytes(r.numpy()) for r in tf.data.TFRecordDataset(path)]
+    kept = [r for r in records if event_pb2.Event.FromString(r).step <= step]
+    if len(kept) == len(records):
+        return
+    with tf.io.TFRecordWriter(path + ".tmp") as writer:
+        for record in kept:
+            writer.write(record)
+    os.replace(path + ".tmp", path)

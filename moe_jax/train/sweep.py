@@ -48,11 +48,13 @@ from typing import Any
 
 import numpy as np
 
+from moe_jax.errors import UserError
+
 FAMILY_KEYS = frozenset({"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"})
 RUN_KEYS = frozenset({"gin_files", "bindings"})
 
 
-class FamilyError(ValueError):
+class FamilyError(UserError, ValueError):
     """A family file that cannot be expanded; the message names the file and the key."""
 
 

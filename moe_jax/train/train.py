@@ -5,15 +5,22 @@
 
 The loop: restore the latest checkpoint of ``MODEL_DIR`` (state, step, data-iterator
 position, RNG) or initialise; then per step fetch this host's batch shard, run the jitted
-train step (state donated), check the loss, log, save every ``checkpoint_period`` steps
-(async), evaluate every ``eval_period`` steps. SIGTERM saves a checkpoint and exits 143;
-a non-finite loss stops with the step and the last good checkpoint (or, with
-``train.on_nonfinite = 'skip'``, drops that step's update).
+train step (state donated), check the *previous* step's loss (so the host never waits for
+the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
+evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
+loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM saves
+a checkpoint and exits 143; a non-finite loss stops with its step and the last good
+checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that step's update).
+
+Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
+an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
+save stops the run (exit 74) naming the last good checkpoint; a resumption whose gin
+config differs from the run's ``config.gin`` is refused unless ``--allow_config_change``;
+``metrics.jsonl`` and TensorBoard records past the restored step are dropped on resume.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -22,13 +29,16 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import errors
 from moe_jax.train import distributed, gin_utils, setup
 
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, as a shell reports a terminated process
+EXIT_PREEMPTED = errors.EXIT_PREEMPTED
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(errors.UserError, FloatingPointError):
     """The loss became NaN/Inf; the message names the step and the last good checkpoint."""
+
+    exit_code = errors.EXIT_NONFINITE
 
 
 def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
@@ -48,7 +58,7 @@ def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_
         pack=cfg.pack, use_cached=cfg.use_cached, start_step=start_step)
 
 
-@gin.configurable(module="train_script", denylist=["stop_after_steps"])
+@gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
 def train(
     *,
     model: Any = gin.REQUIRED,
@@ -65,7 +75,9 @@ def train(
     eval_steps: int = 10,
     accum_steps: int = 1,
     on_nonfinite: str = "stop",
+    sync_every_step: bool = False,
     stop_after_steps: int | None = None,
+    allow_config_change: bool = False,
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
 
@@ -78,39 +90,80 @@ def train(
         (0: never).
       accum_steps: gradient accumulation microbatches per step.
       on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
+        The loss is checked one step late, so a stop comes with the next step already
+        dispatched (never saved: a checkpoint is written only after its step's loss is
+        checked).
+      sync_every_step: fetch every step's metrics and check its loss before dispatching
+        the next step (the loop before issue 15: the device idles while the host works;
+        for debugging and as the baseline of ``benchmarks/train_loop.py``).
       stop_after_steps: end (with a checkpoint) after this many steps of *this* invocation
         (tests of interrupted runs); not a gin parameter.
+      allow_config_change: resume although the operative gin config differs from the run's
+        ``config.gin`` (``--allow_config_change``; kept as ``config.step-N.gin``).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "model_dir", "wall_sec"}``.
     """
-    from moe_jax.train import checkpoints, evaluate, summaries
+    from moe_jax.train import checkpoints, run_lock
 
     if on_nonfinite not in ("stop", "skip"):
-        raise ValueError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
+        raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
+    _check_total_steps(total_steps, checkpoints.reached_step(model_dir), model_dir)
     checkpoints.ensure_writable(model_dir)
+    with run_lock.hold(model_dir):
+        return _train(model=model, train_dataset_cfg=train_dataset_cfg,
+                      train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
+                      total_steps=total_steps, random_seed=random_seed,
+                      checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
+                      async_checkpointing=async_checkpointing, log_period=log_period,
+                      eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
+                      on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
+                      stop_after_steps=stop_after_steps, allow_config_change=allow_config_change)
+
+
+def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
+    """Refuses a ``TRAIN_STEPS`` that is not a positive integer or is below the step the
+    run already reached (before anything is written)."""
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+        raise errors.ConfigError(f"TRAIN_STEPS (train_script.train.total_steps) = {total_steps!r}; "
+                                 "expected a positive integer")
+    if reached is not None and total_steps < reached:
+        raise errors.ConfigError(
+            f"TRAIN_STEPS={total_steps} is below step {reached}, which MODEL_DIR={model_dir} already "
+            f"reached; pass TRAIN_STEPS >= {reached} to continue it, or another MODEL_DIR")
+
+
+def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total_steps, random_seed,
+           checkpoint_period, keep_checkpoints, async_checkpointing, log_period, eval_period,
+           eval_steps, accum_steps, on_nonfinite, sync_every_step, stop_after_steps,
+           allow_config_change):
+    """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
+    from moe_jax.train import checkpoints, evaluate, summaries
+
     ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
     run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
                                   skip_nonfinite=on_nonfinite == "skip")
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
-    latest = ckpt.latest_step()
-    if latest is None:
+    restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
+    if restored is None:
+        latest = None
         state = run.init_state()
         iterator = make_iterator(train_dataset_cfg)
         checkpoints.save_router_init(model_dir, state.params)
     else:
-        state, meta = ckpt.restore(latest, run.abstract_state)
+        state, meta, latest = restored
         saved = meta["data_iterators"]
         if len(saved) == jax.process_count():
             iterator = make_iterator(train_dataset_cfg, state=saved[jax.process_index()])
         else:  # another process count: same position, this run's sharding of the stream
             iterator = make_iterator(train_dataset_cfg, start_step=latest)
         _log(f"restored {ckpt.directory}/{latest}")
+    _agree(lambda: gin_utils.record_run_config(model_dir, gin_utils.operative_config(), latest or 0,
+                                               allow_change=allow_config_change))
     if jax.process_index() == 0:
-        with open(os.path.join(model_dir, "config.gin"), "w") as f:
-            f.write(gin_utils.operative_config())
+        summaries.drop_records_after(model_dir, latest or 0)
     _log(f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
          f"{jax.process_count()} process(es), {jax.device_count()} devices")
 
@@ -131,6 +184,19 @@ def train(
     preempted = False
     bar = summaries.progress_bar(step, total_steps)
     start_time = time.perf_counter()
+
+    def check_loss(checked_step: int, step_metrics) -> float:
+        """Fetches one step's loss (a scalar) and stops on NaN/Inf when asked to."""
+        loss = float(step_metrics["loss"])
+        losses[checked_step] = loss
+        if not np.isfinite(loss) and on_nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {checked_step}; last good checkpoint: "
+                f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
+                "train.on_nonfinite='skip' to skip such steps instead.")
+        return loss
+
+    unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
     try:
         batch = setup.global_batch(next(iterator), ctx)
         while step < end:
@@ -138,23 +204,28 @@ def train(
             data_state = iterator.get_state()                 # position after this step's batch
             if step + 1 < end:
                 batch = setup.global_batch(next(iterator), ctx)     # overlaps the device's step
-            metrics = jax.device_get(metrics)
+            if sync_every_step:
+                metrics = jax.device_get(metrics)
+            ckpt.check_for_errors()                           # a failed background save stops here
             step += 1
             meter.tick()
             bar.update(1)
-            loss = float(metrics["loss"])
-            losses[step] = loss
-            if not np.isfinite(loss) and on_nonfinite == "stop":
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {step}; last good checkpoint: "
-                    f"{_checkpoint_name(ckpt, last_saved)}. Restarting resumes from it; bind "
-                    "train.on_nonfinite='skip' to skip such steps instead.")
-            if step % log_period == 0 or step == end:
-                rates = meter.rates()
-                writer.write(step, {**metrics, **rates})
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+            if unchecked is not None:  # the previous step: done, or queued just before this one
+                check_loss(*unchecked)
+            unchecked = (step, metrics)
             preempted = preemption.reached(step)
-            if ckpt.should_save(step) or step == end or preempted:
+            log_now = step % log_period == 0 or step == end
+            save_now = ckpt.should_save(step) or step == end or preempted
+            eval_now = bool(eval_fn) and step % eval_period == 0
+            if not (sync_every_step or log_now or save_now or eval_now):
+                continue
+            loss = check_loss(*unchecked)                     # waits for this step
+            unchecked = None
+            if log_now:
+                rates = meter.rates()
+                writer.write(step, {**jax.device_get(metrics), **rates})
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+            if save_now:
                 meta = {"data_iterators": checkpoints.gather_from_processes(data_state),
                         "random_seed": random_seed}
                 if ckpt.save(state, meta, force=True):
@@ -162,7 +233,7 @@ def train(
             if preempted:
                 _log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
                 break
-            if eval_fn and step % eval_period == 0:
+            if eval_now:
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
                                                  ctx, eval_steps, state.collections)
                 eval_writer.write(step, eval_metrics)
@@ -179,11 +250,26 @@ def train(
         preemption.close()
     elapsed = time.perf_counter() - start_time
     return {"step": step, "losses": losses, "preempted": preempted, "model_dir": model_dir,
-            "last_checkpoint": _checkpoint_name(ckpt, last_saved), "wall_sec": elapsed}
+            "last_checkpoint": ckpt.name(last_saved), "wall_sec": elapsed}
 
 
-def _checkpoint_name(ckpt, step: int | None) -> str:
-    return "none yet" if step is None else f"{ckpt.directory}/{step}"
+def _agree(check) -> None:
+    """Runs ``check`` (which may raise an expected error) on process 0; every process
+    raises the same error, so none is left waiting in a collective."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            check()
+        except errors.UserError as err:
+            error = err
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = bool(multihost_utils.broadcast_one_to_all(np.array(error is not None)))
+        if failed and error is None:
+            raise errors.UserError("refused on process 0 (see its message)")
+    if error is not None:
+        raise error
 
 
 def _log(message: str) -> None:
@@ -192,13 +278,14 @@ def _log(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit code 0, or :data:`EXIT_PREEMPTED`; expected errors are raised for
+    :func:`moe_jax.cli.main` to report (codes in :mod:`moe_jax.errors`)."""
     parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
+    parser.add_argument("--allow_config_change", action="store_true",
+                        help="resume although the gin config differs from the run's config.gin "
+                             "(the new one is kept as MODEL_DIR/config.step-N.gin)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    try:
-        distributed.initialize(args)
-        gin_utils.parse_gin(args)
-        result = train()
-    except (gin_utils.GinConfigError, PermissionError, NonFiniteLossError, ValueError) as err:
-        print(f"moe-jax train: error: {err}", file=sys.stderr)
-        return 1
+    distributed.initialize(args)
+    gin_utils.parse_gin(args)
+    result = train(allow_config_change=args.allow_config_change)
     return EXIT_PREEMPTED if result["preempted"] else 0

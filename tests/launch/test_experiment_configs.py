@@ -78,3 +78,28 @@ def test_cpu_overlay_switches_to_the_embedded_corpus_and_short_sequences():
     assert gin.query_parameter("vocab.get_vocabulary.path") is None  # nothing fetched from gs://
     assert gin.query_parameter("%TASK_FEATURE_LENGTHS") == {"inputs": 64, "targets": 16}
     assert _model_config()["EMBED_DIM"] == 32
+
+
+@pytest.mark.parametrize("experiment", ["fig5_learned.gin", "fig5_dense.gin", "base_frozen.gin"])
+def test_accelerator_runs_use_bfloat16_activations_and_the_cpu_overlay_float32(experiment):
+    _parse(experiment)
+    assert gin.query_parameter("%ACTIVATION_DTYPE") == "bfloat16"
+    assert gin.query_parameter("T5Config.param_dtype") == "float32"
+    gin.clear_config()
+    _parse(experiment, "cpu_scale.gin")
+    assert gin.query_parameter("%ACTIVATION_DTYPE") == "float32"
+
+
+@pytest.mark.parametrize("mesh,dtype", [("v4_32", "bfloat16"), ("gpu_8x_h100", "bfloat16"),
+                                        ("cpu_8", "float32")])
+def test_accelerator_meshes_switch_a_run_to_bfloat16(mesh, dtype):
+    parser = argparse.ArgumentParser()
+    gin_utils.add_gin_flags(parser)
+    gin_utils.parse_gin(gin_utils.parse_flags(parser, [
+        "--gin_file=runs/smoke_cpu.gin", f"--gin_file=meshes/{mesh}.gin"]))
+    assert gin.query_parameter("%ACTIVATION_DTYPE") == dtype
+
+
+def test_base_runs_shard_parameters_over_the_batch_axes():
+    _parse("base_learned.gin")
+    assert gin.query_parameter("standard_logical_axis_rules.fsdp") is True

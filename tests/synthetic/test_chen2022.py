@@ -105,7 +105,8 @@ def test_single_expert_is_the_cnn_and_linear_cnn_reads_the_sum_of_patches():
     params = model.init(jax.random.PRNGKey(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (7, 3, 5))
     out, probs, expert = model.apply(params, x, jax.random.PRNGKey(2))
-    np.testing.assert_array_equal(probs, 1.0) and np.testing.assert_array_equal(expert, 0)
+    np.testing.assert_array_equal(probs, 1.0)
+    np.testing.assert_array_equal(expert, 0)
     w = params["experts"]["w"][0]
     expected = x.sum(axis=1) @ (w[:3].sum(axis=0) - w[3:].sum(axis=0))  # a_j = +1, +1, +1, -1, -1, -1
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)

@@ -3,6 +3,7 @@ loader, the (image, v) pairs and an end-to-end run of the CNN-router MoE."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import jax
@@ -30,5 +31,13 @@ def test_cifar100_runs_end_to_end_on_mock_data(tmp_path):
         result = cifar100.run(cfg, [0, 1], tmp_path)
     assert {s["model"] for s in result["summary"]} == {"MoE learned", "MoE frozen"}
     assert all(np.isfinite(s["loss"]) and s["seeds"] == 2 for s in result["summary"])
-    assert json.loads((tmp_path / "cifar100.json").read_text())["num_train"] == 48
-    assert (tmp_path / "cifar100.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "cifar100.json").read_text())
+    assert saved["num_train"] == 48
+    with open(tmp_path / "cifar100.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["model"], int(r["seed"]), int(r["num_train"])) for r in rows) == [(m, s, 48) for m in ("MoE frozen", "MoE learned") for s in (0, 1)]
+    for entry in saved["summary"]:  # the JSON's mean over seeds is the CSV's two runs averaged
+        losses = [float(r["loss"]) for r in rows if r["model"] == entry["model"]]
+        assert entry["loss"] == pytest.approx(np.mean(losses), rel=1e-6) and entry["loss_std"] == pytest.approx(np.std(losses), rel=1e-5, abs=1e-9)
+    by_model = {e["model"]: e for e in saved["summary"]}  # same data and init: only the router's training differs
+    assert by_model["MoE learned"]["loss"] != by_model["MoE frozen"]["loss"]

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
 
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
 from moe_jax.synthetic import cli
+from moe_jax.synthetic.experiments import EXPERIMENTS
 
 
 def test_help_and_list_do_not_import_tensorflow():
     code = "import sys; from moe_jax.synthetic import cli; cli.main(['list']); assert 'tensorflow' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "fig2" in out.stdout
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(EXPERIMENTS)
+    for name, line in zip(EXPERIMENTS, lines):  # one line each: the name, then its description
+        assert line.split()[0] == name and len(line.split()) > 3
 
 
 def test_unknown_experiment_and_bad_preset_are_named(capsys):
@@ -22,13 +31,23 @@ def test_unknown_experiment_and_bad_preset_are_named(capsys):
     assert "unknown preset 'huge'" in capsys.readouterr().err
 
 
-def test_an_experiment_writes_json_csv_and_png(tmp_path, monkeypatch):
+def test_an_experiment_writes_json_csv_and_png(tmp_path, monkeypatch, capsys):
     from moe_jax.synthetic import experiments
 
     spec = experiments.load("spurious")
     small = dict(spec.presets["quick"], k=4, d=20, d_signal=4, n_train=256, n_test=64, steps=100, batch=32)
     monkeypatch.setitem(spec.presets, "quick", small)
     assert cli.main(["spurious", "--seeds", "0,1", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
     result = json.loads((tmp_path / "spurious.json").read_text())
     assert result["seeds"] == [0, 1]
-    assert (tmp_path / "spurious.png").stat().st_size > 0 and (tmp_path / "spurious.csv").exists()
+    with open(tmp_path / "spurious.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((int(r["seed"]), float(r["weight_decay"])) for r in rows) == [(0, 0.0), (0, 1e-3), (1, 0.0), (1, 1e-3)]
+    for entry in result["summary"]:  # the JSON's means are the CSV's runs averaged over seeds
+        runs = [r for r in rows if float(r["weight_decay"]) == entry["weight_decay"]]
+        assert entry["loss"] == pytest.approx(np.mean([float(r["loss"]) for r in runs]), rel=1e-6)
+        assert entry["ratio_init"] == pytest.approx(np.mean([float(r["ratio_init"]) for r in runs]), rel=1e-6)
+        assert 0 < entry["ratio_init"] < 1 and entry["steps"] == 100
+        assert f"{entry['loss']:.4g}" in printed  # the console's results table
+    assert plt.imread(tmp_path / "spurious.png").shape[:2] == (256, 400)  # 5 x 3.2 inches at 80 dpi

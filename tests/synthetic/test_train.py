@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,3 +86,57 @@ def test_cnn_router_feeds_its_features_to_the_experts():
     pred, probs = model.apply(params, (images, v), top1=True)
     assert pred.shape == (2, 1) and probs.shape == (2, 5)
     assert params["experts"]["layers"][0]["w"].shape == (5, 3 + 6, 8)
+
+
+def test_convergence_criterion_on_hand_made_histories():
+    flat = np.array([[1.0, 0.5, 0.30, 0.30, 0.30, 0.30]])  # last 2 chunks equal the 2 before
+    falling = np.array([[1.0, 0.8, 0.6, 0.4, 0.2, 0.1]])
+    rising = np.array([[0.1, 0.1, 0.1, 0.1, 0.2, 0.3]])
+    assert train.converged(flat, 2, 1e-3).tolist() == [True]
+    assert train.converged(falling, 2, 1e-3).tolist() == [False]
+    assert train.converged(rising, 2, 1e-3).tolist() == [False]  # a rising loss is a change too
+    assert train.converged(flat[:, :3], 2, 1e-3).tolist() == [False]  # needs 2 windows of history
+    assert train.converged(falling, 2, 1e-3, atol=0.15).tolist() == [True]  # or a loss floor
+    both = train.converged(np.concatenate([flat, falling]), 2, 0.05)
+    assert both.tolist() == [True, False]
+
+
+def test_convergence_stops_a_solved_run_but_not_an_unsolved_one():
+    """Linear regression y = x . w* (known optimum w*, zero loss), two runs in one jit: full-batch
+    GD at lr 0.1 reaches w* and stops before the step cap; at lr 1e-4 the loss is still
+    falling at the cap, and the criterion does not stop it."""
+    d = 4
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (2, 64, d))
+    w_star = jnp.arange(1.0, d + 1.0)
+    tr = data.Batch(x, (x @ w_star)[..., None], jnp.zeros((2, 64), jnp.int32))
+    runs, _ = train.grid([0, 1], [64], [1])
+    model = models.Dense(d, 1, 1, 1)  # linear: y = x w + b
+    cfg = train.TrainConfig(steps=2000, chunk=50, batch_size=None, optimizer="sgd", momentum=0.0, lr_experts=0.1, converge_window=100, converge_rtol=1e-3, converge_atol=1e-8)
+    log = train.TrainLog()
+    params = train.train_runs(model, cfg, runs, tr, log=log)
+    w = np.asarray(params["experts"]["layers"][0]["w"])[..., 0]  # [R, d]
+    np.testing.assert_allclose(w, np.broadcast_to(w_star, w.shape), atol=1e-3)  # both solved it
+    assert log.converged.all() and (log.steps < 2000).all()
+
+    slow = train.TrainConfig(steps=400, chunk=50, batch_size=None, optimizer="sgd", momentum=0.0, lr_experts=1e-4, converge_window=100, converge_rtol=1e-3)
+    slow_log = train.TrainLog()
+    train.train_runs(model, slow, runs, tr, log=slow_log)
+    assert not slow_log.converged.any() and (slow_log.steps == 400).all()  # still falling: no stop
+    assert np.all(np.diff(slow_log.train_loss, axis=1) < 0)
+
+
+def test_a_stopped_run_keeps_its_params_while_the_others_train():
+    d = 3
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, d))
+    y = jnp.stack([jnp.zeros((32, 1)), (x[1] @ jnp.ones(d))[:, None]])  # run 0: y = 0 (solved at init)
+    tr = data.Batch(x, y, jnp.zeros((2, 32), jnp.int32))
+    runs, _ = train.grid([0, 1], [32], [1])
+    model = models.Dense(d, 1, 1, 1)
+    init = jax.tree.map(jnp.zeros_like, train.init_runs(model, runs, tr))
+    cfg = train.TrainConfig(steps=300, chunk=50, batch_size=None, optimizer="sgd", momentum=0.0, lr_experts=0.05, converge_window=50, converge_rtol=1e-3, converge_atol=1e-10)
+    log = train.TrainLog()
+    params = train.train_runs(model, cfg, runs, tr, init, log=log)
+    assert log.steps[0] == 50 and log.steps[1] > 50  # run 0 stops at its first chunk (loss 0)
+    np.testing.assert_array_equal(np.asarray(params["experts"]["layers"][0]["w"][0]), 0.0)
+    assert np.abs(np.asarray(params["experts"]["layers"][0]["w"][1])).min() > 0.5

@@ -3,9 +3,11 @@ exact resumption, checkpoint refusal, bad gin input, NaN handling, restore onto 
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
 
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-        "--gin.train_script.train.checkpoint_period=3", "--gin.train_script.train.log_period=1",
+        "--gin.train_script.train.checkpoint_period=3", "--gin.train_script.train.log_period=2",
         "--gin.train_script.train.eval_period=0", "--gin.train_script.train.async_checkpointing=True"]
 
 
@@ -28,6 +30,8 @@ def run(model_dir, steps: int, *flags: str, stop_after: int | None = None) -> di
 
 
 def test_interrupted_run_continues_exactly(tmp_path):
+    """Steps 1 and 5 neither log (every 2nd) nor save (every 3rd): their loss is read one
+    step late, and the run still matches step for step."""
     full = run(tmp_path / "full", 6)
     first = run(tmp_path / "resumed", 6, stop_after=3)
     assert first["step"] == 3 and sorted(first["losses"]) == [1, 2, 3]
@@ -74,9 +78,51 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     huge_lr = "--gin.learning_rate_schedule.base_learning_rate=1e30"
     with pytest.raises(train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"):
         run(tmp_path / "stop", 8, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0")
-    result = run(tmp_path / "skip", 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
-                 "--gin.train_script.train.on_nonfinite='skip'")
-    assert result["step"] == 4
+    # skip: a step whose loss is non-finite leaves parameters (and optimizer state) as they were
+    skip_dir = tmp_path / "skip"
+    result = run(skip_dir, 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
+                 "--gin.train_script.train.on_nonfinite='skip'",
+                 "--gin.train_script.train.checkpoint_period=1", "--gin.train_script.train.keep_checkpoints=None")
+    records = [json.loads(line) for line in (skip_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r["skipped"] for r in records}
+    assert result["step"] == 4 and skipped == {1: 0, 2: 1, 3: 1, 4: 1}
+    assert np.isfinite(result["losses"][1]) and not np.isfinite(result["losses"][2])
+    ckpt = checkpoints.Checkpointer(str(skip_dir), read_only=True)
+    saved = {}
+    for s in (1, 2, 3, 4):
+        out = ckpt._manager.restore(s, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
+            params=checkpoints.ocp.args.StandardRestore(), train=checkpoints.ocp.args.StandardRestore()))
+        saved[s] = {item: jax.tree.map(np.asarray, out[item]) for item in ("params", "train")}
+    ckpt.close()
+    for s in (2, 3, 4):
+        jax.tree.map(np.testing.assert_array_equal, saved[1]["params"], saved[s]["params"])
+        jax.tree.map(np.testing.assert_array_equal, saved[1]["train"]["opt_state"], saved[s]["train"]["opt_state"])
+
+
+@pytest.mark.parametrize("sync_every_step", [False, True])
+def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatch, sync_every_step):
+    """The loss turns NaN on the device at step 5 (no log, no save there): the lagged check
+    reads it while step 6 runs and stops before step 6's save, naming step 5 and the
+    checkpoint of step 3; the step-by-step loop (``sync_every_step``) says the same."""
+    build = setup.build_train_setup
+
+    def nan_at_step_5(*args, **kwargs):
+        run_setup = build(*args, **kwargs)
+        step_fn = run_setup.train_step
+
+        def step(state, batch):
+            state, metrics = step_fn(state, batch)
+            return state, {**metrics, "loss": jnp.where(state.step == 5, jnp.nan, metrics["loss"])}
+
+        run_setup.train_step = step
+        return run_setup
+
+    monkeypatch.setattr(setup, "build_train_setup", nan_at_step_5)
+    with pytest.raises(train.NonFiniteLossError,
+                       match=r"loss is nan at step 5; last good checkpoint: .*checkpoints/3\."):
+        run(tmp_path, 8, "--gin.train_script.train.log_period=100",
+            f"--gin.train_script.train.sync_every_step={sync_every_step}")
+    assert checkpoints.Checkpointer(str(tmp_path), read_only=True).latest_step() == 3
 
 
 def test_unwritable_model_dir_is_refused_before_training(tmp_path):
@@ -101,8 +147,11 @@ def test_gin_errors_name_file_and_line(tmp_path):
 
 
 def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
-    assert train.main([*TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
-    assert "TRAIN_STEPZ" in capsys.readouterr().err
+    from moe_jax import cli
+
+    assert cli.main(["train", *TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moe-jax train: error: gin: macro TRAIN_STEPZ") and "Traceback" not in err
 
 
 def test_resolves_checkpoint_paths():

@@ -75,3 +75,44 @@ def test_adafactor_with_bfloat16_activations_fits_a_batch_and_keeps_float32_para
     assert np.isfinite(losses).all()
     assert losses[-1] < 0.7 * losses[0]
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+def _two_steps_on_mesh(fsdp: bool):
+    """The smoke model's jitted, donated train step (Adam) on the gin mesh: the state after
+    two steps on one batch and both steps' losses."""
+    with gin.unlock_config():
+        gin.bind_parameter("standard_logical_axis_rules.fsdp", fsdp)
+    ctx = setup.run_context()
+    shapes = {"encoder_input_tokens": (8, 16), "decoder_input_tokens": (8, 8)}
+    run = setup.build_train_setup(EncoderDecoderModel(), shapes, ctx, seed=0)
+    batch = setup.global_batch(random_batch(seed=3, batch=8, enc_len=16, dec_len=8, vocab=500), ctx)
+    state = run.init_state()
+    losses = []
+    for _ in range(2):
+        state, metrics = run.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def test_fsdp_shards_parameters_and_adam_state_over_the_batch_axes_with_the_same_losses(smoke_gin):
+    smoke_gin("--gin_file=meshes/cpu_8.gin")  # (data 2, expert 4, model 1); Adam
+    _, ref_losses = _two_steps_on_mesh(fsdp=False)
+    state, losses = _two_steps_on_mesh(fsdp=True)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)  # the update is the same too
+
+    # d_model 32 over data x expert (8 devices): each device keeps 4 of the 32 rows
+    query = state.params["encoder"]["layers_0"]["self_attention"]["attention"]["query"]
+    assert query.sharding.spec[0] == ("data", "expert")
+    assert query.addressable_shards[0].data.shape == (4, *query.shape[1:])
+    embedding = state.params["token_embedder"]["embedding"]
+    assert embedding.addressable_shards[0].data.shape == (embedding.shape[0], 4)
+    # expert weights: experts over 'expert' (4 experts, 1 per device), d_model over 'data'
+    wi = state.params["encoder"]["layers_1"]["ffn"]["moe"]["expert"]["wi_0"]
+    assert wi.sharding.spec[:2] == ("expert", "data")
+    assert wi.addressable_shards[0].data.shape == (1, 16, wi.shape[2])
+    # Adam's moments follow their parameters
+    mu = [s for s in jax.tree.leaves(state.opt_state) if getattr(s, "shape", None) == query.shape]
+    assert mu and all(m.sharding.is_equivalent_to(query.sharding, query.ndim) for m in mu)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
+    total = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    assert per_device < 0.2 * total, (per_device, total)

@@ -134,6 +134,7 @@ SHARED = dict(k=4, d=50, num_patches=4, alpha=(0.5, 2.0), beta=(1.0, 2.0), gamma
               lr_experts=1e-3, lr_router=0.1, lr_single={"linear": 3e-3, "cubic": 1e-2}, single_decay=5e-4, chunk=50, models=list(MODELS))
 PRESETS = {
     "quick": dict(SHARED, n_train=2000, n_test=2000, moe_steps=200, single_steps=200),
+    "converged": dict(SHARED, n_train=4000, n_test=4000, moe_steps=300, single_steps=300),
     "paper": dict(SHARED, n_train=16000, n_test=16000, moe_steps=600, single_steps=800),
 }
 METRICS = ("accuracy", "dispatch_entropy")

@@ -25,6 +25,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(classes=10, num_experts=24, dim_v=16, hidden=64, channels=[16, 32], features=64, n_train=5000, n_test=1000, steps=1000, batch=64),
+    "converged": dict(classes=10, num_experts=24, dim_v=16, hidden=64, channels=[16, 32], features=64, n_train=5000, n_test=1000, steps=6000, batch=64, schedule="cosine", converge_window=1000, converge_rtol=1e-3, chunk=250),
     "paper": dict(classes=100, num_experts=200, dim_v=32, hidden=128, channels=[32, 64], features=128, n_train=50000, n_test=10000, steps=20000, batch=256),
 }
 METRICS = ("loss", "loss_soft", "sparsity", "sparsity_nats", "purity")
@@ -67,7 +68,7 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     model = models.MoE("cnn", "mlp", e, cfg["dim_v"], 1, expert_hidden=cfg["hidden"], cnn_channels=tuple(cfg["channels"]), cnn_features=cfg["features"])
     rows = []
     for mode in ("learned", "frozen"):
-        opt = train.TrainConfig(steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=1e-3, lr_experts=1e-3, router_mode=mode)
+        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=1e-3, lr_experts=1e-3, router_mode=mode)
         params = train.train_runs(model, opt, runs, train_set, desc=f"cifar100 {mode}")
         rows += common.table(coords, train.evaluate_runs(model, params, runs, test_set, k), model=f"MoE {mode}")
     summary = common.summarise(rows, ("model",), METRICS)

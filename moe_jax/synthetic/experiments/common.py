@@ -12,20 +12,30 @@ import jax
 import numpy as np
 
 from moe_jax.synthetic.data import Batch
-from moe_jax.synthetic.train import stack_datasets
+from moe_jax.synthetic.train import TrainConfig, stack_datasets
 
-PRESETS = ("quick", "paper")
+PRESETS = ("quick", "converged", "paper")
+
+# TrainConfig fields a preset may set (the convergence criterion and the schedule)
+TRAINING_KEYS = ("schedule", "warmup", "converge_window", "converge_rtol", "converge_atol", "chunk")
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     """A CLI experiment: ``run(config, seeds, out_dir)`` writes ``<out_dir>/<name>.{json,csv,png}``
-    and returns the JSON dict; ``presets`` maps "quick" / "paper" to its config dict."""
+    and returns the JSON dict; ``presets`` maps "quick" / "converged" / "paper" to its config
+    dict; ``description`` is the one line ``moe-jax synthetic list`` prints."""
 
     name: str
     description: str
     presets: dict[str, dict[str, Any]]
     run: Callable[[dict[str, Any], list[int], pathlib.Path], dict[str, Any]]
+
+
+def train_config(cfg: dict[str, Any], **fixed: Any) -> TrainConfig:
+    """The experiment's ``TrainConfig``: ``fixed`` fields plus any ``TRAINING_KEYS`` the
+    preset ``cfg`` sets (a ``converged`` preset's schedule and stopping criterion)."""
+    return TrainConfig(**{**{k: cfg[k] for k in TRAINING_KEYS if k in cfg}, **fixed})
 
 
 def seed_key(seed: int, purpose: int) -> jax.Array:
@@ -74,17 +84,68 @@ def curve(summary: list[dict[str, Any]], x: str, y: str, **where: Any) -> tuple[
 
 def plot_curves(ax, summary: list[dict[str, Any]], x: str, y: str, series: dict[str, dict[str, Any]], *, logx: bool = True, ylabel: str | None = None, title: str = "") -> None:
     """One line (mean +- std over seeds) per ``series`` label -> filter on the summary."""
+    ticks = set(getattr(ax, "_data_ticks", ()))
     for label, where in series.items():
         xs, mean, std = curve(summary, x, y, **where)
         if xs.size:
             ax.errorbar(xs, mean, yerr=std, marker="o", ms=3, capsize=2, label=label)
+            ticks.update(xs.tolist())
+    ax._data_ticks = ticks  # several calls on one axis share its ticks
     if logx:
         ax.set_xscale("log")
+    style_log_axes(ax, sorted(ticks) if logx else None)
     ax.set_xlabel(x.replace("_", " "))
     ax.set_ylabel(ylabel or y.replace("_", " "))
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def style_log_axes(ax, xticks: list[float] | None = None) -> None:
+    """Readable log axes: labels only at 1, 2 and 5 x 10^i (10^i alone over more than two
+    decades), written plainly (0.2, 5, 100), none
+    on minor ticks (matplotlib's overlap within a decade, the fig4 bug) and, when
+    ``xticks`` is given, major ticks exactly at the data's x values, labelled plainly
+    (640, 3200, 25600) with every other label dropped if there are more than 6."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+        if scale == "log" and not isinstance(axis.get_major_locator(), FixedLocator):
+            low, high = sorted(abs(v) for v in axis.get_view_interval())
+            decades = np.log10(high / max(low, 1e-300))  # over 2 decades: powers of ten only
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades > 2 else (1.0, 2.0, 5.0)))
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(NullFormatter())
+    if xticks and ax.get_xscale() == "log":
+        ax.xaxis.set_major_locator(FixedLocator(xticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        step = 2 if len(xticks) > 6 else 1
+        ax.set_xticks(xticks, [f"{v:g}" if i % step == 0 else "" for i, v in enumerate(xticks)], fontsize=7)
+
+
+# what ``console_table`` shows, in this order, when an experiment's summary has it
+CONSOLE_METRICS = ("loss", "loss_soft", "mse", "mse_soft", "accuracy", "dispatch_entropy", "sparsity", "shuffled_sparsity", "coverage",
+                   "ratio_final", "off_norm_final", "abs_cos_w_z", "norm_w", "rel_err_u", "loss_vs_mmoe", "gate_divergence", "steps")
+CONSOLE_COLUMNS = 7
+
+
+def console_table(result: dict[str, Any]) -> str:
+    """The experiment's results as a plain-text table for the console: one line per summary
+    entry, its coordinates (model, n, ...) then up to ``CONSOLE_COLUMNS`` metrics as
+    mean +- std over seeds (``summary`` as a dict of scalars is printed one per line)."""
+    summary = result["summary"]
+    if isinstance(summary, dict):
+        return "\n".join(f"{k:>20}  {v:.4g}" for k, v in summary.items())
+    keys = list(dict.fromkeys(k for e in summary for k in e))
+    metrics = [m for m in CONSOLE_METRICS if m in keys][:CONSOLE_COLUMNS]
+    coords = [k for k in keys if not k.endswith("_std") and k not in CONSOLE_METRICS and not isinstance(summary[0].get(k), float) or k in ("weight_decay", "rho")]
+    coords = [k for k in coords if k != "seeds" and not any(k == m or k == m + "_std" for m in metrics)]
+    cell = lambda e, m: f"{e[m]:.4g}" + (f" +- {e[m + '_std']:.2g}" if e.get(m + "_std") else "") if m in e else "-"
+    table = [coords + metrics] + [[str(e.get(c, "-")) for c in coords] + [cell(e, m) for m in metrics] for e in summary]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def figure(ncols: int, width: float = 4.0):

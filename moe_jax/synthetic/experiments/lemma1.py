@@ -20,7 +20,7 @@ import numpy as np
 from moe_jax.synthetic import data
 from moe_jax.synthetic.experiments import common
 
-PRESETS = {"quick": dict(k=8, d=10, n=4000, iterations=15), "paper": dict(k=64, d=24, n=64000, iterations=30)}
+PRESETS = {"quick": dict(k=8, d=10, n=4000, iterations=15), "converged": dict(k=8, d=10, n=4000, iterations=15), "paper": dict(k=64, d=24, n=64000, iterations=30)}
 
 
 def moe_loss(u: jax.Array, x: jax.Array) -> jax.Array:

@@ -16,8 +16,9 @@ from moe_jax.synthetic import data, experts, models, train
 from moe_jax.synthetic.experiments import common
 
 _QUICK = dict(k=16, d=16, c=2.0, hidden=64, sizes=[256, 1024, 4096], steps=1000, batch=128, n_test=2048)
+_CONVERGED = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 25600], steps=3000, batch=32, n_test=4096, schedule="cosine", converge_window=500, converge_rtol=1e-2, converge_atol=1e-5, chunk=250)
 _PAPER = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 1600, 3200, 6400, 12800, 25600], steps=20000, batch=256, n_test=8192)
-METRICS = ("loss", "loss_soft", "sparsity", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity", "norm_uniformity")
+METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity", "norm_uniformity")
 
 
 def _run(name: str, labels: str, with_dense: bool, cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[str, Any]:
@@ -35,9 +36,10 @@ def _run(name: str, labels: str, with_dense: bool, cfg: dict[str, Any], seeds: l
         candidates["dense (whole MoE's params)"] = (models.Dense.matching(moe_params, d, out, 4), "learned")
     rows = []
     for label, (model, mode) in candidates.items():
-        opt = train.TrainConfig(steps=cfg["steps"], batch_size=cfg["batch"], optimizer="sgd", lr_router=1e-1, lr_experts=1e-2, router_mode=mode)
-        params = train.train_runs(model, opt, runs, train_set, desc=f"{name} {label}")
-        rows += common.table(coords, train.evaluate_runs(model, params, runs, test_set, k), model=label)
+        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="sgd", lr_router=cfg.get("lr_router", 1e-1), lr_experts=cfg.get("lr_experts", 1e-2), router_mode=mode)
+        log = train.TrainLog()
+        params = train.train_runs(model, opt, runs, train_set, desc=f"{name} {label}", log=log)
+        rows += common.table(coords, {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()}, model=label)
     summary = common.summarise(rows, ("model", "num_train"), METRICS)
 
     fig, (ax_a, ax_b) = common.figure(2)
@@ -50,6 +52,6 @@ def _run(name: str, labels: str, with_dense: bool, cfg: dict[str, Any], seeds: l
 
 
 EXPERIMENTS = {
-    "fig3": common.Experiment("fig3", "MoG + constant labels, MLP experts: learned vs frozen vs dense (Fig. 3)", {"quick": _QUICK, "paper": _PAPER}, functools.partial(_run, "fig3", "constant", True)),
-    "fig4": common.Experiment("fig4", "MoG + linear labels, MLP experts: learned vs frozen (Fig. 4)", {"quick": _QUICK, "paper": _PAPER}, functools.partial(_run, "fig4", "linear", False)),
+    "fig3": common.Experiment("fig3", "MoG + constant labels, MLP experts: learned vs frozen vs dense (Fig. 3)", {"quick": _QUICK, "converged": _CONVERGED, "paper": _PAPER}, functools.partial(_run, "fig3", "constant", True)),
+    "fig4": common.Experiment("fig4", "MoG + linear labels, MLP experts: learned vs frozen (Fig. 4)", {"quick": _QUICK, "converged": _CONVERGED, "paper": _PAPER}, functools.partial(_run, "fig4", "linear", False)),
 }

@@ -45,6 +45,7 @@ Array = jax.Array
 
 PRESETS = {
     "quick": dict(d=100, rhos=[0.0, 0.5, 0.9, 1.0], c=1.0, num_sines=10, noise=0.1, num_experts=8, expert_hidden=16, tower_hidden=8, n_train=16384, n_test=4096, steps=3000, batch=128, lr=3e-3),
+    "converged": dict(d=100, rhos=[0.0, 0.5, 0.9, 1.0], c=1.0, num_sines=10, noise=0.1, num_experts=8, expert_hidden=16, tower_hidden=8, n_train=16384, n_test=4096, steps=6000, batch=128, lr=3e-3, chunk=500, converge_window=1000, converge_rtol=1e-3),
     "paper": dict(d=100, rhos=[0.0, 0.25, 0.5, 0.75, 0.9, 1.0], c=1.0, num_sines=10, noise=0.1, num_experts=8, expert_hidden=16, tower_hidden=8, n_train=65536, n_test=8192, steps=20000, batch=128, lr=1e-3),
 }
 MODELS = ("MMoE", "OMoE", "shared bottom")
@@ -273,7 +274,7 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     """Train the three models on every (rho, seed), evaluate, write mmoe.{json,csv,png}."""
     train_set, test_set = datasets(cfg, seeds)
     runs, coords = rho_grid(seeds, cfg["rhos"], cfg["n_train"], cfg["num_experts"])
-    opt = train.TrainConfig(steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr"], lr_experts=cfg["lr"], chunk=min(500, cfg["steps"]))
+    opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr"], lr_experts=cfg["lr"], chunk=cfg.get("chunk", min(500, cfg["steps"])))
     rows, curve_rows, sizes = [], [], {}
     for name, model in build_models(cfg).items():
         params = train.train_runs(model, opt, runs, train_set, desc=f"mmoe {name}", callback=recorder(model, name, runs, coords, test_set, curve_rows))

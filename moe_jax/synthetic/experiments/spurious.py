@@ -25,10 +25,12 @@ from moe_jax.synthetic.experiments import common
 
 SPURIOUS = {
     "quick": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=2048, steps=2000, batch=256, weight_decays=[0.0, 1e-3]),
+    "converged": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=4096, steps=4000, batch=256, weight_decays=[0.0, 1e-3], converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(k=64, d=240, d_signal=24, c=2.0, expert="mlp", n_train=51200, n_test=8192, steps=20000, batch=256, weight_decays=[0.0, 1e-3]),
 }
 THEOREM1 = {
     "quick": dict(SPURIOUS["quick"], steps=3000, weight_decays=[0.0, 1e-3, 1e-2]),
+    "converged": dict(SPURIOUS["converged"], weight_decays=[0.0, 1e-3, 1e-2]),
     "paper": dict(SPURIOUS["paper"], weight_decays=[0.0, 1e-4, 1e-3, 1e-2]),
 }
 # the trajectory each experiment plots: metric name -> (fn of router rows [E, d] and d', y label)
@@ -49,15 +51,16 @@ def _run(name: str, plotted: str, cfg: dict[str, Any], seeds: list[int], out_dir
     rows, curves = [], {}
     for wd in cfg["weight_decays"]:
         trajectory = [(0, track(init))]
-        opt = train.TrainConfig(steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=3.2e-3, lr_experts=3.2e-3, weight_decay=wd)
-        params = train.train_runs(model, opt, runs, train_set, init, desc=f"{name} wd={wd}", callback=lambda step, p: trajectory.append((step, track(p))))
-        results = train.evaluate_runs(model, params, runs, test_set, k)
+        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg.get("lr_router", 3.2e-3), lr_experts=cfg.get("lr_experts", 3.2e-3), weight_decay=wd)
+        log = train.TrainLog()
+        params = train.train_runs(model, opt, runs, train_set, init, desc=f"{name} wd={wd}", callback=lambda step, p: trajectory.append((step, track(p))), log=log)
+        results = {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()}
         for m in TRACKED:
             results[f"{m}_init"], results[f"{m}_final"] = np.asarray(trajectory[0][1][m]), np.asarray(trajectory[-1][1][m])
         rows += common.table(coords, results, weight_decay=wd)
         curves[wd] = trajectory
     tracked = [f"{m}_{when}" for m in TRACKED for when in ("init", "final")]
-    summary = common.summarise(rows, ("weight_decay",), ("loss", *tracked, "sparsity", "shuffled_sparsity"))
+    summary = common.summarise(rows, ("weight_decay",), ("loss", "loss_soft", "steps", "converged", "train_loss", *tracked, "sparsity", "shuffled_sparsity"))
 
     fig, (ax,) = common.figure(1, 5.0)
     for wd, trajectory in curves.items():

@@ -21,6 +21,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(d=10, out_dim=2, sigma=0.5, radius=0.8, n=4096, steps=3000, chunk=250, lr_u=0.5, lr_w=0.05),
+    "converged": dict(d=10, out_dim=2, sigma=0.5, radius=0.8, n=4096, steps=3000, chunk=250, lr_u=0.5, lr_w=0.05),
     "paper": dict(d=50, out_dim=4, sigma=0.5, radius=0.8, n=65536, steps=20000, chunk=1000, lr_u=0.5, lr_w=0.05),
 }
 

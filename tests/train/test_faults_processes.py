@@ -1,0 +1,138 @@
+"""Faults of trainer processes made to happen for real (issue 17): a full disk (the
+trainer's file-size limit lowered with RLIMIT_FSIZE), two trainers on one MODEL_DIR, a
+lock holder killed with -9, and the chaos test: SIGKILL at 10 random moments of a 200-step
+run, which must end with exactly the losses and parameters of an uninterrupted run.
+
+Slow (each process imports TensorFlow and compiles):
+    pytest -m slow tests/train/test_faults_processes.py
+    pytest -m slow tests/train/test_faults_processes.py -k chaos -s     # prints the seed
+(``CHAOS_SEED=N`` repeats a chaos run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import errors
+from moe_jax.train import checkpoints
+from tests.train.test_processes import FLAGS, env, finish, wait_for_step
+
+pytestmark = pytest.mark.slow
+
+
+def start(model_dir, *flags: str, file_size_limit: int | None = None) -> subprocess.Popen:
+    def limit():
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.Popen([sys.executable, "-m", "moe_jax.cli", "train", *FLAGS,
+                             f"--gin.MODEL_DIR={model_dir}", *flags],
+                            env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=limit)
+
+
+def losses(model_dir) -> dict[int, float]:
+    """``{step: loss}`` of metrics.jsonl, asserting each step is logged once."""
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = [r["step"] for r in records if r["split"] == "train"]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {sorted(steps)}"
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def params_at(model_dir, step: int) -> list[np.ndarray]:
+    ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
+    out = ckpt._manager.restore(step, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
+        params=checkpoints.ocp.args.StandardRestore()))["params"]
+    ckpt.close()
+    return [np.asarray(x) for x in jax.tree.leaves(out)]
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("moe-jax train: error:")]
+
+
+def test_full_disk_stops_with_one_line_then_resume_continues(tmp_path):
+    period = "--gin.train_script.train.checkpoint_period=3"
+    code, out = finish(start(tmp_path / "full", "--gin.TRAIN_STEPS=9", period))
+    assert code == 0, out[-2000:]
+    run = tmp_path / "run"
+    code, out = finish(start(run, "--gin.TRAIN_STEPS=3", period))
+    assert code == 0, out[-2000:]
+    # each checkpoint file is > 1 MB: the save at step 6 fails with EFBIG ("File too large")
+    code, out = finish(start(run, "--gin.TRAIN_STEPS=9", period, file_size_limit=1 << 20))
+    assert code == errors.EXIT_WRITE_FAILED, out[-3000:]
+    assert error_lines(out) == [f"moe-jax train: error: cannot write checkpoint step 6 to MODEL_DIR={run}: "
+                                f"File too large ({error_lines(out)[0].split('File too large (')[1]}"], out[-3000:]
+    assert error_lines(out)[0].endswith(f"; last good checkpoint: {run}/checkpoints/3")
+    assert "Traceback" not in out
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "3"]   # partial step 6 removed
+    assert not (run / "LOCK").exists()
+    code, out = finish(start(run, "--gin.TRAIN_STEPS=9", period))
+    assert code == 0, out[-2000:]
+    assert f"restored {run}/checkpoints/3" in out
+    assert losses(run) == losses(tmp_path / "full")                # each step once, same losses
+    for a, b in zip(params_at(run, 9), params_at(tmp_path / "full", 9)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_second_trainer_is_refused_and_a_killed_holder_does_not_block(tmp_path):
+    first = start(tmp_path, "--gin.TRAIN_STEPS=500", "--gin.train_script.train.checkpoint_period=2")
+    wait_for_step(first, tmp_path, 3)
+    code, out = finish(start(tmp_path, "--gin.TRAIN_STEPS=500"))
+    assert code == 1, out[-2000:]
+    lines = error_lines(out)
+    assert len(lines) == 1 and f"is being written by another trainer: host {os.uname().nodename}, " \
+                               f"PID {first.pid}, since " in lines[0], out[-2000:]
+    first.send_signal(signal.SIGKILL)
+    finish(first)
+    reached = checkpoints.reached_step(str(tmp_path))
+    code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={reached + 1}"))
+    assert code == 0, out[-2000:]
+    assert f"took over the lock of {tmp_path} from host {os.uname().nodename} PID {first.pid}" in out
+    assert f"PID {first.pid} no longer runs on this host" in out
+
+
+def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path):
+    steps, kills = 200, 10
+    seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 2**31))
+    print(f"chaos seed {seed} (CHAOS_SEED={seed} repeats it)", flush=True)
+    rng = random.Random(seed)
+    flags = [f"--gin.TRAIN_STEPS={steps}", "--gin.train_script.train.checkpoint_period=10"]
+    code, out = finish(start(tmp_path / "clean", *flags), timeout=900)
+    assert code == 0, out[-2000:]
+    run = tmp_path / "chaos"
+    survived = 0
+    for kill in range(kills):
+        # a random step beyond any logged so far (so only fresh progress reaches it), then a
+        # random moment within the next steps (saves every 10 steps included)
+        reached = max(losses(run), default=0) if (run / "metrics.jsonl").exists() else 0
+        if reached + 1 > steps - 1:
+            break
+        target = rng.randint(reached + 1, min(steps - 1, reached + max(1, (steps - 1 - reached) // (kills - kill))))
+        proc = start(run, *flags)
+        wait_for_step(proc, run, target, timeout=600)
+        time.sleep(rng.uniform(0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        finish(proc)
+        survived += 1
+        print(f"kill {kill + 1}: SIGKILL after step >= {target}; checkpoints "
+              f"{checkpoints.Checkpointer(str(run), read_only=True).all_steps()}", flush=True)
+    assert survived == kills
+    code, out = finish(start(run, *flags), timeout=900)
+    assert code == 0, out[-2000:]
+    assert losses(run) == losses(tmp_path / "clean")             # every step once, bit-identical
+    for a, b in zip(params_at(run, steps), params_at(tmp_path / "clean", steps)):
+        np.testing.assert_array_equal(a, b)
+    print(f"chaos: survived {survived} SIGKILLs (seed {seed}); losses and final parameters exact")
