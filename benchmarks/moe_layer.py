@@ -1,6 +1,12 @@
 """MoE layer forward+backward: dispatch implementations vs a dense FFN of equal useful FLOPs.
 
-Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum]
+Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum] [--options]
+
+``--options`` times instead, at the T5-Base shape with E = 8 and the sort dispatch, each
+routing option of docs/moe.md (shared experts, fine-grained experts, sigmoid scores, the
+balancing bias with its update, group-limited routing) against plain top-2 in the same
+rounds: the time ratio, the useful-FLOP ratio (what the option adds: a shared expert's
+dense FFN on every token; fine-grained experts' wider router) and the cost beyond it.
 
 For each shape (T5-Base: d_model 768, d_ff 2048; small: d_model 32, d_ff 256), 8 x 512
 tokens, top-2, capacity factor 1.25 (training), T5X capacity rule, group size 4096, and
@@ -90,15 +96,63 @@ def _grad_fn(apply, out_shape, loss: str):
     return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * r), argnums=(0, 1)))
 
 
-def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str) -> tuple:
-    layer = MoeLayer(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
-                     train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
-                     load_balancing_loss_weight=0.0, router_z_loss_weight=0.0)
+def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
+    """Fwd+bwd of a training-mode MoeLayer (``options``: extra ``MoeLayer`` fields); a
+    balancing bias is passed in and updated as in a train step."""
+    layer = MoeLayer(**{**dict(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
+                               train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
+                               load_balancing_loss_weight=0.0, router_z_loss_weight=0.0), **options})
     x = jax.random.normal(jax.random.PRNGKey(0), TOKENS + (d_model,))
-    params = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x)["params"])
-    grad = _grad_fn(lambda p, x: layer.apply({"params": p}, x, deterministic=False,
-                                             mutable=["aux_loss", "moe_metrics"])[0], x.shape, loss)
-    return grad, (params, x)
+    variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
+    state = {k: v for k, v in variables.items() if k == "router_bias"}
+    grad = _grad_fn(lambda p, x: layer.apply({"params": p, **state}, x, deterministic=False,
+                                             mutable=["aux_loss", "moe_metrics", *state])[0], x.shape, loss)
+    return grad, (variables["params"], x)
+
+
+# name: (MoeLayer options, useful FLOPs relative to plain top-2 at T5-Base / E = 8: what the
+# option adds to the expert matmuls on the filled capacity slots).
+def _options(d_model: int, d_ff: int, slots: int, tokens: int) -> dict[str, tuple[dict, float]]:
+    base = useful_flops(slots, d_model, d_ff)
+    router = 3 * 2 * tokens * d_model  # fwd + bwd FLOPs of one router column
+    return {
+        "top-2 (plain)": ({}, 1.0),
+        "shared expert (1 x d_ff) + top-2": (dict(num_shared_experts=1),
+                                              1.0 + useful_flops(tokens, d_model, d_ff) / base),
+        "balancing bias (u = 1e-3)": (dict(bias_update_rate=1e-3), 1.0),
+        "sigmoid scores": (dict(router_score="sigmoid"), 1.0),
+        # capacity factor x m keeps the slots' FLOPs (the T5X rule does not scale with k)
+        "fine-grained m = 4 (32 x d_ff/4, top-8)": (dict(expert_granularity=4, train_capacity_factor=5.0),
+                                                    1.0 + 24 * router / base),
+        "group-limited G = 4, M = 2": (dict(num_limited_groups=4, max_groups_per_token=2), 1.0),
+    }
+
+
+def options_table(reps: int, loss: str) -> None:
+    """Each routing option vs plain top-2 (sort dispatch, T5-Base, E = 8), same rounds."""
+    d_model, d_ff = SHAPES["t5-base"]
+    tokens = TOKENS[0] * TOKENS[1]
+    groups, per_group = group_layout(tokens, 4096)
+    slots = 8 * expert_capacity(per_group, 8, 2, 1.25, 4, "t5x") * groups
+    options = _options(d_model, d_ff, slots, tokens)
+    runs = {name: moe_run(d_model, d_ff, 8, "sort", loss, **kw) for name, (kw, _) in options.items()}
+    results = timed_interleaved(runs, reps)
+    # Load-independent: XLA's cost analysis of each compiled step, with batched expert
+    # matmuls (cost_analysis does not multiply a lax.map body by its trip count).
+    costs = {}
+    for name, (kw, _) in options.items():
+        fn, fn_args = moe_run(d_model, d_ff, 8, "sort", loss, **kw, per_expert_loop=False)
+        cost = fn.lower(*fn_args).compile().cost_analysis()
+        costs[name] = (cost.get("flops", float("nan")), cost.get("bytes accessed", float("nan")))
+    plain, (plain_flops, plain_bytes) = results["top-2 (plain)"].ms, costs["top-2 (plain)"]
+    print("| option (T5-Base, E = 8, sort) | ms | time vs plain | useful FLOPs vs plain | cost beyond its FLOPs "
+          "| compiled FLOPs vs plain | compiled bytes accessed vs plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (_, flop_ratio) in options.items():
+        ratio = results[name].ms / plain
+        print(f"| {name} | {results[name].ms:.1f} | {ratio:.3f}x | {flop_ratio:.3f}x | "
+              f"{ratio / flop_ratio - 1:+.1%} | {costs[name][0] / plain_flops:.3f}x | "
+              f"{costs[name][1] / plain_bytes:.3f}x |", flush=True)
 
 
 def dense_run(d_model: int, hidden: int, loss: str) -> tuple:
@@ -116,7 +170,13 @@ def main() -> None:
                         help="timing rounds; fewer than ~10 scatter the matmul-rate ratio by +-5 points")
     parser.add_argument("--loss", choices=("cotangent", "sum"), default="cotangent",
                         help="value_and_grad of sum(y * r) (training-like), or the earlier grad of sum(y)")
+    parser.add_argument("--options", action="store_true",
+                        help="time each routing option against plain top-2 instead (T5-Base, E = 8, sort)")
     args = parser.parse_args()
+    if args.options:
+        print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
+        options_table(args.reps, args.loss)
+        return
     rate = measured_matmul_flops(MATMUL_N, repeats=max(args.reps, 5))
     print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); "
           f"float32 matmul rate at start {rate / 1e9:.1f} GFLOP/s (median); each shape below is "

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
     "compile": ("moe_jax.train.aot", "compile a run for a TPU/GPU/CPU target: memory, fit, step time"),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
+    "upcycle": ("moe_jax.train.upcycle", "an MoE run from a dense run's checkpoint (sparse upcycling)"),
     "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
     "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),
 }

@@ -21,12 +21,25 @@ class MoeShape:
       num_selected_experts: experts each token is processed by (top-k).
       expert_mlp_dim: d_ff of one expert.
       num_input_matrices: input projections per expert (2 for gated GELU, 1 for ReLU).
+      shared_mlp_dim: total hidden width of the always-active shared experts (0: none).
+
+    With fine-grained experts (granularity m) ``num_experts`` and ``num_selected_experts``
+    are the routed ``m * E`` and ``m * k``, ``expert_mlp_dim`` is ``d_ff / m``.
     """
 
     num_experts: int
     num_selected_experts: int
     expert_mlp_dim: int
     num_input_matrices: int
+    shared_mlp_dim: int = 0
+
+
+def moe_shape(layer: Any) -> MoeShape:
+    """The :class:`MoeShape` of a ``moe_jax.moe.MoeLayer`` (routed experts after
+    granularity, assignments per token, shared experts' total width)."""
+    return MoeShape(layer.routed_experts, layer.choices_per_token, layer.expert_d_ff,
+                    2 if layer.activation == "gated_gelu" else 1,
+                    layer.num_shared_experts * layer.shared_d_ff)
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
@@ -73,7 +86,7 @@ def forward_flops_per_example(
 
     Counts every projection, the attention scores and weighted sums (full, not halved for
     causality), the dense MLPs, the logits, and for MoE layers the router plus the
-    ``num_selected_experts`` experts each token uses (active experts only: capacity
+    ``num_selected_experts`` experts each token uses and the shared experts (active experts only: capacity
     padding and dispatch/combine einsums are not counted). Norms, softmax and
     element-wise work are ignored.
     """
@@ -88,7 +101,8 @@ def forward_flops_per_example(
         if moe is None:
             raise ValueError("FLOPs of a model with MoE layers need its MoeShape")
         expert = (moe.num_input_matrices + 1) * d * moe.expert_mlp_dim
-        return d * moe.num_experts + moe.num_selected_experts * expert
+        shared = (moe.num_input_matrices + 1) * d * moe.shared_mlp_dim
+        return d * moe.num_experts + moe.num_selected_experts * expert + shared
 
     Le, Ld = encoder_length, decoder_length
     macs = 0.0

@@ -23,6 +23,11 @@ FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_toke
             "encoder_positions", "decoder_positions")
 AUX_LOSS_COLLECTION = "aux_loss"
 MOE_METRICS_COLLECTION = "moe_metrics"
+# Non-parameter variable collections that are model state: created by ``init``, carried in
+# the train state (``TrainState.collections``), checkpointed, and updated by the training
+# forward pass (never by the optimizer). ``router_bias``: the auxiliary-loss-free balancing
+# bias of ``MoeLayer.bias_update_rate`` (moe/selection.py).
+STATE_COLLECTIONS = ("router_bias",)
 
 
 def _key_name(key: Any) -> str:
@@ -100,7 +105,8 @@ class EncoderDecoderModel:
     # ----------------------------------------------------------------- initialisation
     def get_initial_variables(self, rng: jax.Array, input_shapes: InputShapes,
                               input_types: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """``{'params': ...}`` with every parameter boxed as ``nn.Partitioned`` (logical names).
+        """``{'params': ...}`` with every parameter boxed as ``nn.Partitioned`` (logical names),
+        plus the model's non-parameter state collections (``STATE_COLLECTIONS``) it has.
 
         ``input_shapes`` needs ``encoder_input_tokens`` and ``decoder_input_tokens``
         (``(batch, length)``). For shapes only, close over the shapes:
@@ -110,7 +116,7 @@ class EncoderDecoderModel:
         enc = jnp.ones(input_shapes["encoder_input_tokens"], jnp.int32)
         dec = jnp.ones(input_shapes["decoder_input_tokens"], jnp.int32)
         variables = self.module.init({"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False)
-        return {"params": variables["params"]}
+        return {name: variables[name] for name in ("params",) + STATE_COLLECTIONS if name in variables}
 
     def param_logical_axes(self, input_shapes: InputShapes) -> Any:
         """Pytree (like params) of ``PartitionSpec`` of logical axis names."""
@@ -118,18 +124,29 @@ class EncoderDecoderModel:
             functools.partial(self.get_initial_variables, input_shapes=input_shapes), jax.random.key(0))
         return nn.get_partition_spec(shapes)["params"]
 
+    def state_logical_axes(self, input_shapes: InputShapes) -> dict[str, Any]:
+        """``{collection: PartitionSpec tree}`` of the non-parameter state collections."""
+        shapes = jax.eval_shape(
+            functools.partial(self.get_initial_variables, input_shapes=input_shapes), jax.random.key(0))
+        return {k: v for k, v in nn.get_partition_spec(shapes).items() if k != "params"}
+
     # ----------------------------------------------------------------- losses and metrics
     def _forward(self, params: Any, batch: Batch, enable_dropout: bool,
-                 dropout_rng: jax.Array | None) -> tuple[jax.Array, dict[str, Any]]:
+                 dropout_rng: jax.Array | None,
+                 state: Mapping[str, Any] | None = None) -> tuple[jax.Array, dict[str, Any]]:
+        """Logits and the collections the pass wrote (sown losses and metrics; in training
+        also the updated state collections)."""
         missing = [k for k in FEATURES[:3] if k not in batch]
         if missing:
             raise KeyError(f"batch lacks features {missing}; it has {sorted(batch)}")
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
+        state = dict(state or {})
+        updated = list(state) if enable_dropout else []
         return self.module.apply(
-            {"params": params},
+            {"params": params, **state},
             *(batch.get(k) for k in FEATURES[:3]), *(batch.get(k) for k in FEATURES[4:]),
             enable_dropout=enable_dropout, rngs=rngs,
-            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION],
+            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, *updated],
         )
 
     def _loss_and_metrics(self, logits: jax.Array, state: Mapping[str, Any],
@@ -157,9 +174,10 @@ class EncoderDecoderModel:
         metrics["num_tokens"] = jnp.sum(weights)
         return loss, metrics
 
-    def loss_fn(self, params: Any, batch: Batch,
-                dropout_rng: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Training loss and metrics (differentiable in ``params``).
+    def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
+                state: Mapping[str, Any] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Training loss and metrics (differentiable in ``params``); ``state``: the
+        non-parameter collections (``STATE_COLLECTIONS``) when the model has any.
 
         With ``dropout_rng`` set, dropout is on and MoE layers run in training mode
         (train capacity factor); with None both are off (as in T5X).
@@ -170,18 +188,30 @@ class EncoderDecoderModel:
         ``num_tokens`` (sum of loss weights), and every sown MoE metric per layer as
         ``moe/<encoder|decoder>/layers_<i>/<name>`` (``expert_load`` is ``[num_experts]``).
         """
-        logits, state = self._forward(params, batch, dropout_rng is not None, dropout_rng)
-        return self._loss_and_metrics(logits, state, batch)
+        loss, (metrics, _) = self.train_loss_fn(params, state or {}, batch, dropout_rng)
+        return loss, metrics
 
-    def eval_fn(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    def train_loss_fn(self, params: Any, state: Mapping[str, Any], batch: Batch,
+                      dropout_rng: jax.Array | None) -> tuple[jax.Array, tuple[dict[str, jax.Array], dict]]:
+        """:meth:`loss_fn` for the train step: ``(loss, (metrics, new_state))``, where
+        ``new_state`` is ``state`` as updated by this forward pass (with ``dropout_rng``;
+        unchanged without)."""
+        logits, written = self._forward(params, batch, dropout_rng is not None, dropout_rng, state)
+        new_state = {name: written.get(name, value) for name, value in state.items()}
+        loss, metrics = self._loss_and_metrics(logits, written, batch)
+        return loss, (metrics, nn.unbox(new_state))
+
+    def eval_fn(self, params: Any, batch: Batch,
+                state: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """Deterministic metrics (eval capacity factor), same names as :meth:`loss_fn`."""
-        logits, state = self._forward(params, batch, False, None)
-        return self._loss_and_metrics(logits, state, batch)[1]
+        logits, written = self._forward(params, batch, False, None, state)
+        return self._loss_and_metrics(logits, written, batch)[1]
 
     # ----------------------------------------------------------------- decoding
     def predict_batch(self, params: Any, batch: Batch, rng: jax.Array | None = None, *,
                       decode_method: str = "greedy", temperature: float = 1.0,
-                      max_decode_length: int | None = None) -> jax.Array:
+                      max_decode_length: int | None = None,
+                      state: Mapping[str, Any] | None = None) -> jax.Array:
         """Generates ``[batch, max_decode_length]`` tokens from ``encoder_input_tokens``.
 
         ``max_decode_length`` defaults to the length of ``decoder_input_tokens`` (or of
@@ -191,7 +221,7 @@ class EncoderDecoderModel:
         if max_decode_length is None:
             ref = batch.get("decoder_input_tokens", enc_tokens)
             max_decode_length = ref.shape[1]
-        variables = {"params": params}
+        variables = {"params": params, **(state or {})}
         encoded = self.module.apply(variables, enc_tokens, batch.get("encoder_segment_ids"),
                                     enable_dropout=False, method=EncoderDecoder.encode)
         batch_size = enc_tokens.shape[0]
@@ -227,9 +257,7 @@ class EncoderDecoderModel:
             return None
         from moe_jax.moe.layer import MoeLayer
 
-        layer = MoeLayer()
-        return accounting.MoeShape(layer.num_experts, layer.num_selected_experts, layer.d_ff,
-                                   2 if layer.activation == "gated_gelu" else 1)
+        return accounting.moe_shape(MoeLayer())
 
     def flops_per_example(self, input_shapes: InputShapes, training: bool = True) -> float:
         """Analytic FLOPs of one example (training = 3x forward: forward + backward)."""

@@ -53,7 +53,7 @@ class Experts(nn.Module):
         return {k: v.astype(self.dtype) for k, v in weights.items()}
 
 
-def _activate(weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array],
+def activate(weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array],
               activation: str) -> jax.Array:
     if activation == "gated_gelu":
         return nn.gelu(h_in(weights["wi_0"]), approximate=True) * h_in(weights["wi_1"])
@@ -61,7 +61,7 @@ def _activate(weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Arr
     return nn.relu(h) if activation == "relu" else nn.gelu(h, approximate=True)
 
 
-def _dropout(h: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+def dropout(h: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
     if rate <= 0.0 or rng is None:
         return h
     keep = jax.random.bernoulli(rng, 1.0 - rate, h.shape)
@@ -85,8 +85,8 @@ def expert_ffn(weights: dict[str, jax.Array], x: jax.Array, activation: str,
       ``[groups, experts, capacity, d_model]`` (partial sums if ``expert_mlp`` is sharded).
     """
     if not per_expert_loop:
-        h = _activate(weights, lambda w: jnp.einsum("gecd,edf->gecf", x, w), activation)
-        h = _dropout(h, dropout_rate, dropout_rng)
+        h = activate(weights, lambda w: jnp.einsum("gecd,edf->gecf", x, w), activation)
+        h = dropout(h, dropout_rate, dropout_rng)
         return jnp.einsum("gecf,efd->gecd", h, weights["wo"])
     groups, experts, capacity, d_model = x.shape
     rows = jnp.swapaxes(x, 0, 1).reshape(experts, groups * capacity, d_model)
@@ -94,7 +94,7 @@ def expert_ffn(weights: dict[str, jax.Array], x: jax.Array, activation: str,
 
     def one_expert(args):
         w, xe, key = args
-        h = _dropout(_activate(w, lambda wk: xe @ wk, activation), dropout_rate, key)
+        h = dropout(activate(w, lambda wk: xe @ wk, activation), dropout_rate, key)
         return h @ w["wo"]
 
     out = jax.lax.map(one_expert, (weights, rows, keys))
@@ -113,6 +113,6 @@ def ragged_expert_ffn(weights: dict[str, jax.Array], x: jax.Array, group_sizes: 
     Returns:
       ``[assignments, d_model]``.
     """
-    h = _activate(weights, lambda w: jax.lax.ragged_dot(x, w, group_sizes), activation)
-    h = _dropout(h, dropout_rate, dropout_rng)
+    h = activate(weights, lambda w: jax.lax.ragged_dot(x, w, group_sizes), activation)
+    h = dropout(h, dropout_rate, dropout_rng)
     return jax.lax.ragged_dot(h, weights["wo"], group_sizes)

@@ -17,7 +17,10 @@ import gin
 import jax
 import optax
 
+from moe_jax.moe.selection import BIAS_COLLECTION
+
 ROUTER_MODES: tuple[str, ...] = ("learned", "frozen")
+BIAS_MODES: tuple[str, ...] = ("updated", "frozen")
 _ROUTER, _OTHER = "router", "other"
 
 
@@ -46,6 +49,24 @@ def router_mode(mode: str = "learned") -> str:
     if mode not in ROUTER_MODES:
         raise ValueError(f"router_mode.mode={mode!r} is unknown; choose one of {ROUTER_MODES}")
     return mode
+
+
+@gin.configurable
+def bias_mode(mode: str = "updated") -> str:
+    """Whether the auxiliary-loss-free balancing biases (``MoeLayer.bias_update_rate``) keep
+    updating (``updated``, default; with a frozen router: "frozen + balanced") or stay at
+    their current value (``frozen``; from initialisation: zero, no balancing)."""
+    if mode not in BIAS_MODES:
+        raise ValueError(f"bias_mode.mode={mode!r} is unknown; choose one of {BIAS_MODES}")
+    return mode
+
+
+def updated_collections(old: Any, new: Any) -> Any:
+    """The state collections after a train step: ``new`` (as the forward pass updated
+    them), or ``old`` for the balancing biases when ``bias_mode`` is ``frozen``."""
+    if bias_mode() == "updated":
+        return new
+    return {name: old[name] if name == BIAS_COLLECTION else value for name, value in new.items()}
 
 
 def apply_router_mode(tx: optax.GradientTransformation, params: Any = None,
@@ -91,5 +112,5 @@ def data_initialized_router(params: Any, samples: jax.Array, rng: jax.Array,
     return jax.tree_util.tree_map_with_path(replace, params)
 
 
-__all__ = ["ROUTER_MODES", "apply_router_mode", "data_initialized_router", "is_router_param",
-           "router_labels", "router_mode"]
+__all__ = ["BIAS_MODES", "ROUTER_MODES", "apply_router_mode", "bias_mode", "data_initialized_router", "is_router_param",
+           "router_labels", "router_mode", "updated_collections"]

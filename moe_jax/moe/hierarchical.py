@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.moe.routers import RouterOutput, RouterWeights, _dense, _prob_in_top_k, _token_choice, top_k
+from moe_jax.moe.selection import check_expert_groups
 
 Array = jax.Array
 
@@ -73,12 +74,7 @@ def check_hierarchical_options(num_experts: int, num_selected_experts: int, num_
                                num_selected_groups: int) -> None:
     """Refuses inconsistent hierarchical options with a message naming the ``MoeLayer``
     option: G must divide E, ``1 <= k1 <= G`` and ``1 <= k2 <= E / G``."""
-    if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(f"MoeLayer.num_expert_groups={num_groups} must be >= 1 and divide "
-                         f"num_experts={num_experts}")
-    if not 1 <= num_selected_groups <= num_groups:
-        raise ValueError(f"MoeLayer.num_selected_groups={num_selected_groups} must be between "
-                         f"1 and num_expert_groups={num_groups}")
+    check_expert_groups(num_experts, num_groups, num_selected_groups, "num_expert_groups", "num_selected_groups")
     per_group = num_experts // num_groups
     if not 1 <= num_selected_experts <= per_group:
         raise ValueError(f"MoeLayer.num_selected_experts={num_selected_experts} (experts chosen "

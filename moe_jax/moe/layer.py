@@ -28,6 +28,8 @@ from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_ex
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS, check_hierarchical_options
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
 from moe_jax.moe.routers import ROUTERS as _FLAT_ROUTERS
+from moe_jax.moe.selection import check_selection_options
+from moe_jax.moe.shared import SharedExperts
 
 Array = jax.Array
 
@@ -82,6 +84,17 @@ class MoeLayer(nn.Module):
       causal: set by a causal decoder.
       dtype: compute dtype of dispatch and experts (router logits are float32).
       data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
+      num_shared_experts: always-active experts added to the routed output (DeepSeekMoE).
+      shared_expert_d_ff: hidden size of each shared expert (None: the routed experts').
+      expert_granularity: m (DeepSeekMoE fine-grained experts): ``m * num_experts`` routed
+        experts of ``d_ff / m``, top-``m * k``: same parameters and FLOPs.
+      router_score: ``softmax`` or ``sigmoid`` (DeepSeek-V3; selected gates sum to 1).
+      bias_update_rate: u > 0: auxiliary-loss-free balancing bias (selection only),
+        updated by ``u * sign(mean load - load_e)`` every training step (DeepSeek-V3).
+      num_limited_groups, max_groups_per_token: group-limited routing: each token picks
+        its top experts inside its best M of G expert groups (M = 0: off; G = None: the
+        ``expert`` mesh axis size, so a token reaches at most M devices; M >= that size
+        limits nothing).
     """
 
     num_experts: int = 8
@@ -116,6 +129,13 @@ class MoeLayer(nn.Module):
     data_axis: str = "data"
     expert_axis: str = "expert"
     model_axis: str = "model"
+    num_shared_experts: int = 0
+    shared_expert_d_ff: int | None = None
+    expert_granularity: int = 1
+    router_score: str = "softmax"
+    bias_update_rate: float = 0.0
+    num_limited_groups: int | None = None
+    max_groups_per_token: int = 0
 
     def _validate(self) -> None:
         if self.router_type not in ROUTERS:
@@ -131,6 +151,7 @@ class MoeLayer(nn.Module):
             raise ValueError(f"MoeLayer.dispatch={self.dispatch!r} is unknown; "
                              f"choose one of {DISPATCH_IMPLS + ('auto',)}")
         check_activation(self.activation)
+        self._validate_modern_options()
         if self.router_type in HIERARCHICAL_ROUTERS:
             check_hierarchical_options(self.num_experts, self.num_selected_experts,
                                        self.num_expert_groups, self.num_selected_groups)
@@ -145,20 +166,68 @@ class MoeLayer(nn.Module):
             raise ValueError("MoeLayer.dropless=True needs a token-choice router, "
                              "not router_type='expert_choice'")
 
+    def _validate_modern_options(self) -> None:
+        """Shared / fine-grained experts, sigmoid scores, balancing bias, group limits."""
+        m = self.expert_granularity
+        if m < 1 or self.d_ff % m:
+            raise ValueError(f"MoeLayer.expert_granularity={m} must be >= 1 and divide d_ff={self.d_ff}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"MoeLayer.num_shared_experts={self.num_shared_experts} must be >= 0")
+        if self.num_shared_experts and self.router_type == "expert_choice":
+            raise ValueError("MoeLayer.num_shared_experts: shared experts are for token-choice routers; "
+                             "expert choice already lets experts take any number of tokens, "
+                             "not router_type='expert_choice'")
+        uses_top_k = self.router_score != "softmax" or self.bias_update_rate > 0 or self.max_groups_per_token
+        if uses_top_k and self.router_type != "top_k":
+            raise ValueError(f"MoeLayer.router_score / bias_update_rate / max_groups_per_token need "
+                             f"router_type='top_k', not {self.router_type!r}")
+        if m > 1 and self.router_type in HIERARCHICAL_ROUTERS:
+            raise ValueError(f"MoeLayer.expert_granularity={m} is for flat routers, not "
+                             f"router_type={self.router_type!r}")
+
+    @property
+    def routed_experts(self) -> int:
+        """Routed experts: ``num_experts * expert_granularity``."""
+        return self.num_experts * self.expert_granularity
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Hidden size of one routed expert: ``d_ff / expert_granularity``."""
+        return self.d_ff // self.expert_granularity
+
+    @property
+    def shared_d_ff(self) -> int:
+        """Hidden size of one shared expert."""
+        return self.shared_expert_d_ff or self.expert_d_ff
+
     @property
     def choices_per_token(self) -> int:
-        """Assignments per token: ``k``, or ``k1 * k2`` for the hierarchical routers."""
+        """Assignments per token: ``k`` (``m * k`` with granularity m), or ``k1 * k2`` for
+        the hierarchical routers."""
         if self.router_type in HIERARCHICAL_ROUTERS:
             return self.num_selected_groups * self.num_selected_experts
-        return self.num_selected_experts
+        return self.num_selected_experts * self.expert_granularity
 
-    def _router(self) -> nn.Module:
+    def _group_limit(self, mesh) -> tuple[int, int]:
+        """(G, M) of group-limited routing. G: the binding, or the ``expert`` mesh axis size;
+        with the mesh's G, an M >= G limits nothing (M = 0: off), so a config written for a
+        large mesh also runs on one device."""
+        if self.num_limited_groups:
+            return self.num_limited_groups, self.max_groups_per_token
+        groups = ep.axis_size(mesh, self.expert_axis)
+        return groups, (self.max_groups_per_token if self.max_groups_per_token < groups else 0)
+
+    def _router(self, mesh) -> nn.Module:
         cls = ROUTERS[self.router_type]
-        options = dict(num_experts=self.num_experts, num_selected_experts=self.num_selected_experts,
+        k = self.num_selected_experts if self.router_type in HIERARCHICAL_ROUTERS else self.choices_per_token
+        options = dict(num_experts=self.routed_experts, num_selected_experts=k,
                        renormalize_gates=self.renormalize_gates, jitter_noise=self.jitter_noise,
                        batch_prioritized=self.batch_prioritized_routing,
                        init_stddev=self.router_init_stddev, seed=self.router_seed,
-                       num_groups=self.num_expert_groups, num_selected_groups=self.num_selected_groups)
+                       num_groups=self.num_expert_groups, num_selected_groups=self.num_selected_groups,
+                       score_function=self.router_score, bias_update_rate=self.bias_update_rate,
+                       num_limited_groups=self._group_limit(mesh)[0],
+                       max_groups_per_token=self._group_limit(mesh)[1])
         return cls(**{k: v for k, v in options.items() if k in cls.__dataclass_fields__}, name="router")
 
     @nn.compact
@@ -175,7 +244,9 @@ class MoeLayer(nn.Module):
         batch, length, d_model = inputs.shape
         num_tokens = batch * length
         mesh = ep.current_mesh()
-        ep.check_divisible(self.num_experts, mesh, self.expert_axis)
+        ep.check_divisible(self.routed_experts, mesh, self.expert_axis)
+        check_selection_options(self.routed_experts, self.choices_per_token, self.router_score,
+                                *self._group_limit(mesh))
         groups, tokens_per_group = cap.group_layout(
             num_tokens, self.group_size, ep.group_shards(mesh, self.data_axis, self.expert_axis))
 
@@ -190,15 +261,20 @@ class MoeLayer(nn.Module):
             capacity = tokens_per_group
         else:
             factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
-            capacity = cap.expert_capacity(tokens_per_group, self.num_experts, self.choices_per_token,
+            capacity = cap.expert_capacity(tokens_per_group, self.routed_experts, self.choices_per_token,
                                            factor, self.min_expert_capacity, self.capacity_rule)
 
-        router_output = self._router()(x, mask, ids, capacity, deterministic)
+        router_output = self._router(mesh)(x, mask, ids, capacity, deterministic)
         self._sow_routing(router_output, x, num_tokens, (batch, length))
-        weights = Experts(self.num_experts, self.d_ff, self.activation, self.dtype, name="expert")(d_model)
+        weights = Experts(self.routed_experts, self.expert_d_ff, self.activation, self.dtype, name="expert")(d_model)
         y, kept = self._experts(x, router_output, weights, capacity, mesh, deterministic)
         self._sow_losses_and_metrics(router_output, mask, kept)
-        y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model).astype(inputs.dtype)
+        y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model)
+        if self.num_shared_experts:
+            y = y + SharedExperts(self.num_shared_experts, self.shared_d_ff, self.activation,
+                                  self.expert_dropout_rate, self.dtype, name="shared_expert")(
+                inputs.astype(self.dtype), deterministic)
+        y = y.astype(inputs.dtype)
         return nn.with_logical_constraint(y, ("batch", "length", "embed"))
 
     def _experts(self, x: Array, router_output: RouterOutput, weights: dict[str, Array], capacity: int,
@@ -219,11 +295,11 @@ class MoeLayer(nn.Module):
                               key if use_dropout else None, per_expert_loop)
 
         if self.dropless and impl == "sort" and not expert_parallel:
-            return ragged_token_choice(x, routing, self.num_experts, lambda rows, sizes: ragged_expert_ffn(
+            return ragged_token_choice(x, routing, self.routed_experts, lambda rows, sizes: ragged_expert_ffn(
                 weights, rows, sizes, self.activation, self.expert_dropout_rate, rng if use_dropout else None))
 
         def local_fn(x, routing, w, key, comm):
-            y, kept = dispatch_combine(impl, x, routing, self.num_experts, capacity,
+            y, kept = dispatch_combine(impl, x, routing, self.routed_experts, capacity,
                                        lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)),
                                        choice_major_combine(platform))
             return (y,) if kept is None else (y, kept)
@@ -263,7 +339,7 @@ class MoeLayer(nn.Module):
             untaken = (jnp.sum(router_output.assigned, axis=-1) == 0).astype(jnp.float32)
             dropped = jnp.sum(untaken * mask) / jnp.maximum(jnp.sum(mask), 1.0)
         else:
-            routed = router_output.routing.expert_index < self.num_experts
+            routed = router_output.routing.expert_index < self.routed_experts
             dropped = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1)
         weights = {
             "load_balancing_loss": self.load_balancing_loss_weight,

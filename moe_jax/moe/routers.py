@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.scipy.stats import norm
 
+from moe_jax.moe import selection
+
 Array = jax.Array
 
 
@@ -103,14 +105,16 @@ class RouterWeights(nn.Module):
         return jnp.einsum("gsd,de->gse", x.astype(jnp.float32), w)
 
 
-def top_k(values: Array, k: int) -> tuple[Array, Array]:
-    """``jax.lax.top_k`` over the last axis, ``[..., n]`` -> ``([..., k], [..., k] int32)``,
+def top_k(values: Array, k: int, select: Array | None = None) -> tuple[Array, Array]:
+    """``jax.lax.top_k`` over the last axis, ``[..., n]`` -> ``([..., k], [..., k] int32)``
+    (the indices of the top ``k`` of ``select``, default ``values``; the values of ``values``
+    there),
     whose values are read back through a one-hot mask rather than indexed: the gradient
     is then a masked product, not the scatter into ``[..., n]`` that ``top_k``'s own
     gradient is. Same values and gradients; on TPU v5p XLA offloads that scatter to the
     SparseCore, and cost analysis counts it as about 4 GiB of traffic for a 4096 x 8 router
     (benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets")."""
-    _, index = jax.lax.top_k(jax.lax.stop_gradient(values), k)
+    _, index = jax.lax.top_k(jax.lax.stop_gradient(values if select is None else select), k)
     chosen = jax.nn.one_hot(index, values.shape[-1], dtype=values.dtype)  # [..., k, n]
     return jnp.sum(values[..., None, :] * chosen, axis=-1), index
 
@@ -164,15 +168,22 @@ def _prob_in_top_k(clean: Array, noisy: Array, noise_std: Array, k: int) -> Arra
 
 
 class TopKRouter(nn.Module):
-    """Softmax router, each token to its top-``k`` experts (k=1 Switch, k=2 GShard/Mixtral).
+    """Token-choice router, each token to its top-``k`` experts (k=1 Switch, k=2
+    GShard/Mixtral), with the DeepSeek-V3 options of ``selection.py``.
 
     Attributes:
       renormalize_gates: divide the selected gates by their sum (Mixtral); otherwise the
         raw softmax probabilities are the combine weights (T5X/GShard without renorm).
+        Sigmoid scores are always renormalised.
       jitter_noise: training-time multiplicative noise on the router inputs, uniform in
         ``[1 - eps, 1 + eps]`` (Switch).
       batch_prioritized: batch-prioritised routing: tokens with a confident top-1 choice
         get capacity first (encoder only; it reads the whole group).
+      score_function: ``softmax`` or ``sigmoid`` (DeepSeek-V3).
+      bias_update_rate: > 0 adds the auxiliary-loss-free balancing bias ``[experts]``
+        (``router_bias`` collection) to the scores for selection, and, in training when that
+        collection is mutable, moves it by this rate ``u`` toward under-loaded experts.
+      num_limited_groups, max_groups_per_token: group-limited routing (G, M; M = 0: off).
     """
 
     num_experts: int
@@ -181,6 +192,10 @@ class TopKRouter(nn.Module):
     jitter_noise: float = 0.0
     batch_prioritized: bool = False
     init_stddev: float = 2e-2
+    score_function: str = "softmax"
+    bias_update_rate: float = 0.0
+    num_limited_groups: int = 1
+    max_groups_per_token: int = 0
 
     def _logits(self, x: Array, deterministic: bool) -> Array:
         if self.jitter_noise > 0.0 and not deterministic:
@@ -188,16 +203,37 @@ class TopKRouter(nn.Module):
                                        1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         return RouterWeights(self.num_experts, self.init_stddev, name="weights")(x)
 
+    def _bias(self) -> nn.Variable | None:
+        """The balancing bias ``[experts]`` (float32, zeros at init), or None when off."""
+        if self.bias_update_rate <= 0.0:
+            return None
+        if not (self.has_variable(selection.BIAS_COLLECTION, "bias")
+                or self.is_mutable_collection(selection.BIAS_COLLECTION)):
+            raise ValueError(f"MoeLayer.bias_update_rate={self.bias_update_rate} needs the "
+                             f"{selection.BIAS_COLLECTION!r} variable collection: pass it with the "
+                             f"params (train state's collections)")
+        init = nn.with_logical_partitioning(lambda: jnp.zeros((self.num_experts,), jnp.float32), ("unmodeled",))
+        return self.variable(selection.BIAS_COLLECTION, "bias", init)
+
     @nn.compact
     def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
                  capacity: int, deterministic: bool) -> RouterOutput:
         del token_ids, capacity
         logits = self._logits(x, deterministic)
-        probs = jax.nn.softmax(logits, axis=-1)
-        gates, expert_index = top_k(probs, self.num_selected_experts)
-        if self.renormalize_gates:
+        scores, probs = selection.scores(logits, self.score_function)
+        bias = self._bias()
+        select = scores if bias is None else scores + bias.value
+        if self.max_groups_per_token:
+            select = selection.group_limited(select, self.num_limited_groups, self.max_groups_per_token)
+        gates, expert_index = top_k(scores, self.num_selected_experts, select)
+        if self.renormalize_gates or self.score_function == "sigmoid":
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        return _token_choice(logits, probs, expert_index, gates, padding_mask, self.batch_prioritized)
+        output = _token_choice(logits, probs, expert_index, gates, padding_mask, self.batch_prioritized)
+        if (bias is not None and not deterministic and not self.is_initializing()
+                and self.is_mutable_collection(selection.BIAS_COLLECTION)):
+            load = selection.expert_counts(output.routing.expert_index, self.num_experts)
+            bias.value = selection.bias_update(bias.value, load, self.bias_update_rate)
+        return output
 
 
 class NoisyTopKRouter(nn.Module):

@@ -2,7 +2,8 @@
 
 Layout of one step (``MODEL_DIR/checkpoints/<step>/``), three orbax items:
   ``params``  the parameter tree (restorable alone, e.g. by `moe-jax eval`)
-  ``train``   ``{"step", "opt_state", "rng"}``
+  ``train``   ``{"step", "opt_state", "rng"}`` and, for models that have them,
+              ``"collections"`` (non-parameter state such as MoE balancing biases)
   ``meta``    JSON: step, parameter shapes by name (to refuse another model's checkpoint),
               each process's data-iterator state, the run's seed and gin config.
 and once per run ``MODEL_DIR/router_init.npz``: the routers' initial weights, so that the
@@ -140,6 +141,15 @@ def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     return str(p), None
 
 
+def _train_item(state: TrainState) -> dict[str, Any]:
+    """The ``train`` item of a state (``collections`` only when the model has any, so
+    checkpoints of models without them keep their layout)."""
+    item = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+    if state.collections:
+        item["collections"] = state.collections
+    return item
+
+
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
     writer threads): :class:`Checkpointer` raises each failure as one line naming the step
@@ -210,7 +220,7 @@ class Checkpointer:
           WriteFailedError: this save, or the previous one still being written, failed.
         """
         step = int(jax.device_get(state.step))
-        train = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+        train = _train_item(state)
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
             meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}))
@@ -287,14 +297,13 @@ class Checkpointer:
         check_integrity(self.step_dir(step), step)
         meta = self.read_meta(step)
         check_compatible(meta["params"], param_shapes(target.params), self.step_dir(step))
-        train_target = {"step": target.step, "opt_state": target.opt_state, "rng": target.rng}
         with self._read_errors(step):
             out = self._manager.restore(step, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(target.params),
-                train=ocp.args.StandardRestore(train_target)))
+                train=ocp.args.StandardRestore(_train_item(target))))
         train = out["train"]
         return TrainState(step=train["step"], params=out["params"], opt_state=train["opt_state"],
-                          rng=train["rng"]), meta
+                          rng=train["rng"], collections=train.get("collections", {})), meta
 
     def restore_params(self, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Only the parameters at ``step`` (for eval/infer), laid out as ``target``."""

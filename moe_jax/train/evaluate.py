@@ -47,13 +47,14 @@ from moe_jax.train import distributed, gin_utils, setup
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
 
 
-def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int) -> dict[str, Any]:
-    """Mean of ``eval_fn(params, batch)`` metrics over the first ``eval_steps`` batches of
-    ``dataset_cfg`` (``num_tokens`` summed)."""
+def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None) -> dict[str, Any]:
+    """Mean of ``eval_fn(params, batch, collections)`` metrics over the first ``eval_steps``
+    batches of ``dataset_cfg`` (``num_tokens`` summed); ``collections``: the model's
+    non-parameter state (e.g. MoE balancing biases), if any."""
     totals: dict[str, np.ndarray] = {}
     count = 0
     for local in setup.eval_batches(dataset_cfg, eval_steps):
-        metrics = jax.device_get(eval_fn(params, setup.global_batch(local, ctx)))
+        metrics = jax.device_get(eval_fn(params, setup.global_batch(local, ctx), collections))
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
         count += 1
@@ -61,6 +62,18 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int) -> dict[str, An
         raise ValueError(f"the {dataset_cfg.split!r} split of {dataset_cfg.mixture_or_task_name!r} "
                          "gave no batches")
     return {name: (value / count if name != "num_tokens" else value) for name, value in totals.items()}
+
+
+def _restore_collections(path: str, step: int, abstract_state) -> Any:
+    """The non-parameter state collections (e.g. MoE balancing biases) saved at ``step``
+    of ``path``'s run (restored with the rest of the train state, which is dropped)."""
+    from moe_jax.train import checkpoints
+
+    ckpt = checkpoints.Checkpointer(checkpoints.split_checkpoint_path(path)[0], read_only=True)
+    try:
+        return ckpt.restore(step, abstract_state)[0].collections
+    finally:
+        ckpt.close()
 
 
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -238,6 +251,8 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     input_shapes = dataset_cfg.input_shapes()
     params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
     target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
+    full = setup.build_train_setup(model, input_shapes, ctx) if model.state_logical_axes(input_shapes) else None
+    collections_shardings = full.shardings.collections if full else None
     eval_fns: dict[str | None, Any] = {}
     output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
                                             "eval_results")
@@ -246,15 +261,16 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
         trained, step, _ = checkpoints.restore_params_from(path, target)
+        collections = _restore_collections(path, step, full.abstract_state) if full else None
         for name in names:
             params, interceptor = counterfactual.variant(name, trained, model_dir, router_seed)
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
                 eval_fns[key] = train_step.jit_eval_step(
-                    model, params_sharding, ctx.mesh, ctx.batch_axes,
+                    model, params_sharding, ctx.mesh, ctx.batch_axes, collections_shardings,
                     eval_fn=counterfactual.intercepted(model.eval_fn, interceptor) if interceptor else None)
-            metrics = summaries.routing_telemetry(run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps),
-                                                  expert_shards)
+            metrics = summaries.routing_telemetry(
+                run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, collections), expert_shards)
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
             results[label] = {

@@ -127,7 +127,8 @@ class TrainSetup:
 
     ``abstract_state``: the ``TrainState`` as ``ShapeDtypeStruct`` leaves carrying their
     shardings (a restore target, or the input of ``train_step.lower``); ``train_step(state,
-    batch) -> (state, metrics)`` donates ``state``; ``eval_step(params, batch) -> metrics``.
+    batch) -> (state, metrics)`` donates ``state``; ``eval_step(params, batch, collections=None)
+    -> metrics`` (``collections``: the state's non-parameter collections).
     """
 
     ctx: RunContext
@@ -173,14 +174,19 @@ def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunC
     tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
     init_fn = lambda: train_state.init_train_state(model, tx, input_shapes, seed)  # noqa: E731
     abstract = jax.eval_shape(init_fn)
+    from moe_jax import partitioning
+
+    collections_sharding = partitioning.tree_shardings(model.state_logical_axes(input_shapes), ctx.mesh, ctx.rules)
     shardings = train_state.state_shardings(
-        abstract, train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules), ctx.mesh)
+        abstract, train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules), ctx.mesh,
+        collections_sharding)
     return TrainSetup(
         ctx=ctx, input_shapes=dict(input_shapes), tx=tx, learning_rate_fn=lr_fn,
         abstract_state=train_state.abstract_with_shardings(abstract, shardings), shardings=shardings,
         train_step=train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.batch_axes,
                                              accum_steps=accum_steps, skip_nonfinite=skip_nonfinite),
-        eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes),
+        eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes,
+                                           shardings.collections),
         _init_fn=init_fn)
 
 

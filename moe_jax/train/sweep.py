@@ -18,7 +18,7 @@ A family is a TOML file (``configs/*.toml``)::
 Every (run, axis values, seed) becomes one ``moe-jax train`` invocation whose MODEL_DIR is
 ``ROOT/<run>[/<AXIS>-<value>...]/seed<N>``. Subcommands::
 
-    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run]
+    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run] [--only=RUN,...]
     moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss]
 
 ``run`` starts ``--parallel`` trainings at a time, writes each one's log to
@@ -318,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--root", required=True, help="parent of the runs' MODEL_DIRs")
     run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    run.add_argument("--only", default=None, metavar="RUN[,RUN]",
+                     help="only these runs of the family (e.g. the source of an upcycled run first)")
     collect.add_argument("--out", help="where the JSON and PNGs go (default: ROOT)")
     collect.add_argument("--metric", help="eval metric to collect (default: the family's, else accuracy); "
                          "outputs are named <family>_<metric> when given")
@@ -332,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-jax sweep: {err}", file=sys.stderr)
         return 2
     if args.action == "run":
+        if args.only:
+            names = args.only.split(",")
+            unknown = sorted(set(names) - {s.run for s in family.runs})
+            if unknown:
+                print(f"moe-jax sweep: --only={args.only}: no run {unknown} in {args.family}", file=sys.stderr)
+                return 2
+            family = dataclasses.replace(family, runs=tuple(s for s in family.runs if s.run in names))
         if args.dry_run:
             import shlex
 

@@ -1,8 +1,10 @@
 """The train state pytree and its shardings on a mesh.
 
 ``TrainState`` holds everything a resumed run needs besides the data-iterator position:
-the step, the parameters, the optimizer state and the RNG key (raw ``uint32[2]`` key
-data, so that orbax saves it as a plain array). Dropout keys are
+the step, the parameters, the optimizer state, the RNG key (raw ``uint32[2]`` key
+data, so that orbax saves it as a plain array) and the model's non-parameter state
+collections (``EncoderDecoderModel.STATE_COLLECTIONS``, e.g. MoE balancing biases), which the
+train step's forward pass updates and the optimizer never sees. Dropout keys are
 ``fold_in(rng, step)``: a resumed run draws the same dropout masks as an uninterrupted one.
 """
 
@@ -25,12 +27,14 @@ PyTree = Any
 @flax.struct.dataclass
 class TrainState:
     """step: int32[]; params: the model's parameter tree; opt_state: optax state;
-    rng: uint32[2] raw key data of the run's base key."""
+    rng: uint32[2] raw key data of the run's base key; collections: ``{name: tree}`` of
+    non-parameter state collections (empty for most models)."""
 
     step: jax.Array
     params: PyTree
     opt_state: PyTree
     rng: jax.Array
+    collections: PyTree = flax.struct.field(default_factory=dict)
 
     def dropout_rng(self) -> jax.Array:
         """The dropout key of the current step (a typed key)."""
@@ -45,10 +49,10 @@ def init_train_state(model, tx: optax.GradientTransformation, input_shapes: dict
     device only materialises its shards.
     """
     init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
-    variables = model.get_initial_variables(init_key, input_shapes)
-    params = nn.unbox(variables["params"])
+    variables = nn.unbox(model.get_initial_variables(init_key, input_shapes))
+    params = variables.pop("params")
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=run_key)
+                      rng=run_key, collections=variables)
 
 
 def param_shardings(model, input_shapes: dict[str, tuple], mesh: Mesh, rules) -> PyTree:
@@ -56,11 +60,13 @@ def param_shardings(model, input_shapes: dict[str, tuple], mesh: Mesh, rules) ->
     return partitioning.tree_shardings(model.param_logical_axes(input_shapes), mesh, rules)
 
 
-def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: Mesh) -> TrainState:
+def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: Mesh,
+                    collections_sharding: PyTree | None = None) -> TrainState:
     """Shardings for a whole state: parameters by their rules; an optimizer-state leaf whose
     tree path ends with a parameter's path and has its shape (Adam's moments) follows that
     parameter; other leaves (Adafactor's factored moments, counts), step and rng are
-    replicated."""
+    replicated; state collections by their rules (``collections_sharding``; replicated
+    when None)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     by_path = {path: (leaf.shape, sharding) for (path, leaf), sharding in zip(
         jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
@@ -74,8 +80,10 @@ def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: M
         return replicated
 
     opt_shardings = jax.tree_util.tree_map_with_path(follow_param, abstract_state.opt_state)
+    if collections_sharding is None:
+        collections_sharding = jax.tree.map(lambda _: replicated, abstract_state.collections)
     return TrainState(step=replicated, params=params_sharding, opt_state=opt_shardings,
-                      rng=replicated)
+                      rng=replicated, collections=collections_sharding)
 
 
 def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:

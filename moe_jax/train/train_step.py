@@ -1,7 +1,8 @@
 """The train step and the eval step, MaxText-style: one readable function each.
 
 ``train_step(state, batch)``: forward + backward (over ``accum_steps`` microbatches),
-optimizer update, and, when ``skip_nonfinite``, the update is dropped for a step whose
+optimizer update, the model's state collections as updated by the forward pass (averaged
+over microbatches; kept as they were where ``freeze.bias_mode`` freezes them), and, when ``skip_nonfinite``, the update is dropped for a step whose
 loss or gradients are not finite. Jitted with the state donated (:func:`jit_train_step`).
 
 Batches are dicts of ``int32[batch, length]`` arrays (``encoder_input_tokens``,
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_jax.moe import freeze
 from moe_jax.train.train_state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -40,32 +42,34 @@ def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTran
     """One optimizer step. Returns the new state and scalar/array metrics (the model's
     ``loss_fn`` metrics averaged over microbatches, plus ``grad_norm``, ``learning_rate``
     and ``skipped``)."""
-    grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(model.train_loss_fn, has_aux=True)
     rng = state.dropout_rng()
     if accum_steps == 1:
-        (_, metrics), grads = grad_fn(state.params, batch, rng)
+        (_, (metrics, collections)), grads = grad_fn(state.params, state.collections, batch, rng)
     else:
         micro = _split_microbatches(batch, accum_steps)
 
         def microbatch_grads(index):
             microbatch = jax.tree.map(lambda x: x[index], micro)
-            (_, m), g = grad_fn(state.params, microbatch, jax.random.fold_in(rng, index))
-            return g, m
+            (_, (m, c)), g = grad_fn(state.params, state.collections, microbatch,
+                                     jax.random.fold_in(rng, index))
+            return g, m, c
 
         def accumulate(total, index):
             return jax.tree.map(jnp.add, total, microbatch_grads(index)), None
 
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                              jax.eval_shape(microbatch_grads, 0))
-        (grads, metrics), _ = jax.lax.scan(accumulate, zeros, jnp.arange(accum_steps))
+        (grads, metrics, collections), _ = jax.lax.scan(accumulate, zeros, jnp.arange(accum_steps))
         num_tokens = metrics.get("num_tokens")
-        grads, metrics = jax.tree.map(lambda x: x / accum_steps, (grads, metrics))
+        grads, metrics, collections = jax.tree.map(lambda x: x / accum_steps, (grads, metrics, collections))
         if num_tokens is not None:
             metrics["num_tokens"] = num_tokens  # a count: summed, not averaged
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                              opt_state=opt_state)
+                              opt_state=opt_state,
+                              collections=freeze.updated_collections(state.collections, collections))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
@@ -91,13 +95,18 @@ def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mes
 
 
 def jit_eval_step(model, params_shardings, mesh: Mesh,
-                  batch_axes: tuple[str, ...] = ("data", "expert"), eval_fn=None):
-    """``model.eval_fn(params, batch) -> metrics`` jitted (eval capacity factor); ``eval_fn``
+                  batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings=None,
+                  eval_fn=None):
+    """``(params, batch, collections=None) -> metrics``: ``model.eval_fn`` jitted (eval
+    capacity factor); ``collections`` are the state's non-parameter collections; ``eval_fn``
     replaces ``model.eval_fn`` (e.g. wrapped in a Flax method interceptor)."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
-    jitted = jax.jit(eval_fn or model.eval_fn, in_shardings=(params_shardings, batch_sharding),
-                     out_shardings=NamedSharding(mesh, PartitionSpec()))
-    return _under_mesh(jitted, mesh)
+    fn = eval_fn or model.eval_fn
+    jitted = _under_mesh(jax.jit(
+        lambda params, batch, collections: fn(params, batch, collections),
+        in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
+        out_shardings=NamedSharding(mesh, PartitionSpec())), mesh)
+    return lambda params, batch, collections=None: jitted(params, batch, collections or {})
 
 
 def _under_mesh(fn, mesh: Mesh):

@@ -1,0 +1,207 @@
+"""Shared and fine-grained experts, sigmoid gating, the auxiliary-loss-free balancing bias
+and group-limited routing (moe/selection.py, moe/shared.py): each option's defining
+property, its bad-input message, and each under expert parallelism on a (2, 4, 1) mesh."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
+
+from moe_jax import partitioning
+from moe_jax.models import accounting
+from moe_jax.models.t5 import T5Config
+from moe_jax.moe import MoeLayer
+from moe_jax.moe.routers import TopKRouter
+from moe_jax.moe.selection import BIAS_COLLECTION
+
+
+def _route(router, x, variables=None, deterministic=True, mutable=False):
+    mask = jnp.ones(x.shape[:2])
+    if variables is None:
+        variables = router.init(jax.random.PRNGKey(0), x, mask, None, 4, True)
+    out = router.apply(variables, x, mask, None, 4, deterministic, mutable=mutable)
+    return out, variables
+
+
+def test_bias_changes_selection_but_not_gate_values():
+    x = make_inputs(2, 16, 8)
+    router = TopKRouter(4, 2, bias_update_rate=1e-3)
+    plain, variables = _route(router, x)
+    favour = jnp.array([0.0, 0.0, 0.0, 10.0])  # expert 3 selected by every token
+    biased, _ = _route(router, x, {**variables, BIAS_COLLECTION: {"bias": favour}})
+    index = biased.routing.expert_index
+    assert bool(jnp.all(jnp.any(index == 3, axis=-1)))
+    assert not bool(jnp.all(jnp.any(plain.routing.expert_index == 3, axis=-1)))
+    # Gates are the unbiased probabilities of the selected experts.
+    np.testing.assert_allclose(biased.routing.combine_weights,
+                               jnp.take_along_axis(plain.probs, index, axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(biased.probs, plain.probs)
+
+
+def test_bias_moves_toward_under_loaded_experts_and_balances_load():
+    layer = MoeLayer(**dict(SMALL, num_experts=8, bias_update_rate=0.01, group_size=64))
+    x = make_inputs(4, 16, 8) + 0.5  # a shifted input: a skewed router at initialisation
+    variables = jax.jit(layer.init)(jax.random.PRNGKey(1), x)
+
+    @jax.jit
+    def train_apply(bias):
+        _, state = layer.apply({"params": variables["params"], BIAS_COLLECTION: bias}, x, deterministic=False,
+                               rngs={"dropout": jax.random.PRNGKey(0)},
+                               mutable=["moe_metrics", BIAS_COLLECTION])
+        return nn.unbox(state[BIAS_COLLECTION]), metric(state, "expert_load")
+
+    bias = nn.unbox(variables[BIAS_COLLECTION])
+    np.testing.assert_array_equal(bias["router"]["bias"], 0.0)
+    new_bias, load = train_apply(bias)
+    step = new_bias["router"]["bias"] - bias["router"]["bias"]
+    np.testing.assert_allclose(step, 0.01 * np.sign(np.mean(load) - load), atol=1e-7)
+    # Sign updates make the per-step load oscillate; the load averaged over steps evens out.
+    loads = []
+    for _ in range(60):
+        bias, load = train_apply(bias)
+        loads.append(load)
+    assert float(jnp.max(jnp.mean(jnp.stack(loads[-10:]), axis=0))) < 0.75 * float(jnp.max(loads[0]))
+    # Eval (deterministic) never updates the bias.
+    _, state = layer.apply({"params": variables["params"], BIAS_COLLECTION: bias}, x,
+                           mutable=[BIAS_COLLECTION])
+    np.testing.assert_array_equal(nn.unbox(state[BIAS_COLLECTION])["router"]["bias"], bias["router"]["bias"])
+
+
+def test_bias_without_its_collection_is_refused_by_name():
+    layer = MoeLayer(**dict(SMALL, bias_update_rate=0.01))
+    x = make_inputs()
+    params = init_params(layer, x)
+    with pytest.raises(ValueError, match="bias_update_rate.*router_bias"):
+        apply(layer, params, x)
+
+
+def test_sigmoid_gates_of_selected_experts_sum_to_one():
+    x = make_inputs(2, 16, 8)
+    out, variables = _route(TopKRouter(8, 3, score_function="sigmoid"), x)
+    gates = out.routing.combine_weights
+    np.testing.assert_allclose(jnp.sum(gates, axis=-1), 1.0, rtol=1e-6)
+    scores = jax.nn.sigmoid(out.logits)
+    picked = jnp.take_along_axis(scores, out.routing.expert_index, axis=-1)
+    np.testing.assert_allclose(gates, picked / jnp.sum(picked, -1, keepdims=True), rtol=1e-6)
+    np.testing.assert_array_equal(out.routing.expert_index, jax.lax.top_k(scores, 3)[1])
+
+
+def test_every_token_reaches_the_shared_experts():
+    layer = MoeLayer(**dict(SMALL, num_shared_experts=2, shared_expert_d_ff=8, train_capacity_factor=0.01))
+    x = make_inputs()
+    params = init_params(layer, x)
+    assert params["shared_expert"]["wi"].shape == (8, 16) and "expert" not in str(
+        nn.get_partition_spec(layer.init(jax.random.PRNGKey(1), x)["params"])["shared_expert"])
+    # Capacity 1 per expert: most routed assignments are dropped; the shared MLP still
+    # reaches every token.
+    y, state = apply(layer, params, x, deterministic=False)
+    without_shared, _ = apply(MoeLayer(**dict(SMALL, train_capacity_factor=0.01)),
+                              {k: v for k, v in params.items() if k != "shared_expert"}, x, deterministic=False)
+    shared = jax.nn.relu(x @ params["shared_expert"]["wi"]) @ params["shared_expert"]["wo"]
+    np.testing.assert_allclose(y - without_shared, shared, rtol=1e-5, atol=1e-6)
+    assert float(metric(state, "dropped_fraction")) > 0.5
+    assert bool(jnp.all(jnp.linalg.norm(y, axis=-1) > 0))
+
+
+def _groups_reached(layer, params, x) -> jax.Array:
+    """``[batch, length]`` number of the 4 expert groups (of 2 experts) each token uses."""
+    _, state = layer.apply({"params": params}, x, mutable=["routing"])
+    index = state["routing"]["expert_index"][0]
+    return jnp.sum(jnp.stack([jnp.any(index // 2 == g, axis=-1) for g in range(4)]), axis=0)
+
+
+def test_no_token_reaches_more_than_m_groups():
+    kwargs = dict(SMALL, num_experts=8, num_selected_experts=4, group_size=64)
+    x = make_inputs(4, 16, 8)
+    limited = MoeLayer(**kwargs, num_limited_groups=4, max_groups_per_token=2)
+    params = init_params(limited, x)
+    assert int(jnp.max(_groups_reached(limited, params, x))) == 2
+    assert int(jnp.max(_groups_reached(MoeLayer(**kwargs), params, x))) > 2  # the limit binds here
+
+
+def _d32_config() -> T5Config:
+    return T5Config(vocab_size=256, emb_dim=32, num_heads=2, head_dim=8, mlp_dim=64, num_encoder_layers=2,
+                    num_decoder_layers=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
+
+
+def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
+    x = make_inputs(2, 8, 8)
+    coarse = MoeLayer(**dict(SMALL, d_ff=16, activation="gated_gelu"))
+    fine = MoeLayer(**dict(SMALL, d_ff=16, activation="gated_gelu", expert_granularity=4))
+    counts = {}
+    for name, layer in (("coarse", coarse), ("fine", fine)):
+        params = init_params(layer, x)
+        counts[name] = sum(v.size for v in jax.tree.leaves(params["expert"]))
+    assert counts["coarse"] == counts["fine"]
+    assert init_params(fine, x)["expert"]["wi_0"].shape == (16, 8, 4)
+    config = _d32_config()
+    flops = {name: accounting.forward_flops_per_example(config, 8, 8, accounting.moe_shape(layer))
+             for name, layer in (("coarse", coarse), ("fine", fine))}
+    # Only the router widens (E -> m * E columns): 2 FLOPs x tokens x d_model x 12 more experts.
+    router_extra = 2 * (8 + 8) * config.emb_dim * (16 - 4)
+    assert flops["fine"] - flops["coarse"] == router_extra
+    shared = MoeLayer(**dict(SMALL, num_shared_experts=2, activation="relu"))
+    plain = accounting.forward_flops_per_example(config, 8, 8, accounting.moe_shape(MoeLayer(**SMALL)))
+    with_shared = accounting.forward_flops_per_example(config, 8, 8, accounting.moe_shape(shared))
+    assert with_shared - plain == 2 * (8 + 8) * 2 * config.emb_dim * 2 * 16
+
+
+@pytest.mark.parametrize("option,message", [
+    (dict(expert_granularity=3), "expert_granularity"),
+    (dict(num_limited_groups=2, max_groups_per_token=3), "max_groups_per_token"),
+    (dict(num_limited_groups=3, max_groups_per_token=1), "num_limited_groups"),
+    (dict(num_limited_groups=4, max_groups_per_token=1, num_selected_experts=2), "num_selected_experts"),
+    (dict(num_shared_experts=1, router_type="expert_choice"), "num_shared_experts"),
+    (dict(router_score="tanh"), "router_score"),
+    (dict(router_score="sigmoid", router_type="hash"), "router_score"),
+])
+def test_bad_options_are_refused_by_name(option, message):
+    layer = MoeLayer(**dict(SMALL, **option))
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs())
+
+
+EP_LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
+                eval_capacity_factor=1.0)
+OPTIONS = {
+    "shared": dict(num_shared_experts=2),
+    "fine_grained": dict(num_experts=4, expert_granularity=2),
+    "sigmoid": dict(router_score="sigmoid"),
+    "bias": dict(bias_update_rate=1e-3),
+    "group_limited": dict(num_limited_groups=4, max_groups_per_token=2, num_selected_experts=3),
+    "all": dict(num_experts=4, expert_granularity=2, num_shared_experts=1, router_score="sigmoid",
+                bias_update_rate=1e-3, num_limited_groups=4, max_groups_per_token=2),
+}
+
+
+@pytest.mark.parametrize("dispatch", ["sort", "einsum"])
+@pytest.mark.parametrize("option", [pytest.param(name, marks=() if name == "all" else pytest.mark.slow)
+                                    for name in OPTIONS])
+def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
+    assert len(jax.devices()) == 8
+    layer = MoeLayer(**dict(EP_LAYER, **OPTIONS[option], dispatch=dispatch))
+    x = make_inputs(8, 8, 8)
+    boxed = layer.init(jax.random.PRNGKey(1), x)
+    state = {k: nn.unbox(v) for k, v in boxed.items() if k != "params"}
+    if BIAS_COLLECTION in state:  # a bias that changes the selection
+        bias = state[BIAS_COLLECTION]["router"]["bias"]
+        state[BIAS_COLLECTION]["router"]["bias"] = 0.3 * jnp.sin(jnp.arange(bias.shape[0], dtype=jnp.float32))
+
+    def loss(p, x):
+        y, sown = layer.apply({"params": p, **state}, x, mutable=["aux_loss"])
+        return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(sown)), y
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    params = nn.unbox(boxed["params"])
+    ref = fn(params, x)
+    mesh = partitioning.make_mesh((2, 4, 1))
+    rules = partitioning.standard_logical_axis_rules()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        shardings = partitioning.tree_shardings(nn.get_partition_spec(boxed["params"]), mesh, rules)
+        out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(jax.device_put(params, shardings), x)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
