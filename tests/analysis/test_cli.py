@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from moe_jax import cli as moe_jax_cli
 from moe_jax.analysis import cli
 
 LAYERS = ["encoder/layers_1", "decoder/layers_1"]   # size_tiny: one sparse layer per stack
@@ -55,10 +56,12 @@ def test_activation_rates_sum_to_k_at_every_position(analysis):
 
 def test_bad_checkpoint_path_is_named(tmp_path, tiny_run, capsys):
     missing = tmp_path / "no_such_run"
-    assert cli.main(["positions", f"--checkpoint={missing}/checkpoints/5", f"--out={tmp_path}"]) == 1
+    assert moe_jax_cli.main(["analyze", "positions", f"--checkpoint={missing}/checkpoints/5",
+                             f"--out={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert f"--checkpoint='{missing}/checkpoints/5'" in err and "does not exist" in err
-    assert cli.main(["positions", f"--checkpoint={tiny_run}/checkpoints/7", f"--out={tmp_path}"]) == 1
+    assert moe_jax_cli.main(["analyze", "positions", f"--checkpoint={tiny_run}/checkpoints/7",
+                             f"--out={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert "no checkpoint step 7" in err and str(tiny_run) in err and "[1]" in err
     assert not (tmp_path / "positions.json").exists()
