@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_jax.errors import UserError
+
 GiB = 2**30
 GPU_SPECS_DIR = Path(__file__).parent / "gpu_specs"
 
@@ -65,7 +67,7 @@ KNOWN_TARGETS = ("tpu:{v4,v5e,v5p,v6e}:TOPOLOGY (e.g. tpu:v5e:4x4, tpu:v5p:2x2x4
                  "cpu:COUNT (e.g. cpu:8)")
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """An unknown target, or a compiler the target needs is not installed."""
 
 

@@ -46,20 +46,23 @@ def layer_choices(platform: str) -> tuple[str, bool]:
     """``(dispatch, per_expert_loop)`` that ``MoeLayer(dispatch='auto', per_expert_loop=None)``
     uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``).
 
-    ``sort`` everywhere, from the compiled executables (benchmarks/RESULTS.md, "MoE layer";
-    "MoE layer on TPU and GPU targets"):
+    From the compiled executables (benchmarks/RESULTS.md, "MoE layer"; "MoE layer on TPU
+    and GPU targets"):
 
     * CPU: ``sort`` with one plain matmul per expert (measured: 2.3-2.7x faster than
       ``einsum``; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
-    * TPU: ``sort``, batched expert matmuls. At the T5-Base shape (one group of 4096
-      tokens) the one-hot ``einsum`` does 2.7x the FLOPs, and v5p's cost analysis and the
-      TPU compiler's own cycle estimate both put it behind ``sort`` at E = 8 / 32 / 64.
+    * TPU: ``einsum`` (one-hot matmuls, the T5X choice). At the T5-Base shape ``sort`` is
+      leaner (the one-hot ``einsum`` does 2.7x the FLOPs; roofline 2.48x vs 2.95x the dense
+      FFN on v5p at E = 8), but libtpu 0.0.42 aborts compiling the ``sort`` layer of the
+      d_model-32 smoke model for v5e (``Check failed: ReshapeIsBitcast`` in
+      TpuCopyNormalizer), so ``auto`` keeps ``einsum`` on TPU; bind
+      ``MoeLayer.dispatch = 'sort'`` for Base-size TPU runs after `moe-jax compile` checks them.
     * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
     """
     family = _PLATFORM_FAMILY.get(platform)
     if family is None:
         raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
-    return "sort", family == "cpu"
+    return ("einsum" if family == "tpu" else "sort"), family == "cpu"
 
 
 def choice_major_combine(platform: str) -> bool:

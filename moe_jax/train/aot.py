@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from moe_jax import hardware
+from moe_jax.errors import UserError
 from moe_jax.train import setup
 
 COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -37,7 +38,7 @@ _HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
-class DoesNotFitError(ValueError):
+class DoesNotFitError(UserError, ValueError):
     """The step needs more memory per device than the devices have; the message gives the
     numbers and what to change."""
 

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from moe_jax.errors import InputFileError
 from moe_jax.data import pipeline, vocab
 from tests.data.span_lib import original_tokens
 
@@ -92,6 +93,6 @@ def test_missing_vocabulary_file_is_refused_by_the_pipeline(tmp_path):
     missing = str(tmp_path / "spm.model")
     gin.bind_parameter("get_vocabulary.kind", "sentencepiece")
     gin.bind_parameter("get_vocabulary.path", missing)
-    with pytest.raises(FileNotFoundError, match="get_vocabulary.path"):
+    with pytest.raises(InputFileError, match="get_vocabulary.path"):
         next(pipeline.get_dataset("mc4_en_span_corruption", LENGTHS, "train", 1, False,
                                   0).as_numpy_iterator())

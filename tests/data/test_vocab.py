@@ -10,6 +10,7 @@ import pytest
 import seqio
 import sentencepiece
 
+from moe_jax.errors import InputFileError
 from moe_jax.data import sources, vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -53,7 +54,7 @@ def test_gin_selects_the_vocabulary_seen_by_the_tasks():
 
 def test_missing_vocabulary_file_names_the_path_and_option(tmp_path):
     missing = str(tmp_path / "nowhere" / "sentencepiece.model")
-    with pytest.raises(FileNotFoundError, match="get_vocabulary.path") as e:
+    with pytest.raises(InputFileError, match="get_vocabulary.path") as e:
         vocab.get_vocabulary(kind="sentencepiece", path=missing)
     assert missing in str(e.value)
     with pytest.raises(ValueError, match="get_vocabulary.path"):

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from moe_jax import hardware
-from moe_jax.train import aot, train
+from moe_jax import cli, hardware
+from moe_jax.train import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = ["--gin_file=runs/smoke_cpu.gin", "--no_eval"]
@@ -95,8 +95,8 @@ def test_tpu_compile_refuses_a_run_too_big_for_the_chip(tmp_path):
 
 
 def test_train_refuses_a_step_bigger_than_the_machine(tmp_path, capsys):
-    code = train.main(["--gin_file=runs/smoke_cpu.gin", f"--gin.MODEL_DIR={tmp_path}",
-                       "--gin.BATCH_SIZE=131072"])
+    code = cli.main(["train", "--gin_file=runs/smoke_cpu.gin", f"--gin.MODEL_DIR={tmp_path}",
+                     "--gin.BATCH_SIZE=131072"])
     err = capsys.readouterr().err
     assert code == 1, err
     assert "available memory" in err and "--gin.BATCH_SIZE=65536" in err
