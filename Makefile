@@ -8,7 +8,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
-export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 COMPILERS := $(VENV)/compilers
 # The pins of pyproject.toml's compile-tpu / compile-gpu extras (one place).
