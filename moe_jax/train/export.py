@@ -307,7 +307,7 @@ def _export(args) -> dict[str, Any]:
     distributed.initialize(args)
     run_files = gin_utils.run_gin_files(args.checkpoint, ["runs/export.gin"], args.gin_file,
                                         command="moe-jax export")
-    config = gin_utils.run_config_path(checkpoints.split_checkpoint_path(args.checkpoint)[0])
+    config = gin_utils.run_config_file(checkpoints.split_checkpoint_path(args.checkpoint)[0])
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
     gin_utils.parse_gin(args)

@@ -295,12 +295,6 @@ def _gin_has_macro(name: str) -> bool:
     return (name, "gin.macro") in gin.config._CONFIG  # noqa: SLF001 - gin has no public query
 
 
-def run_config_path(model_dir: str) -> str | None:
-    """``MODEL_DIR/config.gin`` (written by `moe-jax train`), or None when the run has none;
-    checked by :func:`run_config_file` (imports only of the project's modules)."""
-    return run_config_file(model_dir)
-
-
 def command_line_value(args: argparse.Namespace, name: str) -> Any:
     """The value ``--gin.NAME=...`` / ``--gin_bindings='NAME = ...'`` gives macro ``name``
     (the last one wins), as a Python literal; None when the command line does not set it."""
@@ -355,7 +349,7 @@ def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Se
             raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
                                     f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
         if extend_run_config or not gin_files:
-            config = run_config_path(model_dir)
+            config = run_config_file(model_dir)
     if config is None and not gin_files:
         raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
                                 f"{os.path.join(model_dir, 'config.gin')}; pass its model and data "
