@@ -3,7 +3,7 @@
 Ahead of time (hence the module name): nothing runs, no device is needed.
 
     moe-jax compile --target=tpu:v5p:2x2x4 --gin_file=gin/experiments/base_learned.gin \\
-        --gin_file=gin/meshes/v4_32.gin [--out=report.json]
+        --gin_file=gin/meshes/v4_32.gin [--out=report.json] [--hlo_dir=DIR]
 
 Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
 model, optimizer with frozen-router masking, shardings, donation: ``setup.build_train_setup``)
@@ -11,13 +11,16 @@ over the target's devices from abstract shapes, compiles both (no device, data o
 vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
 the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
 step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
-target. Exits 1, naming what to change, when the run does not fit.
+target. Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps
+each compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
+collective counts are read from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pathlib
 import re
 import sys
 import time
@@ -232,9 +235,10 @@ def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[s
 
 
 def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
-                eval_step: bool = True, progress=print) -> dict[str, Any]:
+                eval_step: bool = True, hlo_dir: str | None = None, progress=print) -> dict[str, Any]:
     """Compiles the gin-configured run's train (and eval) step for ``devices``; the report
-    that :func:`format_report` prints and ``--out`` writes."""
+    that :func:`format_report` prints and ``--out`` writes. ``hlo_dir``: where to write each
+    compiled step's HLO text (``<step>.hlo.txt``)."""
     args = train_bindings()
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
@@ -253,10 +257,14 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
         "moe_layer": layer_choices(devices[0].platform, model.module.config.dtype), "steps": {}}
     progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
              f"{report['mesh_shape']})...")
-    report["steps"]["train"] = compile_train(run, cfg, model, facts)[1]
-    if eval_step:
-        progress("[moe-jax] compiling the eval step...")
-        report["steps"]["eval"] = compile_eval(run, eval_cfg, model, facts)[1]
+    steps = [("train", compile_train, cfg)] + ([("eval", compile_eval, eval_cfg)] if eval_step else [])
+    for name, compile_fn, step_cfg in steps:
+        if name == "eval":
+            progress("[moe-jax] compiling the eval step...")
+        executable, report["steps"][name] = compile_fn(run, step_cfg, model, facts)
+        if hlo_dir and executable is not None:
+            pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(hlo_dir) / f"{name}.hlo.txt").write_text(executable.as_text())
     report["fits"] = all(step["fits"] for step in report["steps"].values())
     if not report["fits"]:
         worst = max(report["steps"].values(), key=lambda s: s["bytes"]["total"])
@@ -342,13 +350,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="tpu:v5e:4x4, tpu:v5p:2x2x4, gpu:h100:8, cpu:8, ...")
     parser.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
     parser.add_argument("--no_eval", action="store_true", help="compile the train step only")
+    parser.add_argument("--hlo_dir", default=None, metavar="DIR",
+                        help="write each compiled step's HLO text to DIR/<step>.hlo.txt")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     try:
         target = hardware.parse_target(args.target)
         devices = hardware.target_devices(target)
         parse_gin_for_compile(args)
         report = compile_run(devices, hardware.device_facts(devices, target.chip, target.num_chips),
-                             target=target.spec, eval_step=not args.no_eval,
+                             target=target.spec, eval_step=not args.no_eval, hlo_dir=args.hlo_dir,
                              progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax compile: error: {err}", file=sys.stderr)

@@ -68,14 +68,19 @@ def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch
     assert "compile-gpu" in capsys.readouterr().err
 
 
-def test_tpu_compile_of_the_smoke_config(tmp_path):
+@pytest.mark.parametrize("mesh", ["(1,4,1)", "(2,2,1)"])
+def test_tpu_compile_of_the_smoke_config(tmp_path, mesh):
     code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE,
-                                       "--gin.make_mesh.mesh_shape=(2,2,1)")
+                                       f"--gin.make_mesh.mesh_shape={mesh}", f"--hlo_dir={tmp_path}")
     assert code == 0, output
     step = report["steps"]["train"]
+    # the counts are those of the kept HLO (the TPU's async forms: -start/-done pairs once)
+    hlo = (tmp_path / "train.hlo.txt").read_text()
+    assert step["collectives"] == aot.collectives(hlo) and "all-to-all" in hlo
+    assert not (tmp_path / "eval.hlo.txt").exists()  # --no_eval
     assert report["devices"] == 4 and report["device_kind"].startswith("TPU v5")
     # float32 activations over data and expert axes: the batched expert matmuls made libtpu
-    # 0.0.42 abort (ReshapeIsBitcast); on TPU float32 runs one matmul per expert
+    # 0.0.42 abort (ReshapeIsBitcast) over (2,2,1); on TPU float32 runs one matmul per expert
     assert report["moe_layer"] == {"platform": "tpu", "dispatch": "sort", "per_expert_loop": True}
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
