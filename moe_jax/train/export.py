@@ -123,10 +123,18 @@ def _flat(params) -> dict[str, Any]:
 
 def arrays_for_export(params) -> dict[str, np.ndarray]:
     """``{exported name: host array in T5X layout}`` of a parameter tree (or of a flat
-    ``{moe-jax name: array}`` dict)."""
+    ``{moe-jax name: array}`` dict). Arrays sharded over several processes are gathered
+    whole onto every process (a collective: every process must call this)."""
+    from jax.experimental import multihost_utils
+
+    def host(leaf) -> np.ndarray:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        return np.asarray(jax.device_get(leaf))
+
     flat = _flat(params)
     mapping = name_map(list(flat))
-    return {mapping[name]: np.asarray(jax.device_get(leaf)).reshape(export_shape(mapping[name], leaf.shape))
+    return {mapping[name]: host(leaf).reshape(export_shape(mapping[name], leaf.shape))
             for name, leaf in flat.items()}
 
 
@@ -198,16 +206,22 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     """Writes the export of ``checkpoint_path`` (``MODEL_DIR``, ``MODEL_DIR/STEP``) to
     ``out_dir``; returns the ``config.json`` content.
 
+    Multi-host: every process restores its shards on the mesh of the gin config
+    (``partitioning.make_mesh``, as `moe-jax eval` does), each array is then gathered whole
+    onto every process (host memory: the whole model per process), and only process 0
+    writes ``out_dir`` (which need not exist on the other hosts).
+
     Raises:
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
     from safetensors.numpy import save_file
 
-    from moe_jax.train import checkpoints, setup
+    from moe_jax.train import checkpoints, setup, train_state
 
-    abstract = setup.abstract_params(model, _PROBE_SHAPES)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    ctx = setup.run_context()
+    target = train_state.abstract_with_shardings(
+        setup.abstract_params(model, _PROBE_SHAPES),
+        train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules))
     try:
         params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
     except (FileNotFoundError, checkpoints.CheckpointMismatchError):
