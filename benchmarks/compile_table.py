@@ -1,13 +1,14 @@
 """Every documented run compiled for its documented target: the table of docs/training.md
 and benchmarks/RESULTS.md ("Documented runs on their targets").
 
-    python benchmarks/compile_table.py run [--only base] [--force]   # compile (slow: minutes each)
+    python benchmarks/compile_table.py run [--only base] [--force] [--hlo_dir DIR]   # compile (slow: minutes each)
     python benchmarks/compile_table.py table                         # print the markdown table
 
 ``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
 in a fresh process, one at a time, and keeps each report as
 ``benchmarks/compile_reports/<run>__<target>.json`` (an existing report is kept unless
-``--force``); a failed compile leaves ``.err`` with its last lines. ``table`` renders the reports; a pair without one is listed as not compiled.
+``--force``; ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``); a failed
+compile leaves ``.err`` with its last lines. ``table`` renders the reports; a pair without one is listed as not compiled.
 Numbers are those of the executable compiled for the target (memory_analysis,
 cost_analysis, HLO) and a roofline estimate from the chip table, not measurements.
 """
@@ -52,13 +53,13 @@ def report_path(run: str, target: str) -> pathlib.Path:
     return REPORTS / f"{run}__{target}.json"
 
 
-def compile_one(run: str, target: str, force: bool) -> None:
+def compile_one(run: str, target: str, force: bool, hlo_dir: str | None) -> None:
     out = report_path(run, target)
     if out.exists() and not force:
         return
     spec, mesh = TARGETS[target]
     cmd = [sys.executable, "-m", "moe_jax.cli", "compile", f"--target={spec}", "--no_eval", *RUNS[run], *mesh,
-           f"--out={out}"]
+           f"--out={out}"] + ([f"--hlo_dir={pathlib.Path(hlo_dir) / out.stem}"] if hlo_dir else [])
     print(f"[compile_table] {run} on {target}: {' '.join(cmd[3:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -106,6 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("command", choices=("run", "table"))
     parser.add_argument("--only", default="", help="substring of 'run__target' to compile")
     parser.add_argument("--force", action="store_true", help="recompile existing reports")
+    parser.add_argument("--hlo_dir", default=None, help="keep each pair's HLO under this folder")
     args = parser.parse_args(argv)
     if args.command == "table":
         print(table())
@@ -114,7 +116,7 @@ def main(argv: list[str]) -> int:
     for run in RUNS:
         for target in TARGETS:
             if args.only in f"{run}__{target}":
-                compile_one(run, target, args.force)
+                compile_one(run, target, args.force, args.hlo_dir)
     return 0
 
 
