@@ -39,6 +39,10 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) +
                      r")(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_HLO_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
 
 
 class DoesNotFitError(UserError, ValueError):
@@ -50,7 +54,8 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """``{kind: {"count": n, "bytes": result bytes}}`` of the collective ops of an HLO module
     (async ``-start`` ops counted once; an op inside a loop body counted once)."""
     out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
-    for match in _HLO_OP.finditer(hlo_text):
+    # long tuples carry /*index=5*/ comments, whose '=' would end the shape early
+    for match in _HLO_OP.finditer(_HLO_COMMENT.sub("", hlo_text)):
         shapes = _SHAPE.findall(match.group("shape"))
         if match.group(0).count("-start(") and len(shapes) > 1:
             shapes = shapes[len(shapes) // 2:]  # async start: (operands, results)
@@ -82,7 +87,8 @@ def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_pe
         mem.temp_size_in_bytes
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    coll = collectives(compiled.as_text())
+    hlo_text = compiled.as_text()
+    coll = collectives(hlo_text)
     compute_s = flops_per_step / num_devices / facts.peak_flops
     hbm_s = (cost.get("bytes accessed", 0.0) / facts.hbm_bandwidth) if facts.hbm_bandwidth else 0.0
     comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
@@ -100,7 +106,22 @@ def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_pe
         "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
         "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
                      "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None},
+        "moe_layers": moe_layer_costs(hlo_text),
     }
+
+
+def moe_layer_costs(hlo_text: str) -> dict[str, float]:
+    """The MoE layers' share of a compiled step, from its scheduled operations
+    (``hlo_costs``: one read of each operand, one write of each result): ``hlo_bytes`` of the
+    operations whose JAX source lies in a MoE layer (module path ``.../ffn/moe/...``, forward
+    and backward) against the step's ``step_hlo_bytes``, the part of them that gathers,
+    scatters or sorts (``indexed_bytes``) and their matmul ``flops``."""
+    from moe_jax import hlo_costs
+
+    ops = hlo_costs.parse(hlo_text)
+    step, moe = hlo_costs.summary(ops), hlo_costs.summary_of(ops, MOE_SOURCE)
+    return {"hlo_bytes": moe["bytes"], "step_hlo_bytes": step["bytes"],
+            "indexed_bytes": moe["indexed_bytes"], "flops": moe["flops"]}
 
 
 def fit_advice(step: Mapping[str, Any], *, mesh_shape: Mapping[str, int], batch_size: int,
@@ -313,6 +334,12 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"  estimate: {est['step_s'] * 1e3:.1f} ms/step (compute {est['compute_s'] * 1e3:.1f}, "
             f"HBM {est['hbm_s'] * 1e3:.1f}, collectives {est['collectives_s'] * 1e3:.1f}), "
             f"{_num(est['tokens_per_s'], 1e3, 'k tokens/s')}"]
+        moe = step["moe_layers"]
+        if moe["hlo_bytes"]:
+            lines.append(f"  MoE layers: {moe['hlo_bytes'] / 1e9:.3g} of the step's {moe['step_hlo_bytes'] / 1e9:.3g} GB "
+                         f"of HLO operand/result bytes ({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; "
+                         f"gathers/scatters/sorts {moe['indexed_bytes'] / 1e9:.3g} GB), "
+                         f"{moe['flops'] / 1e12:.3g} TFLOP of matmuls")
     if report["fits"]:
         lines.append("verdict: fits")
     else:

@@ -78,6 +78,9 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh):
     hlo = (tmp_path / "train.hlo.txt").read_text()
     assert step["collectives"] == aot.collectives(hlo) and "all-to-all" in hlo
     assert not (tmp_path / "eval.hlo.txt").exists()  # --no_eval
+    moe = step["moe_layers"]  # the MoE layers' share of the step's operations
+    assert 0 < moe["indexed_bytes"] < moe["hlo_bytes"] < moe["step_hlo_bytes"] and moe["flops"] > 0
+    assert "MoE layers:" in output
     assert report["devices"] == 4 and report["device_kind"].startswith("TPU v5")
     # float32 activations over data and expert axes: the batched expert matmuls made libtpu
     # 0.0.42 abort (ReshapeIsBitcast) over (2,2,1); on TPU float32 runs one matmul per expert
@@ -118,9 +121,11 @@ def test_collectives_parses_sync_and_async_ops():
   %ag = s32[2,3]{1,0} all-gather(s32[1,3]{1,0} %z), dimensions={0}
   %all-to-all-start = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}
   ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
+  %all-reduce.94 = (f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, /*index=5*/f32[32,4]{0,1}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add
 """
+    # the last: a gradient tuple long enough for XLA's /*index=5*/ comments (was missed)
     assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
-                                    "all-reduce": {"count": 1, "bytes": 2 * 16},
+                                    "all-reduce": {"count": 2, "bytes": 2 * 16 + 4 * (5 * 32 + 128)},
                                     "all-gather": {"count": 1, "bytes": 4 * 6}}
 
 
