@@ -54,7 +54,8 @@ class Op:
     Attributes:
       name / opcode: as in the HLO (``fusion.15``, ``fusion``).
       source: the JAX ``op_name`` of its metadata (which part of the program it came from).
-      operand_bytes / output_bytes: bytes of its operands / results as laid out.
+      operand_bytes / output_bytes: bytes of its operands / results as laid out
+        (``operand_sizes``: each operand's).
       cycles: the TPU compiler's estimate (0 where the backend gives none).
       flops: dense matmul FLOPs of the dots / convolutions / GEMM calls in it.
       kinds: opcodes inside it (its fused computation's, for a fusion).
@@ -71,6 +72,7 @@ class Op:
     kinds: frozenset[str] = frozenset()
     sparse_core_offload: bool = False
     operands: tuple[str, ...] = ()
+    operand_sizes: tuple[float, ...] = ()
 
     @property
     def bytes(self) -> float:
@@ -176,8 +178,9 @@ def parse(hlo_text: str) -> list[Op]:
                 flops += _matmul_flops(line, types[computation])
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
             source = re.search(r'op_name="([^"]*)"', line.attributes)
+            sizes = tuple(shape_bytes(types[computation].get(o, "")) for o in line.operands)
             ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
-                          operand_bytes=sum(shape_bytes(types[computation].get(o, "")) for o in line.operands),
+                          operand_bytes=sum(sizes), operand_sizes=sizes,
                           output_bytes=shape_bytes(line.result_type),
                           cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
                           flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
@@ -215,8 +218,10 @@ COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "r
 
 @dataclasses.dataclass
 class Collective:
-    """One collective of the schedule: its kind, the bytes it sends (its operands), and the
-    work the schedule places between its start and its done (0 ops when it is synchronous)."""
+    """One collective of the schedule: its kind, the bytes it sends (its operands; for a
+    ``ragged-all-to-all`` its first operand, the rows it may send: the second is the receive
+    buffer, only written, the rest offsets and sizes), and the work the schedule places between
+    its start and its done (0 ops when it is synchronous)."""
 
     kind: str
     bytes: float
@@ -228,7 +233,7 @@ def collectives(ops: list[Op]) -> list[Collective]:
     """The collectives of ``ops`` (``parse`` order = the entry schedule) and their overlap."""
     found = []
     for i, op in enumerate(ops):
-        kind = next((c for c in COLLECTIVES if c in op.kinds), None)
+        kind = next((c for c in COLLECTIVES if c in op.kinds or f"{c}-start" in op.kinds), None)  # GPU: async
         if kind is None or op.opcode.endswith("-done"):
             continue
         done = i
@@ -236,6 +241,7 @@ def collectives(ops: list[Op]) -> list[Collective]:
             done = next((j for j in range(i + 1, len(ops)) if op.name in ops[j].operands
                          and ops[j].opcode.endswith("-done")), i)
         between = [o for o in ops[i + 1:done] if o.flops > 0 or o.cycles > 0]
-        found.append(Collective(kind=kind, bytes=op.operand_bytes, overlapped_ops=len(between),
+        sent = op.operand_sizes[0] if kind == "ragged-all-to-all" and op.operand_sizes else op.operand_bytes
+        found.append(Collective(kind=kind, bytes=sent, overlapped_ops=len(between),
                                 overlapped_flops=sum(o.flops for o in between)))
     return found

@@ -9,8 +9,8 @@ Two implementations with identical results (up to float summation order):
 * ``sort``: assignments sorted by (expert, priority); each buffer slot gathers its token
   and each token gathers its expert outputs back. The default on every platform
   (``layer_choices``). Cost ``O(assignments * d_model)`` plus
-  a sort. In dropless mode without expert parallelism it feeds a grouped matmul
-  (``jax.lax.ragged_dot``) instead of fixed-capacity buffers.
+  a sort. In dropless mode it feeds a grouped matmul (``jax.lax.ragged_dot``) instead of
+  fixed-capacity buffers (under expert parallelism on TPU / GPU only: ``ragged_exchange``).
 
 Capacity is granted in the same order by both, one of ``CAPACITY_ORDERS`` over the
 tokens ranked by ``TokenChoiceRouting.priority``:
@@ -89,6 +89,15 @@ def choice_major_combine(platform: str) -> bool:
     into the weighted sum, fwd+bwd); no on CPU (there the choice-major step measured 1.15x slower).
     benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets"."""
     return _family(platform) != "cpu"
+
+
+def ragged_exchange(platform: str) -> Callable[..., Array] | None:
+    """The ragged all-to-all the dropless ``sort`` path exchanges rows with under expert
+    parallelism on ``platform`` (``expert_parallel.ragged_comm``): ``jax.lax.ragged_all_to_all``
+    on TPU and GPU; None on CPU, where XLA:CPU (jaxlib 0.10.2) cannot compile it ("HLO
+    opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so dropless keeps
+    fixed buffers of capacity = tokens per group there."""
+    return None if _family(platform) == "cpu" else jax.lax.ragged_all_to_all
 
 
 def _family(platform: str) -> str:

@@ -12,6 +12,14 @@ mesh has an ``expert`` axis of size > 1 the dispatch runs under ``shard_map``:
   local_experts, capacity, d_model]``, the local experts run (partial sums over ``model``
   are summed with ``psum``), and a second all-to-all sends the outputs back.
 
+Dropless (``MoeLayer(dropless=True)``, ``sort`` dispatch) on TPU and GPU exchanges rows
+rather than buffers (``ragged_comm``): each device sorts its assignments by expert,
+``jax.lax.ragged_all_to_all`` sends each expert's rows to the device owning it, the local
+experts run one grouped matmul (``jax.lax.ragged_dot``) over what arrived, and a second
+ragged all-to-all sends the outputs back. Only the routed rows cross the interconnect; the
+receive buffer has a static worst-case size. XLA:CPU cannot compile ``ragged-all-to-all``
+(jaxlib 0.10.2), so on CPU dropless keeps fixed buffers of capacity = tokens per group.
+
 Without a mesh, or with an ``expert`` axis of size 1, the layer runs plain SPMD code.
 """
 
@@ -20,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import shard_map
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
@@ -60,18 +69,25 @@ def check_divisible(num_experts: int, mesh: AbstractMesh | None, expert_axis: st
                          f"of the {expert_axis!r} mesh axis")
 
 
+# ``jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+# recv_sizes, *, axis_name)`` or a function with its signature and semantics.
+RaggedExchange = Callable[..., Array]
+# ``compute(rows [rows, d_model] grouped by local expert, group_sizes [local_experts])``.
+RaggedCompute = Callable[[Array, Array], Array]
 LocalFn = Callable[[Array, TokenChoiceRouting | ExpertChoiceRouting, dict[str, Array], Array,
-                    Callable[[Array], Array]], tuple[Array, ...]]
+                    Callable[..., Array]], tuple[Array, ...]]
 
 
 def expert_parallel(local_fn: LocalFn, mesh: AbstractMesh, *, data_axis: str, expert_axis: str,
-                    model_axis: str) -> Callable[..., tuple[Array, ...]]:
+                    model_axis: str, exchange: RaggedExchange | None = None) -> Callable[..., tuple[Array, ...]]:
     """Wraps ``local_fn(x, routing, weights, rng, comm) -> outputs`` in ``shard_map``.
 
-    ``local_fn`` must run its expert computation on buffers ``[groups, experts, capacity,
-    d_model]`` through ``comm(buffers, compute)``, which here does all-to-all -> compute
-    on the local experts -> psum over ``model`` -> all-to-all back. Every output has a
-    leading ``groups`` axis.
+    Without ``exchange``, ``local_fn`` must run its expert computation on buffers
+    ``[groups, experts, capacity, d_model]`` through ``comm(buffers, compute)``, which here
+    does all-to-all -> compute on the local experts -> psum over ``model`` -> all-to-all
+    back. With ``exchange`` (``jax.lax.ragged_all_to_all``), ``comm`` is ``ragged_comm``'s:
+    ``comm(rows, group_sizes, compute, rows_per_expert)``. Every output has a leading
+    ``groups`` axis.
     """
     tokens = P(token_axes(mesh, data_axis, expert_axis))
     model = model_axis if model_axis in mesh.axis_names else None
@@ -79,12 +95,14 @@ def expert_parallel(local_fn: LocalFn, mesh: AbstractMesh, *, data_axis: str, ex
     def weight_spec(name: str) -> P:
         return P(expert_axis, model, None) if name == "wo" else P(expert_axis, None, model)
 
-    def comm(buffers: Array, compute: Callable[[Array], Array]) -> Array:
+    def buffer_comm(buffers: Array, compute: Callable[[Array], Array]) -> Array:
         local = jax.lax.all_to_all(buffers, expert_axis, split_axis=1, concat_axis=0, tiled=True)
         out = compute(local)
         if model is not None:
             out = jax.lax.psum(out, model)
         return jax.lax.all_to_all(out, expert_axis, split_axis=0, concat_axis=1, tiled=True)
+
+    comm = buffer_comm if exchange is None else ragged_comm(exchange, expert_axis, mesh.shape[expert_axis], model)
 
     def body(x, routing, weights, rng):
         for axis in mesh.axis_names:
@@ -103,3 +121,65 @@ def expert_parallel(local_fn: LocalFn, mesh: AbstractMesh, *, data_axis: str, ex
 def local_comm(buffers: Array, compute: Callable[[Array], Array]) -> Array:
     """``comm`` without expert parallelism: compute on all experts in place."""
     return compute(buffers)
+
+
+def local_ragged_comm(rows: Array, group_sizes: Array, compute: RaggedCompute, rows_per_expert: int) -> Array:
+    """``ragged_comm``'s ``comm`` without expert parallelism: one grouped matmul in place."""
+    del rows_per_expert
+    return compute(rows, group_sizes)
+
+
+def _exclusive_cumsum(a: Array, axis: int) -> Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def ragged_comm(exchange: RaggedExchange, expert_axis: str, shards: int,
+                model_axis: str | None) -> Callable[[Array, Array, RaggedCompute, int], Array]:
+    """Dropless ``comm`` inside ``shard_map``: rows, not buffers, cross the ``expert`` axis.
+
+    The returned ``comm(rows, group_sizes, compute, rows_per_expert)`` takes this device's
+    ``rows [n, d_model]`` sorted by expert (the first ``group_sizes[0]`` for expert 0, ...;
+    ``group_sizes [experts]`` int32, rows past their sum unused) and returns
+    ``[n, d_model]``: row ``i`` replaced by its expert's output (zeros past the sum).
+
+    1. ``all_gather`` of ``group_sizes`` over ``expert``: every device knows the
+       ``[shards, experts]`` count matrix ``C`` (``shards * experts`` int32), so every
+       offset below is computed locally, with no further exchange of sizes or offsets;
+    2. ``exchange`` (``jax.lax.ragged_all_to_all``) with one slice per global expert
+       ``e`` (``experts`` slices: ``experts / shards`` per destination, as the primitive
+       requires) writes the rows into the owner's receive buffer expert-major: local
+       expert 0's rows from device 0, from device 1, ..., then local expert 1's ...; so
+       ``compute(received, sizes [local_experts])`` (``ragged_dot``) needs no regrouping;
+    3. partial sums over ``model`` are summed (``psum``), and a second ``exchange`` with
+       the slices reversed writes each output back where its row came from.
+
+    The receive buffer has a static worst-case size: ``shards * min(n, local_experts *
+    rows_per_expert)`` rows, ``rows_per_expert`` bounding the rows one device sends one
+    expert (its tokens: a token picks an expert at most once).
+    """
+
+    def comm(rows: Array, group_sizes: Array, compute: RaggedCompute, rows_per_expert: int) -> Array:
+        n, d_model = rows.shape
+        experts = group_sizes.shape[0]
+        local = experts // shards
+        me = jax.lax.axis_index(expert_axis)
+        counts = jax.lax.all_gather(group_sizes, expert_axis)  # [shards, experts]: C[source, expert]
+        block = jnp.sum(counts, axis=0).reshape(shards, local)  # rows each expert receives, by owner
+        expert_start = _exclusive_cumsum(block, 1).reshape(experts)  # its first row in the owner's buffer
+        arrival = expert_start + _exclusive_cumsum(counts, 0)  # [shards, experts]: where C[s, e]'s rows land
+        source_start = _exclusive_cumsum(counts, 1)  # [shards, experts]: C[s, e]'s rows on device s
+
+        def mine(a: Array) -> Array:  # [shards, experts] -> [shards * local]: columns of my experts
+            return jax.lax.dynamic_slice_in_dim(a, me * local, local, axis=1).reshape(shards * local)
+
+        received_sizes = mine(counts)  # slice (source s, local expert l)
+        buffer = jnp.zeros_like(rows, shape=(shards * min(n, local * rows_per_expert), d_model))  # varying as rows
+        received = exchange(rows, buffer, source_start[me], group_sizes, arrival[me], received_sizes,
+                            axis_name=expert_axis)
+        out = compute(received, jax.lax.dynamic_index_in_dim(block, me, keepdims=False))
+        if model_axis is not None:
+            out = jax.lax.psum(out, model_axis)
+        return exchange(out, jnp.zeros_like(rows), mine(arrival), received_sizes, mine(source_start), group_sizes,
+                        axis_name=expert_axis)
+
+    return comm

@@ -23,7 +23,7 @@ from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
 from moe_jax.moe.dispatch import (DISPATCH_IMPLS, check_capacity_order, choice_major_combine, dispatch_combine,
-                                  layer_choices, ragged_token_choice, target_platform)
+                                  layer_choices, ragged_exchange, ragged_token_choice, target_platform)
 from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS, check_hierarchical_options
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
@@ -66,8 +66,11 @@ class MoeLayer(nn.Module):
       min_expert_capacity: lower bound on the capacity.
       capacity_rule: ``t5x`` (factor * tokens_per_group / E) or ``k_scaled`` (times k).
       group_size: maximum tokens per routing group.
-      dropless: never drop: capacity = tokens_per_group, or a grouped matmul
-        (``ragged_dot``) with the ``sort`` dispatch outside expert parallelism.
+      dropless: never drop. With the ``sort`` dispatch: a grouped matmul (``ragged_dot``)
+        over the routed rows; under expert parallelism on TPU / GPU its rows are exchanged
+        by ``jax.lax.ragged_all_to_all`` (``expert_parallel.ragged_comm``). Otherwise
+        (``einsum``; expert parallelism on CPU, whose XLA cannot compile a ragged
+        all-to-all) fixed buffers with capacity = tokens_per_group.
       dispatch: ``einsum`` (reference), ``sort`` or ``auto``: per the platform of the
         devices compiled for (the current mesh's, see ``dispatch.layer_choices``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``) rather than
@@ -322,9 +325,19 @@ class MoeLayer(nn.Module):
             return expert_ffn(w, buffers, self.activation, self.expert_dropout_rate,
                               key if use_dropout else None, per_expert_loop)
 
-        if self.dropless and impl == "sort" and not expert_parallel:
-            return ragged_token_choice(x, routing, self.routed_experts, lambda rows, sizes: ragged_expert_ffn(
-                weights, rows, sizes, self.activation, self.expert_dropout_rate, rng if use_dropout else None))
+        # Dropless sort: a grouped matmul, its rows exchanged by a ragged all-to-all under
+        # expert parallelism where the compiler has one (not XLA:CPU: padded buffers there).
+        exchange = ragged_exchange(platform) if expert_parallel else None
+        ragged = self.dropless and impl == "sort" and (exchange is not None or not expert_parallel)
+
+        def ragged_local_fn(x, routing, w, key, comm):
+            def ffn(rows: Array, sizes: Array) -> Array:
+                return ragged_expert_ffn(w, rows, sizes, self.activation, self.expert_dropout_rate,
+                                         key if use_dropout else None)
+
+            tokens = x.shape[0] * x.shape[1]  # a token sends each expert at most one row
+            return ragged_token_choice(x, routing, self.routed_experts,
+                                       lambda rows, sizes: comm(rows, sizes, ffn, tokens))
 
         def local_fn(x, routing, w, key, comm):
             y, kept = dispatch_combine(impl, x, routing, self.routed_experts, capacity,
@@ -333,11 +346,13 @@ class MoeLayer(nn.Module):
             return (y,) if kept is None else (y, kept)
 
         num_outputs = 1 if isinstance(routing, ExpertChoiceRouting) else 2
+        fn = ragged_local_fn if ragged else local_fn
         if expert_parallel:
-            outputs = ep.expert_parallel(local_fn, mesh, data_axis=self.data_axis, expert_axis=self.expert_axis,
-                                         model_axis=self.model_axis)(x, routing, weights, rng, num_outputs)
+            outputs = ep.expert_parallel(fn, mesh, data_axis=self.data_axis, expert_axis=self.expert_axis,
+                                         model_axis=self.model_axis, exchange=exchange if ragged else None)(
+                x, routing, weights, rng, num_outputs)
         else:
-            outputs = local_fn(x, routing, weights, rng, ep.local_comm)
+            outputs = fn(x, routing, weights, rng, ep.local_ragged_comm if ragged else ep.local_comm)
         return outputs[0], (outputs[1] if num_outputs == 2 else None)
 
     def _sow_routing(self, router_output: RouterOutput, x: Array, num_tokens: int,

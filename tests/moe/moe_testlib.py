@@ -38,3 +38,23 @@ def metric(state: dict, name: str) -> jax.Array:
     return state["moe_metrics"][name][0]
 
 
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``, for
+    XLA:CPU, which cannot compile the primitive (its lowering is only compile-tested, for TPU).
+    Slice ``i`` (``len(input_offsets) / axis size`` per destination) is cut out of
+    ``operand`` padded to ``operand``'s length, all-to-all'd, and written into ``output`` at
+    the offset its sender chose; ``tests/moe/test_ragged_expert_parallel.py`` checks it on the
+    example in jax's docstring."""
+    import jax.numpy as jnp
+
+    rows = jnp.arange(operand.shape[0])
+    take = input_offsets[:, None] + rows
+    chunks = jnp.where((rows < send_sizes[:, None]).reshape(take.shape + (1,) * (operand.ndim - 1)),
+                       operand[jnp.clip(take, 0, operand.shape[0] - 1)], 0)  # [slices, n, ...]
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
+    starts = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    put = jnp.where(rows < recv_sizes[:, None], starts[:, None] + rows, output.shape[0])  # past the end: dropped
+    return output.at[put.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")

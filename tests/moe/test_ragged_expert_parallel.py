@@ -1,0 +1,130 @@
+"""Dropless under expert parallelism: rows exchanged by a ragged all-to-all into a grouped
+matmul (``expert_parallel.ragged_comm``) on TPU / GPU, padded buffers on CPU.
+
+XLA:CPU cannot compile ``ragged-all-to-all``, so on the 8 forced CPU devices the layer's
+ragged path runs with ``emulated_ragged_all_to_all`` (the primitive's documented semantics
+from a dense all-to-all, checked here on jax's own example) in its place; the primitive
+itself is compiled for a TPU topology."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from tests.moe.moe_testlib import emulated_ragged_all_to_all, make_inputs
+
+from moe_jax import hardware, hlo_costs, partitioning
+from moe_jax.moe import MoeLayer
+from moe_jax.moe import layer as layer_module
+from moe_jax.moe.dispatch import ragged_exchange
+
+LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, dropless=True, dispatch="sort")
+
+
+def test_emulated_ragged_all_to_all_follows_the_documented_example():
+    # the two-device example of jax.lax.ragged_all_to_all's docstring
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    args = dict(operand=[[1, 2, 2], [3, 4, 0]], input_offsets=[[0, 1], [0, 1]], send_sizes=[[1, 2], [1, 1]],
+                output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
+    arrays = [jax.device_put(jnp.array(args[k], jnp.int32).reshape(-1), jax.NamedSharding(mesh, P("x"))) for k in
+              ("operand", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")]
+
+    def exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
+        return emulated_ragged_all_to_all(operand, jnp.zeros(4, jnp.int32), input_offsets, send_sizes,
+                                          output_offsets, recv_sizes, axis_name="x")
+
+    result = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))(*arrays)
+    np.testing.assert_array_equal(result.reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_ragged_exchange_per_platform():
+    assert ragged_exchange("cpu") is None  # XLA:CPU: no ragged-all-to-all
+    assert ragged_exchange("tpu") is ragged_exchange("gpu") is jax.lax.ragged_all_to_all
+
+
+def _value_and_grad(layer):
+    def loss(p, x):
+        y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
+        return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def _sharded_run(layer, shape, x, boxed):
+    params = nn.unbox(boxed)
+    mesh = partitioning.make_mesh(shape)
+    rules = partitioning.standard_logical_axis_rules()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        sharded = jax.device_put(params, partitioning.tree_shardings(nn.get_partition_spec(boxed), mesh, rules))
+        fn = _value_and_grad(layer)
+        jaxpr = str(fn.trace(sharded, x).jaxpr)
+        return fn(sharded, x), jaxpr
+
+
+@pytest.mark.parametrize("shape", [
+    (2, 4, 1),
+    pytest.param((1, 8, 1), marks=pytest.mark.slow),
+    pytest.param((2, 2, 2), marks=pytest.mark.slow),
+])
+def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch):
+    layer = MoeLayer(**LAYER)
+    x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
+    boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
+    ref = _value_and_grad(layer)(nn.unbox(boxed), x)
+    monkeypatch.setattr(layer_module, "ragged_exchange", lambda platform: emulated_ragged_all_to_all)
+    out, jaxpr = _sharded_run(layer, shape, x, boxed)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert float(jnp.max(jnp.abs(out[1][0]["expert"]["wi"]))) > 0
+    # rows, not [groups, experts, capacity, d_model] buffers, go to the grouped matmul
+    assert "ragged_dot" in jaxpr and "shard_map" in jaxpr
+
+
+def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
+    layer = MoeLayer(**LAYER)
+    x = make_inputs(8, 8, 8)
+    boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
+    ref = _value_and_grad(layer)(nn.unbox(boxed), x)
+    out, jaxpr = _sharded_run(layer, (2, 4, 1), x, boxed)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert "all_to_all" in jaxpr and "ragged_dot" not in jaxpr
+
+
+def _compile_for_tpu(mesh, **options):
+    """Forward + backward of the layer (E = 8, d_model 256, bfloat16, 512 tokens per device)."""
+    layer = MoeLayer(num_experts=8, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
+    x = jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16)
+    params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
+
+    def step(p, x):
+        loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, deterministic=False,  # noqa: E731
+                                                mutable=["aux_loss"])[0].astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(p, x)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(step).lower(params, x).compile()
+
+
+def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
+    # the TPU compiler of `make compilers` (make test installs it): never skipped
+    devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
+    mesh = jax.sharding.Mesh(devices.reshape(1, 4, 1), ("data", "expert", "model"))
+    ragged = _compile_for_tpu(mesh, dropless=True)
+    padded = _compile_for_tpu(mesh, train_capacity_factor=8.0)  # capacity = group: CPU's dropless layout
+    found = hlo_costs.collectives(hlo_costs.parse(ragged.as_text()))
+    kinds = [c.kind for c in found]
+    assert kinds.count("ragged-all-to-all") == 4  # there and back, forward and backward
+    # first operands: a device's (token, choice) rows (bfloat16), there and for the cotangent
+    # sent back; the receive buffer (4 devices x those rows, the static worst case) for the
+    # outputs sent back and the forward exchange's cotangent. Only routed rows are sent.
+    rows = 512 * 2 * 256 * 2
+    assert sorted(c.bytes for c in found if c.kind == "ragged-all-to-all") == [rows, rows, 4 * rows, 4 * rows]
+    # what else crosses devices is sizes and offsets, and the router's gradient (no psum of rows)
+    assert sum(c.bytes for c in found if c.kind != "ragged-all-to-all") < 16 * 1024
+    padded_found = hlo_costs.collectives(hlo_costs.parse(padded.as_text()))
+    assert [c.kind for c in padded_found].count("all-to-all") == 4
+    assert sum(c.bytes for c in padded_found if c.kind == "all-to-all") == 4 * 4 * rows
+    assert ragged.memory_analysis().temp_size_in_bytes < padded.memory_analysis().temp_size_in_bytes
