@@ -33,7 +33,8 @@ from moe_jax import hardware
 from moe_jax.errors import UserError
 from moe_jax.train import setup
 
-COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
+               "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) +
@@ -52,7 +53,9 @@ class DoesNotFitError(UserError, ValueError):
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """``{kind: {"count": n, "bytes": result bytes}}`` of the collective ops of an HLO module
-    (async ``-start`` ops counted once; an op inside a loop body counted once)."""
+    (async ``-start`` ops counted once; an op inside a loop body counted once). A
+    ``ragged-all-to-all``'s result is its receive buffer, sized for the worst case (the
+    dropless layer under expert parallelism): an upper bound on what it moves."""
     out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
     # long tuples carry /*index=5*/ comments, whose '=' would end the shape early
     for match in _HLO_OP.finditer(_HLO_COMMENT.sub("", hlo_text)):

@@ -122,11 +122,13 @@ def test_collectives_parses_sync_and_async_ops():
   %all-to-all-start = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}
   ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
   %all-reduce.94 = (f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, /*index=5*/f32[32,4]{0,1}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add
+  %ragged_all_to_all.3 = bf16[64,256]{1,0} ragged-all-to-all(%r, %buf, %io, %ss, %oo, /*index=5*/%rs), channel_id=1
 """
     # the last: a gradient tuple long enough for XLA's /*index=5*/ comments (was missed)
     assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
                                     "all-reduce": {"count": 2, "bytes": 2 * 16 + 4 * (5 * 32 + 128)},
-                                    "all-gather": {"count": 1, "bytes": 4 * 6}}
+                                    "all-gather": {"count": 1, "bytes": 4 * 6},
+                                    "ragged-all-to-all": {"count": 1, "bytes": 2 * 64 * 256}}
 
 
 @pytest.mark.slow
