@@ -5,6 +5,9 @@ ALLOW_MULTIPLE_LIBTPU_LOAD=1 when another process has libtpu loaded):
   TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target tpu:v5p:2x2x1
 GPU (the CUDA PJRT plugin importable; no GPU needed):
   JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target gpu:h100
+Expert parallelism only (no single-device table), over all devices of the target:
+  python benchmarks/moe_compiled.py --target tpu:v5p:2x2x1 --experts --expert-parallel 8
+  python benchmarks/moe_compiled.py --target gpu:h100:8 --experts --expert-parallel 8
 
 Compiles forward + backward with a cotangent (``value_and_grad`` of ``sum(y * r)``) of the
 MoE layer at the T5-Base shape (8 x 512 tokens, d_model 768, d_ff 2048, top-2, capacity
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import hlo_costs
+from moe_jax import hardware, hlo_costs
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity
 
@@ -58,16 +61,19 @@ GPU_TARGET_CONFIGS = {"h100": pathlib.Path(__file__).with_name("h100_sxm.txtpb")
 
 
 def target_devices(target: str) -> np.ndarray:
-    """Devices of ``tpu:<topology>`` (e.g. ``tpu:v5p:2x2x1``) or ``gpu:h100``, from this CPU."""
+    """Devices of ``tpu:<chip>:<topology>`` (e.g. ``tpu:v5p:2x2x1``), ``gpu:h100`` (one
+    H100 SXM, ``h100_sxm.txtpb``) or ``gpu:<chip>:<count>`` (``hardware.target_devices``),
+    from this CPU."""
     from jax.experimental import topologies
 
     kind, _, name = target.partition(":")
-    if kind == "tpu":
-        return np.array(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    if kind == "tpu" or target.count(":") == 2:
+        return np.array(hardware.target_devices(hardware.parse_target(target)))
     if kind == "gpu" and name in GPU_TARGET_CONFIGS:
         return np.array(topologies.get_topology_desc(platform="cuda", topology_name=name, topology="1x1x1",
                                                      target_config=GPU_TARGET_CONFIGS[name].read_text()).devices)
-    raise ValueError(f"--target={target!r}: expected tpu:<topology> or gpu:{{{','.join(GPU_TARGET_CONFIGS)}}}")
+    raise ValueError(f"--target={target!r}: expected tpu:<chip>:<topology>, gpu:<chip>:<count> or "
+                     f"gpu:{{{','.join(GPU_TARGET_CONFIGS)}}}")
 
 
 @dataclasses.dataclass
@@ -89,9 +95,9 @@ class Row:
 
 
 def moe_step(experts: int, dispatch: str, **layer_options):
-    layer = MoeLayer(num_experts=experts, num_selected_experts=2, d_ff=D_FF, dispatch=dispatch,
-                     per_expert_loop=False, train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
-                     dtype=jnp.bfloat16, **layer_options)
+    options = dict(num_experts=experts, num_selected_experts=2, d_ff=D_FF, dispatch=dispatch, per_expert_loop=False,
+                   train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096, dtype=jnp.bfloat16)
+    layer = MoeLayer(**{**options, **layer_options})
     x = jax.ShapeDtypeStruct(TOKENS + (D_MODEL,), jnp.bfloat16)
     params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
 
@@ -130,52 +136,34 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
 
 def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str]) -> None:
     """All-to-all traffic and overlap of the layer under expert parallelism over every
-    device of the target (mesh (1, N, 1)), N x 8 x 512 tokens (4096 per device), per
-    dispatch, plus the dropless layout (capacity = group); then whether a ragged all-to-all
-    (the exchange a dropless ``ragged_dot`` path needs) compiles for the target."""
+    device of the target (mesh (1, N, 1)), N x 8 x 512 tokens (4096 per device, one group),
+    per dispatch, then dropless two ways: ``sort`` with capacity = the group (fixed buffers:
+    what ``dropless=True`` compiles to on CPU, and did everywhere before the ragged path) and
+    ``dropless=True`` (on TPU: rows by ``ragged_all_to_all`` into ``ragged_dot``; elsewhere the
+    same buffers as the row before, ``dispatch.ragged_exchange``).
+
+    ``MiB sent``: the operands of the all-to-alls, for a ragged all-to-all its first
+    operand (the rows it may send: the routed rows leave, the rest of the buffer does not).
+    """
     n = devices.size
     mesh = jax.sharding.Mesh(devices.reshape(1, n, 1), ("data", "expert", "model"))
     print(f"\nexpert parallelism over {n} devices, mesh (1, {n}, 1), E = {experts}, {n} x 8 x 512 tokens")
-    print("| layer | all-to-alls | MiB sent per device per step | async (work between start and done) "
-          "| GFLOP overlapped | temp MiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    variants = [(d, {}) for d in dispatches] + [("sort", {"dropless": True})]
-    for dispatch, options in variants:
+    print("| layer | all-to-alls (ragged) | MiB sent per device per step | async (work between start and done) "
+          "| GFLOP overlapped | GFLOP | HLO GiB | temp MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    variants = [(d, d, {}) for d in dispatches] + [
+        ("sort, capacity = group (padded dropless)", "sort", {"train_capacity_factor": float(experts)}),
+        ("sort, dropless=True", "sort", {"dropless": True})]
+    for label, dispatch, options in variants:
         apply, params, x = moe_step(experts, dispatch, **options)
         x = jax.ShapeDtypeStruct((n * TOKENS[0],) + x.shape[1:], x.dtype)
         row = compile_row(dispatch, apply, params, x, mesh)
-        found = [c for c in hlo_costs.collectives(row.ops) if c.kind == "all-to-all"]
-        label = dispatch + (" dropless (padded to the group)" if options else "")
-        print(f"| {label} | {len(found)} | {sum(c.bytes for c in found) / MIB:.1f} | "
+        found = [c for c in hlo_costs.collectives(row.ops) if c.kind in ("all-to-all", "ragged-all-to-all")]
+        ragged = sum(c.kind == "ragged-all-to-all" for c in found)
+        print(f"| {label} | {len(found)} ({ragged}) | {sum(c.bytes for c in found) / MIB:.1f} | "
               f"{sum(c.overlapped_ops > 0 for c in found)} of {len(found)} ({sum(c.overlapped_ops for c in found)} ops) | "
-              f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.temp_bytes / MIB:.1f} |", flush=True)
-    print(f"ragged all-to-all for this target: {ragged_all_to_all_check(mesh)}")
-
-
-def ragged_all_to_all_check(mesh) -> str:
-    """Compiles ``jax.lax.ragged_all_to_all`` of ``[4096, 768]`` bfloat16 rows per device
-    over the ``expert`` axis (XLA:CPU cannot) and says what the compiled program holds."""
-    n = mesh.shape["expert"]
-    spec = jax.sharding.PartitionSpec("expert")
-
-    def exchange(rows, sizes):
-        sizes = sizes.reshape(n)
-        offsets = jnp.cumsum(sizes) - sizes
-        received = jax.lax.all_to_all(sizes, "expert", 0, 0, tiled=True)
-        output_offsets = jax.lax.all_to_all(offsets, "expert", 0, 0, tiled=True)
-        return jax.lax.ragged_all_to_all(rows, jnp.zeros_like(rows), offsets, sizes, output_offsets, received,
-                                         axis_name="expert")
-
-    fn = jax.shard_map(exchange, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
-    rows = jax.ShapeDtypeStruct((n * 4096, D_MODEL), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((n * n,), jnp.int32)
-    try:
-        with jax.set_mesh(mesh):
-            text = jax.jit(fn).lower(rows, sizes).compile().as_text()
-    except Exception as error:  # report, do not fail the table  # noqa: BLE001
-        return f"does not compile ({str(error).splitlines()[0][:120]})"
-    found = [c for c in hlo_costs.collectives(hlo_costs.parse(text)) if c.kind == "ragged-all-to-all"]
-    return f"compiles ({len(found)} ragged-all-to-all op(s), {sum(c.bytes for c in found) / MIB:.1f} MiB of operands)"
+              f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.flops / 1e9:.1f} | {row.hlo_bytes / GIB:.3f} | "
+              f"{row.temp_bytes / MIB:.1f} |", flush=True)
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -199,7 +187,8 @@ def print_ops(row: Row, count: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tpu:v5p:2x2x1", help="tpu:<topology> or gpu:h100")
-    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--experts", type=int, nargs="*", default=[8, 32, 64],
+                        help="E of the single-device table (none: skip it)")
     parser.add_argument("--dispatch", nargs="+", default=["auto", "sort", "einsum"])
     parser.add_argument("--ops", type=int, default=0, help="list the N largest operations of each layer")
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
@@ -214,9 +203,10 @@ def main() -> None:
     print(f"target {args.target}: {device.device_kind} ({device.platform}), one device; peak "
           f"{chip[0] / 1e12:.0f} TFLOP/s bf16, HBM {chip[1] / 1e12:.2f} TB/s; compiled from a CPU host "
           f"(nothing ran on the target)")
-    print("| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB | roofline ms (cost / HLO bytes) "
-          "| vs dense (cost / HLO) | TPU est. cycles vs dense | floor vs dense | SparseCore ops |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    if args.experts:
+        print("| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB | roofline ms (cost / HLO bytes) "
+              "| vs dense (cost / HLO) | TPU est. cycles vs dense | floor vs dense | SparseCore ops |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     table = []
     tokens = TOKENS[0] * TOKENS[1]
     for experts in args.experts:

@@ -12,13 +12,14 @@ mesh has an ``expert`` axis of size > 1 the dispatch runs under ``shard_map``:
   local_experts, capacity, d_model]``, the local experts run (partial sums over ``model``
   are summed with ``psum``), and a second all-to-all sends the outputs back.
 
-Dropless (``MoeLayer(dropless=True)``, ``sort`` dispatch) on TPU and GPU exchanges rows
-rather than buffers (``ragged_comm``): each device sorts its assignments by expert,
+Dropless (``MoeLayer(dropless=True)``, ``sort`` dispatch) on TPU exchanges rows rather
+than buffers (``ragged_comm``): each device sorts its assignments by expert,
 ``jax.lax.ragged_all_to_all`` sends each expert's rows to the device owning it, the local
 experts run one grouped matmul (``jax.lax.ragged_dot``) over what arrived, and a second
 ragged all-to-all sends the outputs back. Only the routed rows cross the interconnect; the
 receive buffer has a static worst-case size. XLA:CPU cannot compile ``ragged-all-to-all``
-(jaxlib 0.10.2), so on CPU dropless keeps fixed buffers of capacity = tokens per group.
+(jaxlib 0.10.2) and XLA:GPU runs ``ragged_dot`` densely, so there dropless keeps fixed
+buffers of capacity = tokens per group (``dispatch.ragged_exchange``).
 
 Without a mesh, or with an ``expert`` axis of size 1, the layer runs plain SPMD code.
 """

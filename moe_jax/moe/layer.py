@@ -67,10 +67,11 @@ class MoeLayer(nn.Module):
       capacity_rule: ``t5x`` (factor * tokens_per_group / E) or ``k_scaled`` (times k).
       group_size: maximum tokens per routing group.
       dropless: never drop. With the ``sort`` dispatch: a grouped matmul (``ragged_dot``)
-        over the routed rows; under expert parallelism on TPU / GPU its rows are exchanged
-        by ``jax.lax.ragged_all_to_all`` (``expert_parallel.ragged_comm``). Otherwise
+        over the routed rows; under expert parallelism on TPU its rows are exchanged by
+        ``jax.lax.ragged_all_to_all`` (``expert_parallel.ragged_comm``). Otherwise
         (``einsum``; expert parallelism on CPU, whose XLA cannot compile a ragged
-        all-to-all) fixed buffers with capacity = tokens_per_group.
+        all-to-all, and on GPU, see ``dispatch.ragged_exchange``) fixed buffers with
+        capacity = tokens_per_group.
       dispatch: ``einsum`` (reference), ``sort`` or ``auto``: per the platform of the
         devices compiled for (the current mesh's, see ``dispatch.layer_choices``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``) rather than
@@ -326,7 +327,7 @@ class MoeLayer(nn.Module):
                               key if use_dropout else None, per_expert_loop)
 
         # Dropless sort: a grouped matmul, its rows exchanged by a ragged all-to-all under
-        # expert parallelism where the compiler has one (not XLA:CPU: padded buffers there).
+        # expert parallelism where that pays (TPU; padded buffers elsewhere: ragged_exchange).
         exchange = ragged_exchange(platform) if expert_parallel else None
         ragged = self.dropless and impl == "sort" and (exchange is not None or not expert_parallel)
 

@@ -1,5 +1,5 @@
 """Dropless under expert parallelism: rows exchanged by a ragged all-to-all into a grouped
-matmul (``expert_parallel.ragged_comm``) on TPU / GPU, padded buffers on CPU.
+matmul (``expert_parallel.ragged_comm``) on TPU, padded buffers on CPU and GPU.
 
 XLA:CPU cannot compile ``ragged-all-to-all``, so on the 8 forced CPU devices the layer's
 ragged path runs with ``emulated_ragged_all_to_all`` (the primitive's documented semantics
@@ -41,8 +41,9 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
 
 
 def test_ragged_exchange_per_platform():
+    assert ragged_exchange("tpu") is jax.lax.ragged_all_to_all
     assert ragged_exchange("cpu") is None  # XLA:CPU: no ragged-all-to-all
-    assert ragged_exchange("tpu") is ragged_exchange("gpu") is jax.lax.ragged_all_to_all
+    assert ragged_exchange("gpu") is ragged_exchange("cuda") is None  # XLA:GPU: dense ragged_dot
 
 
 def _value_and_grad(layer):
@@ -94,8 +95,9 @@ def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
 
 
 def _compile_for_tpu(mesh, **options):
-    """Forward + backward of the layer (E = 8, d_model 256, bfloat16, 512 tokens per device)."""
-    layer = MoeLayer(num_experts=8, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
+    """Forward + backward of the layer (E = 16, top-2, d_model 256, bfloat16, 512 tokens per
+    device)."""
+    layer = MoeLayer(num_experts=16, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
     x = jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16)
     params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
 
@@ -112,8 +114,11 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
     devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
     mesh = jax.sharding.Mesh(devices.reshape(1, 4, 1), ("data", "expert", "model"))
+    # 4 experts per device > k = 2: the ragged receive buffer (4 x a device's 1024 rows) is
+    # half the padded buffers (4 x 4 experts x 512 tokens); at experts per device <= k they
+    # are the same size (benchmarks/RESULTS.md, "Expert parallelism")
     ragged = _compile_for_tpu(mesh, dropless=True)
-    padded = _compile_for_tpu(mesh, train_capacity_factor=8.0)  # capacity = group: CPU's dropless layout
+    padded = _compile_for_tpu(mesh, train_capacity_factor=16.0)  # capacity = group: CPU's dropless layout
     found = hlo_costs.collectives(hlo_costs.parse(ragged.as_text()))
     kinds = [c.kind for c in found]
     assert kinds.count("ragged-all-to-all") == 4  # there and back, forward and backward
@@ -123,8 +128,8 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     rows = 512 * 2 * 256 * 2
     assert sorted(c.bytes for c in found if c.kind == "ragged-all-to-all") == [rows, rows, 4 * rows, 4 * rows]
     # what else crosses devices is sizes and offsets, and the router's gradient (no psum of rows)
-    assert sum(c.bytes for c in found if c.kind != "ragged-all-to-all") < 16 * 1024
+    assert sum(c.bytes for c in found if c.kind != "ragged-all-to-all") < rows / 8
     padded_found = hlo_costs.collectives(hlo_costs.parse(padded.as_text()))
     assert [c.kind for c in padded_found].count("all-to-all") == 4
-    assert sum(c.bytes for c in padded_found if c.kind == "all-to-all") == 4 * 4 * rows
+    assert sum(c.bytes for c in padded_found if c.kind == "all-to-all") == 4 * 8 * rows
     assert ragged.memory_analysis().temp_size_in_bytes < padded.memory_analysis().temp_size_in_bytes
