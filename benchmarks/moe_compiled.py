@@ -162,8 +162,8 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
         ragged = sum(c.kind == "ragged-all-to-all" for c in found)
         print(f"| {label} | {len(found)} ({ragged}) | {sum(c.bytes for c in found) / MIB:.1f} | "
               f"{sum(c.overlapped_ops > 0 for c in found)} of {len(found)} ({sum(c.overlapped_ops for c in found)} ops) | "
-              f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.flops / 1e9:.1f} | {row.hlo_bytes / GIB:.3f} | "
-              f"{row.temp_bytes / MIB:.1f} |", flush=True)
+              f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.flops / 1e9:.1f} | "
+              f"{row.hlo_bytes / GIB:.3f} | {row.temp_bytes / MIB:.1f} |", flush=True)
 
 
 def _ratio(a: float | None, b: float | None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from moe_jax.moe import MoeLayer
 
@@ -48,8 +49,6 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     ``operand`` padded to ``operand``'s length, all-to-all'd, and written into ``output`` at
     the offset its sender chose; ``tests/moe/test_ragged_expert_parallel.py`` checks it on the
     example in jax's docstring."""
-    import jax.numpy as jnp
-
     rows = jnp.arange(operand.shape[0])
     take = input_offsets[:, None] + rows
     chunks = jnp.where((rows < send_sizes[:, None]).reshape(take.shape + (1,) * (operand.ndim - 1)),

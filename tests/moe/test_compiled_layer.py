@@ -43,6 +43,24 @@ def test_hlo_costs_count_matmul_flops_and_operand_bytes():
     assert hlo_costs.summary_of(ops, "MoeLayer")["bytes"] == 0
 
 
+def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
+    hlo = """ENTRY %main {
+  %rows = bf16[64,128]{1,0} parameter(0)
+  %buffer = bf16[256,128]{1,0} parameter(1)
+  %offsets = s64[4]{0} parameter(2)
+  %ragged = bf16[256,128]{1,0} ragged-all-to-all(%rows, %buffer, %offsets, %offsets, %offsets, /*index=5*/%offsets)
+  %start = ((bf16[256,128]{1,0}), bf16[256,128]{1,0}) all-to-all-start(%ragged), dimensions={0}
+  %matmul = f32[64,64]{1,0} dot(%rows, %rows), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %done = bf16[256,128]{1,0} all-to-all-done(%start)
+}
+"""
+    found = hlo_costs.collectives(hlo_costs.parse(hlo))
+    # a ragged all-to-all sends at most its first operand (the second is the receive buffer);
+    # GPU's async all-to-all-start counts, with the matmul scheduled before its done
+    assert [(c.kind, c.bytes, c.overlapped_ops) for c in found] == [
+        ("ragged-all-to-all", 64 * 128 * 2, 0), ("all-to-all", 256 * 128 * 2, 1)]
+
+
 # Bound for the layer below on v5p: cost_analysis() bytes over the bytes of one read of every
 # operand and one write of every result (HLO bytes). 2.0x measured (gathers are counted by
 # tile, not by row); with jax.lax.top_k in the router, its SparseCore scatter made it 35x.
