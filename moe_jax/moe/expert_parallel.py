@@ -174,7 +174,10 @@ def ragged_comm(exchange: RaggedExchange, expert_axis: str, shards: int,
             return jax.lax.dynamic_slice_in_dim(a, me * local, local, axis=1).reshape(shards * local)
 
         received_sizes = mine(counts)  # slice (source s, local expert l)
-        buffer = jnp.zeros_like(rows, shape=(shards * min(n, local * rows_per_expert), d_model))  # varying as rows
+        # zeros_like keeps rows' varying mesh axes: a plain jnp.zeros buffer is invariant over
+        # `expert`, the exchange's result would be typed so, and the backward pass would psum
+        # the received rows' gradient over `expert`
+        buffer = jnp.zeros_like(rows, shape=(shards * min(n, local * rows_per_expert), d_model))
         received = exchange(rows, buffer, source_start[me], group_sizes, arrival[me], received_sizes,
                             axis_name=expert_axis)
         out = compute(received, jax.lax.dynamic_index_in_dim(block, me, keepdims=False))
