@@ -39,8 +39,15 @@ def test_parse_target_and_chip_table():
     assert v5e.chip.hbm_bytes == 16 * hardware.GiB
     assert hardware.parse_target("gpu:h100:8").num_chips == 8
     assert hardware.parse_target("cpu:8").chip is None
+    # Cloud TPU accelerator types: TensorCores for v4/v5p (2 per chip), chips for v5e/v6e;
+    # v4 chips show as two devices to libtpu, so half the chips give the slice's device count
+    for accelerator, (chip, topology) in {"v5p-32": ("v5p", "2x2x4"), "v5p-128": ("v5p", "4x4x4"),
+                                          "v5litepod-16": ("v5e", "4x4"), "v6e-8": ("v6e", "2x4"),
+                                          "v4-32": ("v4", "2x2x2")}.items():
+        target = hardware.parse_target(f"tpu:{accelerator}")
+        assert (target.chip.name, target.topology) == (chip, topology), accelerator
     for bad, named in [("tpu:v9:2x2", "v9"), ("gpu:h100:2x2", "2x2"), ("tpu:v5e", "PLATFORM:CHIP"),
-                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM")]:
+                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM"), ("tpu:v5p-6", "tpu:v5p:TOPOLOGY")]:
         with pytest.raises(hardware.TargetError, match=named) as err:
             hardware.parse_target(bad)
         assert "tpu:v5e:4x4" in str(err.value) and "gpu:h100:8" in str(err.value)  # known ones
