@@ -3,12 +3,15 @@ and benchmarks/RESULTS.md ("Documented runs on their targets").
 
     python benchmarks/compile_table.py run [--only base] [--force] [--hlo_dir DIR]   # compile (slow: minutes each)
     python benchmarks/compile_table.py table                         # print the markdown table
+    python benchmarks/compile_table.py recount --hlo_dir DIR         # re-read kept HLO (parser changes)
 
 ``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
 in a fresh process, one at a time, and keeps each report as
 ``benchmarks/compile_reports/<run>__<target>.json`` (an existing report is kept unless
 ``--force``; ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``); a failed
-compile leaves ``.err`` with its last lines. ``table`` renders the reports; a pair without one is listed as not compiled.
+compile leaves ``.err`` with its last lines. ``recount`` redoes what the HLO text gives
+(collectives, the MoE layers' share, the roofline estimate: ``aot.hlo_analysis``) for every
+report whose HLO was kept, without compiling again. ``table`` renders the reports; a pair without one is listed as not compiled.
 Numbers are those of the executable compiled for the target (memory_analysis,
 cost_analysis, HLO) and a roofline estimate from the chip table, not measurements.
 """
@@ -119,15 +122,39 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def recount(hlo_dir: str) -> None:
+    """Re-analyses the kept HLO of every report that has one (see the module docstring)."""
+    sys.path.insert(0, str(REPO))
+    from moe_jax import hardware
+    from moe_jax.train import aot
+
+    for run, target in pairs():
+        path, hlo = report_path(run, target), pathlib.Path(hlo_dir) / f"{run}__{target}" / "train.hlo.txt"
+        if not (path.exists() and hlo.exists()):
+            continue
+        report = json.loads(path.read_text())
+        step, parsed = report["steps"]["train"], hardware.parse_target(TARGETS[target][0])
+        facts = hardware.device_facts(range(report["devices"]), parsed.chip, parsed.num_chips)
+        step.update(aot.hlo_analysis(
+            hlo.read_text(), facts, flops_per_step=step["flops_per_step"],
+            bytes_accessed=step["hlo_bytes_accessed_per_device"] or 0.0, num_devices=report["devices"],
+            tokens_per_step=report["batch_size"] * sum(report["task_feature_lengths"].values())))
+        path.write_text(json.dumps(report, indent=1))
+        print(f"[compile_table] {run} on {target}: recounted from {hlo}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("run", "table"))
+    parser.add_argument("command", choices=("run", "table", "recount"))
     parser.add_argument("--only", default="", help="substring of 'run__target' to compile")
     parser.add_argument("--force", action="store_true", help="recompile existing reports")
     parser.add_argument("--hlo_dir", default=None, help="keep each pair's HLO under this folder")
     args = parser.parse_args(argv)
     if args.command == "table":
         print(table())
+        return 0
+    if args.command == "recount":
+        recount(args.hlo_dir)
         return 0
     REPORTS.mkdir(parents=True, exist_ok=True)
     for run, target in pairs():

@@ -129,10 +129,14 @@ def test_collectives_parses_sync_and_async_ops():
   %all-to-all-start = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}
   ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
   %all-reduce.94 = (f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, /*index=5*/f32[32,4]{0,1}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add
+  %cps = (bf16[48,12,64]{2,0,1}, bf16[48,12,64]{2,0,1}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}
+  %cpd = bf16[48,12,64]{2,0,1} collective-permute-done(%cps)
 """
-    # the last: a gradient tuple long enough for XLA's /*index=5*/ comments (was missed)
+    # a gradient tuple long enough for XLA's /*index=5*/ comments (was missed); an async
+    # collective-permute, whose start tuple ends in two u32 sync flags (was counted as 8 B)
     assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
                                     "all-reduce": {"count": 2, "bytes": 2 * 16 + 4 * (5 * 32 + 128)},
+                                    "collective-permute": {"count": 1, "bytes": 2 * 48 * 12 * 64},
                                     "all-gather": {"count": 1, "bytes": 4 * 6}}
 
 
