@@ -230,10 +230,13 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
     fn = None
     results = []
     for path in paths:
-        params, step = routing.restore_params(path, model, input_shapes, ctx)
+        restored = setup.restore_model(path, model, input_shapes, ctx)
+        params, step = restored.params, restored.step
         if fn is None:
-            fn = routing.routing_fn(model, jax.tree.map(lambda a: a.sharding, params), ctx.mesh, ctx.batch_axes)
-        layers = routing.collect_routing(fn, params, global_batches(features, batch_size, ctx))
+            fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.batch_axes,
+                                    restored.collections_shardings)
+        layers = routing.collect_routing(fn, params, global_batches(features, batch_size, ctx),
+                                         restored.collections)
         shuffled = router_kernels(counterfactual.shuffle_router_inputs(params, seed))
         n = len(row_labels)
         rng = np.random.default_rng(seed)

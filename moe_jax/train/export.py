@@ -201,7 +201,7 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     try:
-        params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
+        params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
     except (FileNotFoundError, checkpoints.CheckpointMismatchError):
         raise
     except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint

@@ -46,7 +46,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
-    params, step, _ = checkpoints.restore_params_from(f"{model_dir}/{step}", target)
+    params, _, step, _ = checkpoints.restore_from(f"{model_dir}/{step}", target)
     flat = {checkpoints.path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     return flat, step
 
