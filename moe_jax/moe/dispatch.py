@@ -24,6 +24,7 @@ the same shape; under expert parallelism it contains the all-to-all.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +43,10 @@ DISPATCH_IMPLS: tuple[str, ...] = ("einsum", "sort")
 _PLATFORM_FAMILY = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 
-def layer_choices(platform: str) -> tuple[str, bool]:
+def layer_choices(platform: str, dtype: Any) -> tuple[str, bool]:
     """``(dispatch, per_expert_loop)`` that ``MoeLayer(dispatch='auto', per_expert_loop=None)``
-    uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``).
+    uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``)
+    with activations of ``dtype``.
 
     From the compiled executables (benchmarks/RESULTS.md, "MoE layer"; "MoE layer on TPU
     and GPU targets"):
@@ -56,13 +58,15 @@ def layer_choices(platform: str) -> tuple[str, bool]:
       at E = 8). The batched expert matmuls run expert-major (``experts.expert_ffn``): the
       group-major form made libtpu 0.0.42 abort (``Check failed: ReshapeIsBitcast`` in
       TpuCopyNormalizer) on the backward pass of float32 activations under expert
-      parallelism; ``tests/train/test_aot.py`` compiles that case.
+      parallelism. With float32 activations over a mesh with both data and expert axes
+      (smoke config, mesh (2, 2, 1)) libtpu still aborts there, so float32 on TPU runs one
+      matmul per expert (the accelerator configs are bfloat16; ``tests/train/test_aot.py``
+      compiles the float32 case).
     * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
     """
-    family = _PLATFORM_FAMILY.get(platform)
-    if family is None:
-        raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
-    return "sort", family == "cpu"
+    family = _family(platform)
+    float32_on_tpu = family == "tpu" and jnp.dtype(dtype) == jnp.float32
+    return "sort", family == "cpu" or float32_on_tpu
 
 
 def choice_major_combine(platform: str) -> bool:
@@ -70,8 +74,15 @@ def choice_major_combine(platform: str) -> bool:
     GPU (for v5p the TPU compiler estimates 0.44x the cycles of the token-major gather fused
     into the weighted sum, fwd+bwd); no on CPU (there the choice-major step measured 1.15x slower).
     benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets"."""
-    layer_choices(platform)  # validates the name
-    return _PLATFORM_FAMILY[platform] != "cpu"
+    return _family(platform) != "cpu"
+
+
+def _family(platform: str) -> str:
+    """``cpu``, ``tpu`` or ``gpu``: the backend family of a device platform name."""
+    family = _PLATFORM_FAMILY.get(platform)
+    if family is None:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
+    return family
 
 
 def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:

@@ -282,7 +282,7 @@ class MoeLayer(nn.Module):
         """Dispatch, expert MLPs, combine: ``[groups, tokens_per_group, d_model]`` -> same,
         plus the kept-assignment mask (token choice)."""
         platform = target_platform(mesh)
-        auto_impl, auto_loop = layer_choices(platform)
+        auto_impl, auto_loop = layer_choices(platform, self.dtype)
         impl = auto_impl if self.dispatch == "auto" else self.dispatch
         per_expert_loop = auto_loop if self.per_expert_loop is None else self.per_expert_loop
         use_dropout = self.expert_dropout_rate > 0 and not deterministic

@@ -130,12 +130,12 @@ def _gin_value(name: str, default: Any) -> Any:
         return default
 
 
-def layer_choices(platform: str) -> dict[str, Any]:
-    """The MoE layer's dispatch / per_expert_loop when compiled for ``platform`` devices
-    (gin bindings of ``MoeLayer`` win over the platform's default)."""
+def layer_choices(platform: str, dtype: Any) -> dict[str, Any]:
+    """The MoE layer's dispatch / per_expert_loop when compiled for ``platform`` devices with
+    ``dtype`` activations (gin bindings of ``MoeLayer`` win over the platform's default)."""
     from moe_jax.moe import dispatch
 
-    auto_dispatch, auto_loop = dispatch.layer_choices(platform)
+    auto_dispatch, auto_loop = dispatch.layer_choices(platform, dtype)
     bound_dispatch = _gin_value("MoeLayer.dispatch", "auto")
     bound_loop = _gin_value("MoeLayer.per_expert_loop", None)
     return {"platform": platform,
@@ -250,7 +250,7 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
         "activation_dtype": model.module.config.dtype,
         "model_dims": {name: getattr(model.module.config, name) for name in (
             "vocab_size", "emb_dim", "mlp_dim", "num_encoder_layers", "num_decoder_layers")},
-        "moe_layer": layer_choices(devices[0].platform), "steps": {}}
+        "moe_layer": layer_choices(devices[0].platform, model.module.config.dtype), "steps": {}}
     progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
              f"{report['mesh_shape']})...")
     report["steps"]["train"] = compile_train(run, cfg, model, facts)[1]

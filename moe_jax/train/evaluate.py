@@ -251,7 +251,8 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
                 eval_fns[key] = train_step.jit_eval_step(
-                    model, restored.params_shardings, ctx.mesh, ctx.batch_axes, restored.collections_shardings,
+                    model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
+                    restored.collections_shardings,
                     eval_fn=counterfactual.intercepted(model.eval_fn, interceptor) if interceptor else None)
             metrics = summaries.routing_telemetry(
                 run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections),

@@ -239,9 +239,9 @@ def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunC
     return TrainSetup(
         ctx=ctx, input_shapes=dict(input_shapes), tx=tx, learning_rate_fn=lr_fn,
         abstract_state=train_state.abstract_with_shardings(abstract, shardings), shardings=shardings,
-        train_step=train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.batch_axes,
+        train_step=train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
                                              accum_steps=accum_steps, skip_nonfinite=skip_nonfinite),
-        eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.batch_axes,
+        eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.rules, ctx.batch_axes,
                                            shardings.collections),
         _init_fn=init_fn)
 

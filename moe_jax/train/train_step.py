@@ -12,11 +12,13 @@ over the mesh's batch axes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -25,6 +27,7 @@ from moe_jax.train.train_state import TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, Any]
+LogicalRules = tuple[tuple[str, Any], ...]
 
 
 def _split_microbatches(batch: Batch, accum_steps: int) -> Batch:
@@ -82,19 +85,21 @@ def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTran
 
 
 def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mesh: Mesh,
-                   batch_axes: tuple[str, ...] = ("data", "expert"), *, accum_steps: int = 1,
-                   skip_nonfinite: bool = False):
-    """``train_step`` jitted with the state donated and its shardings pinned."""
+                   rules: LogicalRules, batch_axes: tuple[str, ...] = ("data", "expert"), *,
+                   accum_steps: int = 1, skip_nonfinite: bool = False):
+    """``train_step`` jitted with the state donated and its shardings pinned, traced under
+    ``mesh`` and the logical axis ``rules`` (which give the model's activation constraints
+    their mesh axes)."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
     step = functools.partial(train_step, model=model, tx=tx, learning_rate_fn=learning_rate_fn,
                              accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
                      donate_argnums=0)
-    return _under_mesh(jitted, mesh)
+    return _under_mesh(jitted, mesh, rules)
 
 
-def jit_eval_step(model, params_shardings, mesh: Mesh,
+def jit_eval_step(model, params_shardings, mesh: Mesh, rules: LogicalRules,
                   batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings=None,
                   eval_fn=None):
     """``(params, batch, collections=None) -> metrics``: ``model.eval_fn`` jitted (eval
@@ -105,21 +110,29 @@ def jit_eval_step(model, params_shardings, mesh: Mesh,
     jitted = _under_mesh(jax.jit(
         lambda params, batch, collections: fn(params, batch, collections),
         in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
-        out_shardings=NamedSharding(mesh, PartitionSpec())), mesh)
+        out_shardings=NamedSharding(mesh, PartitionSpec())), mesh, rules)
     return lambda params, batch, collections=None: jitted(params, batch, collections or {})
 
 
-def _under_mesh(fn, mesh: Mesh):
+def _under_mesh(fn, mesh: Mesh, rules: LogicalRules):
     """``fn`` called (and, with ``.lower(*abstract_args)``, lowered ahead of time) under
     ``jax.set_mesh(mesh)`` (MoE layers read the current mesh to run expert parallelism and
-    to pick their implementation for the mesh's platform)."""
+    to pick their implementation for the mesh's platform) and ``nn.logical_axis_rules(rules)``
+    (without rules the model's ``nn.with_logical_constraint`` calls are no-ops, and XLA
+    alone decides how activations are laid out: with FSDP it all-gathered activations
+    along ``embed`` instead of weights)."""
+    @contextlib.contextmanager
+    def tracing_context():
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            yield
+
     @functools.wraps(fn)
     def wrapped(*args):
-        with jax.set_mesh(mesh):
+        with tracing_context():
             return fn(*args)
 
     def lower(*args):
-        with jax.set_mesh(mesh):
+        with tracing_context():
             return fn.lower(*args)
 
     wrapped.lower = lower

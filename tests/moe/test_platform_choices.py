@@ -42,12 +42,14 @@ def _primitives(layer: MoeLayer, mesh: AbstractMesh | None) -> set[str]:
 
 
 def test_layer_choices_per_platform():
-    # sort everywhere (see layer_choices), per-expert loop on CPU only.
-    assert layer_choices("cpu") == ("sort", True)
-    assert layer_choices("tpu") == ("sort", False)
-    assert layer_choices("gpu") == layer_choices("cuda") == layer_choices("rocm") == ("sort", False)
+    # sort everywhere (see layer_choices), per-expert loop on CPU, and on TPU for float32
+    assert layer_choices("cpu", "bfloat16") == layer_choices("cpu", "float32") == ("sort", True)
+    assert layer_choices("tpu", "bfloat16") == ("sort", False)
+    assert layer_choices("tpu", jnp.float32) == ("sort", True)
+    for gpu in ("gpu", "cuda", "rocm"):
+        assert layer_choices(gpu, "bfloat16") == layer_choices(gpu, "float32") == ("sort", False)
     with pytest.raises(ValueError, match="platform"):
-        layer_choices("metal")
+        layer_choices("metal", "float32")
 
 
 def test_target_platform_reads_the_mesh_devices():
@@ -60,14 +62,14 @@ def test_target_platform_reads_the_mesh_devices():
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
 def test_auto_layer_traces_the_platform_choice(platform):
-    dispatch, loop = layer_choices(platform)
-    layer = MoeLayer(**SMALL)
+    layer = MoeLayer(**SMALL, dtype=jnp.bfloat16)
+    dispatch, loop = layer_choices(platform, layer.dtype)
     auto = _primitives(layer, _abstract_mesh(platform))
     explicit = _primitives(layer.clone(dispatch=dispatch, per_expert_loop=loop), None)
     assert auto == explicit
     assert ("scan" in auto) == loop
     assert ("scatter" in auto) == (dispatch == "sort")
-    other = layer_choices("cpu") if platform != "cpu" else ("einsum", False)
+    other = layer_choices("cpu", layer.dtype) if platform != "cpu" else ("einsum", False)
     assert auto != _primitives(layer.clone(dispatch=other[0], per_expert_loop=other[1]), None)
 
 
@@ -81,6 +83,6 @@ def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
     with jax.set_mesh(mesh):
         hlo = jax.jit(lambda p, x: layer.apply(p, x, mutable=["aux_loss"])[0]).lower(params, x).compile().as_text()
     assert jax.default_backend() == "cpu"
-    dispatch, loop = layer_choices("tpu")
+    dispatch, loop = layer_choices("tpu", layer.dtype)
     assert ("while(" in hlo) == loop
     assert ("scatter(" in hlo) == (dispatch == "sort")

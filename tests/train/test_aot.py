@@ -70,13 +70,13 @@ def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch
 
 def test_tpu_compile_of_the_smoke_config(tmp_path):
     code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE,
-                                       "--gin.make_mesh.mesh_shape=(1,4,1)")
+                                       "--gin.make_mesh.mesh_shape=(2,2,1)")
     assert code == 0, output
     step = report["steps"]["train"]
     assert report["devices"] == 4 and report["device_kind"].startswith("TPU v5")
-    # sort with batched expert matmuls, float32 activations, experts over 4 devices: the case
-    # that made libtpu 0.0.42 abort before the expert matmuls ran expert-major
-    assert report["moe_layer"] == {"platform": "tpu", "dispatch": "sort", "per_expert_loop": False}
+    # float32 activations over data and expert axes: the batched expert matmuls made libtpu
+    # 0.0.42 abort (ReshapeIsBitcast); on TPU float32 runs one matmul per expert
+    assert report["moe_layer"] == {"platform": "tpu", "dispatch": "sort", "per_expert_loop": True}
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
     # per device a quarter of the batch's [tokens, vocab + 100 x d_ff] fp32 activations
