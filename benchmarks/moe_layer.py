@@ -1,6 +1,6 @@
 """MoE layer forward+backward: dispatch implementations vs a dense FFN of equal useful FLOPs.
 
-Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum] [--options]
+Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum] [--options | --orders]
 
 ``--options`` times instead, at the T5-Base shape with E = 8 and the sort dispatch, each
 routing option of docs/moe.md (shared experts, fine-grained experts, sigmoid scores, the
@@ -10,6 +10,10 @@ dense FFN on every token; fine-grained experts' wider router) and the cost beyon
 then the load-independent ratios of XLA's cost analysis of each compiled step (FLOPs and
 bytes accessed, with batched expert matmuls). The updated balancing bias is an output of
 the timed step, as in a train step, so XLA cannot drop its update.
+
+``--orders`` times the two capacity orders (``MoeLayer.capacity_order``: ``choice_major``,
+T5X's and the encoder's; ``token_major``, the causal decoder's) of each dispatch
+implementation in the same rounds, at both shapes with E = 8.
 
 For each shape (T5-Base: d_model 768, d_ff 2048; small: d_model 32, d_ff 256), 8 x 512
 tokens, top-2, capacity factor 1.25 (training), T5X capacity rule, group size 4096, and
@@ -169,6 +173,19 @@ def options_table(reps: int, loss: str) -> None:
               f"{costs[name][1] / plain_bytes:.3f}x |", flush=True)
 
 
+def orders_table(reps: int, loss: str) -> None:
+    """Token-major vs choice-major capacity of each dispatch, same rounds (E = 8)."""
+    print("| shape | impl | choice_major ms | token_major ms | token / choice |")
+    print("| --- | --- | --- | --- | --- |")
+    for shape, (d_model, d_ff) in SHAPES.items():
+        runs = {(impl, order): moe_run(d_model, d_ff, 8, impl, loss, capacity_order=order)
+                for impl in ("einsum", "sort") for order in ("choice_major", "token_major")}
+        results = timed_interleaved(runs, reps)
+        for impl in ("einsum", "sort"):
+            choice, token = results[(impl, "choice_major")].ms, results[(impl, "token_major")].ms
+            print(f"| {shape} | {impl} | {choice:.1f} | {token:.1f} | {token / choice:.3f}x |", flush=True)
+
+
 def dense_run(d_model: int, hidden: int, loss: str) -> tuple:
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     x = jax.random.normal(keys[0], (TOKENS[0] * TOKENS[1], d_model))
@@ -186,7 +203,13 @@ def main() -> None:
                         help="value_and_grad of sum(y * r) (training-like), or the earlier grad of sum(y)")
     parser.add_argument("--options", action="store_true",
                         help="time each routing option against plain top-2 instead (T5-Base, E = 8, sort)")
+    parser.add_argument("--orders", action="store_true",
+                        help="time the two capacity orders of each dispatch instead (E = 8, both shapes)")
     args = parser.parse_args()
+    if args.orders:
+        print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
+        orders_table(args.reps, args.loss)
+        return
     if args.options:
         print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
         options_table(args.reps, args.loss)

@@ -505,9 +505,14 @@ def save_router_init(model_dir: str, params: PyTree) -> None:
     """Writes the routers' initial weights (once, by process 0) for drift measurements."""
     from jax.experimental import multihost_utils
 
+    write_router_init(model_dir, {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+                                  for k, v in router_params(params).items()})
+
+
+def write_router_init(model_dir: str, routers: dict[str, np.ndarray]) -> None:
+    """Writes ``{router parameter name: initial host array}`` as ``MODEL_DIR/router_init.npz``
+    (by process 0; nothing when empty or already there)."""
     path = os.path.join(model_dir, ROUTER_INIT_FILE)
-    routers = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-               for k, v in router_params(params).items()}
     if jax.process_index() == 0 and routers and not os.path.exists(path):
         tmp = path + ".tmp.npz"
         np.savez(tmp, **routers)

@@ -160,6 +160,8 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     lines = [" " * width + "  " + "  ".join(label.rjust(c) for label, c in zip(labels, cols))]
     lines += [name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(values, cols))
               for name, values in rows]
+    lines += [f"drift of {label} is '-': {r['router_drift_missing']}" for label, r in results.items()
+              if r.get("router_drift_missing")]
     return "\n".join(lines)
 
 
@@ -223,10 +225,11 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
         several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
       router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.
 
-    Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``.
+    Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``
+    and ``"router_drift_missing"`` (why there is no drift) for a run without initial routers.
     """
     from moe_jax.analysis import counterfactual
-    from moe_jax.train import checkpoints, summaries, train_step
+    from moe_jax.train import checkpoints, export, summaries, train_step
 
     if not checkpoint_paths:
         raise ValueError("no checkpoint to evaluate: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
@@ -267,6 +270,11 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                             for layer, stats in routing.items()},
                 "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
             }
+            if routing and not results[label]["router_drift"]:
+                results[label]["router_drift_missing"] = (
+                    f"{os.path.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the routers' "
+                    f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
+                    f"export has {export.ROUTER_INIT_FILE})")
             if jax.process_index() == 0:
                 with open(os.path.join(output_dir, f"{label}.json"), "w") as f:
                     json.dump(results[label], f, indent=1)
