@@ -235,7 +235,7 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
         restored = setup.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
-            fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.batch_axes,
+            fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
                                     restored.collections_shardings)
         layers = routing.collect_routing(fn, params, global_batches(features, batch_size, ctx),
                                          restored.collections)

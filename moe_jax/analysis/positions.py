@@ -345,7 +345,7 @@ def analyze(checkpoint_path: str, out_dir: str | None = None, *, model: Any = gi
     ctx = setup.run_context()
     restored = setup.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
     step = restored.step
-    fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.batch_axes,
+    fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
                             restored.collections_shardings)
     batches = (setup.global_batch(b, ctx) for b in setup.eval_batches(dataset_cfg, num_batches))
     layers = routing.collect_routing(fn, restored.params, batches, restored.collections)

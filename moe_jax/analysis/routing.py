@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax import partitioning
 from moe_jax.moe.layer import ROUTING_COLLECTION
 
 _SKIPPED_PATH_PARTS = ("ffn", "moe")
@@ -71,7 +72,7 @@ def _layer_name(path) -> tuple[str, str]:
     return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
 
 
-def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh,
+def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]],
                batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings: Any = None):
     """Jitted ``(params, batch, collections=None) -> {layer: {name: array}}``: the
     deterministic forward pass (eval capacity factor) with the ``routing`` collection sown,
@@ -104,7 +105,7 @@ def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh,
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def run(params, batch, collections=None):
-        with jax.set_mesh(mesh):
+        with partitioning.activate(mesh, rules):
             return jitted(params, batch, collections or {})
 
     return run

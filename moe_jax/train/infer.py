@@ -23,7 +23,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors
+from moe_jax import errors, partitioning
 from moe_jax.train import distributed, gin_utils, setup
 
 
@@ -93,7 +93,7 @@ def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: A
         return model.predict_batch(params, batch, rng, decode_method=decode_method, temperature=temperature,
                                    max_decode_length=dec_len, state=collections)
 
-    with jax.set_mesh(ctx.mesh):
+    with partitioning.activate(ctx.mesh, ctx.rules):
         tokens = predict(restored.params, restored.collections, batch, jax.random.PRNGKey(seed))
     from jax.experimental import multihost_utils
 

@@ -24,7 +24,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors
+from moe_jax import errors, partitioning
 from moe_jax.train import distributed, gin_utils
 
 
@@ -77,8 +77,6 @@ def run_context(batch_axes: tuple[str, ...] = ("data", "expert"),
                 devices: Sequence[jax.Device] | None = None) -> RunContext:
     """The mesh (``make_mesh`` gin bindings) over ``devices`` (default: all global devices)
     and the logical axis rules."""
-    from moe_jax import partitioning
-
     mesh = partitioning.make_mesh(devices=devices)
     rules = partitioning.standard_logical_axis_rules()
     partitioning.validate_rules(rules, mesh)
@@ -130,8 +128,6 @@ def abstract_params(model, input_shapes) -> Any:
 def collections_shardings(model, input_shapes, ctx: RunContext) -> dict[str, Any]:
     """``NamedSharding`` of every leaf of the model's state collections on ``ctx.mesh``
     (``{}`` for a model without any)."""
-    from moe_jax import partitioning
-
     return partitioning.tree_shardings(model.state_logical_axes(input_shapes), ctx.mesh, ctx.rules)
 
 
@@ -202,7 +198,7 @@ class TrainSetup:
 
     def init_state(self):
         """A freshly initialised state, each device materialising only its shards."""
-        with jax.set_mesh(self.ctx.mesh):
+        with partitioning.activate(self.ctx.mesh, self.ctx.rules):
             return jax.jit(self._init_fn, out_shardings=self.shardings)()
 
 

@@ -126,7 +126,7 @@ class ChurnProbe:
         from moe_jax.analysis import routing
         from moe_jax.train import setup
 
-        self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.batch_axes, collections_shardings)
+        self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings)
         self._batch = setup.global_batch(probe_batch, ctx)
         self._path = os.path.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
