@@ -6,7 +6,10 @@ Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum
 routing option of docs/moe.md (shared experts, fine-grained experts, sigmoid scores, the
 balancing bias with its update, group-limited routing) against plain top-2 in the same
 rounds: the time ratio, the useful-FLOP ratio (what the option adds: a shared expert's
-dense FFN on every token; fine-grained experts' wider router) and the cost beyond it.
+dense FFN on every token; fine-grained experts' wider router) and the cost beyond it,
+then the load-independent ratios of XLA's cost analysis of each compiled step (FLOPs and
+bytes accessed, with batched expert matmuls). The updated balancing bias is an output of
+the timed step, as in a train step, so XLA cannot drop its update.
 
 ``--orders`` times the two capacity orders (``MoeLayer.capacity_order``: ``choice_major``,
 T5X's and the encoder's; ``token_major``, the causal decoder's) of each dispatch
@@ -93,24 +96,35 @@ def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
 
 
 def _grad_fn(apply, out_shape, loss: str):
-    """Jitted fwd+bwd of ``apply(params, x)``; see the module docstring for ``loss``."""
-    if loss == "sum":
-        return jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x)), argnums=(0, 1)))
-    r = jax.random.normal(jax.random.PRNGKey(7), out_shape)
-    return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * r), argnums=(0, 1)))
+    """Jitted fwd+bwd of ``apply(params, x) -> (y, aux)``; see the module docstring for
+    ``loss``. ``aux`` (the updated balancing bias) is returned, so that XLA keeps the work
+    that computes it, as a train step does."""
+    r = None if loss == "sum" else jax.random.normal(jax.random.PRNGKey(7), out_shape)
+
+    def objective(p, x):
+        y, aux = apply(p, x)
+        return jnp.sum(y if r is None else y * r), aux
+
+    step = jax.grad if loss == "sum" else jax.value_and_grad
+    return jax.jit(step(objective, argnums=(0, 1), has_aux=True))
 
 
 def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
     """Fwd+bwd of a training-mode MoeLayer (``options``: extra ``MoeLayer`` fields); a
-    balancing bias is passed in and updated as in a train step."""
+    balancing bias is passed in, updated and returned, as in a train step."""
     layer = MoeLayer(**{**dict(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
                                train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
                                load_balancing_loss_weight=0.0, router_z_loss_weight=0.0), **options})
     x = jax.random.normal(jax.random.PRNGKey(0), TOKENS + (d_model,))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
     state = {k: v for k, v in variables.items() if k == "router_bias"}
-    grad = _grad_fn(lambda p, x: layer.apply({"params": p, **state}, x, deterministic=False,
-                                             mutable=["aux_loss", "moe_metrics", *state])[0], x.shape, loss)
+
+    def apply(p, x):
+        y, written = layer.apply({"params": p, **state}, x, deterministic=False,
+                                 mutable=["aux_loss", "moe_metrics", *state])
+        return y, {name: written[name] for name in state}
+
+    grad = _grad_fn(apply, x.shape, loss)
     return grad, (variables["params"], x)
 
 
@@ -176,7 +190,7 @@ def dense_run(d_model: int, hidden: int, loss: str) -> tuple:
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     x = jax.random.normal(keys[0], (TOKENS[0] * TOKENS[1], d_model))
     params = (jax.random.normal(keys[1], (d_model, hidden)) * 0.02, jax.random.normal(keys[2], (hidden, d_model)) * 0.02)
-    grad = _grad_fn(lambda p, x: jnp.maximum(x @ p[0], 0) @ p[1], x.shape, loss)
+    grad = _grad_fn(lambda p, x: (jnp.maximum(x @ p[0], 0) @ p[1], ()), x.shape, loss)
     return grad, (params, x)
 
 

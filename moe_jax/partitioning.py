@@ -9,8 +9,10 @@ so data, expert and tensor parallelism are all chosen from gin files.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
+import flax.linen as nn
 import gin
 import jax
 import numpy as np
@@ -92,14 +94,20 @@ def make_mesh(
     mesh_shape: Sequence[int] = (-1, 1, 1),
     axis_names: Sequence[str] = MESH_AXES,
     devices: Sequence[jax.Device] | None = None,
+    max_expert_partitions: int | None = None,
 ) -> Mesh:
     """Builds a global mesh ``[data, expert, model]`` over all (or the given) devices.
 
     One entry of ``mesh_shape`` may be -1: it takes whatever is left of the device count.
     Axes are ``Auto`` (sharding propagated by XLA), as T5X expects.
+    ``max_expert_partitions`` (bound to ``NUM_EXPERTS`` by ``gin/models/t5_moe.gin``, as
+    Flaxformer's ``num_expert_partitions``): an ``expert`` axis longer than that gives the
+    rest of its length to ``data``, so one mesh file serves every expert count (16 devices:
+    (1, 16, 1) for 32 experts, (2, 8, 1) for 8).
 
     Raises:
-      ValueError: naming ``mesh_shape`` when it does not tile the device count.
+      ValueError: naming ``mesh_shape`` when it does not tile the device count, or when
+        its expert axis is not a multiple of ``max_expert_partitions``.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = list(mesh_shape)
@@ -117,6 +125,15 @@ def make_mesh(
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh_shape={tuple(mesh_shape)} needs {int(np.prod(shape))} devices "
                          f"but {len(devices)} are available")
+    if max_expert_partitions and "expert" in axis_names and "data" in axis_names:
+        expert, data = axis_names.index("expert"), axis_names.index("data")
+        if shape[expert] > max_expert_partitions:
+            if shape[expert] % max_expert_partitions:
+                raise ValueError(f"mesh_shape={tuple(mesh_shape)}: its expert axis ({shape[expert]}) is not "
+                                 f"a multiple of the {max_expert_partitions} experts "
+                                 "(make_mesh.max_expert_partitions = NUM_EXPERTS)")
+            shape[data] *= shape[expert] // max_expert_partitions
+            shape[expert] = max_expert_partitions
     try:
         from jax.experimental import mesh_utils
 
@@ -194,3 +211,13 @@ def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: Logical
                 raise ValueError(
                     f"{jax.tree_util.keystr(path)}: dimension {dim} ({logical!r}) has size "
                     f"{leaf.shape[dim]}, not divisible by mesh axes {axes} of size {size}")
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Sequence[tuple[str, object]]) -> Iterator[None]:
+    """Trace (and run) under ``mesh`` and the logical axis ``rules``: MoE layers read the
+    mesh (expert parallelism, the platform's layer choices), and the model's
+    ``nn.with_logical_constraint`` calls map their logical axes through the rules (without
+    rules they are no-ops, and XLA alone decides how activations are laid out)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield

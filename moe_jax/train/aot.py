@@ -38,7 +38,7 @@ COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "r
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) +
-                     r")(?:-start)?\(")
+                     r")(?:-done)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _HLO_COMMENT = re.compile(r"/\*.*?\*/")
 
@@ -53,15 +53,14 @@ class DoesNotFitError(UserError, ValueError):
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """``{kind: {"count": n, "bytes": result bytes}}`` of the collective ops of an HLO module
-    (async ``-start`` ops counted once; an op inside a loop body counted once). A
-    ``ragged-all-to-all``'s result is its receive buffer, sized for the worst case (the
-    dropless layer under expert parallelism): an upper bound on what it moves."""
+    (an async pair counted once, by its ``-done``, whose shape is the result: a ``-start``'s
+    tuple also holds operands and, for collective-permute, sync flags; an op inside a loop
+    body counted once). A ``ragged-all-to-all``'s result is its receive buffer, sized for the
+    worst case (the dropless layer under expert parallelism): an upper bound on what it moves."""
     out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
     # long tuples carry /*index=5*/ comments, whose '=' would end the shape early
     for match in _HLO_OP.finditer(_HLO_COMMENT.sub("", hlo_text)):
         shapes = _SHAPE.findall(match.group("shape"))
-        if match.group(0).count("-start(") and len(shapes) > 1:
-            shapes = shapes[len(shapes) // 2:]  # async start: (operands, results)
         kind = out[match.group("op")]
         kind["count"] += 1
         kind["bytes"] += sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
@@ -79,38 +78,42 @@ def per_device_bytes(abstract_tree: Any) -> int:
 
 def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_per_step: float,
             tokens_per_step: int, num_devices: int) -> dict[str, Any]:
-    """Memory, collectives, cost and a roofline step time of one compiled step (per device).
-
-    The estimate: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + collective bytes /
-    interconnect bandwidth``, with the model's FLOPs split evenly over the devices (XLA's
-    cost analysis counts a loop body once) and the chip's bf16 peak.
-    """
+    """Memory, collectives, cost and a roofline step time of one compiled step (per device)."""
     mem = compiled.memory_analysis()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + \
         mem.temp_size_in_bytes
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    hlo_text = compiled.as_text()
-    coll = collectives(hlo_text)
-    compute_s = flops_per_step / num_devices / facts.peak_flops
-    hbm_s = (cost.get("bytes accessed", 0.0) / facts.hbm_bandwidth) if facts.hbm_bandwidth else 0.0
-    comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
-              if facts.interconnect_bandwidth else 0.0)
-    step_s = max(compute_s, hbm_s) + comm_s
     return {
         "bytes": {"params_and_optimizer": state_bytes, "arguments": mem.argument_size_in_bytes,
                   "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
                   "temporaries": mem.temp_size_in_bytes, "total": total,
                   "device_memory": facts.hbm_bytes},
         "fits": total <= facts.hbm_bytes,
-        "collectives": coll,
         "flops_per_step": flops_per_step,
         "hlo_flops_per_device": cost.get("flops"),
         "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
-        "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
-                     "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None},
-        "moe_layers": moe_layer_costs(hlo_text),
+        **hlo_analysis(compiled.as_text(), facts, flops_per_step=flops_per_step,
+                       bytes_accessed=cost.get("bytes accessed", 0.0), tokens_per_step=tokens_per_step,
+                       num_devices=num_devices),
     }
+
+
+def hlo_analysis(hlo_text: str, facts: hardware.DeviceFacts, *, flops_per_step: float,
+                 bytes_accessed: float, tokens_per_step: int, num_devices: int) -> dict[str, Any]:
+    """What the compiled HLO text gives: its ``collectives``, the ``moe_layers``' share and
+    the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
+    collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
+    the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak."""
+    coll = collectives(hlo_text)
+    compute_s = flops_per_step / num_devices / facts.peak_flops
+    hbm_s = bytes_accessed / facts.hbm_bandwidth if facts.hbm_bandwidth else 0.0
+    comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
+              if facts.interconnect_bandwidth else 0.0)
+    step_s = max(compute_s, hbm_s) + comm_s
+    return {"collectives": coll, "moe_layers": moe_layer_costs(hlo_text),
+            "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
+                         "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None}}
 
 
 def moe_layer_costs(hlo_text: str) -> dict[str, float]:

@@ -64,18 +64,6 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=Non
     return {name: (value / count if name != "num_tokens" else value) for name, value in totals.items()}
 
 
-def _restore_collections(path: str, step: int, abstract_state) -> Any:
-    """The non-parameter state collections (e.g. MoE balancing biases) saved at ``step``
-    of ``path``'s run (restored with the rest of the train state, which is dropped)."""
-    from moe_jax.train import checkpoints
-
-    ckpt = checkpoints.Checkpointer(checkpoints.split_checkpoint_path(path)[0], read_only=True)
-    try:
-        return ckpt.restore(step, abstract_state)[0].collections
-    finally:
-        ckpt.close()
-
-
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``."""
     layers: dict[str, dict[str, Any]] = {}
@@ -241,7 +229,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     and ``"router_drift_missing"`` (why there is no drift) for a run without initial routers.
     """
     from moe_jax.analysis import counterfactual
-    from moe_jax.train import checkpoints, export, summaries, train_state, train_step
+    from moe_jax.train import checkpoints, export, summaries, train_step
 
     if not checkpoint_paths:
         raise ValueError("no checkpoint to evaluate: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
@@ -252,10 +240,6 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     ctx = setup.run_context()
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
-    params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
-    full = setup.build_train_setup(model, input_shapes, ctx) if model.state_logical_axes(input_shapes) else None
-    collections_shardings = full.shardings.collections if full else None
     eval_fns: dict[str | None, Any] = {}
     output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
                                             "eval_results")
@@ -263,17 +247,19 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     results = {}
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
-        trained, step, _ = checkpoints.restore_params_from(path, target)
-        collections = _restore_collections(path, step, full.abstract_state) if full else None
+        restored = setup.restore_model(path, model, input_shapes, ctx)
+        step = restored.step
         for name in names:
-            params, interceptor = counterfactual.variant(name, trained, model_dir, router_seed)
+            params, interceptor = counterfactual.variant(name, restored.params, model_dir, router_seed)
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
                 eval_fns[key] = train_step.jit_eval_step(
-                    model, params_sharding, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings,
+                    model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
+                    restored.collections_shardings,
                     eval_fn=counterfactual.intercepted(model.eval_fn, interceptor) if interceptor else None)
             metrics = summaries.routing_telemetry(
-                run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, collections), expert_shards)
+                run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections),
+                expert_shards)
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
             results[label] = {

@@ -223,7 +223,7 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
         setup.abstract_params(model, _PROBE_SHAPES),
         train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules))
     try:
-        params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
+        params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
     except (FileNotFoundError, checkpoints.CheckpointMismatchError):
         raise
     except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint

@@ -12,16 +12,15 @@ over the mesh's batch axes.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_jax import partitioning
 from moe_jax.moe import freeze
 from moe_jax.train.train_state import TrainState
 
@@ -116,23 +115,14 @@ def jit_eval_step(model, params_shardings, mesh: Mesh, rules: LogicalRules,
 
 def _under_mesh(fn, mesh: Mesh, rules: LogicalRules):
     """``fn`` called (and, with ``.lower(*abstract_args)``, lowered ahead of time) under
-    ``jax.set_mesh(mesh)`` (MoE layers read the current mesh to run expert parallelism and
-    to pick their implementation for the mesh's platform) and ``nn.logical_axis_rules(rules)``
-    (without rules the model's ``nn.with_logical_constraint`` calls are no-ops, and XLA
-    alone decides how activations are laid out: with FSDP it all-gathered activations
-    along ``embed`` instead of weights)."""
-    @contextlib.contextmanager
-    def tracing_context():
-        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            yield
-
+    ``partitioning.activate(mesh, rules)``."""
     @functools.wraps(fn)
     def wrapped(*args):
-        with tracing_context():
+        with partitioning.activate(mesh, rules):
             return fn(*args)
 
     def lower(*args):
-        with tracing_context():
+        with partitioning.activate(mesh, rules):
             return fn.lower(*args)
 
     wrapped.lower = lower

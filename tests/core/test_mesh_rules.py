@@ -15,6 +15,15 @@ def test_make_mesh_fills_the_free_axis_with_the_remaining_devices():
     assert dict(mesh.shape) == {"data": 2, "expert": len(jax.devices()) // 4, "model": 2}
 
 
+def test_make_mesh_gives_data_what_the_experts_cannot_use():
+    devices = len(jax.devices())  # 8 forced CPU devices
+    mesh = partitioning.make_mesh((1, -1, 1), max_expert_partitions=devices // 2)
+    assert dict(mesh.shape) == {"data": 2, "expert": devices // 2, "model": 1}
+    assert dict(partitioning.make_mesh((1, -1, 1), max_expert_partitions=64).shape)["expert"] == devices
+    with pytest.raises(ValueError, match="max_expert_partitions"):
+        partitioning.make_mesh((1, -1, 1), max_expert_partitions=3)
+
+
 @pytest.mark.parametrize("shape", [(3, 1, 1), (-1, -1, 1), (3, -1, 1), (8, 1)])
 def test_make_mesh_refuses_shapes_that_do_not_tile_the_devices(shape):
     with pytest.raises(ValueError, match="mesh_shape"):

@@ -39,8 +39,15 @@ def test_parse_target_and_chip_table():
     assert v5e.chip.hbm_bytes == 16 * hardware.GiB
     assert hardware.parse_target("gpu:h100:8").num_chips == 8
     assert hardware.parse_target("cpu:8").chip is None
+    # Cloud TPU accelerator types: TensorCores for v4/v5p (2 per chip), chips for v5e/v6e;
+    # v4 chips show as two devices to libtpu, so half the chips give the slice's device count
+    for accelerator, (chip, topology) in {"v5p-32": ("v5p", "2x2x4"), "v5p-128": ("v5p", "4x4x4"),
+                                          "v5litepod-16": ("v5e", "4x4"), "v6e-8": ("v6e", "2x4"),
+                                          "v4-32": ("v4", "2x2x2")}.items():
+        target = hardware.parse_target(f"tpu:{accelerator}")
+        assert (target.chip.name, target.topology) == (chip, topology), accelerator
     for bad, named in [("tpu:v9:2x2", "v9"), ("gpu:h100:2x2", "2x2"), ("tpu:v5e", "PLATFORM:CHIP"),
-                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM")]:
+                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM"), ("tpu:v5p-6", "tpu:v5p:TOPOLOGY")]:
         with pytest.raises(hardware.TargetError, match=named) as err:
             hardware.parse_target(bad)
         assert "tpu:v5e:4x4" in str(err.value) and "gpu:h100:8" in str(err.value)  # known ones
@@ -123,10 +130,14 @@ def test_collectives_parses_sync_and_async_ops():
   ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
   %all-reduce.94 = (f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, /*index=5*/f32[32,4]{0,1}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add
   %ragged_all_to_all.3 = bf16[64,256]{1,0} ragged-all-to-all(%r, %buf, %io, %ss, %oo, /*index=5*/%rs), channel_id=1
+  %cps = (bf16[48,12,64]{2,0,1}, bf16[48,12,64]{2,0,1}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}
+  %cpd = bf16[48,12,64]{2,0,1} collective-permute-done(%cps)
 """
-    # the last: a gradient tuple long enough for XLA's /*index=5*/ comments (was missed)
+    # a gradient tuple long enough for XLA's /*index=5*/ comments (was missed); an async
+    # collective-permute, whose start tuple ends in two u32 sync flags (was counted as 8 B)
     assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
                                     "all-reduce": {"count": 2, "bytes": 2 * 16 + 4 * (5 * 32 + 128)},
+                                    "collective-permute": {"count": 1, "bytes": 2 * 48 * 12 * 64},
                                     "all-gather": {"count": 1, "bytes": 4 * 6},
                                     "ragged-all-to-all": {"count": 1, "bytes": 2 * 64 * 256}}
 
