@@ -43,6 +43,18 @@ def test_verdicts_follow_the_paper_value_and_its_claim():
     assert wrong["Fig 2(c): sparsity, largest n (-> 1)"] == "not reproduced"  # shuffled router as sparse
 
 
+def test_top1_and_soft_learning_gains_get_their_own_verdicts():
+    # fig6-like: the learned router wins in the soft loss but loses under top-1 evaluation
+    entry = lambda model, n, loss, soft: dict(model=model, num_train=n, seeds=3, loss=loss, loss_std=0.1, loss_soft=soft, loss_soft_std=0.05)
+    fig6 = {"experiment": "fig6", "config": {}, "seeds": [0, 1, 2], "summary": [
+        entry("MoE learned", 1024, 0.5, 0.4), entry("MoE frozen", 1024, 2.0, 0.9),  # a smaller n where learning wins both ways
+        entry("MoE learned", 8192, 1.4, 0.5), entry("MoE frozen", 8192, 1.3, 0.85)]}
+    table = {r["result"]: r for r in report.rows({"fig6": fig6}, {})}
+    top1, soft = table["Fig 6: frozen / learned loss, largest n"], table["Fig 6: frozen / learned loss, largest n (soft)"]
+    assert top1["verdict"] == "not reproduced" and abs(top1["converged"] - 1.3 / 1.4) < 1e-9
+    assert soft["verdict"] == "direction reproduced" and abs(soft["converged"] - 0.85 / 0.5) < 1e-9
+
+
 def test_report_names_missing_json_and_writes_the_rest(tmp_path, capsys):
     (tmp_path / "fig2.json").write_text(json.dumps(_fig2(0.3, 0.015, 1.4, 4.0)))
     quick = tmp_path / "quick"
