@@ -55,6 +55,11 @@ def test_top1_and_soft_learning_gains_get_their_own_verdicts():
     assert soft["verdict"] == "direction reproduced" and abs(soft["converged"] - 0.85 / 0.5) < 1e-9
 
 
+def test_no_target_text_breaks_the_markdown_table():
+    cells = [(t.name, t.quantity, t.source) for t in report.TARGETS]
+    assert not [c for c in cells if "|" in "".join(c)], "a '|' inside a cell splits the markdown row"
+
+
 def test_report_names_missing_json_and_writes_the_rest(tmp_path, capsys):
     (tmp_path / "fig2.json").write_text(json.dumps(_fig2(0.3, 0.015, 1.4, 4.0)))
     quick = tmp_path / "quick"
