@@ -55,6 +55,21 @@ def test_top1_and_soft_learning_gains_get_their_own_verdicts():
     assert soft["verdict"] == "direction reproduced" and abs(soft["converged"] - 0.85 / 0.5) < 1e-9
 
 
+def test_dictionary_ratios_compare_without_the_label_scale():
+    # labels 100x the paper's scale: raw MSEs are far off, the soft MoE's ratios match l. 349-351
+    entry = lambda atoms, model, mse, soft=None: dict(atoms=atoms, model=model, seeds=3, mse=mse, mse_soft=mse if soft is None else soft)
+    summary = [entry(128, "MoE learned", 40.0, 23.0), entry(128, "MoE frozen", 50.0, 38.0), entry(128, "dense 2 layers", 26.0),
+               entry(32, "MoE learned", 9.0, 4.1), entry(32, "MoE frozen", 12.0, 8.0), entry(32, "dense 2 layers", 4.3), entry(32, "dense 1 layer", 19.0)]
+    table = {r["result"]: r for r in report.rows({"dictionary": {"experiment": "dictionary", "config": {}, "seeds": [0, 1, 2], "summary": summary}}, {})}
+    soft = table["c = 128: dense 2 layers / MoE learned MSE (soft)"]
+    assert abs(soft["converged"] - 26 / 23) < 1e-9 and soft["verdict"] == "magnitude within 2x"
+    assert table["c = 128: MoE frozen / MoE learned MSE (soft)"]["verdict"] == "magnitude within 2x"  # 1.65 vs 0.38 / 0.23
+    assert table["c = 128: dense 2 layers / MoE learned MSE"]["verdict"] == "not reproduced"  # top-1 MoE (40) worse than dense
+    assert table["c = 32: dense 1 layer / MoE learned MSE"]["verdict"] == "direction reproduced"  # 19 / 9 = 2.1, paper 4.6
+    assert table["c = 32: dense 1 layer / MoE learned MSE (soft)"]["verdict"] == "magnitude within 2x"  # 19 / 4.1 = 4.6
+    assert table["c = 128: MoE MSE"]["verdict"] == "not reproduced"  # the raw rows keep their top-1 claim
+
+
 def test_no_target_text_breaks_the_markdown_table():
     cells = [(t.name, t.quantity, t.source) for t in report.TARGETS]
     assert not [c for c in cells if "|" in "".join(c)], "a '|' inside a cell splits the markdown row"
