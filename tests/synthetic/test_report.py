@@ -70,6 +70,16 @@ def test_dictionary_ratios_compare_without_the_label_scale():
     assert table["c = 128: MoE MSE"]["verdict"] == "not reproduced"  # the raw rows keep their top-1 claim
 
 
+def test_table1_ratios_show_whether_the_dense_model_catches_up():
+    # soft MoE 3x better than dense at every s: the paper's 2.75x at s = 4 is matched, its 1.0 at s = 16 is not
+    entry = lambda model, length, mse, soft: dict(output="linear", model=model, length=length, seeds=3, mse=mse, mse_soft=soft)
+    summary = [e for s in (4, 8, 16) for e in (entry("MoE learned", s, 5.0, 0.1 * s), entry("dense 2 layers", s, 0.3 * s, 0.3 * s), entry("MoE frozen", s, 9.0, 0.2 * s))]
+    table = {r["result"]: r for r in report.rows({"tokenized": {"experiment": "tokenized", "config": {}, "seeds": [0], "summary": summary}}, {})}
+    assert table["Table 1, linear, s = 4: dense 2 layers / MoE learned MSE"]["verdict"] == "magnitude within 2x"  # 3 vs 2.75
+    assert table["Table 1, linear, s = 16: dense 2 layers / MoE learned MSE"]["verdict"] == "direction reproduced"  # 3 vs 1.0
+    assert abs(table["Table 1, linear, s = 8: MoE frozen / MoE learned MSE"]["converged"] - 2.0) < 1e-9  # soft over soft
+
+
 def test_no_target_text_breaks_the_markdown_table():
     cells = [(t.name, t.quantity, t.source) for t in report.TARGETS]
     assert not [c for c in cells if "|" in "".join(c)], "a '|' inside a cell splits the markdown row"
