@@ -1,13 +1,17 @@
 """Every documented run compiled for its documented target: the table of docs/training.md
 and benchmarks/RESULTS.md ("Documented runs on their targets").
 
-    python benchmarks/compile_table.py run [--only base] [--force]   # compile (slow: minutes each)
+    python benchmarks/compile_table.py run [--only base] [--force] [--hlo_dir DIR]   # compile (slow: minutes each)
     python benchmarks/compile_table.py table                         # print the markdown table
+    python benchmarks/compile_table.py recount --hlo_dir DIR         # re-read kept HLO (parser changes)
 
 ``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
 in a fresh process, one at a time, and keeps each report as
 ``benchmarks/compile_reports/<run>__<target>.json`` (an existing report is kept unless
-``--force``); a failed compile leaves ``.err`` with its last lines. ``table`` renders the reports; a pair without one is listed as not compiled.
+``--force``; ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``); a failed
+compile leaves ``.err`` with its last lines. ``recount`` redoes what the HLO text gives
+(collectives, the MoE layers' share, the roofline estimate: ``aot.hlo_analysis``) for every
+report whose HLO was kept, without compiling again. ``table`` renders the reports; a pair without one is listed as not compiled.
 Numbers are those of the executable compiled for the target (memory_analysis,
 cost_analysis, HLO) and a roofline estimate from the chip table, not measurements.
 """
@@ -35,7 +39,14 @@ RUNS: dict[str, list[str]] = {
     "base_learned": ["--gin_file=experiments/base_learned.gin"],
     "base_frozen": ["--gin_file=experiments/base_frozen.gin"],
     "base_dense": ["--gin_file=experiments/base_dense.gin"],
+    # item 4's memory options one at a time, on the 16 GiB chip they are for
+    "base_learned_no_fsdp": ["--gin_file=experiments/base_learned.gin",
+                             "--gin.partitioning.standard_logical_axis_rules.fsdp=False"],
+    "base_learned_remat_full": ["--gin_file=experiments/base_learned.gin", "--gin.REMAT_POLICY='full'"],
 }
+# runs compiled only for some targets (every other run: all of TARGETS)
+ONLY_ON: dict[str, tuple[str, ...]] = {"base_learned_no_fsdp": ("v5e-16",),
+                                       "base_learned_remat_full": ("v5e-16",)}
 # target name -> (--target, mesh flags). v4: libtpu describes a v4 chip as 2 TensorCore
 # devices (16 GiB each), so v4_32.gin's 16-device mesh is compiled on 8 chips' 16 cores:
 # the same per-device program with half a megacore chip's memory (a conservative verdict).
@@ -48,17 +59,22 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+def pairs() -> list[tuple[str, str]]:
+    """Every (run, target) of the table, in its order."""
+    return [(run, target) for run in RUNS for target in TARGETS if target in ONLY_ON.get(run, TARGETS)]
+
+
 def report_path(run: str, target: str) -> pathlib.Path:
     return REPORTS / f"{run}__{target}.json"
 
 
-def compile_one(run: str, target: str, force: bool) -> None:
+def compile_one(run: str, target: str, force: bool, hlo_dir: str | None) -> None:
     out = report_path(run, target)
     if out.exists() and not force:
         return
     spec, mesh = TARGETS[target]
     cmd = [sys.executable, "-m", "moe_jax.cli", "compile", f"--target={spec}", "--no_eval", *RUNS[run], *mesh,
-           f"--out={out}"]
+           f"--out={out}"] + ([f"--hlo_dir={pathlib.Path(hlo_dir) / out.stem}"] if hlo_dir else [])
     print(f"[compile_table] {run} on {target}: {' '.join(cmd[3:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -71,50 +87,79 @@ def compile_one(run: str, target: str, force: bool) -> None:
         print(f"  exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
 def table() -> str:
     """The markdown table of the compiled (run, target) pairs, then one line naming the
     pairs not compiled (or failed)."""
     missing = []
     rows = ["| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
-            "(train step) | TFLOP/step | est. step | compile |",
-            "|---|---|---|---|---|---|---|---|"]
-    for run in RUNS:
-        for target, (spec, _) in TARGETS.items():
-            path = report_path(run, target)
-            if not path.exists():
-                failed = " (failed: see .err)" if path.with_suffix(".err").exists() else ""
-                missing.append(f"{run} on {target}{failed}")
-                continue
-            r = json.loads(path.read_text())
-            step = r["steps"]["train"]
-            b = step["bytes"]
-            gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
-            coll = ", ".join(f"{c['count']} {k}" for k, c in step["collectives"].items()) or "-"
-            est = "-" if step["estimate"] is None else f"{step['estimate']['step_s'] * 1e3:.0f} ms"
-            rows.append(
-                f"| {run} | {target} (`{spec}`) | {'yes' if r['fits'] else '**no**'} | "
-                f"{gib(b['params_and_optimizer'])} / {gib(b['temporaries'])} / {gib(b['total'])} of "
-                f"{gib(b['device_memory'])} | {coll} | {step['flops_per_step'] / 1e12:.1f} | "
-                f"{est} | {step['compile_s']:.0f} s |")
+            "(train step) | TFLOP/step | est. step | MoE layers' HLO bytes | compile |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for run, target in pairs():
+        spec = TARGETS[target][0]
+        path = report_path(run, target)
+        if not path.exists():
+            failed = " (failed: see .err)" if path.with_suffix(".err").exists() else ""
+            missing.append(f"{run} on {target}{failed}")
+            continue
+        r = json.loads(path.read_text())
+        step = r["steps"]["train"]
+        b = step["bytes"]
+        coll = ", ".join(f"{c['count']} {k}" for k, c in step["collectives"].items()) or "-"
+        est = "-" if step["estimate"] is None else f"{step['estimate']['step_s'] * 1e3:.0f} ms"
+        moe = step.get("moe_layers") or {}
+        share = f"{100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%" if moe.get("hlo_bytes") else "-"
+        rows.append(
+            f"| {run} | {target} (`{spec}`) | {'yes' if r['fits'] else '**no**'} | "
+            f"{_gib(b['params_and_optimizer'])} / {_gib(b['temporaries'])} / {_gib(b['total'])} of "
+            f"{_gib(b['device_memory'])} | {coll} | {step['flops_per_step'] / 1e12:.1f} | "
+            f"{est} | {share} | {step['compile_s']:.0f} s |")
     if missing:
         rows += ["", "Not compiled: " + ", ".join(missing) + "."]
     return "\n".join(rows)
 
 
+def recount(hlo_dir: str) -> None:
+    """Re-analyses the kept HLO of every report that has one (see the module docstring)."""
+    sys.path.insert(0, str(REPO))
+    from moe_jax import hardware
+    from moe_jax.train import aot
+
+    for run, target in pairs():
+        path, hlo = report_path(run, target), pathlib.Path(hlo_dir) / f"{run}__{target}" / "train.hlo.txt"
+        if not (path.exists() and hlo.exists()):
+            continue
+        report = json.loads(path.read_text())
+        step, parsed = report["steps"]["train"], hardware.parse_target(TARGETS[target][0])
+        facts = hardware.device_facts(range(report["devices"]), parsed.chip, parsed.num_chips)
+        step.update(aot.hlo_analysis(
+            hlo.read_text(), facts, flops_per_step=step["flops_per_step"],
+            bytes_accessed=step["hlo_bytes_accessed_per_device"] or 0.0, num_devices=report["devices"],
+            tokens_per_step=report["batch_size"] * sum(report["task_feature_lengths"].values())))
+        path.write_text(json.dumps(report, indent=1))
+        print(f"[compile_table] {run} on {target}: recounted from {hlo}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("run", "table"))
+    parser.add_argument("command", choices=("run", "table", "recount"))
     parser.add_argument("--only", default="", help="substring of 'run__target' to compile")
     parser.add_argument("--force", action="store_true", help="recompile existing reports")
+    parser.add_argument("--hlo_dir", default=None, help="keep each pair's HLO under this folder")
     args = parser.parse_args(argv)
     if args.command == "table":
         print(table())
         return 0
+    if args.command == "recount":
+        recount(args.hlo_dir)
+        return 0
     REPORTS.mkdir(parents=True, exist_ok=True)
-    for run in RUNS:
-        for target in TARGETS:
-            if args.only in f"{run}__{target}":
-                compile_one(run, target, args.force)
+    for run, target in pairs():
+        if args.only in f"{run}__{target}":
+            compile_one(run, target, args.force, args.hlo_dir)
     return 0
 
 

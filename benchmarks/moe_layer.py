@@ -1,12 +1,19 @@
 """MoE layer forward+backward: dispatch implementations vs a dense FFN of equal useful FLOPs.
 
-Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum] [--options]
+Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum] [--options | --orders]
 
 ``--options`` times instead, at the T5-Base shape with E = 8 and the sort dispatch, each
 routing option of docs/moe.md (shared experts, fine-grained experts, sigmoid scores, the
 balancing bias with its update, group-limited routing) against plain top-2 in the same
 rounds: the time ratio, the useful-FLOP ratio (what the option adds: a shared expert's
-dense FFN on every token; fine-grained experts' wider router) and the cost beyond it.
+dense FFN on every token; fine-grained experts' wider router) and the cost beyond it,
+then the load-independent ratios of XLA's cost analysis of each compiled step (FLOPs and
+bytes accessed, with batched expert matmuls). The updated balancing bias is an output of
+the timed step, as in a train step, so XLA cannot drop its update.
+
+``--orders`` times the two capacity orders (``MoeLayer.capacity_order``: ``choice_major``,
+T5X's and the encoder's; ``token_major``, the causal decoder's) of each dispatch
+implementation in the same rounds, at both shapes with E = 8.
 
 For each shape (T5-Base: d_model 768, d_ff 2048; small: d_model 32, d_ff 256), 8 x 512
 tokens, top-2, capacity factor 1.25 (training), T5X capacity rule, group size 4096, and
@@ -89,24 +96,35 @@ def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
 
 
 def _grad_fn(apply, out_shape, loss: str):
-    """Jitted fwd+bwd of ``apply(params, x)``; see the module docstring for ``loss``."""
-    if loss == "sum":
-        return jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x)), argnums=(0, 1)))
-    r = jax.random.normal(jax.random.PRNGKey(7), out_shape)
-    return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * r), argnums=(0, 1)))
+    """Jitted fwd+bwd of ``apply(params, x) -> (y, aux)``; see the module docstring for
+    ``loss``. ``aux`` (the updated balancing bias) is returned, so that XLA keeps the work
+    that computes it, as a train step does."""
+    r = None if loss == "sum" else jax.random.normal(jax.random.PRNGKey(7), out_shape)
+
+    def objective(p, x):
+        y, aux = apply(p, x)
+        return jnp.sum(y if r is None else y * r), aux
+
+    step = jax.grad if loss == "sum" else jax.value_and_grad
+    return jax.jit(step(objective, argnums=(0, 1), has_aux=True))
 
 
 def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
     """Fwd+bwd of a training-mode MoeLayer (``options``: extra ``MoeLayer`` fields); a
-    balancing bias is passed in and updated as in a train step."""
+    balancing bias is passed in, updated and returned, as in a train step."""
     layer = MoeLayer(**{**dict(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
                                train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
                                load_balancing_loss_weight=0.0, router_z_loss_weight=0.0), **options})
     x = jax.random.normal(jax.random.PRNGKey(0), TOKENS + (d_model,))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
     state = {k: v for k, v in variables.items() if k == "router_bias"}
-    grad = _grad_fn(lambda p, x: layer.apply({"params": p, **state}, x, deterministic=False,
-                                             mutable=["aux_loss", "moe_metrics", *state])[0], x.shape, loss)
+
+    def apply(p, x):
+        y, written = layer.apply({"params": p, **state}, x, deterministic=False,
+                                 mutable=["aux_loss", "moe_metrics", *state])
+        return y, {name: written[name] for name in state}
+
+    grad = _grad_fn(apply, x.shape, loss)
     return grad, (variables["params"], x)
 
 
@@ -155,11 +173,24 @@ def options_table(reps: int, loss: str) -> None:
               f"{costs[name][1] / plain_bytes:.3f}x |", flush=True)
 
 
+def orders_table(reps: int, loss: str) -> None:
+    """Token-major vs choice-major capacity of each dispatch, same rounds (E = 8)."""
+    print("| shape | impl | choice_major ms | token_major ms | token / choice |")
+    print("| --- | --- | --- | --- | --- |")
+    for shape, (d_model, d_ff) in SHAPES.items():
+        runs = {(impl, order): moe_run(d_model, d_ff, 8, impl, loss, capacity_order=order)
+                for impl in ("einsum", "sort") for order in ("choice_major", "token_major")}
+        results = timed_interleaved(runs, reps)
+        for impl in ("einsum", "sort"):
+            choice, token = results[(impl, "choice_major")].ms, results[(impl, "token_major")].ms
+            print(f"| {shape} | {impl} | {choice:.1f} | {token:.1f} | {token / choice:.3f}x |", flush=True)
+
+
 def dense_run(d_model: int, hidden: int, loss: str) -> tuple:
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     x = jax.random.normal(keys[0], (TOKENS[0] * TOKENS[1], d_model))
     params = (jax.random.normal(keys[1], (d_model, hidden)) * 0.02, jax.random.normal(keys[2], (hidden, d_model)) * 0.02)
-    grad = _grad_fn(lambda p, x: jnp.maximum(x @ p[0], 0) @ p[1], x.shape, loss)
+    grad = _grad_fn(lambda p, x: (jnp.maximum(x @ p[0], 0) @ p[1], ()), x.shape, loss)
     return grad, (params, x)
 
 
@@ -172,7 +203,13 @@ def main() -> None:
                         help="value_and_grad of sum(y * r) (training-like), or the earlier grad of sum(y)")
     parser.add_argument("--options", action="store_true",
                         help="time each routing option against plain top-2 instead (T5-Base, E = 8, sort)")
+    parser.add_argument("--orders", action="store_true",
+                        help="time the two capacity orders of each dispatch instead (E = 8, both shapes)")
     args = parser.parse_args()
+    if args.orders:
+        print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
+        orders_table(args.reps, args.loss)
+        return
     if args.options:
         print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
         options_table(args.reps, args.loss)

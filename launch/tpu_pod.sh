@@ -3,10 +3,13 @@
 # its peers itself on TPU pods).
 #
 # usage: launch/tpu_pod.sh --tpu NAME --zone ZONE --accelerator TYPE --model-dir gs://... \
-#          [--project P] [--version RUNTIME] [--reuse] [--keep] [--dry-run] \
+#          [--project P] [--version RUNTIME] [--reuse] [--keep] [--no-check] [--dry-run] \
 #          -- --gin_file=... [more moe-jax train flags]
 #
-# Steps (each echoed): create the slice (or reuse it), copy this checkout to every worker,
+# Steps (each echoed): compile the run's train step for the slice here, from this CPU
+# (`moe-jax compile --target=tpu:TYPE`, needs `make compilers`; stops before booking
+# anything when the run does not fit; $MOE_JAX names the command, --no-check skips it),
+# create the slice (or reuse it), copy this checkout to every worker,
 # install it with the TPU extra, start `moe-jax train` on all workers with the same gin
 # flags and MODEL_DIR, tail worker 0's log, delete the slice (unless --keep).
 set -euo pipefail
@@ -14,7 +17,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=common.sh
 source "$here/common.sh"
 
-tpu="" zone="" accel="" model_dir="" project="" version="tpu-ubuntu2204-base" reuse=0 keep=0
+tpu="" zone="" accel="" model_dir="" project="" version="tpu-ubuntu2204-base" reuse=0 keep=0 check=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --tpu) tpu=$2; shift 2 ;;
@@ -25,8 +28,9 @@ while [ $# -gt 0 ]; do
     --version) version=$2; shift 2 ;;
     --reuse) reuse=1; shift ;;
     --keep) keep=1; shift ;;
+    --no-check) check=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
@@ -42,6 +46,12 @@ gc=(gcloud compute tpus tpu-vm)
 where=(--zone "$zone")
 [ -n "$project" ] && where+=(--project "$project")
 train_flags=$(printf ' %q' "$@")
+
+if [ "$check" = 1 ]; then
+  read -ra moe_jax <<< "${MOE_JAX:-moe-jax}"
+  run "${moe_jax[@]}" compile --target="tpu:$accel" --no_eval "$@" ||
+    die "the run does not compile or fit on $accel (moe-jax compile above); fix it or pass --no-check"
+fi
 
 if [ "$reuse" = 1 ]; then
   run "${gc[@]}" describe "$tpu" "${where[@]}"

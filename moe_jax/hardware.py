@@ -63,6 +63,7 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
 )}
 
 KNOWN_TARGETS = ("tpu:{v4,v5e,v5p,v6e}:TOPOLOGY (e.g. tpu:v5e:4x4, tpu:v5p:2x2x4, tpu:v4:2x2x2)",
+                 "tpu:ACCELERATOR_TYPE, Cloud TPU's name (e.g. tpu:v5p-32, tpu:v5litepod-16, tpu:v4-32)",
                  "gpu:{a100,h100,h200}:COUNT (e.g. gpu:h100:8; multiples of 8 for several nodes)",
                  "cpu:COUNT (e.g. cpu:8)")
 
@@ -96,8 +97,43 @@ class Target:
         return math.prod(int(d) for d in self.topology.split("x"))
 
 
+# Cloud TPU accelerator types (`gcloud compute tpus tpu-vm create --accelerator-type`):
+# the number counts TensorCores for v4 and v5p (two per chip, one JAX device per chip) and
+# chips for v5e (v5litepod) and v6e.
+_ACCELERATOR_TYPE = re.compile(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)")
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2}
+
+
+def accelerator_topology(accelerator_type: str) -> tuple[str, str]:
+    """``(chip, topology)`` to compile for a Cloud TPU accelerator type, e.g. ``v5p-32`` ->
+    ``("v5p", "2x2x4")`` (16 chips), ``v5litepod-16`` -> ``("v5e", "4x4")``. For v4, whose
+    chips libtpu describes as two TensorCore devices each, the topology of half the chips,
+    so that the compiled devices are as many as JAX shows on the slice (one per chip)."""
+    match = _ACCELERATOR_TYPE.fullmatch(accelerator_type)
+    if match is None:
+        raise TargetError(f"--target=tpu:{accelerator_type}: not a Cloud TPU accelerator type "
+                          "(v4-N, v5p-N, v5litepod-N, v6e-N)")
+    family, count = match.group(1), int(match.group(2))
+    chip = "v5e" if family == "v5litepod" else family
+    chips = count // _CORES_PER_CHIP.get(family, 1) // (2 if family == "v4" else 1)
+    if family in ("v4", "v5p"):  # 3-D torus, from 2x2x1: double the last of the smallest sides
+        dims = [2, 2, 1]
+        while math.prod(dims) < chips:
+            dims[max(i for i, d in enumerate(dims) if d == min(dims))] *= 2
+    else:  # 2-D: the squarest power-of-two rectangle
+        dims = [1, 1]
+        while math.prod(dims) < chips:
+            dims[0 if dims[0] < dims[1] else 1] *= 2
+        dims.sort()
+    if math.prod(dims) != chips or count % _CORES_PER_CHIP.get(family, 1):
+        raise TargetError(f"--target=tpu:{accelerator_type}: no {chip} topology of that size known here; "
+                          f"name one as tpu:{chip}:TOPOLOGY; known: " + ", ".join(KNOWN_TARGETS))
+    return chip, "x".join(map(str, dims))
+
+
 def parse_target(spec: str) -> Target:
-    """``tpu:v5e:4x4`` / ``gpu:h100:8`` / ``cpu:8`` -> :class:`Target`.
+    """``tpu:v5e:4x4`` / ``tpu:v5p-32`` (a Cloud TPU accelerator type) / ``gpu:h100:8`` /
+    ``cpu:8`` -> :class:`Target`.
 
     Raises:
       TargetError: naming the bad part and listing the known targets.
@@ -106,6 +142,8 @@ def parse_target(spec: str) -> Target:
     known = "; known: " + ", ".join(KNOWN_TARGETS)
     if parts[0] == "cpu" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
         return Target(spec, "cpu", None, parts[1])
+    if parts[0] == "tpu" and len(parts) == 2 and _ACCELERATOR_TYPE.fullmatch(parts[1]):
+        parts = ["tpu", *accelerator_topology(parts[1])]
     if len(parts) != 3 or parts[0] not in ("tpu", "gpu"):
         raise TargetError(f"--target={spec!r} is not PLATFORM:CHIP:TOPOLOGY" + known)
     platform, chip_name, topology = parts

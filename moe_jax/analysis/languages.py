@@ -3,8 +3,10 @@
 The paper's claim is that a learned router discovers the latent cluster structure of its
 data. The embedded corpus is one text in 20 languages, so language is a known latent
 cluster of real data: each example's label comes from the corpus' structure
-(:func:`moe_jax.data.labels.label_groups`: one task per language). Per MoE layer, over the
-valid tokens of every label's examples (each token labelled with its example's language):
+(:func:`moe_jax.data.labels.label_groups`: one task per language; for the user's text
+corpus given as ``{label: pattern}`` groups, one task per label, and "language" below reads
+"label"). Per MoE layer, over the valid tokens of every label's examples (each token
+labelled with its example's language):
 
 * ``bits``: mutual information ``I(language; top-1 expert)`` (plug-in estimator, bits);
   ``shuffled_label_bits``: the same with the labels permuted over *examples* (tokens of
@@ -215,7 +217,7 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
       seed: of the shuffled labels and the shuffled router.
 
     Raises:
-      moe_jax.data.labels.NoLabelsError: the run's corpus or task has no language labels.
+      moe_jax.data.labels.NoLabelsError: the run's corpus or task has no labels.
     """
     from moe_jax.analysis import plots
     from moe_jax.data import labels as data_labels
@@ -230,10 +232,13 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
     fn = None
     results = []
     for path in paths:
-        params, step = routing.restore_params(path, model, input_shapes, ctx)
+        restored = setup.restore_model(path, model, input_shapes, ctx)
+        params, step = restored.params, restored.step
         if fn is None:
-            fn = routing.routing_fn(model, jax.tree.map(lambda a: a.sharding, params), ctx.mesh, ctx.batch_axes)
-        layers = routing.collect_routing(fn, params, global_batches(features, batch_size, ctx))
+            fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.batch_axes,
+                                    restored.collections_shardings)
+        layers = routing.collect_routing(fn, params, global_batches(features, batch_size, ctx),
+                                         restored.collections)
         shuffled = router_kernels(counterfactual.shuffle_router_inputs(params, seed))
         n = len(row_labels)
         rng = np.random.default_rng(seed)

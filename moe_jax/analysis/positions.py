@@ -343,10 +343,12 @@ def analyze(checkpoint_path: str, out_dir: str | None = None, *, model: Any = gi
     from moe_jax.train import checkpoints, setup
 
     ctx = setup.run_context()
-    params, step = routing.restore_params(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
-    fn = routing.routing_fn(model, jax.tree.map(lambda a: a.sharding, params), ctx.mesh, ctx.batch_axes)
+    restored = setup.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
+    step = restored.step
+    fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.batch_axes,
+                            restored.collections_shardings)
     batches = (setup.global_batch(b, ctx) for b in setup.eval_batches(dataset_cfg, num_batches))
-    layers = routing.collect_routing(fn, params, batches)
+    layers = routing.collect_routing(fn, restored.params, batches, restored.collections)
     settings = dict(num_batches=num_batches, block_sizes=list(block_sizes), max_lag=max_lag,
                     lag_threshold=lag_threshold, probe_train_fraction=probe_train_fraction, seed=seed)
     stats = {name: analyze_layer(layer, **{k: v for k, v in settings.items() if k != "num_batches"})

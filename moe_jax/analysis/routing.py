@@ -1,8 +1,7 @@
 """Per-token routing of a trained checkpoint on a dataset.
 
-:func:`restore_params` restores a checkpoint's parameters onto the current mesh (through
-:func:`moe_jax.train.checkpoints.restore_params_from`, as `moe-jax eval` does);
-:func:`collect_routing` runs batches through the network with the MoE layers' opt-in
+Checkpoints are restored with :func:`moe_jax.train.setup.restore_model` (parameters and
+state collections, as `moe-jax eval` does); :func:`collect_routing` runs batches through the network with the MoE layers' opt-in
 ``routing`` collection mutable and returns, for each MoE layer (``"encoder/layers_3"``,
 ``"decoder/layers_7"``, ...), every token's expert choices, router probabilities and router
 inputs together with its position in its sequence.
@@ -54,23 +53,6 @@ class LayerRouting:
         return self.segments > 0
 
 
-def restore_params(checkpoint_path: str, model: Any, input_shapes: Mapping[str, tuple[int, int]],
-                   ctx: Any) -> tuple[Any, int]:
-    """(parameters laid out on ``ctx.mesh``, step) of ``checkpoint_path`` (``MODEL_DIR``,
-    ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``).
-
-    Raises:
-      FileNotFoundError: naming the path when it holds no such checkpoint.
-      moe_jax.train.checkpoints.CheckpointMismatchError: the checkpoint is another model's.
-    """
-    from moe_jax.train import checkpoints, setup, train_state
-
-    shardings = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), shardings)
-    params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
-    return params, step
-
-
 def _positions_and_segments(tokens: jax.Array, valid: jax.Array, batch: Mapping[str, jax.Array],
                             prefix: str) -> tuple[jax.Array, jax.Array]:
     """``[batch, length]`` positions and segment ids (0 = padding) of one stack's tokens:
@@ -90,17 +72,19 @@ def _layer_name(path) -> tuple[str, str]:
 
 
 def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh,
-               batch_axes: tuple[str, ...] = ("data", "expert")):
-    """Jitted ``(params, batch) -> {layer: {name: array}}``: the deterministic forward pass
-    (eval capacity factor) with the ``routing`` collection sown, plus per stack
-    ``positions``/``segments`` of the global batch; outputs replicated on every process."""
+               batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings: Any = None):
+    """Jitted ``(params, batch, collections=None) -> {layer: {name: array}}``: the
+    deterministic forward pass (eval capacity factor) with the ``routing`` collection sown,
+    plus per stack ``positions``/``segments`` of the global batch; outputs replicated on
+    every process. ``collections``: the model's non-parameter state collections (e.g. the
+    bias router's ``router_bias``, laid out as ``collections_shardings``), read, not updated."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from moe_jax.models.model import FEATURES
 
-    def fn(params, batch):
+    def fn(params, batch, collections):
         args = [batch.get(k) for k in FEATURES[:3]] + [batch.get(k) for k in FEATURES[4:]]
-        _, state = model.module.apply({"params": params}, *args, enable_dropout=False,
+        _, state = model.module.apply({"params": params, **collections}, *args, enable_dropout=False,
                                       mutable=[ROUTING_COLLECTION])
         out: dict[str, dict[str, jax.Array]] = {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(state.get(ROUTING_COLLECTION, {}))[0]:
@@ -115,12 +99,13 @@ def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh,
             out["_positions"][f"{prefix}_segments"] = seg
         return out
 
-    jitted = jax.jit(fn, in_shardings=(params_shardings, NamedSharding(mesh, PartitionSpec(batch_axes))),
+    jitted = jax.jit(fn, in_shardings=(params_shardings, NamedSharding(mesh, PartitionSpec(batch_axes)),
+                                       collections_shardings or {}),
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
 
-    def run(params, batch):
+    def run(params, batch, collections=None):
         with jax.set_mesh(mesh):
-            return jitted(params, batch)
+            return jitted(params, batch, collections or {})
 
     return run
 
@@ -131,16 +116,18 @@ def _layer_order(name: str) -> tuple:
                  for p in re.split(r"[/_]", name))
 
 
-def collect_routing(fn, params: Any, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, LayerRouting]:
-    """Runs ``fn`` (from :func:`routing_fn`) over global ``batches`` and concatenates the
-    rows: ``{"encoder/layers_3": LayerRouting, ...}``, encoder layers first, by depth.
+def collect_routing(fn, params: Any, batches: Iterable[Mapping[str, jax.Array]],
+                    collections: Any = None) -> dict[str, LayerRouting]:
+    """Runs ``fn`` (from :func:`routing_fn`; ``collections``: the state collections it is
+    given) over global ``batches`` and concatenates the rows: ``{"encoder/layers_3":
+    LayerRouting, ...}``, encoder layers first, by depth.
 
     Raises:
       ValueError: no batches, or a model without MoE layers.
     """
     parts: dict[str, dict[str, list[np.ndarray]]] = {}
     for batch in batches:
-        out = jax.device_get(fn(params, batch))
+        out = jax.device_get(fn(params, batch, collections))
         for layer, arrays in out.items():
             for name, value in arrays.items():
                 parts.setdefault(layer, {}).setdefault(name, []).append(np.asarray(value))

@@ -262,7 +262,7 @@ def make_source(language: str | None, corpus: str = "embedded",
                   validation_fraction)
 
 
-def _make_source_settings() -> dict:
+def make_source_settings() -> dict:
     """``make_source``'s keyword arguments as gin binds them (defaults filled in)."""
     settings = {name: p.default for name, p in inspect.signature(make_source).parameters.items()
                 if p.default is not inspect.Parameter.empty}
@@ -272,7 +272,7 @@ def _make_source_settings() -> dict:
 
 def is_text_corpus() -> bool:
     """Whether gin selects the user's text files (``make_source.corpus = 'text'``)."""
-    return _make_source_settings()["corpus"] == "text"
+    return make_source_settings()["corpus"] == "text"
 
 
 def corpus_groups() -> tuple[str, ...]:
@@ -280,7 +280,7 @@ def corpus_groups() -> tuple[str, ...]:
     ``make_source(label)``: the embedded corpus' languages, mC4's languages (``('en',)``
     for a one-language TFDS config such as ``c4/en``) or the text corpus' labels in
     ``make_source.train_patterns`` order (``('text',)`` for a bare pattern)."""
-    settings = _make_source_settings()
+    settings = make_source_settings()
     corpus = settings["corpus"]
     if corpus == "embedded":
         return embedded_languages()

@@ -12,10 +12,23 @@ Two implementations with identical results (up to float summation order):
   a sort. In dropless mode without expert parallelism it feeds a grouped matmul
   (``jax.lax.ragged_dot``) instead of fixed-capacity buffers.
 
-Capacity is granted in the same order by both: choice-major (every token's first choice
-before any second choice), then by ``TokenChoiceRouting.priority``. Assignments that do
-not fit are dropped: they contribute nothing, and a token whose every choice is dropped
-gets a zero output (the residual connection around the layer carries it).
+Capacity is granted in the same order by both, one of ``CAPACITY_ORDERS`` over the
+tokens ranked by ``TokenChoiceRouting.priority``:
+
+* ``choice_major`` (T5X / Flaxformer ``TokensChooseMaskedRouter``, GShard, Mesh
+  TensorFlow's top-2 gating): every token's first choice before any second choice. For an
+  encoder: a token's best expert is never pushed out by another token's second choice.
+* ``token_major`` (MaxText's ``generate_masks``: a cumulative sum over
+  ``length * k`` assignments): all choices of the first token, then all of the second...
+  Whether token ``t``'s assignments fit then depends only on the tokens ranked before it,
+  so in a causal decoder (priority = token order) it never depends on later tokens.
+  Choice-major order there leaks: a later token's first choice can take the slot an
+  earlier token's second choice would have had. ``MoeLayer.capacity_order`` picks it for
+  causal layers by default.
+
+Assignments that do not fit are dropped: they contribute nothing, and a token whose
+every choice is dropped gets a zero output (the residual connection around the layer
+carries it).
 
 ``expert_fn`` maps buffers ``[groups, experts, capacity, d_model]`` to expert outputs of
 the same shape; under expert parallelism it contains the all-to-all.
@@ -36,6 +49,7 @@ ExpertFn = Callable[[Array], Array]
 RaggedFn = Callable[[Array, Array], Array]
 
 DISPATCH_IMPLS: tuple[str, ...] = ("einsum", "sort")
+CAPACITY_ORDERS: tuple[str, ...] = ("choice_major", "token_major")
 
 
 # Platform names as ``jax.Device.platform`` / ``AbstractMesh.abstract_device.platform``
@@ -93,11 +107,22 @@ def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
     return jax.default_backend() if device is None else device.platform
 
 
-def _assignment_order(routing: TokenChoiceRouting) -> Array:
-    """``[groups, tokens_per_group, k]`` rank of each assignment for capacity."""
+def check_capacity_order(capacity_order: str) -> None:
+    """Refuses a ``capacity_order`` not in ``CAPACITY_ORDERS``, naming the option."""
+    if capacity_order not in CAPACITY_ORDERS:
+        raise ValueError(f"MoeLayer.capacity_order={capacity_order!r} is unknown; "
+                         f"choose one of {CAPACITY_ORDERS + ('auto',)}")
+
+
+def _assignment_order(routing: TokenChoiceRouting, capacity_order: str) -> Array:
+    """``[groups, tokens_per_group, k]`` rank of each assignment for capacity (a
+    permutation of ``0 .. tokens_per_group * k - 1`` per group)."""
     k = routing.expert_index.shape[-1]
     tokens = routing.priority.shape[-1]
-    return jnp.arange(k, dtype=jnp.int32) * tokens + routing.priority[..., None]
+    choice = jnp.arange(k, dtype=jnp.int32)
+    if capacity_order == "token_major":
+        return routing.priority[..., None] * k + choice
+    return choice * tokens + routing.priority[..., None]
 
 
 def _groups_index(groups: int) -> Array:
@@ -107,31 +132,38 @@ def _groups_index(groups: int) -> Array:
 # ----------------------------------------------------------------------------- einsum
 
 
-def _onehot_positions(routing: TokenChoiceRouting, num_experts: int) -> Array:
+def _onehot_positions(routing: TokenChoiceRouting, num_experts: int, capacity_order: str) -> Array:
     """``[groups, tokens_per_group, k]`` position of each assignment in its expert buffer,
-    by a cumulative sum of one-hot masks taken in priority order."""
+    by a cumulative sum of one-hot masks taken in ``capacity_order`` over the tokens in
+    priority order."""
     groups, tokens, k = routing.expert_index.shape
+    choice_major = capacity_order == "choice_major"
     mask = jax.nn.one_hot(routing.expert_index, num_experts, dtype=jnp.int32)  # [G, S, K, E]
     by_rank = jnp.argsort(routing.priority, axis=-1)  # token at each rank
     mask = jnp.take_along_axis(mask, by_rank[:, :, None, None], axis=1)
-    mask = jnp.swapaxes(mask, 1, 2).reshape(groups, k * tokens, num_experts)
+    if choice_major:
+        mask = jnp.swapaxes(mask, 1, 2)  # [G, K, S, E]
+    mask = mask.reshape(groups, k * tokens, num_experts)
     positions = jnp.sum((jnp.cumsum(mask, axis=1) - 1) * mask, axis=-1)
-    positions = jnp.swapaxes(positions.reshape(groups, k, tokens), 1, 2)
+    if choice_major:
+        positions = jnp.swapaxes(positions.reshape(groups, k, tokens), 1, 2)
+    positions = positions.reshape(groups, tokens, k)
     return jnp.take_along_axis(positions, routing.priority[:, :, None], axis=1)
 
 
 def einsum_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
-                        expert_fn: ExpertFn) -> tuple[Array, Array]:
+                        expert_fn: ExpertFn, capacity_order: str = "choice_major") -> tuple[Array, Array]:
     """One-hot dispatch/combine (reference).
 
     Args:
       x: ``[groups, tokens_per_group, d_model]``.
+      capacity_order: one of ``CAPACITY_ORDERS`` (module docstring).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` outputs and ``[groups, tokens_per_group, k]``
       bool: the assignment was processed (not dropped, not padding).
     """
-    positions = _onehot_positions(routing, num_experts)
+    positions = _onehot_positions(routing, num_experts, capacity_order)
     expert_mask = jax.nn.one_hot(routing.expert_index, num_experts, dtype=x.dtype)  # [G, S, K, E]
     slot_mask = jax.nn.one_hot(positions, capacity, dtype=x.dtype)  # [G, S, K, C]; 0 past C
     dispatch = jnp.einsum("gske,gskc->gsec", expert_mask, slot_mask)
@@ -157,7 +189,8 @@ def einsum_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: in
 
 
 def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
-                      expert_fn: ExpertFn, choice_major: bool = False) -> tuple[Array, Array]:
+                      expert_fn: ExpertFn, choice_major: bool = False,
+                      capacity_order: str = "choice_major") -> tuple[Array, Array]:
     """Sort/gather dispatch, same contract as ``einsum_token_choice``.
 
     ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
@@ -167,7 +200,7 @@ def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, c
     groups, tokens, k = routing.expert_index.shape
     n = tokens * k
     expert_flat = routing.expert_index.reshape(groups, n)
-    key = expert_flat * n + _assignment_order(routing).reshape(groups, n)
+    key = expert_flat * n + _assignment_order(routing, capacity_order).reshape(groups, n)
     perm = jnp.argsort(key, axis=-1)  # assignments sorted by (expert, order); keys are unique
     counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=1)  # [G, E]
     starts = jnp.cumsum(counts, axis=-1) - counts
@@ -229,7 +262,8 @@ def ragged_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int,
 
 def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertChoiceRouting,
                      num_experts: int, capacity: int, expert_fn: ExpertFn,
-                     choice_major: bool = False) -> tuple[Array, Array | None]:
+                     choice_major: bool = False, capacity_order: str = "choice_major",
+                     ) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
 
     Args:
@@ -238,6 +272,8 @@ def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertCh
       capacity: buffer size per expert and group (token choice; expert choice carries
         its own in ``routing.token_index``).
       choice_major: layout of the ``sort`` combine gather (``sort_token_choice``).
+      capacity_order: order in which token-choice assignments get buffer slots, one of
+        ``CAPACITY_ORDERS`` (module docstring).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` and, for token choice, the
@@ -248,6 +284,7 @@ def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertCh
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice
         return fn(x, routing, num_experts, expert_fn), None
+    check_capacity_order(capacity_order)
     if impl == "einsum":
-        return einsum_token_choice(x, routing, num_experts, capacity, expert_fn)
-    return sort_token_choice(x, routing, num_experts, capacity, expert_fn, choice_major)
+        return einsum_token_choice(x, routing, num_experts, capacity, expert_fn, capacity_order)
+    return sort_token_choice(x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order)

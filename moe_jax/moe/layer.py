@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
-from moe_jax.moe.dispatch import (DISPATCH_IMPLS, choice_major_combine, dispatch_combine, layer_choices,
-                                  ragged_token_choice, target_platform)
+from moe_jax.moe.dispatch import (DISPATCH_IMPLS, check_capacity_order, choice_major_combine, dispatch_combine,
+                                  layer_choices, ragged_token_choice, target_platform)
 from moe_jax.moe.experts import Experts, check_activation, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS, check_hierarchical_options
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
@@ -78,8 +78,17 @@ class MoeLayer(nn.Module):
       batch_prioritized_routing: BPR (encoder only).
       router_init_stddev: router kernel init stddev (T5X: 2e-2).
       router_seed: seed of the ``hash`` and ``random`` routers.
-      accept_causal_leak: allow routers that see the whole group (expert choice, BPR)
-        in a causal decoder, accepting that they read future tokens.
+      capacity_order: order in which token-choice assignments get expert buffer slots
+        (``dispatch.CAPACITY_ORDERS``): ``choice_major`` (T5X / Flaxformer / GShard: every
+        token's first choice before any second choice), ``token_major`` (all choices of
+        token 0, then of token 1, ...: whether token t's assignments fit depends only on
+        the tokens before it) or ``auto``: ``token_major`` when ``causal``, else
+        ``choice_major``. Choice-major in a causal decoder with k > 1 and capacity leaks
+        (a later token's first choice can take an earlier token's second-choice slot), so
+        it is refused there unless ``accept_causal_leak``.
+      accept_causal_leak: allow routing that reads later tokens of a group in a causal
+        decoder (expert choice, BPR, ``capacity_order='choice_major'`` with k > 1),
+        accepting the leak.
       *_loss_weight: weights of the auxiliary losses sown into ``aux_loss`` (0 = not sown).
       causal: set by a causal decoder.
       dtype: compute dtype of dispatch and experts (router logits are float32).
@@ -118,6 +127,7 @@ class MoeLayer(nn.Module):
     batch_prioritized_routing: bool = False
     router_init_stddev: float = 2e-2
     router_seed: int = 0
+    capacity_order: str = "auto"
     accept_causal_leak: bool = False
     load_balancing_loss_weight: float = 1e-2
     router_z_loss_weight: float = 1e-4
@@ -155,16 +165,34 @@ class MoeLayer(nn.Module):
         if self.router_type in HIERARCHICAL_ROUTERS:
             check_hierarchical_options(self.num_experts, self.num_selected_experts,
                                        self.num_expert_groups, self.num_selected_groups)
-        group_wide = self.router_type in _GROUP_WIDE_ROUTERS or self.batch_prioritized_routing
-        if self.causal and group_wide and not self.accept_causal_leak:
-            what = (f"router_type={self.router_type!r}" if self.router_type in _GROUP_WIDE_ROUTERS
-                    else "batch_prioritized_routing=True")
-            raise ValueError(f"MoeLayer.{what} reads every token of a routing group, so in a causal "
-                             f"decoder it leaks future tokens; set MoeLayer.accept_causal_leak=True "
-                             f"to accept the leak")
+        if self.capacity_order != "auto":
+            check_capacity_order(self.capacity_order)
+        leak = self._causal_leak()
+        if self.causal and leak and not self.accept_causal_leak:
+            raise ValueError(f"MoeLayer.{leak}, so in a causal decoder it leaks future tokens; "
+                             f"set MoeLayer.accept_causal_leak=True to accept the leak")
         if self.dropless and self.router_type == "expert_choice":
             raise ValueError("MoeLayer.dropless=True needs a token-choice router, "
                              "not router_type='expert_choice'")
+
+    def _causal_leak(self) -> str | None:
+        """Why an earlier token's output would depend on later tokens of its group (an
+        option and its effect, for the error message), or None."""
+        if self.router_type in _GROUP_WIDE_ROUTERS:
+            return f"router_type={self.router_type!r} reads every token of a routing group"
+        if self.batch_prioritized_routing:
+            return "batch_prioritized_routing=True ranks the tokens of a group by their router scores"
+        if self.capacity_order == "choice_major" and self.choices_per_token > 1 and not self.dropless:
+            return ("capacity_order='choice_major' lets a later token's first choice take the buffer "
+                    "slot of an earlier token's second choice")
+        return None
+
+    @property
+    def resolved_capacity_order(self) -> str:
+        """``capacity_order`` with ``auto`` resolved: ``token_major`` when causal."""
+        if self.capacity_order != "auto":
+            return self.capacity_order
+        return "token_major" if self.causal else "choice_major"
 
     def _validate_modern_options(self) -> None:
         """Shared / fine-grained experts, sigmoid scores, balancing bias, group limits."""
@@ -301,7 +329,7 @@ class MoeLayer(nn.Module):
         def local_fn(x, routing, w, key, comm):
             y, kept = dispatch_combine(impl, x, routing, self.routed_experts, capacity,
                                        lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)),
-                                       choice_major_combine(platform))
+                                       choice_major_combine(platform), self.resolved_capacity_order)
             return (y,) if kept is None else (y, kept)
 
         num_outputs = 1 if isinstance(routing, ExpertChoiceRouting) else 2

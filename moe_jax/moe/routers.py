@@ -39,8 +39,9 @@ class TokenChoiceRouting:
       expert_index: ``[groups, tokens_per_group, k]`` int32; ``num_experts`` = not routed.
       combine_weights: ``[groups, tokens_per_group, k]`` float32 gate of each choice.
       priority: ``[groups, tokens_per_group]`` int32 rank of each token when experts fill
-        up (0 is served first); capacity is granted choice-major: every token's first
-        choice before any second choice.
+        up (0 is served first): token order, or by router score with BPR. The dispatcher
+        grants capacity over the tokens in this order, choice-major or token-major
+        (``dispatch.CAPACITY_ORDERS``).
     """
 
     expert_index: Array

@@ -3,7 +3,7 @@
 Ahead of time (hence the module name): nothing runs, no device is needed.
 
     moe-jax compile --target=tpu:v5p:2x2x4 --gin_file=gin/experiments/base_learned.gin \\
-        --gin_file=gin/meshes/v4_32.gin [--out=report.json]
+        --gin_file=gin/meshes/v4_32.gin [--out=report.json] [--hlo_dir=DIR]
 
 Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
 model, optimizer with frozen-router masking, shardings, donation: ``setup.build_train_setup``)
@@ -11,13 +11,16 @@ over the target's devices from abstract shapes, compiles both (no device, data o
 vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
 the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
 step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
-target. Exits 1, naming what to change, when the run does not fit.
+target. Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps
+each compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
+collective counts are read from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pathlib
 import re
 import sys
 import time
@@ -34,8 +37,12 @@ COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "coll
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) +
-                     r")(?:-start)?\(")
+                     r")(?:-done)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_HLO_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
 
 
 class DoesNotFitError(UserError, ValueError):
@@ -45,12 +52,13 @@ class DoesNotFitError(UserError, ValueError):
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """``{kind: {"count": n, "bytes": result bytes}}`` of the collective ops of an HLO module
-    (async ``-start`` ops counted once; an op inside a loop body counted once)."""
+    (an async pair counted once, by its ``-done``, whose shape is the result: a ``-start``'s
+    tuple also holds operands and, for collective-permute, sync flags; an op inside a loop
+    body counted once)."""
     out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
-    for match in _HLO_OP.finditer(hlo_text):
+    # long tuples carry /*index=5*/ comments, whose '=' would end the shape early
+    for match in _HLO_OP.finditer(_HLO_COMMENT.sub("", hlo_text)):
         shapes = _SHAPE.findall(match.group("shape"))
-        if match.group(0).count("-start(") and len(shapes) > 1:
-            shapes = shapes[len(shapes) // 2:]  # async start: (operands, results)
         kind = out[match.group("op")]
         kind["count"] += 1
         kind["bytes"] += sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
@@ -68,36 +76,56 @@ def per_device_bytes(abstract_tree: Any) -> int:
 
 def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_per_step: float,
             tokens_per_step: int, num_devices: int) -> dict[str, Any]:
-    """Memory, collectives, cost and a roofline step time of one compiled step (per device).
-
-    The estimate: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + collective bytes /
-    interconnect bandwidth``, with the model's FLOPs split evenly over the devices (XLA's
-    cost analysis counts a loop body once) and the chip's bf16 peak.
-    """
+    """Memory, collectives, cost and a roofline step time of one compiled step (per device)."""
     mem = compiled.memory_analysis()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + \
         mem.temp_size_in_bytes
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    coll = collectives(compiled.as_text())
-    compute_s = flops_per_step / num_devices / facts.peak_flops
-    hbm_s = (cost.get("bytes accessed", 0.0) / facts.hbm_bandwidth) if facts.hbm_bandwidth else 0.0
-    comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
-              if facts.interconnect_bandwidth else 0.0)
-    step_s = max(compute_s, hbm_s) + comm_s
     return {
         "bytes": {"params_and_optimizer": state_bytes, "arguments": mem.argument_size_in_bytes,
                   "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
                   "temporaries": mem.temp_size_in_bytes, "total": total,
                   "device_memory": facts.hbm_bytes},
         "fits": total <= facts.hbm_bytes,
-        "collectives": coll,
         "flops_per_step": flops_per_step,
         "hlo_flops_per_device": cost.get("flops"),
         "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
-        "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
-                     "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None},
+        **hlo_analysis(compiled.as_text(), facts, flops_per_step=flops_per_step,
+                       bytes_accessed=cost.get("bytes accessed", 0.0), tokens_per_step=tokens_per_step,
+                       num_devices=num_devices),
     }
+
+
+def hlo_analysis(hlo_text: str, facts: hardware.DeviceFacts, *, flops_per_step: float,
+                 bytes_accessed: float, tokens_per_step: int, num_devices: int) -> dict[str, Any]:
+    """What the compiled HLO text gives: its ``collectives``, the ``moe_layers``' share and
+    the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
+    collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
+    the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak."""
+    coll = collectives(hlo_text)
+    compute_s = flops_per_step / num_devices / facts.peak_flops
+    hbm_s = bytes_accessed / facts.hbm_bandwidth if facts.hbm_bandwidth else 0.0
+    comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
+              if facts.interconnect_bandwidth else 0.0)
+    step_s = max(compute_s, hbm_s) + comm_s
+    return {"collectives": coll, "moe_layers": moe_layer_costs(hlo_text),
+            "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
+                         "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None}}
+
+
+def moe_layer_costs(hlo_text: str) -> dict[str, float]:
+    """The MoE layers' share of a compiled step, from its scheduled operations
+    (``hlo_costs``: one read of each operand, one write of each result): ``hlo_bytes`` of the
+    operations whose JAX source lies in a MoE layer (module path ``.../ffn/moe/...``, forward
+    and backward) against the step's ``step_hlo_bytes``, the part of them that gathers,
+    scatters or sorts (``indexed_bytes``) and their matmul ``flops``."""
+    from moe_jax import hlo_costs
+
+    ops = hlo_costs.parse(hlo_text)
+    step, moe = hlo_costs.summary(ops), hlo_costs.summary_of(ops, MOE_SOURCE)
+    return {"hlo_bytes": moe["bytes"], "step_hlo_bytes": step["bytes"],
+            "indexed_bytes": moe["indexed_bytes"], "flops": moe["flops"]}
 
 
 def fit_advice(step: Mapping[str, Any], *, mesh_shape: Mapping[str, int], batch_size: int,
@@ -232,9 +260,10 @@ def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[s
 
 
 def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
-                eval_step: bool = True, progress=print) -> dict[str, Any]:
+                eval_step: bool = True, hlo_dir: str | None = None, progress=print) -> dict[str, Any]:
     """Compiles the gin-configured run's train (and eval) step for ``devices``; the report
-    that :func:`format_report` prints and ``--out`` writes."""
+    that :func:`format_report` prints and ``--out`` writes. ``hlo_dir``: where to write each
+    compiled step's HLO text (``<step>.hlo.txt``)."""
     args = train_bindings()
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
@@ -253,10 +282,14 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
         "moe_layer": layer_choices(devices[0].platform, model.module.config.dtype), "steps": {}}
     progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
              f"{report['mesh_shape']})...")
-    report["steps"]["train"] = compile_train(run, cfg, model, facts)[1]
-    if eval_step:
-        progress("[moe-jax] compiling the eval step...")
-        report["steps"]["eval"] = compile_eval(run, eval_cfg, model, facts)[1]
+    steps = [("train", compile_train, cfg)] + ([("eval", compile_eval, eval_cfg)] if eval_step else [])
+    for name, compile_fn, step_cfg in steps:
+        if name == "eval":
+            progress("[moe-jax] compiling the eval step...")
+        executable, report["steps"][name] = compile_fn(run, step_cfg, model, facts)
+        if hlo_dir and executable is not None:
+            pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(hlo_dir) / f"{name}.hlo.txt").write_text(executable.as_text())
     report["fits"] = all(step["fits"] for step in report["steps"].values())
     if not report["fits"]:
         worst = max(report["steps"].values(), key=lambda s: s["bytes"]["total"])
@@ -305,6 +338,12 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"  estimate: {est['step_s'] * 1e3:.1f} ms/step (compute {est['compute_s'] * 1e3:.1f}, "
             f"HBM {est['hbm_s'] * 1e3:.1f}, collectives {est['collectives_s'] * 1e3:.1f}), "
             f"{_num(est['tokens_per_s'], 1e3, 'k tokens/s')}"]
+        moe = step["moe_layers"]
+        if moe["hlo_bytes"]:
+            lines.append(f"  MoE layers: {moe['hlo_bytes'] / 1e9:.3g} of the step's {moe['step_hlo_bytes'] / 1e9:.3g} GB "
+                         f"of HLO operand/result bytes ({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; "
+                         f"gathers/scatters/sorts {moe['indexed_bytes'] / 1e9:.3g} GB), "
+                         f"{moe['flops'] / 1e12:.3g} TFLOP of matmuls")
     if report["fits"]:
         lines.append("verdict: fits")
     else:
@@ -342,13 +381,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="tpu:v5e:4x4, tpu:v5p:2x2x4, gpu:h100:8, cpu:8, ...")
     parser.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
     parser.add_argument("--no_eval", action="store_true", help="compile the train step only")
+    parser.add_argument("--hlo_dir", default=None, metavar="DIR",
+                        help="write each compiled step's HLO text to DIR/<step>.hlo.txt")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     try:
         target = hardware.parse_target(args.target)
         devices = hardware.target_devices(target)
         parse_gin_for_compile(args)
         report = compile_run(devices, hardware.device_facts(devices, target.chip, target.num_chips),
-                             target=target.spec, eval_step=not args.no_eval,
+                             target=target.spec, eval_step=not args.no_eval, hlo_dir=args.hlo_dir,
                              progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax compile: error: {err}", file=sys.stderr)

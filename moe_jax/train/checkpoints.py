@@ -305,14 +305,31 @@ class Checkpointer:
         return TrainState(step=train["step"], params=out["params"], opt_state=train["opt_state"],
                           rng=train["rng"], collections=train.get("collections", {})), meta
 
-    def restore_params(self, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
-        """Only the parameters at ``step`` (for eval/infer), laid out as ``target``."""
-        check_integrity(self.step_dir(step), step, items=("params", "meta"))
+    def restore_params(self, step: int, target: PyTree, collections: PyTree | None = None
+                       ) -> tuple[PyTree, PyTree, dict[str, Any]]:
+        """What a forward pass needs at ``step`` (eval, infer, analyze), without the
+        optimizer state: ``(params, collections, meta)``, the parameters laid out as
+        ``target`` and the non-parameter state collections (``TrainState.collections``,
+        e.g. MoE balancing biases) as ``collections`` (None or ``{}``: the model has none;
+        ``{}`` is returned). Only the ``collections`` part of the ``train`` item is read
+        (orbax partial restore), so this needs a manager that has not saved a ``train``
+        item itself (``read_only=True``, as :func:`restore_from` opens it).
+
+        Raises:
+          UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
+          CheckpointMismatchError: the checkpoint is another model config's.
+        """
+        check_integrity(self.step_dir(step), step, items=("params", "meta") + (("train",) if collections else ()))
         meta = self.read_meta(step)
         check_compatible(meta["params"], param_shapes(target), self.step_dir(step))
+        args = {"params": ocp.args.StandardRestore(target)}
+        if collections:
+            item = {"collections": collections}
+            args["train"] = ocp.args.PyTreeRestore(
+                item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)
         with self._read_errors(step):
-            out = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-        return out["params"], meta
+            out = self._manager.restore(step, args=ocp.args.Composite(**args))
+        return out["params"], (out["train"]["collections"] if collections else {}), meta
 
     def move_aside(self, step: int) -> str:
         """Moves an unreadable step to ``MODEL_DIR/unreadable_checkpoints/<step>`` (process
@@ -432,10 +449,13 @@ def _write_cause(err: BaseException) -> str:
     return errors.one_line(err)
 
 
-def restore_params_from(path: str, target: PyTree) -> tuple[PyTree, int, dict[str, Any]]:
-    """The parameters of the checkpoint at ``path`` laid out as ``target``, its step and
-    metadata (for eval/analysis). ``path`` is ``MODEL_DIR`` (latest step), ``MODEL_DIR/STEP``
-    or ``MODEL_DIR/checkpoints/STEP``.
+def restore_from(path: str, target: PyTree, collections: PyTree | None = None
+                 ) -> tuple[PyTree, PyTree, int, dict[str, Any]]:
+    """The one restore path of every command that reads a checkpoint without resuming it
+    (eval, infer, analyze, export, upcycle; ``moe_jax.train.setup.restore_model`` builds the
+    targets): ``(params, collections, step, meta)`` of the checkpoint at ``path``, laid out as
+    ``target`` / ``collections`` (see :meth:`Checkpointer.restore_params`). ``path`` is
+    ``MODEL_DIR`` (latest step), ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``.
 
     Raises:
       MissingCheckpointError: naming ``path`` when it holds no checkpoints or not that step.
@@ -452,10 +472,10 @@ def restore_params_from(path: str, target: PyTree) -> tuple[PyTree, int, dict[st
         if step is None or step not in ckpt.all_steps():
             raise MissingCheckpointError(f"no checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
                                     f"at {path!r} (steps in {directory}: {ckpt.all_steps()})")
-        params, meta = ckpt.restore_params(step, target)
+        params, restored_collections, meta = ckpt.restore_params(step, target, collections)
     finally:
         ckpt.close()
-    return params, step, meta
+    return params, restored_collections, step, meta
 
 
 def gather_from_processes(obj: Any) -> list[Any]:
@@ -485,9 +505,14 @@ def save_router_init(model_dir: str, params: PyTree) -> None:
     """Writes the routers' initial weights (once, by process 0) for drift measurements."""
     from jax.experimental import multihost_utils
 
+    write_router_init(model_dir, {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+                                  for k, v in router_params(params).items()})
+
+
+def write_router_init(model_dir: str, routers: dict[str, np.ndarray]) -> None:
+    """Writes ``{router parameter name: initial host array}`` as ``MODEL_DIR/router_init.npz``
+    (by process 0; nothing when empty or already there)."""
     path = os.path.join(model_dir, ROUTER_INIT_FILE)
-    routers = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-               for k, v in router_params(params).items()}
     if jax.process_index() == 0 and routers and not os.path.exists(path):
         tmp = path + ".tmp.npz"
         np.savez(tmp, **routers)

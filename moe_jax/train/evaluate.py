@@ -64,18 +64,6 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=Non
     return {name: (value / count if name != "num_tokens" else value) for name, value in totals.items()}
 
 
-def _restore_collections(path: str, step: int, abstract_state) -> Any:
-    """The non-parameter state collections (e.g. MoE balancing biases) saved at ``step``
-    of ``path``'s run (restored with the rest of the train state, which is dropped)."""
-    from moe_jax.train import checkpoints
-
-    ckpt = checkpoints.Checkpointer(checkpoints.split_checkpoint_path(path)[0], read_only=True)
-    try:
-        return ckpt.restore(step, abstract_state)[0].collections
-    finally:
-        ckpt.close()
-
-
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``."""
     layers: dict[str, dict[str, Any]] = {}
@@ -172,6 +160,8 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     lines = [" " * width + "  " + "  ".join(label.rjust(c) for label, c in zip(labels, cols))]
     lines += [name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(values, cols))
               for name, values in rows]
+    lines += [f"drift of {label} is '-': {r['router_drift_missing']}" for label, r in results.items()
+              if r.get("router_drift_missing")]
     return "\n".join(lines)
 
 
@@ -235,10 +225,11 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
         several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
       router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.
 
-    Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``.
+    Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``
+    and ``"router_drift_missing"`` (why there is no drift) for a run without initial routers.
     """
     from moe_jax.analysis import counterfactual
-    from moe_jax.train import checkpoints, summaries, train_state, train_step
+    from moe_jax.train import checkpoints, export, summaries, train_step
 
     if not checkpoint_paths:
         raise ValueError("no checkpoint to evaluate: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
@@ -249,10 +240,6 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     ctx = setup.run_context()
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
-    params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
-    full = setup.build_train_setup(model, input_shapes, ctx) if model.state_logical_axes(input_shapes) else None
-    collections_shardings = full.shardings.collections if full else None
     eval_fns: dict[str | None, Any] = {}
     output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
                                             "eval_results")
@@ -260,17 +247,19 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     results = {}
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
-        trained, step, _ = checkpoints.restore_params_from(path, target)
-        collections = _restore_collections(path, step, full.abstract_state) if full else None
+        restored = setup.restore_model(path, model, input_shapes, ctx)
+        step = restored.step
         for name in names:
-            params, interceptor = counterfactual.variant(name, trained, model_dir, router_seed)
+            params, interceptor = counterfactual.variant(name, restored.params, model_dir, router_seed)
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
                 eval_fns[key] = train_step.jit_eval_step(
-                    model, params_sharding, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings,
+                    model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
+                    restored.collections_shardings,
                     eval_fn=counterfactual.intercepted(model.eval_fn, interceptor) if interceptor else None)
             metrics = summaries.routing_telemetry(
-                run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, collections), expert_shards)
+                run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections),
+                expert_shards)
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
             results[label] = {
@@ -281,6 +270,11 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                             for layer, stats in routing.items()},
                 "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
             }
+            if routing and not results[label]["router_drift"]:
+                results[label]["router_drift_missing"] = (
+                    f"{os.path.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the routers' "
+                    f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
+                    f"export has {export.ROUTER_INIT_FILE})")
             if jax.process_index() == 0:
                 with open(os.path.join(output_dir, f"{label}.json"), "w") as f:
                     json.dump(results[label], f, indent=1)

@@ -11,6 +11,11 @@ An export directory holds:
   :data:`NAME_RULES`, documented in docs/training.md). Attention kernels are stored as
   T5X stores them, 2-D: query/key/value ``[d_model, heads * head_dim]``, out
   ``[heads * head_dim, d_model]``; expert kernels ``[experts, d_in, d_out]``.
+* ``router_init.safetensors`` (when the run kept them: ``MODEL_DIR/router_init.npz``,
+  written at step 0 by `moe-jax train`): the routers' *initial* weights under the same
+  exported names as in ``model.safetensors``, so that an imported run reports how far its
+  routers drifted from initialisation (`moe-jax eval`) and can be evaluated with them
+  (`moe-jax analyze`'s ``init`` router). Not part of the model.
 * ``config.json``: the architecture (``T5Config``), the routing settings (``MoeLayer``
   and router mode), the vocabulary, the source checkpoint and step, and for every array
   its shape, dtype and moe-jax parameter name.
@@ -19,8 +24,9 @@ An export directory holds:
 
 `import` reads an export into a new run directory: an orbax checkpoint at the export's step
 (parameters as exported, a fresh optimizer state) and the run's ``config.gin``, so that
-`eval`, `infer`, `analyze` and `train` (fine-tuning) use it like any run. The round trip
-gives bit-identical parameters. Gin: ``runs/export.gin`` (the model of both commands) is
+`eval`, `infer`, `analyze` and `train` (fine-tuning) use it like any run, and
+``MODEL_DIR/router_init.npz`` from ``router_init.safetensors``. The round trip gives
+bit-identical parameters and initial routers. Gin: ``runs/export.gin`` (the model of both commands) is
 added to the run's config; ``--gin_file`` / ``--gin.NAME=VALUE`` override as elsewhere.
 """
 
@@ -43,6 +49,7 @@ from moe_jax.errors import UserError
 from moe_jax.train import distributed, gin_utils
 
 WEIGHTS_FILE = "model.safetensors"
+ROUTER_INIT_FILE = "router_init.safetensors"
 CONFIG_JSON = "config.json"
 CONFIG_GIN = "config.gin"
 FORMAT = "moe-jax-export"
@@ -115,10 +122,19 @@ def _flat(params) -> dict[str, Any]:
 
 
 def arrays_for_export(params) -> dict[str, np.ndarray]:
-    """``{exported name: host array in T5X layout}`` of a parameter tree."""
+    """``{exported name: host array in T5X layout}`` of a parameter tree (or of a flat
+    ``{moe-jax name: array}`` dict). Arrays sharded over several processes are gathered
+    whole onto every process (a collective: every process must call this)."""
+    from jax.experimental import multihost_utils
+
+    def host(leaf) -> np.ndarray:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        return np.asarray(jax.device_get(leaf))
+
     flat = _flat(params)
     mapping = name_map(list(flat))
-    return {mapping[name]: np.asarray(jax.device_get(leaf)).reshape(export_shape(mapping[name], leaf.shape))
+    return {mapping[name]: host(leaf).reshape(export_shape(mapping[name], leaf.shape))
             for name, leaf in flat.items()}
 
 
@@ -190,18 +206,24 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     """Writes the export of ``checkpoint_path`` (``MODEL_DIR``, ``MODEL_DIR/STEP``) to
     ``out_dir``; returns the ``config.json`` content.
 
+    Multi-host: every process restores its shards on the mesh of the gin config
+    (``partitioning.make_mesh``, as `moe-jax eval` does), each array is then gathered whole
+    onto every process (host memory: the whole model per process), and only process 0
+    writes ``out_dir`` (which need not exist on the other hosts).
+
     Raises:
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
     from safetensors.numpy import save_file
 
-    from moe_jax.train import checkpoints, setup
+    from moe_jax.train import checkpoints, setup, train_state
 
-    abstract = setup.abstract_params(model, _PROBE_SHAPES)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    ctx = setup.run_context()
+    target = train_state.abstract_with_shardings(
+        setup.abstract_params(model, _PROBE_SHAPES),
+        train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules))
     try:
-        params, step, _ = checkpoints.restore_params_from(checkpoint_path, target)
+        params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
     except (FileNotFoundError, checkpoints.CheckpointMismatchError):
         raise
     except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint
@@ -210,6 +232,8 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
                           f"{type(err).__name__}: {first}") from err
     arrays = arrays_for_export(params)
     names = {v: k for k, v in name_map(list(_flat(params))).items()}
+    initial = checkpoints.load_router_init(checkpoints.split_checkpoint_path(checkpoint_path)[0])
+    router_init = arrays_for_export(initial) if initial else {}
     config = {
         "format": FORMAT, "version": FORMAT_VERSION,
         "source_checkpoint": os.path.abspath(checkpoint_path) if "://" not in checkpoint_path else checkpoint_path,
@@ -217,11 +241,15 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
         "num_parameters": int(sum(a.size for a in arrays.values())),
         "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
                    for name, a in sorted(arrays.items())},
+        "router_init": ({"file": ROUTER_INIT_FILE, "arrays": sorted(router_init)} if router_init else None),
     }
     if jax.process_index() == 0:
         os.makedirs(out_dir, exist_ok=True)
         save_file(arrays, os.path.join(out_dir, WEIGHTS_FILE),
                   metadata={"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)})
+        if router_init:
+            save_file(router_init, os.path.join(out_dir, ROUTER_INIT_FILE),
+                      metadata={"format": FORMAT, "version": str(FORMAT_VERSION), "content": "initial routers"})
         with open(os.path.join(out_dir, CONFIG_JSON), "w") as f:
             json.dump(config, f, indent=1)
         gin_path = os.path.join(out_dir, CONFIG_GIN)
@@ -231,6 +259,29 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
             with open(gin_path, "w") as f:
                 f.write(gin_utils.operative_config())
     return config
+
+
+def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
+    """``{moe-jax router parameter name: initial weights}`` from the export's
+    ``router_init.safetensors``; empty when the export has none.
+
+    Raises:
+      ExportError: the file is unreadable, or its arrays are not the routers of the gin
+        config's model (names or shapes, as for the parameters).
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    from moe_jax.train import checkpoints
+
+    path = os.path.join(export_dir, ROUTER_INIT_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        arrays = load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ExportError(f"--export={export_dir}: cannot read {path}: {err}") from None
+    return params_from_export(arrays, checkpoints.router_params(abstract_params), path)
 
 
 def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -261,7 +312,8 @@ def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]
 def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
                   random_seed: int = 0) -> int:
     """Writes an orbax checkpoint of the export's parameters (at its step, with a fresh
-    optimizer state and RNG from ``random_seed``) into ``model_dir``; returns the step.
+    optimizer state and RNG from ``random_seed``) and, when the export carries them, the
+    initial routers (``router_init.npz``) into ``model_dir``; returns the step.
 
     Raises:
       ExportError: the export is unreadable or does not fit the gin config's model.
@@ -273,6 +325,7 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
     run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
     host_params = params_from_export(arrays, run.abstract_state.params,
                                      os.path.join(export_dir, WEIGHTS_FILE))
+    initial_routers = read_router_init(export_dir, run.abstract_state.params)
     checkpoints.ensure_writable(model_dir)  # only once the export fits the model
     params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
                           host_params, run.shardings.params)
@@ -291,6 +344,7 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
+    checkpoints.write_router_init(model_dir, initial_routers)
     return step
 
 

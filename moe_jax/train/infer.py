@@ -65,15 +65,14 @@ def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: A
           task_feature_lengths: Mapping[str, int] = gin.REQUIRED, decode_method: str = "greedy",
           temperature: float = 1.0, max_decode_length: int | None = None,
           seed: int = 0, output_dir: str | None = None) -> list[str]:
-    """Decodes each input text with the checkpoint's parameters; returns the output texts.
+    """Decodes each input text with the checkpoint's parameters and state collections
+    (e.g. the bias router's ``router_bias``); returns the output texts.
 
     ``checkpoint_path``: ``--checkpoint`` or T5X's gin ``CHECKPOINT_PATH``; ``output_dir``
     (T5X's ``INFER_OUTPUT_DIR``): also write ``{input, output}`` JSON lines to
     ``output_dir/predictions.jsonl``.
     """
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from moe_jax.train import checkpoints, train_state
 
     if not checkpoint_path:
         raise ValueError("no checkpoint: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
@@ -85,25 +84,17 @@ def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: A
     enc = encode_inputs(inputs, vocabulary, task_feature_lengths["inputs"], batch_multiple)
     dec_len = max_decode_length or task_feature_lengths["targets"]
     input_shapes = {"encoder_input_tokens": enc.shape, "decoder_input_tokens": (enc.shape[0], dec_len)}
-    params_sharding = train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules)
-    target = train_state.abstract_with_shardings(setup.abstract_params(model, input_shapes), params_sharding)
-    model_dir, step = checkpoints.split_checkpoint_path(checkpoint_path)
-    ckpt = checkpoints.Checkpointer(model_dir, read_only=True)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-    params, _ = ckpt.restore_params(step, target)
-    ckpt.close()
+    restored = setup.restore_model(checkpoint_path, model, input_shapes, ctx)
     batch_sharding = NamedSharding(ctx.mesh, PartitionSpec(ctx.batch_axes))
     batch = {"encoder_input_tokens": jax.device_put(enc, batch_sharding)}
 
     @jax.jit
-    def predict(params, batch, rng):
-        return model.predict_batch(params, batch, rng, decode_method=decode_method,
-                                   temperature=temperature, max_decode_length=dec_len)
+    def predict(params, collections, batch, rng):
+        return model.predict_batch(params, batch, rng, decode_method=decode_method, temperature=temperature,
+                                   max_decode_length=dec_len, state=collections)
 
     with jax.set_mesh(ctx.mesh):
-        tokens = predict(params, batch, jax.random.PRNGKey(seed))
+        tokens = predict(restored.params, restored.collections, batch, jax.random.PRNGKey(seed))
     from jax.experimental import multihost_utils
 
     tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))

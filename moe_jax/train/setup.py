@@ -7,6 +7,8 @@
 - :func:`build_train_setup`: the abstract train state with its shardings and the jitted
   train step (state donated) and eval step, for a model, input shapes and a run context.
   ``compile`` lowers exactly these for a target's devices; ``train`` runs them.
+- :func:`restore_model`: a checkpoint's parameters and state collections on the run's mesh,
+  the one restore path of ``eval``, ``infer`` and ``analyze``.
 - :func:`global_batch` / :func:`eval_batches`: batches laid out on the run's mesh.
 - :func:`build_parser`: the flags every gin-configured command takes.
 """
@@ -111,12 +113,71 @@ def build_optimizer(model_params_abstract):
     return freeze.apply_router_mode(tx, model_params_abstract), schedule
 
 
-def abstract_params(model, input_shapes) -> Any:
-    """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+def abstract_variables(model, input_shapes) -> dict[str, Any]:
+    """``{"params": tree, <state collection>: tree, ...}``: the model's variables as
+    ``jax.ShapeDtypeStruct`` leaves (nothing allocated); state collections
+    (``models.model.STATE_COLLECTIONS``, e.g. ``router_bias``) only where the model has them."""
     import flax.linen as nn
 
-    variables = jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes))
-    return nn.unbox(variables["params"])
+    return nn.unbox(jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes)))
+
+
+def abstract_params(model, input_shapes) -> Any:
+    """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+    return abstract_variables(model, input_shapes)["params"]
+
+
+def collections_shardings(model, input_shapes, ctx: RunContext) -> dict[str, Any]:
+    """``NamedSharding`` of every leaf of the model's state collections on ``ctx.mesh``
+    (``{}`` for a model without any)."""
+    from moe_jax import partitioning
+
+    return partitioning.tree_shardings(model.state_logical_axes(input_shapes), ctx.mesh, ctx.rules)
+
+
+@dataclasses.dataclass
+class RestoredModel:
+    """What a forward pass needs of a checkpoint, laid out on the run's mesh.
+
+    ``params``: the parameter tree; ``collections``: ``{collection: tree}`` of the
+    non-parameter state collections (``{}`` for models without, e.g. ``router_bias`` for
+    the auxiliary-loss-free bias router); ``step``, ``meta``: the checkpoint's step and
+    metadata.
+    """
+
+    params: Any
+    collections: dict[str, Any]
+    step: int
+    meta: dict[str, Any]
+
+    @property
+    def params_shardings(self) -> Any:
+        return jax.tree.map(lambda a: a.sharding, self.params)
+
+    @property
+    def collections_shardings(self) -> dict[str, Any]:
+        return jax.tree.map(lambda a: a.sharding, self.collections)
+
+
+def restore_model(path: str, model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext) -> RestoredModel:
+    """The parameters and state collections of the checkpoint at ``path`` (``MODEL_DIR``,
+    ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``) on ``ctx.mesh``, whatever mesh
+    saved them: the restore of `moe-jax eval`, `infer` and `analyze` (through
+    :func:`moe_jax.train.checkpoints.restore_from`; the optimizer state is not read).
+
+    Raises:
+      moe_jax.train.checkpoints.MissingCheckpointError / CheckpointMismatchError /
+      UnreadableCheckpointError: naming the path, the mismatching parameters or the file.
+    """
+    from moe_jax.train import checkpoints, train_state
+
+    abstract = abstract_variables(model, input_shapes)
+    params_target = train_state.abstract_with_shardings(
+        abstract.pop("params"), train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules))
+    collections_target = train_state.abstract_with_shardings(
+        abstract, collections_shardings(model, input_shapes, ctx))
+    params, collections, step, meta = checkpoints.restore_from(path, params_target, collections_target)
+    return RestoredModel(params=params, collections=collections, step=step, meta=meta)
 
 
 @dataclasses.dataclass
@@ -172,12 +233,9 @@ def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunC
     tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
     init_fn = lambda: train_state.init_train_state(model, tx, input_shapes, seed)  # noqa: E731
     abstract = jax.eval_shape(init_fn)
-    from moe_jax import partitioning
-
-    collections_sharding = partitioning.tree_shardings(model.state_logical_axes(input_shapes), ctx.mesh, ctx.rules)
     shardings = train_state.state_shardings(
         abstract, train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules), ctx.mesh,
-        collections_sharding)
+        collections_shardings(model, input_shapes, ctx))
     return TrainSetup(
         ctx=ctx, input_shapes=dict(input_shapes), tx=tx, learning_rate_fn=lr_fn,
         abstract_state=train_state.abstract_with_shardings(abstract, shardings), shardings=shardings,

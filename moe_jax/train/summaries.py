@@ -120,12 +120,13 @@ class ChurnProbe:
     FILE = "routing_probe.npz"
 
     def __init__(self, model: Any, params_shardings: Any, ctx: Any, probe_batch: dict[str, np.ndarray],
-                 model_dir: str):
-        """``probe_batch``: this process's share of the probe batch (numpy)."""
+                 model_dir: str, collections_shardings: Any = None):
+        """``probe_batch``: this process's share of the probe batch (numpy);
+        ``collections_shardings``: of the model's state collections (None: it has none)."""
         from moe_jax.analysis import routing
         from moe_jax.train import setup
 
-        self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.batch_axes)
+        self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.batch_axes, collections_shardings)
         self._batch = setup.global_batch(probe_batch, ctx)
         self._path = os.path.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
@@ -133,14 +134,16 @@ class ChurnProbe:
             with np.load(self._path) as saved:
                 self._previous = {k.replace("|", "/"): saved[k] for k in saved.files}
 
-    def __call__(self, params: Any) -> dict[str, float]:
-        """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation)."""
+    def __call__(self, params: Any, collections: Any = None) -> dict[str, float]:
+        """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation);
+        ``collections``: the state collections (e.g. ``router_bias``, which moves the
+        selection, so churn counts its changes too)."""
         from moe_jax.analysis import routing
         from moe_jax.train import checkpoints
 
         if not checkpoints.router_params(params):  # a dense model: nothing routes
             return {}
-        layers = routing.collect_routing(self._fn, params, [self._batch])
+        layers = routing.collect_routing(self._fn, params, [self._batch], collections)
         top1 = {name: layer.expert_index[..., 0] for name, layer in layers.items()}
         churn = {f"moe/{name}/routing_churn": routing_churn(self._previous[name], choice,
                                                             layers[name].valid)

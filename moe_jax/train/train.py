@@ -180,12 +180,10 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     writer = summaries.MetricsWriter(model_dir, "train", expert_shards)
     eval_writer = summaries.MetricsWriter(model_dir, "eval", expert_shards) if eval_fn else None
     churn = None
-    if eval_fn and routing_churn and run.shardings.collections:
-        _log("routing churn is not measured for models with state collections (router_bias): "
-             "the routing probe does not read them yet")
-    elif eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
+    if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
         probe_batch = next(setup.eval_batches(train_eval_dataset_cfg, 1))
-        churn = summaries.ChurnProbe(model, run.shardings.params, ctx, probe_batch, model_dir)
+        churn = summaries.ChurnProbe(model, run.shardings.params, ctx, probe_batch, model_dir,
+                                     run.shardings.collections)
     tokens_per_step = int(np.prod(input_shapes["decoder_input_tokens"]) +
                           np.prod(input_shapes["encoder_input_tokens"]))
     meter = summaries.ThroughputMeter(model.flops_per_step(input_shapes), tokens_per_step,
@@ -252,7 +250,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
                                                  ctx, eval_steps, state.collections)
                 if churn:
-                    eval_metrics.update(churn(state.params))
+                    eval_metrics.update(churn(state.params, state.collections))
                 eval_writer.write(step, eval_metrics)
                 bar.write(f"step {step}: eval loss {eval_metrics['loss']:.4f} "
                           f"accuracy {eval_metrics['accuracy']:.4f}")

@@ -5,7 +5,9 @@
     moe-jax train --gin_file=/tmp/moe_run/config.gin --gin.TRAIN_STEPS=2000
 
 Reads the dense run's parameters (latest step, or ``--checkpoint=DIR/STEP``), builds the MoE
-model the gin files describe, starts every expert as its layer's dense MLP
+model the gin files describe, starts every expert as its layer's dense MLP (with
+fine-grained experts, routers/fine_grained.gin: each group of ``m`` experts as the ``m``
+segments of its hidden units, the router's columns tied per group; moe_jax/moe/upcycle.py)
 (``--noise_std`` adds noise), routers as the gin files say (learned / frozen, their
 initialisation from the run's seed), copies every other weight, starts a fresh optimizer
 state and writes ``OUT/checkpoints/<step>`` and ``OUT/config.gin`` (every binding of the
@@ -46,13 +48,14 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
-    params, step, _ = checkpoints.restore_params_from(f"{model_dir}/{step}", target)
+    params, _, step, _ = checkpoints.restore_from(f"{model_dir}/{step}", target)
     flat = {checkpoints.path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     return flat, step
 
 
 def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
+    from moe_jax.moe.layer import MoeLayer
     from moe_jax.moe.upcycle import upcycle_params
     from moe_jax.train import checkpoints, setup
 
@@ -68,8 +71,8 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
     dense, dense_step = _dense_params(checkpoint)
     run = setup.build_train_setup(model, dataset_cfg.input_shapes(), setup.run_context(), seed=seed)
     state, shardings = run.init_state(), run.shardings
-    params = upcycle_params(dense, jax.device_get(state.params), noise_std=noise_std,
-                            rng=jax.random.PRNGKey(seed))
+    params = upcycle_params(dense, jax.device_get(state.params), granularity=MoeLayer().expert_granularity,
+                            noise_std=noise_std, rng=jax.random.PRNGKey(seed))
     params = jax.device_put(params, shardings.params)
     with jax.set_mesh(run.ctx.mesh):
         opt_state = jax.jit(run.tx.init, out_shardings=shardings.opt_state)(params)

@@ -58,6 +58,10 @@ def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys)
     (copy / "router_init.npz").unlink()
     assert _eval(copy, tmp_path / "out", "init") == 1
     assert "saved no initial router" in capsys.readouterr().err
+    assert _eval(copy, tmp_path / "plain") == 0  # the table says why there is no drift
+    (result,) = json.loads((tmp_path / "plain" / "comparison.json").read_text()).values()
+    assert result["router_drift"] == {} and f"{copy}/router_init.npz does not exist" in result["router_drift_missing"]
+    assert f"drift of {result['label']} is '-': {copy}/router_init.npz" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # 20 per-language data pipelines: about a minute of CPU

@@ -1,10 +1,12 @@
-"""The launch scripts in dry-run mode: every step echoed, nothing run, bad flags named."""
+"""The launch scripts in dry-run mode: every step echoed, nothing run, bad flags named; and
+the TPU launcher's compile check stopping a run that does not fit before it books a slice."""
 
 from __future__ import annotations
 
 import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +16,7 @@ LAUNCH = pathlib.Path(__file__).resolve().parents[2] / "launch"
 def _run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(LAUNCH / script), *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=600,
         env={**os.environ, **(env or {})},
     )
 
@@ -29,8 +31,10 @@ def test_tpu_pod_dry_run_creates_installs_trains_on_all_workers_and_deletes():
                 "--", "--gin_file=models/t5_moe.gin", "--gin.TRAIN_STEPS=500000")
     assert proc.returncode == 0, proc.stderr
     steps = _steps(proc.stdout)
-    assert steps[0].startswith("gcloud compute tpus tpu-vm create moe1")
-    assert "--accelerator-type v4-32" in steps[0]
+    # first the run compiled here for the slice it is about to book, with the same flags
+    assert steps[0].startswith("moe-jax compile --target=tpu:v4-32 --no_eval --gin_file=models/t5_moe.gin")
+    assert steps[1].startswith("gcloud compute tpus tpu-vm create moe1")
+    assert "--accelerator-type v4-32" in steps[1]
     train = [s for s in steps if "nohup" in s]
     assert len(train) == 1 and "--worker=all" in train[0]
     assert "gs://bucket/runs/fig5" in train[0] and "--gin.TRAIN_STEPS=500000" in train[0]
@@ -43,8 +47,25 @@ def test_tpu_pod_reuse_and_keep_skip_create_and_delete():
                 "--accelerator", "v5p-128", "--model-dir", "gs://b/r", "--", "--gin_file=x.gin")
     steps = _steps(proc.stdout)
     assert proc.returncode == 0, proc.stderr
-    assert "describe moe1" in steps[0]
+    assert "describe moe1" in steps[1]
     assert not any(" create " in s or " delete " in s for s in steps)
+
+
+def test_tpu_pod_stops_before_booking_a_run_that_does_not_fit(tmp_path):
+    # a real compile for a v5e-4 slice (libtpu of `make compilers`) of a batch too big for
+    # it; gcloud is a stub recording its calls: it must never be called
+    calls = tmp_path / "gcloud_calls"
+    (tmp_path / "gcloud").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    (tmp_path / "gcloud").chmod(0o755)
+    repo = LAUNCH.parent
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "MOE_JAX": f"{sys.executable} -m moe_jax.cli",
+           "PYTHONPATH": str(repo), "XLA_FLAGS": ""}  # not the test session's 8 CPU devices
+    proc = _run("tpu_pod.sh", "--tpu", "t", "--zone", "z", "--accelerator", "v5litepod-4",
+                "--model-dir", "gs://b/r", "--", "--gin_file=runs/smoke_cpu.gin",
+                "--gin.make_mesh.mesh_shape=(1,4,1)", "--gin.BATCH_SIZE=131072", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "DOES NOT FIT" in proc.stdout and "--no-check" in proc.stderr
+    assert not calls.exists()
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout
+from moe_jax.moe.dispatch import dispatch_combine
+from moe_jax.moe.routers import TokenChoiceRouting
 
 
 def _loss_and_grads(layer, params, x):
@@ -35,6 +37,23 @@ def test_sort_dispatch_equals_einsum_reference(overrides):
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert float(jnp.max(jnp.abs(g[1]))) > 0
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sort"])
+@pytest.mark.parametrize("capacity_order,kept", [
+    ("choice_major", [[True, False], [True, False]]),  # both first choices, then no room
+    ("token_major", [[True, True], [False, False]]),  # token 0's two choices fill both experts
+])
+def test_capacity_order_decides_which_assignments_fit(impl, capacity_order, kept):
+    """Two tokens, two experts of capacity 1: token 0 picks (0, 1), token 1 picks (1, 0)."""
+    routing = TokenChoiceRouting(expert_index=jnp.array([[[0, 1], [1, 0]]], jnp.int32),
+                                 combine_weights=jnp.full((1, 2, 2), 0.5),
+                                 priority=jnp.array([[0, 1]], jnp.int32))
+    x = jnp.array([[[1.0], [10.0]]])
+    y, got = dispatch_combine(impl, x, routing, 2, 1, lambda buffers: buffers,
+                              capacity_order=capacity_order)
+    np.testing.assert_array_equal(got[0], kept)
+    np.testing.assert_allclose(y[0, :, 0], 0.5 * np.sum(kept, axis=1) * np.array([1.0, 10.0]))
 
 
 def test_capacity_rules():

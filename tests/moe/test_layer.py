@@ -140,6 +140,8 @@ def test_activations_run_and_differ(activation):
     (dict(capacity_rule="gshard"), "capacity_rule"),
     (dict(router_type="expert_choice", causal=True), "accept_causal_leak"),
     (dict(batch_prioritized_routing=True, causal=True), "accept_causal_leak"),
+    (dict(capacity_order="choice_major", causal=True), "accept_causal_leak"),
+    (dict(capacity_order="by_token"), "capacity_order"),
     (dict(router_type="hash"), "token_ids"),
     (dict(router_type="expert_choice", dropless=True), "dropless"),
 ])
@@ -149,24 +151,56 @@ def test_bad_options_are_refused_by_name(overrides, option):
         layer.init(jax.random.PRNGKey(0), make_inputs())
 
 
+# Futures of make_inputs(): only the last token of sequence 0 differs (zeroed, scaled, redrawn).
+def _futures(x: jax.Array) -> list[jax.Array]:
+    return [x.at[0, -1].set(v) for v in (jnp.zeros_like(x[0, -1]), -50.0 * x[0, -1],
+                                         *make_inputs(1, 4, seed=7)[0])]
+
+
+def _earlier_outputs_change(**options) -> list[bool]:
+    """Per future: whether any earlier output of sequence 0 differs at all (bitwise) from
+    the layer's output on make_inputs()."""
+    x = make_inputs()
+    layer = MoeLayer(**dict(SMALL, **options))
+    params = init_params(layer, x)
+    run = jax.jit(lambda inputs: layer.apply({"params": params}, inputs))  # one compile
+    y = run(x)
+    return [not np.array_equal(y[0, :-1], run(f)[0, :-1]) for f in _futures(x)]
+
+
 def test_causal_leak_can_be_accepted_explicitly():
     """Accepted, expert choice lets a later token change earlier tokens' outputs (it takes
-    or frees their expert slots). Token choice with one expert per token, or without
-    capacity (dropless), serves earlier tokens first and never does. (Top-2 with capacity
-    can: T5X/GShard queue every token's first choice before any second choice, so a later
-    first choice may evict an earlier token's second choice.)"""
+    or frees their expert slots); so does top-2 with capacity granted choice-major (T5X's
+    order: a later token's first choice evicts an earlier token's second choice)."""
+    assert any(_earlier_outputs_change(router_type="expert_choice", causal=True, accept_causal_leak=True))
+    assert any(_earlier_outputs_change(causal=True, capacity_order="choice_major", accept_causal_leak=True))
+
+
+@pytest.mark.parametrize("dispatch", ["einsum", "sort"])
+@pytest.mark.parametrize("options", [
+    dict(),  # top-2 with capacity: token-major capacity by default in a causal layer
+    dict(num_selected_experts=1),
+    dict(dropless=True),
+    dict(router_type="hierarchical", num_expert_groups=2, num_selected_groups=2, num_selected_experts=1),
+])
+def test_causal_layers_never_read_later_tokens(dispatch, options):
+    """Earlier outputs are bit-identical whatever the last token is; the same futures do
+    change them under choice-major capacity (the first case), so the check can fail."""
+    assert not any(_earlier_outputs_change(causal=True, dispatch=dispatch, **options))
+
+
+def test_encoder_keeps_t5x_choice_major_capacity():
+    """Not causal: T5X's order (every first choice before any second choice, see
+    tests/moe/test_dispatch.py for the order itself); causal: token-major. At this tight
+    capacity the two orders drop different assignments."""
     x = make_inputs()
-    # Futures: only the last token of sequence 0 differs from x (zeroed, scaled, redrawn).
-    futures = [x.at[0, -1].set(v) for v in (jnp.zeros_like(x[0, -1]), -50.0 * x[0, -1],
-                                             *make_inputs(1, 4, seed=7)[0])]
+    tight = dict(SMALL, eval_capacity_factor=0.75)
+    params = init_params(MoeLayer(**tight), x)
 
-    def earlier_outputs_change(router_type: str, **extra) -> list[bool]:
-        layer = MoeLayer(**dict(SMALL, router_type=router_type, causal=True, **extra))
-        params = init_params(layer, x)
-        run = jax.jit(lambda inputs: layer.apply({"params": params}, inputs))  # one compile
-        y = run(x)
-        return [bool(jnp.any(jnp.abs(y[0, :-1] - run(f)[0, :-1]) > 1e-6)) for f in futures]
+    def outputs(**options) -> np.ndarray:
+        return np.asarray(apply(MoeLayer(**dict(tight, **options)), params, x)[0])
 
-    assert any(earlier_outputs_change("expert_choice", accept_causal_leak=True))
-    assert not any(earlier_outputs_change("top_k", num_selected_experts=1))
-    assert not any(earlier_outputs_change("top_k", dropless=True))
+    choice_major, token_major = outputs(capacity_order="choice_major"), outputs(capacity_order="token_major")
+    assert not np.array_equal(choice_major, token_major)
+    np.testing.assert_array_equal(outputs(), choice_major)
+    np.testing.assert_array_equal(outputs(causal=True), token_major)

@@ -39,8 +39,15 @@ def test_parse_target_and_chip_table():
     assert v5e.chip.hbm_bytes == 16 * hardware.GiB
     assert hardware.parse_target("gpu:h100:8").num_chips == 8
     assert hardware.parse_target("cpu:8").chip is None
+    # Cloud TPU accelerator types: TensorCores for v4/v5p (2 per chip), chips for v5e/v6e;
+    # v4 chips show as two devices to libtpu, so half the chips give the slice's device count
+    for accelerator, (chip, topology) in {"v5p-32": ("v5p", "2x2x4"), "v5p-128": ("v5p", "4x4x4"),
+                                          "v5litepod-16": ("v5e", "4x4"), "v6e-8": ("v6e", "2x4"),
+                                          "v4-32": ("v4", "2x2x2")}.items():
+        target = hardware.parse_target(f"tpu:{accelerator}")
+        assert (target.chip.name, target.topology) == (chip, topology), accelerator
     for bad, named in [("tpu:v9:2x2", "v9"), ("gpu:h100:2x2", "2x2"), ("tpu:v5e", "PLATFORM:CHIP"),
-                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM")]:
+                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM"), ("tpu:v5p-6", "tpu:v5p:TOPOLOGY")]:
         with pytest.raises(hardware.TargetError, match=named) as err:
             hardware.parse_target(bad)
         assert "tpu:v5e:4x4" in str(err.value) and "gpu:h100:8" in str(err.value)  # known ones
@@ -68,14 +75,22 @@ def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch
     assert "compile-gpu" in capsys.readouterr().err
 
 
-def test_tpu_compile_of_the_smoke_config(tmp_path):
+@pytest.mark.parametrize("mesh", ["(1,4,1)", "(2,2,1)"])
+def test_tpu_compile_of_the_smoke_config(tmp_path, mesh):
     code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE,
-                                       "--gin.make_mesh.mesh_shape=(2,2,1)")
+                                       f"--gin.make_mesh.mesh_shape={mesh}", f"--hlo_dir={tmp_path}")
     assert code == 0, output
     step = report["steps"]["train"]
+    # the counts are those of the kept HLO (the TPU's async forms: -start/-done pairs once)
+    hlo = (tmp_path / "train.hlo.txt").read_text()
+    assert step["collectives"] == aot.collectives(hlo) and "all-to-all" in hlo
+    assert not (tmp_path / "eval.hlo.txt").exists()  # --no_eval
+    moe = step["moe_layers"]  # the MoE layers' share of the step's operations
+    assert 0 < moe["indexed_bytes"] < moe["hlo_bytes"] < moe["step_hlo_bytes"] and moe["flops"] > 0
+    assert "MoE layers:" in output
     assert report["devices"] == 4 and report["device_kind"].startswith("TPU v5")
     # float32 activations over data and expert axes: the batched expert matmuls made libtpu
-    # 0.0.42 abort (ReshapeIsBitcast); on TPU float32 runs one matmul per expert
+    # 0.0.42 abort (ReshapeIsBitcast) over (2,2,1); on TPU float32 runs one matmul per expert
     assert report["moe_layer"] == {"platform": "tpu", "dispatch": "sort", "per_expert_loop": True}
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
@@ -113,9 +128,15 @@ def test_collectives_parses_sync_and_async_ops():
   %ag = s32[2,3]{1,0} all-gather(s32[1,3]{1,0} %z), dimensions={0}
   %all-to-all-start = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}
   ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
+  %all-reduce.94 = (f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, /*index=5*/f32[32,4]{0,1}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add
+  %cps = (bf16[48,12,64]{2,0,1}, bf16[48,12,64]{2,0,1}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}
+  %cpd = bf16[48,12,64]{2,0,1} collective-permute-done(%cps)
 """
+    # a gradient tuple long enough for XLA's /*index=5*/ comments (was missed); an async
+    # collective-permute, whose start tuple ends in two u32 sync flags (was counted as 8 B)
     assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
-                                    "all-reduce": {"count": 1, "bytes": 2 * 16},
+                                    "all-reduce": {"count": 2, "bytes": 2 * 16 + 4 * (5 * 32 + 128)},
+                                    "collective-permute": {"count": 1, "bytes": 2 * 48 * 12 * 64},
                                     "all-gather": {"count": 1, "bytes": 4 * 6}}
 
 

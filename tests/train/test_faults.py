@@ -41,7 +41,7 @@ def test_unreadable_latest_checkpoint_falls_back_and_continues_exactly(tmp_path,
     # eval/analyze/infer: one line naming step, file and cause
     with pytest.raises(checkpoints.UnreadableCheckpointError,
                        match=r"^checkpoint step 6 is unreadable: \S+/checkpoints/6/\S+: 10 bytes, \d+ when saved") as err:
-        checkpoints.restore_params_from(str(tmp_path / "run"), None)
+        checkpoints.restore_from(str(tmp_path / "run"), None)
     assert "\n" not in str(err.value)
     resumed = run(tmp_path / "run", 9)
     warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[moe-jax] warning")]

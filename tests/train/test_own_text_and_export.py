@@ -97,12 +97,21 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert arrays["decoder/decoder_norm/scale"].shape == (32,)
     assert set(arrays) == set(config["arrays"]) and config["step"] == STEPS
     assert config["routing"]["moe_layer"]["num_experts"] == 4 and config["t5_config"]["emb_dim"] == 32
+    # the initial routers, under the routers' exported names, beside the model
+    initial = load_file(out / export.ROUTER_INIT_FILE)
+    assert sorted(initial) == config["router_init"]["arrays"] == sorted(n for n in arrays if "/router/" in n)
+    assert not np.array_equal(initial["encoder/layers_1/mlp/router/router_weights/w/kernel"],
+                              arrays["encoder/layers_1/mlp/router/router_weights/w/kernel"])  # trained
 
     assert cli.main(["import", f"--export={out}", f"--model_dir={back}"]) == 0
     original, imported = _params(text_run), _params(back)
     assert original.keys() == imported.keys()
     for name in original:
         np.testing.assert_array_equal(imported[name], original[name], err_msg=name)
+    original_init, imported_init = checkpoints.load_router_init(str(text_run)), checkpoints.load_router_init(str(back))
+    assert original_init and original_init.keys() == imported_init.keys()
+    for name in original_init:
+        np.testing.assert_array_equal(imported_init[name], original_init[name], err_msg=name)
     # eval with no gin file reads each run's config.gin; T5X's macros or the flags
     first, err = _eval(capsys, f"--gin.CHECKPOINT_PATH={text_run}",
                        f"--gin.EVAL_OUTPUT_DIR={tmp_path / 'e1'}")
@@ -112,6 +121,8 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     (a,), (b,) = first.values(), second.values()
     assert a["step"] == b["step"] == STEPS and np.isfinite(a["metrics"]["loss"])
     assert a["metrics"] == b["metrics"] and a["routing"] == b["routing"]
+    assert a["router_drift"] == b["router_drift"] and len(b["router_drift"]) == len(b["routing"]) > 0
+    assert all(v > 0 for v in b["router_drift"].values())
 
 
 def test_import_into_another_shape_names_the_array_and_both_shapes(text_run, tmp_path, capsys):

@@ -147,3 +147,39 @@ def test_one_process_dying_makes_the_other_exit(tmp_path):
     finish(procs[1])
     assert code != 0, out[-2000:]
     assert time.time() - start_time < 120
+
+
+def _export(model_dir, out, *flags: str, devices: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moe_jax.cli", "export", f"--checkpoint={model_dir}",
+                             f"--out={out}", *flags], env=env(devices),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_processes_export_what_one_process_exports(tmp_path):
+    """Experts sharded over both processes (mesh (1, 8, 1), 8 experts): each process holds
+    half of every expert kernel, the export gathers them, and process 0 alone writes."""
+    from safetensors.numpy import load_file
+
+    from moe_jax.train import export
+
+    run = tmp_path / "run"
+    code, out = finish(start(run, "--gin.TRAIN_STEPS=1", "--gin.NUM_EXPERTS=8"))
+    assert code == 0, out[-3000:]
+    port = free_port()
+    procs = [_export(run, tmp_path / f"two_{i}", "--gin.partitioning.make_mesh.mesh_shape=(1, 8, 1)",
+                     f"--coordinator_address=127.0.0.1:{port}", "--process_count=2", f"--process_index={i}",
+                     "--initialization_timeout=120", devices=4) for i in range(2)]
+    for proc in procs:
+        code, out = finish(proc)
+        assert code == 0, out[-3000:]
+    code, out = finish(_export(run, tmp_path / "one", devices=1))
+    assert code == 0, out[-3000:]
+    assert not (tmp_path / "two_1").exists()  # only process 0 writes
+    one, two = tmp_path / "one", tmp_path / "two_0"
+    for name in (export.WEIGHTS_FILE, export.ROUTER_INIT_FILE):
+        a, b = load_file(one / name), load_file(two / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+    assert load_file(one / export.WEIGHTS_FILE)["encoder/layers_1/mlp/expert/wi_0/kernel"].shape[0] == 8
+    assert json.loads((one / export.CONFIG_JSON).read_text()) == json.loads((two / export.CONFIG_JSON).read_text())

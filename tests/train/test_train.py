@@ -66,7 +66,7 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
         mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
         sharding = train_state.param_shardings(model, shapes, mesh, rules)
         target = train_state.abstract_with_shardings(setup.abstract_params(model, shapes), sharding)
-        params, meta = ckpt.restore_params(1, target)
+        params, _, meta = ckpt.restore_params(1, target)
         assert meta["step"] == 1
         assert jax.tree.leaves(params)[0].sharding.mesh.shape == mesh.shape
         restored.append(jax.tree.map(np.asarray, params))

@@ -54,24 +54,69 @@ def _files(path: pathlib.Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime_ns for p in path.rglob("*")}
 
 
-def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path):
-    dense_model, dense_params = _dense_run(tmp_path / "dense")
-    before = _files(tmp_path / "dense")
+def _upcycled(tmp_path: pathlib.Path, *flags: str):
+    """``(model, state, meta)`` of the MoE run upcycled (``flags``) into ``tmp_path/moe`` from
+    the dense run in ``tmp_path/dense``."""
     out = tmp_path / "moe"
-    assert upcycle.main([*TINY, *EXACT, f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
-    assert _files(tmp_path / "dense") == before  # the dense run is only read
-    assert (out / "config.gin").exists()
+    assert upcycle.main([*TINY, *flags, f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     target = setup.build_train_setup(model, SHAPES, setup.run_context()).abstract_state
     ckpt = checkpoints.Checkpointer(str(out), read_only=True)
     state, meta = ckpt.restore(ckpt.latest_step(), target)
     ckpt.close()
+    return model, state, meta
+
+
+def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path):
+    dense_model, dense_params = _dense_run(tmp_path / "dense")
+    before = _files(tmp_path / "dense")
+    model, state, meta = _upcycled(tmp_path, *EXACT)
+    assert _files(tmp_path / "dense") == before  # the dense run is only read
+    assert (tmp_path / "moe" / "config.gin").exists()
     assert int(state.step) == 7 and "upcycled_from" in meta
     experts = state.params["encoder"]["layers_1"]["ffn"]["moe"]["expert"]["wi_0"]
     np.testing.assert_array_equal(experts[2], dense_params["encoder"]["layers_1"]["ffn"]["mlp"]["wi_0"])
     batch = _batch()
     np.testing.assert_allclose(_logits(model, state.params, batch), _logits(dense_model, dense_params, batch),
                                rtol=1e-5, atol=1e-5)
+
+
+FINE = ["--gin_file=routers/fine_grained.gin", *EXACT]
+
+
+def test_fine_grained_upcycle_splits_the_dense_mlp_and_equals_it_at_step_zero(tmp_path):
+    """Granularity 4 (routers/fine_grained.gin): 16 experts of 16 hidden units, top-8. Expert
+    e * 4 + j is segment j of the dense hidden units (wo scaled by 4), the router's columns
+    are tied per group of 4, and the upcycled model computes the dense model's outputs."""
+    dense_model, dense_params = _dense_run(tmp_path / "dense")
+    model, state, _ = _upcycled(tmp_path, *FINE)
+    params = state.params
+    moe = params["decoder"]["layers_1"]["ffn"]["moe"]
+    mlp = dense_params["decoder"]["layers_1"]["ffn"]["mlp"]
+    assert moe["expert"]["wi_0"].shape == (16, 32, 16)
+    for e, j in ((0, 0), (1, 3), (3, 2)):
+        np.testing.assert_array_equal(moe["expert"]["wi_1"][e * 4 + j], mlp["wi_1"][:, j * 16:(j + 1) * 16])
+        np.testing.assert_array_equal(moe["expert"]["wo"][e * 4 + j], 4 * mlp["wo"][j * 16:(j + 1) * 16])
+    router = np.asarray(moe["router"]["weights"]["w"]).reshape(32, 4, 4)
+    np.testing.assert_array_equal(router, np.broadcast_to(router[..., :1], router.shape))
+    assert np.ptp(router[:, :, 0], axis=1).min() > 0  # the 4 groups differ
+    batch = _batch()
+    np.testing.assert_allclose(_logits(model, params, batch), _logits(dense_model, dense_params, batch),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("router, exact", [("hash", True), ("random", False)])
+def test_fine_grained_upcycle_is_exact_when_each_segment_gets_1_over_m_of_the_gates(tmp_path, router, exact):
+    """Routers that do not read the tied scores: ``hash`` picks m k = 8 consecutive experts of
+    16 with gates 1/8, so every segment index is picked twice (gate mass 1/4 each) and the
+    dense MLP is recovered; ``random`` (its own untied matrix) picks segments unevenly and is
+    not (module docstring)."""
+    dense_model, dense_params = _dense_run(tmp_path / "dense")
+    model, state, _ = _upcycled(tmp_path, *FINE, f"--gin.MoeLayer.router_type={router!r}")
+    params = state.params
+    batch = _batch()
+    gap = np.abs(np.asarray(_logits(model, params, batch)) - np.asarray(_logits(dense_model, dense_params, batch)))
+    assert (gap.max() < 1e-5) if exact else (gap.max() > 1e-3), gap.max()
 
 
 def test_bad_upcycle_input_is_one_line_naming_the_option(tmp_path, capsys):
@@ -81,7 +126,9 @@ def test_bad_upcycle_input_is_one_line_naming_the_option(tmp_path, capsys):
     cases = [
         ([f"--out={tmp_path / 'full'}"], "--out="),
         ([f"--out={tmp_path / 'a'}", "--gin.MLP_DIM=32"], "wi_0: dense"),
-        ([f"--out={tmp_path / 'b'}", "--gin.MoeLayer.expert_granularity=2"], "expert_granularity|each expert"),
+        # granularity 2 of an MoE d_ff of 128: experts of 64 hidden units, but 1/2 of the dense 64 is 32
+        ([f"--out={tmp_path / 'b'}", "--gin.MoeLayer.expert_granularity=2", "--gin.MoeLayer.d_ff=128"],
+         r"wi_0: dense .*expert_granularity=2"),
     ]
     for flags, message in cases:
         assert upcycle.main([*TINY, f"--checkpoint={tmp_path / 'dense'}", *flags]) == 1
