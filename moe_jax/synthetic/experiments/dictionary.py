@@ -22,7 +22,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=8192, n_test=2048, steps=1500, batch=128, lr=3.2e-3),
-    "converged": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=16384, n_test=4096, steps=2000, batch=128, lr=3.2e-3, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "converged": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=102400, n_test=4096, steps=20000, batch=256, lr=3.2e-3, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=102400, n_test=8192, steps=20000, batch=256, lr=3.2e-3),
 }
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "shuffled_sparsity", "sparsity_atom", "shuffled_sparsity_atom")

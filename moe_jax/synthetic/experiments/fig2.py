@@ -16,7 +16,7 @@ from moe_jax.synthetic.experiments import common
 
 PRESETS = {
     "quick": dict(k=64, d=24, c=2.0, sizes=[640, 3200, 25600], experts=[16, 32, 64, 128], steps=3000, batch=256, n_test=4096, router_scale=1.0),
-    "converged": dict(k=64, d=24, c=2.0, sizes=[640, 1600, 6400, 25600], experts=[16, 32, 64, 128], steps=8000, batch=1024, n_test=8192, router_scale=1.0, lr_router=3.2e-3, lr_experts=3.2e-2, schedule="cosine", converge_window=1000, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "converged": dict(k=64, d=24, c=2.0, sizes=[640, 1600, 6400, 25600], experts=[16, 32, 64, 128], steps=8000, batch=1024, n_test=8192, router_scale=0.1, lr_router=3.2e-3, lr_experts=0.1, schedule="cosine", converge_window=1000, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(k=64, d=24, c=2.0, sizes=[640, 1600, 3200, 6400, 12800, 25600, 51200, 102400], experts=[8, 16, 32, 48, 64, 80, 96, 128], steps=20000, batch=256, n_test=8192, router_scale=1.0),
 }
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity", "norm_uniformity")

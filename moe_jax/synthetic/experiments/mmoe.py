@@ -49,7 +49,7 @@ PRESETS = {
     "paper": dict(d=100, rhos=[0.0, 0.25, 0.5, 0.75, 0.9, 1.0], c=1.0, num_sines=10, noise=0.1, num_experts=8, expert_hidden=16, tower_hidden=8, n_train=65536, n_test=8192, steps=20000, batch=128, lr=1e-3),
 }
 MODELS = ("MMoE", "OMoE", "shared bottom")
-METRICS = ("loss", "loss_task1", "loss_task2", "loss_vs_mmoe", "label_corr", "gate_divergence")
+METRICS = ("loss", "loss_task1", "loss_task2", "loss_vs_mmoe", "label_corr", "gate_divergence", "steps", "converged", "train_loss")
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,9 +277,10 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr"], lr_experts=cfg["lr"], chunk=cfg.get("chunk", min(500, cfg["steps"])))
     rows, curve_rows, sizes = [], [], {}
     for name, model in build_models(cfg).items():
-        params = train.train_runs(model, opt, runs, train_set, desc=f"mmoe {name}", callback=recorder(model, name, runs, coords, test_set, curve_rows))
+        log = train.TrainLog()
+        params = train.train_runs(model, opt, runs, train_set, desc=f"mmoe {name}", callback=recorder(model, name, runs, coords, test_set, curve_rows), log=log)
         sizes[name] = models.count_params(jax.tree.map(lambda leaf: leaf[0], params))
-        rows += common.table(coords, evaluate(model, params, runs, test_set), model=name)
+        rows += common.table(coords, {**evaluate(model, params, runs, test_set), **log.columns()}, model=name)
     rows = relative_to_mmoe(rows)
     summary = common.summarise(rows, ("model", "rho"), METRICS)
     curves = common.summarise(relative_to_mmoe(curve_rows, ("rho", "seed", "step")), ("model", "rho", "step"), ("loss", "loss_vs_mmoe"))

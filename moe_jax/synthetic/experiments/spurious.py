@@ -25,7 +25,7 @@ from moe_jax.synthetic.experiments import common
 
 SPURIOUS = {
     "quick": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=2048, steps=2000, batch=256, weight_decays=[0.0, 1e-3]),
-    "converged": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=4096, steps=4000, batch=256, weight_decays=[0.0, 1e-3], converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "converged": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=4096, steps=4000, batch=256, lr_experts=3.2e-2, weight_decays=[0.0, 1e-3], converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
     "paper": dict(k=64, d=240, d_signal=24, c=2.0, expert="mlp", n_train=51200, n_test=8192, steps=20000, batch=256, weight_decays=[0.0, 1e-3]),
 }
 THEOREM1 = {
