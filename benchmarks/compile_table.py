@@ -111,7 +111,7 @@ def table() -> str:
         coll = ", ".join(f"{c['count']} {k}" for k, c in step["collectives"].items()) or "-"
         est = "-" if step["estimate"] is None else f"{step['estimate']['step_s'] * 1e3:.0f} ms"
         moe = step.get("moe_layers") or {}
-        share = f"{100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%" if moe.get("hlo_bytes") else "-"
+        share = f"{100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.1f}%" if moe.get("hlo_bytes") else "-"
         rows.append(
             f"| {run} | {target} (`{spec}`) | {'yes' if r['fits'] else '**no**'} | "
             f"{_gib(b['params_and_optimizer'])} / {_gib(b['temporaries'])} / {_gib(b['total'])} of "
