@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -189,6 +190,19 @@ def device_facts(devices: Sequence, chip: Chip | None = None, num_chips: int | N
     per_chip = max(1, len(devices) // num_chips) if num_chips else 1
     return DeviceFacts(chip.hbm_bytes // per_chip, chip.peak_bf16_flops / per_chip,
                        chip.hbm_bandwidth / per_chip, chip.interconnect_bandwidth / per_chip)
+
+
+# XLA options the project's jitted steps compile with, per device platform. GPU: XLA
+# 0.10.2's Triton GEMM emitter aborts on the T5-Base decoder's attention dots ("Couldn't
+# find output tile sizes that satisfy hlo: bf16[3648,768] dot", base_learned.gin on
+# gpu:h100:8); cuBLAS runs them instead.
+_COMPILER_OPTIONS: dict[str, dict[str, Any]] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def compiler_options(platform: str) -> dict[str, Any]:
+    """``jax.jit(..., compiler_options=)`` for steps compiled for ``platform`` devices."""
+    return dict(_COMPILER_OPTIONS.get("gpu" if platform in _GPU_PLATFORMS else platform, {}))
 
 
 # ----------------------------------------------------------------------------- compilers

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax import partitioning
+from moe_jax import hardware, partitioning
 from moe_jax.moe import freeze
 from moe_jax.train.train_state import TrainState
 
@@ -94,7 +94,7 @@ def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mes
                              accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-                     donate_argnums=0)
+                     donate_argnums=0, compiler_options=_compiler_options(mesh))
     return _under_mesh(jitted, mesh, rules)
 
 
@@ -109,8 +109,14 @@ def jit_eval_step(model, params_shardings, mesh: Mesh, rules: LogicalRules,
     jitted = _under_mesh(jax.jit(
         lambda params, batch, collections: fn(params, batch, collections),
         in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
-        out_shardings=NamedSharding(mesh, PartitionSpec())), mesh, rules)
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+        compiler_options=_compiler_options(mesh)), mesh, rules)
     return lambda params, batch, collections=None: jitted(params, batch, collections or {})
+
+
+def _compiler_options(mesh: Mesh) -> dict[str, Any]:
+    """XLA options for the platform of ``mesh``'s devices (``hardware.compiler_options``)."""
+    return hardware.compiler_options(mesh.devices.flat[0].platform)
 
 
 def _under_mesh(fn, mesh: Mesh, rules: LogicalRules):

@@ -120,6 +120,13 @@ def test_train_refuses_a_step_bigger_than_the_machine(tmp_path, capsys):
     assert not (tmp_path / "checkpoints").exists()  # refused before anything was written
 
 
+def test_compiler_options_follow_the_platform():
+    # GPU steps compile without Triton GEMMs (XLA 0.10.2 aborts tiling Base's attention dots);
+    # CPU and TPU steps compile with XLA's defaults
+    assert hardware.compiler_options("cuda") == hardware.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert hardware.compiler_options("cpu") == hardware.compiler_options("tpu") == {}
+
+
 def test_collectives_parses_sync_and_async_ops():
     hlo = """
   %all-to-all.1 = f32[4,8]{1,0} all-to-all(f32[4,8]{1,0} %x), dimensions={0}
