@@ -80,7 +80,7 @@ def test_cpu_overlay_switches_to_the_embedded_corpus_and_short_sequences():
     assert _model_config()["EMBED_DIM"] == 32
 
 
-@pytest.mark.parametrize("experiment", ["fig5_learned.gin", "fig5_dense.gin", "base_frozen.gin"])
+@pytest.mark.parametrize("experiment", ["fig5_learned.gin", "fig5_dense.gin", "base_frozen.gin", "base_dense.gin"])
 def test_accelerator_runs_use_bfloat16_activations_and_the_cpu_overlay_float32(experiment):
     _parse(experiment)
     assert gin.query_parameter("%ACTIVATION_DTYPE") == "bfloat16"
@@ -100,6 +100,8 @@ def test_accelerator_meshes_switch_a_run_to_bfloat16(mesh, dtype):
     assert gin.query_parameter("%ACTIVATION_DTYPE") == dtype
 
 
-def test_base_runs_shard_parameters_over_the_batch_axes():
-    _parse("base_learned.gin")
+@pytest.mark.parametrize("experiment", ["base_learned.gin", "base_frozen.gin", "base_dense.gin"])
+def test_base_runs_shard_parameters_over_the_batch_axes(experiment):
+    # the MoE pair and its FLOP-matched dense baseline run the same layout (a fair comparison)
+    _parse(experiment)
     assert gin.query_parameter("standard_logical_axis_rules.fsdp") is True
