@@ -57,3 +57,18 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     starts = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
     put = jnp.where(rows < recv_sizes[:, None], starts[:, None] + rows, output.shape[0])  # past the end: dropped
     return output.at[put.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding.Mesh):
+    """``layer``'s forward + backward (gradients of the sum of squared outputs w.r.t.
+    parameters and inputs) compiled under ``mesh`` (e.g. a TPU topology's devices) from
+    abstract shapes."""
+    params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
+
+    def step(p, x):
+        loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, deterministic=False,  # noqa: E731
+                                                mutable=["aux_loss"])[0].astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(p, x)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(step).lower(params, x).compile()

@@ -4,15 +4,13 @@ that the TPU cost model counts as whole-buffer traffic."""
 
 from __future__ import annotations
 
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.moe.moe_testlib import compile_fwd_bwd
 
-from moe_jax import hardware
-from moe_jax import hlo_costs
+from moe_jax import hardware, hlo_costs
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.dispatch import choice_major_combine, sort_token_choice
 from moe_jax.moe.routers import TokenChoiceRouting, top_k
@@ -72,16 +70,7 @@ def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic():
     devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5p:2x2x1")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), ("data", "expert", "model"))
     layer = MoeLayer(num_experts=8, d_ff=256, dtype=jnp.bfloat16)  # one group of 4096 tokens
-    x = jax.ShapeDtypeStruct((8, 512, 64), jnp.bfloat16)
-    params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
-
-    def step(p, x):
-        loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, deterministic=False,  # noqa: E731
-                                                mutable=["aux_loss"])[0].astype(jnp.float32) ** 2)
-        return jax.grad(loss, argnums=(0, 1))(p, x)
-
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(step).lower(params, x).compile()
+    compiled = compile_fwd_bwd(layer, jax.ShapeDtypeStruct((8, 512, 64), jnp.bfloat16), mesh)
     ops = hlo_costs.parse(compiled.as_text())
     totals = hlo_costs.summary(ops)
     assert totals["sparse_core_ops"] == 0, [op.source for op in ops if op.sparse_core_offload]

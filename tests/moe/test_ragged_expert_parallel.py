@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from tests.moe.moe_testlib import emulated_ragged_all_to_all, make_inputs
+from tests.moe.moe_testlib import compile_fwd_bwd, emulated_ragged_all_to_all, make_inputs
 
 from moe_jax import hardware, hlo_costs, partitioning
 from moe_jax.moe import MoeLayer
@@ -57,7 +57,7 @@ def _sharded_run(layer, shape, x, boxed):
     params = nn.unbox(boxed)
     mesh = partitioning.make_mesh(shape)
     rules = partitioning.standard_logical_axis_rules()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with partitioning.activate(mesh, rules):
         sharded = jax.device_put(params, partitioning.tree_shardings(nn.get_partition_spec(boxed), mesh, rules))
         fn = _value_and_grad(layer)
         jaxpr = str(fn.trace(sharded, x).jaxpr)
@@ -98,16 +98,7 @@ def _compile_for_tpu(mesh, **options):
     """Forward + backward of the layer (E = 16, top-2, d_model 256, bfloat16, 512 tokens per
     device)."""
     layer = MoeLayer(num_experts=16, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
-    x = jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16)
-    params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
-
-    def step(p, x):
-        loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, deterministic=False,  # noqa: E731
-                                                mutable=["aux_loss"])[0].astype(jnp.float32) ** 2)
-        return jax.grad(loss, argnums=(0, 1))(p, x)
-
-    with jax.set_mesh(mesh):
-        return jax.jit(step).lower(params, x).compile()
+    return compile_fwd_bwd(layer, jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16), mesh)
 
 
 def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
