@@ -234,7 +234,8 @@ def compile_eval(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
     a third of training's)."""
     shapes = cfg.input_shapes()
     params = run.abstract_state.params
-    return compile_step(run.eval_step, (params, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+    return compile_step(run.eval_step, (params, setup.abstract_batch(run.ctx, shapes, cfg.pack),
+                                        run.abstract_state.collections),
                         facts, state_bytes=per_device_bytes(params),
                         flops_per_step=model.flops_per_step(shapes) / 3, tokens_per_step=_tokens(shapes),
                         num_devices=run.ctx.mesh.size)

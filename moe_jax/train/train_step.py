@@ -111,7 +111,12 @@ def jit_eval_step(model, params_shardings, mesh: Mesh, rules: LogicalRules,
         in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
         out_shardings=NamedSharding(mesh, PartitionSpec()),
         compiler_options=_compiler_options(mesh)), mesh, rules)
-    return lambda params, batch, collections=None: jitted(params, batch, collections or {})
+
+    def step(params, batch, collections=None):
+        return jitted(params, batch, collections or {})
+
+    step.lower = lambda params, batch, collections=None: jitted.lower(params, batch, collections or {})
+    return step
 
 
 def _compiler_options(mesh: Mesh) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from moe_jax import cli, hardware
 from moe_jax.train import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SMOKE = ["--gin_file=runs/smoke_cpu.gin", "--no_eval"]
+SMOKE = ["--gin_file=runs/smoke_cpu.gin", "--no_eval"]  # the train step only; one test compiles both
 
 
 def compile_cli(tmp_path, *flags: str) -> tuple[int, str, dict | None]:
@@ -75,16 +75,21 @@ def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch
     assert "compile-gpu" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mesh", ["(1,4,1)", "(2,2,1)"])
-def test_tpu_compile_of_the_smoke_config(tmp_path, mesh):
-    code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE,
+@pytest.mark.parametrize("mesh,with_eval", [("(1,4,1)", False), ("(2,2,1)", True)])
+def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
+    flags = SMOKE if not with_eval else [f for f in SMOKE if f != "--no_eval"]
+    code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *flags,
                                        f"--gin.make_mesh.mesh_shape={mesh}", f"--hlo_dir={tmp_path}")
     assert code == 0, output
     step = report["steps"]["train"]
     # the counts are those of the kept HLO (the TPU's async forms: -start/-done pairs once)
     hlo = (tmp_path / "train.hlo.txt").read_text()
     assert step["collectives"] == aot.collectives(hlo) and "all-to-all" in hlo
-    assert not (tmp_path / "eval.hlo.txt").exists()  # --no_eval
+    assert (tmp_path / "eval.hlo.txt").exists() == with_eval == ("eval" in report["steps"])
+    if with_eval:  # the eval step: forward only, no optimizer state
+        evaluation = report["steps"]["eval"]
+        assert evaluation["fits"] and evaluation["flops_per_step"] == pytest.approx(step["flops_per_step"] / 3)
+        assert evaluation["bytes"]["params_and_optimizer"] < step["bytes"]["params_and_optimizer"]
     moe = step["moe_layers"]  # the MoE layers' share of the step's operations
     assert 0 < moe["indexed_bytes"] < moe["hlo_bytes"] < moe["step_hlo_bytes"] and moe["flops"] > 0
     assert "MoE layers:" in output
