@@ -52,7 +52,7 @@ ONLY_ON: dict[str, tuple[str, ...]] = {"base_learned_no_fsdp": ("v5e-16",),
 # the same per-device program with half a megacore chip's memory (a conservative verdict).
 TARGETS: dict[str, tuple[str, list[str]]] = {
     "v4-32": ("tpu:v4:2x2x2", ["--gin_file=meshes/v4_32.gin"]),
-    "v5p-16": ("tpu:v5p:2x2x4", ["--gin_file=meshes/v4_32.gin"]),
+    "v5p-32": ("tpu:v5p:2x2x4", ["--gin_file=meshes/v4_32.gin"]),
     "v5p-128": ("tpu:v5p:4x4x4", ["--gin_file=meshes/v5p_128.gin"]),
     "8xH100": ("gpu:h100:8", ["--gin_file=meshes/gpu_8x_h100.gin"]),
     "v5e-16": ("tpu:v5e:4x4", ["--gin.make_mesh.mesh_shape=(1,16,1)"]),
