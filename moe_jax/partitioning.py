@@ -214,7 +214,7 @@ def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: Logical
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Sequence[tuple[str, object]]) -> Iterator[None]:
+def activate(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
     """Trace (and run) under ``mesh`` and the logical axis ``rules``: MoE layers read the
     mesh (expert parallelism, the platform's layer choices), and the model's
     ``nn.with_logical_constraint`` calls map their logical axes through the rules (without

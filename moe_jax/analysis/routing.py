@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -72,7 +72,7 @@ def _layer_name(path) -> tuple[str, str]:
     return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
 
 
-def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]],
+def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules: partitioning.LogicalRules,
                batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings: Any = None):
     """Jitted ``(params, batch, collections=None) -> {layer: {name: array}}``: the
     deterministic forward pass (eval capacity factor) with the ``routing`` collection sown,

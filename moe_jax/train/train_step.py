@@ -26,7 +26,6 @@ from moe_jax.train.train_state import TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, Any]
-LogicalRules = tuple[tuple[str, Any], ...]
 
 
 def _split_microbatches(batch: Batch, accum_steps: int) -> Batch:
@@ -84,7 +83,7 @@ def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTran
 
 
 def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mesh: Mesh,
-                   rules: LogicalRules, batch_axes: tuple[str, ...] = ("data", "expert"), *,
+                   rules: partitioning.LogicalRules, batch_axes: tuple[str, ...] = ("data", "expert"), *,
                    accum_steps: int = 1, skip_nonfinite: bool = False):
     """``train_step`` jitted with the state donated and its shardings pinned, traced under
     ``mesh`` and the logical axis ``rules`` (which give the model's activation constraints
@@ -98,7 +97,7 @@ def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mes
     return _under_mesh(jitted, mesh, rules)
 
 
-def jit_eval_step(model, params_shardings, mesh: Mesh, rules: LogicalRules,
+def jit_eval_step(model, params_shardings, mesh: Mesh, rules: partitioning.LogicalRules,
                   batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings=None,
                   eval_fn=None):
     """``(params, batch, collections=None) -> metrics``: ``model.eval_fn`` jitted (eval
@@ -124,7 +123,7 @@ def _compiler_options(mesh: Mesh) -> dict[str, Any]:
     return hardware.compiler_options(mesh.devices.flat[0].platform)
 
 
-def _under_mesh(fn, mesh: Mesh, rules: LogicalRules):
+def _under_mesh(fn, mesh: Mesh, rules: partitioning.LogicalRules):
     """``fn`` called (and, with ``.lower(*abstract_args)``, lowered ahead of time) under
     ``partitioning.activate(mesh, rules)``."""
     @functools.wraps(fn)
