@@ -67,10 +67,14 @@ def _upcycled(tmp_path: pathlib.Path, *flags: str):
     return model, state, meta
 
 
-def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path):
+@pytest.mark.parametrize("router", [[], ["--gin_file=routers/sigmoid.gin"]], ids=["softmax", "sigmoid"])
+def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path, router):
+    """Top-2 softmax scores with renormalised gates, and sigmoid scores (routers/sigmoid.gin,
+    selected gates normalised to sum to 1): every expert is the dense MLP and the gates sum
+    to 1, so the upcycled model is the dense model."""
     dense_model, dense_params = _dense_run(tmp_path / "dense")
     before = _files(tmp_path / "dense")
-    model, state, meta = _upcycled(tmp_path, *EXACT)
+    model, state, meta = _upcycled(tmp_path, *EXACT, *router)
     assert _files(tmp_path / "dense") == before  # the dense run is only read
     assert (tmp_path / "moe" / "config.gin").exists()
     assert int(state.step) == 7 and "upcycled_from" in meta
@@ -105,18 +109,43 @@ def test_fine_grained_upcycle_splits_the_dense_mlp_and_equals_it_at_step_zero(tm
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("router, exact", [("hash", True), ("random", False)])
+@pytest.mark.parametrize("router, exact", [
+    (["--gin.MoeLayer.router_type='hash'"], True),
+    (["--gin_file=routers/sigmoid.gin"], True),
+    (["--gin.MoeLayer.router_type='random'"], False)], ids=["hash", "sigmoid", "random"])
 def test_fine_grained_upcycle_is_exact_when_each_segment_gets_1_over_m_of_the_gates(tmp_path, router, exact):
-    """Routers that do not read the tied scores: ``hash`` picks m k = 8 consecutive experts of
-    16 with gates 1/8, so every segment index is picked twice (gate mass 1/4 each) and the
-    dense MLP is recovered; ``random`` (its own untied matrix) picks segments unevenly and is
-    not (module docstring)."""
+    """``hash`` picks m k = 8 consecutive experts of 16 with gates 1/8, so every segment index
+    is picked twice (gate mass 1/4 each) and the dense MLP is recovered; sigmoid scores read
+    the tied router columns, so whole virtual groups are selected and their normalised gates
+    give each segment index 1/4; ``random`` (its own untied matrix) picks segments unevenly
+    and is not exact (module docstring)."""
     dense_model, dense_params = _dense_run(tmp_path / "dense")
-    model, state, _ = _upcycled(tmp_path, *FINE, f"--gin.MoeLayer.router_type={router!r}")
+    model, state, _ = _upcycled(tmp_path, *FINE, *router)
     params = state.params
     batch = _batch()
     gap = np.abs(np.asarray(_logits(model, params, batch)) - np.asarray(_logits(dense_model, dense_params, batch)))
     assert (gap.max() < 1e-5) if exact else (gap.max() > 1e-3), gap.max()
+
+
+def test_fine_grained_noise_breaks_the_copies_by_its_fraction_of_each_weights_std():
+    """``--noise_std`` with granularity 4: each expert is its segment plus noise of
+    ``noise_std`` x the std of the (scaled) segments, independent per expert, so the copies
+    of one segment in different virtual groups differ; no noise gives exact copies."""
+    from moe_jax.moe.upcycle import dense_segments, upcycle_params
+
+    rng = np.random.default_rng(0)
+    dense = {"enc/ffn/mlp/wi": rng.normal(size=(8, 64)).astype(np.float32),
+             "enc/ffn/mlp/wo": rng.normal(size=(64, 8)).astype(np.float32)}
+    moe_init = {"enc": {"ffn": {"moe": {"expert": {"wi": jnp.zeros((16, 8, 16)), "wo": jnp.zeros((16, 16, 8))}}}}}
+    exact = upcycle_params(dense, moe_init, granularity=4)["enc"]["ffn"]["moe"]["expert"]
+    noisy = upcycle_params(dense, moe_init, granularity=4, noise_std=0.05,
+                           rng=jax.random.PRNGKey(1))["enc"]["ffn"]["moe"]["expert"]
+    for name in ("wi", "wo"):
+        segments = dense_segments(jnp.asarray(dense[f"enc/ffn/mlp/{name}"]), 4, output=name == "wo")
+        np.testing.assert_array_equal(exact[name][4 + 2], segments[2])  # group 1, segment 2
+        noise = np.asarray(noisy[name] - exact[name])
+        assert abs(noise.std() / float(jnp.std(segments)) - 0.05) < 0.005, (name, noise.std())
+        assert np.abs(noise[2] - noise[4 + 2]).min() > 0  # the copies of segment 2 differ
 
 
 def test_bad_upcycle_input_is_one_line_naming_the_option(tmp_path, capsys):
