@@ -25,7 +25,10 @@ bytes; the TPU compiler's own estimate (sum of ``estimated_cycles``); each as a 
 the dense FFN. ``floor``: the dense FFN's HLO bytes plus 8 bytes (read a float32 weight,
 write its float32 gradient) per parameter the layer has beyond the dense FFN's, as a ratio
 to the dense FFN: what the layer would move with a free dispatch. ``--ops N`` lists the
-N largest operations of each compiled layer.
+N largest operations of each compiled layer; ``--breakdown`` splits each layer's HLO bytes
+into matmuls, gathers / scatters / sorts, whole-weight casts and gradients, collectives
+and the rest, beside the dense FFN's (``hlo_costs.categorize``); ``--options`` adds the
+routing options of docs/moe.md ("Routing of current MoE models") as ``sort`` rows.
 """
 
 from __future__ import annotations
@@ -89,22 +92,38 @@ class Row:
     sparse_core_ops: int
     params: int
     ops: list[hlo_costs.Op] = dataclasses.field(repr=False)
+    weight_sizes: frozenset[int] = frozenset()
+
+    def by_category(self) -> dict[str, tuple[float, float]]:
+        """``{category: (HLO bytes, TPU estimated cycles)}`` (``hlo_costs.categorize``)."""
+        totals = {c: (0.0, 0.0) for c in hlo_costs.CATEGORIES}
+        for op in self.ops:
+            category = hlo_costs.categorize(op, self.weight_sizes)
+            totals[category] = (totals[category][0] + op.bytes, totals[category][1] + op.cycles)
+        return totals
 
     def roofline_ms(self, chip: tuple[float, float], bytes_: float | None) -> float | None:
         return None if bytes_ is None else 1e3 * max(self.flops / chip[0], bytes_ / chip[1])
 
 
 def moe_step(experts: int, dispatch: str, **layer_options):
+    """``(apply, params, x)`` of the layer; ``apply(params, x) -> (y, state)``, ``state`` the
+    updated non-parameter collections (the balancing bias), returned so that the compiled
+    step keeps their update."""
     options = dict(num_experts=experts, num_selected_experts=2, d_ff=D_FF, dispatch=dispatch, per_expert_loop=False,
                    train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096, dtype=jnp.bfloat16)
     layer = MoeLayer(**{**options, **layer_options})
     x = jax.ShapeDtypeStruct(TOKENS + (D_MODEL,), jnp.bfloat16)
-    params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
+    variables = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x))
+    state = {k: v for k, v in variables.items() if k not in ("params", "aux_loss", "moe_metrics")}
 
     def apply(p, x):
-        return layer.apply({"params": p}, x, deterministic=False, mutable=["aux_loss", "moe_metrics"])[0]
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
+        y, updated = layer.apply({"params": p, **zeros}, x, deterministic=False,
+                                 mutable=["aux_loss", "moe_metrics", *state])
+        return y, {k: updated[k] for k in state}
 
-    return apply, params, x
+    return apply, variables["params"], x
 
 
 def dense_step(hidden: int):
@@ -113,14 +132,18 @@ def dense_step(hidden: int):
               "wo": jax.ShapeDtypeStruct((hidden, D_MODEL), jnp.float32)}
 
     def apply(p, x):
-        return jnp.maximum(x @ p["wi"].astype(x.dtype), 0) @ p["wo"].astype(x.dtype)
+        return jnp.maximum(x @ p["wi"].astype(x.dtype), 0) @ p["wo"].astype(x.dtype), {}
 
     return apply, params, x
 
 
 def compile_row(name: str, apply, params, x, mesh) -> Row:
+    def loss(p, x, r):
+        y, state = apply(p, x)
+        return jnp.sum(y.astype(jnp.float32) * r), state
+
     def step(p, x, r):
-        return jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) * r), argnums=(0, 1))(p, x)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x, r)
 
     r = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     with jax.set_mesh(mesh):
@@ -131,7 +154,8 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
     return Row(name=name, flops=cost.get("flops", totals["flops"]), cost_bytes=cost.get("bytes accessed"),
                hlo_bytes=totals["bytes"], temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
                cycles=totals["cycles"], sparse_core_ops=int(totals["sparse_core_ops"]),
-               params=sum(p.size for p in jax.tree.leaves(params)), ops=ops)
+               params=sum(p.size for p in jax.tree.leaves(params)), ops=ops,
+               weight_sizes=frozenset(p.size for p in jax.tree.leaves(params) if p.ndim >= 2 and p.size > 2**16))
 
 
 def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str]) -> None:
@@ -184,6 +208,35 @@ def print_ops(row: Row, count: int) -> None:
               f"{'yes' if op.sparse_core_offload else ''} | {op.source[-70:]} |")
 
 
+def print_breakdown(rows: list[Row]) -> None:
+    """HLO bytes (and TPU estimated cycles) of each layer by category, beside the dense FFN
+    (``rows[0]``): which operations make up the excess over it."""
+    dense = rows[0].by_category()
+    dense_total = sum(b for b, _ in dense.values())
+    for row in rows[1:]:
+        ours = row.by_category()
+        excess = sum(b for b, _ in ours.values()) - dense_total
+        print(f"\n{row.name}: HLO bytes by category vs {rows[0].name} (excess {excess / MIB:.0f} MiB = "
+              f"{excess / dense_total:.2f}x the dense FFN's bytes)")
+        print("| category | dense MiB | layer MiB | excess MiB | share of the excess | TPU est. kcycles dense / layer |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for category in hlo_costs.CATEGORIES:
+            (db, dc), (lb, lc) = dense[category], ours[category]
+            share = f"{(lb - db) / excess:.0%}" if excess else ""
+            print(f"| {category} | {db / MIB:.0f} | {lb / MIB:.0f} | {(lb - db) / MIB:+.0f} | {share} | "
+                  f"{dc / 1e3:.0f} / {lc / 1e3:.0f} |")
+
+
+# Issue 21's routing options as compiled rows (``--options``), each at the T5-Base shape and E:
+# layer options of routers/*.gin (fine-grained: granularity 4, capacity factor x 4).
+ROUTING_OPTIONS = {
+    "shared expert (+1, d_ff 2048)": dict(num_shared_experts=1),
+    "balancing bias (aux-loss-free)": dict(bias_update_rate=1e-3),
+    "sigmoid scores": dict(router_score="sigmoid"),
+    "fine-grained m = 4 (4E experts of d_ff / 4, top-8)": dict(expert_granularity=4, train_capacity_factor=5.0),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tpu:v5p:2x2x1", help="tpu:<topology> or gpu:h100")
@@ -191,6 +244,10 @@ def main() -> None:
                         help="E of the single-device table (none: skip it)")
     parser.add_argument("--dispatch", nargs="+", default=["auto", "sort", "einsum"])
     parser.add_argument("--ops", type=int, default=0, help="list the N largest operations of each layer")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="each layer's HLO bytes by category (matmuls, indexed, whole weights, ...) vs the dense FFN")
+    parser.add_argument("--options", action="store_true",
+                        help="add issue 21's routing options (shared expert, bias, sigmoid, fine-grained) as `sort` rows")
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="E",
                         help="also compile the layer with E experts split over all the target's devices")
@@ -217,6 +274,8 @@ def main() -> None:
             start = time.perf_counter()
             rows.append(compile_row(dispatch, *moe_step(experts, dispatch), mesh))
             rows[-1].name += f" (compile {time.perf_counter() - start:.0f} s)"
+        for label, options in ROUTING_OPTIONS.items() if args.options else ():
+            rows.append(compile_row(f"sort, {label}", *moe_step(experts, "sort", **options), mesh))
         dense = rows[0]
         for row in rows:
             cost_ms, hlo_ms = row.roofline_ms(chip, row.cost_bytes), row.roofline_ms(chip, row.hlo_bytes)
@@ -234,6 +293,8 @@ def main() -> None:
         if args.ops:
             for row in rows:
                 print_ops(row, args.ops)
+        if args.breakdown:
+            print_breakdown(rows)
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     if args.expert_parallel:

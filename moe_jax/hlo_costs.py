@@ -60,6 +60,8 @@ class Op:
       flops: dense matmul FLOPs of the dots / convolutions / GEMM calls in it.
       kinds: opcodes inside it (its fused computation's, for a fusion).
       sparse_core_offload: it (or what it calls) runs on a TPU SparseCore.
+      element_counts: element counts of its result's and operands' (first) array shapes
+        (``categorize`` finds the operations that move whole weights by them).
     """
 
     name: str
@@ -73,6 +75,7 @@ class Op:
     sparse_core_offload: bool = False
     operands: tuple[str, ...] = ()
     operand_sizes: tuple[float, ...] = ()
+    element_counts: frozenset[int] = frozenset()
 
     @property
     def bytes(self) -> float:
@@ -178,13 +181,15 @@ def parse(hlo_text: str) -> list[Op]:
                 flops += _matmul_flops(line, types[computation])
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
             source = re.search(r'op_name="([^"]*)"', line.attributes)
-            sizes = tuple(shape_bytes(types[computation].get(o, "")) for o in line.operands)
+            operand_types = [types[computation].get(o, "") for o in line.operands]
+            sizes = tuple(shape_bytes(t) for t in operand_types)
+            counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
             ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
                           operand_bytes=sum(sizes), operand_sizes=sizes,
                           output_bytes=shape_bytes(line.result_type),
                           cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
                           flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
-                          operands=line.operands))
+                          operands=line.operands, element_counts=counts))
     return ops
 
 
@@ -214,6 +219,27 @@ def summary_of(ops: list[Op], source_contains: str) -> dict[str, float]:
 
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
                "collective-permute")
+
+
+CATEGORIES = ("matmuls", "gather / scatter / sort", "whole weights (casts, gradients)", "collectives", "other")
+
+
+def categorize(op: Op, weight_sizes: frozenset[int]) -> str:
+    """The category of ``op`` in a layer's cost breakdown (first that applies): ``matmuls``
+    (it holds a dot, convolution or GEMM call), ``gather / scatter / sort`` (an indexed
+    operation, ``INDEXED_KINDS``), ``whole weights`` (no matmul, but it reads or writes an
+    array with as many elements as a parameter, ``weight_sizes``: the float32-to-bfloat16
+    casts of the weights and the writes and conversions of their gradients),
+    ``collectives``, else ``other`` (element-wise work, reductions, copies)."""
+    if op.flops > 0:
+        return CATEGORIES[0]
+    if op.kinds & INDEXED_KINDS:
+        return CATEGORIES[1]
+    if op.element_counts & weight_sizes:
+        return CATEGORIES[2]
+    if any(c in kind for kind in op.kinds for c in COLLECTIVES):
+        return CATEGORIES[3]
+    return CATEGORIES[4]
 
 
 @dataclasses.dataclass

@@ -22,7 +22,11 @@ labelled with its example's language):
   choice is each expert (the heatmap).
 
 Several checkpoints (``--checkpoint`` repeated, or ``--all_steps`` for every saved step of
-each run) give curves over steps, one line per run.
+each run) give curves over steps, one line per run. Runs that differ only by their seed
+directory (``learned/seed0``, ``learned/seed1``: a sweep family's layout) form one family:
+``seed_summary`` (in ``languages.json``) gives the mean and standard deviation over its
+seeds at each step they share, and the curves draw the family's seeds in one colour with
+their mean in bold.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import sys
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -186,6 +192,35 @@ def run_name(checkpoint_path: str) -> str:
     return "/".join(pathlib.Path(os.path.abspath(model_dir)).parts[-2:])
 
 
+def run_family(run: str) -> str:
+    """``learned/seed0`` -> ``learned``: a run without its seed directory (else the run)."""
+    head, _, tail = run.rpartition("/")
+    return head if head and re.fullmatch(r"seed\d+", tail) else run
+
+
+SEED_STATISTICS = ("bits", "shuffled_label_bits", "sparsity")
+
+
+def seed_summary(checkpoints: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per run family (``run_family``) and step held by two or more of its seeds: for each
+    layer, the mean and standard deviation (ddof 1) over the seeds of ``SEED_STATISTICS``
+    (``{"bits": [mean, std], ...}``), sorted by family and step."""
+    groups: dict[tuple[str, int], list[Mapping[str, Any]]] = defaultdict(list)
+    for result in checkpoints:
+        groups[(run_family(result["run"]), result["step"])].append(result)
+    summary = []
+    for (family, step), results in sorted(groups.items()):
+        if len(results) < 2:
+            continue
+        layers = {name: {key: [float(np.mean(v)), float(np.std(v, ddof=1))]
+                         for key in SEED_STATISTICS
+                         for v in [[r["layers"][name][key] for r in results]]}
+                  for name in results[0]["layers"]}
+        summary.append({"family": family, "step": step, "seeds": sorted(r["run"] for r in results),
+                        "layers": layers})
+    return summary
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """One line per layer of one checkpoint's result."""
     lines = []
@@ -252,8 +287,12 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
     out_dir = out_dir or os.path.join(checkpoints.split_checkpoint_path(paths[0])[0], "analysis")
     report = {"labels": list(groups), "split": split, "max_examples_per_label": max_examples_per_label,
               "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
-              "checkpoints": results}
+              "checkpoints": results, "seed_summary": seed_summary(results)}
     if jax.process_index() == 0:
+        for summary in report["seed_summary"]:
+            for name, stats in summary["layers"].items():
+                print(f"{summary['family']} ({len(summary['seeds'])} seeds)@{summary['step']} {name}: "
+                      + "; ".join(f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items()), flush=True)
         os.makedirs(out_dir, exist_ok=True)
         report["files"] = plots.write_languages(report, out_dir)
         with open(os.path.join(out_dir, "languages.json"), "w") as f:

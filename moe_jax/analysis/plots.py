@@ -132,25 +132,44 @@ def language_heatmaps(result: dict[str, Any], labels: list[str], path: str) -> N
     _save(plt, fig, path)
 
 
-def language_curves(checkpoints: list[dict[str, Any]], path: str) -> None:
+def language_curves(checkpoints: list[dict[str, Any]], path: str,
+                    seed_summary: list[dict[str, Any]] | None = None) -> None:
     """Per MoE layer: I(language; top-1 expert) (solid) with its shuffled-label floor
     (dotted), and sparsity per language (solid) with the shuffled router (dashed), vs step,
-    one colour per run."""
+    one colour per run family (``languages.run_family``: its seeds as thin lines and, from
+    ``seed_summary``, their mean in bold)."""
+    from moe_jax.analysis.languages import run_family
+
     plt = _pyplot()
     runs = list(dict.fromkeys(c["run"] for c in checkpoints))
+    families = list(dict.fromkeys(run_family(run) for run in runs))
+    means = {f: sorted((s for s in seed_summary or [] if s["family"] == f), key=lambda s: s["step"]) for f in families}
     names = list(checkpoints[0]["layers"])
     fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6.2), squeeze=False)
     colours = plt.get_cmap("tab10")
-    for r, run in enumerate(runs):
+    for run in runs:
+        family = run_family(run)
+        colour, thin = colours(families.index(family)), bool(means[family])
         points = sorted((c for c in checkpoints if c["run"] == run), key=lambda c: c["step"])
         steps = [c["step"] for c in points]
+        style = dict(color=colour, lw=0.7 if thin else 1.5, alpha=0.5 if thin else 1.0)
+        label = None if thin else run
         for j, name in enumerate(names):
             layer = [c["layers"][name] for c in points]
-            axes[0, j].plot(steps, [s["bits"] for s in layer], "-o", ms=3, color=colours(r), label=run)
-            axes[0, j].plot(steps, [s["shuffled_label_bits"] for s in layer], ":", color=colours(r))
-            axes[1, j].plot(steps, [s["sparsity"] for s in layer], "-o", ms=3, color=colours(r), label=run)
+            axes[0, j].plot(steps, [s["bits"] for s in layer], "-o", ms=2 if thin else 3, label=label, **style)
+            axes[0, j].plot(steps, [s["shuffled_label_bits"] for s in layer], ":", **style)
+            axes[1, j].plot(steps, [s["sparsity"] for s in layer], "-o", ms=2 if thin else 3, label=label, **style)
             if layer[0]["sparsity_shuffled_router"] is not None:
-                axes[1, j].plot(steps, [s["sparsity_shuffled_router"] for s in layer], "--", color=colours(r))
+                axes[1, j].plot(steps, [s["sparsity_shuffled_router"] for s in layer], "--", **style)
+    for f, family in enumerate(families):
+        if not means[family]:
+            continue
+        steps = [s["step"] for s in means[family]]
+        label = f"{family} (mean of {len(means[family][-1]['seeds'])} seeds)"
+        for j, name in enumerate(names):
+            for row, key in ((0, "bits"), (1, "sparsity")):
+                axes[row, j].plot(steps, [s["layers"][name][key][0] for s in means[family]], "-", lw=2.2,
+                                  color=colours(f), label=label)
     for j, name in enumerate(names):
         axes[0, j].set_title(name, fontsize=9)
         axes[1, j].set_xlabel("step")
@@ -173,6 +192,7 @@ def write_languages(report: dict[str, Any], out_dir: str) -> list[str]:
         language_heatmaps(result, report["labels"], os.path.join(out_dir, fname))
         files.append(fname)
     if len(report["checkpoints"]) > len(last):
-        language_curves(report["checkpoints"], os.path.join(out_dir, "languages_curves.png"))
+        language_curves(report["checkpoints"], os.path.join(out_dir, "languages_curves.png"),
+                        report.get("seed_summary"))
         files.append("languages_curves.png")
     return files

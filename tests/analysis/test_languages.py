@@ -75,3 +75,29 @@ def test_routing_churn_counts_changed_valid_tokens():
     swapped = np.select([previous == 0, previous == 1], [1, 0], previous)  # experts 0 <-> 1
     changed = ((previous == 0) | (previous == 1))[valid].mean()
     assert summaries.routing_churn(previous, swapped, valid) == pytest.approx(changed)
+
+
+def test_seed_summary_groups_a_familys_seeds_at_shared_steps(tmp_path):
+    """``learned/seed0..2`` form one family: mean and sample std over the seeds at each step
+    they share; a step held by one seed and a single-seed family get no summary; the curves
+    PNG is written from the summary."""
+    from moe_jax.analysis import plots
+
+    def result(run, step, bits):
+        layer = {"bits": bits, "shuffled_label_bits": bits / 10, "sparsity": 32 - bits,
+                 "sparsity_shuffled_router": 31.9}
+        return {"run": run, "step": step, "layers": {"decoder/layers_3": layer}}
+
+    checkpoints = [result("learned/seed0", 100, 0.2), result("learned/seed1", 100, 0.4),
+                   result("learned/seed2", 100, 0.6), result("learned/seed2", 150, 0.9),
+                   result("frozen/seed0", 100, 0.1), result("dense_run", 100, 0.0)]
+    assert languages.run_family("learned/seed12") == "learned"
+    assert languages.run_family("dense_run") == "dense_run"
+    assert languages.run_family("sweep/seeds") == "sweep/seeds"
+    summary = languages.seed_summary(checkpoints)
+    assert [(s["family"], s["step"], len(s["seeds"])) for s in summary] == [("learned", 100, 3)]
+    mean, std = summary[0]["layers"]["decoder/layers_3"]["bits"]
+    assert mean == pytest.approx(0.4) and std == pytest.approx(0.2)
+    assert summary[0]["layers"]["decoder/layers_3"]["sparsity"][0] == pytest.approx(31.6)
+    plots.language_curves(checkpoints, str(tmp_path / "curves.png"), summary)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
