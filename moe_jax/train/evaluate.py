@@ -16,7 +16,9 @@ checkpoint: loss, token accuracy and per-MoE-layer routing statistics (expert lo
 histogram, dropped fraction, router entropy, router weight drift from initialisation
 ``||W - W0|| / ||W0||``), written as ``<label>.json`` and ``<label>_expert_load.png`` in
 the output directory, plus ``comparison.txt``/``comparison.json`` with the side-by-side
-table that is also printed.
+table that is also printed, and, when the checkpoints are seeds of sweep families
+(``learned/seed0``, ``learned/seed1``, ...), ``comparison_seeds.md``: mean +- std over
+each family's seeds per router (``seed_table``).
 
 ``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
@@ -165,6 +167,42 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_SEED_LABEL = re.compile(r"^(?:(?P<family>.+)_)?seed\d+$")
+
+
+def seed_table(results: dict[str, dict[str, Any]]) -> str:
+    """Mean +- standard deviation (ddof 1) over the seeds of each run family and router,
+    for results labelled ``FAMILY_seedN[:ROUTER]`` (``checkpoint_labels`` of a sweep's
+    ``FAMILY/seedN`` directories): cross-entropy, its change from the same seed's ``learned``
+    router (when evaluated), accuracy, dead experts summed over the MoE layers and the
+    dropped fraction averaged over them. Empty when no family has two seeds."""
+    groups: dict[tuple[str, str], list[tuple[str, dict[str, Any]]]] = {}
+    for label, result in results.items():
+        checkpoint, _, router = label.partition(":")
+        match = _SEED_LABEL.match(checkpoint)
+        if match:
+            groups.setdefault((match.group("family") or "", router or "learned"), []).append((checkpoint, result))
+
+    def stat(values: list[float]) -> str:
+        return f"{np.mean(values):.4f} +- {np.std(values, ddof=1):.4f}"
+
+    lines = ["| run | router | seeds | cross-entropy | vs learned router | accuracy | dead experts (all layers) "
+             "| dropped (mean of layers) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (family, router), members in groups.items():
+        if len(members) < 2:
+            continue
+        entropy = [r["metrics"]["cross_entropy"] for _, r in members]
+        learned = [results.get(f"{c}:learned", results.get(c, {})).get("metrics", {}).get("cross_entropy")
+                   for c, _ in members]
+        change = "-" if None in learned else stat([e - b for e, b in zip(entropy, learned)])
+        dead = [float(sum(s.get("dead_experts", 0) for s in r["routing"].values())) for _, r in members]
+        dropped = [float(np.mean([s.get("dropped_fraction", np.nan) for s in r["routing"].values()]))
+                   for _, r in members]
+        lines.append(f"| {family} | {router} | {len(members)} | {stat(entropy)} | {change} | "
+                     f"{stat([r['metrics']['accuracy'] for _, r in members])} | {stat(dead)} | {stat(dropped)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def checkpoint_labels(paths: Sequence[str]) -> list[str]:
     """Short unique labels: the run directory's name, with ``@STEP`` when a step is given;
     runs of the same name (``learned/seed0``, ``frozen/seed0``) get their parent's name
@@ -287,6 +325,11 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
             f.write(table + "\n")
         with open(os.path.join(output_dir, "comparison.json"), "w") as f:
             json.dump(results, f, indent=1)
+        seeds = seed_table(results)
+        if seeds:
+            print(seeds, flush=True)
+            with open(os.path.join(output_dir, "comparison_seeds.md"), "w") as f:
+                f.write(seeds + "\n")
         if len(names) > 1:
             plot_routers(results, os.path.join(output_dir, "routers.png"))
         print(f"[moe-jax] eval results in {output_dir}", file=sys.stderr)

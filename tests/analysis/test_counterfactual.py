@@ -95,3 +95,25 @@ def test_gate_margin_is_top1_minus_top2_probability():
     real = np.asarray(mask) > 0
     expected = (probs[..., -1] - probs[..., -2])[real].mean()
     np.testing.assert_allclose(state["moe_metrics"]["gate_margin"][0], expected, rtol=1e-5)
+
+
+def test_seed_table_averages_a_familys_seeds_per_router():
+    """``FAMILY_seedN:ROUTER`` results: mean and sample std over the seeds, the change from
+    the same seed's learned router, dead experts summed over layers; a family with one seed
+    gets no row."""
+    from moe_jax.train.evaluate import seed_table
+
+    def result(entropy, dead):
+        routing = {"encoder/layers_1": {"dead_experts": dead, "dropped_fraction": 0.1},
+                   "decoder/layers_1": {"dead_experts": 1, "dropped_fraction": 0.3}}
+        return {"metrics": {"cross_entropy": entropy, "accuracy": 0.5}, "routing": routing}
+
+    results = {"learned_seed0:learned": result(5.0, 0), "learned_seed0:init": result(5.1, 4),
+               "learned_seed1:learned": result(6.0, 0), "learned_seed1:init": result(6.3, 8),
+               "frozen_seed0:learned": result(5.5, 2)}
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in seed_table(results).splitlines()[2:]}
+    assert set(rows) == {("learned", "learned"), ("learned", "init")}
+    # cross-entropy 5.1 / 6.3 -> 5.7 +- 0.8485; change from learned 0.1 / 0.3 -> 0.2 +- 0.1414
+    assert "5.7000 +- 0.8485 | 0.2000 +- 0.1414" in rows[("learned", "init")]
+    assert "| 7.0000 +- 2.8284 | 0.2000 +- 0.0000 |" in rows[("learned", "init")]  # (4+1, 8+1) dead; dropped
+    assert seed_table({"learned_seed0": result(5.0, 0)}) == ""
