@@ -5,9 +5,12 @@ executables compiled without a GPU); this module breaks a compiled step into the
 operations the device runs, so that the largest contributors can be named:
 
 * every *scheduled* instruction (the entry computation and the bodies of its ``while`` /
-  ``call`` / ``conditional`` / async calls), with the bytes of its operands and results as
-  laid out (``bf16[8,640,768]`` = 7.5 MiB): what a roofline model would charge it, one read
-  of each operand and one write of each result;
+  ``call`` / ``conditional`` / async calls), with the bytes of its operands and results in
+  device memory as laid out (``bf16[8,640,768]`` = 7.5 MiB): what a roofline model would
+  charge it, one read of each operand and one write of each result. Arrays that TPU
+  memory-space assignment placed in VMEM (layout ``S(1)``) are not device-memory traffic,
+  and an asynchronous pair (``copy-start`` / ``copy-done``) reads its source once and writes
+  its destination once (``Op.bytes``);
 * the TPU compiler's own time estimate of each instruction (``estimated_cycles`` in its
   ``backend_config``), which models what a gather, scatter or sort really costs there;
 * dense FLOPs of matmuls (``dot``, ``convolution`` and cuBLAS / cuDNN GEMM custom calls)
@@ -25,7 +28,7 @@ import re
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
-_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
 _CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
 _NOT_WORK = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "after-all", "partition-id",
@@ -33,10 +36,15 @@ _NOT_WORK = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__triton_gemm")
 
 
-def shape_bytes(text: str) -> float:
-    """Bytes of every array shape written in ``text`` (``f32[8,512]`` = 16 KiB)."""
+def shape_bytes(text: str, hbm_only: bool = False) -> float:
+    """Bytes of every array shape written in ``text`` (``f32[8,512]`` = 16 KiB);
+    ``hbm_only``: without the arrays a layout places in another memory space (``S(1)``: on
+    TPU the on-chip VMEM that memory-space assignment prefetches into; ``S(2)``: sync
+    flags), i.e. only what lives in device memory (HBM)."""
     total = 0.0
-    for dtype, dims in _SHAPE.findall(text):
+    for dtype, dims, layout in _SHAPE.findall(text):
+        if hbm_only and re.search(r"S\([1-9]\)", layout):
+            continue
         total += math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
     return total
 
@@ -79,6 +87,15 @@ class Op:
 
     @property
     def bytes(self) -> float:
+        """One read of each operand and one write of each result; for an asynchronous pair
+        (``copy-start`` / ``copy-done``, ``all-to-all-start`` / ``-done``, ...) the start
+        reads its operands and the done writes its result: the tuple the start returns
+        aliases its operands and the destination, and counting it (and the done's tuple
+        operand) would charge a copy of X bytes 6X instead of 2X."""
+        if self.opcode.endswith("-start"):
+            return self.operand_bytes
+        if self.opcode.endswith("-done"):
+            return self.output_bytes
         return self.operand_bytes + self.output_bytes
 
 
@@ -182,11 +199,11 @@ def parse(hlo_text: str) -> list[Op]:
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
             source = re.search(r'op_name="([^"]*)"', line.attributes)
             operand_types = [types[computation].get(o, "") for o in line.operands]
-            sizes = tuple(shape_bytes(t) for t in operand_types)
+            sizes = tuple(shape_bytes(t, hbm_only=True) for t in operand_types)
             counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
             ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
                           operand_bytes=sum(sizes), operand_sizes=sizes,
-                          output_bytes=shape_bytes(line.result_type),
+                          output_bytes=shape_bytes(line.result_type, hbm_only=True),
                           cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
                           flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
                           operands=line.operands, element_counts=counts))

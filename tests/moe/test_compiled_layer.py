@@ -41,6 +41,26 @@ def test_hlo_costs_count_matmul_flops_and_operand_bytes():
     assert hlo_costs.summary_of(ops, "MoeLayer")["bytes"] == 0
 
 
+def test_hlo_costs_count_an_async_copy_once_and_only_device_memory():
+    """A TPU ``copy-start`` returns (destination, source, context) and ``copy-done`` reads
+    that tuple: a copy of X bytes within HBM moves 2X (read + write), not the 6X of counting
+    both tuples; a prefetch into VMEM (layout ``S(1)``) reads X from HBM, and the operation
+    that then reads the VMEM copy moves nothing from HBM."""
+    hlo = """ENTRY %main {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %copy-start = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%x)
+  %copy-done = bf16[1024,1024]{1,0} copy-done(%copy-start)
+  %copy-start.1 = (bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%x)
+  %copy-done.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start.1)
+  ROOT %negate = bf16[1024,1024]{1,0} negate(%copy-done.1)
+}
+"""
+    ops = hlo_costs.parse(hlo)
+    megabytes = {op.name: op.bytes / 2**20 for op in ops}
+    assert megabytes == {"copy-start": 2, "copy-done": 2, "copy-start.1": 2, "copy-done.1": 0, "negate": 2}
+    assert hlo_costs.shape_bytes("bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}") == 2**21
+
+
 def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
     hlo = """ENTRY %main {
   %rows = bf16[64,128]{1,0} parameter(0)
