@@ -68,6 +68,8 @@ class Op:
       flops: dense matmul FLOPs of the dots / convolutions / GEMM calls in it.
       kinds: opcodes inside it (its fused computation's, for a fusion).
       sparse_core_offload: it (or what it calls) runs on a TPU SparseCore.
+      operand_alternate_bytes / output_alternate_bytes: the same for its arrays in
+        another memory space (TPU VMEM), which ``operand_bytes`` / ``output_bytes`` leave out.
       element_counts: element counts of its result's and operands' (first) array shapes
         (``categorize`` finds the operations that move whole weights by them).
     """
@@ -84,19 +86,29 @@ class Op:
     operands: tuple[str, ...] = ()
     operand_sizes: tuple[float, ...] = ()
     element_counts: frozenset[int] = frozenset()
+    operand_alternate_bytes: float = 0.0
+    output_alternate_bytes: float = 0.0
 
     @property
     def bytes(self) -> float:
-        """One read of each operand and one write of each result; for an asynchronous pair
-        (``copy-start`` / ``copy-done``, ``all-to-all-start`` / ``-done``, ...) the start
-        reads its operands and the done writes its result: the tuple the start returns
-        aliases its operands and the destination, and counting it (and the done's tuple
-        operand) would charge a copy of X bytes 6X instead of 2X."""
+        """One read of each operand and one write of each result in device memory; for an
+        asynchronous pair (``copy-start`` / ``copy-done``, ``all-to-all-start`` / ``-done``,
+        ...) the start reads its operands and the done writes its result: the tuple the start
+        returns aliases its operands and the destination, and counting it (and the done's
+        tuple operand) would charge a copy of X bytes 6X instead of 2X."""
+        return self._once(self.operand_bytes, self.output_bytes)
+
+    @property
+    def alternate_memory_bytes(self) -> float:
+        """The same count for the arrays in another memory space (TPU VMEM, ``S(1)``)."""
+        return self._once(self.operand_alternate_bytes, self.output_alternate_bytes)
+
+    def _once(self, operands: float, output: float) -> float:
         if self.opcode.endswith("-start"):
-            return self.operand_bytes
+            return operands
         if self.opcode.endswith("-done"):
-            return self.output_bytes
-        return self.operand_bytes + self.output_bytes
+            return output
+        return operands + output
 
 
 def _split_operands(rest: str) -> tuple[str, str]:
@@ -206,7 +218,9 @@ def parse(hlo_text: str) -> list[Op]:
                           output_bytes=shape_bytes(line.result_type, hbm_only=True),
                           cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
                           flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
-                          operands=line.operands, element_counts=counts))
+                          operands=line.operands, element_counts=counts,
+                          operand_alternate_bytes=sum(shape_bytes(t) for t in operand_types) - sum(sizes),
+                          output_alternate_bytes=shape_bytes(line.result_type) - shape_bytes(line.result_type, True)))
     return ops
 
 
@@ -216,11 +230,13 @@ INDEXED_KINDS = frozenset({"gather", "scatter", "sort", "dynamic-slice", "dynami
 
 
 def summary(ops: list[Op]) -> dict[str, float]:
-    """Totals: ``bytes`` (one read per operand, one write per result, all scheduled ops),
+    """Totals: ``bytes`` (one read per operand, one write per result in device memory, all
+    scheduled ops), ``alternate_memory_bytes`` (the same in TPU VMEM),
     ``flops`` (matmuls), ``cycles`` (TPU estimate), ``indexed_bytes`` (ops holding a gather,
     scatter, sort or dynamic slice) and ``sparse_core_ops``."""
     return {
         "bytes": sum(op.bytes for op in ops),
+        "alternate_memory_bytes": sum(op.alternate_memory_bytes for op in ops),
         "flops": sum(op.flops for op in ops),
         "cycles": float(sum(op.cycles for op in ops)),
         "indexed_bytes": sum(op.bytes for op in ops if op.kinds & INDEXED_KINDS),

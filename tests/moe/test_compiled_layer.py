@@ -58,6 +58,8 @@ def test_hlo_costs_count_an_async_copy_once_and_only_device_memory():
     ops = hlo_costs.parse(hlo)
     megabytes = {op.name: op.bytes / 2**20 for op in ops}
     assert megabytes == {"copy-start": 2, "copy-done": 2, "copy-start.1": 2, "copy-done.1": 0, "negate": 2}
+    assert {op.name: op.alternate_memory_bytes / 2**20 for op in ops if op.alternate_memory_bytes} == {
+        "copy-done.1": 2, "negate": 2}
     assert hlo_costs.shape_bytes("bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}") == 2**21
 
 
@@ -80,9 +82,10 @@ def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
 
 
 # Bound for the layer below on v5p: cost_analysis() bytes over the bytes of one read of every
-# operand and one write of every result (HLO bytes). 2.0x measured (gathers are counted by
-# tile, not by row); with jax.lax.top_k in the router, its SparseCore scatter made it 35x.
-COST_OVER_HLO_BYTES_BOUND = 3.0
+# operand and one write of every result (HLO bytes, in device memory and VMEM, an async copy
+# once). 3.2x measured (gathers are counted by tile, not by row); with jax.lax.top_k in the
+# router, its SparseCore scatter made it over 35x.
+COST_OVER_HLO_BYTES_BOUND = 4.0
 
 
 def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic():
@@ -94,7 +97,8 @@ def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic():
     ops = hlo_costs.parse(compiled.as_text())
     totals = hlo_costs.summary(ops)
     assert totals["sparse_core_ops"] == 0, [op.source for op in ops if op.sparse_core_offload]
-    assert compiled.cost_analysis()["bytes accessed"] <= COST_OVER_HLO_BYTES_BOUND * totals["bytes"]
+    all_spaces = totals["bytes"] + totals["alternate_memory_bytes"]  # cost analysis counts VMEM too
+    assert compiled.cost_analysis()["bytes accessed"] <= COST_OVER_HLO_BYTES_BOUND * all_spaces
 
 
 def test_choice_major_combine_equals_token_major():
