@@ -62,8 +62,8 @@ class Op:
     Attributes:
       name / opcode: as in the HLO (``fusion.15``, ``fusion``).
       source: the JAX ``op_name`` of its metadata (which part of the program it came from).
-      operand_bytes / output_bytes: bytes of its operands / results as laid out
-        (``operand_sizes``: each operand's).
+      operand_bytes / output_bytes: bytes of its operands / results in device memory as
+        laid out (``operand_sizes``: each operand's, in any memory space).
       cycles: the TPU compiler's estimate (0 where the backend gives none).
       flops: dense matmul FLOPs of the dots / convolutions / GEMM calls in it.
       kinds: opcodes inside it (its fused computation's, for a fusion).
@@ -211,15 +211,16 @@ def parse(hlo_text: str) -> list[Op]:
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
             source = re.search(r'op_name="([^"]*)"', line.attributes)
             operand_types = [types[computation].get(o, "") for o in line.operands]
-            sizes = tuple(shape_bytes(t, hbm_only=True) for t in operand_types)
+            sizes = tuple(shape_bytes(t) for t in operand_types)  # every memory space (collectives' sizes)
+            device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
             counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
             ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
-                          operand_bytes=sum(sizes), operand_sizes=sizes,
+                          operand_bytes=sum(device_sizes), operand_sizes=sizes,
                           output_bytes=shape_bytes(line.result_type, hbm_only=True),
                           cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
                           flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
                           operands=line.operands, element_counts=counts,
-                          operand_alternate_bytes=sum(shape_bytes(t) for t in operand_types) - sum(sizes),
+                          operand_alternate_bytes=sum(sizes) - sum(device_sizes),
                           output_alternate_bytes=shape_bytes(line.result_type) - shape_bytes(line.result_type, True)))
     return ops
 
@@ -300,7 +301,7 @@ def collectives(ops: list[Op]) -> list[Collective]:
             done = next((j for j in range(i + 1, len(ops)) if op.name in ops[j].operands
                          and ops[j].opcode.endswith("-done")), i)
         between = [o for o in ops[i + 1:done] if o.flops > 0 or o.cycles > 0]
-        sent = op.operand_sizes[0] if kind == "ragged-all-to-all" and op.operand_sizes else op.operand_bytes
+        sent = op.operand_sizes[0] if kind == "ragged-all-to-all" and op.operand_sizes else sum(op.operand_sizes)
         found.append(Collective(kind=kind, bytes=sent, overlapped_ops=len(between),
                                 overlapped_flops=sum(o.flops for o in between)))
     return found
