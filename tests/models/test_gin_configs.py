@@ -78,3 +78,23 @@ def test_macros_override_from_bindings():
         config = model.module.config
     assert config.sparse_layers("decoder") == (0, 1)
     assert (config.num_heads, config.head_dim, config.emb_dim) == (4, 8, 32)
+
+
+@pytest.mark.parametrize("router", ["top2.gin", "switch.gin"])
+def test_fine_grained_scales_the_capacity_factors_of_a_router_file_read_before_it(router):
+    """routers/top2.gin (which the Figure 5 experiments include) sets the capacity factors
+    through the macros, so routers/fine_grained.gin read after it multiplies them by m = 4;
+    they once bound MoeLayer's factors directly and the fine-grained runs kept 1.25 / 2.0."""
+    from moe_jax.moe import MoeLayer
+
+    files = [str(REPO / "gin" / d / f) for d, f in
+             (("models", "t5_moe.gin"), ("routers", router), ("routers", "fine_grained.gin"))]
+    gin.add_config_file_search_path(str(REPO))
+    try:
+        for parsed, expected in ((files, (5.0, 8.0)), (files[:2], (1.25, 2.0))):  # router alone: its own
+            gin.clear_config()
+            gin.parse_config_files_and_bindings(parsed, [], finalize_config=False)
+            layer = MoeLayer()
+            assert (layer.train_capacity_factor, layer.eval_capacity_factor) == expected
+    finally:
+        gin.clear_config()
