@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -194,8 +193,9 @@ def run_name(checkpoint_path: str) -> str:
 
 def run_family(run: str) -> str:
     """``learned/seed0`` -> ``learned``: a run without its seed directory (else the run)."""
-    head, _, tail = run.rpartition("/")
-    return head if head and re.fullmatch(r"seed\d+", tail) else run
+    from moe_jax.train.sweep import seed_family
+
+    return seed_family(run) or run
 
 
 SEED_STATISTICS = ("bits", "shuffled_label_bits", "sparsity")

@@ -44,7 +44,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax.train import distributed, gin_utils, setup
+from moe_jax.train import distributed, gin_utils, setup, sweep
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
 
@@ -167,9 +167,6 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-_SEED_LABEL = re.compile(r"^(?:(?P<family>.+)_)?seed\d+$")
-
-
 def seed_table(results: dict[str, dict[str, Any]]) -> str:
     """Mean +- standard deviation (ddof 1) over the seeds of each run family and router,
     for results labelled ``FAMILY_seedN[:ROUTER]`` (``checkpoint_labels`` of a sweep's
@@ -179,9 +176,9 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
     groups: dict[tuple[str, str], list[tuple[str, dict[str, Any]]]] = {}
     for label, result in results.items():
         checkpoint, _, router = label.partition(":")
-        match = _SEED_LABEL.match(checkpoint)
-        if match:
-            groups.setdefault((match.group("family") or "", router or "learned"), []).append((checkpoint, result))
+        family = sweep.seed_family(checkpoint)
+        if family is not None:
+            groups.setdefault((family, router or "learned"), []).append((checkpoint, result))
 
     def stat(values: list[float]) -> str:
         return f"{np.mean(values):.4f} +- {np.std(values, ddof=1):.4f}"

@@ -39,6 +39,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,6 +53,17 @@ from moe_jax.errors import UserError
 
 FAMILY_KEYS = frozenset({"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"})
 RUN_KEYS = frozenset({"gin_files", "bindings"})
+
+
+_SEED_NAME = re.compile(r"(?:(?P<family>.+)[/_])?seed\d+")
+
+
+def seed_family(name: str) -> str | None:
+    """The family of a run named by its seed directory (``learned/seed0``, or the label
+    ``learned_seed0`` that `moe-jax eval` gives it) -> ``learned`` (``""`` for a bare
+    ``seed0``); None when ``name`` does not end in a seed."""
+    match = _SEED_NAME.fullmatch(name)
+    return None if match is None else match.group("family") or ""
 
 
 class FamilyError(UserError, ValueError):
