@@ -1,8 +1,10 @@
-"""`moe-jax synthetic <experiment> [--preset quick|converged|paper] [--seed N | --seeds 0,1,2] [--out DIR]`.
+"""`moe-jax synthetic <experiment> [--preset quick|converged|paper] [--seed N | --seeds 0,1,2] [--out DIR] [--set KEY=VALUE ...]`.
 
 Regenerates one synthetic result of the paper (or `all` of the suite) into ``--out``:
 ``<name>.json`` (numbers), ``<name>.csv`` (one row per run) and ``<name>.png``, and prints
-its results table. `moe-jax synthetic list` describes the experiments;
+its results table. ``--set KEY=VALUE`` (repeatable, one experiment only) changes one entry
+of the preset, e.g. ``--set lr_router=0.1 --set sizes=[1024,8192]``; the JSON's ``config``
+is the preset as it ran. `moe-jax synthetic list` describes the experiments;
 `moe-jax synthetic report --results DIR [--quick DIR]` writes the fidelity table
 (``report.md``, ``report.png``) of a folder of results.
 """
@@ -10,14 +12,16 @@ its results table. `moe-jax synthetic list` describes the experiments;
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 from moe_jax.synthetic.experiments import EXPERIMENTS, SUITE, load
-from moe_jax.synthetic.experiments.common import PRESETS, console_table
+from moe_jax.synthetic.experiments.common import PRESETS, TRAINING_KEYS, console_table
 
 DEFAULT_SEEDS = {"quick": [0, 1], "converged": [0, 1, 2], "paper": [0, 1, 2]}
 
@@ -32,6 +36,36 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def _override(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value): VALUE is a Python literal (1e-3, [640, 25600], 'mean')
+    or, if it is not one, the plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()
+
+
+def apply_overrides(preset: dict[str, Any], overrides: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """A copy of ``preset`` with ``overrides`` applied. A key must be one of the preset's
+    or a training key (schedule, convergence rule); a value must have the type of the
+    preset's (an int may stand for a float). ``where`` names the preset in errors."""
+    cfg = dict(preset)
+    for key, value in overrides:
+        if key not in cfg and key not in TRAINING_KEYS:
+            raise ValueError(f"--set {key}: {where} has no such key; keys: {', '.join(sorted(set(cfg) | set(TRAINING_KEYS)))}")
+        if key in cfg:
+            current = cfg[key]
+            if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if type(value) is not type(current):
+                raise ValueError(f"--set {key}={value!r}: {where} has {key}={current!r}, a {type(current).__name__}, not a {type(value).__name__}")
+        cfg[key] = value
+    return cfg
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax synthetic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", help=f"one of: {', '.join(EXPERIMENTS)}, or 'all' (the suite without cifar100), 'list' or 'report'")
@@ -40,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument("--seed", type=int, help="a single seed")
     group.add_argument("--seeds", type=_seeds, help="comma-separated seeds, e.g. 0,1,2 (vmapped in one jit)")
     p.add_argument("--out", default=None, help="output directory (default: results/synthetic; for report: the --results folder)")
+    p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE", help="change one preset entry (repeatable; a single experiment only), e.g. --set lr_router=0.1")
     p.add_argument("--results", default=None, help="report: the folder of <experiment>.json files to judge")
     p.add_argument("--quick", default=None, help="report: a folder of quick-preset results for the 'quick' column (optional)")
     return p
@@ -80,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.experiment != "all" and args.experiment not in EXPERIMENTS:
         print(f"moe-jax synthetic: unknown experiment {args.experiment!r}; choose one of {', '.join(EXPERIMENTS)}, all, list, report", file=sys.stderr)
         return 2
+    if args.overrides and args.experiment == "all":
+        print("moe-jax synthetic: --set changes one experiment's preset; name the experiment instead of 'all'", file=sys.stderr)
+        return 2
+    try:
+        configs = {name: apply_overrides(load(name).presets[args.preset], args.overrides, f"{name}'s {args.preset} preset") for name in names}
+    except ValueError as err:
+        print(f"moe-jax synthetic: {err}", file=sys.stderr)
+        return 2
     seeds = [args.seed] if args.seed is not None else (args.seeds or DEFAULT_SEEDS[args.preset])
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         import jax
@@ -88,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out or "results/synthetic")
     timings = {}
     for name in names:
-        experiment = load(name)
         start = time.perf_counter()
-        result = experiment.run(dict(experiment.presets[args.preset]), seeds, out)
+        result = load(name).run(configs[name], seeds, out)
         timings[name] = time.perf_counter() - start
         print(f"\n{name} ({args.preset}, seeds {','.join(map(str, seeds))}):\n{console_table(result)}")
         print(f"{name}: {timings[name]:.1f}s -> {result['files']['json']}", flush=True)

@@ -31,16 +31,32 @@ def test_unknown_experiment_and_bad_preset_are_named(capsys):
     assert "unknown preset 'huge'" in capsys.readouterr().err
 
 
-def test_an_experiment_writes_json_csv_and_png(tmp_path, monkeypatch, capsys):
+def test_bad_overrides_are_named(capsys):
+    assert cli.main(["fig6", "--set", "lr_routr=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--set lr_routr: fig6's quick preset has no such key" in err and "lr_router" in err
+    assert cli.main(["fig6", "--set", "sizes=1024"]) == 2
+    assert "sizes=1024: fig6's quick preset has sizes=[1024, 8192], a list, not a int" in capsys.readouterr().err
+    assert cli.main(["all", "--set", "steps=10"]) == 2
+    assert "name the experiment" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["fig6", "--set", "lr_router"])
+    # values are literals where they parse, strings otherwise; ints stand for floats
+    assert cli.apply_overrides({"lr": 1e-3, "mode": "sum"}, [cli._override("lr=1"), cli._override("mode=mean")], "p") == {"lr": 1.0, "mode": "mean"}
+
+
+def test_an_experiment_writes_json_csv_and_png(tmp_path, capsys):
     from moe_jax.synthetic import experiments
 
-    spec = experiments.load("spurious")
-    small = dict(spec.presets["quick"], k=4, d=20, d_signal=4, n_train=256, n_test=64, steps=100, batch=32)
-    monkeypatch.setitem(spec.presets, "quick", small)
-    assert cli.main(["spurious", "--seeds", "0,1", "--out", str(tmp_path)]) == 0
+    preset = dict(experiments.load("spurious").presets["quick"])
+    small = dict(k=4, d=20, d_signal=4, n_train=256, n_test=64, steps=100, batch=32)
+    overrides = [f"--set={key}={value}" for key, value in small.items()]
+    assert cli.main(["spurious", "--seeds", "0,1", "--out", str(tmp_path), *overrides]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "spurious.json").read_text())
     assert result["seeds"] == [0, 1]
+    assert result["config"] == {**preset, **small}  # the preset as it ran
+    assert experiments.load("spurious").presets["quick"] == preset  # and the preset itself untouched
     with open(tmp_path / "spurious.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted((int(r["seed"]), float(r["weight_decay"])) for r in rows) == [(0, 0.0), (0, 1e-3), (1, 0.0), (1, 1e-3)]

@@ -21,9 +21,9 @@ from moe_jax.synthetic.data import Batch
 from moe_jax.synthetic.experiments import common
 
 PRESETS = {
-    "quick": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=8192, n_test=2048, steps=1500, batch=128, lr=3.2e-3),
-    "converged": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=102400, n_test=4096, steps=20000, batch=256, lr=3.2e-3, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
-    "paper": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=102400, n_test=8192, steps=20000, batch=256, lr=3.2e-3),
+    "quick": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=8192, n_test=2048, steps=1500, batch=128, lr_router=3.2e-3, lr_experts=3.2e-3),
+    "converged": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=102400, n_test=4096, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "paper": dict(atoms=[32, 128], d=32, c=2.0, num_experts=32, n_train=102400, n_test=8192, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3),
 }
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "shuffled_sparsity", "sparsity_atom", "shuffled_sparsity_atom")
 MODELS = ("MoE learned", "MoE frozen", "dense 2 layers", "dense 1 layer")
@@ -56,7 +56,7 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
         make = functools.partial(data.make_dictionary, num_atoms=c, d=d, c=cfg["c"])
         _, train_set, test_set = common.seed_datasets(make, data.sample_dictionary, seeds, cfg["n_train"], cfg["n_test"])
         for label, (model, mode) in candidates.items():
-            opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg.get("lr_router", cfg["lr"]), lr_experts=cfg["lr"], router_mode=mode)
+            opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr_router"], lr_experts=cfg["lr_experts"], router_mode=mode)
             log = train.TrainLog()
             params = train.train_runs(model, opt, runs, train_set, desc=f"dictionary c={c} {label}", log=log)
             results = {**train.evaluate_runs(model, params, runs, by_pair(test_set, c), c * c), **log.columns()}

@@ -15,9 +15,9 @@ from typing import Any
 from moe_jax.synthetic import data, experts, models, train
 from moe_jax.synthetic.experiments import common
 
-_QUICK = dict(k=16, d=16, c=2.0, hidden=64, sizes=[256, 1024, 4096], steps=1000, batch=128, n_test=2048)
-_CONVERGED = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 25600], steps=3000, batch=32, n_test=4096, schedule="cosine", converge_window=500, converge_rtol=1e-2, converge_atol=1e-5, chunk=250)
-_PAPER = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 1600, 3200, 6400, 12800, 25600], steps=20000, batch=256, n_test=8192)
+_QUICK = dict(k=16, d=16, c=2.0, hidden=64, sizes=[256, 1024, 4096], steps=1000, batch=128, n_test=2048, lr_router=1e-1, lr_experts=1e-2)
+_CONVERGED = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 25600], steps=3000, batch=32, n_test=4096, lr_router=1e-1, lr_experts=1e-2, schedule="cosine", converge_window=500, converge_rtol=1e-2, converge_atol=1e-5, chunk=250)
+_PAPER = dict(k=64, d=24, c=2.0, hidden=96, sizes=[640, 1600, 3200, 6400, 12800, 25600], steps=20000, batch=256, n_test=8192, lr_router=1e-1, lr_experts=1e-2)
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity", "norm_uniformity")
 
 
@@ -36,7 +36,7 @@ def _run(name: str, labels: str, with_dense: bool, cfg: dict[str, Any], seeds: l
         candidates["dense (whole MoE's params)"] = (models.Dense.matching(moe_params, d, out, 4), "learned")
     rows = []
     for label, (model, mode) in candidates.items():
-        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="sgd", lr_router=cfg.get("lr_router", 1e-1), lr_experts=cfg.get("lr_experts", 1e-2), router_mode=mode)
+        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="sgd", lr_router=cfg["lr_router"], lr_experts=cfg["lr_experts"], router_mode=mode)
         log = train.TrainLog()
         params = train.train_runs(model, opt, runs, train_set, desc=f"{name} {label}", log=log)
         rows += common.table(coords, {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()}, model=label)

@@ -24,9 +24,9 @@ from moe_jax.synthetic import data, metrics, models, train
 from moe_jax.synthetic.experiments import common
 
 SPURIOUS = {
-    "quick": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=2048, steps=2000, batch=256, weight_decays=[0.0, 1e-3]),
-    "converged": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=4096, steps=4000, batch=256, lr_experts=3.2e-2, weight_decays=[0.0, 1e-3], converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
-    "paper": dict(k=64, d=240, d_signal=24, c=2.0, expert="mlp", n_train=51200, n_test=8192, steps=20000, batch=256, weight_decays=[0.0, 1e-3]),
+    "quick": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=2048, steps=2000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, weight_decays=[0.0, 1e-3]),
+    "converged": dict(k=16, d=120, d_signal=12, c=2.0, expert="constant", n_train=8192, n_test=4096, steps=4000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-2, weight_decays=[0.0, 1e-3], converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "paper": dict(k=64, d=240, d_signal=24, c=2.0, expert="mlp", n_train=51200, n_test=8192, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, weight_decays=[0.0, 1e-3]),
 }
 THEOREM1 = {
     "quick": dict(SPURIOUS["quick"], steps=3000, weight_decays=[0.0, 1e-3, 1e-2]),
@@ -51,7 +51,7 @@ def _run(name: str, plotted: str, cfg: dict[str, Any], seeds: list[int], out_dir
     rows, curves = [], {}
     for wd in cfg["weight_decays"]:
         trajectory = [(0, track(init))]
-        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg.get("lr_router", 3.2e-3), lr_experts=cfg.get("lr_experts", 3.2e-3), weight_decay=wd)
+        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr_router"], lr_experts=cfg["lr_experts"], weight_decay=wd)
         log = train.TrainLog()
         params = train.train_runs(model, opt, runs, train_set, init, desc=f"{name} wd={wd}", callback=lambda step, p: trajectory.append((step, track(p))), log=log)
         results = {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()}

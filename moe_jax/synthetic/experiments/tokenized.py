@@ -24,9 +24,9 @@ from moe_jax.synthetic import data, models, train
 from moe_jax.synthetic.experiments import common
 
 PRESETS = {
-    "quick": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=4096, n_test=1024, steps=1500, batch=64, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05),
-    "converged": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear"], n_train=8192, n_test=2048, steps=4000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.25, schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
-    "paper": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=51200, n_test=8192, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05),
+    "quick": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=4096, n_test=1024, steps=1500, batch=64, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05, label_reduce="sum"),
+    "converged": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear"], n_train=8192, n_test=2048, steps=4000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.25, label_reduce="sum", schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
+    "paper": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=51200, n_test=8192, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05, label_reduce="sum"),
 }
 METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity")
 MODELS = ("MoE learned", "MoE frozen", "dense 2 layers")
@@ -41,7 +41,7 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     rows = []
     for output in cfg["outputs"]:
         for length in cfg["lengths"]:
-            make = functools.partial(data.make_tokenized_mixture, k=k, d=d, length=length, c=cfg["c"], quadratic=output == "quadratic")
+            make = functools.partial(data.make_tokenized_mixture, k=k, d=d, length=length, c=cfg["c"], quadratic=output == "quadratic", reduce=cfg["label_reduce"])
             _, train_set, test_set = common.seed_datasets(make, data.sample_tokenized_mixture, seeds, cfg["n_train"], cfg["n_test"])
             for label, (model, mode) in candidates.items():
                 opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr_router"], lr_experts=cfg["lr_experts"], router_mode=mode)
