@@ -120,3 +120,16 @@ def test_an_exact_identity_passes_up_to_float32_rounding():
     assert target.verdict({"summary": {"max_grad_gap": 6e-7}}) == "magnitude within 2x"
     assert target.verdict({"summary": {"max_grad_gap": 5e-5}}) == "direction reproduced"  # < 1e-4: holds, not exactly
     assert target.verdict({"summary": {"max_grad_gap": 0.1}}) == "not reproduced"
+
+
+def test_the_committed_fidelity_table_is_the_report_of_the_committed_runs():
+    # docs never drift from runs: docs/synthetic.md embeds report.md, which is `report` of the JSON beside it
+    import pathlib
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
+    runs = docs / "synthetic_converged"
+    converged, missing = report.load_results(runs)
+    quick, _ = report.load_results(runs / "quick")
+    table = report.markdown(report.rows(converged, quick), missing)
+    assert table == (runs / "report.md").read_text()
+    assert table.strip() in (docs / "synthetic.md").read_text()
