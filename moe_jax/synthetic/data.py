@@ -161,25 +161,25 @@ class TokenizedMixture(NamedTuple):
     """Sequences of ``length`` tokens, each an independent draw from ``mixture``.
 
     mixture.label_vectors are the per-cluster w_g (``[k, d]``); quadratic selects
-    y = sum_i (w_{g_i}^T x_i)^2 instead of y = sum_i w_{g_i}^T x_i; reduce "mean" divides
+    y = sum_i (w_{g_i}^T x_i)^2 instead of y = sum_i w_{g_i}^T x_i; label_reduce "mean" divides
     either by the length (App. C.2 writes the sum).
     """
 
     mixture: GaussianMixture
     length: int
     quadratic: bool
-    reduce: str = "sum"
+    label_reduce: str = "sum"
 
 
 def make_tokenized_mixture(
-    key: Array, k: int, d: int, length: int, *, c: float = 2.0, quadratic: bool = False, reduce: str = "sum"
+    key: Array, k: int, d: int, length: int, *, c: float = 2.0, quadratic: bool = False, label_reduce: str = "sum"
 ) -> TokenizedMixture:
     """k c-separated Gaussians in R^d, per-cluster w_g ~ N(0, I_d / d); labels summed over
-    the tokens (``reduce="sum"``, App. C.2's formula) or averaged (``"mean"``)."""
-    if reduce not in ("sum", "mean"):
-        raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
+    the tokens (``label_reduce="sum"``, App. C.2's formula) or averaged (``"mean"``)."""
+    if label_reduce not in ("sum", "mean"):
+        raise ValueError(f"label_reduce must be 'sum' or 'mean', got {label_reduce!r}")
     mixture = make_gaussian_mixture(key, k, d, c=c, labels="linear")
-    return TokenizedMixture(mixture, length, quadratic, reduce)
+    return TokenizedMixture(mixture, length, quadratic, label_reduce)
 
 
 def sample_tokenized_mixture(task: TokenizedMixture, key: Array, n: int) -> Batch:
@@ -191,7 +191,7 @@ def sample_tokenized_mixture(task: TokenizedMixture, key: Array, n: int) -> Batc
         per_token = per_token**2
     d = flat.x.shape[-1]
     y = per_token.reshape(n, task.length).sum(axis=1, keepdims=True)
-    if task.reduce == "mean":
+    if task.label_reduce == "mean":
         y = y / task.length
     return Batch(flat.x.reshape(n, task.length, d), y, flat.cluster.reshape(n, task.length))
 

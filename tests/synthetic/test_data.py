@@ -49,7 +49,7 @@ def test_generators_jit_and_have_documented_shapes():
     assert b.x.shape == (8, 4, 6) and b.cluster.shape == (8, 4) and b.y.shape == (8, 1)
     per_token = jnp.sum(tok.mixture.label_vectors[b.cluster] * b.x, -1) ** 2
     np.testing.assert_allclose(b.y[:, 0], per_token.sum(-1), rtol=1e-5)
-    averaged = data.sample_tokenized_mixture(data.make_tokenized_mixture(KEY, k=5, d=6, length=4, quadratic=True, reduce="mean"), KEY, 8)
+    averaged = data.sample_tokenized_mixture(data.make_tokenized_mixture(KEY, k=5, d=6, length=4, quadratic=True, label_reduce="mean"), KEY, 8)
     np.testing.assert_allclose(averaged.x, b.x)
     np.testing.assert_allclose(averaged.y[:, 0], per_token.mean(-1), rtol=1e-5)
 
@@ -70,5 +70,5 @@ def test_bad_options_are_named():
         data.make_gaussian_mixture(KEY, 3, 4, labels="quadratic")
     with pytest.raises(ValueError, match="radius"):
         data.make_truncated_pair(KEY, 3, radius=1.5)
-    with pytest.raises(ValueError, match="reduce"):
-        data.make_tokenized_mixture(KEY, 3, 4, 2, reduce="max")
+    with pytest.raises(ValueError, match="label_reduce"):
+        data.make_tokenized_mixture(KEY, 3, 4, 2, label_reduce="max")
