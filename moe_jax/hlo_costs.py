@@ -213,15 +213,16 @@ def parse(hlo_text: str) -> list[Op]:
             operand_types = [types[computation].get(o, "") for o in line.operands]
             sizes = tuple(shape_bytes(t) for t in operand_types)  # every memory space (collectives' sizes)
             device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
+            output_all, output_device = shape_bytes(line.result_type), shape_bytes(line.result_type, hbm_only=True)
             counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
             ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
                           operand_bytes=sum(device_sizes), operand_sizes=sizes,
-                          output_bytes=shape_bytes(line.result_type, hbm_only=True),
+                          output_bytes=output_device,
                           cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
                           flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
                           operands=line.operands, element_counts=counts,
                           operand_alternate_bytes=sum(sizes) - sum(device_sizes),
-                          output_alternate_bytes=shape_bytes(line.result_type) - shape_bytes(line.result_type, True)))
+                          output_alternate_bytes=output_all - output_device))
     return ops
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from moe_jax.analysis import counterfactual, routing
 from moe_jax.analysis.positions import mutual_information_bits
 from moe_jax.synthetic import metrics as synthetic_metrics
+from moe_jax.train.sweep import seed_family
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -193,8 +194,6 @@ def run_name(checkpoint_path: str) -> str:
 
 def run_family(run: str) -> str:
     """``learned/seed0`` -> ``learned``: a run without its seed directory (else the run)."""
-    from moe_jax.train.sweep import seed_family
-
     return seed_family(run) or run
 
 
