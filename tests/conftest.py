@@ -19,3 +19,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# gs:// tests: every GCS client of this process and its subprocesses points at a server on
+# localhost (tests/gcs_server.py), set before TensorStore, epath or orbax are imported.
+from tests import gcs_server  # noqa: E402
+
+gcs_server.configure_environment()
+
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def gcs_dir(request) -> str:
+    """A fresh ``gs://`` folder on the test GCS server (started on first use)."""
+    gcs_server.start()
+    return f"gs://{gcs_server.BUCKET}/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from moe_jax import storage
 from moe_jax.cli import split_command
 from moe_jax.train import distributed, gin_utils
 
@@ -52,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     with gin.unlock_config():  # its gin configurables register on import (a config may be locked)
         module = importlib.import_module(ANALYSES[analysis][0])
     parser = setup.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
-    parser.add_argument("--checkpoint", required=True, action="append", metavar="DIR[/checkpoints/STEP]",
+    parser.add_argument("--checkpoint", type=storage.normalize, required=True, action="append", metavar="DIR[/checkpoints/STEP]",
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP"
                              + ("; repeat for several (runs of one model)" if analysis in MULTI_CHECKPOINT else ""))
     if analysis in MULTI_CHECKPOINT:
         parser.add_argument("--all_steps", action="store_true",
                             help="every saved step of each --checkpoint's run (curves over steps)")
-    parser.add_argument("--out", default=None, metavar="DIR",
+    parser.add_argument("--out", type=storage.normalize, default=None, metavar="DIR",
                         help="output directory (default: MODEL_DIR/analysis)")
     args = gin_utils.parse_flags(parser, rest)
     if analysis not in MULTI_CHECKPOINT and len(args.checkpoint) > 1:

@@ -16,12 +16,18 @@ listed: restoring takes the previous one. Restore targets carry the *current* me
 shardings, so a checkpoint saved from any mesh shape restores onto any other.
 
 Faults (docs/training.md, "Reliability"):
-  * Once a step is finalized, process 0 writes ``<step>/{INTEGRITY_FILE}`` (every file's
-    size in bytes; local directories only). Before restoring, the sizes are checked;
-    a missing or truncated file, or any error while reading, raises
-    :class:`UnreadableCheckpointError` naming the step, the file and the cause in one line.
-    `train` then moves the step aside to ``MODEL_DIR/unreadable_checkpoints/<step>`` (never
-    deletes it) and falls back to the newest readable step (:func:`restore_latest_readable`).
+  * Once a step is finalized, process 0 writes ``<step>/{INTEGRITY_FILE}``: every file's
+    size and CRC32C (on GCS both come from one object listing; locally each file is read
+    once). Before restoring, the files are checked against it: a missing, resized or
+    changed file raises :class:`UnreadableCheckpointError` (``damaged``) naming the step,
+    the file and the cause in one line. `train` then moves the step aside to
+    ``MODEL_DIR/unreadable_checkpoints/<step>`` (never deletes it) and falls back to the
+    newest readable step (:func:`restore_latest_readable`); it names the steps set aside
+    at every later start.
+  * A read that fails while the files match their record (a permission, a missing
+    library) is the caller's problem, not the checkpoint's: :class:`CheckpointReadError`
+    stops with one line and nothing is moved. A step without a record (written by an older
+    version) counts as damaged when it cannot be decoded.
   * A failed save (disk full, quota, permission) raises :class:`~moe_jax.errors.WriteFailedError`
     naming ``MODEL_DIR``, the step, the cause and the last good checkpoint, at the save that
     follows it or at the next :meth:`Checkpointer.check_for_errors`; the step's partial
@@ -32,13 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import json
 import logging
 import os
-import pathlib
 import re
-import shutil
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +50,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moe_jax import errors
+from moe_jax import errors, storage
 from moe_jax.train.train_state import TrainState
 
 PyTree = Any
@@ -73,11 +76,21 @@ class UnwritableModelDirError(errors.UserError, PermissionError):
 
 
 class UnreadableCheckpointError(errors.CheckpointError):
-    """A checkpoint's files are missing, truncated or unreadable; names step, file and cause."""
+    """A checkpoint's files are missing, truncated or changed, or cannot be decoded
+    (``damaged``: moving it aside is safe); names step, file and cause."""
 
-    def __init__(self, message: str, step: int):
+    def __init__(self, message: str, step: int, damaged: bool = True):
         super().__init__(message)
         self.step = step
+        self.damaged = damaged
+
+
+class CheckpointReadError(UnreadableCheckpointError):
+    """Reading a checkpoint failed for a cause outside it (a permission, a missing
+    library, a network error): the checkpoint is left where it is."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message, step, damaged=False)
 
 
 def param_shapes(params: PyTree) -> dict[str, list[int]]:
@@ -108,37 +121,41 @@ def check_compatible(saved: dict[str, list[int]], expected: dict[str, list[int]]
 
 
 def ensure_writable(model_dir: str) -> None:
-    """Refuses (``PermissionError`` naming it) a local ``MODEL_DIR`` that cannot be written,
-    before any training starts. Remote paths (``gs://``) are left to orbax."""
-    if "://" in model_dir:
-        return
-    path = pathlib.Path(model_dir)
+    """Refuses (``PermissionError`` naming it) a ``MODEL_DIR`` that cannot be written, before
+    any training starts: each process writes and deletes a probe file (an object on GCS)."""
+    probe = storage.join(model_dir, f".write_probe_{jax.process_index()}")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{jax.process_index()}"
-        probe.write_text("ok")
-        probe.unlink()
+        storage.makedirs(model_dir)
+        storage.write_text(probe, "ok")
+        storage.remove(probe)
     except OSError as err:
         raise UnwritableModelDirError(f"MODEL_DIR={model_dir!r} is not writable ({err.strerror or err})") from None
 
 
 def reached_step(model_dir: str) -> int | None:
-    """The newest finished checkpoint step of a local ``MODEL_DIR`` (None: none, or remote),
-    read from the directory names without creating anything."""
-    directory = os.path.join(model_dir, "checkpoints")
-    if "://" in model_dir or not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    """The newest checkpoint step of ``MODEL_DIR`` (None: none), read from the directory
+    names without creating anything."""
+    steps = [int(name) for name in storage.listdir(storage.join(model_dir, "checkpoints")) if name.isdigit()]
     return max(steps, default=None)
 
 
+def set_aside_steps(model_dir: str) -> list[int]:
+    """The steps in ``MODEL_DIR/unreadable_checkpoints`` (set aside as damaged)."""
+    names = storage.listdir(storage.join(model_dir, UNREADABLE_DIR))
+    return sorted({int(name.split(".")[0]) for name in names if name.split(".")[0].isdigit()})
+
+
 def split_checkpoint_path(path: str) -> tuple[str, int | None]:
-    """``DIR`` -> (DIR, None: latest); ``DIR/STEP`` or ``DIR/checkpoints/STEP`` -> (DIR, STEP)."""
-    p = pathlib.Path(path)
-    if p.name.isdigit():
-        parent = p.parent.parent if p.parent.name == "checkpoints" else p.parent
-        return str(parent), int(p.name)
-    return str(p), None
+    """``DIR`` -> (DIR, None: latest); ``DIR/STEP`` or ``DIR/checkpoints/STEP`` -> (DIR, STEP);
+    ``DIR`` normalised (:func:`moe_jax.storage.normalize`)."""
+    path = storage.normalize(path)
+    name = storage.basename(path)
+    if name.isdigit():
+        parent = storage.parent(path)
+        if storage.basename(parent) == "checkpoints":
+            parent = storage.parent(parent)
+        return parent, int(name)
+    return path, None
 
 
 def _train_item(state: TrainState) -> dict[str, Any]:
@@ -191,8 +208,8 @@ class Checkpointer:
     def __init__(self, model_dir: str, *, save_period: int | None = None, keep: int | None = None,
                  async_save: bool = True, read_only: bool = False):
         _install_quiet_hooks()
-        self.model_dir = model_dir
-        self.directory = os.path.join(model_dir, "checkpoints")
+        self.model_dir = model_dir = storage.normalize(model_dir)
+        self.directory = storage.join(model_dir, "checkpoints")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -211,7 +228,7 @@ class Checkpointer:
         return self._manager.should_save(step)
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return storage.join(self.directory, str(step))
 
     def save(self, state: TrainState, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Starts an async save of ``state`` at its step (all processes call it).
@@ -259,32 +276,38 @@ class Checkpointer:
         """After a save completed: record its integrity, advance ``last_good``."""
         if self._pending is None or self._pending not in self._manager.all_steps():
             return
-        if jax.process_index() == 0 and "://" not in self.directory:
+        if jax.process_index() == 0:
             write_integrity(self.step_dir(self._pending))
         self.last_good, self._pending = self._pending, None
 
     def _remove_partial(self) -> None:
-        if jax.process_index() == 0 and "://" not in self.directory:
-            for tmp in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
-                shutil.rmtree(tmp, ignore_errors=True)
+        if jax.process_index() == 0:
+            for tmp in storage.glob(self.directory, "*.orbax-checkpoint-tmp*"):
+                storage.rmtree(tmp)
 
     def name(self, step: int | None) -> str:
         """``MODEL_DIR/checkpoints/STEP`` or ``"none yet"``."""
         return "none yet" if step is None else self.step_dir(step)
 
-    def read_meta(self, step: int) -> dict[str, Any]:
-        with self._read_errors(step):
+    def read_meta(self, step: int, verified: bool = False) -> dict[str, Any]:
+        with self._read_errors(step, verified):
             return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     @contextlib.contextmanager
-    def _read_errors(self, step: int):
+    def _read_errors(self, step: int, verified: bool):
+        """A failed read as :class:`CheckpointReadError` when its cause is outside the
+        checkpoint (``verified``: its files match their checksums; or the error is one of
+        access or environment), else as a damaged :class:`UnreadableCheckpointError`."""
         try:
             yield
         except CheckpointMismatchError:
             raise
         except Exception as err:
-            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: "
-                                            f"{_read_cause(err, self.step_dir(step))}", step) from err
+            cause = _read_cause(err, self.step_dir(step))
+            if verified or _outside_cause(err):
+                raise CheckpointReadError(f"cannot read checkpoint step {step} ({self.step_dir(step)}): "
+                                          f"{cause}", step) from err
+            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {cause}", step) from err
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state at ``step`` laid out as ``target`` (``ShapeDtypeStruct`` leaves with the
@@ -294,10 +317,10 @@ class Checkpointer:
           UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
           CheckpointMismatchError: the checkpoint is another model config's.
         """
-        check_integrity(self.step_dir(step), step)
-        meta = self.read_meta(step)
+        verified = check_integrity(self.step_dir(step), step)
+        meta = self.read_meta(step, verified)
         check_compatible(meta["params"], param_shapes(target.params), self.step_dir(step))
-        with self._read_errors(step):
+        with self._read_errors(step, verified):
             out = self._manager.restore(step, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(target.params),
                 train=ocp.args.StandardRestore(_train_item(target))))
@@ -319,27 +342,28 @@ class Checkpointer:
           UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
           CheckpointMismatchError: the checkpoint is another model config's.
         """
-        check_integrity(self.step_dir(step), step, items=("params", "meta") + (("train",) if collections else ()))
-        meta = self.read_meta(step)
+        verified = check_integrity(self.step_dir(step), step,
+                                   items=("params", "meta") + (("train",) if collections else ()))
+        meta = self.read_meta(step, verified)
         check_compatible(meta["params"], param_shapes(target), self.step_dir(step))
         args = {"params": ocp.args.StandardRestore(target)}
         if collections:
             item = {"collections": collections}
             args["train"] = ocp.args.PyTreeRestore(
                 item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)
-        with self._read_errors(step):
+        with self._read_errors(step, verified):
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         return out["params"], (out["train"]["collections"] if collections else {}), meta
 
     def move_aside(self, step: int) -> str:
         """Moves an unreadable step to ``MODEL_DIR/unreadable_checkpoints/<step>`` (process
         0; all processes wait for it) and forgets it; returns where it went."""
-        dest = os.path.join(self.model_dir, UNREADABLE_DIR, str(step))
+        aside = storage.join(self.model_dir, UNREADABLE_DIR)
+        dest = storage.join(aside, str(step))
         if jax.process_index() == 0:
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            if os.path.exists(dest):
-                dest = f"{dest}.{len(os.listdir(os.path.dirname(dest)))}"
-            os.rename(self.step_dir(step), dest)
+            if storage.exists(dest):
+                dest = f"{dest}.{len(storage.listdir(aside))}"
+            storage.move(self.step_dir(step), dest)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -355,11 +379,12 @@ class Checkpointer:
 def restore_latest_readable(ckpt: Checkpointer, target: TrainState,
                             warn: Callable[[str], None]) -> tuple[TrainState, dict[str, Any], int] | None:
     """The newest readable checkpoint of ``ckpt`` (state, metadata, step), or None when
-    there is none. Each unreadable newer step is moved aside with a warning that names it
-    and the step used instead.
+    there is none. Each damaged newer step is moved aside with a warning that names it and
+    the step used instead.
 
     Raises:
-      UnreadableCheckpointError: every checkpoint is unreadable (all moved aside).
+      UnreadableCheckpointError: every checkpoint is damaged (all moved aside).
+      CheckpointReadError: a checkpoint could not be read for a cause outside it (nothing moved).
     """
     steps = ckpt.all_steps()
     for step in sorted(steps, reverse=True):
@@ -367,6 +392,8 @@ def restore_latest_readable(ckpt: Checkpointer, target: TrainState,
             state, meta = ckpt.restore(step, target)
             return state, meta, step
         except UnreadableCheckpointError as err:
+            if not err.damaged:
+                raise
             moved = ckpt.move_aside(step)
             older = [s for s in steps if s < step]
             warn(f"warning: {err}; moved it to {moved}; "
@@ -374,53 +401,68 @@ def restore_latest_readable(ckpt: Checkpointer, target: TrainState,
             if not older:
                 raise UnreadableCheckpointError(
                     f"no readable checkpoint in {ckpt.directory} (unreadable ones moved to "
-                    f"{os.path.join(ckpt.model_dir, UNREADABLE_DIR)}); {err}", step) from None
+                    f"{storage.join(ckpt.model_dir, UNREADABLE_DIR)}); {err}", step) from None
     return None
 
 
 def write_integrity(step_dir: str) -> None:
-    """Writes ``step_dir/INTEGRITY_FILE``: the size of every file of a finished step."""
-    sizes = {}
-    for root, _, files in os.walk(step_dir):
-        for name in files:
-            path = os.path.join(root, name)
-            try:
-                sizes[os.path.relpath(path, step_dir)] = os.path.getsize(path)
-            except FileNotFoundError:  # removed meanwhile (keep-K garbage collection)
-                return
-    tmp = os.path.join(step_dir, INTEGRITY_FILE + ".tmp")
+    """Writes ``step_dir/INTEGRITY_FILE``: ``{"files": {path: {"size", "crc32c"}}}`` of every
+    file of a finished step (nothing when the step was removed meanwhile by keep-K)."""
     try:
-        with open(tmp, "w") as f:
-            json.dump({"files": sizes}, f)
-        os.replace(tmp, os.path.join(step_dir, INTEGRITY_FILE))
+        files = {rel: entry for rel, entry in storage.file_info(step_dir).items() if rel != INTEGRITY_FILE}
+        if files:
+            storage.write_text(storage.join(step_dir, INTEGRITY_FILE), json.dumps({"files": files}))
     except FileNotFoundError:
         return
 
 
-def check_integrity(step_dir: str, step: int, items: tuple[str, ...] | None = None) -> None:
-    """Compares a step's files with its integrity record (when it has one; ``items``:
-    only files under these item folders).
+def check_integrity(step_dir: str, step: int, items: tuple[str, ...] | None = None) -> bool:
+    """Compares a step's files (sizes and CRC32C) with its integrity record, when it has one
+    (``items``: only files under these item folders). Records of older versions hold
+    sizes only; those are compared.
+
+    Returns:
+      whether every checked file's checksum matched (False: no record, or sizes only).
 
     Raises:
-      UnreadableCheckpointError: naming the first missing or resized file.
+      UnreadableCheckpointError: naming the first missing, resized or changed file.
     """
-    record_path = os.path.join(step_dir, INTEGRITY_FILE)
-    if "://" in step_dir or not os.path.exists(record_path):
-        return
+    record_path = storage.join(step_dir, INTEGRITY_FILE)
+    if not storage.exists(record_path):
+        return False
     try:
-        with open(record_path) as f:
-            sizes = json.load(f)["files"]
+        recorded = json.loads(storage.read_text(record_path))["files"]
     except (OSError, ValueError, KeyError) as err:
         raise UnreadableCheckpointError(
             f"checkpoint step {step} is unreadable: {record_path}: {errors.one_line(err)}", step) from None
-    for rel, size in sorted(sizes.items()):
-        if items is not None and rel.split(os.sep, 1)[0] not in items:
+    wanted = {rel: entry if isinstance(entry, dict) else {"size": entry} for rel, entry in recorded.items()
+              if items is None or rel.split("/", 1)[0] in items}
+    actual = storage.file_info(step_dir, checksums=False)
+    for rel, entry in sorted(wanted.items()):
+        path = storage.join(step_dir, rel)
+        size = actual.get(rel, {}).get("size")
+        if size != entry["size"]:
+            cause = "missing" if size is None else f"{size} bytes, {entry['size']} when saved (truncated)"
+        elif "crc32c" in entry and storage.crc32c_file(path) != entry["crc32c"]:
+            cause = f"CRC32C differs from the one recorded when saved (content changed, {size} bytes)"
+        else:
             continue
-        path = os.path.join(step_dir, rel)
-        actual = os.path.getsize(path) if os.path.exists(path) else None
-        if actual != size:
-            cause = "missing" if actual is None else f"{actual} bytes, {size} when saved (truncated)"
-            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {path}: {cause}", step)
+        raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {path}: {cause}", step)
+    return bool(wanted) and all("crc32c" in entry for entry in wanted.values())
+
+
+def _outside_cause(err: BaseException) -> bool:
+    """Whether a failed read's cause lies outside the checkpoint's data: access, a path
+    the library refused, a missing module, a network error."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (PermissionError, ImportError, ConnectionError, TimeoutError)):
+            return True
+        if re.search(r"Permission denied|PERMISSION_DENIED|should be absolute|UNAVAILABLE|"
+                     r"DEADLINE_EXCEEDED|UNAUTHENTICATED", str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _read_cause(err: BaseException, step_dir: str) -> str:
@@ -463,8 +505,8 @@ def restore_from(path: str, target: PyTree, collections: PyTree | None = None
       UnreadableCheckpointError: naming the step, file and cause.
     """
     model_dir, step = split_checkpoint_path(path)
-    directory = os.path.join(model_dir, "checkpoints")
-    if "://" not in directory and not os.path.isdir(directory):
+    directory = storage.join(model_dir, "checkpoints")
+    if not storage.isdir(directory):
         raise MissingCheckpointError(f"no checkpoint at {path!r}: {directory} does not exist")
     ckpt = Checkpointer(model_dir, read_only=True)
     try:
@@ -512,16 +554,12 @@ def save_router_init(model_dir: str, params: PyTree) -> None:
 def write_router_init(model_dir: str, routers: dict[str, np.ndarray]) -> None:
     """Writes ``{router parameter name: initial host array}`` as ``MODEL_DIR/router_init.npz``
     (by process 0; nothing when empty or already there)."""
-    path = os.path.join(model_dir, ROUTER_INIT_FILE)
-    if jax.process_index() == 0 and routers and not os.path.exists(path):
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, **routers)
-        os.replace(tmp, path)
+    path = storage.join(model_dir, ROUTER_INIT_FILE)
+    if jax.process_index() == 0 and routers and not storage.exists(path):
+        storage.save_npz(path, routers)
 
 
 def load_router_init(model_dir: str) -> dict[str, np.ndarray] | None:
-    path = os.path.join(model_dir, ROUTER_INIT_FILE)
-    if not os.path.exists(path):
-        return None
-    with np.load(path) as data:
-        return {k: data[k] for k in data.files}
+    path = storage.join(model_dir, ROUTER_INIT_FILE)
+    return storage.load_npz(path) if storage.exists(path) else None
+

@@ -44,6 +44,7 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import storage
 from moe_jax.train import distributed, gin_utils, setup, sweep
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
@@ -335,10 +336,10 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
 
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax eval", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", action="append", default=[], metavar="DIR[/STEP]",
+    parser.add_argument("--checkpoint", type=storage.normalize, action="append", default=[], metavar="DIR[/STEP]",
                         help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare "
                              "(or gin CHECKPOINT_PATH)")
-    parser.add_argument("--output_dir", default=None,
+    parser.add_argument("--output_dir", type=storage.normalize, default=None,
                         help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
                              "or gin EVAL_OUTPUT_DIR)")
     parser.add_argument("--router", action="append", default=[], metavar="NAME",

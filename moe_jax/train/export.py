@@ -45,6 +45,7 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import storage
 from moe_jax.errors import UserError
 from moe_jax.train import distributed, gin_utils
 
@@ -372,9 +373,9 @@ def export_main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
     parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
-    parser.add_argument("--checkpoint", required=True, metavar="DIR[/STEP]",
+    parser.add_argument("--checkpoint", type=storage.normalize, required=True, metavar="DIR[/STEP]",
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
-    parser.add_argument("--out", required=True, metavar="DIR", help="the export directory")
+    parser.add_argument("--out", type=storage.normalize, required=True, metavar="DIR", help="the export directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     result = _export(args)
     print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
@@ -407,8 +408,8 @@ def import_main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
     parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
-    parser.add_argument("--export", required=True, metavar="DIR", help="an export directory")
-    parser.add_argument("--model_dir", required=True, metavar="DIR", help="the new run directory")
+    parser.add_argument("--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory")
+    parser.add_argument("--model_dir", type=storage.normalize, required=True, metavar="DIR", help="the new run directory")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     step = _import(args)
     print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,

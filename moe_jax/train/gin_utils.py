@@ -27,6 +27,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import io
 import logging
 import os
 import pathlib
@@ -38,7 +39,7 @@ from typing import Any
 import gin
 from gin import config_parser
 
-from moe_jax import errors
+from moe_jax import errors, storage
 
 REPO_GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
 
@@ -120,6 +121,14 @@ gin flags, as in T5X:
   earlier ones; a binding no gin file uses is refused as a likely typo.
 """
 
+
+
+def _open_url(path: str) -> io.StringIO:
+    return io.StringIO(storage.read_text(path))
+
+
+# gin opens files with `open`; a run's config.gin on an object store (gs://) is read here.
+gin.config.register_file_reader(_open_url, lambda path: not storage.is_local(path) and storage.exists(path))
 
 def gin_help(macros: Sequence[str] = ()) -> str:
     """The help epilog: the gin flags and the macros (all of :data:`MACROS` by default)."""
@@ -244,7 +253,7 @@ def _resolve(path: str, roots: Sequence[str]) -> str:
     Raises:
       GinConfigError: naming ``path`` and the places searched when none holds it.
     """
-    if os.path.exists(path) or "://" in path:
+    if not storage.is_local(path) or os.path.exists(path):
         return path
     for root in roots:
         if os.path.exists(os.path.join(root, path)):
@@ -287,8 +296,7 @@ def _check_macros(files: Sequence[str], bindings: Sequence[str]) -> None:
 
 
 def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
+    return storage.read_text(path)
 
 
 def _gin_has_macro(name: str) -> bool:
@@ -316,7 +324,7 @@ def first_checkpoint(args: argparse.Namespace) -> str | None:
     given = getattr(args, "checkpoint", None) or command_line_value(args, "CHECKPOINT_PATH")
     if isinstance(given, (list, tuple)):
         given = given[0] if given else None
-    return given or None
+    return storage.normalize(given) if given else None
 
 
 def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Sequence[str], *,
@@ -345,14 +353,14 @@ def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Se
             raise ValueError("no checkpoint: pass --checkpoint=DIR (or --gin.CHECKPOINT_PATH=DIR)")
     else:
         model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
-        if "://" not in model_dir and not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        if not storage.isdir(storage.join(model_dir, "checkpoints")):
             raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
-                                    f"({os.path.join(model_dir, 'checkpoints')} does not exist)")
+                                    f"({storage.join(model_dir, 'checkpoints')} does not exist)")
         if extend_run_config or not gin_files:
             config = run_config_file(model_dir)
     if config is None and not gin_files:
         raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
-                                f"{os.path.join(model_dir, 'config.gin')}; pass its model and data "
+                                f"{storage.join(model_dir, 'config.gin')}; pass its model and data "
                                 "gin files with --gin_file")
     files = [*defaults, *([config] if config else []), *gin_files]
     used = f"the run's {config}" + (f" + {', '.join(gin_files)}" if gin_files else "") if config \
@@ -393,8 +401,8 @@ def run_config_file(model_dir: str, allowed_modules: Sequence[str] = ()) -> str 
     Raises:
       GinConfigError: naming the file and line of an import of another module, or of an include.
     """
-    path = os.path.join(model_dir, "config.gin")
-    if not os.path.exists(path):
+    path = storage.join(model_dir, "config.gin")
+    if not storage.exists(path):
         return None
     allowed = (*PROJECT_MODULES, *allowed_modules)
     for statement in _parse_statements(_read(path), path):
@@ -445,9 +453,9 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
     Raises:
       ConfigChangedError: listing the differing bindings, when ``allow_change`` is False.
     """
-    first = os.path.join(model_dir, "config.gin")
-    if not os.path.exists(first):
-        _write(first, operative)
+    first = storage.join(model_dir, "config.gin")
+    if not storage.exists(first):
+        storage.write_text(first, operative)
         return first
     changes = config_changes(_read(first), operative)
     if not changes:
@@ -457,14 +465,8 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
             f"MODEL_DIR={model_dir} was trained with another gin config ({first}); resuming at step "
             f"{step} would change {len(changes)} binding(s) (pass --allow_config_change to resume "
             "with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
-    kept = os.path.join(model_dir, f"config.step-{step}.gin")
-    _write(kept, f"# resumed at step {step} with --allow_config_change; changed from config.gin:\n"
+    kept = storage.join(model_dir, f"config.step-{step}.gin")
+    storage.write_text(kept, f"# resumed at step {step} with --allow_config_change; changed from config.gin:\n"
                  + "".join(f"#   {line}\n" for line in changes) + operative)
     return kept
 
-
-def _write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -23,7 +23,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors, partitioning
+from moe_jax import errors, partitioning, storage
 from moe_jax.train import distributed, gin_utils, setup
 
 
@@ -130,11 +130,11 @@ def read_input_lines(path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax infer", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default=None, metavar="DIR[/STEP]",
+    parser.add_argument("--checkpoint", type=storage.normalize, default=None, metavar="DIR[/STEP]",
                         help="a MODEL_DIR (latest step) or MODEL_DIR/STEP (or gin CHECKPOINT_PATH)")
     parser.add_argument("--input", action="append", default=[], help="input text (repeatable)")
     parser.add_argument("--input_file", default=None, help="one input per line")
-    parser.add_argument("--output_file", default=None, help="JSON lines {input, output}")
+    parser.add_argument("--output_file", type=storage.normalize, default=None, help="JSON lines {input, output}")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     inputs = list(args.input) + (read_input_lines(args.input_file) if args.input_file else [])
     if not inputs:

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_jax.train import sweep
+from moe_jax import storage
+from moe_jax.train import summaries, sweep
 
 QUANTITIES = ("accuracy", "cross_entropy", "dropped_fraction", "max_load")
 _DROPPED = re.compile(r"^moe/(.+)/dropped_fraction$")
@@ -30,16 +31,8 @@ _LOAD = re.compile(r"^moe/(.+)/expert_load$")
 
 def last_eval(model_dir: str) -> dict[str, Any] | None:
     """The last eval record of ``model_dir/metrics.jsonl`` (None if it has none)."""
-    path = os.path.join(model_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return None
-    record = None
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("split") == "eval" and (record is None or r["step"] >= record["step"]):
-                record = r
-    return record
+    records = summaries.read_metrics(model_dir, "eval")
+    return max(records, key=lambda r: r["step"], default=None)
 
 
 def routing_quantities(record: dict[str, Any]) -> dict[str, float]:
@@ -104,8 +97,8 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_jax.train.routing_comparison", description=__doc__.splitlines()[0])
     parser.add_argument("family")
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--root", type=storage.normalize, required=True)
+    parser.add_argument("--out", type=storage.normalize, required=True)
     args = parser.parse_args(argv)
     try:
         family = sweep.load_family(args.family)

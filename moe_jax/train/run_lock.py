@@ -2,17 +2,16 @@
 
 `moe-jax train` holds the lock while it runs (process 0 of a multi-process run holds it
 for all). The file is JSON naming the holder: ``{"host", "pid", "since", "lease_sec"}``;
-the holder touches it (its modification time is the heartbeat) every ``lease_sec / 4``
-seconds. A second trainer is refused with :class:`~moe_jax.errors.RunLockedError` naming
+the holder refreshes it (its modification time is the heartbeat) every ``lease_sec / 4``
+seconds: locally by touching it, on GCS by rewriting the object. A second trainer is refused with :class:`~moe_jax.errors.RunLockedError` naming
 the holder, unless the holder is dead: a process on this host that no longer exists
 (kill -9) is taken over at once; a holder on another host (or one that stopped
 heartbeating) once its heartbeat is older than ``lease_sec`` (default 120 s,
 ``MOE_JAX_LOCK_LEASE_SEC``). A clean exit removes the file.
 
-Creation is atomic (``os.link`` of a finished temporary file, which fails if the lock
-exists) on local and NFS-like file systems. On object stores (``gs://``) no lock is taken:
-they have no atomic create through this path, so one writer per run directory there is
-the launcher's job (docs/training.md, "Reliability").
+Creation is atomic (:func:`moe_jax.storage.create_exclusive`): ``os.link`` of a finished
+temporary file on local and NFS-like file systems, an upload with ``ifGenerationMatch=0``
+on GCS. A stale lock is removed only while it still holds the dead holder's record.
 """
 
 from __future__ import annotations
@@ -28,7 +27,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from moe_jax import errors
+import jax
+import numpy as np
+
+from moe_jax import errors, storage
 
 LOCK_FILE = "LOCK"
 DEFAULT_LEASE_SEC = 120.0
@@ -38,11 +40,19 @@ def lease_seconds() -> float:
     return float(os.environ.get("MOE_JAX_LOCK_LEASE_SEC", DEFAULT_LEASE_SEC))
 
 
+def _record(text: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return None
+
+
 class RunLock:
     """Holds ``MODEL_DIR/LOCK`` from :meth:`acquire` to :meth:`release` (a context manager)."""
 
     def __init__(self, model_dir: str, lease_sec: float | None = None):
-        self.path = os.path.join(model_dir, LOCK_FILE)
+        self.model_dir = storage.normalize(model_dir)
+        self.path = storage.join(self.model_dir, LOCK_FILE)
         self.lease_sec = lease_seconds() if lease_sec is None else lease_sec
         self.record = {"host": socket.gethostname(), "pid": os.getpid(),
                        "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -53,8 +63,6 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Takes the lock or raises :class:`~moe_jax.errors.RunLockedError` naming the holder."""
-        if "://" in self.path:
-            return self
         for _ in range(3):  # a dead holder's file is moved away, then retried
             if self._create():
                 self._thread = threading.Thread(target=self._heartbeat, daemon=True,
@@ -67,7 +75,7 @@ class RunLock:
             reason = self._dead(holder, age)
             if reason is None:
                 raise errors.RunLockedError(
-                    f"{os.path.dirname(self.path)} is being written by another trainer: host "
+                    f"{self.model_dir} is being written by another trainer: host "
                     f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
                     f"(heartbeat {age:.0f} s ago; its lock {self.path} expires {holder.get('lease_sec', self.lease_sec):.0f} s "
                     "after its last heartbeat). Stop it, or use another MODEL_DIR.")
@@ -75,22 +83,13 @@ class RunLock:
         raise errors.RunLockedError(f"could not take the lock {self.path} (contended)")
 
     def _create(self) -> bool:
-        tmp = f"{self.path}.{self.record['host']}.{self.record['pid']}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.record, f)
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        storage.makedirs(self.model_dir)
+        return storage.create_exclusive(self.path, json.dumps(self.record).encode())
 
     def _read(self) -> tuple[dict[str, Any] | None, float]:
         try:
-            with open(self.path) as f:
-                text = f.read()
-            age = time.time() - os.path.getmtime(self.path)
+            text = storage.read_text(self.path)
+            age = time.time() - storage.modified_time(self.path)
         except FileNotFoundError:
             return None, 0.0
         try:
@@ -113,23 +112,34 @@ class RunLock:
         return None
 
     def _remove_stale(self, holder: dict[str, Any], reason: str) -> None:
-        aside = f"{self.path}.stale.{self.record['pid']}"
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
+        """Removes the lock if it still holds ``holder``'s record (a contender that took it
+        over meanwhile keeps it)."""
+        current, _ = self._read()
+        if current != holder:
             return
-        with open(aside) as f:
-            moved = f.read()
-        if json.loads(moved or "{}") != holder and not os.path.exists(self.path):
-            os.rename(aside, self.path)  # a live holder replaced the stale one meanwhile
+        if storage.is_local(self.path):  # rename first: of two contenders, one gets the file
+            aside = f"{self.path}.stale.{self.record['pid']}"
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                return
+            with open(aside) as f:
+                moved = f.read()
+            if _record(moved) != holder and not os.path.exists(self.path):
+                os.rename(aside, self.path)  # a live holder replaced the stale one meanwhile
+                return
+            os.unlink(aside)
+        elif not storage.remove(self.path):
             return
-        os.unlink(aside)
         self.took_over = {**holder, "reason": reason}
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.lease_sec / 4):
             try:
-                os.utime(self.path)
+                if storage.is_local(self.path):
+                    os.utime(self.path)
+                elif self._read()[0] == self.record:
+                    storage.write_text(self.path, json.dumps(self.record))
             except OSError:
                 pass  # the run's own write checks report a lost directory
 
@@ -142,7 +152,7 @@ class RunLock:
         self._thread = None
         holder, _ = self._read()
         if holder == self.record:
-            os.unlink(self.path)
+            storage.remove(self.path)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
@@ -155,9 +165,6 @@ class RunLock:
 def hold(model_dir: str) -> Iterator[RunLock | None]:
     """Holds ``model_dir``'s lock on process 0 for the ``with`` block; every process raises
     :class:`~moe_jax.errors.RunLockedError` when process 0 could not take it."""
-    import jax
-    import numpy as np
-
     lock, error = None, None
     if jax.process_index() == 0:
         try:

@@ -1,7 +1,8 @@
-"""Training metrics: TensorBoard summaries (clu), a JSON-lines file, a progress bar, MFU.
+"""Training metrics: TensorBoard summaries, a JSON-lines file, a progress bar, MFU.
 
-Only process 0 writes. ``MODEL_DIR/train/`` and ``MODEL_DIR/eval/`` hold the TensorBoard
-event files (as in T5X); ``MODEL_DIR/metrics.jsonl`` one JSON object per logged step:
+Only process 0 writes, through :mod:`moe_jax.storage` (local disk or ``gs://``).
+``MODEL_DIR/train/`` and ``MODEL_DIR/eval/`` hold the TensorBoard event files (as in T5X;
+:class:`EventWriter`); ``MODEL_DIR/metrics.jsonl`` one JSON object per logged step:
 ``{"step": 100, "split": "train", "loss": ..., "accuracy": ..., "steps_per_sec": ...}``.
 Array-valued metrics (expert load per layer) go to the JSON file as lists and to
 TensorBoard as histograms.
@@ -20,14 +21,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
+import sys
 import time
 from typing import Any
 
 import gin
 import jax
 import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.histogram import summary_v2 as histogram_summary
+from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
-from moe_jax import hardware
+from moe_jax import hardware, storage
 
 
 @gin.configurable
@@ -128,11 +135,10 @@ class ChurnProbe:
 
         self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings)
         self._batch = setup.global_batch(probe_batch, ctx)
-        self._path = os.path.join(model_dir, self.FILE)
+        self._path = storage.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
-        if os.path.exists(self._path):
-            with np.load(self._path) as saved:
-                self._previous = {k.replace("|", "/"): saved[k] for k in saved.files}
+        if storage.exists(self._path):
+            self._previous = {k.replace("|", "/"): v for k, v in storage.load_npz(self._path).items()}
 
     def __call__(self, params: Any, collections: Any = None) -> dict[str, float]:
         """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation);
@@ -151,44 +157,97 @@ class ChurnProbe:
                  if name in self._previous and self._previous[name].shape == choice.shape}
         self._previous = top1
         if jax.process_index() == 0:
-            np.savez(self._path, **{k.replace("/", "|"): v for k, v in top1.items()})
+            storage.save_npz(self._path, {k.replace("/", "|"): v for k, v in top1.items()})
         return churn
 
 
 class MetricsWriter:
-    """TensorBoard + JSON lines for one split (``train``/``eval``) of a run; adds the
-    routing telemetry (:func:`routing_telemetry`) for ``expert_shards`` devices along the
-    ``expert`` mesh axis."""
+    """TensorBoard (one event file per split: ``MODEL_DIR/train``, ``MODEL_DIR/eval``) and
+    ``MODEL_DIR/metrics.jsonl`` of a run; adds the routing telemetry
+    (:func:`routing_telemetry`) for ``expert_shards`` devices along the ``expert`` mesh axis.
+    Only process 0 writes."""
 
-    def __init__(self, model_dir: str, split: str, expert_shards: int = 1):
-        self.split = split
+    def __init__(self, model_dir: str, expert_shards: int = 1):
+        self.model_dir = model_dir
         self.expert_shards = expert_shards
         self.enabled = jax.process_index() == 0
-        self._tb = None
-        self._jsonl = None
-        if self.enabled:
-            from clu import metric_writers
+        self._events: dict[str, EventWriter] = {}
+        self._jsonl = storage.AppendFile(storage.join(model_dir, METRICS_FILE)) if self.enabled else None
 
-            self._tb = metric_writers.create_default_writer(os.path.join(model_dir, split),
-                                                            asynchronous=False)
-            self._jsonl = open(os.path.join(model_dir, "metrics.jsonl"), "a")
-
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
-        if not self.enabled:
+    def write(self, split: str, step: int, metrics: dict[str, Any]) -> None:
+        if self._jsonl is None:
             return
         scalars, arrays = scalarize(routing_telemetry(flatten_metrics(metrics), self.expert_shards))
-        self._tb.write_scalars(step, scalars)
+        if split not in self._events:
+            self._events[split] = EventWriter(storage.join(self.model_dir, split))
+        self._events[split].write_scalars(step, scalars)
         if arrays:
-            self._tb.write_histograms(step, {k: v for k, v in arrays.items() if v.size})
-        record = {"step": step, "split": self.split, **scalars,
-                  **{k: v.tolist() for k, v in arrays.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+            self._events[split].write_histograms(step, {k: v for k, v in arrays.items() if v.size})
+        record = {"step": step, "split": split, **scalars, **{k: v.tolist() for k, v in arrays.items()}}
+        self._jsonl.append((json.dumps(record) + "\n").encode())  # one write per whole line
+
+    def flush(self) -> None:
+        """Makes everything written so far durable (on GCS: uploaded); called at each save."""
+        for events in self._events.values():
+            events.flush()
+        if self._jsonl is not None:
+            self._jsonl.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self._tb.close()
+        for events in self._events.values():
+            events.close()
+        if self._jsonl is not None:
             self._jsonl.close()
+
+
+def read_metrics(model_dir: str, split: str | None = None) -> list[dict[str, Any]]:
+    """The records of ``MODEL_DIR/metrics.jsonl`` (of one ``split`` when given), skipping
+    a line that is not whole JSON; [] when the run has none."""
+    path = storage.join(model_dir, METRICS_FILE)
+    if not storage.exists(path):
+        return []
+    records = []
+    for line in storage.read_text(path).splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if split is None or record.get("split") == split:
+            records.append(record)
+    return records
+
+
+class EventWriter:
+    """One TensorBoard event file (``<folder>/events.out.tfevents.<time>.<host>.<pid>.v2``)
+    of scalar and histogram summaries, written through :class:`moe_jax.storage.AppendFile`
+    so that it lives on a local disk or an object store alike."""
+
+    def __init__(self, folder: str):
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.v2"
+        self.path = storage.join(folder, name)
+        self._file = storage.AppendFile(self.path)
+        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        summary = summary_pb2.Summary()
+        for tag, value in scalars.items():
+            summary.value.extend(scalar_summary.scalar_pb(tag, value).value)
+        self._write(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def write_histograms(self, step: int, arrays: dict[str, np.ndarray]) -> None:
+        summary = summary_pb2.Summary()
+        for tag, value in arrays.items():
+            summary.value.extend(histogram_summary.histogram_pb(tag, np.asarray(value, np.float64)).value)
+        self._write(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def _write(self, event: event_pb2.Event) -> None:
+        self._file.append(pack_records([event.SerializeToString()]))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class ThroughputMeter:
@@ -221,38 +280,76 @@ def progress_bar(start: int, total: int, desc: str = "train"):
                 disable=jax.process_index() != 0, mininterval=1.0)
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
 def drop_records_after(model_dir: str, step: int) -> None:
     """Removes the metrics of steps after ``step`` from ``metrics.jsonl`` and the
     TensorBoard event files of ``MODEL_DIR/{train,eval}`` (process 0, on resume), so a run
-    resumed from its checkpoint at ``step`` logs each later step once."""
-    path = os.path.join(model_dir, "metrics.jsonl")
-    if "://" in model_dir:
-        return
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-        if len(kept) != len(lines):
-            with open(path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(path + ".tmp", path)
+    resumed from its checkpoint at ``step`` logs each later step once. A line that is not
+    whole JSON (a write cut short by a full disk or a kill) is dropped with a warning."""
+    path = storage.join(model_dir, METRICS_FILE)
+    if storage.exists(path):
+        lines = storage.read_text(path).splitlines(keepends=True)
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if line.strip():
+                    print(f"[moe-jax] warning: {path}, line {number}: not a whole JSON record "
+                          "(a write cut short); dropped", file=sys.stderr, flush=True)
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if kept != lines:
+            storage.write_text(path, "".join(kept))
     for split in ("train", "eval"):
-        folder = os.path.join(model_dir, split)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        folder = storage.join(model_dir, split)
+        for name in storage.listdir(folder):
             if "tfevents" in name:
-                _drop_events_after(os.path.join(folder, name), step)
+                _drop_events_after(storage.join(folder, name), step)
 
 
 def _drop_events_after(path: str, step: int) -> None:
-    """Rewrites one TensorBoard event file without the events of steps after ``step``."""
-    import tensorflow as tf
-    from tensorboard.compat.proto import event_pb2
-
-    records = [bytes(r.numpy()) for r in tf.data.TFRecordDataset(path)]
+    """Rewrites one TensorBoard event file without the events of steps after ``step`` (and
+    without a torn last record)."""
+    data = storage.read_bytes(path)
+    records = unpack_records(data)
     kept = [r for r in records if event_pb2.Event.FromString(r).step <= step]
-    if len(kept) == len(records):
-        return
-    with tf.io.TFRecordWriter(path + ".tmp") as writer:
-        for record in kept:
-            writer.write(record)
-    os.replace(path + ".tmp", path)
+    packed = pack_records(kept)
+    if packed != data:
+        storage.write_bytes(path, packed)
+
+
+def pack_records(records: list[bytes]) -> bytes:
+    """TFRecord framing of ``records`` (TensorBoard's event files): per record its
+    length (uint64 LE), the masked CRC32C of that, the bytes, their masked CRC32C."""
+    out = bytearray()
+    for record in records:
+        header = struct.pack("<Q", len(record))
+        out += header + struct.pack("<I", _masked(header)) + record + struct.pack("<I", _masked(record))
+    return bytes(out)
+
+
+def unpack_records(data: bytes) -> list[bytes]:
+    """The whole records of TFRecord-framed ``data``; a torn or corrupt tail (a writer
+    killed mid-record) ends the list."""
+    records, pos = [], 0
+    while pos + 12 <= len(data):
+        header = data[pos:pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        end = pos + 12 + length + 4
+        if struct.unpack("<I", data[pos + 8:pos + 12])[0] != _masked(header) or end > len(data):
+            break
+        record = data[pos + 12:pos + 12 + length]
+        if struct.unpack("<I", data[end - 4:end])[0] != _masked(record):
+            break
+        records.append(record)
+        pos = end
+    return records
+
+
+def _masked(data: bytes) -> int:
+    crc = storage.crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF

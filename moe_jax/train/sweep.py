@@ -49,7 +49,9 @@ from typing import Any
 
 import numpy as np
 
+from moe_jax import storage
 from moe_jax.errors import UserError
+from moe_jax.train import summaries
 
 FAMILY_KEYS = frozenset({"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"})
 RUN_KEYS = frozenset({"gin_files", "bindings"})
@@ -195,16 +197,8 @@ def run_family(family: Family, root: str, parallel: int = 1,
 
 def read_eval_curve(model_dir: str, metric: str) -> dict[int, float]:
     """``{step: value}`` of ``metric`` over the eval records of ``model_dir/metrics.jsonl``."""
-    path = os.path.join(model_dir, "metrics.jsonl")
-    curve: dict[int, float] = {}
-    if not os.path.exists(path):
-        return curve
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("split") == "eval" and metric in record:
-                curve[int(record["step"])] = float(record[metric])  # a resumed run overwrites
-    return curve
+    return {int(record["step"]): float(record[metric])  # a resumed run's later record wins
+            for record in summaries.read_metrics(model_dir, "eval") if metric in record}
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:
@@ -327,12 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     collect = sub.add_parser("collect", help="gather eval curves into JSON and PNG plots")
     for p in (run, collect):
         p.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
-        p.add_argument("--root", required=True, help="parent of the runs' MODEL_DIRs")
+        p.add_argument("--root", type=storage.normalize, required=True, help="parent of the runs' MODEL_DIRs")
     run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     run.add_argument("--only", default=None, metavar="RUN[,RUN]",
                      help="only these runs of the family (e.g. the source of an upcycled run first)")
-    collect.add_argument("--out", help="where the JSON and PNGs go (default: ROOT)")
+    collect.add_argument("--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)")
     collect.add_argument("--metric", help="eval metric to collect (default: the family's, else accuracy); "
                          "outputs are named <family>_<metric> when given")
     return parser

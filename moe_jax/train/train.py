@@ -29,8 +29,8 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors
-from moe_jax.train import distributed, gin_utils, setup
+from moe_jax import errors, storage
+from moe_jax.train import checkpoints, distributed, gin_utils, run_lock, setup
 
 EXIT_PREEMPTED = errors.EXIT_PREEMPTED
 
@@ -108,10 +108,9 @@ def train(
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "model_dir", "wall_sec"}``.
     """
-    from moe_jax.train import checkpoints, run_lock
-
     if on_nonfinite not in ("stop", "skip"):
         raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
+    model_dir = storage.normalize(model_dir)
     _check_total_steps(total_steps, checkpoints.reached_step(model_dir), model_dir)
     checkpoints.ensure_writable(model_dir)
     with run_lock.hold(model_dir):
@@ -143,7 +142,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
            eval_steps, accum_steps, on_nonfinite, sync_every_step, routing_churn, stop_after_steps,
            allow_config_change):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
-    from moe_jax.train import aot, checkpoints, evaluate, summaries
+    from moe_jax.train import aot, evaluate, summaries
 
     model.check_vocabulary()
     ctx = setup.run_context()
@@ -154,6 +153,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
     restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
+    _check_set_aside(model_dir, restored is None)
     if restored is None:
         latest = None
         state = run.init_state()
@@ -177,8 +177,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     step_fn = run.train_step
     eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
-    writer = summaries.MetricsWriter(model_dir, "train", expert_shards)
-    eval_writer = summaries.MetricsWriter(model_dir, "eval", expert_shards) if eval_fn else None
+    writer = summaries.MetricsWriter(model_dir, expert_shards)
     churn = None
     if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
         probe_batch = next(setup.eval_batches(train_eval_dataset_cfg, 1))
@@ -236,13 +235,14 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
             unchecked = None
             if log_now:
                 rates = meter.rates()
-                writer.write(step, {**jax.device_get(metrics), **rates})
+                writer.write("train", step, {**jax.device_get(metrics), **rates})
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
             if save_now:
                 meta = {"data_iterators": checkpoints.gather_from_processes(data_state),
                         "random_seed": random_seed}
                 if ckpt.save(state, meta, force=True):
                     last_saved = step
+                writer.flush()
             if preempted:
                 _log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
                 break
@@ -251,7 +251,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
                                                  ctx, eval_steps, state.collections)
                 if churn:
                     eval_metrics.update(churn(state.params, state.collections))
-                eval_writer.write(step, eval_metrics)
+                writer.write("eval", step, eval_metrics)
                 bar.write(f"step {step}: eval loss {eval_metrics['loss']:.4f} "
                           f"accuracy {eval_metrics['accuracy']:.4f}")
     finally:
@@ -260,12 +260,25 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
         ckpt.wait_until_finished()
         ckpt.close()
         writer.close()
-        if eval_writer:
-            eval_writer.close()
         preemption.close()
     elapsed = time.perf_counter() - start_time
     return {"step": step, "losses": losses, "preempted": preempted, "model_dir": model_dir,
             "last_checkpoint": ckpt.name(last_saved), "wall_sec": elapsed}
+
+
+def _check_set_aside(model_dir: str, fresh: bool) -> None:
+    """Names the damaged checkpoints set aside earlier (at every start until they are
+    deleted), and refuses to train from step 0 while they are there."""
+    aside = checkpoints.set_aside_steps(model_dir)
+    if not aside:
+        return
+    folder = storage.join(model_dir, checkpoints.UNREADABLE_DIR)
+    if fresh:
+        raise errors.CheckpointError(
+            f"MODEL_DIR={model_dir} has no readable checkpoint, but {folder} holds step(s) {aside} "
+            "set aside as damaged: refusing to train again from step 0. Inspect them; delete that "
+            "folder to start afresh.")
+    _log(f"warning: {folder} holds step(s) {aside} set aside as damaged (delete it once inspected)")
 
 
 def _agree(check) -> None:

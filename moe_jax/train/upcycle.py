@@ -24,6 +24,7 @@ from typing import Any
 import gin
 import jax
 
+from moe_jax import storage
 from moe_jax.train import gin_utils
 
 
@@ -98,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
     parser = setup.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, metavar="DENSE_DIR[/STEP]",
+    parser.add_argument("--checkpoint", type=storage.normalize, required=True, metavar="DENSE_DIR[/STEP]",
                         help="the dense run (MODEL_DIR, latest step) or MODEL_DIR/STEP; only read")
-    parser.add_argument("--out", required=True, metavar="MOE_DIR", help="new MoE run directory (must be empty)")
+    parser.add_argument("--out", type=storage.normalize, required=True, metavar="MOE_DIR", help="new MoE run directory (must be empty)")
     parser.add_argument("--noise_std", type=float, default=0.0,
                         help="expert noise, as a fraction of each dense weight's std (default 0: exact copies)")
     parser.add_argument("--reset_step", action="store_true", help="start the MoE run at step 0 (default: the dense step)")
