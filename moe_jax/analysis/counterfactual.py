@@ -21,7 +21,6 @@ output by a factor the trained network never saw, which measures the scale, not 
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax import storage
 from moe_jax.moe.layer import MoeLayer
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
 from moe_jax.synthetic.routers import shuffle_columns
@@ -179,7 +179,7 @@ def variant(name: str, params: Any, model_dir: str, seed: int = 0) -> tuple[Any,
         initial = checkpoints.load_router_init(model_dir)
         if not initial:
             raise ValueError(f"--router=init: the run {model_dir} saved no initial router "
-                             f"({os.path.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)")
+                             f"({storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)")
         return replace_routers(params, initial, checkpoints.ROUTER_INIT_FILE), None
     if name == "random":
         return random_routers(params, seed), None

@@ -32,8 +32,6 @@ their mean in bold.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,11 +41,11 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import storage
 from moe_jax.analysis import counterfactual, routing
 from moe_jax.analysis.positions import mutual_information_bits
 from moe_jax.synthetic import metrics as synthetic_metrics
 from moe_jax.train.sweep import seed_family
-
 
 # ------------------------------------------------------------------------------ statistics
 
@@ -180,16 +178,8 @@ def expand_checkpoints(paths: Sequence[str], all_steps: bool) -> list[str]:
         steps = checkpoints.Checkpointer(model_dir).all_steps()
         if not steps:
             raise FileNotFoundError(f"--checkpoint={path!r}: no checkpoints in {model_dir}")
-        out += [os.path.join(model_dir, "checkpoints", str(s)) for s in sorted(steps)]
+        out += [storage.join(model_dir, "checkpoints", str(s)) for s in sorted(steps)]
     return out
-
-
-def run_name(checkpoint_path: str) -> str:
-    """The last two parts of the run's ``MODEL_DIR`` (e.g. ``learned/seed0``)."""
-    from moe_jax.train import checkpoints
-
-    model_dir = checkpoints.split_checkpoint_path(checkpoint_path)[0]
-    return "/".join(pathlib.Path(os.path.abspath(model_dir)).parts[-2:])
 
 
 def run_family(run: str) -> str:
@@ -276,14 +266,14 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
         shuffled = router_kernels(counterfactual.shuffle_router_inputs(params, seed))
         n = len(row_labels)
         rng = np.random.default_rng(seed)
-        result = {"checkpoint": os.path.abspath(path), "run": run_name(path), "step": step,
+        result = {"checkpoint": storage.normalize(path), "run": checkpoints.run_name(path), "step": step,
                   "layers": {name: analyze_layer(_first_rows(layer, n), row_labels, len(groups),
                                                  shuffled.get(name), rng)
                              for name, layer in layers.items()}}
         results.append(result)
         if jax.process_index() == 0:
             print("\n".join(summary_lines(result)), flush=True)
-    out_dir = out_dir or os.path.join(checkpoints.split_checkpoint_path(paths[0])[0], "analysis")
+    out_dir = storage.normalize(out_dir or storage.join(checkpoints.split_checkpoint_path(paths[0])[0], "analysis"))
     report = {"labels": list(groups), "split": split, "max_examples_per_label": max_examples_per_label,
               "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
               "checkpoints": results, "seed_summary": seed_summary(results)}
@@ -292,10 +282,8 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
             for name, stats in summary["layers"].items():
                 print(f"{summary['family']} ({len(summary['seeds'])} seeds)@{summary['step']} {name}: "
                       + "; ".join(f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items()), flush=True)
-        os.makedirs(out_dir, exist_ok=True)
         report["files"] = plots.write_languages(report, out_dir)
-        with open(os.path.join(out_dir, "languages.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        storage.write_text(storage.join(out_dir, "languages.json"), json.dumps(report, indent=1))
         print(f"[moe-jax] language analysis in {out_dir}", file=sys.stderr)
     return report
 

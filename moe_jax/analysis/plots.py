@@ -12,10 +12,11 @@ Languages (:func:`write_languages`):
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
+
+from moe_jax import storage
 
 
 def _pyplot():
@@ -29,7 +30,8 @@ def _pyplot():
 
 def _save(plt, fig, path: str) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with storage.writing(path) as f:  # local or gs://
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
@@ -102,10 +104,10 @@ def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") 
     files = []
     for name, stats in layers.items():
         fname = f"activation_{name.replace('/', '_')}.png"
-        activation_heatmap(name, stats, os.path.join(out_dir, fname), title)
+        activation_heatmap(name, stats, storage.join(out_dir, fname), title)
         files.append(fname)
-    correlation_bars(layers, os.path.join(out_dir, "correlation_length.png"), title)
-    probe_bars(layers, os.path.join(out_dir, "probe_accuracy.png"), title)
+    correlation_bars(layers, storage.join(out_dir, "correlation_length.png"), title)
+    probe_bars(layers, storage.join(out_dir, "probe_accuracy.png"), title)
     return files + ["correlation_length.png", "probe_accuracy.png"]
 
 
@@ -189,10 +191,10 @@ def write_languages(report: dict[str, Any], out_dir: str) -> list[str]:
             last[result["run"]] = result
     for run, result in last.items():
         fname = f"languages_{run.replace('/', '_')}_step{result['step']}.png"
-        language_heatmaps(result, report["labels"], os.path.join(out_dir, fname))
+        language_heatmaps(result, report["labels"], storage.join(out_dir, fname))
         files.append(fname)
     if len(report["checkpoints"]) > len(last):
-        language_curves(report["checkpoints"], os.path.join(out_dir, "languages_curves.png"),
+        language_curves(report["checkpoints"], storage.join(out_dir, "languages_curves.png"),
                         report.get("seed_summary"))
         files.append("languages_curves.png")
     return files

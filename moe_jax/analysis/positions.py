@@ -31,8 +31,6 @@ PNGs of :mod:`moe_jax.analysis.plots`. Every statistic is vectorised over tokens
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +39,7 @@ import gin
 import jax
 import numpy as np
 
+from moe_jax import storage
 from moe_jax.analysis import plots, routing
 
 RIDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # times the number of tokens
@@ -354,20 +353,17 @@ def analyze(checkpoint_path: str, out_dir: str | None = None, *, model: Any = gi
     stats = {name: analyze_layer(layer, **{k: v for k, v in settings.items() if k != "num_batches"})
              for name, layer in layers.items()}
     model_dir = checkpoints.split_checkpoint_path(checkpoint_path)[0]
-    run_name = "/".join(pathlib.Path(os.path.abspath(model_dir)).parts[-2:])  # e.g. learned/seed0
-    out_dir = out_dir or os.path.join(model_dir, "analysis")
+    out_dir = storage.normalize(out_dir or storage.join(model_dir, "analysis"))
     result = {
-        "checkpoint": os.path.abspath(checkpoint_path), "step": step,
+        "checkpoint": storage.normalize(checkpoint_path), "step": step,
         "dataset": {"mixture_or_task_name": dataset_cfg.mixture_or_task_name, "split": dataset_cfg.split,
                     "task_feature_lengths": dict(dataset_cfg.task_feature_lengths),
                     "batch_size": dataset_cfg.batch_size, "pack": dataset_cfg.pack},
         "settings": settings, "layers": stats,
     }
     if jax.process_index() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        result["files"] = plots.write_all(stats, out_dir, title=f"{run_name} (step {step})")
-        with open(os.path.join(out_dir, "positions.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        result["files"] = plots.write_all(stats, out_dir, title=f"{checkpoints.run_name(model_dir)} (step {step})")
+        storage.write_text(storage.join(out_dir, "positions.json"), json.dumps(result, indent=1))
         print(summary_table(stats), flush=True)
         print(f"[moe-jax] positional analysis in {out_dir}", file=sys.stderr)
     return result

@@ -101,7 +101,8 @@ def plot_expert_load(layers: dict[str, dict[str, Any]], title: str, path: str) -
     fig = expert_load_figure(layers, title)
     if fig is not None:
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        with storage.writing(path) as f:
+            fig.savefig(f, format="png", dpi=100)
         plt.close(fig)
 
 
@@ -242,7 +243,8 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with storage.writing(path) as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
@@ -277,9 +279,8 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
     eval_fns: dict[str | None, Any] = {}
-    output_dir = output_dir or os.path.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0],
-                                            "eval_results")
-    os.makedirs(output_dir, exist_ok=True)
+    output_dir = storage.normalize(output_dir or storage.join(
+        checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results"))
     results = {}
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
@@ -299,7 +300,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
             results[label] = {
-                "checkpoint": f"{os.path.join(model_dir, 'checkpoints')}/{step}", "step": step,
+                "checkpoint": storage.join(model_dir, "checkpoints", str(step)), "step": step,
                 "label": ckpt_label, "router": name,
                 "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
                 "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
@@ -308,28 +309,24 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
             }
             if routing and not results[label]["router_drift"]:
                 results[label]["router_drift_missing"] = (
-                    f"{os.path.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the routers' "
+                    f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the routers' "
                     f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
                     f"export has {export.ROUTER_INIT_FILE})")
             if jax.process_index() == 0:
-                with open(os.path.join(output_dir, f"{label}.json"), "w") as f:
-                    json.dump(results[label], f, indent=1)
+                storage.write_text(storage.join(output_dir, f"{label}.json"), json.dumps(results[label], indent=1))
                 plot_expert_load(routing, f"{label} (step {step}): expert load",
-                                 os.path.join(output_dir, f"{label}_expert_load.png"))
+                                 storage.join(output_dir, f"{label}_expert_load.png"))
     table = comparison_table(results)
     if jax.process_index() == 0:
         print(table, flush=True)
-        with open(os.path.join(output_dir, "comparison.txt"), "w") as f:
-            f.write(table + "\n")
-        with open(os.path.join(output_dir, "comparison.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        storage.write_text(storage.join(output_dir, "comparison.txt"), table + "\n")
+        storage.write_text(storage.join(output_dir, "comparison.json"), json.dumps(results, indent=1))
         seeds = seed_table(results)
         if seeds:
             print(seeds, flush=True)
-            with open(os.path.join(output_dir, "comparison_seeds.md"), "w") as f:
-                f.write(seeds + "\n")
+            storage.write_text(storage.join(output_dir, "comparison_seeds.md"), seeds + "\n")
         if len(names) > 1:
-            plot_routers(results, os.path.join(output_dir, "routers.png"))
+            plot_routers(results, storage.join(output_dir, "routers.png"))
         print(f"[moe-jax] eval results in {output_dir}", file=sys.stderr)
     return results
 

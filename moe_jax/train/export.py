@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import shutil
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -215,7 +213,6 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     Raises:
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
-    from safetensors.numpy import save_file
 
     from moe_jax.train import checkpoints, setup, train_state
 
@@ -237,7 +234,7 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     router_init = arrays_for_export(initial) if initial else {}
     config = {
         "format": FORMAT, "version": FORMAT_VERSION,
-        "source_checkpoint": os.path.abspath(checkpoint_path) if "://" not in checkpoint_path else checkpoint_path,
+        "source_checkpoint": storage.normalize(checkpoint_path),
         "step": step, **architecture(model), "routing": routing_settings(),
         "num_parameters": int(sum(a.size for a in arrays.values())),
         "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
@@ -245,21 +242,29 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
         "router_init": ({"file": ROUTER_INIT_FILE, "arrays": sorted(router_init)} if router_init else None),
     }
     if jax.process_index() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        save_file(arrays, os.path.join(out_dir, WEIGHTS_FILE),
-                  metadata={"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)})
+        storage.write_bytes(storage.join(out_dir, WEIGHTS_FILE), safetensors_bytes(
+            arrays, {"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}))
         if router_init:
-            save_file(router_init, os.path.join(out_dir, ROUTER_INIT_FILE),
-                      metadata={"format": FORMAT, "version": str(FORMAT_VERSION), "content": "initial routers"})
-        with open(os.path.join(out_dir, CONFIG_JSON), "w") as f:
-            json.dump(config, f, indent=1)
-        gin_path = os.path.join(out_dir, CONFIG_GIN)
-        if config_gin:
-            shutil.copyfile(config_gin, gin_path)
-        else:
-            with open(gin_path, "w") as f:
-                f.write(gin_utils.operative_config())
+            storage.write_bytes(storage.join(out_dir, ROUTER_INIT_FILE), safetensors_bytes(
+                router_init, {"format": FORMAT, "version": str(FORMAT_VERSION), "content": "initial routers"}))
+        storage.write_text(storage.join(out_dir, CONFIG_JSON), json.dumps(config, indent=1))
+        storage.write_text(storage.join(out_dir, CONFIG_GIN),
+                           storage.read_text(config_gin) if config_gin else gin_utils.operative_config())
     return config
+
+
+def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A safetensors file's bytes (written whole through :mod:`moe_jax.storage`)."""
+    from safetensors.numpy import save
+
+    return save(dict(arrays), metadata=metadata)
+
+
+def safetensors_arrays(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file (local or ``gs://``)."""
+    from safetensors.numpy import load
+
+    return load(storage.read_bytes(path))
 
 
 def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
@@ -271,15 +276,14 @@ def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
         config's model (names or shapes, as for the parameters).
     """
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
 
     from moe_jax.train import checkpoints
 
-    path = os.path.join(export_dir, ROUTER_INIT_FILE)
-    if not os.path.isfile(path):
+    path = storage.join(export_dir, ROUTER_INIT_FILE)
+    if not storage.exists(path):
         return {}
     try:
-        arrays = load_file(path)
+        arrays = safetensors_arrays(path)
     except (SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {path}: {err}") from None
     return params_from_export(arrays, checkpoints.router_params(abstract_params), path)
@@ -292,16 +296,14 @@ def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]
       ExportError: naming the file that is missing or not an export.
     """
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
 
-    weights, config_path = os.path.join(export_dir, WEIGHTS_FILE), os.path.join(export_dir, CONFIG_JSON)
+    weights, config_path = storage.join(export_dir, WEIGHTS_FILE), storage.join(export_dir, CONFIG_JSON)
     for path in (weights, config_path):
-        if not os.path.isfile(path):
+        if not storage.exists(path):
             raise ExportError(f"--export={export_dir}: {path} does not exist (not an export directory?)")
     try:
-        with open(config_path) as f:
-            config = json.load(f)
-        arrays = load_file(weights)
+        config = json.loads(storage.read_text(config_path))
+        arrays = safetensors_arrays(weights)
     except (json.JSONDecodeError, SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {err}") from None
     if config.get("format") != FORMAT:
@@ -325,7 +327,7 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
     step = int(config.get("step", 0))
     run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
     host_params = params_from_export(arrays, run.abstract_state.params,
-                                     os.path.join(export_dir, WEIGHTS_FILE))
+                                     storage.join(export_dir, WEIGHTS_FILE))
     initial_routers = read_router_init(export_dir, run.abstract_state.params)
     checkpoints.ensure_writable(model_dir)  # only once the export fits the model
     params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
@@ -341,7 +343,7 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
         if step in ckpt.all_steps():
             raise ExportError(f"{model_dir} already has a checkpoint at step {step}")
         ckpt.save(state, {"data_iterators": [], "random_seed": random_seed,
-                          "imported_from": os.path.abspath(export_dir)}, force=True)
+                          "imported_from": storage.normalize(export_dir)}, force=True)
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
@@ -351,8 +353,7 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
 
 def _run_config_for_import(export_dir: str, model_dir: str) -> str:
     """The export's ``config.gin`` with ``MODEL_DIR`` pointing at the new run directory."""
-    with open(os.path.join(export_dir, CONFIG_GIN)) as f:
-        text = f.read()
+    text = storage.read_text(storage.join(export_dir, CONFIG_GIN))
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
@@ -399,8 +400,8 @@ def _import(args) -> int:
     gin_utils.parse_gin(args)
     step = import_export(args.export, args.model_dir)
     if jax.process_index() == 0:
-        with open(os.path.join(args.model_dir, CONFIG_GIN), "w") as f:
-            f.write(config_text if config_text is not None else gin_utils.operative_config())
+        storage.write_text(storage.join(args.model_dir, CONFIG_GIN),
+                           config_text if config_text is not None else gin_utils.operative_config())
     return step
 
 

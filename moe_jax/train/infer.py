@@ -14,7 +14,6 @@ given (the line ``gin config: ...`` says which), else the ``--gin_file`` files. 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -100,16 +99,14 @@ def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: A
     tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
     outputs = decode_outputs(tokens, vocabulary)[: len(inputs)]
     if output_dir and jax.process_index() == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        write_predictions(os.path.join(output_dir, PREDICTIONS_FILE), inputs, outputs)
+        write_predictions(storage.join(output_dir, PREDICTIONS_FILE), inputs, outputs)
     return outputs
 
 
 def write_predictions(path: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
-    """``{"input", "output"}`` JSON lines."""
-    with open(path, "w") as f:
-        for text, out in zip(inputs, outputs):
-            f.write(json.dumps({"input": text, "output": out}) + "\n")
+    """``{"input", "output"}`` JSON lines (written whole; local or ``gs://``)."""
+    storage.write_text(path, "".join(json.dumps({"input": text, "output": out}) + "\n"
+                                     for text, out in zip(inputs, outputs, strict=True)))
 
 
 def read_input_lines(path: str) -> list[str]:

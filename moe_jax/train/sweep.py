@@ -42,6 +42,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Sequence
@@ -88,7 +89,7 @@ class RunSpec:
         return "/".join([self.run, *(f"{k}-{v}" for k, v in self.axes)])
 
     def model_dir(self, root: str) -> str:
-        return os.path.join(root, self.group, f"seed{self.seed}")
+        return storage.join(root, self.group, f"seed{self.seed}")
 
     def command(self, root: str) -> list[str]:
         """The ``moe-jax train`` argv of this run."""
@@ -163,20 +164,25 @@ def load_family(path: str) -> Family:
 
 def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSpec, int, float]:
     model_dir = spec.model_dir(root)
-    os.makedirs(model_dir, exist_ok=True)
+    storage.makedirs(model_dir)
+    log_path = storage.join(model_dir, "log.txt")
+    local = storage.is_local(log_path)
     start = time.time()
-    with open(os.path.join(model_dir, "log.txt"), "a") as log:
+    with open(log_path, "ab") if local else tempfile.TemporaryFile() as log:
         rc = subprocess.call([*executable, *spec.command(root)[2:]], stdout=log, stderr=subprocess.STDOUT)
+        if not local:  # an object store cannot append: the log is uploaded when the run ends
+            log.seek(0)
+            earlier = storage.read_bytes(log_path) if storage.exists(log_path) else b""
+            storage.write_bytes(log_path, earlier + log.read())
     if rc == 0:
-        with open(os.path.join(model_dir, "DONE"), "w") as f:
-            f.write(f"{time.time() - start:.1f} s\n")
+        storage.write_text(storage.join(model_dir, "DONE"), f"{time.time() - start:.1f} s\n")
     return spec, rc, time.time() - start
 
 
 def run_family(family: Family, root: str, parallel: int = 1,
                executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train")) -> int:
     """Train every run of ``family`` not yet marked DONE; returns the number that failed."""
-    todo = [s for s in family.runs if not os.path.exists(os.path.join(s.model_dir(root), "DONE"))]
+    todo = [s for s in family.runs if not storage.exists(storage.join(s.model_dir(root), "DONE"))]
     todo.sort(key=lambda s: s.seed)  # whole seeds first: a cut-short sweep still compares runs
     print(f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
           f"{len(todo)} to run, {parallel} at a time", flush=True)
@@ -262,7 +268,7 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
         ax.set(xlabel="step", ylabel=f"eval {metric}",
                title=", ".join(f"{k}={v}" for k, v in point) or summary["family"])
         _finish_axes(ax)
-    written.append(_save(plt, fig, os.path.join(out, f"{summary['family']}_curves.png")))
+    written.append(_save(plt, fig, storage.join(out, f"{summary['family']}_curves.png")))
     for axis, values in family.axes:
         fig, ax = plt.subplots(figsize=(5, 4))
         for run in dict.fromkeys(g["run"] for g in groups.values()):
@@ -277,7 +283,7 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
         if all(isinstance(v, (int, float)) and v > 0 for v in values):
             ax.set_xscale("log", base=2)
         _finish_axes(ax)
-        written.append(_save(plt, fig, os.path.join(out, f"{summary['family']}_vs_{axis}.png")))
+        written.append(_save(plt, fig, storage.join(out, f"{summary['family']}_vs_{axis}.png")))
     return written
 
 
@@ -288,7 +294,8 @@ def _finish_axes(ax) -> None:
 
 def _save(plt, fig, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with storage.writing(path) as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return path
 
@@ -357,14 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.metric:
         family = dataclasses.replace(family, name=f"{family.name}_{args.metric}", metric=args.metric)
     out = args.out or args.root
-    os.makedirs(out, exist_ok=True)
     summary = summarize(family, args.root)
     if all(g.get("missing") for g in summary["groups"].values()):
         print(f"moe-jax sweep: no eval records under {args.root} for family {family.name}", file=sys.stderr)
         return 1
-    path = os.path.join(out, f"{family.name}.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
+    path = storage.join(out, f"{family.name}.json")
+    storage.write_text(path, json.dumps(summary, indent=1))
     pngs = plot_summary(summary, family, out)
     print(format_table(summary))
     print("wrote", path, *pngs)

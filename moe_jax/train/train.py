@@ -152,8 +152,9 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
                                     async_save=async_checkpointing)
+    set_aside = checkpoints.set_aside_steps(model_dir)  # at earlier starts
     restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
-    _check_set_aside(model_dir, restored is None)
+    _check_set_aside(model_dir, set_aside, fresh=restored is None)
     if restored is None:
         latest = None
         state = run.init_state()
@@ -266,10 +267,9 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
             "last_checkpoint": ckpt.name(last_saved), "wall_sec": elapsed}
 
 
-def _check_set_aside(model_dir: str, fresh: bool) -> None:
-    """Names the damaged checkpoints set aside earlier (at every start until they are
-    deleted), and refuses to train from step 0 while they are there."""
-    aside = checkpoints.set_aside_steps(model_dir)
+def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
+    """Names the damaged checkpoints set aside at earlier starts (at every start until they
+    are deleted), and refuses to train from step 0 while they are there."""
     if not aside:
         return
     folder = storage.join(model_dir, checkpoints.UNREADABLE_DIR)

@@ -17,7 +17,6 @@ data stream continues from that step. The dense run is only read. See docs/moe.m
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -33,7 +32,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
     from moe_jax.train import checkpoints
 
     model_dir, step = checkpoints.split_checkpoint_path(path)
-    if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+    if not storage.isdir(storage.join(model_dir, "checkpoints")):
         raise FileNotFoundError(f"upcycle: --checkpoint={path!r} holds no checkpoints")
     ckpt = checkpoints.Checkpointer(model_dir, read_only=True)
     try:
@@ -60,7 +59,7 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
     from moe_jax.moe.upcycle import upcycle_params
     from moe_jax.train import checkpoints, setup
 
-    if os.path.isdir(out) and os.listdir(out):
+    if storage.listdir(out):
         raise FileExistsError(f"upcycle: --out={out!r} is not empty; give a new directory")
     model = gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     dataset_cfg = gin.query_parameter("train_script.train.train_dataset_cfg").scoped_configurable_fn()
@@ -80,7 +79,6 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
     step = 0 if reset_step else dense_step
     state = state.replace(step=jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), shardings.step),
                           params=params, opt_state=opt_state)
-    os.makedirs(out, exist_ok=True)
     ckpt = checkpoints.Checkpointer(out, async_save=False)
     try:
         ckpt.save(state, {"data_iterators": [], "random_seed": seed,
@@ -90,8 +88,7 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
         ckpt.close()
     checkpoints.save_router_init(out, params)
     if jax.process_index() == 0:
-        with open(os.path.join(out, "config.gin"), "w") as f:
-            f.write(gin.config_str())
+        storage.write_text(storage.join(out, "config.gin"), gin.config_str())
     return {"out": out, "step": step, "dense_step": dense_step, "num_params": model.num_params(params)}
 
 

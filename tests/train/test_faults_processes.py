@@ -11,7 +11,6 @@ Slow (each process imports TensorFlow and compiles):
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import resource
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 
 from moe_jax import errors
-from moe_jax.train import checkpoints
+from moe_jax.train import checkpoints, summaries
 from tests.train.test_processes import FLAGS, env, finish, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -43,9 +42,8 @@ def start(model_dir, *flags: str, file_size_limit: int | None = None) -> subproc
 
 
 def losses(model_dir) -> dict[int, float]:
-    """``{step: loss}`` of metrics.jsonl, asserting each step is logged once."""
-    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    """``{step: loss}`` of metrics.jsonl (local or gs://), asserting each step is logged once."""
+    records = summaries.read_metrics(str(model_dir))
     steps = [r["step"] for r in records if r["split"] == "train"]
     assert len(steps) == len(set(steps)), f"steps logged twice: {sorted(steps)}"
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
@@ -104,7 +102,9 @@ def test_second_trainer_is_refused_and_a_killed_holder_does_not_block(tmp_path):
     assert f"PID {first.pid} no longer runs on this host" in out
 
 
-def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path):
+@pytest.mark.parametrize("store", ["local", "gcs"])
+def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path, store, request):
+    """``gcs``: the chaos run's MODEL_DIR is on the test GCS server; the clean run is local."""
     steps, kills = 200, 10
     seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 2**31))
     print(f"chaos seed {seed} (CHAOS_SEED={seed} repeats it)", flush=True)
@@ -112,12 +112,12 @@ def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path):
     flags = [f"--gin.TRAIN_STEPS={steps}", "--gin.train_script.train.checkpoint_period=10"]
     code, out = finish(start(tmp_path / "clean", *flags), timeout=900)
     assert code == 0, out[-2000:]
-    run = tmp_path / "chaos"
+    run = f"{request.getfixturevalue('gcs_dir')}/chaos" if store == "gcs" else tmp_path / "chaos"
     survived = 0
     for kill in range(kills):
         # a random step beyond any logged so far (so only fresh progress reaches it), then a
         # random moment within the next steps (saves every 10 steps included)
-        reached = max(losses(run), default=0) if (run / "metrics.jsonl").exists() else 0
+        reached = max(losses(run), default=0)
         if reached + 1 > steps - 1:
             break
         target = rng.randint(reached + 1, min(steps - 1, reached + max(1, (steps - 1 - reached) // (kills - kill))))

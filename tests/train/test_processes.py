@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints
+from moe_jax.train import checkpoints, summaries
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +39,8 @@ def start(model_dir, *flags: str, devices: int = 1) -> subprocess.Popen:
 
 
 def logged_steps(model_dir) -> list[int]:
-    path = os.path.join(model_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.strip()]
+    """The steps of ``MODEL_DIR/metrics.jsonl`` (local or gs://; [] before the first)."""
+    return [r["step"] for r in summaries.read_metrics(str(model_dir))]
 
 
 def wait_for_step(proc, model_dir, step: int, timeout: float = 240) -> None:
