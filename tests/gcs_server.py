@@ -11,8 +11,10 @@ process and the subprocesses it starts:
   plane (which needs credentials and network; the plain GCS client is what is tested).
 
 :func:`start` serves an in-memory bucket :data:`BUCKET` there. The emulator does not check
-upload preconditions; :func:`_insert_with_preconditions` adds ``ifGenerationMatch`` to
-object inserts, as GCS has it (the run lock's atomic create relies on it).
+upload preconditions and sends no generation with a download; :func:`_add_gcs_semantics`
+adds both as GCS has them: ``ifGenerationMatch`` on inserts (the run lock's atomic create
+relies on it) and the ``x-goog-generation`` header of a download (TensorStore's OCDBT
+manifest updates read it).
 
 Not covered by these tests: TensorFlow's ``gfile`` (it ignores these variables). The
 project writes run directories through fsspec and TensorStore only; the data pipeline's
@@ -60,17 +62,44 @@ def start() -> None:
 
     # Its handler threads log a traceback per client that closes a connection early.
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
-    _add_preconditions(server, objects)
+    _add_gcs_semantics(server, objects)
     _server = server.create_server("127.0.0.1", configure_environment(), in_memory=True,
                                    default_bucket=BUCKET)
     _server.start()
+    # a client that closes a connection early (a killed trainer) is not the server's error
+    _server._api._httpd.handle_error = lambda request, address: None  # noqa: SLF001
 
 
-def _add_preconditions(server, objects) -> None:
-    plain = objects.insert
-    if getattr(plain, "with_preconditions", False):
+def _add_gcs_semantics(server, objects) -> None:
+    if getattr(objects.insert, "with_gcs_semantics", False):
         return
+    _replace(server, objects, "insert", _with_preconditions(objects.insert))
+    _replace(server, objects, "download", _with_generation_header(objects.download))
 
+
+def _replace(server, objects, name: str, handler) -> None:
+    plain = getattr(objects, name)
+    handler.with_gcs_semantics = True
+    setattr(objects, name, handler)
+    for _, handlers in server.HANDLERS:
+        for method, known in list(handlers.items()):
+            if known is plain:
+                handlers[method] = handler
+
+
+def _with_generation_header(plain):
+    def download(request, response, storage, *args, **kwargs):
+        """A download, with the object's ``x-goog-generation`` / ``x-goog-metageneration``."""
+        plain(request, response, storage, *args, **kwargs)
+        if response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
+            obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            response["x-goog-generation"] = str(obj["generation"])
+            response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
+
+    return download
+
+
+def _with_preconditions(plain):
     def insert(request, response, storage, *args, **kwargs):
         """Refuses (412) an insert whose ``ifGenerationMatch`` does not hold: ``0`` means
         "only if no live object has this name"; N, "only if its generation is N"."""
@@ -89,9 +118,4 @@ def _add_preconditions(server, objects) -> None:
                 return None
         return plain(request, response, storage, *args, **kwargs)
 
-    insert.with_preconditions = True
-    objects.insert = insert
-    for _, handlers in server.HANDLERS:
-        for method, handler in list(handlers.items()):
-            if handler is plain:
-                handlers[method] = insert
+    return insert
