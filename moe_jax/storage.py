@@ -162,6 +162,8 @@ def create_exclusive(path: PathLike, data: bytes) -> bool:
             _fs(path).pipe_file(path, data, mode="create")
         except FileExistsError:
             return False
+        except (TypeError, ValueError) as err:  # an fsspec file system without mode="create"
+            raise NotImplementedError(f"{path}: the store offers no atomic create ({err})") from None
         return True
     tmp = _temporary_name(path)
     with open(tmp, "wb") as f:

@@ -62,9 +62,16 @@ class RunLock:
         self.took_over: dict[str, Any] | None = None  # the dead holder replaced, if any
 
     def acquire(self) -> RunLock:
-        """Takes the lock or raises :class:`~moe_jax.errors.RunLockedError` naming the holder."""
+        """Takes the lock or raises :class:`~moe_jax.errors.RunLockedError` naming the holder.
+        On a store without an atomic create, prints one line saying that no lock is held."""
         for _ in range(3):  # a dead holder's file is moved away, then retried
-            if self._create():
+            try:
+                created = self._create()
+            except NotImplementedError as err:
+                print(f"[moe-jax] warning: no run lock is held for {self.model_dir} ({err}): make sure "
+                      "one trainer writes it", file=sys.stderr, flush=True)
+                return self
+            if created:
                 self._thread = threading.Thread(target=self._heartbeat, daemon=True,
                                                 name="moe_jax_run_lock")
                 self._thread.start()
