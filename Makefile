@@ -13,7 +13,7 @@ COMPILERS := $(VENV)/compilers
 # The pins of pyproject.toml's compile-tpu / compile-gpu extras (one place).
 extra = $(shell $(PYTHON) -c "import tomllib; print(' '.join(repr(p) for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: smoke test test-slow bench clean-venv compilers
+.PHONY: smoke test test-slow bench bench-compiled docs lint clean-venv compilers
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -44,6 +44,10 @@ test-slow: $(STAMP) compilers
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# The documentation site (README, docs/, API pages from docstrings) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean-venv:
 	rm -rf $(VENV)
