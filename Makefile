@@ -42,8 +42,13 @@ test: $(STAMP) $(COMPILERS)/tpu/.installed
 test-slow: $(STAMP) compilers
 	$(PY) -m pytest -m slow -q
 
+# Rerun the CPU benchmarks here and regenerate benchmarks/RESULTS.md (tens of minutes);
+# bench-compiled: the TPU/GPU compiled-target ones (needs the compilers).
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+bench-compiled: $(STAMP) compilers
+	$(PY) benchmarks/run_all.py --compiled
 
 # The documentation site (README, docs/, API pages from docstrings) into site/.
 docs: $(STAMP)
