@@ -1,6 +1,7 @@
 # moe-jax: two commands on a fresh machine with Python 3.11.
 #   make smoke   runs the main job on the embedded defaults
 #   make test    runs the test suite (everything not marked slow)
+# Also: make docs (the site, into site/), make lint, make bench, make test-slow.
 # Each creates .venv from pyproject.toml when it is missing or older than pyproject.toml.
 
 PYTHON ?= python3.11
@@ -49,6 +50,12 @@ bench: $(STAMP)
 
 bench-compiled: $(STAMP) compilers
 	$(PY) benchmarks/run_all.py --compiled
+
+# ruff (lint, format) over the tree and mypy over moe_jax/, as configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The documentation site (README, docs/, API pages from docstrings) into site/.
 docs: $(STAMP)

@@ -14,14 +14,18 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax")
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quick", choices=("quick", "converged"))
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--out", default=None, help="results folder (default results/synthetic-PRESET)")
+    parser.add_argument(
+        "--out", default=None, help="results folder (default results/synthetic-PRESET)"
+    )
     args = parser.parse_args()
     from moe_jax.synthetic import cli
     from moe_jax.synthetic.experiments import SUITE

@@ -19,8 +19,11 @@ from mkdocs.structure.files import File, Files
 
 REPO = Path(__file__).resolve().parents[1]
 # repository path -> the page's path in the site (src_uri)
-EXTRA_PAGES = {"README.md": "index.md", "CHANGELOG.md": "CHANGELOG.md",
-               "benchmarks/RESULTS.md": "benchmarks/RESULTS.md"}
+EXTRA_PAGES = {
+    "README.md": "index.md",
+    "CHANGELOG.md": "CHANGELOG.md",
+    "benchmarks/RESULTS.md": "benchmarks/RESULTS.md",
+}
 # [text](target) and ![alt](target); targets without spaces, optionally "title"
 LINK = re.compile(r"(!?\[[^\]\n]*\])\(([^)\s]+)(\s+\"[^\"]*\")?\)")
 DOCS = "docs"
@@ -47,7 +50,7 @@ def _site_path_of(repo_path: str) -> str | None:
     if repo_path in EXTRA_PAGES:
         return EXTRA_PAGES[repo_path]
     if repo_path.startswith(f"{DOCS}/") and (REPO / repo_path).exists():
-        return repo_path[len(DOCS) + 1:]
+        return repo_path[len(DOCS) + 1 :]
     return None
 
 

@@ -17,8 +17,12 @@ import pytest
 from pymdownx.slugs import slugify
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "benchmarks" / "RESULTS.md",
-         *sorted((REPO / "docs").rglob("*.md"))]
+PAGES = [
+    REPO / "README.md",
+    REPO / "CHANGELOG.md",
+    REPO / "benchmarks" / "RESULTS.md",
+    *sorted((REPO / "docs").rglob("*.md")),
+]
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -75,18 +79,31 @@ def test_relative_links_and_images_resolve(page):
 def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path):
     (tmp_path / "other.md").write_text("# Title\n\n## A `code` heading: yes\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](other.md#a-code-heading-yes) [bad](other.md#nope) ![img](missing.png)\n"
-                    "```\n[in code](not_checked.md)\n```\n[url](https://example.com) [self](#top)\n# Top\n")
-    assert broken_links(page) == ["other.md#nope (no heading 'nope' in other.md)", "missing.png (no such file)"]
+    page.write_text(
+        "[ok](other.md#a-code-heading-yes) [bad](other.md#nope) ![img](missing.png)\n"
+        "```\n[in code](not_checked.md)\n```\n[url](https://example.com) [self](#top)\n# Top\n"
+    )
+    assert broken_links(page) == [
+        "other.md#nope (no heading 'nope' in other.md)",
+        "missing.png (no such file)",
+    ]
 
 
 def test_the_site_builds_without_warnings(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1", "HOME": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1", "HOME": str(tmp_path)},
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "WARNING" not in log, log
     home = (tmp_path / "site" / "index.html").read_text()
     assert "What you can do" in home  # README.md is the home page
-    assert (tmp_path / "site" / "api" / "moe.html").read_text().count("MoeLayer") > 1  # API from docstrings
+    assert (tmp_path / "site" / "api" / "moe.html").read_text().count(
+        "MoeLayer"
+    ) > 1  # API from docstrings

@@ -14,7 +14,7 @@ import report  # noqa: E402  (benchmarks/ is not a package)
 
 
 def test_the_committed_results_are_the_report_of_the_committed_json():
-    # regenerate with `python benchmarks/report.py` after changing benchmarks/results/ or compile_reports/
+    # after changing benchmarks/results/ or compile_reports/: python benchmarks/report.py
     assert (BENCHMARKS / "RESULTS.md").read_text() == report.render()
 
 
@@ -31,21 +31,32 @@ def test_every_results_file_is_a_section_with_command_machine_and_date():
 
 def test_every_runnable_section_names_a_script_that_exists():
     for section in report.SECTIONS:
-        assert (section.argv or section.generate) and not (section.argv and section.generate), section.name
+        assert (section.argv or section.generate) and not (section.argv and section.generate), (
+            section.name
+        )
         if section.argv:
             assert (BENCHMARKS / section.argv[0]).exists(), section.name
 
 
 def test_printed_tables_round_trip_through_the_parser():
-    text = ("backend cpu, 1 device(s)\n| a | b c |\n| --- | --- |\n| 1 | x |\n| 2 | y |\ntrailing line\n"
-            "| not a table |\n\n| k |\n|---|\n| v |\n")
+    text = (
+        "backend cpu, 1 device(s)\n| a | b c |\n| --- | --- |\n| 1 | x |\n| 2 | y |\n"
+        "trailing line\n| not a table |\n\n| k |\n|---|\n| v |\n"
+    )
     tables = report.parse_tables(text)
-    assert tables == [{"columns": ["a", "b c"], "rows": [["1", "x"], ["2", "y"]]},
-                      {"columns": ["k"], "rows": [["v"]]}]
-    assert report.parse_tables(report.markdown_table(["a", "b c"], [["1", "x"], ["2", "y"]])) == tables[:1]
+    assert tables == [
+        {"columns": ["a", "b c"], "rows": [["1", "x"], ["2", "y"]]},
+        {"columns": ["k"], "rows": [["v"]]},
+    ]
+    assert (
+        report.parse_tables(report.markdown_table(["a", "b c"], [["1", "x"], ["2", "y"]]))
+        == tables[:1]
+    )
 
 
-@pytest.mark.parametrize("section", [s for s in report.SECTIONS if s.generate is None], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "section", [s for s in report.SECTIONS if s.generate is None], ids=lambda s: s.name
+)
 def test_a_section_without_its_json_says_how_to_make_it(section, monkeypatch, tmp_path):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     assert f"python benchmarks/run_all.py --only {section.name}" in report.render_section(section)
