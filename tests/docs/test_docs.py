@@ -1,8 +1,8 @@
 """The documentation: the site builds with no warning, and every relative link resolves.
 
 Links are checked on disk, as a reader of the repository follows them: a relative link or
-image in README.md, CHANGELOG.md, benchmarks/RESULTS.md or docs/**/*.md must name an
-existing file, and an anchor into a Markdown file must be one of its headings (GitHub's
+image in README.md, CHANGELOG.md, benchmarks/RESULTS.md, docs/**/*.md or a folder's
+README.md must name an existing file, and an anchor into a Markdown file must be one of its headings (GitHub's
 slugs, which the site uses too: mkdocs.yml).
 """
 
@@ -17,12 +17,16 @@ import pytest
 from pymdownx.slugs import slugify
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PAGES = [
-    REPO / "README.md",
-    REPO / "CHANGELOG.md",
-    REPO / "benchmarks" / "RESULTS.md",
-    *sorted((REPO / "docs").rglob("*.md")),
-]
+PAGES = sorted(
+    {
+        REPO / "README.md",
+        REPO / "CHANGELOG.md",
+        REPO / "benchmarks" / "RESULTS.md",
+        *(REPO / "docs").rglob("*.md"),
+        *REPO.glob("*/README.md"),
+        *REPO.glob("*/*/README.md"),
+    }
+)
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
