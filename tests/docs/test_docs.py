@@ -2,8 +2,8 @@
 
 Links are checked on disk, as a reader of the repository follows them: a relative link or
 image in README.md, CHANGELOG.md, benchmarks/RESULTS.md, docs/**/*.md or a folder's
-README.md must name an existing file, and an anchor into a Markdown file must be one of its headings (GitHub's
-slugs, which the site uses too: mkdocs.yml).
+README.md must name an existing file, and an anchor into a Markdown file must be one of its
+headings (GitHub's slugs, which the site uses too: mkdocs.yml).
 """
 
 from __future__ import annotations
