@@ -1,6 +1,7 @@
 # moe-jax: two commands on a fresh machine with Python 3.11.
 #   make smoke   runs the main job on the embedded defaults
 #   make test    runs the test suite (everything not marked slow)
+# Also: make docs (the site, into site/), make lint, make bench, make test-slow.
 # Each creates .venv from pyproject.toml when it is missing or older than pyproject.toml.
 
 PYTHON ?= python3.11
@@ -13,7 +14,7 @@ COMPILERS := $(VENV)/compilers
 # The pins of pyproject.toml's compile-tpu / compile-gpu extras (one place).
 extra = $(shell $(PYTHON) -c "import tomllib; print(' '.join(repr(p) for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: smoke test test-slow bench clean-venv compilers
+.PHONY: smoke test test-slow bench bench-compiled docs lint clean-venv compilers
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -42,8 +43,23 @@ test: $(STAMP) $(COMPILERS)/tpu/.installed
 test-slow: $(STAMP) compilers
 	$(PY) -m pytest -m slow -q
 
+# Rerun the CPU benchmarks here and regenerate benchmarks/RESULTS.md (tens of minutes);
+# bench-compiled: the TPU/GPU compiled-target ones (needs the compilers).
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+bench-compiled: $(STAMP) compilers
+	$(PY) benchmarks/run_all.py --compiled
+
+# ruff (lint, format) over the tree and mypy over moe_jax/, as configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# The documentation site (README, docs/, API pages from docstrings) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,7 +9,7 @@ from the T5X rule: 640 at E = 8) and the six of the dense FFN with the same usef
 forward (``x @ w``), the input gradient (``dy @ w^T``) and the weight gradient
 (``x^T @ dy``). It prints each one's GFLOP/s, then the sum over a whole step (x E for the
 experts) against the 2048^3 reference: how fast the layer could be if it were nothing but
-its matmuls. ``benchmarks/RESULTS.md`` ("MoE layer") reads the gap between that and the
+its matmuls. ``benchmarks/RESULTS.md`` ("The expert matmuls alone") reads the gap between that and the
 measured layer. ``--batched`` times each expert matmul instead as one einsum over all E
 experts (``[experts, rows, d_model]`` operands: the loop-free formulation).
 """

@@ -1,6 +1,6 @@
 """The MoE layer compiled for a TPU or GPU target from this CPU: where the bytes go.
 
-Usage (TPU; libtpu importable, e.g. PYTHONPATH=.:/work/cache/libtpu; add
+Usage (TPU; libtpu importable, e.g. PYTHONPATH=.:.venv/compilers/tpu after `make compilers`; add
 ALLOW_MULTIPLE_LIBTPU_LOAD=1 when another process has libtpu loaded):
   TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python benchmarks/moe_compiled.py --target tpu:v5p:2x2x1
 GPU (the CUDA PJRT plugin importable; no GPU needed):
@@ -227,7 +227,7 @@ def print_breakdown(rows: list[Row]) -> None:
                   f"{dc / 1e3:.0f} / {lc / 1e3:.0f} |")
 
 
-# Issue 21's routing options as compiled rows (``--options``), each at the T5-Base shape and E:
+# The routing options of docs/moe.md as compiled rows (``--options``), each at the T5-Base shape and E:
 # layer options of routers/*.gin (fine-grained: granularity 4, capacity factor x 4).
 ROUTING_OPTIONS = {
     "shared expert (+1, d_ff 2048)": dict(num_shared_experts=1),
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="each layer's HLO bytes by category (matmuls, indexed, whole weights, ...) vs the dense FFN")
     parser.add_argument("--options", action="store_true",
-                        help="add issue 21's routing options (shared expert, bias, sigmoid, fine-grained) as `sort` rows")
+                        help="add the routing options (shared expert, bias, sigmoid, fine-grained) as `sort` rows")
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="E",
                         help="also compile the layer with E experts split over all the target's devices")

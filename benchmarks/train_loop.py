@@ -1,6 +1,6 @@
 """Train-loop throughput of the smoke config (`gin/runs/smoke_cpu.gin`) on this machine:
 the loop that checks each loss one step late (the default) against the loop that waits for
-every step (`train_script.train.sync_every_step=True`, the loop before issue 15).
+every step (`train_script.train.sync_every_step=True`, the synchronous loop).
 
     .venv/bin/python benchmarks/train_loop.py [--steps 200] [--rounds 2] [--devices 8]
         [more --gin.X=v flags]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The routing comparison of issue 21 in its order (docs/moe.md "Comparison at CPU scale"):
+# The routing comparison of configs/routing_cpu.toml in its order (docs/moe.md "Comparison at CPU scale"):
 #   configs/routing_cpu.sh ROOT [FAMILY] [PARALLEL]
 # 1. train the dense source (`dense_half`) with the first other runs; 2. upcycle it into
 # ROOT/upcycled/seed<N>; 3. train the rest (the upcycled run resumes at the dense step);

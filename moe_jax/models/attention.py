@@ -59,7 +59,8 @@ def dot_product_attention(
 
     Args:
       query: ``[batch, q_len, heads, head_dim]``.
-      key, value: ``[batch, k_len, heads, head_dim]``.
+      key: ``[batch, k_len, heads, head_dim]``.
+      value: ``[batch, k_len, heads, head_dim]``.
       bias: broadcastable to ``[batch, heads, q_len, k_len]`` (relative positions).
       mask: boolean, broadcastable to ``[batch, heads, q_len, k_len]``; False = blocked.
     Returns:

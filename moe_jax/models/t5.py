@@ -57,7 +57,7 @@ def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple
 
     Raises:
       ValueError: naming the option when the layout is unknown, ``num_sparse`` is out of
-      range, or ``mixed`` would not give exactly ``num_sparse`` layers.
+        range, or ``mixed`` would not give exactly ``num_sparse`` layers.
     """
     if layout not in SPARSE_LAYOUTS:
         raise ValueError(f"sparse_layout={layout!r} is not one of {SPARSE_LAYOUTS}")

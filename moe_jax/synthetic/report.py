@@ -14,8 +14,8 @@ holds the same quantity. The table gives the paper's value, the ``quick`` preset
 An exact identity (paper value 0, an upper bound) counts as "within 2x" up to float32
 rounding (``FLOAT32_EXACT``).
 
-Line numbers ("l. 127") point into the paper's extracted text
-(``/work/shared/seeds/000_e87d7e33f5f1e57d.txt``).
+Line numbers ("l. 127") point into a plain-text extraction of the paper's PDF; they locate
+a passage to within a few lines.
 """
 
 from __future__ import annotations
@@ -234,11 +234,11 @@ def _dictionary_rows() -> list[Target]:
 
 
 TARGETS: list[Target] = [
-    Target("fig2", "Fig 2(a): E = k test loss, largest n (-> 0)", 0.01, "l. 123, Fig. 2; issue 19 target < 0.01", _fig2("loss"), _fig2_falls_with_n, "normalised, top-1 (l. 98)", "upper"),
+    Target("fig2", "Fig 2(a): E = k test loss, largest n (-> 0)", 0.01, "l. 123, Fig. 2; target < 0.01", _fig2("loss"), _fig2_falls_with_n, "normalised, top-1 (l. 98)", "upper"),
     Target("fig2", "Fig 2(c): sparsity, largest n (-> 1)", 1.0, "l. 127", _fig2("sparsity"), lambda r: _fig2("sparsity")(r)[0] < _fig2("shuffled_sparsity")(r)[0], "mean of exp(entropy); learned < shuffled"),
     Target("fig2", "Fig 2(b): loss at E = k/4 above E = k", None, "l. 123", lambda r: value("loss", num_experts=min(r["config"]["experts"]), num_train=max(r["config"]["sizes"]))(r),
            lambda r: value("loss", num_experts=min(r["config"]["experts"]), num_train=max(r["config"]["sizes"]))(r)[0] > _fig2("loss")(r)[0], "normalised, top-1"),
-    Target("fig3", "Fig 3(a): frozen / learned loss, largest n (target >= 3)", 3.0, "l. 139, Fig. 3; issue 19 target", _frozen_over_learned(), lambda r: _frozen_over_learned()(r)[0] > 1, "normalised, top-1", "lower"),
+    Target("fig3", "Fig 3(a): frozen / learned loss, largest n (target >= 3)", 3.0, "l. 139, Fig. 3; target", _frozen_over_learned(), lambda r: _frozen_over_learned()(r)[0] > 1, "normalised, top-1", "lower"),
     Target("fig3", "Fig 3(a): MoE between the two dense models", None, "l. 143", _largest_n("loss", "MoE learned"),
            lambda r: _largest_n("loss", "dense (whole MoE's params)")(r)[0] < _largest_n("loss", "MoE learned")(r)[0] < _largest_n("loss", "dense (1 expert's params)")(r)[0], "normalised, top-1"),
     Target("fig3", "Fig 3(b) / C.1: norm uniformity, largest n", 1.025, "l. 295", _largest_n("norm_uniformity", "MoE learned"), lambda r: _largest_n("norm_uniformity", "MoE learned")(r)[0] < 2.0, "E norm(M_i)^2 / (E norm(M_i))^2"),

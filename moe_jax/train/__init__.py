@@ -1,4 +1,5 @@
-"""T5X-style binaries: `moe-jax train`, `moe-jax eval`, `moe-jax infer`.
+"""T5X-style binaries: `moe-jax train`, `eval`, `infer`, `compile`, `export`, `import`,
+`upcycle`, `sweep`.
 
 Modules, one job each:
   gin_utils      command-line flags and gin parsing (files, `--gin.NAME=value`, bindings)
@@ -15,6 +16,12 @@ Modules, one job each:
   infer          decoding from a checkpoint (`moe-jax infer`)
   aot            ahead-of-time compile for a TPU/GPU/CPU target: memory, fit, step time
                  (`moe-jax compile`; `train` checks the fit with it before its first step)
+  run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
+  export         checkpoint <-> safetensors + JSON config (`moe-jax export` / `import`)
+  upcycle        an MoE run from a dense run's checkpoint (`moe-jax upcycle`)
+  sweep          experiment families: expand into runs, collect eval curves (`moe-jax sweep`)
+  routing_comparison  the last-eval table and bar chart of a routing sweep family
+  __main__       `python -m moe_jax.train` = `moe-jax train`
 
 Nothing here imports TensorFlow/seqio at import time.
 """

@@ -257,8 +257,9 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     trained) and writes JSON, plots and the table.
 
     Args:
-      checkpoint_paths, output_dir: from ``--checkpoint`` / ``--output_dir`` or T5X's gin
-        macros ``CHECKPOINT_PATH`` / ``EVAL_OUTPUT_DIR`` (runs/eval.gin).
+      checkpoint_paths: from ``--checkpoint`` or T5X's gin macro ``CHECKPOINT_PATH``
+        (runs/eval.gin).
+      output_dir: from ``--output_dir`` or the gin macro ``EVAL_OUTPUT_DIR``.
       routers: counterfactual router names (``counterfactual.ROUTER_VARIANTS``); with
         several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
       router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.

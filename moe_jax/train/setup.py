@@ -162,8 +162,9 @@ def restore_model(path: str, model, input_shapes: Mapping[str, tuple[int, int]],
     :func:`moe_jax.train.checkpoints.restore_from`; the optimizer state is not read).
 
     Raises:
-      moe_jax.train.checkpoints.MissingCheckpointError / CheckpointMismatchError /
-      UnreadableCheckpointError: naming the path, the mismatching parameters or the file.
+      moe_jax.train.checkpoints.MissingCheckpointError: naming the path.
+      moe_jax.train.checkpoints.CheckpointMismatchError: naming the mismatching parameters.
+      moe_jax.train.checkpoints.UnreadableCheckpointError: naming the file.
     """
     from moe_jax.train import checkpoints, train_state
 

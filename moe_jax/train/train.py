@@ -95,7 +95,7 @@ def train(
         dispatched (never saved: a checkpoint is written only after its step's loss is
         checked).
       sync_every_step: fetch every step's metrics and check its loss before dispatching
-        the next step (the loop before issue 15: the device idles while the host works;
+        the next step (a synchronous loop: the device idles while the host works;
         for debugging and as the baseline of ``benchmarks/train_loop.py``).
       routing_churn: at each evaluation, also route the first eval batch and log per MoE
         layer the fraction of its tokens whose top-1 expert changed since the previous

@@ -1,4 +1,4 @@
-"""Faults made to happen for real (issue 17): unreadable checkpoints, changed configs on
+"""Faults made to happen for real: unreadable checkpoints, changed configs on
 resume, foreign imports in a run's config, a second writer, duplicated metrics after a
 resume, bad input; each checks the message, what is on disk, and that the next normal run
 continues exactly. In-process on the tiny smoke config (as tests/train/test_train.py);

@@ -1,4 +1,4 @@
-"""Faults of trainer processes made to happen for real (issue 17): a full disk (the
+"""Faults of trainer processes made to happen for real: a full disk (the
 trainer's file-size limit lowered with RLIMIT_FSIZE), two trainers on one MODEL_DIR, a
 lock holder killed with -9, and the chaos test: SIGKILL at 10 random moments of a 200-step
 run, which must end with exactly the losses and parameters of an uninterrupted run.

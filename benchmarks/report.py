@@ -1,0 +1,324 @@
+"""benchmarks/RESULTS.md, generated: one section per question, each rendered from JSON.
+
+    python benchmarks/report.py            # write benchmarks/RESULTS.md
+    python benchmarks/report.py --check    # exit 1 when the committed file differs
+
+Each measured section is ``benchmarks/results/<name>.json``, written by
+``benchmarks/run_all.py`` from the tables its benchmark script prints::
+
+    {"command": "python benchmarks/moe_layer.py --reps 3", "machine": "...", "date": "...",
+     "tables": [{"columns": [...], "rows": [[...], ...]}, ...], "notes": ["...", ...]}
+
+(``notes``: readings of those numbers, kept with them; a rerun leaves them out.) The
+compiled-run sections are made from ``benchmarks/compile_reports/*.json``
+(``benchmarks/compile_table.py``). The question each section answers, and which script
+answers it, is ``SECTIONS`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Callable
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+OUTPUT = HERE / "RESULTS.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One question of RESULTS.md and the benchmark that answers it.
+
+    Attributes:
+      name: ``benchmarks/results/<name>.json``; for a generated section, its id.
+      question: the section's heading.
+      what: one paragraph saying what is measured (no numbers: those are in the JSON).
+      argv: the benchmark's arguments (``benchmarks/<script> ...``) that ``run_all.py``
+        runs; empty for a section generated from other files.
+      compiled: True when the benchmark compiles for a TPU/GPU target (``run_all.py
+        --compiled``), False for a CPU measurement.
+      generate: for a generated section, the function returning its Markdown body.
+    """
+
+    name: str
+    question: str
+    what: str
+    argv: tuple[str, ...] = ()
+    compiled: bool = False
+    generate: Callable[[], str] | None = None
+
+
+def _compile_table() -> str:
+    sys.path.insert(0, str(HERE))
+    import compile_table
+
+    return (
+        "`python benchmarks/compile_table.py run` compiles each (run, target) pair with "
+        "`moe-jax compile --no_eval` into `benchmarks/compile_reports/`; "
+        "`python benchmarks/compile_table.py table` prints this table from those reports. "
+        "Machine: each target compiled on a 2-core x86_64 CPU (no chip ran it).\n\n"
+        + compile_table.table()
+    )
+
+
+def _moe_vs_dense() -> str:
+    """The T5-Base MoE train step against its FLOP-matched dense step, per target."""
+    sys.path.insert(0, str(HERE))
+    import compile_table
+
+    lines = [
+        "| target | `base_learned` est. step | `base_dense` est. step | MoE / dense | "
+        "bytes accessed per device, MoE / dense |",
+        "|---|---|---|---|---|",
+    ]
+    for target in compile_table.TARGETS:
+        reports = []
+        for run in ("base_learned", "base_dense"):
+            path = compile_table.report_path(run, target)
+            if not path.exists():
+                break
+            reports.append(json.loads(path.read_text())["steps"]["train"])
+        if len(reports) < 2 or any(r["estimate"] is None for r in reports):
+            continue
+        moe, dense = reports
+        ratio = moe["estimate"]["step_s"] / dense["estimate"]["step_s"]
+        traffic = [r.get("hlo_bytes_accessed_per_device") for r in reports]
+        traffic_cell = (
+            f"{traffic[0] / 2**30:.1f} / {traffic[1] / 2**30:.1f} GiB" if all(traffic) else "-"
+        )
+        lines.append(
+            f"| {target} | {moe['estimate']['step_s'] * 1e3:.1f} ms | "
+            f"{dense['estimate']['step_s'] * 1e3:.1f} ms | {ratio:.3f}x | {traffic_cell} |"
+        )
+    return (
+        "From the reports of the table below (`python benchmarks/compile_table.py run "
+        "--only base_`): roofline estimates of executables compiled for each target on a "
+        "2-core x86_64 CPU, bfloat16 activations with FSDP, batch 256 x 512/114, Adam. "
+        "GPU estimates have no cost analysis (compute and collectives only).\n\n" + "\n".join(lines)
+    )
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "synthetic_quick",
+        "Synthetic quick suite: wall time",
+        "`moe-jax synthetic <experiment> --preset quick` for every experiment of the suite, "
+        "compile included.",
+        ("synthetic_suite.py", "--preset", "quick", "--seeds", "0,1"),
+    ),
+    Section(
+        "synthetic_converged",
+        "Synthetic converged suite: wall time",
+        "The same with `--preset converged` (each run trained until its training loss stops "
+        "moving), 3 seeds vmapped in every experiment.",
+        ("synthetic_suite.py", "--preset", "converged", "--seeds", "0,1,2"),
+    ),
+    Section(
+        "moe_layer_cpu",
+        "MoE layer on CPU: dispatch against the einsum reference and the matmul rate",
+        "Forward + backward of `MoeLayer` for both dispatches beside a dense FFN of equal "
+        "useful FLOPs and a 2048^3 float32 matmul timed in the same rounds.",
+        ("moe_layer.py", "--reps", "10"),
+    ),
+    Section(
+        "matmul_shapes",
+        "The expert matmuls alone (CPU)",
+        "Each of the six matmuls of one expert's forward + backward (640 x 768 x 2048 at "
+        "T5-Base, E = 8) and of the dense FFN of equal useful FLOPs, as a share of the "
+        "2048^3 rate: what the layer would reach if it were only its matmuls.",
+        ("matmul_shapes.py",),
+    ),
+    Section(
+        "moe_layer_options",
+        "Routing options against plain top-2 (CPU)",
+        "The MoE layer step at T5-Base, E = 8, `sort`, with each routing option of "
+        "docs/moe.md; time, useful FLOPs and XLA's compiled FLOPs and bytes, as ratios to "
+        "plain top-2.",
+        ("moe_layer.py", "--options", "--reps", "5"),
+    ),
+    Section(
+        "t5_train_step",
+        "T5 train step: MoE against its FLOP-matched dense model (CPU)",
+        "One jitted train step (forward, backward, Adam) of the MoE T5 next to the dense "
+        "model with the same FLOPs per token.",
+        ("t5_train_step.py",),
+    ),
+    Section(
+        "input_pipeline",
+        "Input pipeline throughput (CPU)",
+        "The seqio training iterator on the embedded corpus: start-up, packed rows and tokens "
+        "per second, resumption.",
+        ("input_pipeline.py",),
+    ),
+    Section(
+        "train_loop",
+        "Train loop: loss checked one step late against every step (CPU)",
+        "Steps per second of `moe-jax train`'s loop on the smoke config with both loss checks, "
+        "alternated in one process.",
+        ("train_loop.py", "--steps", "150", "--rounds", "2", "--devices", "8"),
+    ),
+    Section(
+        "moe_compiled_tpu",
+        "MoE layer compiled for a TPU v5p chip",
+        "The MoE layer's forward + backward compiled for one chip: FLOPs, bytes, temporaries "
+        "and roofline against a dense FFN of equal FLOPs; three models of time; where the "
+        "excess bytes go.",
+        ("moe_compiled.py", "--target", "tpu:v5p:2x2x1", "--breakdown"),
+        compiled=True,
+    ),
+    Section(
+        "moe_compiled_gpu",
+        "MoE layer compiled for an H100",
+        "The same layer and step compiled for one H100 SXM.",
+        ("moe_compiled.py", "--target", "gpu:h100"),
+        compiled=True,
+    ),
+    Section(
+        "moe_compiled_expert_parallel",
+        "Expert parallelism compiled for an 8-GPU node and v5p slices",
+        "The layer with its experts split over the devices of the target: all-to-alls, bytes "
+        "sent, overlap with compute, and dropless (padded or ragged) exchange.",
+        (
+            "moe_compiled.py",
+            "--target",
+            "gpu:h100:8",
+            "--experts",
+            "8",
+            "64",
+            "--dispatch",
+            "sort",
+            "einsum",
+            "--expert-parallel",
+            "8",
+        ),
+        compiled=True,
+    ),
+    Section(
+        "moe_compiled_options",
+        "Routing options compiled for H100 and v5p",
+        "Each routing option's compiled FLOPs and bytes as ratios to plain top-2.",
+        ("moe_compiled.py", "--target", "gpu:h100", "--options"),
+        compiled=True,
+    ),
+    Section(
+        "moe_vs_dense_compiled",
+        "T5-Base MoE train step against the FLOP-matched dense step, compiled",
+        "Roofline step time of the whole train step on each target.",
+        generate=_moe_vs_dense,
+    ),
+    Section(
+        "compile_table",
+        "Documented runs on their targets",
+        "Every documented run (Figure 5, Figure 7, Base; two Base memory variants on v5e) "
+        "compiled for its targets: fit, memory per device, collectives, roofline step. "
+        "Numbers of the executables and the chip table (`moe_jax.hardware.CHIPS`), not "
+        "measurements on hardware.",
+        generate=_compile_table,
+    ),
+)
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (cells as given)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def parse_tables(text: str) -> list[dict[str, list]]:
+    """The Markdown tables of a script's output: ``[{"columns": [...], "rows": [[...]]}]``.
+
+    A table is a run of lines starting with ``|`` whose second line is the ``---``
+    separator; a row's cells are stripped.
+    """
+    tables, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if (
+            lines[i].startswith("|")
+            and i + 1 < len(lines)
+            and set(lines[i + 1].replace("|", "").replace(" ", "")) <= set("-:")
+            and "-" in lines[i + 1]
+        ):
+            columns, rows, i = _cells(lines[i]), [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(_cells(lines[i]))
+                i += 1
+            tables.append({"columns": columns, "rows": rows})
+        else:
+            i += 1
+    return tables
+
+
+def render_section(section: Section) -> str:
+    """One section of RESULTS.md: heading, what is measured, command and machine, tables."""
+    head = f"## {section.question}\n\n{section.what}"
+    if section.generate is not None:
+        return f"{head}\n\n{section.generate()}\n"
+    path = RESULTS / f"{section.name}.json"
+    if not path.exists():
+        return (
+            f"{head}\n\nNot measured yet: `python benchmarks/run_all.py --only {section.name}`.\n"
+        )
+    result = json.loads(path.read_text())
+    parts = [
+        head,
+        f"Command: `{result['command']}`. Machine: {result['machine']}, {result['date']}.",
+    ]
+    parts += [markdown_table(t["columns"], t["rows"]) for t in result["tables"]]
+    if result.get("notes"):
+        parts.append("\n".join(f"- {note}" for note in result["notes"]))
+    return "\n\n".join(parts) + "\n"
+
+
+def render() -> str:
+    """The whole of benchmarks/RESULTS.md."""
+    intro = (
+        "# Benchmark results\n\n"
+        "Generated by `python benchmarks/report.py` from the JSON in `benchmarks/results/` and\n"
+        "`benchmarks/compile_reports/`; do not edit by hand. `make bench` reruns the CPU\n"
+        "benchmarks on this machine and regenerates the file (`make bench-compiled` the\n"
+        "compiled-target ones). Each section gives the command that reproduces it and the\n"
+        "machine it ran on. CPU rates are only comparable within one run: ratios are measured\n"
+        "side by side. Compiled-target numbers come from executables compiled for the target\n"
+        "(memory analysis, cost analysis, HLO) and a roofline model, not from a chip.\n"
+    )
+    toc = "\n".join(f"- [{s.question}](#{_anchor(s.question)})" for s in SECTIONS)
+    return intro + "\n" + toc + "\n\n" + "\n".join(render_section(s) for s in SECTIONS)
+
+
+def _anchor(heading: str) -> str:
+    from pymdownx.slugs import slugify
+
+    return slugify(case="lower")(heading, "-")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when RESULTS.md is not the report"
+    )
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if OUTPUT.read_text() != text:
+            print(
+                f"{OUTPUT} differs from `python benchmarks/report.py`; regenerate it",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
