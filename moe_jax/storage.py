@@ -40,9 +40,15 @@ from typing import Any
 
 os.environ.setdefault("EPATH_USE_TF", "false")  # before epath picks its gs:// backend (once)
 
+import fsspec  # noqa: E402
 import google_crc32c  # noqa: E402
 import numpy as np  # noqa: E402
 from etils import epath  # noqa: E402
+
+# No listing cache: a run directory is changed by other processes (a resumed trainer, a
+# second trainer meeting the lock, eval beside a run), and a cached listing would hide that.
+for _protocol in ("gs", "gcs"):
+    fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 
 PathLike = str | os.PathLike
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -311,6 +317,4 @@ def _strip_protocol(path: str) -> str:
 
 def _fs(path: str) -> Any:
     """The fsspec file system of a URL (the client epath uses for it)."""
-    import fsspec
-
     return fsspec.filesystem(path.split("://", 1)[0])

@@ -132,7 +132,7 @@ def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
         out = f"{root}/read"
         assert _cli("eval", f"--checkpoint={root}", f"--output_dir={out}/eval", "--gin.EVAL_STEPS=2") == 0
         assert _cli("infer", f"--checkpoint={root}", f"--output_file={out}/infer.jsonl",
-                    "--input=Hello world", "--gin.INFER_MAX_DECODE_LENGTH=4") == 0
+                    "--input=Hello world", "--gin.infer_script.infer.max_decode_length=4") == 0
         assert _cli("export", f"--checkpoint={root}", f"--out={out}/export") == 0
         assert _cli("import", f"--export={out}/export", f"--model_dir={out}/imported") == 0
         assert _cli("analyze", "positions", f"--checkpoint={root}", f"--out={out}/positions",
