@@ -65,6 +65,7 @@ def start() -> None:
     _add_gcs_semantics(server, objects)
     _server = server.create_server("127.0.0.1", configure_environment(), in_memory=True,
                                    default_bucket=BUCKET)
+    _server._api.daemon = True  # noqa: SLF001 - ends with the test process
     _server.start()
     # a client that closes a connection early (a killed trainer) is not the server's error
     _server._api._httpd.handle_error = lambda request, address: None  # noqa: SLF001
