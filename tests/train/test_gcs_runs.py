@@ -154,6 +154,38 @@ def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
     assert gcs["positions"] == loc["positions"] and gcs["positions"]
 
 
-def _eval_numbers(folder: str) -> dict:
-    names = [n for n in storage.listdir(folder) if n.endswith(".json")]
-    return {n: json.loads(storage.read_text(f"{folder}/{n}")) for n in names}
+def _eval_numbers(folder: str) -> list[dict]:
+    """The metrics and routing statistics of each evaluated checkpoint (labels and paths
+    name the run's location, so they differ between the copies)."""
+    results = json.loads(storage.read_text(f"{folder}/comparison.json"))
+    return [{"step": r["step"], "metrics": r["metrics"], "routing": r["routing"]} for r in results.values()]
+
+
+def test_gcs_sweep_runs_marks_and_collects_a_family_on_a_bucket(tmp_path, gcs_dir, capsys):
+    from moe_jax.train import sweep
+
+    family = tmp_path / "tiny.toml"
+    family.write_text("""
+name = "tiny"
+seeds = [0]
+[bindings]
+TRAIN_STEPS = 2
+BATCH_SIZE = 8
+TASK_FEATURE_LENGTHS = {inputs = 32, targets = 8}
+"train_script.train.eval_period" = 2
+"train_script.train.eval_steps" = 1
+"train_script.train.checkpoint_period" = 2
+[runs.learned]
+gin_files = ["runs/smoke_cpu.gin"]
+""")
+    assert sweep.main(["run", str(family), "--root", gcs_dir]) == 0
+    run_dir = f"{gcs_dir}/learned/seed0"
+    assert storage.exists(f"{run_dir}/DONE") and storage.isdir(f"{run_dir}/checkpoints/2")
+    assert "train: 100%" in storage.read_text(f"{run_dir}/log.txt")  # the trainer's output, uploaded
+    capsys.readouterr()
+    assert sweep.main(["run", str(family), "--root", gcs_dir]) == 0
+    assert "0 to run" in capsys.readouterr().out
+    assert sweep.main(["collect", str(family), "--root", gcs_dir]) == 0
+    summary = json.loads(storage.read_text(f"{gcs_dir}/tiny.json"))
+    assert summary["groups"]["learned"]["final_step"] == 2
+    assert storage.exists(f"{gcs_dir}/tiny_curves.png")
