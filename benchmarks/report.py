@@ -104,6 +104,14 @@ def _moe_vs_dense() -> str:
 
 SECTIONS: tuple[Section, ...] = (
     Section(
+        "checksums",
+        "Checkpoint integrity: what the CRC32C of every file costs",
+        "Seconds per GiB to compute the integrity record (size and CRC32C of every file, what "
+        "`train` writes after each save and checks before each restore, locally) beside a plain "
+        "read of the same bytes, on 64 MiB files in the page cache.",
+        ("checksums.py", "--gib", "1"),
+    ),
+    Section(
         "synthetic_quick",
         "Synthetic quick suite: wall time",
         "`moe-jax synthetic <experiment> --preset quick` for every experiment of the suite, "
