@@ -11,7 +11,14 @@ is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` 
 
 Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on
-``eval_steps`` batches of the eval split with the eval capacity factor. Results, per
+``eval_steps`` batches of the eval split with the eval capacity factor. The eval settings
+(batches, batch size, feature lengths, task, split) are by default the ones the first
+run's in-training evaluation used, which ``moe-jax train`` records in
+``MODEL_DIR/eval_settings.json`` (:func:`record_eval_settings`), so that re-evaluating a
+checkpoint reproduces the numbers the run printed; ``--eval_steps=N`` changes the count,
+``--eval_settings=gin`` takes ``runs/eval.gin``'s and the gin flags' instead, and a
+``--gin.eval_script.evaluate.eval_steps`` binding wins over the record. The lines
+``eval settings: ...`` say which were used. Results, per
 checkpoint: loss, token accuracy and per-MoE-layer routing statistics (expert load
 histogram, dropped fraction, router entropy, router weight drift from initialisation
 ``||W - W0|| / ||W0||``), written as ``<label>.json`` and ``<label>_expert_load.png`` in
@@ -32,6 +39,7 @@ with the mismatching parameter names (evaluate each with its own gin files).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -48,6 +56,39 @@ from moe_jax import storage
 from moe_jax.train import distributed, gin_utils, setup, sweep
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
+EVAL_SETTINGS_FILE = "eval_settings.json"
+_EVAL_SCOPE = "eval/utils.DatasetConfig"  # the dataset of eval_script.evaluate (runs/eval.gin)
+
+
+def record_eval_settings(model_dir: str, eval_steps: int, dataset_cfg: setup.DatasetConfig) -> str:
+    """Writes ``MODEL_DIR/eval_settings.json``: ``{"eval_steps": n, "dataset": {the fields
+    of dataset_cfg}}``, what a run's in-training evaluation reads, for ``moe-jax eval`` to
+    reproduce; returns its path."""
+    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+    settings = {"eval_steps": int(eval_steps), "dataset": dataclasses.asdict(dataset_cfg)}
+    settings["dataset"]["task_feature_lengths"] = dict(settings["dataset"]["task_feature_lengths"])
+    storage.write_text(path, json.dumps(settings, indent=1) + "\n")
+    return path
+
+
+def read_eval_settings(model_dir: str) -> dict[str, Any] | None:
+    """The run's recorded eval settings (:func:`record_eval_settings`), or None when it has
+    none (a run trained before they were recorded, an imported one)."""
+    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
+def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
+    """Gin bindings giving ``eval_script.evaluate`` the recorded ``settings``."""
+    return [f"eval_script.evaluate.eval_steps = {settings['eval_steps']!r}",
+            *(f"{_EVAL_SCOPE}.{name} = {value!r}" for name, value in settings["dataset"].items())]
+
+
+def describe_eval_settings(eval_steps: int, cfg: setup.DatasetConfig) -> str:
+    """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
+    mc4_span_corruption``."""
+    return (f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x {dict(cfg.task_feature_lengths)} from the "
+            f"{cfg.split} split of {cfg.mixture_or_task_name}")
 
 
 def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None) -> dict[str, Any]:
@@ -305,6 +346,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                 "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
                             for layer, stats in routing.items()},
                 "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
+                "eval_settings": {"eval_steps": eval_steps, "dataset": dataclasses.asdict(dataset_cfg)},
             }
             if routing and not results[label]["router_drift"]:
                 results[label]["router_drift_missing"] = (
@@ -318,6 +360,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                                  os.path.join(output_dir, f"{label}_expert_load.png"))
     table = comparison_table(results)
     if jax.process_index() == 0:
+        print(f"[moe-jax eval] evaluated {describe_eval_settings(eval_steps, dataset_cfg)}", file=sys.stderr)
         print(table, flush=True)
         with open(os.path.join(output_dir, "comparison.txt"), "w") as f:
             f.write(table + "\n")
@@ -345,12 +388,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", action="append", default=[], metavar="NAME",
                         help="evaluate with the routers replaced: learned (default), init, random, hash, "
                              "uniform, shuffled; repeat to compare")
+    parser.add_argument("--eval_steps", type=int, default=None, metavar="N",
+                        help="batches to evaluate (default: the run's, from MODEL_DIR/eval_settings.json)")
+    parser.add_argument("--eval_settings", choices=("run", "gin"), default="run",
+                        help="run (default): the eval settings the first run recorded (batches, batch size, "
+                             "feature lengths, task, split); gin: runs/eval.gin's and the gin flags'")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
-    args.gin_file = gin_utils.run_gin_files(
-        gin_utils.first_checkpoint(args), ["runs/eval.gin"], args.gin_file,
-        command="moe-jax eval")
+    first = gin_utils.first_checkpoint(args)
+    args.gin_file = gin_utils.run_gin_files(first, ["runs/eval.gin"], args.gin_file, command="moe-jax eval")
+    apply_eval_settings(args, first)
     gin_utils.parse_gin(args)
     evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
                                   ("output_dir", args.output_dir), ("routers", args.router)) if v})
     return 0
+
+
+def apply_eval_settings(args, checkpoint: str | None) -> None:
+    """Adds to ``args``' gin bindings the eval settings ``--eval_settings`` / ``--eval_steps``
+    ask for (the recorded ones before the command line's own bindings, which win) and says
+    on stderr which they are."""
+    from moe_jax.train import checkpoints
+
+    model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
+    recorded = read_eval_settings(model_dir) if model_dir and args.eval_settings == "run" else None
+    if recorded is not None:
+        args.gin_dot_bindings[:0] = eval_settings_bindings(recorded)
+        source = (f"the run's, from {storage.join(model_dir, EVAL_SETTINGS_FILE)} "
+                  "(--eval_settings=gin: runs/eval.gin's)")
+    elif args.eval_settings == "run" and model_dir:
+        source = f"runs/eval.gin's and the gin flags' ({model_dir} recorded none)"
+    else:
+        source = "runs/eval.gin's and the gin flags'"
+    if args.eval_steps is not None:
+        if args.eval_steps <= 0:
+            raise gin_utils.GinConfigError(f"--eval_steps={args.eval_steps}: expected a positive integer")
+        args.gin_dot_bindings.append(f"eval_script.evaluate.eval_steps = {args.eval_steps}")
+        source += f", --eval_steps={args.eval_steps}"
+    if jax.process_index() == 0:
+        print(f"[moe-jax eval] eval settings: {source}", file=sys.stderr)

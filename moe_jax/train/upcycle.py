@@ -115,18 +115,24 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
     return flat, step
 
 
+def _train_argument(name: str) -> Any:
+    """The gin-bound ``train_script.train`` argument ``name`` (a configurable reference or
+    macro evaluated)."""
+    value = gin.query_parameter(f"train_script.train.{name}")
+    return value.scoped_configurable_fn() if hasattr(value, "scoped_configurable_fn") else value
+
+
 def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
     from moe_jax.moe.layer import MoeLayer
     from moe_jax.moe.upcycle import upcycle_params
-    from moe_jax.train import checkpoints, setup
+    from moe_jax.train import checkpoints, evaluate, setup
 
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"upcycle: --out={out!r} is not empty; give a new directory")
-    model = gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    dataset_cfg = gin.query_parameter("train_script.train.train_dataset_cfg").scoped_configurable_fn()
-    seed = gin.query_parameter("train_script.train.random_seed")
-    seed = seed.scoped_configurable_fn() if hasattr(seed, "scoped_configurable_fn") else int(seed)
+    model = _train_argument("model")
+    dataset_cfg = _train_argument("train_dataset_cfg")
+    seed = int(_train_argument("random_seed"))
     if not model.module.config.has_moe:
         raise ValueError("upcycle: the gin files describe a model without MoE layers "
                          "(T5Config.num_sparse_*_layers = 0)")
@@ -153,6 +159,9 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
     if jax.process_index() == 0:
         with open(os.path.join(out, "config.gin"), "w") as f:
             f.write(gin.config_str())
+        eval_cfg = _train_argument("train_eval_dataset_cfg")
+        if eval_cfg is not None:
+            evaluate.record_eval_settings(out, _train_argument("eval_steps"), eval_cfg)
     return {"out": out, "step": step, "dense_step": dense_step, "num_params": model.num_params(params)}
 
 
