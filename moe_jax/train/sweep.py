@@ -18,8 +18,20 @@ A family is a TOML file (``configs/*.toml``)::
 Every (run, axis values, seed) becomes one ``moe-jax train`` invocation whose MODEL_DIR is
 ``ROOT/<run>[/<AXIS>-<value>...]/seed<N>``. Subcommands::
 
-    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run] [--only=RUN,...]
-    moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss]
+    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run] [--only=RUN,...] \\
+        [--set KEY=VALUE ...] [--gin.NAME=VALUE ...]
+    moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss] [--set KEY=VALUE ...]
+
+``--set KEY=VALUE`` (repeatable) changes the family as loaded, without editing the file: a
+top-level key (``seeds=[0]``, ``gin_files=[...]``, ``metric=loss``), ``steps=N`` (=
+``bindings.TRAIN_STEPS``), or a key inside a table by its path (``bindings.BATCH_SIZE=8``,
+``axes.NUM_EXPERTS=[8,16]``, ``runs.frozen.bindings.KEY=...``); VALUE is a Python/TOML
+literal or else a plain string. ``--gin.NAME=VALUE`` is passed to every run's ``train``
+after the family's bindings (gin syntax, as ``train``'s own flag). E.g. a family tried
+small before booking a pod::
+
+    moe-jax sweep run configs/fig7.toml --root=/tmp/fig7_try --set steps=20 --set seeds=[0] \\
+        --set "gin_files=['experiments/cpu_scale.gin']" --gin.BATCH_SIZE=8
 
 ``run`` starts ``--parallel`` trainings at a time, writes each one's log to
 ``<MODEL_DIR>/log.txt`` and a ``DONE`` marker when it exits cleanly; runs with a marker are
@@ -34,6 +46,7 @@ has an axis, ``<name>_vs_<axis>.png`` (final metric vs axis value per run).
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import itertools
@@ -81,6 +94,7 @@ class RunSpec:
     seed: int
     gin_files: tuple[str, ...]
     bindings: tuple[tuple[str, Any], ...]
+    gin_flags: tuple[str, ...] = ()    # ``--gin.NAME=VALUE`` of the command line, as given
 
     @property
     def group(self) -> str:
@@ -94,6 +108,7 @@ class RunSpec:
         """The ``moe-jax train`` argv of this run."""
         flags = [f"--gin_file={f}" for f in self.gin_files]
         flags += [f"--gin.{k}={_gin_literal(v)}" for k, v in self.bindings]
+        flags += list(self.gin_flags)
         flags += [f"--gin.MODEL_DIR={self.model_dir(root)}", f"--gin.RANDOM_SEED={self.seed}"]
         return ["moe-jax", "train", *flags]
 
@@ -120,11 +135,43 @@ def _require(cond: bool, path: str, message: str) -> None:
         raise FamilyError(f"{path}: {message}")
 
 
-def load_family(path: str) -> Family:
-    """Parse and validate a family file; errors name the file and the offending key."""
+SET_ALIASES = {"steps": "bindings.TRAIN_STEPS"}
+_TABLES = ("bindings", "axes")  # tables whose keys may hold dots ("train_script.train.eval_period")
+
+
+def apply_sets(raw: dict[str, Any], sets: Sequence[tuple[str, Any]], path: str) -> dict[str, Any]:
+    """A copy of the family file's ``raw`` TOML with each ``--set`` ``(KEY, VALUE)`` applied
+    (module docstring); an unknown key or run is a :class:`FamilyError` naming it."""
+    raw = json.loads(json.dumps(raw))  # a deep copy (TOML values are JSON values)
+    for key, value in sets:
+        where = f"--set {key}"
+        parts = SET_ALIASES.get(key, key).split(".", 1)
+        top = parts[0]
+        _require(top in FAMILY_KEYS, path, f"{where}: no family key {top!r}; keys: {sorted(FAMILY_KEYS)}, "
+                 f"or {sorted(SET_ALIASES)}")
+        if top in _TABLES and len(parts) == 2:
+            raw.setdefault(top, {})[parts[1]] = value
+        elif top == "runs" and len(parts) == 2:
+            run, _, rest = parts[1].partition(".")
+            _require(run in raw.get("runs", {}), path, f"{where}: no run {run!r}; runs: {sorted(raw.get('runs', {}))}")
+            field, _, name = rest.partition(".")
+            _require(field in RUN_KEYS, path, f"{where}: expected runs.{run}.gin_files or runs.{run}.bindings.NAME")
+            if field == "bindings" and name:
+                raw["runs"][run].setdefault("bindings", {})[name] = value
+            else:
+                raw["runs"][run][field] = value
+        else:
+            _require(len(parts) == 1, path, f"{where}: {top!r} is not a table")
+            raw[top] = value
+    return raw
+
+
+def load_family(path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequence[str] = ()) -> Family:
+    """Parse and validate a family file, with the command line's ``--set`` changes and
+    ``--gin.NAME=VALUE`` flags for every run; errors name the file and the offending key."""
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            raw = apply_sets(tomllib.load(f), sets, path)
     except FileNotFoundError:
         raise FamilyError(f"{path}: no such family file") from None
     except tomllib.TOMLDecodeError as err:
@@ -152,8 +199,8 @@ def load_family(path: str) -> Family:
             axis_values = tuple(zip(axes, point))
             bindings = {**common_bindings, **run.get("bindings", {}), **dict(axis_values)}
             for seed in seeds:
-                specs.append(RunSpec(run_name, axis_values, seed,
-                                     (*run["gin_files"], *common_files), tuple(bindings.items())))
+                specs.append(RunSpec(run_name, axis_values, seed, (*run["gin_files"], *common_files),
+                                     tuple(bindings.items()), tuple(gin_flags)))
     return Family(name, raw.get("metric", "accuracy"),
                   tuple((k, tuple(v)) for k, v in axes.items()), tuple(specs))
 
@@ -322,20 +369,43 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (run, collect):
         p.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
         p.add_argument("--root", type=storage.normalize, required=True, help="parent of the runs' MODEL_DIRs")
+        p.add_argument("--set", type=_set_flag, action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                       help="change the family as loaded: seeds=[0], steps=20 (bindings.TRAIN_STEPS), "
+                            "bindings.NAME=VALUE, axes.NAME=[...], runs.RUN.bindings.NAME=VALUE (repeatable)")
     run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     run.add_argument("--only", default=None, metavar="RUN[,RUN]",
                      help="only these runs of the family (e.g. the source of an upcycled run first)")
+    run.epilog = "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after the family's"
     collect.add_argument("--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)")
     collect.add_argument("--metric", help="eval metric to collect (default: the family's, else accuracy); "
                          "outputs are named <family>_<metric> when given")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _set_flag(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(key, value)``: VALUE a Python literal (``20``, ``[0, 1]``, ``'x'``,
+    ``True``; ``true``/``false`` as in TOML) or else the plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}")
+    value = {"true": "True", "false": "False"}.get(value.strip(), value.strip())
     try:
-        family = load_family(args.family)
+        return key.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.strip(), value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    gin_flags = [flag for flag in rest if flag.startswith("--gin.") and "=" in flag]
+    unknown = [flag for flag in rest if flag not in gin_flags]
+    if unknown or (gin_flags and args.action != "run"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or gin_flags)}"
+                     + (" (--gin.NAME=VALUE is a flag of `sweep run`)" if gin_flags and not unknown else ""))
+    try:
+        family = load_family(args.family, args.sets, gin_flags)
     except FamilyError as err:
         print(f"moe-jax sweep: {err}", file=sys.stderr)
         return 2
