@@ -29,8 +29,8 @@ each family's seeds per router (``seed_table``).
 
 ``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
-``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``)
-and ``routers.png``, accuracy and cross-entropy per router. Routing telemetry per layer
+``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``;
+files ``<label>_<router>.json``, no ``:`` in file names) and ``routers.png``, accuracy and cross-entropy per router. Routing telemetry per layer
 (dead experts, per-shard imbalance, gate margin) is in the table and the JSON.
 
 A checkpoint trained from another model config than the gin files describe is refused
@@ -109,12 +109,15 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=Non
 
 
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``."""
+    """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``,
+    encoder layers first, each stack by depth (``layers_3`` before ``layers_11``)."""
+    from moe_jax.analysis.routing import layer_order
+
     layers: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
         if m := _MOE_KEY.match(key):
             layers.setdefault(m.group(1), {})[m.group(2)] = value
-    return dict(sorted(layers.items()))
+    return dict(sorted(layers.items(), key=lambda item: layer_order(item[0])))
 
 
 def router_drift(params, initial: dict[str, np.ndarray] | None, layers: Sequence[str]) -> dict[str, float]:
@@ -178,7 +181,10 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    """The side-by-side table: one column per checkpoint, one row per statistic."""
+    """The side-by-side table: one column per checkpoint, one row per statistic (MoE
+    layers in :func:`routing_by_layer`'s order)."""
+    from moe_jax.analysis.routing import layer_order
+
     rows: list[tuple[str, list[str]]] = []
 
     def add(name, values):
@@ -188,7 +194,7 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     add("step", [str(r["step"]) for r in results.values()])
     for metric in ("loss", "cross_entropy", "accuracy"):
         add(metric, [r["metrics"].get(metric, float("nan")) for r in results.values()])
-    layer_names = sorted({layer for r in results.values() for layer in r["routing"]})
+    layer_names = sorted({layer for r in results.values() for layer in r["routing"]}, key=layer_order)
     for layer in layer_names:
         stats = [r["routing"].get(layer, {}) for r in results.values()]
         add(f"{layer} dropped", [s.get("dropped_fraction", "-") for s in stats])
@@ -339,6 +345,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                 expert_shards)
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
+            file_label = ckpt_label if names == ["learned"] else f"{ckpt_label}_{name}"  # no ':' in file names
             results[label] = {
                 "checkpoint": f"{os.path.join(model_dir, 'checkpoints')}/{step}", "step": step,
                 "label": ckpt_label, "router": name,
@@ -354,10 +361,10 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                     f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
                     f"export has {export.ROUTER_INIT_FILE})")
             if jax.process_index() == 0:
-                with open(os.path.join(output_dir, f"{label}.json"), "w") as f:
+                with open(os.path.join(output_dir, f"{file_label}.json"), "w") as f:
                     json.dump(results[label], f, indent=1)
                 plot_expert_load(routing, f"{label} (step {step}): expert load",
-                                 os.path.join(output_dir, f"{label}_expert_load.png"))
+                                 os.path.join(output_dir, f"{file_label}_expert_load.png"))
     table = comparison_table(results)
     if jax.process_index() == 0:
         print(f"[moe-jax eval] evaluated {describe_eval_settings(eval_steps, dataset_cfg)}", file=sys.stderr)

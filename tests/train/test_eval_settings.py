@@ -1,6 +1,7 @@
 """`moe-jax eval` of a run's checkpoint reproduces the run's own evaluation: the run records
 its eval settings (batches, batch size, feature lengths, task, split) in
-MODEL_DIR/eval_settings.json, eval uses them and says so, and the flags override them."""
+MODEL_DIR/eval_settings.json, eval uses them and says so, and the flags override them.
+Its output: no orbax read-only warning, MoE layers in depth order."""
 
 from __future__ import annotations
 
@@ -62,6 +63,36 @@ def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
     other, err = _eval(capsys, tmp_path, f"--checkpoint={run}", "--eval_steps=1")
     assert "--eval_steps=1" in err and "evaluated 1 batch of 8" in err
     assert other["metrics"]["cross_entropy"] != pytest.approx(own["cross_entropy"], rel=1e-6)
+
+
+def test_reading_a_checkpoint_prints_no_orbax_warning(run, capfd):
+    """Readers open checkpoints read-only; orbax's warning about it (via absl logging, to
+    stderr) is dropped."""
+    import logging
+
+    from moe_jax.train import checkpoints
+
+    handler = logging.StreamHandler()  # what absl's handler does outside pytest
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        ckpt = checkpoints.Checkpointer(str(run), read_only=True)
+        assert ckpt.latest_step() == 2
+        ckpt.close()
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    assert "read only" not in capfd.readouterr().err
+
+
+def test_layer_tables_list_layers_by_depth():
+    """encoder before decoder, layers_3 before layers_11 (not string order)."""
+    metrics = {f"moe/{stack}/layers_{i}/dropped_fraction": 0.1 * i
+               for stack in ("decoder", "encoder") for i in (11, 3, 7)}
+    routing = evaluate.routing_by_layer(metrics)
+    expected = [f"{stack}/layers_{i}" for stack in ("encoder", "decoder") for i in (3, 7, 11)]
+    assert list(routing) == expected
+    table = evaluate.comparison_table({"run": {"step": 1, "metrics": {}, "routing": routing, "router_drift": {}}})
+    rows = [line.split(" dropped")[0] for line in table.splitlines() if " dropped" in line]
+    assert rows == expected
 
 
 def test_gin_settings_on_request_and_when_the_run_recorded_none(run, tmp_path, capsys):
