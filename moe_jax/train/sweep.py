@@ -21,6 +21,7 @@ Every (run, axis values, seed) becomes one ``moe-jax train`` invocation whose MO
     moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run] [--only=RUN,...] \\
         [--set KEY=VALUE ...] [--gin.NAME=VALUE ...]
     moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss] [--set KEY=VALUE ...]
+    moe-jax sweep plot FAMILY OUT/<family>.json        # redraw collect's PNGs from its JSON
 
 ``--set KEY=VALUE`` (repeatable) changes the family as loaded, without editing the file: a
 top-level key (``seeds=[0]``, ``gin_files=[...]``, ``metric=loss``), ``steps=N`` (=
@@ -288,30 +289,44 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
     return {"family": family.name, "metric": family.metric, "groups": groups, "gaps": gaps}
 
 
+# Units of the eval metrics a family plots.
+METRIC_LABELS = {"accuracy": "eval token accuracy (fraction of targets)",
+                 "cross_entropy": "eval cross-entropy (nats per target token)",
+                 "loss": "eval loss (nats per target token, with auxiliary losses)"}
+
+
 def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]:
-    """Write the curve plot and, for families with axes, the final-vs-axis plots."""
-    import matplotlib
+    """Write the curve plot and, for families with axes, the final-vs-axis plots: one
+    distinct colour / line style per run, legends beside the axes, runs without eval
+    records named in the title."""
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     metric, written = summary["metric"], []
+    ylabel = METRIC_LABELS.get(metric, f"eval {metric}")
     groups = {k: g for k, g in summary["groups"].items() if not g.get("missing")}
+    missing = [k for k, g in summary["groups"].items() if g.get("missing")]
+    note = f" ({len(missing)} run(s) without eval records: {', '.join(missing)})" if missing else ""
+    styles = plotting.run_styles(list(dict.fromkeys(g["run"] for g in groups.values())))
     points = sorted({tuple(g["axes"].items()) for g in groups.values()})
-    fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points), 4), squeeze=False)
+    fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points) + 2.2, 4), squeeze=False)
     for ax, point in zip(axs[0], points):
         for name, g in groups.items():
             if tuple(g["axes"].items()) != point:
                 continue
             n = g["final_stats"]["n"]
-            line, = ax.plot(g["steps"], g["curve"]["mean"], marker="o", ms=3, label=f"{g['run']} ({n} seeds)")
-            ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=line.get_color(), alpha=0.2)
-        ax.set(xlabel="step", ylabel=f"eval {metric}",
-               title=", ".join(f"{k}={v}" for k, v in point) or summary["family"])
-        _finish_axes(ax)
-    written.append(_save(plt, fig, os.path.join(out, f"{summary['family']}_curves.png")))
+            style = styles[g["run"]]
+            ax.plot(g["steps"], g["curve"]["mean"], ms=3, label=f"{g['run']} ({n} seed{'s' * (n != 1)})", **style)
+            if n > 1:
+                ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=style["color"], alpha=0.15)
+        ax.set(xlabel="training step", ylabel=ylabel,
+               title=(", ".join(f"{k}={v}" for k, v in point) or summary["family"]) + note)
+        ax.grid(alpha=0.3)
+    several = any(g["final_stats"]["n"] > 1 for g in groups.values())
+    plotting.legend_outside(axs[0, -1], title="run (band: seed range)" if several else "run")
+    written.append(plotting.save(fig, os.path.join(out, f"{summary['family']}_curves.png"), dpi=120))
     for axis, values in family.axes:
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4))
         for run in dict.fromkeys(g["run"] for g in groups.values()):
             xs, ys, lo, hi = [], [], [], []
             for value in values:
@@ -319,25 +334,15 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
                 if match:
                     s = match[0]["final_stats"]
                     xs.append(value), ys.append(s["mean"]), lo.append(s["mean"] - s["min"]), hi.append(s["max"] - s["mean"])
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=run)
-        ax.set(xlabel=axis, ylabel=f"final eval {metric}", title=summary["family"])
+            ax.errorbar(xs, ys, yerr=[lo, hi], capsize=3, label=run, **styles[run])
+        ax.set(xlabel=axis, ylabel=f"final {ylabel}", title=summary["family"] + note)
         if all(isinstance(v, (int, float)) and v > 0 for v in values):
             ax.set_xscale("log", base=2)
-        _finish_axes(ax)
-        written.append(_save(plt, fig, os.path.join(out, f"{summary['family']}_vs_{axis}.png")))
+            ax.set_xticks(values, [str(v) for v in values])
+        ax.grid(alpha=0.3)
+        plotting.legend_outside(ax, title="run (bars: seed range)" if several else "run")
+        written.append(plotting.save(fig, os.path.join(out, f"{summary['family']}_vs_{axis}.png"), dpi=120))
     return written
-
-
-def _finish_axes(ax) -> None:
-    ax.legend()
-    ax.grid(alpha=0.3)
-
-
-def _save(plt, fig, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -366,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     run = sub.add_parser("run", help="train every run of a family")
     collect = sub.add_parser("collect", help="gather eval curves into JSON and PNG plots")
+    replot = sub.add_parser("plot", help="redraw the PNGs of a JSON that `collect` wrote (no runs needed)")
+    replot.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
+    replot.add_argument("summary", help="the <family>[_<metric>].json that collect wrote")
+    replot.add_argument("--out", type=storage.normalize, help="where the PNGs go (default: the JSON's folder)")
+    replot.add_argument("--set", type=_set_flag, action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                        help="as for collect")
     for p in (run, collect):
         p.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
         p.add_argument("--root", type=storage.normalize, required=True, help="parent of the runs' MODEL_DIRs")
@@ -424,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(shlex.join(spec.command(args.root)))
             return 0
         return 1 if run_family(family, args.root, args.parallel) else 0
+    if args.action == "plot":
+        with open(args.summary) as f:
+            summary = json.load(f)
+        for png in plot_summary(summary, family, args.out or os.path.dirname(os.path.abspath(args.summary))):
+            print("wrote", png)
+        return 0
     if args.metric:
         family = dataclasses.replace(family, name=f"{family.name}_{args.metric}", metric=args.metric)
     out = args.out or args.root
