@@ -51,11 +51,12 @@ def integer_ticks(ax, axis: str = "both") -> None:
         getattr(ax, f"{name}axis").set_major_locator(MaxNLocator(integer=True))
 
 
-def save(fig, path: str, dpi: int = 110) -> str:
-    """Writes ``fig`` to ``path`` (tight bounding box: outside legends included), closes it
-    and returns ``path``."""
+def save(fig, path: str, dpi: int = 110, *, fixed_size: bool = False) -> str:
+    """Writes ``fig`` to ``path``, closes it and returns ``path``. The image is cropped to
+    what is drawn (outside legends included) unless ``fixed_size``: then it is the figure's
+    own size (its legends must lie inside)."""
     plt = pyplot()
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    fig.savefig(path, dpi=dpi, bbox_inches=None if fixed_size else "tight")
     plt.close(fig)
     return path
