@@ -140,24 +140,20 @@ def router_drift(params, initial: dict[str, np.ndarray] | None, layers: Sequence
 
 def plot_expert_load(layers: dict[str, dict[str, Any]], title: str, path: str) -> None:
     """Writes :func:`expert_load_figure` to ``path`` (nothing when no layer has a load)."""
-    import matplotlib.pyplot as plt
+    from moe_jax import plotting
 
     fig = expert_load_figure(layers, title)
     if fig is not None:
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        plotting.save(fig, path, dpi=100)
 
 
 def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
     """One bar chart per MoE layer of the fraction of tokens routed to each expert, with
     the uniform load as a dashed line. A token counts once per chosen expert, so top-k
     loads sum to k and the uniform load is k/E; experts are labelled by integer index."""
-    import matplotlib
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    plt = plotting.pyplot()
 
     loads = {name: np.asarray(stats["expert_load"]) for name, stats in layers.items()
              if "expert_load" in stats}
@@ -169,10 +165,10 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
         ax.bar(np.arange(load.size), load, color="tab:blue", label="fraction of tokens")
         ax.axhline(k / load.size, color="gray", linestyle="--", linewidth=0.8,
                    label=f"uniform: k/E = {k:.3g}/{load.size}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        plotting.integer_ticks(ax, "x")
         ax.set_xlim(-0.6, load.size - 0.4)
         ax.set_ylim(0, 1.4 * max(float(load.max()), k / load.size))  # room for the legend
-        ax.set_ylabel("load")
+        ax.set_ylabel("fraction of tokens")
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7, loc="upper right", ncol=2)
     axes[-1, 0].set_xlabel("expert")
@@ -270,27 +266,27 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
 
 
 def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
-    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each)."""
-    import matplotlib
+    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each, its
+    own colour and line style; legend beside the axes)."""
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     checkpoints_seen = list(dict.fromkeys(r["label"] for r in results.values()))
+    styles = plotting.run_styles(checkpoints_seen)
     routers = list(dict.fromkeys(r["router"] for r in results.values()))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric in zip(axes, ("accuracy", "cross_entropy")):
         for label in checkpoints_seen:
             values = {r["router"]: r["metrics"].get(metric, np.nan) for r in results.values() if r["label"] == label}
-            ax.plot(range(len(routers)), [values.get(name, np.nan) for name in routers], "o-", label=label)
+            ax.plot(range(len(routers)), [values.get(name, np.nan) for name in routers], label=label, **styles[label])
         ax.set_xticks(range(len(routers)), routers)
-        ax.set_ylabel(f"eval {metric}")
+        ax.set_xlabel("router used at evaluation")
+        ax.set_ylabel({"accuracy": "eval token accuracy (fraction)",
+                       "cross_entropy": "eval cross-entropy (nats per token)"}[metric])
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    plotting.legend_outside(axes[-1], title="checkpoint")
     fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=100)
 
 
 @gin.configurable(module="eval_script", denylist=["routers"])
