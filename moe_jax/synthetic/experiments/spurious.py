@@ -35,7 +35,7 @@ THEOREM1 = {
 }
 # the trajectory each experiment plots: metric name -> (fn of router rows [E, d] and d', y label)
 TRACKED = {
-    "ratio": (metrics.subspace_weight_fraction, "fraction of router weight in the signal subspace V"),
+    "ratio": (metrics.subspace_weight_fraction, "router weight in the signal subspace V\n(fraction of the total)"),
     "off_norm": (metrics.off_subspace_norm,
                  r"mean $\|\mathrm{Proj}_{V^\perp}(w_i)\|$ / its initial value"),
 }
