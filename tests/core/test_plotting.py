@@ -62,7 +62,7 @@ def test_routing_bars_start_at_zero_and_missing_values_are_marked(tmp_path):
 
 
 def test_synthetic_figures_redrawn_from_json_have_labelled_axes():
-    for name in ("theorem4", "theorem1", "spurious"):
+    for name in ("theorem4", "theorem1", "spurious", "tokenized"):
         result = json.loads((REPO / "docs/synthetic_converged" / f"{name}.json").read_text())
         fig = load(name).plot(result)
         for ax in fig.axes:
