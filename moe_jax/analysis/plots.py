@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-
 from moe_jax import plotting
 
 

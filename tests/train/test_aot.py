@@ -118,7 +118,7 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     assert step["bytes"]["device_memory"] == 16 * hardware.GiB and step["fits"]
     assert "verdict: fits" in output
     # libtpu's start-up output (worker hostnames, host bounds, "Logging before InitGoogle") is hidden
-    assert not re.search(r"^(E|W)0000|TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output, re.M), output
+    assert not re.search(r"^(E|W)0000|TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output, re.MULTILINE), output
 
 
 def test_tpu_compile_refuses_a_run_too_big_for_the_chip(tmp_path):
@@ -208,7 +208,7 @@ def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
     three terms. Rates and sizes are plain numbers with unit prefixes, never 'e+'."""
     hlo = "ENTRY %main {\n  ROOT %a = f32[1024,1024]{1,0} all-reduce(f32[1024,1024]{1,0} %p), to_apply=%add\n}\n"
     facts = hardware.device_facts([None] * 8, hardware.CHIPS["h100"], 8)
-    args = dict(flops_per_step=6.4e15, tokens_per_step=2**20, num_devices=8)
+    args = {"flops_per_step": 6.4e15, "tokens_per_step": 2**20, "num_devices": 8}
     unknown = aot.hlo_analysis(hlo, facts, bytes_accessed=None, **args)["estimate"]
     known = aot.hlo_analysis(hlo, facts, bytes_accessed=4e12, **args)["estimate"]
     assert unknown["hbm_s"] is None and known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
