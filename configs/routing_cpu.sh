@@ -18,7 +18,8 @@ MOE=("$PY" -m moe_jax.cli)
   out=$(printf '%s\n' "${argv[@]}" | sed -n 's/^--gin.MODEL_DIR=//p' | tr -d "'\"")
   seed_dir=$(basename "$out")
   if [ ! -d "$out/checkpoints" ]; then
-    "${MOE[@]}" upcycle --checkpoint="$ROOT/dense_half/$seed_dir" --out="$out" "${argv[@]:2}"
+    # the family trains it with its own gin files (its capacity factors): keep them
+    "${MOE[@]}" upcycle --checkpoint="$ROOT/dense_half/$seed_dir" --out="$out" --keep_capacity "${argv[@]:2}"
   fi
 done
 "${MOE[@]}" sweep run "$FAMILY" --root="$ROOT" --parallel="$PARALLEL"

@@ -16,6 +16,7 @@ them and never probe for a TPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -23,10 +24,11 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -62,6 +64,15 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("h100", "gpu", ("NVIDIA H100",), 84_942_979_072, 989e12, 3.35e12, 900e9),
     Chip("h200", "gpu", ("NVIDIA H200",), 151_397_597_184, 989e12, 4.8e12, 900e9),
 )}
+
+# TPU slice topologies libtpu describes here (chips per side; one host holds 2x2 chips, so a
+# slice is at least 2x2 and a single chip is not one): 2-D tori for v5e / v6e, 3-D for v4 / v5p.
+TPU_TOPOLOGIES = {
+    "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"),
+    "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16"),
+}
 
 KNOWN_TARGETS = ("tpu:{v4,v5e,v5p,v6e}:TOPOLOGY (e.g. tpu:v5e:4x4, tpu:v5p:2x2x4, tpu:v4:2x2x2)",
                  "tpu:ACCELERATOR_TYPE, Cloud TPU's name (e.g. tpu:v5p-32, tpu:v5litepod-16, tpu:v4-32)",
@@ -153,11 +164,27 @@ def parse_target(spec: str) -> Target:
         names = sorted(c.name for c in CHIPS.values() if c.platform == platform)
         raise TargetError(f"--target={spec!r}: unknown {platform.upper()} {chip_name!r} "
                           f"(known: {', '.join(names)})" + known)
-    pattern = r"\d+(x\d+){1,2}" if platform == "tpu" else r"\d+"
-    if not re.fullmatch(pattern, topology) or "0" in topology.split("x"):
-        what = "a topology like 2x2 or 2x2x4" if platform == "tpu" else "a GPU count like 8"
-        raise TargetError(f"--target={spec!r}: {topology!r} is not {what}" + known)
+    if platform == "tpu":
+        check_tpu_topology(spec, chip.name, topology)
+    elif not re.fullmatch(r"\d+", topology) or int(topology) == 0:
+        raise TargetError(f"--target={spec!r}: {topology!r} is not a GPU count like 8" + known)
     return Target(spec, platform, chip, topology)
+
+
+def check_tpu_topology(spec: str, chip: str, topology: str) -> None:
+    """Refuses a ``chip`` slice topology libtpu cannot describe here, listing the valid ones:
+    the shape of :data:`TPU_TOPOLOGIES` (2-D for v5e / v6e, 3-D for v4 / v5p), each of the
+    first two sides a power of two of at least 2 (a host's 2x2 chips; a single chip is not a
+    slice), the third a power of two."""
+    valid = TPU_TOPOLOGIES[chip]
+    dims = topology.split("x")
+    ok = (len(dims) == len(valid[0].split("x")) and all(d.isdigit() and int(d) > 0 for d in dims)
+          and all(int(d) & (int(d) - 1) == 0 for d in dims) and all(int(d) >= 2 for d in dims[:2]))
+    if not ok:
+        raise TargetError(f"--target={spec!r}: {topology!r} is not a {chip} slice topology compiled for here "
+                          f"(a single chip or an odd shape is not); valid: {', '.join(valid)} "
+                          f"(e.g. --target=tpu:{chip}:{valid[0]}), or a Cloud TPU accelerator type "
+                          "such as tpu:v5litepod-16 or tpu:v5p-32")
 
 
 def chip_of_device_kind(device_kind: str) -> Chip | None:
@@ -278,6 +305,31 @@ def target_devices(target: Target) -> list:
     return list(topologies.get_topology_desc(platform="cuda", topology_name=target.chip.name,
                                              topology=f"1x{hosts}x{per_host}",
                                              target_config=config).devices)
+
+
+@contextlib.contextmanager
+def native_output_hidden(hidden: bool = True) -> Iterator[TextIO]:
+    """While the block runs, sends what is written to file descriptor 2 (libtpu's and the
+    CUDA plugin's start-up warnings, XLA and TensorFlow logs, Python warnings) to a file
+    that is then discarded; yields a stream on the real stderr for the caller's own
+    messages. ``hidden`` False: everything passes through (``--verbose``)."""
+    if not hidden:
+        yield sys.stderr
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    stream = os.fdopen(os.dup(saved), "w", buffering=1)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield stream
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+        stream.close()
 
 
 def _backends_started() -> bool:

@@ -147,10 +147,12 @@ def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
         if window:  # a batched matmul written as a base-dilated convolution: one tap per window
             flops /= math.prod(int(d) for d in window.group(1).split("x"))
         return flops
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line.attributes)
+    # a dot's attribute, or a GEMM custom call's backend_config (``"lhs_contracting_dimensions":["1"]``)
+    contracting = (re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line.attributes)
+                   or re.search(r'"lhs_contracting_dimensions":\[([0-9",]*)\]', line.attributes))
     if not contracting or not lhs:
         return 0.0
-    return 2.0 * out * math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+    return 2.0 * out * math.prod(lhs[int(d)] for d in contracting.group(1).replace('"', "").split(",") if d)
 
 
 def parse(hlo_text: str) -> list[Op]:

@@ -16,23 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import plotting, storage
 
 
 def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return plotting.pyplot()
 
 
 def _save(plt, fig, path: str) -> None:
-    fig.tight_layout()
-    with storage.writing(path) as f:  # local or gs://
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=100)
 
 
 def activation_heatmap(name: str, stats: dict[str, Any], path: str, title: str = "") -> None:
@@ -44,6 +36,7 @@ def activation_heatmap(name: str, stats: dict[str, Any], path: str, title: str =
     fig.colorbar(image, ax=ax, label=f"activation rate (rows sum to k={stats['k']})")
     ax.set_xlabel("expert")
     ax.set_ylabel("token position")
+    plotting.integer_ticks(ax)
     ax.set_title(f"{title}  {name}".strip(), fontsize=9)
     _save(plt, fig, path)
 
@@ -72,7 +65,9 @@ def correlation_figure(layers: dict[str, dict[str, Any]], title: str = ""):
         ax.set_ylim(0, max(1.0, *model, *shuffled) * 1.1)
         ax.set_title(label, fontsize=9)
         ax.set_ylabel(unit, fontsize=8)
-    axes[0, 0].legend(fontsize=7)
+        if key == "corr_lag":  # a count of lags
+            plotting.integer_ticks(ax, "y")
+    plotting.legend_outside(axes[0, -1])
     fig.suptitle(f"{title}: correlation length of the top-1 expert sequence".strip(": "), fontsize=10)
     return fig
 
@@ -126,9 +121,10 @@ def language_heatmaps(result: dict[str, Any], labels: list[str], path: str) -> N
                           interpolation="nearest", vmin=0)
         ax.set_yticks(range(len(labels)), labels, fontsize=6)
         ax.set_xlabel("expert", fontsize=8)
+        plotting.integer_ticks(ax, "x")
         ax.set_title(f"{name}: I = {stats['bits']:.2f} bits (floor {stats['shuffled_label_bits']:.2f})",
                      fontsize=8)
-        fig.colorbar(image, ax=ax, fraction=0.046)
+        fig.colorbar(image, ax=ax, fraction=0.046, label="share of the language's tokens")
     fig.suptitle(f"{result['run']} step {result['step']}: share of each language's tokens by top-1 expert",
                  fontsize=10)
     _save(plt, fig, path)
@@ -177,7 +173,7 @@ def language_curves(checkpoints: list[dict[str, Any]], path: str,
         axes[1, j].set_xlabel("step")
     axes[0, 0].set_ylabel("I(language; top-1 expert), bits\n(dotted: shuffled labels)", fontsize=8)
     axes[1, 0].set_ylabel("sparsity per language (eff. experts)\n(dashed: shuffled router)", fontsize=8)
-    axes[0, 0].legend(fontsize=7)
+    plotting.legend_outside(axes[0, -1])
     _save(plt, fig, path)
 
 

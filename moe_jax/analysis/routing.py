@@ -111,7 +111,7 @@ def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules
     return run
 
 
-def _layer_order(name: str) -> tuple:
+def layer_order(name: str) -> tuple:
     """Encoder layers first, then decoder ones, each by depth."""
     return tuple((0, int(p)) if p.isdigit() else (1, {"encoder": "0", "decoder": "1"}.get(p, p))
                  for p in re.split(r"[/_]", name))
@@ -138,7 +138,7 @@ def collect_routing(fn, params: Any, batches: Iterable[Mapping[str, jax.Array]],
     if not parts:
         raise ValueError("the model has no MoE layers (nothing sowed per-token routing)")
     layers = {}
-    for layer, arrays in sorted(parts.items(), key=lambda item: _layer_order(item[0])):
+    for layer, arrays in sorted(parts.items(), key=lambda item: layer_order(item[0])):
         stack = re.match(r"^(encoder|decoder)\b", layer)
         prefix = stack.group(1) if stack else "encoder"
         cat = {name: np.concatenate(v) for name, v in arrays.items()}

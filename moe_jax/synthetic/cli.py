@@ -68,7 +68,7 @@ def apply_overrides(preset: dict[str, Any], overrides: list[tuple[str, Any]], wh
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax synthetic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("experiment", help=f"one of: {', '.join(EXPERIMENTS)}, or 'all' (the suite without cifar100), 'list' or 'report'")
+    p.add_argument("experiment", help=f"one of: {', '.join(EXPERIMENTS)}, or 'all' (the suite without cifar100), 'list', 'report' or 'plot' (redraw PNGs from --results' JSON)")
     p.add_argument("--preset", default="quick", help="quick (CPU minutes), converged (trained until the loss stops moving, docs/synthetic.md) or paper (the paper's sizes)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--seed", type=int, help="a single seed")
@@ -99,6 +99,26 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def replot(args: argparse.Namespace) -> int:
+    """``moe-jax synthetic plot --results DIR [--out DIR]``: redraws ``<name>.png`` from each
+    ``<name>.json`` in DIR whose experiment can plot from its JSON alone (no training)."""
+    from moe_jax import plotting
+
+    if args.results is None or not pathlib.Path(args.results).is_dir():
+        print("moe-jax synthetic plot: --results DIR (a folder of <experiment>.json) is required", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out or args.results)
+    for path in sorted(pathlib.Path(args.results).glob("*.json")):
+        name = json.loads(path.read_text()).get("experiment")
+        experiment = load(name) if name in EXPERIMENTS else None
+        if experiment is None or experiment.plot is None:
+            print(f"moe-jax synthetic plot: {path.name}: {name} plots only when it runs", file=sys.stderr)
+            continue
+        print("wrote", plotting.save(experiment.plot(json.loads(path.read_text())), str(out / f"{name}.png"), dpi=80,
+                                            fixed_size=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.experiment == "list":
@@ -108,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.experiment == "report":
         return report(args)
+    if args.experiment == "plot":
+        return replot(args)
     if args.preset not in PRESETS:
         print(f"moe-jax synthetic: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}", file=sys.stderr)
         return 2

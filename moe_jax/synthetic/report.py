@@ -325,32 +325,37 @@ def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
 
 def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     """One summary PNG: converged value / paper value per row with a paper number (log
-    axis, the 2x band shaded), coloured by verdict."""
+    axis, the 2x band shaded), a point coloured by verdict joined to 1 (the paper's value);
+    the title says how many of the table's rows are shown and why the others are not."""
+    from matplotlib.patches import Patch
+
+    from moe_jax import plotting
     from moe_jax.synthetic.experiments import common
 
+    absent = [r for r in table if r.get("absent")]
+    no_paper = [r for r in table if not r.get("absent") and r["paper"] in (None, 0.0)]
     shown = [r for r in table if not r.get("absent") and r["paper"] not in (None, 0.0)]
-    fig, (ax,) = common.figure(1, 9.0)
-    fig.set_size_inches(9.0, 0.28 * max(len(shown), 4) + 1.2)
+    plt = plotting.pyplot()
+    fig, ax = plt.subplots(figsize=(10.5, 0.28 * max(len(shown), 4) + 1.6))
     colours = {VERDICTS[0]: "tab:green", VERDICTS[1]: "tab:orange", VERDICTS[2]: "tab:red"}
     y = np.arange(len(shown))
-    ratio = np.array([max(r["converged"] / r["paper"], 1e-3) for r in shown]) if shown else np.zeros(0)
-    ax.barh(y, ratio, color=[colours[r["verdict"]] for r in shown], left=0)
-    ax.axvspan(0.5, 2.0, color="gray", alpha=0.15, label="within 2x")
+    ratio = np.array([max(abs(r["converged"] / r["paper"]), 1e-3) for r in shown]) if shown else np.zeros(0)
+    ax.hlines(y, np.minimum(ratio, 1.0), np.maximum(ratio, 1.0), color="lightgray", lw=1, zorder=1)
+    ax.scatter(ratio, y, c=[colours[r["verdict"]] for r in shown], s=22, zorder=3)
+    ax.axvspan(0.5, 2.0, color="gray", alpha=0.15)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_yticks(y, [f"{r['experiment']}: {r['result']}" for r in shown], fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlabel("converged value / paper value (log scale)")
-    from matplotlib.patches import Patch
-
-    ax.legend(handles=[Patch(color=c, label=v) for v, c in colours.items()], fontsize=7, loc="lower right")
-    ax.set_title("synthetic suite: fidelity to the paper", fontsize=9)
+    ax.set_ylim(len(shown) - 0.5, -0.5)
+    ax.set_xlabel("|converged value / paper value| (log scale; 1 = the paper's value)")
+    handles = [Patch(color=c, label=v) for v, c in colours.items()] + [Patch(color="gray", alpha=0.15, label="within 2x")]
+    plotting.legend_outside(ax, handles=handles, title="verdict")
+    left_out = ([f"{len(no_paper)} without a paper number"] if no_paper else []) + (
+        [f"{len(absent)} not trained in these runs"] if absent else [])
+    ax.set_title(f"synthetic suite: fidelity to the paper ({len(shown)} of {len(table)} rows"
+                 + (f"; not shown: {', '.join(left_out)}, see report.md" if left_out else "") + ")", fontsize=9)
     common.style_log_axes(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    plotting.save(fig, str(path), dpi=100)
 
 
 def write(results: pathlib.Path, quick: pathlib.Path | None, out: pathlib.Path) -> tuple[dict[str, str], list[str]]:

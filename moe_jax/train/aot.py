@@ -13,7 +13,10 @@ the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and 
 step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
 target. Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps
 each compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
-collective counts are read from.
+collective counts are read from. What a compiler does not report is printed as unknown,
+never as zero: GPU executables compiled without a GPU have no cost analysis, so their
+estimate covers compute and collectives only and says so. The compilers' own start-up
+output (libtpu's host and worker warnings, CUDA's) is hidden unless ``--verbose``.
 """
 
 from __future__ import annotations
@@ -94,25 +97,30 @@ def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_pe
         "hlo_flops_per_device": cost.get("flops"),
         "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
         **hlo_analysis(compiled.as_text(), facts, flops_per_step=flops_per_step,
-                       bytes_accessed=cost.get("bytes accessed", 0.0), tokens_per_step=tokens_per_step,
+                       bytes_accessed=cost.get("bytes accessed"), tokens_per_step=tokens_per_step,
                        num_devices=num_devices),
     }
 
 
 def hlo_analysis(hlo_text: str, facts: hardware.DeviceFacts, *, flops_per_step: float,
-                 bytes_accessed: float, tokens_per_step: int, num_devices: int) -> dict[str, Any]:
+                 bytes_accessed: float | None, tokens_per_step: int, num_devices: int) -> dict[str, Any]:
     """What the compiled HLO text gives: its ``collectives``, the ``moe_layers``' share and
     the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
     collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
-    the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak."""
+    the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak.
+
+    ``bytes_accessed`` None (no cost analysis) or a chip without an HBM bandwidth (CPU):
+    ``hbm_s`` is None and the estimate covers compute and collectives only (``covers``
+    says which terms it holds; ``step_s`` and ``tokens_per_s`` are then bounds)."""
     coll = collectives(hlo_text)
     compute_s = flops_per_step / num_devices / facts.peak_flops
-    hbm_s = bytes_accessed / facts.hbm_bandwidth if facts.hbm_bandwidth else 0.0
+    hbm_s = bytes_accessed / facts.hbm_bandwidth if bytes_accessed is not None and facts.hbm_bandwidth else None
     comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
-              if facts.interconnect_bandwidth else 0.0)
-    step_s = max(compute_s, hbm_s) + comm_s
+              if facts.interconnect_bandwidth else None)
+    step_s = max(compute_s, hbm_s or 0.0) + (comm_s or 0.0)
+    covers = ["compute"] + (["HBM"] if hbm_s is not None else []) + (["collectives"] if comm_s is not None else [])
     return {"collectives": coll, "moe_layers": moe_layer_costs(hlo_text),
-            "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s,
+            "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s, "covers": covers,
                          "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None}}
 
 
@@ -335,18 +343,18 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"  total {_gib(b['total'])} of {_gib(b['device_memory'])} "
             f"({100 * b['total'] / b['device_memory']:.0f}%): {'fits' if step['fits'] else 'DOES NOT FIT'}",
             f"  collectives: {coll}",
-            f"  {step['flops_per_step'] / 1e12:.3g} TFLOP per step (model); HLO per device: "
-            f"{_num(step['hlo_flops_per_device'], 1e12, 'TFLOP')}, "
-            f"{_num(step['hlo_bytes_accessed_per_device'], 1e9, 'GB')} accessed",
-            f"  estimate: {est['step_s'] * 1e3:.1f} ms/step (compute {est['compute_s'] * 1e3:.1f}, "
-            f"HBM {est['hbm_s'] * 1e3:.1f}, collectives {est['collectives_s'] * 1e3:.1f}), "
-            f"{_num(est['tokens_per_s'], 1e3, 'k tokens/s')}"]
+            f"  {quantity(step['flops_per_step'], 'FLOP')} per step (model); HLO per device: " + (
+                f"{quantity(step['hlo_flops_per_device'], 'FLOP')}, "
+                f"{quantity(step['hlo_bytes_accessed_per_device'], 'B')} accessed"
+                if step["hlo_flops_per_device"] is not None or step["hlo_bytes_accessed_per_device"] is not None
+                else "FLOPs and bytes accessed unknown (the compiler gave no cost analysis)"),
+            estimate_line(est)]
         moe = step["moe_layers"]
         if moe["hlo_bytes"]:
-            lines.append(f"  MoE layers: {moe['hlo_bytes'] / 1e9:.3g} of the step's {moe['step_hlo_bytes'] / 1e9:.3g} GB "
-                         f"of HLO operand/result bytes ({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; "
-                         f"gathers/scatters/sorts {moe['indexed_bytes'] / 1e9:.3g} GB), "
-                         f"{moe['flops'] / 1e12:.3g} TFLOP of matmuls")
+            lines.append(f"  MoE layers: {quantity(moe['hlo_bytes'], 'B')} of the step's "
+                         f"{quantity(moe['step_hlo_bytes'], 'B')} of HLO operand/result bytes "
+                         f"({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; gathers/scatters/sorts "
+                         f"{quantity(moe['indexed_bytes'], 'B')}), {quantity(moe['flops'], 'FLOP')} of matmuls")
     if report["fits"]:
         lines.append("verdict: fits")
     else:
@@ -355,8 +363,40 @@ def format_report(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _num(value: float | None, scale: float, unit: str) -> str:
-    return "n/a" if value is None else f"{value / scale:.3g} {unit}"
+_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def quantity(value: float | None, unit: str, missing: str = "unknown") -> str:
+    """``value`` with a decimal prefix and 3 significant digits (``7.06e8, "FLOP"`` ->
+    ``706 MFLOP``; ``0.0346e9, "B"`` -> ``34.6 MB``); ``missing`` when None."""
+    if value is None:
+        return missing
+    scale, prefix = next(((s, p) for s, p in _PREFIXES if abs(value) >= s), (1.0, ""))
+    return f"{plain(value / scale)} {prefix}{unit}"
+
+
+def plain(value: float) -> str:
+    """``value`` to 3 significant digits without an exponent (5355860 -> ``5,360,000``,
+    1190.4 -> ``1,190``, 8.93e-05 -> ``0.0000893``)."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{float(f'{value:.3g}'):,.0f}"
+    return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
+
+
+def estimate_line(est: Mapping[str, Any]) -> str:
+    """The roofline line of a step: milliseconds per step, its terms, and tokens/s in plain
+    units, saying which terms it leaves out (then both numbers are bounds)."""
+    terms = [f"compute {plain(est['compute_s'] * 1e3)}"]
+    terms += [f"HBM {plain(est['hbm_s'] * 1e3)}"] if est["hbm_s"] is not None else []
+    terms += [f"collectives {plain(est['collectives_s'] * 1e3)}"] if est["collectives_s"] is not None else []
+    left_out = [name for name, key in (("HBM", "hbm_s"), ("collectives", "collectives_s")) if est[key] is None]
+    label = "estimate" if not left_out else (
+        f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time unknown: "
+        "a lower bound on the step time, an upper bound on tokens/s)")
+    rate = "unknown" if est["tokens_per_s"] is None else f"{plain(est['tokens_per_s'])} tokens/s"
+    return f"  {label}: {plain(est['step_s'] * 1e3)} ms/step ({', '.join(terms)} ms), {rate}"
 
 
 def parse_gin_for_compile(args) -> None:
@@ -386,16 +426,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_eval", action="store_true", help="compile the train step only")
     parser.add_argument("--hlo_dir", default=None, metavar="DIR",
                         help="write each compiled step's HLO text to DIR/<step>.hlo.txt")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the compilers' own start-up output and logs (libtpu, CUDA, XLA)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    hint = ""
     try:
         target = hardware.parse_target(args.target)
-        devices = hardware.target_devices(target)
-        parse_gin_for_compile(args)
-        report = compile_run(devices, hardware.device_facts(devices, target.chip, target.num_chips),
-                             target=target.spec, eval_step=not args.no_eval, hlo_dir=args.hlo_dir,
-                             progress=lambda m: print(m, file=sys.stderr, flush=True))
+        hint = "" if args.verbose else " (--verbose shows the compiler's own output)"
+        with hardware.native_output_hidden(not args.verbose) as messages:
+            devices = hardware.target_devices(target)
+            parse_gin_for_compile(args)
+            report = compile_run(devices, hardware.device_facts(devices, target.chip, target.num_chips),
+                                 target=target.spec, eval_step=not args.no_eval, hlo_dir=args.hlo_dir,
+                                 progress=lambda m: print(m, file=messages, flush=True))
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax compile: error: {err}", file=sys.stderr)
+        print(f"moe-jax compile: error: {err}{hint}", file=sys.stderr)
         return 1
     print(format_report(report), flush=True)
     if args.out:

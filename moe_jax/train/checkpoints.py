@@ -176,9 +176,12 @@ def _train_item(state: TrainState) -> dict[str, Any]:
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
     writer threads): :class:`Checkpointer` raises each failure as one line naming the step
-    and cause instead. ``MOE_JAX_TRACEBACK=1`` keeps them."""
+    and cause instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning
+    "Given directory is read only" that every reader (``read_only=True``) would print."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Given directory is read only"):
+            return False
         return (record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
                 or bool(os.environ.get("MOE_JAX_TRACEBACK")))
 

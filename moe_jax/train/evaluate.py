@@ -11,7 +11,14 @@ is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` 
 
 Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on
-``eval_steps`` batches of the eval split with the eval capacity factor. Results, per
+``eval_steps`` batches of the eval split with the eval capacity factor. The eval settings
+(batches, batch size, feature lengths, task, split) are by default the ones the first
+run's in-training evaluation used, which ``moe-jax train`` records in
+``MODEL_DIR/eval_settings.json`` (:func:`record_eval_settings`), so that re-evaluating a
+checkpoint reproduces the numbers the run printed; ``--eval_steps=N`` changes the count,
+``--eval_settings=gin`` takes ``runs/eval.gin``'s and the gin flags' instead, and a
+``--gin.eval_script.evaluate.eval_steps`` binding wins over the record. The lines
+``eval settings: ...`` say which were used. Results, per
 checkpoint: loss, token accuracy and per-MoE-layer routing statistics (expert load
 histogram, dropped fraction, router entropy, router weight drift from initialisation
 ``||W - W0|| / ||W0||``), written as ``<label>.json`` and ``<label>_expert_load.png`` in
@@ -22,8 +29,8 @@ each family's seeds per router (``seed_table``).
 
 ``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
-``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``)
-and ``routers.png``, accuracy and cross-entropy per router. Routing telemetry per layer
+``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``;
+files ``<label>_<router>.json``, no ``:`` in file names) and ``routers.png``, accuracy and cross-entropy per router. Routing telemetry per layer
 (dead experts, per-shard imbalance, gate margin) is in the table and the JSON.
 
 A checkpoint trained from another model config than the gin files describe is refused
@@ -32,6 +39,7 @@ with the mismatching parameter names (evaluate each with its own gin files).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -48,6 +56,39 @@ from moe_jax import storage
 from moe_jax.train import distributed, gin_utils, setup, sweep
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
+EVAL_SETTINGS_FILE = "eval_settings.json"
+_EVAL_SCOPE = "eval/utils.DatasetConfig"  # the dataset of eval_script.evaluate (runs/eval.gin)
+
+
+def record_eval_settings(model_dir: str, eval_steps: int, dataset_cfg: setup.DatasetConfig) -> str:
+    """Writes ``MODEL_DIR/eval_settings.json``: ``{"eval_steps": n, "dataset": {the fields
+    of dataset_cfg}}``, what a run's in-training evaluation reads, for ``moe-jax eval`` to
+    reproduce; returns its path."""
+    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+    settings = {"eval_steps": int(eval_steps), "dataset": dataclasses.asdict(dataset_cfg)}
+    settings["dataset"]["task_feature_lengths"] = dict(settings["dataset"]["task_feature_lengths"])
+    storage.write_text(path, json.dumps(settings, indent=1) + "\n")
+    return path
+
+
+def read_eval_settings(model_dir: str) -> dict[str, Any] | None:
+    """The run's recorded eval settings (:func:`record_eval_settings`), or None when it has
+    none (a run trained before they were recorded, an imported one)."""
+    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
+def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
+    """Gin bindings giving ``eval_script.evaluate`` the recorded ``settings``."""
+    return [f"eval_script.evaluate.eval_steps = {settings['eval_steps']!r}",
+            *(f"{_EVAL_SCOPE}.{name} = {value!r}" for name, value in settings["dataset"].items())]
+
+
+def describe_eval_settings(eval_steps: int, cfg: setup.DatasetConfig) -> str:
+    """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
+    mc4_span_corruption``."""
+    return (f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x {dict(cfg.task_feature_lengths)} from the "
+            f"{cfg.split} split of {cfg.mixture_or_task_name}")
 
 
 def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None) -> dict[str, Any]:
@@ -68,12 +109,15 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=Non
 
 
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``."""
+    """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``,
+    encoder layers first, each stack by depth (``layers_3`` before ``layers_11``)."""
+    from moe_jax.analysis.routing import layer_order
+
     layers: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
         if m := _MOE_KEY.match(key):
             layers.setdefault(m.group(1), {})[m.group(2)] = value
-    return dict(sorted(layers.items()))
+    return dict(sorted(layers.items(), key=lambda item: layer_order(item[0])))
 
 
 def router_drift(params, initial: dict[str, np.ndarray] | None, layers: Sequence[str]) -> dict[str, float]:
@@ -96,25 +140,20 @@ def router_drift(params, initial: dict[str, np.ndarray] | None, layers: Sequence
 
 def plot_expert_load(layers: dict[str, dict[str, Any]], title: str, path: str) -> None:
     """Writes :func:`expert_load_figure` to ``path`` (nothing when no layer has a load)."""
-    import matplotlib.pyplot as plt
+    from moe_jax import plotting
 
     fig = expert_load_figure(layers, title)
     if fig is not None:
-        fig.tight_layout()
-        with storage.writing(path) as f:
-            fig.savefig(f, format="png", dpi=100)
-        plt.close(fig)
+        plotting.save(fig, path, dpi=100)
 
 
 def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
     """One bar chart per MoE layer of the fraction of tokens routed to each expert, with
     the uniform load as a dashed line. A token counts once per chosen expert, so top-k
     loads sum to k and the uniform load is k/E; experts are labelled by integer index."""
-    import matplotlib
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    plt = plotting.pyplot()
 
     loads = {name: np.asarray(stats["expert_load"]) for name, stats in layers.items()
              if "expert_load" in stats}
@@ -126,10 +165,10 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
         ax.bar(np.arange(load.size), load, color="tab:blue", label="fraction of tokens")
         ax.axhline(k / load.size, color="gray", linestyle="--", linewidth=0.8,
                    label=f"uniform: k/E = {k:.3g}/{load.size}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        plotting.integer_ticks(ax, "x")
         ax.set_xlim(-0.6, load.size - 0.4)
         ax.set_ylim(0, 1.4 * max(float(load.max()), k / load.size))  # room for the legend
-        ax.set_ylabel("load")
+        ax.set_ylabel("fraction of tokens")
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7, loc="upper right", ncol=2)
     axes[-1, 0].set_xlabel("expert")
@@ -138,7 +177,10 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    """The side-by-side table: one column per checkpoint, one row per statistic."""
+    """The side-by-side table: one column per checkpoint, one row per statistic (MoE
+    layers in :func:`routing_by_layer`'s order)."""
+    from moe_jax.analysis.routing import layer_order
+
     rows: list[tuple[str, list[str]]] = []
 
     def add(name, values):
@@ -148,7 +190,7 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     add("step", [str(r["step"]) for r in results.values()])
     for metric in ("loss", "cross_entropy", "accuracy"):
         add(metric, [r["metrics"].get(metric, float("nan")) for r in results.values()])
-    layer_names = sorted({layer for r in results.values() for layer in r["routing"]})
+    layer_names = sorted({layer for r in results.values() for layer in r["routing"]}, key=layer_order)
     for layer in layer_names:
         stats = [r["routing"].get(layer, {}) for r in results.values()]
         add(f"{layer} dropped", [s.get("dropped_fraction", "-") for s in stats])
@@ -224,28 +266,27 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
 
 
 def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
-    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each)."""
-    import matplotlib
+    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each, its
+    own colour and line style; legend beside the axes)."""
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     checkpoints_seen = list(dict.fromkeys(r["label"] for r in results.values()))
+    styles = plotting.run_styles(checkpoints_seen)
     routers = list(dict.fromkeys(r["router"] for r in results.values()))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric in zip(axes, ("accuracy", "cross_entropy")):
         for label in checkpoints_seen:
             values = {r["router"]: r["metrics"].get(metric, np.nan) for r in results.values() if r["label"] == label}
-            ax.plot(range(len(routers)), [values.get(name, np.nan) for name in routers], "o-", label=label)
+            ax.plot(range(len(routers)), [values.get(name, np.nan) for name in routers], label=label, **styles[label])
         ax.set_xticks(range(len(routers)), routers)
-        ax.set_ylabel(f"eval {metric}")
+        ax.set_xlabel("router used at evaluation")
+        ax.set_ylabel({"accuracy": "eval token accuracy (fraction)",
+                       "cross_entropy": "eval cross-entropy (nats per token)"}[metric])
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    plotting.legend_outside(axes[-1], title="checkpoint")
     fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
-    fig.tight_layout()
-    with storage.writing(path) as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=100)
 
 
 @gin.configurable(module="eval_script", denylist=["routers"])
@@ -300,6 +341,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                 expert_shards)
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
+            file_label = ckpt_label if names == ["learned"] else f"{ckpt_label}_{name}"  # no ':' in file names
             results[label] = {
                 "checkpoint": storage.join(model_dir, "checkpoints", str(step)), "step": step,
                 "label": ckpt_label, "router": name,
@@ -307,6 +349,7 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                 "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
                             for layer, stats in routing.items()},
                 "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
+                "eval_settings": {"eval_steps": eval_steps, "dataset": dataclasses.asdict(dataset_cfg)},
             }
             if routing and not results[label]["router_drift"]:
                 results[label]["router_drift_missing"] = (
@@ -314,11 +357,12 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
                     f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
                     f"export has {export.ROUTER_INIT_FILE})")
             if jax.process_index() == 0:
-                storage.write_text(storage.join(output_dir, f"{label}.json"), json.dumps(results[label], indent=1))
+                storage.write_text(storage.join(output_dir, f"{file_label}.json"), json.dumps(results[label], indent=1))
                 plot_expert_load(routing, f"{label} (step {step}): expert load",
-                                 storage.join(output_dir, f"{label}_expert_load.png"))
+                                 storage.join(output_dir, f"{file_label}_expert_load.png"))
     table = comparison_table(results)
     if jax.process_index() == 0:
+        print(f"[moe-jax eval] evaluated {describe_eval_settings(eval_steps, dataset_cfg)}", file=sys.stderr)
         print(table, flush=True)
         storage.write_text(storage.join(output_dir, "comparison.txt"), table + "\n")
         storage.write_text(storage.join(output_dir, "comparison.json"), json.dumps(results, indent=1))
@@ -343,12 +387,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", action="append", default=[], metavar="NAME",
                         help="evaluate with the routers replaced: learned (default), init, random, hash, "
                              "uniform, shuffled; repeat to compare")
+    parser.add_argument("--eval_steps", type=int, default=None, metavar="N",
+                        help="batches to evaluate (default: the run's, from MODEL_DIR/eval_settings.json)")
+    parser.add_argument("--eval_settings", choices=("run", "gin"), default="run",
+                        help="run (default): the eval settings the first run recorded (batches, batch size, "
+                             "feature lengths, task, split); gin: runs/eval.gin's and the gin flags'")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
-    args.gin_file = gin_utils.run_gin_files(
-        gin_utils.first_checkpoint(args), ["runs/eval.gin"], args.gin_file,
-        command="moe-jax eval")
+    first = gin_utils.first_checkpoint(args)
+    args.gin_file = gin_utils.run_gin_files(first, ["runs/eval.gin"], args.gin_file, command="moe-jax eval")
+    apply_eval_settings(args, first)
     gin_utils.parse_gin(args)
     evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
                                   ("output_dir", args.output_dir), ("routers", args.router)) if v})
     return 0
+
+
+def apply_eval_settings(args, checkpoint: str | None) -> None:
+    """Adds to ``args``' gin bindings the eval settings ``--eval_settings`` / ``--eval_steps``
+    ask for (the recorded ones before the command line's own bindings, which win) and says
+    on stderr which they are."""
+    from moe_jax.train import checkpoints
+
+    model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
+    recorded = read_eval_settings(model_dir) if model_dir and args.eval_settings == "run" else None
+    if recorded is not None:
+        args.gin_dot_bindings[:0] = eval_settings_bindings(recorded)
+        source = (f"the run's, from {storage.join(model_dir, EVAL_SETTINGS_FILE)} "
+                  "(--eval_settings=gin: runs/eval.gin's)")
+    elif args.eval_settings == "run" and model_dir:
+        source = f"runs/eval.gin's and the gin flags' ({model_dir} recorded none)"
+    else:
+        source = "runs/eval.gin's and the gin flags'"
+    if args.eval_steps is not None:
+        if args.eval_steps <= 0:
+            raise gin_utils.GinConfigError(f"--eval_steps={args.eval_steps}: expected a positive integer")
+        args.gin_dot_bindings.append(f"eval_script.evaluate.eval_steps = {args.eval_steps}")
+        source += f", --eval_steps={args.eval_steps}"
+    if jax.process_index() == 0:
+        print(f"[moe-jax eval] eval settings: {source}", file=sys.stderr)

@@ -66,32 +66,45 @@ def format_table(table: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Axis labels (with units) per quantity; the zoomed ones are drawn as points, not bars, so
+# that no bar starts anywhere but at zero.
+AXIS_LABELS = {"accuracy": "eval token accuracy (fraction of targets)",
+               "cross_entropy": "eval cross-entropy (nats per target token)",
+               "dropped_fraction": "dropped assignments (fraction, mean of MoE layers)",
+               "max_load": "max load (busiest expert / balanced share; 1 = balanced)"}
+ZOOMED = ("accuracy", "cross_entropy")
+
+
 def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
-    import matplotlib
+    """One panel per quantity, one row per run (blue learned, orange frozen, gray dense):
+    accuracy and cross-entropy as points on a zoomed axis, dropped fraction and max load as
+    bars from zero; a run without the quantity (a dense model has no routing) says so."""
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     names = list(table)
     colors = ["tab:gray" if "dense" in n else "tab:orange" if "frozen" in n else "tab:blue" for n in names]
-    fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(4.2 * len(QUANTITIES), 0.35 * len(names) + 1.8),
+    fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(4.2 * len(QUANTITIES), 0.35 * len(names) + 2.0),
                              sharey=True)
+    y = np.arange(len(names))
     for ax, quantity in zip(axes, QUANTITIES):
-        values = [table[n][quantity] for n in names]
-        ax.barh(range(len(names)), np.nan_to_num(values), color=colors)
-        ax.set_title(quantity.replace("_", " ") + (" (1 = balanced)" if quantity == "max_load" else ""))
-        finite = [v for v in values if np.isfinite(v)]
-        if quantity in ("accuracy", "cross_entropy") and finite:
-            spread = max(finite) - min(finite)
-            ax.set_xlim(min(finite) - spread - 1e-3, max(finite) + 0.2 * spread + 1e-3)
+        values = np.asarray([table[n][quantity] for n in names], float)
+        finite = np.isfinite(values)
+        if quantity in ZOOMED:
+            ax.scatter(values[finite], y[finite], c=[c for c, f in zip(colors, finite) if f], s=40, zorder=3)
+            ax.hlines(y[finite], values[finite].min(), values[finite], colors="lightgray", lw=1, zorder=2)
+        else:
+            ax.barh(y[finite], values[finite], color=[c for c, f in zip(colors, finite) if f])
+            ax.set_xlim(left=0)
+        for row in y[~finite]:
+            ax.text(0.02, row, "n/a (no routing)", transform=ax.get_yaxis_transform(), va="center",
+                    fontsize=7, color="gray")
+        ax.set_xlabel(AXIS_LABELS[quantity], fontsize=8)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(range(len(names)), names)
+    axes[0].set_yticks(y, names)
     axes[0].invert_yaxis()
-    fig.suptitle(title + "  (blue learned, orange frozen, gray dense)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.suptitle(f"{title}: last eval per run (blue learned router, orange frozen, gray dense)", fontsize=10)
+    return plotting.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("family")
     parser.add_argument("--root", type=storage.normalize, required=True)
     parser.add_argument("--out", type=storage.normalize, required=True)
+    parser.add_argument("--table", default=None, metavar="JSON",
+                        help="redraw the plot from a <family>_routing.json written before (no runs needed)")
     args = parser.parse_args(argv)
     try:
         family = sweep.load_family(args.family)
     except sweep.FamilyError as err:
         print(f"routing_comparison: {err}", file=sys.stderr)
         return 2
+    if args.table:
+        with open(args.table) as f:
+            print("wrote", plot(json.load(f), family.name, os.path.join(args.out, f"{family.name}_routing.png")))
+        return 0
     table = compare(family, args.root)
     if not table:
         print(f"routing_comparison: no eval records under {args.root}", file=sys.stderr)

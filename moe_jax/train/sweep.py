@@ -18,8 +18,21 @@ A family is a TOML file (``configs/*.toml``)::
 Every (run, axis values, seed) becomes one ``moe-jax train`` invocation whose MODEL_DIR is
 ``ROOT/<run>[/<AXIS>-<value>...]/seed<N>``. Subcommands::
 
-    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run] [--only=RUN,...]
-    moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss]
+    moe-jax sweep run FAMILY --root=DIR [--parallel=N] [--dry-run] [--only=RUN,...] \\
+        [--set KEY=VALUE ...] [--gin.NAME=VALUE ...]
+    moe-jax sweep collect FAMILY --root=DIR --out=DIR [--metric=loss] [--set KEY=VALUE ...]
+    moe-jax sweep plot FAMILY OUT/<family>.json        # redraw collect's PNGs from its JSON
+
+``--set KEY=VALUE`` (repeatable) changes the family as loaded, without editing the file: a
+top-level key (``seeds=[0]``, ``gin_files=[...]``, ``metric=loss``), ``steps=N`` (=
+``bindings.TRAIN_STEPS``), or a key inside a table by its path (``bindings.BATCH_SIZE=8``,
+``axes.NUM_EXPERTS=[8,16]``, ``runs.frozen.bindings.KEY=...``); VALUE is a Python/TOML
+literal or else a plain string. ``--gin.NAME=VALUE`` is passed to every run's ``train``
+after the family's bindings (gin syntax, as ``train``'s own flag). E.g. a family tried
+small before booking a pod::
+
+    moe-jax sweep run configs/fig7.toml --root=/tmp/fig7_try --set steps=20 --set seeds=[0] \\
+        --set "gin_files=['experiments/cpu_scale.gin']" --gin.BATCH_SIZE=8
 
 ``run`` starts ``--parallel`` trainings at a time, writes each one's log to
 ``<MODEL_DIR>/log.txt`` and a ``DONE`` marker when it exits cleanly; runs with a marker are
@@ -34,6 +47,7 @@ has an axis, ``<name>_vs_<axis>.png`` (final metric vs axis value per run).
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import itertools
@@ -82,6 +96,7 @@ class RunSpec:
     seed: int
     gin_files: tuple[str, ...]
     bindings: tuple[tuple[str, Any], ...]
+    gin_flags: tuple[str, ...] = ()    # ``--gin.NAME=VALUE`` of the command line, as given
 
     @property
     def group(self) -> str:
@@ -95,6 +110,7 @@ class RunSpec:
         """The ``moe-jax train`` argv of this run."""
         flags = [f"--gin_file={f}" for f in self.gin_files]
         flags += [f"--gin.{k}={_gin_literal(v)}" for k, v in self.bindings]
+        flags += list(self.gin_flags)
         flags += [f"--gin.MODEL_DIR={self.model_dir(root)}", f"--gin.RANDOM_SEED={self.seed}"]
         return ["moe-jax", "train", *flags]
 
@@ -121,11 +137,43 @@ def _require(cond: bool, path: str, message: str) -> None:
         raise FamilyError(f"{path}: {message}")
 
 
-def load_family(path: str) -> Family:
-    """Parse and validate a family file; errors name the file and the offending key."""
+SET_ALIASES = {"steps": "bindings.TRAIN_STEPS"}
+_TABLES = ("bindings", "axes")  # tables whose keys may hold dots ("train_script.train.eval_period")
+
+
+def apply_sets(raw: dict[str, Any], sets: Sequence[tuple[str, Any]], path: str) -> dict[str, Any]:
+    """A copy of the family file's ``raw`` TOML with each ``--set`` ``(KEY, VALUE)`` applied
+    (module docstring); an unknown key or run is a :class:`FamilyError` naming it."""
+    raw = json.loads(json.dumps(raw))  # a deep copy (TOML values are JSON values)
+    for key, value in sets:
+        where = f"--set {key}"
+        parts = SET_ALIASES.get(key, key).split(".", 1)
+        top = parts[0]
+        _require(top in FAMILY_KEYS, path, f"{where}: no family key {top!r}; keys: {sorted(FAMILY_KEYS)}, "
+                 f"or {sorted(SET_ALIASES)}")
+        if top in _TABLES and len(parts) == 2:
+            raw.setdefault(top, {})[parts[1]] = value
+        elif top == "runs" and len(parts) == 2:
+            run, _, rest = parts[1].partition(".")
+            _require(run in raw.get("runs", {}), path, f"{where}: no run {run!r}; runs: {sorted(raw.get('runs', {}))}")
+            field, _, name = rest.partition(".")
+            _require(field in RUN_KEYS, path, f"{where}: expected runs.{run}.gin_files or runs.{run}.bindings.NAME")
+            if field == "bindings" and name:
+                raw["runs"][run].setdefault("bindings", {})[name] = value
+            else:
+                raw["runs"][run][field] = value
+        else:
+            _require(len(parts) == 1, path, f"{where}: {top!r} is not a table")
+            raw[top] = value
+    return raw
+
+
+def load_family(path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequence[str] = ()) -> Family:
+    """Parse and validate a family file, with the command line's ``--set`` changes and
+    ``--gin.NAME=VALUE`` flags for every run; errors name the file and the offending key."""
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            raw = apply_sets(tomllib.load(f), sets, path)
     except FileNotFoundError:
         raise FamilyError(f"{path}: no such family file") from None
     except tomllib.TOMLDecodeError as err:
@@ -153,8 +201,8 @@ def load_family(path: str) -> Family:
             axis_values = tuple(zip(axes, point))
             bindings = {**common_bindings, **run.get("bindings", {}), **dict(axis_values)}
             for seed in seeds:
-                specs.append(RunSpec(run_name, axis_values, seed,
-                                     (*run["gin_files"], *common_files), tuple(bindings.items())))
+                specs.append(RunSpec(run_name, axis_values, seed, (*run["gin_files"], *common_files),
+                                     tuple(bindings.items()), tuple(gin_flags)))
     return Family(name, raw.get("metric", "accuracy"),
                   tuple((k, tuple(v)) for k, v in axes.items()), tuple(specs))
 
@@ -247,30 +295,44 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
     return {"family": family.name, "metric": family.metric, "groups": groups, "gaps": gaps}
 
 
+# Units of the eval metrics a family plots.
+METRIC_LABELS = {"accuracy": "eval token accuracy (fraction of targets)",
+                 "cross_entropy": "eval cross-entropy (nats per target token)",
+                 "loss": "eval loss (nats per target token, with auxiliary losses)"}
+
+
 def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]:
-    """Write the curve plot and, for families with axes, the final-vs-axis plots."""
-    import matplotlib
+    """Write the curve plot and, for families with axes, the final-vs-axis plots: one
+    distinct colour / line style per run, legends beside the axes, runs without eval
+    records named in the title."""
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     metric, written = summary["metric"], []
+    ylabel = METRIC_LABELS.get(metric, f"eval {metric}")
     groups = {k: g for k, g in summary["groups"].items() if not g.get("missing")}
+    missing = [k for k, g in summary["groups"].items() if g.get("missing")]
+    note = f" ({len(missing)} run(s) without eval records: {', '.join(missing)})" if missing else ""
+    styles = plotting.run_styles(list(dict.fromkeys(g["run"] for g in groups.values())))
     points = sorted({tuple(g["axes"].items()) for g in groups.values()})
-    fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points), 4), squeeze=False)
+    fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points) + 2.2, 4), squeeze=False)
     for ax, point in zip(axs[0], points):
         for name, g in groups.items():
             if tuple(g["axes"].items()) != point:
                 continue
             n = g["final_stats"]["n"]
-            line, = ax.plot(g["steps"], g["curve"]["mean"], marker="o", ms=3, label=f"{g['run']} ({n} seeds)")
-            ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=line.get_color(), alpha=0.2)
-        ax.set(xlabel="step", ylabel=f"eval {metric}",
-               title=", ".join(f"{k}={v}" for k, v in point) or summary["family"])
-        _finish_axes(ax)
-    written.append(_save(plt, fig, storage.join(out, f"{summary['family']}_curves.png")))
+            style = styles[g["run"]]
+            ax.plot(g["steps"], g["curve"]["mean"], ms=3, label=f"{g['run']} ({n} seed{'s' * (n != 1)})", **style)
+            if n > 1:
+                ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=style["color"], alpha=0.15)
+        ax.set(xlabel="training step", ylabel=ylabel,
+               title=(", ".join(f"{k}={v}" for k, v in point) or summary["family"]) + note)
+        ax.grid(alpha=0.3)
+    several = any(g["final_stats"]["n"] > 1 for g in groups.values())
+    plotting.legend_outside(axs[0, -1], title="run (band: seed range)" if several else "run")
+    written.append(plotting.save(fig, storage.join(out, f"{summary['family']}_curves.png"), dpi=120))
     for axis, values in family.axes:
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4))
         for run in dict.fromkeys(g["run"] for g in groups.values()):
             xs, ys, lo, hi = [], [], [], []
             for value in values:
@@ -278,26 +340,15 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
                 if match:
                     s = match[0]["final_stats"]
                     xs.append(value), ys.append(s["mean"]), lo.append(s["mean"] - s["min"]), hi.append(s["max"] - s["mean"])
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=run)
-        ax.set(xlabel=axis, ylabel=f"final eval {metric}", title=summary["family"])
+            ax.errorbar(xs, ys, yerr=[lo, hi], capsize=3, label=run, **styles[run])
+        ax.set(xlabel=axis, ylabel=f"final {ylabel}", title=summary["family"] + note)
         if all(isinstance(v, (int, float)) and v > 0 for v in values):
             ax.set_xscale("log", base=2)
-        _finish_axes(ax)
-        written.append(_save(plt, fig, storage.join(out, f"{summary['family']}_vs_{axis}.png")))
+            ax.set_xticks(values, [str(v) for v in values])
+        ax.grid(alpha=0.3)
+        plotting.legend_outside(ax, title="run (bars: seed range)" if several else "run")
+        written.append(plotting.save(fig, storage.join(out, f"{summary['family']}_vs_{axis}.png"), dpi=120))
     return written
-
-
-def _finish_axes(ax) -> None:
-    ax.legend()
-    ax.grid(alpha=0.3)
-
-
-def _save(plt, fig, path: str) -> str:
-    fig.tight_layout()
-    with storage.writing(path) as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
-    return path
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -326,23 +377,52 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     run = sub.add_parser("run", help="train every run of a family")
     collect = sub.add_parser("collect", help="gather eval curves into JSON and PNG plots")
+    replot = sub.add_parser("plot", help="redraw the PNGs of a JSON that `collect` wrote (no runs needed)")
+    replot.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
+    replot.add_argument("summary", help="the <family>[_<metric>].json that collect wrote")
+    replot.add_argument("--out", type=storage.normalize, help="where the PNGs go (default: the JSON's folder)")
+    replot.add_argument("--set", type=_set_flag, action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                        help="as for collect")
     for p in (run, collect):
         p.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
         p.add_argument("--root", type=storage.normalize, required=True, help="parent of the runs' MODEL_DIRs")
+        p.add_argument("--set", type=_set_flag, action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                       help="change the family as loaded: seeds=[0], steps=20 (bindings.TRAIN_STEPS), "
+                            "bindings.NAME=VALUE, axes.NAME=[...], runs.RUN.bindings.NAME=VALUE (repeatable)")
     run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     run.add_argument("--only", default=None, metavar="RUN[,RUN]",
                      help="only these runs of the family (e.g. the source of an upcycled run first)")
+    run.epilog = "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after the family's"
     collect.add_argument("--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)")
     collect.add_argument("--metric", help="eval metric to collect (default: the family's, else accuracy); "
                          "outputs are named <family>_<metric> when given")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _set_flag(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(key, value)``: VALUE a Python literal (``20``, ``[0, 1]``, ``'x'``,
+    ``True``; ``true``/``false`` as in TOML) or else the plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}")
+    value = {"true": "True", "false": "False"}.get(value.strip(), value.strip())
     try:
-        family = load_family(args.family)
+        return key.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.strip(), value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    gin_flags = [flag for flag in rest if flag.startswith("--gin.") and "=" in flag]
+    unknown = [flag for flag in rest if flag not in gin_flags]
+    if unknown or (gin_flags and args.action != "run"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or gin_flags)}"
+                     + (" (--gin.NAME=VALUE is a flag of `sweep run`)" if gin_flags and not unknown else ""))
+    try:
+        family = load_family(args.family, args.sets, gin_flags)
     except FamilyError as err:
         print(f"moe-jax sweep: {err}", file=sys.stderr)
         return 2
@@ -361,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(shlex.join(spec.command(args.root)))
             return 0
         return 1 if run_family(family, args.root, args.parallel) else 0
+    if args.action == "plot":
+        with open(args.summary) as f:
+            summary = json.load(f)
+        for png in plot_summary(summary, family, args.out or os.path.dirname(os.path.abspath(args.summary))):
+            print("wrote", png)
+        return 0
     if args.metric:
         family = dataclasses.replace(family, name=f"{family.name}_{args.metric}", metric=args.metric)
     out = args.out or args.root

@@ -172,6 +172,8 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
                                                allow_change=allow_config_change))
     if jax.process_index() == 0:
         summaries.drop_records_after(model_dir, latest or 0)
+        if train_eval_dataset_cfg is not None:  # for `moe-jax eval` to reproduce this run's evaluation
+            evaluate.record_eval_settings(model_dir, eval_steps, train_eval_dataset_cfg)
     _log(f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
          f"{jax.process_count()} process(es), {jax.device_count()} devices")
 

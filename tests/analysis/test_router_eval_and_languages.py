@@ -48,6 +48,11 @@ def test_replaced_routers_change_the_evaluation(router_results):
     drift = {r["router"]: r["router_drift"] for r in routers.values()}
     assert all(v == 0.0 for v in drift["init"].values())     # the initial router itself
     assert (out / "routers.png").read_bytes()[:4] == b"\x89PNG"
+    # one JSON per checkpoint and router, named <label>_<router> (no ':' in file names)
+    assert not [p.name for p in out.iterdir() if ":" in p.name]
+    for label, result in routers.items():
+        checkpoint, _, router = label.partition(":")
+        assert json.loads((out / f"{checkpoint}_{router}.json").read_text())["metrics"] == result["metrics"]
 
 
 def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys):

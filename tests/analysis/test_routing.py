@@ -29,5 +29,5 @@ def test_packed_rows_use_the_packing_features():
 
 def test_layers_come_encoder_first_by_depth():
     names = ["decoder/layers_11", "decoder/layers_3", "encoder/layers_11", "encoder/layers_7"]
-    assert sorted(names, key=routing._layer_order) == [
+    assert sorted(names, key=routing.layer_order) == [
         "encoder/layers_7", "encoder/layers_11", "decoder/layers_3", "decoder/layers_11"]

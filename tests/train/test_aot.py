@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,16 @@ def test_parse_target_and_chip_table():
         with pytest.raises(hardware.TargetError, match=named) as err:
             hardware.parse_target(bad)
         assert "tpu:v5e:4x4" in str(err.value) and "gpu:h100:8" in str(err.value)  # known ones
+    # a single chip, a 3-D v5e, sides that are not powers of two: refused with the chip's valid list
+    for bad in ("tpu:v5e:1x1", "tpu:v5e:2x2x2", "tpu:v6e:3x4", "tpu:v5p:2x2", "tpu:v4:1x1x1", "tpu:v5litepod-1"):
+        chip = "v5e" if "litepod" in bad else bad.split(":")[1]
+        with pytest.raises(hardware.TargetError) as err:
+            hardware.parse_target(bad)
+        assert all(t in str(err.value) for t in hardware.TPU_TOPOLOGIES[chip]), str(err.value)
+    # every listed topology is accepted, and so is what a Cloud TPU name maps to
+    for chip, topologies in hardware.TPU_TOPOLOGIES.items():
+        for topology in topologies:
+            assert hardware.parse_target(f"tpu:{chip}:{topology}").topology == topology
     # device kinds: the longest prefix wins (v5e shows as "TPU v5 lite", v5p as "TPU v5")
     assert hardware.chip_of_device_kind("TPU v5 lite").name == "v5e"
     assert hardware.chip_of_device_kind("TPU v5").name == "v5p"
@@ -106,12 +117,16 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     assert 0 < step["bytes"]["params_and_optimizer"] < step["bytes"]["total"] < bound
     assert step["bytes"]["device_memory"] == 16 * hardware.GiB and step["fits"]
     assert "verdict: fits" in output
+    # libtpu's start-up output (worker hostnames, host bounds, "Logging before InitGoogle") is hidden
+    assert not re.search(r"^(E|W)0000|TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output, re.MULTILINE), output
 
 
 def test_tpu_compile_refuses_a_run_too_big_for_the_chip(tmp_path):
-    code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE,
+    """(--verbose: the compiler's own output passes through; the report is the same.)"""
+    code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE, "--verbose",
                                        "--gin.make_mesh.mesh_shape=(1,4,1)", "--gin.BATCH_SIZE=131072")
     assert code == 1, output
+    assert re.search(r"TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output), output
     assert not report["fits"] and report["steps"]["train"]["bytes"]["total"] > 16 * hardware.GiB
     assert "DOES NOT FIT" in output and "--gin.BATCH_SIZE=65536" in output
 
@@ -132,26 +147,82 @@ def test_compiler_options_follow_the_platform():
     assert hardware.compiler_options("cpu") == hardware.compiler_options("tpu") == {}
 
 
-def test_collectives_parses_sync_and_async_ops():
-    hlo = """
-  %all-to-all.1 = f32[4,8]{1,0} all-to-all(f32[4,8]{1,0} %x), dimensions={0}
-  %ars = (bf16[16]{0}, bf16[16]{0}) all-reduce-start(bf16[16]{0} %y), to_apply=%add
-  %ard = bf16[16]{0} all-reduce-done(%ars)
-  %ag = s32[2,3]{1,0} all-gather(s32[1,3]{1,0} %z), dimensions={0}
-  %all-to-all-start = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}
-  ROOT %all-to-all-done = f32[8,128]{1,0} all-to-all-done(%all-to-all-start)
-  %all-reduce.94 = (f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, f32[32]{0}, /*index=5*/f32[32,4]{0,1}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add
-  %ragged_all_to_all.3 = bf16[64,256]{1,0} ragged-all-to-all(%r, %buf, %io, %ss, %oo, /*index=5*/%rs), channel_id=1
-  %cps = (bf16[48,12,64]{2,0,1}, bf16[48,12,64]{2,0,1}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}
-  %cpd = bf16[48,12,64]{2,0,1} collective-permute-done(%cps)
-"""
-    # a gradient tuple long enough for XLA's /*index=5*/ comments (was missed); an async
-    # collective-permute, whose start tuple ends in two u32 sync flags (was counted as 8 B)
-    assert aot.collectives(hlo) == {"all-to-all": {"count": 2, "bytes": 4 * 32 + 4 * 8 * 128},
-                                    "all-reduce": {"count": 2, "bytes": 2 * 16 + 4 * (5 * 32 + 128)},
-                                    "collective-permute": {"count": 1, "bytes": 2 * 48 * 12 * 64},
-                                    "all-gather": {"count": 1, "bytes": 4 * 6},
-                                    "ragged-all-to-all": {"count": 1, "bytes": 2 * 64 * 256}}
+def test_collectives_of_a_compiled_program_match_its_shapes():
+    """An all-to-all and a psum compiled over 4 CPU devices: each counted once, with the
+    bytes of its per-device result."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def step(a, b):
+        return jax.lax.all_to_all(a, "x", 0, 0, tiled=True), jax.lax.psum(b, "x")
+
+    a = jax.ShapeDtypeStruct((4 * 8, 16), np.float32)
+    b = jax.ShapeDtypeStruct((4 * 3, 5), jax.numpy.bfloat16)
+    compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x"))).lower(a, b).compile()
+    found = aot.collectives(compiled.as_text())
+    assert found["all-to-all"] == {"count": 1, "bytes": 8 * 16 * 4}
+    assert found["all-reduce"]["count"] == 1 and found["all-reduce"]["bytes"] in (3 * 5 * 2, 3 * 5 * 4)
+
+
+def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
+    """The same collective written sync, as an async -start/-done pair (whose start tuple
+    holds operands and, for collective-permute, u32 sync flags) or with XLA's /*index=5*/
+    comments in a long tuple: the same count and bytes."""
+    sync = "  %a = f32[8,128]{1,0} all-to-all(f32[8,128]{1,0} %p), dimensions={0}\n"
+    pair = ("  %s = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}\n"
+            "  ROOT %d = f32[8,128]{1,0} all-to-all-done(%s)\n")
+    assert aot.collectives(pair) == aot.collectives(sync) == {"all-to-all": {"count": 1, "bytes": 4 * 8 * 128}}
+    permute = "  %c = bf16[48,12]{1,0} collective-permute(%w), source_target_pairs={{0,1},{1,0}}\n"
+    permute_pair = ("  %cps = (bf16[48,12]{1,0}, bf16[48,12]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) "
+                    "collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}\n"
+                    "  %cpd = bf16[48,12]{1,0} collective-permute-done(%cps)\n")
+    assert aot.collectives(permute_pair) == aot.collectives(permute)
+    shapes = ["f32[32]{0}"] * 5 + ["f32[32,4]{0,1}"]
+    plain = f"  %r = ({', '.join(shapes)}) all-reduce(%a), to_apply=%add\n"
+    commented = plain.replace(", f32[32,4]", ", /*index=5*/f32[32,4]")
+    assert aot.collectives(commented) == aot.collectives(plain)
+    assert aot.collectives(plain)["all-reduce"]["bytes"] == 4 * (5 * 32 + 128)
+
+
+def test_gemm_custom_calls_count_their_flops():
+    """A cuBLAS GEMM (how XLA:GPU writes a dot; its dimensions in backend_config) counts as
+    the dot it replaces: 2 x result elements x contracted size."""
+    from moe_jax import hlo_costs
+
+    dot = ("ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n  %b = bf16[32,96]{1,0} parameter(1)\n"
+           "  ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n")
+    gemm = dot.replace("ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+                       'ROOT %d = (bf16[128,96]{1,0}, s8[4194304]{0}) custom-call(%a, %b), '
+                       'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
+                       '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
+    flops = [hlo_costs.summary(hlo_costs.parse(text))["flops"] for text in (dot, gemm)]
+    assert flops[0] == flops[1] == 2 * 128 * 96 * 32
+
+
+def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
+    """Without the compiler's byte count (GPU executables compiled without a GPU) the
+    estimate is labelled compute-and-collectives-only and shows no HBM term; with it, all
+    three terms. Rates and sizes are plain numbers with unit prefixes, never 'e+'."""
+    hlo = "ENTRY %main {\n  ROOT %a = f32[1024,1024]{1,0} all-reduce(f32[1024,1024]{1,0} %p), to_apply=%add\n}\n"
+    facts = hardware.device_facts([None] * 8, hardware.CHIPS["h100"], 8)
+    args = {"flops_per_step": 6.4e15, "tokens_per_step": 2**20, "num_devices": 8}
+    unknown = aot.hlo_analysis(hlo, facts, bytes_accessed=None, **args)["estimate"]
+    known = aot.hlo_analysis(hlo, facts, bytes_accessed=4e12, **args)["estimate"]
+    assert unknown["hbm_s"] is None and known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
+    assert known["step_s"] > unknown["step_s"] > 0
+    line = aot.estimate_line(unknown)
+    assert "compute and collectives only" in line and "HBM" in line.split(":")[0] and "HBM 0" not in line
+    assert "only" not in aot.estimate_line(known) and "HBM " in aot.estimate_line(known)
+    for text in (line, aot.estimate_line(known)):
+        rate = re.search(r"([\d,]+) tokens/s", text).group(1)
+        assert "e+" not in text and float(rate.replace(",", "")) == pytest.approx(2**20 / (
+            unknown if text == line else known)["step_s"], rel=5e-3)
+    assert [aot.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == ["5,360,000", "1,190", "0.0000893", "0.500"]
+    assert [aot.quantity(v, u) for v, u in ((7.06e8, "FLOP"), (34.6e6, "B"), (None, "B"), (512, "B"))] == [
+        "706 MFLOP", "34.6 MB", "unknown", "512 B"]
 
 
 @pytest.mark.slow
@@ -165,3 +236,9 @@ def test_gpu_compile_of_the_smoke_config(tmp_path):
     step = report["steps"]["train"]
     assert step["collectives"]["all-to-all"]["count"] >= 2
     assert 0 < step["bytes"]["total"] < step["bytes"]["device_memory"]
+    # no cost analysis on GPU: bytes unknown, the estimate says it covers compute and collectives
+    assert step["hlo_bytes_accessed_per_device"] is None and step["estimate"]["hbm_s"] is None
+    assert "estimate of compute and collectives only" in output and "HBM 0" not in output
+    # the MoE layers' matmuls (cuBLAS calls) are counted: about a top-2-of-8 share of the model's
+    assert 0 < step["moe_layers"]["flops"] < step["flops_per_step"] / report["devices"]
+    assert "Could not find cuda drivers" not in output

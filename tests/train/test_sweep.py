@@ -181,3 +181,42 @@ def test_run_trains_each_run_once_then_collect_plots_them(tmp_path, capsys):
     summary = json.loads(pathlib.Path(root, "tiny.json").read_text())
     assert [g["final_step"] for g in summary["groups"].values()] == [2, 2]
     assert summary["gaps"][0]["a"] == "frozen" and summary["gaps"][0]["b"] == "learned"  # file order
+
+
+def test_set_and_gin_flags_change_the_family_without_editing_it(tmp_path, capsys):
+    """A family tried small: --set steps / seeds / a table key / a run's binding and
+    --gin.NAME=VALUE reach every run's train command (after the family's bindings, so they
+    win); the file is unchanged."""
+    path = REPO / "configs" / "fig5_cpu.toml"
+    before = path.read_text()
+    argv = ["run", str(path), f"--root={tmp_path}", "--dry-run", "--set", "steps=20", "--set", "seeds=[5]",
+            "--set", "bindings.train_script.train.eval_period=10", "--set", "runs.frozen.bindings.NUM_EXPERTS=8",
+            "--gin.BATCH_SIZE=8", "--gin.TRAIN_STEPS=30"]
+    assert sweep.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and path.read_text() == before
+    for line in lines:
+        flags = line.split()
+        assert flags.index("--gin.TRAIN_STEPS=20") < flags.index("--gin.TRAIN_STEPS=30")  # the flag wins
+        assert "--gin.train_script.train.eval_period=10" in flags and "--gin.BATCH_SIZE=8" in flags
+        assert "--gin.RANDOM_SEED=5" in flags and f"--gin.MODEL_DIR={tmp_path}" in " ".join(flags)
+        assert ("--gin.NUM_EXPERTS=8" in flags) == ("fig5_frozen.gin" in line)
+    family = sweep.load_family(str(path), [("seeds", [0, 1]), ("axes.NUM_EXPERTS", [8, 16])])
+    assert sorted({(s.seed, dict(s.axes)["NUM_EXPERTS"]) for s in family.runs}) == [(0, 8), (0, 16), (1, 8), (1, 16)]
+
+
+@pytest.mark.parametrize("sets, match", [
+    ([("stepz", 3)], r"--set stepz: no family key 'stepz'"),
+    ([("runs.nope.bindings.X", 1)], r"no run 'nope'; runs: \['dense', 'frozen', 'learned'\]"),
+    ([("seeds", "zero")], r"'seeds' must be a non-empty list of integers"),
+    ([("runs.dense.other", 1)], r"runs.dense.gin_files or runs.dense.bindings.NAME"),
+])
+def test_bad_set_is_refused_naming_it(sets, match):
+    with pytest.raises(sweep.FamilyError, match=match):
+        sweep.load_family(str(REPO / "configs" / "fig5_cpu.toml"), sets)
+
+
+def test_gin_flags_belong_to_run_only(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["collect", str(REPO / "configs" / "fig5_cpu.toml"), f"--root={tmp_path}", "--gin.X=1"])
+    assert "--gin.NAME=VALUE is a flag of `sweep run`" in capsys.readouterr().err

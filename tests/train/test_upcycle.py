@@ -88,6 +88,41 @@ def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path, router):
 FINE = ["--gin_file=routers/fine_grained.gin", *EXACT]
 
 
+def test_upcycle_writes_a_config_that_keeps_every_token_unless_told(tmp_path, capsys):
+    """As the README: renormalised gates and the gin files' capacity factors. The written
+    config.gin binds dropless (said on stderr), so the upcycled run as configured computes
+    the dense model's outputs; with --keep_capacity the capacity stays, a warning names it,
+    and the upcycled model drops tokens, so its outputs differ."""
+    dense_model, dense_params = _dense_run(tmp_path / "dense")
+    batch = _batch()
+    dense_logits = np.asarray(_logits(dense_model, dense_params, batch))
+    renormalized = "--gin_file=routers/renormalized.gin"
+    model, state, _ = _upcycled(tmp_path, renormalized)
+    err = capsys.readouterr().err
+    assert "MoeLayer.dropless = True" in (tmp_path / "moe" / "config.gin").read_text()
+    assert "binds MoeLayer.dropless = True" in err and "warning" not in err, err
+    np.testing.assert_allclose(_logits(model, state.params, batch), dense_logits, rtol=1e-5, atol=1e-5)
+
+    out = tmp_path / "kept"
+    assert upcycle.main([*TINY, renormalized, "--gin.MoeLayer.eval_capacity_factor=0.5", "--keep_capacity",
+                         f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
+    err = capsys.readouterr().err
+    assert "MoeLayer.dropless = True" not in (out / "config.gin").read_text()
+    assert re.search(r"warning: .*MoeLayer.dropless=False with train/eval capacity factors 1.25 / 0.5", err), err
+    model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
+    ckpt = checkpoints.Checkpointer(str(out), read_only=True)
+    state, _ = ckpt.restore(ckpt.latest_step(), setup.build_train_setup(model, SHAPES, setup.run_context()).abstract_state)
+    ckpt.close()
+    assert np.abs(np.asarray(_logits(model, state.params, batch)) - dense_logits).max() > 1e-3
+
+
+def test_upcycle_warns_naming_the_gates_option_when_they_do_not_sum_to_one(tmp_path, capsys):
+    _dense_run(tmp_path / "dense")
+    _upcycled(tmp_path)  # top-2 softmax gates, not renormalised
+    err = capsys.readouterr().err
+    assert re.search(r"warning: .*MoeLayer.renormalize_gates=False", err), err
+
+
 def test_fine_grained_upcycle_splits_the_dense_mlp_and_equals_it_at_step_zero(tmp_path):
     """Granularity 4 (routers/fine_grained.gin): 16 experts of 16 hidden units, top-8. Expert
     e * 4 + j is segment j of the dense hidden units (wo scaled by 4), the router's columns
@@ -172,6 +207,6 @@ def test_train_continues_an_upcycled_run(tmp_path):
     _dense_run(tmp_path / "dense", step=2)
     out = tmp_path / "moe"
     assert upcycle.main([*TINY, f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
-    _parse(f"--gin.MODEL_DIR={out}")
+    _parse(f"--gin_file={out / 'config.gin'}")  # as the README: the upcycled run's config (dropless)
     result = train.train()
     assert sorted(result["losses"]) == [3, 4] and np.isfinite(list(result["losses"].values())).all()

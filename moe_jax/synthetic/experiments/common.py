@@ -30,6 +30,7 @@ class Experiment:
     description: str
     presets: dict[str, dict[str, Any]]
     run: Callable[[dict[str, Any], list[int], pathlib.Path], dict[str, Any]]
+    plot: Callable[[dict[str, Any]], Any] | None = None  # the figure from the JSON alone (`synthetic plot`)
 
 
 def train_config(cfg: dict[str, Any], **fixed: Any) -> TrainConfig:
@@ -149,13 +150,10 @@ def console_table(result: dict[str, Any]) -> str:
 
 
 def figure(ncols: int, width: float = 4.0):
-    """A row of ``ncols`` matplotlib axes (Agg backend; imported lazily)."""
-    import matplotlib
+    """A row of ``ncols`` matplotlib axes (``moe_jax.plotting``'s set-up)."""
+    from moe_jax import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, 3.2), squeeze=False)
+    fig, axes = plotting.pyplot().subplots(1, ncols, figsize=(width * ncols, 3.2), squeeze=False)
     return fig, list(axes[0])
 
 
@@ -173,9 +171,7 @@ def write_outputs(out_dir: pathlib.Path, name: str, result: dict[str, Any], rows
             writer.writerows(rows)
     else:
         paths.pop("csv")
-    fig.tight_layout()
-    fig.savefig(paths["png"], dpi=80)
-    import matplotlib.pyplot as plt
+    from moe_jax import plotting
 
-    plt.close(fig)
+    plotting.save(fig, paths["png"], dpi=80, fixed_size=True)
     return paths

@@ -35,8 +35,9 @@ THEOREM1 = {
 }
 # the trajectory each experiment plots: metric name -> (fn of router rows [E, d] and d', y label)
 TRACKED = {
-    "ratio": (metrics.subspace_weight_fraction, "router weight in signal subspace"),
-    "off_norm": (metrics.off_subspace_norm, "mean ||Proj_{V-perp}(w_i)|| / initial"),
+    "ratio": (metrics.subspace_weight_fraction, "router weight in the signal subspace V\n(fraction of the total)"),
+    "off_norm": (metrics.off_subspace_norm,
+                 r"mean $\|\mathrm{Proj}_{V^\perp}(w_i)\|$ / its initial value"),
 }
 
 
@@ -62,26 +63,37 @@ def _run(name: str, plotted: str, cfg: dict[str, Any], seeds: list[int], out_dir
     tracked = [f"{m}_{when}" for m in TRACKED for when in ("init", "final")]
     summary = common.summarise(rows, ("weight_decay",), ("loss", "loss_soft", "steps", "converged", "train_loss", *tracked, "sparsity", "shuffled_sparsity"))
 
-    fig, (ax,) = common.figure(1, 5.0)
-    for wd, trajectory in curves.items():
-        values = np.stack([np.asarray(v[plotted]) for _, v in trajectory])  # [T, R]
-        if plotted == "off_norm":
-            values = values / values[0]
-        ax.plot([s for s, _ in trajectory], values.mean(axis=1), marker="o", ms=3, label=f"weight decay {wd:g}")
-    if plotted == "ratio":
-        ax.axhline(ds / d, color="gray", ls=":", label=f"d'/d = {ds / d:.2f}")
-        ax.set_ylim(0, 1)
-    ax.set_xlabel("step")
-    ax.set_ylabel(TRACKED[plotted][1])
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
     result = {"experiment": name, "config": cfg, "seeds": seeds, "summary": summary,
               "trajectory": {str(wd): [[s, {m: float(np.mean(v[m])) for m in TRACKED}] for s, v in t] for wd, t in curves.items()}}
-    result["files"] = common.write_outputs(out_dir, name, result, rows, fig)
+    result["files"] = common.write_outputs(out_dir, name, result, rows, plot(result))
     return result
 
 
+PLOTTED = {"spurious": "ratio", "theorem1": "off_norm"}
+
+
+def plot(result: dict[str, Any]):
+    """The tracked quantity (``ratio`` for spurious, ``off_norm`` relative to step 0 for
+    theorem1) vs step, one line per weight decay, mean over seeds (the JSON's ``trajectory``)."""
+    plotted, cfg = PLOTTED[result["experiment"]], result["config"]
+    fig, (ax,) = common.figure(1, 5.0)
+    for wd, trajectory in result["trajectory"].items():
+        values = np.asarray([v[plotted] for _, v in trajectory])
+        if plotted == "off_norm":
+            values = values / values[0]
+        ax.plot([s for s, _ in trajectory], values, marker="o", ms=3, label=f"weight decay {float(wd):g}")
+    if plotted == "ratio":
+        ax.axhline(cfg["d_signal"] / cfg["d"], color="gray", ls=":", label=f"d'/d = {cfg['d_signal'] / cfg['d']:.2f}")
+        ax.set_ylim(0, 1)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(TRACKED[plotted][1])
+    ax.set_title(f"mean of {len(result['seeds'])} seeds", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
 EXPERIMENTS = {
-    "spurious": common.Experiment("spurious", "router weight moves into the non-spurious subspace (Sec. 3.1)", SPURIOUS, functools.partial(_run, "spurious", "ratio")),
-    "theorem1": common.Experiment("theorem1", "router rows lose their component outside V under weight decay (Thm. 1)", THEOREM1, functools.partial(_run, "theorem1", "off_norm")),
+    "spurious": common.Experiment("spurious", "router weight moves into the non-spurious subspace (Sec. 3.1)", SPURIOUS, functools.partial(_run, "spurious", "ratio"), plot),
+    "theorem1": common.Experiment("theorem1", "router rows lose their component outside V under weight decay (Thm. 1)", THEOREM1, functools.partial(_run, "theorem1", "off_norm"), plot),
 }

@@ -50,18 +50,31 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     rows = common.table(coords, results)
     summary = common.summarise(rows, ("num_train",), ("loss", "abs_cos_w_z", "norm_w", "rel_err_u"))
 
-    fig, axes = common.figure(3)
-    steps = [s for s, _ in trace]
-    values = np.stack([t for _, t in trace])  # [T, S, 3]
-    for ax, j, label in zip(axes, range(3), ("|cos(w, z)|", "||w||", "||u - (+-v)|| / ||v||")):
-        ax.plot(steps, values[:, :, j], marker="o", ms=2)
-        ax.set_xlabel("step")
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
     result = {"experiment": "theorem4", "config": cfg, "seeds": seeds, "summary": summary,
               "trajectory": [[s, *map(float, t.mean(0))] for s, t in trace]}
-    result["files"] = common.write_outputs(out_dir, "theorem4", result, rows, fig)
+    result["files"] = common.write_outputs(out_dir, "theorem4", result, rows, plot(result))
     return result
 
 
-EXPERIMENTS = {"theorem4": common.Experiment("theorem4", "two truncated Gaussians: w/||w|| -> +-z, ||w|| grows, u -> +-v (Thm. 4)", PRESETS, run)}
+PANELS = ((r"$|\cos(w, z)|$", "alignment of the router with z (1 = aligned)"),
+          (r"$\|w\|$", "router norm"),
+          (r"$\|u \mp v\| / \|v\|$", "relative error of the expert (0 = exact)"))
+
+
+def plot(result: dict[str, Any]):
+    """The three quantities of Theorem 4 vs SGD step, mean over the seeds (the JSON's
+    ``trajectory``), each panel with its y label."""
+    steps = [row[0] for row in result["trajectory"]]
+    values = np.asarray([row[1:] for row in result["trajectory"]])  # [T, 3]
+    fig, axes = common.figure(3)
+    for ax, j, (symbol, meaning) in zip(axes, range(3), PANELS):
+        ax.plot(steps, values[:, j], marker="o", ms=2, label=f"mean of {len(result['seeds'])} seeds")
+        ax.set_xlabel("SGD step")
+        ax.set_ylabel(symbol)
+        ax.set_title(meaning, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper right")
+    return fig
+
+
+EXPERIMENTS = {"theorem4": common.Experiment("theorem4", "two truncated Gaussians: w/||w|| -> +-z, ||w|| grows, u -> +-v (Thm. 4)", PRESETS, run, plot)}

@@ -52,16 +52,29 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
                 rows += common.table(coords, {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()}, model=label, output=output, length=length)
     summary = common.summarise(rows, ("output", "model", "length"), METRICS)
 
+    result = {"experiment": "tokenized", "config": cfg, "seeds": seeds, "dense_hidden": dense.hidden, "summary": summary}
+    result["files"] = common.write_outputs(out_dir, "tokenized", result, rows, plot(result))
+    return result
+
+
+def plot(result: dict[str, Any]):
+    """Tables 1 and 2 as curves vs sequence length, from the JSON's ``summary``: test loss
+    per output, then the sparsity of every output and router in one panel, its legend in
+    the band above E (the largest sparsity) so that it covers no curve."""
+    cfg, summary = result["config"], result["summary"]
     fig, axes = common.figure(len(cfg["outputs"]) + 1)
     for ax, output in zip(axes, cfg["outputs"]):
         common.plot_curves(ax, summary, "length", "loss_soft", {m: dict(model=m, output=output) for m in MODELS}, ylabel="normalised test loss (soft MoE)", title=f"Table 1: {output} output")
     ax = axes[-1]
     for output in cfg["outputs"]:
         common.plot_curves(ax, summary, "length", "sparsity", {f"{output}, learned": dict(model="MoE learned", output=output), f"{output}, frozen": dict(model="MoE frozen", output=output)}, ylabel="sparsity (effective experts)")
-        common.plot_curves(ax, summary, "length", "shuffled_sparsity", {f"{output}, shuffled": dict(model="MoE learned", output=output)}, ylabel="sparsity (effective experts)", title=f"Table 2: sparsity (E = {e})")
-    result = {"experiment": "tokenized", "config": cfg, "seeds": seeds, "dense_hidden": dense.hidden, "summary": summary}
-    result["files"] = common.write_outputs(out_dir, "tokenized", result, rows, fig)
-    return result
+        common.plot_curves(ax, summary, "length", "shuffled_sparsity", {f"{output}, shuffled": dict(model="MoE learned", output=output)}, ylabel="sparsity (effective experts)", title=f"Table 2: sparsity (E = {cfg['num_experts']})")
+    for axis in axes:
+        axis.set_xlabel("sequence length s (tokens)")
+    ax.set_ylim(0, cfg["num_experts"] * 1.6)  # sparsity <= E: the band above it holds the legend
+    ax.axhline(cfg["num_experts"], color="gray", lw=0.6, ls=":")
+    ax.legend(fontsize=6, ncol=2, loc="upper center")
+    return fig
 
 
-EXPERIMENTS = {"tokenized": common.Experiment("tokenized", "tokenized MoG, linear / quadratic outputs: loss and sparsity vs s (Tables 1-2)", PRESETS, run)}
+EXPERIMENTS = {"tokenized": common.Experiment("tokenized", "tokenized MoG, linear / quadratic outputs: loss and sparsity vs s (Tables 1-2)", PRESETS, run, plot)}
