@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from moe_jax import cli, errors, storage
-from moe_jax.train import checkpoints, gin_utils, run_lock, summaries
+from moe_jax.train import checkpoints, export, gin_utils, run_lock, summaries
 from tests.train.test_faults_processes import error_lines, losses, params_at
 from tests.train.test_processes import finish, start, wait_for_step
 from tests.train.test_train import run
@@ -140,7 +140,7 @@ def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
         outputs[name] = {
             "eval": _eval_numbers(f"{out}/eval"),
             "infer": storage.read_text(f"{out}/infer.jsonl"),
-            "export": storage.read_bytes(f"{out}/export/model.safetensors"),
+            "export": export.safetensors_arrays(f"{out}/export/model.safetensors"),
             "imported": [np.asarray(x) for x in jax.tree.leaves(params_at(f"{out}/imported", 3))],
             "positions": sorted(storage.listdir(f"{out}/positions")),
         }
@@ -148,7 +148,9 @@ def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
     gcs, loc = outputs["gcs"], outputs["local"]
     assert gcs["eval"] == loc["eval"] and gcs["eval"]
     assert gcs["infer"] == loc["infer"]
-    assert gcs["export"] == loc["export"]
+    assert gcs["export"].keys() == loc["export"].keys() and gcs["export"]
+    for name, array in gcs["export"].items():
+        np.testing.assert_array_equal(array, loc["export"][name])
     for a, b in zip(gcs["imported"], loc["imported"], strict=True):
         np.testing.assert_array_equal(a, b)
     assert gcs["positions"] == loc["positions"] and gcs["positions"]
