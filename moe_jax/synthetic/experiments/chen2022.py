@@ -150,10 +150,7 @@ MODELS = {
     "MoE (linear)": ("linear", None),
     "MoE (nonlinear)": ("cubic", None),
 }
-PAPER_SETTINGS = {
-    "setting 1": 1.0,
-    "setting 2": 2.0,
-}  # Table 1: sigma_p of the random-noise patches
+PAPER_SETTINGS = {"setting 1": 1.0, "setting 2": 2.0}  # Table 1: sigma_p of the noise patches
 SHARED = dict(
     k=4,
     d=50,

@@ -31,9 +31,8 @@ class Experiment:
     description: str
     presets: dict[str, dict[str, Any]]
     run: Callable[[dict[str, Any], list[int], pathlib.Path], dict[str, Any]]
-    plot: Callable[[dict[str, Any]], Any] | None = (
-        None  # the figure from the JSON alone (`synthetic plot`)
-    )
+    # the figure from the JSON alone (`synthetic plot`)
+    plot: Callable[[dict[str, Any]], Any] | None = None
 
 
 def train_config(cfg: dict[str, Any], **fixed: Any) -> TrainConfig:

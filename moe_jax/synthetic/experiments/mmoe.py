@@ -218,9 +218,8 @@ class MultiGateMoE:
         gates = jax.nn.softmax(logits, axis=-1)
         outputs = jax.nn.relu(experts.apply(params["experts"]["experts"], x))  # [n, E, h]
         mixed = jnp.einsum("nge,neh->ngh", gates, outputs)
-        mixed = jnp.broadcast_to(
-            mixed, (x.shape[0], self.num_tasks, self.expert_hidden)
-        )  # OMoE: one mixture for all
+        # OMoE: one mixture for all
+        mixed = jnp.broadcast_to(mixed, (x.shape[0], self.num_tasks, self.expert_hidden))
         return _towers_apply(params["experts"]["towers"], mixed), gates
 
 
