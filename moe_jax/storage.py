@@ -40,10 +40,10 @@ from typing import Any
 
 os.environ.setdefault("EPATH_USE_TF", "false")  # before epath picks its gs:// backend (once)
 
-import fsspec  # noqa: E402
-import google_crc32c  # noqa: E402
-import numpy as np  # noqa: E402
-from etils import epath  # noqa: E402
+import fsspec
+import google_crc32c
+import numpy as np
+from etils import epath
 
 # No listing cache: a run directory is changed by other processes (a resumed trainer, a
 # second trainer meeting the lock, eval beside a run), and a cached listing would hide that.
@@ -150,7 +150,7 @@ def writing(path: PathLike) -> Iterator[io.BytesIO]:
 def save_npz(path: PathLike, arrays: dict[str, np.ndarray]) -> None:
     """``np.savez`` of ``arrays``, written whole (:func:`write_bytes`)."""
     with writing(path) as f:
-        np.savez(f, **arrays)
+        np.savez(f, allow_pickle=True, **arrays)
 
 
 def load_npz(path: PathLike) -> dict[str, np.ndarray]:
@@ -169,7 +169,9 @@ def create_exclusive(path: PathLike, data: bytes) -> bool:
         except FileExistsError:
             return False
         except (TypeError, ValueError) as err:  # an fsspec file system without mode="create"
-            raise NotImplementedError(f"{path}: the store offers no atomic create ({err})") from None
+            raise NotImplementedError(
+                f"{path}: the store offers no atomic create ({err})"
+            ) from None
         return True
     tmp = _temporary_name(path)
     with open(tmp, "wb") as f:
@@ -235,7 +237,7 @@ def file_info(directory: PathLike, *, checksums: bool = True) -> dict[str, dict[
             entry: dict[str, Any] = {"size": int(info["size"])}
             if checksums and info.get("crc32c"):
                 entry["crc32c"] = base64.b64decode(info["crc32c"]).hex()
-            out[name[len(root):].lstrip("/")] = entry
+            out[name[len(root) :].lstrip("/")] = entry
         return out
     for root, _, files in os.walk(directory):
         for name in files:
@@ -278,7 +280,8 @@ class AppendFile:
         self._last_flush = 0.0
         if self._local:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file: Any = open(self.path, "ab")
+            # held open for the appender's life, closed by close()
+            self._file: Any = open(self.path, "ab")  # noqa: SIM115
         else:
             self._data = bytearray(read_bytes(self.path) if exists(self.path) else b"")
 
