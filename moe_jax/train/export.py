@@ -361,9 +361,9 @@ def _export(args) -> dict[str, Any]:
     from moe_jax.train import checkpoints
 
     distributed.initialize(args)
-    run_files = gin_utils.run_gin_files(args.checkpoint, ["runs/export.gin"], args.gin_file,
+    run_files = gin_utils.run_gin_files(args, args.checkpoint, ["runs/export.gin"],
                                         command="moe-jax export")
-    config = gin_utils.run_config_file(checkpoints.split_checkpoint_path(args.checkpoint)[0])
+    config = gin_utils.run_config_file(checkpoints.split_checkpoint_path(args.checkpoint)[0], args)
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
     gin_utils.parse_gin(args)
@@ -387,7 +387,7 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def _import(args) -> int:
     distributed.initialize(args)
-    exported_gin = gin_utils.run_config_file(args.export)  # a downloaded export: imports checked
+    exported_gin = gin_utils.run_config_file(args.export, args)  # perhaps downloaded: checked
     use_export_config = not args.gin_file and exported_gin is not None
     if not args.gin_file and not use_export_config:
         raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
