@@ -63,6 +63,7 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
 _SEARCH_PATHS_ADDED: set[str] = set()
 _MACRO_REF = re.compile(r"%([A-Za-z_][\w./]*)")
 _MACRO_DEF = re.compile(r"^\s*([A-Za-z_][\w]*)\s*=")
+_ACCEPTED_CONFIG = re.compile(r"config\.step-(\d+)\.gin")  # record_run_config's
 
 
 # Modules a run directory's config file may import (gin runs an import when parsing).
@@ -570,11 +571,13 @@ def config_changes(saved: str, current: str) -> list[str]:
 
 def record_run_config(model_dir: str, operative: str, step: int, *, allow_change: bool = False) -> str:
     """Keeps the run's gin config: writes ``MODEL_DIR/config.gin`` on the first start; on a
-    resumption (at ``step``) compares ``operative`` with it, which is never overwritten.
+    resumption (at ``step``) compares ``operative`` with the run's config as last accepted
+    (:func:`recorded_run_config`). No recorded config is ever overwritten, so a plain resume
+    that would undo an accepted change is refused like any other change.
 
     Returns:
-      the path the operative config is kept at: ``config.gin``, or ``config.step-N.gin``
-      when a resumption changed something and ``allow_change`` let it.
+      the path the operative config is kept at: the recorded one it equals, or
+      ``config.step-N.gin`` when this resumption changed something and ``allow_change`` let it.
 
     Raises:
       ConfigChangedError: listing the differing bindings, when ``allow_change`` is False.
@@ -583,16 +586,26 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
     if not storage.exists(first):
         storage.write_text(first, operative)
         return first
-    changes = config_changes(_read(first), operative)
+    recorded = recorded_run_config(model_dir, step)
+    changes = config_changes(_read(recorded), operative)
     if not changes:
-        return first
+        return recorded
     if not allow_change:
         raise ConfigChangedError(
-            f"MODEL_DIR={model_dir} was trained with another gin config ({first}); resuming at step "
-            f"{step} would change {len(changes)} binding(s) (pass --allow_config_change to resume "
-            "with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
+            f"MODEL_DIR={model_dir} was trained with another gin config ({recorded}); resuming at "
+            f"step {step} would change {len(changes)} binding(s) (pass --allow_config_change to "
+            "resume with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
     kept = storage.join(model_dir, f"config.step-{step}.gin")
-    storage.write_text(kept, f"# resumed at step {step} with --allow_config_change; changed from config.gin:\n"
-                 + "".join(f"#   {line}\n" for line in changes) + operative)
+    storage.write_text(kept, f"# resumed at step {step} with --allow_config_change; changed from "
+                       f"{storage.basename(recorded)}:\n"
+                       + "".join(f"#   {line}\n" for line in changes) + operative)
     return kept
 
+
+def recorded_run_config(model_dir: str, step: int) -> str:
+    """The run's gin config as of ``step``: the newest ``config.step-N.gin`` (written when a
+    resumption at step N changed the config with ``--allow_config_change``) with N <= ``step``,
+    else ``config.gin``."""
+    accepted = {int(m.group(1)): name for name in storage.listdir(model_dir)
+                if (m := _ACCEPTED_CONFIG.fullmatch(name)) and int(m.group(1)) <= step}
+    return storage.join(model_dir, accepted[max(accepted)] if accepted else "config.gin")

@@ -84,6 +84,15 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
                                      "#   learning_rate_schedule.base_learning_rate: 0.003 -> 0.5",
                                      saved.splitlines()[0]], kept[:500]
     assert "learning_rate_schedule.base_learning_rate = 0.5" in kept
+    # the accepted change is the run's config now: repeating it needs no flag...
+    assert run(tmp_path, 6, "--gin.learning_rate_schedule.base_learning_rate=0.5")["step"] == 6
+    assert sorted(p.name for p in tmp_path.glob("config*.gin")) == ["config.gin", "config.step-3.gin"]
+    # ...and a plain resume that would silently go back to 0.003 is refused like any change
+    with pytest.raises(gin_utils.ConfigChangedError,
+                       match=r"(?s)another gin config \(.*config.step-3.gin\); resuming at step 6 "
+                             r"would change 1 binding.*base_learning_rate: 0.5 -> 0.003"):
+        run(tmp_path, 7)
+    assert checkpoints.reached_step(str(tmp_path)) == 6
 
 
 def _flags(*argv: str):
