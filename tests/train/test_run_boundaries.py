@@ -4,6 +4,8 @@ code the command line does not name, and exports and imports never write over an
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
 import shutil
 
@@ -140,3 +142,56 @@ MODEL/EncoderDecoderModel.module = @EncoderDecoder()
                                        trusted)
     with pytest.raises(gin_utils.UntrustedCodeError, match=r"^t, line 3: refusing M = 'm1'"):
         gin_utils.refuse_untrusted_modules("t", [("M", 3, "m1")], trusted)
+
+
+def _last_line(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_export_writes_only_into_a_new_empty_or_overwritten_directory(run_and_export, tmp_path,
+                                                                      capsys):
+    run, _ = run_and_export
+    other = tmp_path / "other_run"  # another run: its files must stay as they are
+    shutil.copytree(run, other)
+    config = (other / "config.gin").read_text()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    export = ["export", f"--checkpoint={run}"]
+    assert cli.main([*export, f"--out={mine}"]) == 1
+    assert _last_line(capsys) == (f"moe-jax export: error: --out={mine} is not empty (notes.txt); "
+                                  "pass --overwrite to write into it")
+    for target in (other, run):  # another run, or the run itself: never, even with --overwrite
+        assert cli.main([*export, f"--out={target}", "--overwrite"]) == 1
+        assert _last_line(capsys).startswith(
+            f"moe-jax export: error: --out={target} holds another run (checkpoints, config.gin, ")
+        assert not (target / "model.safetensors").exists()
+    assert (other / "config.gin").read_text() == config
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert cli.main([*export, f"--out={mine}", "--overwrite"]) == 0
+    assert (mine / "model.safetensors").exists() and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_import_never_writes_into_another_run(run_and_export, tmp_path, capsys):
+    run, export_dir = run_and_export
+    other = tmp_path / "other_run"
+    shutil.copytree(run, other)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    assert cli.main(["import", f"--export={export_dir}", f"--model_dir={other}", "--overwrite"]) == 1
+    assert _last_line(capsys).startswith(
+        f"moe-jax import: error: --model_dir={other} holds another run (checkpoints, ")
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    # the run the export came from, missing that step: --overwrite puts it back, config kept
+    source = json.loads((export_dir / "config.json").read_text())["source_checkpoint"]
+    assert source == str(run)
+    own_export = tmp_path / "own_export"
+    shutil.copytree(export_dir, own_export)
+    (own_export / "config.json").write_text((own_export / "config.json").read_text().replace(
+        json.dumps(str(run)), json.dumps(str(other))))
+    shutil.rmtree(other / "checkpoints" / str(STEPS))
+    imported = ["import", f"--export={own_export}", f"--model_dir={other}"]
+    assert cli.main(imported) == 1
+    assert _last_line(capsys).startswith(f"moe-jax import: error: --model_dir={other} is not empty")
+    assert cli.main([*imported, "--overwrite"]) == 0, capsys.readouterr().err
+    assert sorted(os.listdir(other / "checkpoints")) == ["1", str(STEPS)]
+    assert (other / "config.gin").read_bytes() == before[other / "config.gin"]
