@@ -33,6 +33,7 @@ import os
 import pathlib
 import re
 import sys
+import tokenize
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -234,17 +235,46 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         if (path := _resolve(given, roots)) and in_run_directory(path):
             check_run_config(path, args)
     bindings = [*args.gin_bindings, *args.gin_dot_bindings]
+    for binding in args.gin_bindings:
+        _check_binding(binding, f"--gin_bindings={binding!r}")
+    for binding in args.gin_dot_bindings:
+        _check_binding(binding, "--gin.{}={}".format(*binding.split(" = ", 1)))
     try:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        raise GinConfigError(f"gin: {err}") from None
+        raise GinConfigError(f"gin: {_readable(err)}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
         try:
             gin.finalize()
         except ValueError as err:
             raise GinConfigError(f"gin: {err}") from None
+
+
+def _check_binding(binding: str, origin: str) -> None:
+    """Parses one command-line binding on its own: gin parses all of them as one text, so an
+    unclosed bracket would be blamed on the next binding's line.
+
+    Raises:
+      GinConfigError: naming ``origin`` (the flag as given) and what cannot be parsed.
+    """
+    try:
+        list(config_parser.ConfigParser(binding, _InertDelegate()))
+    except tokenize.TokenError:
+        raise GinConfigError(f"gin: {origin}: cannot parse it (a bracket or quote is not "
+                             "closed)") from None
+    except (SyntaxError, ValueError) as err:
+        raise GinConfigError(f"gin: {origin}: cannot parse it: {_readable(err)}") from None
+
+
+_AST_NODE = re.compile(r"malformed node or string on line \d+: <ast\.\w+ object at 0x[0-9a-f]+>")
+
+
+def _readable(err: BaseException) -> str:
+    """gin's message without Python's ``<ast.Name object at 0x...>`` (a bare word where a
+    value was expected: a string without quotes)."""
+    return _AST_NODE.sub("not a value (strings need quotes)", str(err))
 
 
 def _drop_path_not_found(record: logging.LogRecord) -> bool:

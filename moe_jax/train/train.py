@@ -112,17 +112,24 @@ def train(
         raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
     model_dir = storage.normalize(model_dir)
     _check_total_steps(total_steps, checkpoints.reached_step(model_dir), model_dir)
+    created = not storage.exists(model_dir)
     checkpoints.ensure_writable(model_dir)
-    with run_lock.hold(model_dir):
-        return _train(model=model, train_dataset_cfg=train_dataset_cfg,
-                      train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
-                      total_steps=total_steps, random_seed=random_seed,
-                      checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
-                      async_checkpointing=async_checkpointing, log_period=log_period,
-                      eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
-                      on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
-                      routing_churn=routing_churn,
-                      stop_after_steps=stop_after_steps, allow_config_change=allow_config_change)
+    try:
+        with run_lock.hold(model_dir):
+            return _train(model=model, train_dataset_cfg=train_dataset_cfg,
+                          train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
+                          total_steps=total_steps, random_seed=random_seed,
+                          checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
+                          async_checkpointing=async_checkpointing, log_period=log_period,
+                          eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
+                          on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
+                          routing_churn=routing_churn, stop_after_steps=stop_after_steps,
+                          allow_config_change=allow_config_change)
+    except Exception:
+        # refused before writing anything (vocabulary, experts, mesh): no empty MODEL_DIR left
+        if created and jax.process_index() == 0 and not storage.listdir(model_dir):
+            storage.rmtree(model_dir)
+        raise
 
 
 def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
