@@ -15,7 +15,9 @@ checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that step's update).
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
 save stops the run (exit 74) naming the last good checkpoint; a resumption whose gin
-config differs from the run's ``config.gin`` is refused unless ``--allow_config_change``;
+config differs from the run's (``config.gin``, or the newest ``config.step-N.gin`` an
+accepted change wrote) is refused unless ``--allow_config_change``; a refused start leaves
+no empty ``MODEL_DIR``;
 ``metrics.jsonl`` and TensorBoard records past the restored step are dropped on resume.
 """
 
@@ -103,7 +105,8 @@ def train(
       stop_after_steps: end (with a checkpoint) after this many steps of *this* invocation
         (tests of interrupted runs); not a gin parameter.
       allow_config_change: resume although the operative gin config differs from the run's
-        ``config.gin`` (``--allow_config_change``; kept as ``config.step-N.gin``).
+        config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
+        which later resumptions compare with).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "model_dir", "wall_sec"}``.
@@ -319,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     :func:`moe_jax.cli.main` to report (codes in :mod:`moe_jax.errors`)."""
     parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
     parser.add_argument("--allow_config_change", action="store_true",
-                        help="resume although the gin config differs from the run's config.gin "
-                             "(the new one is kept as MODEL_DIR/config.step-N.gin)")
+                        help="resume although the gin config differs from the run's (config.gin "
+                             "or the newest config.step-N.gin); the new one is kept as "
+                             "MODEL_DIR/config.step-N.gin and later resumes compare with it")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)

@@ -170,6 +170,8 @@ def test_export_writes_only_into_a_new_empty_or_overwritten_directory(run_and_ex
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     assert cli.main([*export, f"--out={mine}", "--overwrite"]) == 0
     assert (mine / "model.safetensors").exists() and (mine / "notes.txt").read_text() == "mine"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in mine.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors as readable as the rest
 
 
 def test_import_never_writes_into_another_run(run_and_export, tmp_path, capsys):
