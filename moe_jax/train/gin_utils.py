@@ -527,8 +527,10 @@ def _macro_name(statement: config_parser.BindingStatement) -> str | None:
 def import_bindings(text: str, origin: str) -> list[tuple[str, int, Any]]:
     """``(binding, line, module)`` for each binding of a gin text whose value names code that
     is imported (:data:`IMPORT_MACROS`, :data:`IMPORT_PARAMETERS`), with macros the text
-    defines resolved (``DatasetConfig.module = %X`` and ``X = 'mod'`` give ``'mod'``); a
-    macro the text does not define is left to the file that does."""
+    defines resolved (``DatasetConfig.module = %X`` and ``X = 'mod'`` give ``'mod'``). A
+    reference to ``%MIXTURE_OR_TASK_MODULE`` the text does not define is left to the file
+    or flag that does; one to any other undefined macro is listed as the reference itself
+    (``'%X'``), a value no import binding of the project's configs has."""
     statements = [s for s in _parse_statements(text, origin)
                   if isinstance(s, config_parser.BindingStatement)]
     macros = {name: s.value for s in statements if (name := _macro_name(s))}
@@ -543,7 +545,7 @@ def import_bindings(text: str, origin: str) -> list[tuple[str, int, Any]]:
                and value not in seen):
             seen.add(value)
             value = macros[value[1:]]
-        if isinstance(value, str) and value.startswith("%"):
+        if isinstance(value, str) and value[1:] in IMPORT_MACROS and value not in seen:
             continue
         parameter_name = f"{statement.selector}.{statement.arg_name}"
         name = macro or "/".join(p for p in (statement.scope, parameter_name) if p)

@@ -128,14 +128,18 @@ def test_import_bindings_are_found_however_written():
     text = """X = 'a.b'
 MIXTURE_OR_TASK_MODULE/macro.value = 'm1'
 eval/utils.DatasetConfig.module = %X
-train/DatasetConfig.module = %ELSEWHERE
+train/DatasetConfig.module = %MIXTURE_OR_TASK_MODULE
 DatasetConfig:
   module = 'm2'
 MODEL/EncoderDecoderModel.module = @EncoderDecoder()
+train_eval/DatasetConfig.module = %TFDS_DATA_DIR
 """
     assert gin_utils.import_bindings(text, "t") == [
         ("MIXTURE_OR_TASK_MODULE", 2, "m1"), ("eval/utils.DatasetConfig.module", 3, "a.b"),
-        ("DatasetConfig.module", 6, "m2")]
+        ("train/DatasetConfig.module", 4, "m1"), ("DatasetConfig.module", 6, "m2"),
+        ("train_eval/DatasetConfig.module", 8, "%TFDS_DATA_DIR")]
+    # a macro the text does not set is checked where it is set (defaults, command line)
+    assert gin_utils.import_bindings("DatasetConfig.module = %MIXTURE_OR_TASK_MODULE", "t") == []
     trusted = argparse.Namespace(command_line_bindings=["MIXTURE_OR_TASK_MODULE = 'a.b'"],
                                  command_line_gin_files=[], gin_search_paths=[])
     gin_utils.refuse_untrusted_modules("t", [("M", 1, "a.b"), ("M", 2, "moe_jax.data.tasks")],
