@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if analysis not in MULTI_CHECKPOINT and len(args.checkpoint) > 1:
         parser.error(f"{analysis} takes one --checkpoint")
     args.gin_file = gin_utils.run_gin_files(
+        args,
         args.checkpoint[0],
         [str(DEFAULTS_DIR / f"{analysis}.gin")],
-        args.gin_file,
         extend_run_config=True,
         command=f"moe-jax analyze {analysis}",
     )

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from moe_jax import errors
 from moe_jax.synthetic.experiments import EXPERIMENTS, SUITE, load
 from moe_jax.synthetic.experiments.common import PRESETS, TRAINING_KEYS, console_table
 
@@ -132,12 +133,10 @@ def report(args: argparse.Namespace) -> int:
     from moe_jax.synthetic import report as fidelity
 
     if args.results is None:
-        print("moe-jax synthetic report: --results DIR is required", file=sys.stderr)
-        return 2
+        raise errors.ConfigError("report: --results DIR is required")
     results = pathlib.Path(args.results)
     if not results.is_dir():
-        print(f"moe-jax synthetic report: --results {results} is not a folder", file=sys.stderr)
-        return 1
+        raise errors.InputFileError(f"report: --results {results} is not a folder")
     quick = pathlib.Path(args.quick) if args.quick else None
     paths, missing = fidelity.write(results, quick, pathlib.Path(args.out) if args.out else results)
     for name in missing:
@@ -157,11 +156,7 @@ def replot(args: argparse.Namespace) -> int:
     from moe_jax import plotting
 
     if args.results is None or not pathlib.Path(args.results).is_dir():
-        print(
-            "moe-jax synthetic plot: --results DIR (a folder of <experiment>.json) is required",
-            file=sys.stderr,
-        )
-        return 2
+        raise errors.ConfigError("plot: --results DIR (a folder of <experiment>.json) is required")
     out = pathlib.Path(args.out or args.results)
     for path in sorted(pathlib.Path(args.results).glob("*.json")):
         name = json.loads(path.read_text()).get("experiment")
@@ -196,27 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.experiment == "plot":
         return replot(args)
     if args.preset not in PRESETS:
-        print(
-            f"moe-jax synthetic: unknown preset {args.preset!r}; "
-            f"choose one of {', '.join(PRESETS)}",
-            file=sys.stderr,
+        raise errors.ConfigError(
+            f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}"
         )
-        return 2
     names = list(SUITE) if args.experiment == "all" else [args.experiment]
     if args.experiment != "all" and args.experiment not in EXPERIMENTS:
-        print(
-            f"moe-jax synthetic: unknown experiment {args.experiment!r}; "
-            f"choose one of {', '.join(EXPERIMENTS)}, all, list, report",
-            file=sys.stderr,
+        raise errors.ConfigError(
+            f"unknown experiment {args.experiment!r}; choose one of "
+            f"{', '.join(EXPERIMENTS)}, all, list, report"
         )
-        return 2
     if args.overrides and args.experiment == "all":
-        print(
-            "moe-jax synthetic: --set changes one experiment's preset; "
-            "name the experiment instead of 'all'",
-            file=sys.stderr,
+        raise errors.ConfigError(
+            "--set changes one experiment's preset; name the experiment instead of 'all'"
         )
-        return 2
     try:
         configs = {
             name: apply_overrides(
@@ -225,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in names
         }
     except ValueError as err:
-        print(f"moe-jax synthetic: {err}", file=sys.stderr)
-        return 2
+        raise errors.ConfigError(str(err)) from None
     seeds = [args.seed] if args.seed is not None else (args.seeds or DEFAULT_SEEDS[args.preset])
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         import jax

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from moe_jax import cli as moe_jax_cli
 from moe_jax.synthetic import cli
 from moe_jax.synthetic.experiments import EXPERIMENTS
 
@@ -28,24 +29,30 @@ def test_help_and_list_do_not_import_tensorflow():
         assert line.split()[0] == name and len(line.split()) > 3
 
 
+def _synthetic(capsys, *argv: str) -> tuple[int, str]:
+    """``moe-jax synthetic ARGV``'s exit code and its last line on stderr."""
+    code = moe_jax_cli.main(["synthetic", *argv])
+    return code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_unknown_experiment_and_bad_preset_are_named(capsys):
-    assert cli.main(["fig99"]) == 2
-    assert "unknown experiment 'fig99'" in capsys.readouterr().err
-    assert cli.main(["fig2", "--preset", "huge"]) == 2
-    assert "unknown preset 'huge'" in capsys.readouterr().err
+    code, line = _synthetic(capsys, "fig99")
+    assert code == 1 and line.startswith("moe-jax synthetic: error: unknown experiment 'fig99'")
+    assert _synthetic(capsys, "fig2", "--preset", "nope") == (
+        1,
+        "moe-jax synthetic: error: unknown preset 'nope'; choose one of quick, converged, paper",
+    )
 
 
 def test_bad_overrides_are_named(capsys):
-    assert cli.main(["fig6", "--set", "lr_routr=0.1"]) == 2
-    err = capsys.readouterr().err
+    code, err = _synthetic(capsys, "fig6", "--set", "lr_routr=0.1")
+    assert code == 1 and err.startswith("moe-jax synthetic: error: ")
     assert "--set lr_routr: fig6's quick preset has no such key" in err and "lr_router" in err
-    assert cli.main(["fig6", "--set", "sizes=1024"]) == 2
-    assert (
-        "sizes=1024: fig6's quick preset has sizes=[1024, 8192], a list, not a int"
-        in capsys.readouterr().err
-    )
-    assert cli.main(["all", "--set", "steps=10"]) == 2
-    assert "name the experiment" in capsys.readouterr().err
+    code, err = _synthetic(capsys, "fig6", "--set", "sizes=1024")
+    assert code == 1
+    assert "sizes=1024: fig6's quick preset has sizes=[1024, 8192], a list, not a int" in err
+    code, err = _synthetic(capsys, "all", "--set", "steps=10")
+    assert code == 1 and "name the experiment" in err
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["fig6", "--set", "lr_router"])
     # values are literals where they parse, strings otherwise; ints stand for floats
