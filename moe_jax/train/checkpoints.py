@@ -184,8 +184,9 @@ _ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
 
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
-    writer threads) and asyncio's ERROR records about orbax's tasks ("Task exception was
-    never retrieved": the writes of a failed save that the library never awaited):
+    writer threads) and asyncio's ERROR records about orbax's tasks and futures ("Task
+    exception was never retrieved": the writes of a failed save that the library never
+    awaited; told by orbax's source in the message or the exception's traceback):
     :class:`Checkpointer` raises each failure as one line naming the step and cause
     instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning "Given
     directory is read only" that every reader (``read_only=True``) would print."""
@@ -196,7 +197,18 @@ class _OrbaxErrorFilter(logging.Filter):
         if record.levelno < logging.ERROR or os.environ.get("MOE_JAX_TRACEBACK"):
             return True
         return _ORBAX_SOURCE not in record.pathname and not (
-            record.name == "asyncio" and _ORBAX_SOURCE in record.getMessage())
+            record.name == "asyncio" and _mentions_orbax(record))
+
+
+def _mentions_orbax(record: logging.LogRecord) -> bool:
+    if _ORBAX_SOURCE in record.getMessage():
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if _ORBAX_SOURCE in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _ORBAX_ERRORS = _OrbaxErrorFilter()
@@ -253,7 +265,7 @@ class Checkpointer:
                 create=not read_only, enable_async_checkpointing=async_save, read_only=read_only,
                 cleanup_tmp_directories=remove_partial_saves and not read_only))
         self._pending: int | None = None  # a step being written in the background
-        self._failed = False  # a save failed: partial directories to remove at close
+        self._failed = False  # a save failed (reported once; partial directories removed)
         self.last_good: int | None = self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
@@ -279,6 +291,7 @@ class Checkpointer:
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
             meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}))
+        saved = False
         with self._write_errors(step):
             saved = self._manager.save(step, force=force, args=args)  # waits for the previous save
         self._finished()
@@ -299,14 +312,18 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _write_errors(self, step: int | None):
-        """Turns a failed write of ``step`` (or of the pending one) into WriteFailedError."""
+        """Turns a failed write of ``step`` (or of the pending one) into WriteFailedError,
+        once: orbax raises a failure again at every later wait and at close, and the run
+        stops at the first."""
         try:
             yield
         except Exception as err:  # orbax/TensorStore wrap OSErrors in various types
             failed = self._pending if self._pending is not None else step
             self._pending = None
-            self._failed = True
             self._remove_partial()
+            if self._failed:
+                return
+            self._failed = True
             raise errors.WriteFailedError(
                 f"cannot write checkpoint step {failed} to MODEL_DIR={self.model_dir}: "
                 f"{_write_cause(err)}; last good checkpoint: {self.name(self.last_good)}",
@@ -425,7 +442,9 @@ class Checkpointer:
         return dest
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for a save in progress (raising its failure) and stops orbax's threads."""
+        with self._write_errors(self._pending):
+            self._manager.close()
         if self._failed:
             self._remove_partial()
 
