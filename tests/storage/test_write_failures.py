@@ -104,7 +104,8 @@ def _train_like(argv: list[str]) -> int:
         (
             _train_like,
             errors.EXIT_PREEMPTED,
-            "moe-jax x: stopped by SIGTERM: at step 7: saved D/checkpoints/7; the same command resumes from it",
+            "moe-jax x: stopped by SIGTERM: at step 7: saved D/checkpoints/7; the same command "
+            "resumes from it",
         ),
     ],
 )
