@@ -10,7 +10,7 @@ the step it just dispatched), log, save every ``checkpoint_period`` steps (async
 evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
 loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM or
 Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
-second Ctrl-C stops at once, naming the last checkpoint); a non-finite loss stops with its
+second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a non-finite loss stops with its
 step and the last good checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that
 step's update).
 
@@ -31,10 +31,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import gin
 import jax
 import numpy as np
 
-import gin
 from moe_jax import errors, storage
 from moe_jax.train import checkpoints, distributed, gin_utils, run_lock, setup
 
