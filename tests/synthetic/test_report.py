@@ -244,11 +244,13 @@ def test_report_names_missing_json_and_writes_the_rest(tmp_path, capsys):
 
 def test_report_on_a_missing_folder_is_one_line(tmp_path, capsys):
     assert moe_jax_cli.main(["synthetic", "report", "--results", str(tmp_path / "nowhere")]) == 1
-    assert capsys.readouterr().err.strip() == (f"moe-jax synthetic: error: report: --results "
-                                               f"{tmp_path / 'nowhere'} is not a folder")
+    assert capsys.readouterr().err.strip() == (
+        f"moe-jax synthetic: error: report: --results {tmp_path / 'nowhere'} is not a folder"
+    )
     assert moe_jax_cli.main(["synthetic", "report"]) == 1
-    assert capsys.readouterr().err.strip() == ("moe-jax synthetic: error: report: --results DIR "
-                                               "is required")
+    assert capsys.readouterr().err.strip() == (
+        "moe-jax synthetic: error: report: --results DIR is required"
+    )
 
 
 def test_a_setting_the_run_did_not_train_is_listed_not_fatal(tmp_path):
