@@ -291,8 +291,9 @@ class AppendFile:
         if self._local:
             with _writing_to(self.path):
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                               0o666)
+                self._fd: int | None = os.open(
+                    self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666
+                )
         else:
             self._data = bytearray(read_bytes(self.path) if exists(self.path) else b"")
 
@@ -303,7 +304,7 @@ class AppendFile:
             rest = memoryview(data)
             try:
                 while rest:
-                    rest = rest[os.write(self._fd, rest):]
+                    rest = rest[os.write(self._fd, rest) :]
             except OSError as err:
                 with contextlib.suppress(OSError):  # shrinking passes any size limit
                     os.ftruncate(self._fd, start)
