@@ -83,6 +83,7 @@ def test_runs_cover_rho_by_seed_with_one_init_per_seed():
     assert not np.array_equal(runs.key[0], runs.key[1])
 
 
+@pytest.mark.slow
 def test_small_run_moe_beats_shared_bottom_at_every_correlation(tmp_path):
     cfg = dict(CFG, rhos=[0.0, 1.0], n_test=1024, steps=1000)
     result = mmoe.run(cfg, [0, 1, 2, 3], tmp_path)

@@ -33,6 +33,7 @@ def metrics(model_dir: pathlib.Path, split: str = "train") -> list[dict]:
             if r["split"] == split]
 
 
+@pytest.mark.slow
 def test_unreadable_latest_checkpoint_falls_back_and_continues_exactly(tmp_path, capsys):
     full = run(tmp_path / "full", 9)
     run(tmp_path / "run", 6)                                   # checkpoints 3 and 6
