@@ -201,3 +201,19 @@ def test_import_never_writes_into_another_run(run_and_export, tmp_path, capsys):
     assert cli.main([*imported, "--overwrite"]) == 0, capsys.readouterr().err
     assert sorted(os.listdir(other / "checkpoints")) == ["1", str(STEPS)]
     assert (other / "config.gin").read_bytes() == before[other / "config.gin"]
+
+
+def test_commands_read_the_config_a_checkpoint_was_trained_with(tmp_path):
+    """After an accepted change at step 3 (config.step-3.gin), checkpoints from step 3 on
+    are read with it, earlier ones with config.gin."""
+    for step in (1, 3, 5):
+        (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+    (tmp_path / "config.gin").write_text("A = 1\n")
+    (tmp_path / "config.step-3.gin").write_text("# resumed at step 3\nA = 2\n")
+    args = gin_utils.parse_flags(setup.build_parser("t", "t"), [])
+    read = {checkpoint: gin_utils.checkpoint_config(str(tmp_path / checkpoint), args)
+            for checkpoint in ("checkpoints/1", "checkpoints/3", "5", "")}
+    assert read == {"checkpoints/1": str(tmp_path / "config.gin"),
+                    "checkpoints/3": str(tmp_path / "config.step-3.gin"),
+                    "5": str(tmp_path / "config.step-3.gin"),
+                    "": str(tmp_path / "config.step-3.gin")}
