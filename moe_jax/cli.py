@@ -6,15 +6,21 @@ Modules are imported lazily so that `moe-jax --help` and the synthetic laborator
 pay for importing TensorFlow/seqio.
 
 This is the one place that turns the project's expected errors (:mod:`moe_jax.errors`)
-into one line ``moe-jax <command>: error: ...`` and an exit code, for every command.
+into one line ``moe-jax <command>: error: ...`` and an exit code, for every command, and
+Ctrl-C (SIGINT) or SIGTERM into one line ``moe-jax <command>: stopped by ...: <what was
+saved, how to resume>`` and exit code 130 / 143 (`train` saves a checkpoint first, see
+:class:`moe_jax.train.distributed.PreemptionWatcher`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 # subcommand -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -107,9 +113,32 @@ def error_message(err: BaseException) -> str:
     return errors.one_line(err)
 
 
+# What an interrupted command that does not say more has left: every file the project
+# writes is written whole (moe_jax.storage), so running it again redoes it.
+INTERRUPTED_DETAIL = "not finished (files it wrote are whole); run the same command again"
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    from moe_jax import errors
+
+    raise errors.Interrupted(signum)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises :class:`moe_jax.errors.Interrupted` in the main thread for the block
+    (as Ctrl-C raises ``KeyboardInterrupt``) instead of ending the process silently."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_command(name: str, module_main, argv: list[str]) -> int:
     """``module_main(argv)``'s exit code; an expected error becomes one line on stderr and
-    its exit code (``MOE_JAX_TRACEBACK=1`` re-raises it for the traceback)."""
+    its exit code, an interrupt one line and 130 / 143 (``MOE_JAX_TRACEBACK=1`` re-raises
+    either for the traceback)."""
     from moe_jax import errors
 
     try:
@@ -119,6 +148,13 @@ def run_command(name: str, module_main, argv: list[str]) -> int:
             raise
         print(f"moe-jax {name}: error: {error_message(err)}", file=sys.stderr, flush=True)
         return getattr(err, "exit_code", errors.EXIT_USER_ERROR)
+    except KeyboardInterrupt as err:
+        if os.environ.get("MOE_JAX_TRACEBACK"):
+            raise
+        if not isinstance(err, errors.Interrupted) or not err.detail:
+            err = errors.Interrupted(getattr(err, "signum", signal.SIGINT), INTERRUPTED_DETAIL)
+        print(f"moe-jax {name}: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(picked, int):
         return picked
     name, rest = picked
+    with sigterm_interrupts():
+        return run_command(name, functools.partial(_start, name), rest)
+
+
+def _start(name: str, rest: list[str]) -> int:
+    """Runs command ``name`` (quiet start-up, lazy import) with options ``rest``."""
     quiet_startup(name, rest)
     module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:
@@ -135,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return run_command(name, getattr(module, function or "main"), rest)
+    return getattr(module, function or "main")(rest)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,20 @@ file or step at fault (one line; a short indented detail list may follow).
 
 Exit codes: 1 bad input or a refused run; 3 the loss became non-finite (`train`);
 74 (``EX_IOERR``) a write to the run directory failed (disk full, quota, permission);
-143 (`train`) stopped by SIGTERM after saving a checkpoint.
+130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM (:class:`Interrupted`; `train` saves a
+checkpoint first), as a shell reports a process ended by those signals.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+
 EXIT_USER_ERROR = 1
 EXIT_NONFINITE = 3
 EXIT_WRITE_FAILED = 74
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, as a shell reports a terminated process
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143
 
 
 class UserError(Exception):
@@ -38,9 +43,41 @@ class CheckpointError(UserError):
 
 
 class WriteFailedError(UserError, OSError):
-    """Writing to the run directory failed (disk full, quota, permission lost)."""
+    """Writing to the run directory failed (disk full, quota, permission lost); the message
+    names the file. ``names_last_good``: the message already names the last good
+    checkpoint (`train` adds it to those that do not)."""
 
     exit_code = EXIT_WRITE_FAILED
+
+    def __init__(self, message: str, *, names_last_good: bool = False):
+        super().__init__(message)
+        self.names_last_good = names_last_good
+
+
+def write_failed(path: str | os.PathLike, err: BaseException) -> WriteFailedError:
+    """``cannot write PATH: cause`` for an error raised while writing ``path``."""
+    cause = err.strerror if isinstance(err, OSError) and err.strerror else one_line(err)
+    return WriteFailedError(f"cannot write {os.fspath(path)}: {cause}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM stopped a command; ``detail`` says what was saved and
+    how to resume. A :class:`KeyboardInterrupt` (not an ``Exception``), so that no
+    ``except Exception`` on the way up swallows it; exit code ``128 + signum``."""
+
+    def __init__(self, signum: int = signal.SIGINT, detail: str = ""):
+        super().__init__(signum, detail)
+        self.signum = signum
+        self.detail = detail
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        what = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else name
+        return f"stopped by {what}" + (f": {self.detail}" if self.detail else "")
 
 
 class RunLockedError(UserError):

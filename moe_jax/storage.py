@@ -18,6 +18,9 @@ operation                     local disk                      object store (``gs
 :func:`move`                  rename                          copy, then delete
 ============================  ==============================  ================================
 
+A failed write (disk full, file-size limit, quota, permission) raises
+:class:`moe_jax.errors.WriteFailedError` naming the file (exit code 74 at a command's top).
+
 ``gs://`` goes through fsspec's ``gcsfs`` (``EPATH_USE_TF=false``, set here unless the
 environment sets it), not TensorFlow's ``gfile``: one client for the project's files and
 orbax's metadata, and the one the tests run against a GCS protocol server
@@ -40,10 +43,12 @@ from typing import Any
 
 os.environ.setdefault("EPATH_USE_TF", "false")  # before epath picks its gs:// backend (once)
 
-import fsspec  # noqa: E402
-import google_crc32c  # noqa: E402
-import numpy as np  # noqa: E402
-from etils import epath  # noqa: E402
+import fsspec
+import google_crc32c
+import numpy as np
+from etils import epath
+
+from moe_jax import errors
 
 # No listing cache: a run directory is changed by other processes (a resumed trainer, a
 # second trainer meeting the lock, eval beside a run), and a cached listing would hide that.
@@ -103,7 +108,8 @@ def glob(path: PathLike, pattern: str) -> list[str]:
 
 
 def makedirs(path: PathLike) -> None:
-    epath.Path(path).mkdir(parents=True, exist_ok=True)
+    with _writing_to(path):
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
 
 
 def read_bytes(path: PathLike) -> bytes:
@@ -119,18 +125,19 @@ def write_bytes(path: PathLike, data: bytes) -> None:
     locally a temporary file renamed over ``path`` (mode as ``open`` gives, e.g. 0644);
     on an object store one upload. Creates missing parent directories."""
     path = os.fspath(path)
-    if not is_local(path):
-        epath.Path(path).write_bytes(data)
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = _temporary_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _writing_to(path):
+        if not is_local(path):
+            epath.Path(path).write_bytes(data)
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = _temporary_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def write_text(path: PathLike, text: str) -> None:
@@ -150,7 +157,7 @@ def writing(path: PathLike) -> Iterator[io.BytesIO]:
 def save_npz(path: PathLike, arrays: dict[str, np.ndarray]) -> None:
     """``np.savez`` of ``arrays``, written whole (:func:`write_bytes`)."""
     with writing(path) as f:
-        np.savez(f, **arrays)
+        np.savez(f, allow_pickle=True, **arrays)
 
 
 def load_npz(path: PathLike) -> dict[str, np.ndarray]:
@@ -169,12 +176,14 @@ def create_exclusive(path: PathLike, data: bytes) -> bool:
         except FileExistsError:
             return False
         except (TypeError, ValueError) as err:  # an fsspec file system without mode="create"
-            raise NotImplementedError(f"{path}: the store offers no atomic create ({err})") from None
+            raise NotImplementedError(
+                f"{path}: the store offers no atomic create ({err})"
+            ) from None
         return True
     tmp = _temporary_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
     try:
+        with _writing_to(path), open(tmp, "wb") as f:
+            f.write(data)
         os.link(tmp, path)
         return True
     except FileExistsError:
@@ -235,7 +244,7 @@ def file_info(directory: PathLike, *, checksums: bool = True) -> dict[str, dict[
             entry: dict[str, Any] = {"size": int(info["size"])}
             if checksums and info.get("crc32c"):
                 entry["crc32c"] = base64.b64decode(info["crc32c"]).hex()
-            out[name[len(root):].lstrip("/")] = entry
+            out[name[len(root) :].lstrip("/")] = entry
         return out
     for root, _, files in os.walk(directory):
         for name in files:
@@ -261,10 +270,13 @@ def crc32c(data: bytes) -> int:
 
 
 class AppendFile:
-    """A file that grows by appends (``metrics.jsonl``, TensorBoard event files).
+    """A file that grows by appends (``metrics.jsonl``, TensorBoard event files), each
+    append whole or not at all.
 
-    Locally each :meth:`append` is written and flushed at once. An object store cannot
-    append: the content is kept in memory and the whole object re-uploaded by
+    Locally each :meth:`append` goes to the OS at once (unbuffered); one that fails part
+    way (disk full, file-size limit) is cut off again (the file truncated to where the
+    append began) before :class:`~moe_jax.errors.WriteFailedError` is raised. An object
+    store cannot append: the content is kept in memory and the whole object re-uploaded by
     :meth:`flush` (every append, at most every ``remote_flush_sec`` seconds, and at
     :meth:`close`), so a reader sees a prefix of whole appends, never a torn one.
     Opening an existing file continues it.
@@ -277,15 +289,26 @@ class AppendFile:
         self._dirty = False
         self._last_flush = 0.0
         if self._local:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file: Any = open(self.path, "ab")
+            with _writing_to(self.path):
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self._fd: int | None = os.open(
+                    self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666
+                )
         else:
             self._data = bytearray(read_bytes(self.path) if exists(self.path) else b"")
 
     def append(self, data: bytes) -> None:
         if self._local:
-            self._file.write(data)
-            self._file.flush()
+            assert self._fd is not None, f"{self.path} is closed"
+            start = os.fstat(self._fd).st_size
+            rest = memoryview(data)
+            try:
+                while rest:
+                    rest = rest[os.write(self._fd, rest) :]
+            except OSError as err:
+                with contextlib.suppress(OSError):  # shrinking passes any size limit
+                    os.ftruncate(self._fd, start)
+                raise errors.write_failed(self.path, err) from err
             return
         self._data += data
         self._dirty = True
@@ -293,17 +316,29 @@ class AppendFile:
             self.flush()
 
     def flush(self) -> None:
-        if self._local:
-            self._file.flush()
-        elif self._dirty:
+        """Uploads the content to an object store (a local file has nothing buffered)."""
+        if not self._local and self._dirty:
             write_bytes(self.path, bytes(self._data))
             self._dirty = False
             self._last_flush = time.monotonic()
 
     def close(self) -> None:
         self.flush()
-        if self._local:
-            self._file.close()
+        if self._local and self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@contextlib.contextmanager
+def _writing_to(path: PathLike) -> Iterator[None]:
+    """Raises an ``OSError`` of the block as :class:`~moe_jax.errors.WriteFailedError`
+    naming ``path``."""
+    try:
+        yield
+    except errors.WriteFailedError:
+        raise
+    except OSError as err:
+        raise errors.write_failed(path, err) from err
 
 
 def _temporary_name(path: str) -> str:

@@ -31,7 +31,12 @@ Faults (docs/training.md, "Reliability"):
   * A failed save (disk full, quota, permission) raises :class:`~moe_jax.errors.WriteFailedError`
     naming ``MODEL_DIR``, the step, the cause and the last good checkpoint, at the save that
     follows it or at the next :meth:`Checkpointer.check_for_errors`; the step's partial
-    temporary directory is removed.
+    temporary directory is removed once the library's writers of the failed save are
+    done, and again at :meth:`Checkpointer.close` (a trainer's next start, holding the
+    run lock, removes any left by a killed process: ``remove_partial_saves``).
+    The writer threads' own reports of the failure (orbax's ERROR log records, asyncio's
+    "Task exception was never retrieved", "Event loop is closed", coroutines closed at
+    exit) are dropped unless ``MOE_JAX_TRACEBACK=1``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -173,31 +179,56 @@ def _train_item(state: TrainState) -> dict[str, Any]:
     return item
 
 
+_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
+
+
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
-    writer threads): :class:`Checkpointer` raises each failure as one line naming the step
-    and cause instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning
-    "Given directory is read only" that every reader (``read_only=True``) would print."""
+    writer threads) and asyncio's ERROR records about orbax's tasks and futures ("Task
+    exception was never retrieved": the writes of a failed save that the library never
+    awaited; told by orbax's source in the message or the exception's traceback):
+    :class:`Checkpointer` raises each failure as one line naming the step and cause
+    instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning "Given
+    directory is read only" that every reader (``read_only=True``) would print."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("Given directory is read only"):
             return False
-        return (record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
-                or bool(os.environ.get("MOE_JAX_TRACEBACK")))
+        if record.levelno < logging.ERROR or os.environ.get("MOE_JAX_TRACEBACK"):
+            return True
+        return _ORBAX_SOURCE not in record.pathname and not (
+            record.name == "asyncio" and _mentions_orbax(record))
+
+
+def _mentions_orbax(record: logging.LogRecord) -> bool:
+    if _ORBAX_SOURCE in record.getMessage():
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if _ORBAX_SOURCE in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _ORBAX_ERRORS = _OrbaxErrorFilter()
 
 
 def _quiet_closed_loop_hook(previous):
-    """``sys.unraisablehook`` that drops asyncio's "Event loop is closed" RuntimeError:
-    after a failed read or write, TensorStore's pending callbacks reach an orbax event loop
-    that was already closed and report it as unraisable, once per callback (hundreds of
-    tracebacks for one full disk); the failure itself is reported as one line."""
+    """``sys.unraisablehook`` that drops, after a failed read or write, asyncio's "Event
+    loop is closed" RuntimeError (TensorStore's pending callbacks reach an orbax event loop
+    that was already closed and report it as unraisable, once per callback: hundreds of
+    tracebacks for one full disk) and the errors of orbax coroutines left suspended in that
+    loop when they are closed (at exit: ``ImportError: sys.meta_path is None``); the
+    failure itself is reported as one line. Everything the hook needs is bound here: it
+    also runs while the interpreter shuts down."""
+    keep = bool(os.environ.get("MOE_JAX_TRACEBACK"))
+
     def hook(unraisable):
         value = unraisable.exc_value
-        if (type(value) is RuntimeError and str(value) == "Event loop is closed"
-                and not os.environ.get("MOE_JAX_TRACEBACK")):
+        code = getattr(unraisable.object, "cr_code", None)
+        if not keep and ((type(value) is RuntimeError and str(value) == "Event loop is closed")
+                         or _ORBAX_SOURCE in getattr(code, "co_filename", "")):
             return
         previous(unraisable)
 
@@ -207,15 +238,23 @@ def _quiet_closed_loop_hook(previous):
 
 def _install_quiet_hooks() -> None:
     logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: filters are a set
+    logging.getLogger("asyncio").addFilter(_ORBAX_ERRORS)
     if not getattr(sys.unraisablehook, "moe_jax_quiet", False):
         sys.unraisablehook = _quiet_closed_loop_hook(sys.unraisablehook)
 
 
 class Checkpointer:
-    """Async orbax checkpoints of a :class:`TrainState` plus JSON metadata."""
+    """Async orbax checkpoints of a :class:`TrainState` plus JSON metadata.
+
+    ``remove_partial_saves``: remove the temporary directories of saves that never
+    finished (a killed process, a failed save) when opened; only for the one writer of
+    ``MODEL_DIR`` (`train`, holding the run lock), as another process's save in progress
+    looks the same.
+    """
 
     def __init__(self, model_dir: str, *, save_period: int | None = None, keep: int | None = None,
-                 async_save: bool = True, read_only: bool = False):
+                 async_save: bool = True, read_only: bool = False,
+                 remove_partial_saves: bool = False):
         _install_quiet_hooks()
         self.model_dir = model_dir = storage.normalize(model_dir)
         self.directory = storage.join(model_dir, "checkpoints")
@@ -223,8 +262,10 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 save_interval_steps=0 if read_only else save_period or 1, max_to_keep=keep,
-                create=not read_only, enable_async_checkpointing=async_save, read_only=read_only))
+                create=not read_only, enable_async_checkpointing=async_save, read_only=read_only,
+                cleanup_tmp_directories=remove_partial_saves and not read_only))
         self._pending: int | None = None  # a step being written in the background
+        self._failed = False  # a save failed (reported once; partial directories removed)
         self.last_good: int | None = self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
@@ -250,6 +291,7 @@ class Checkpointer:
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
             meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}))
+        saved = False
         with self._write_errors(step):
             saved = self._manager.save(step, force=force, args=args)  # waits for the previous save
         self._finished()
@@ -270,16 +312,22 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _write_errors(self, step: int | None):
-        """Turns a failed write of ``step`` (or of the pending one) into WriteFailedError."""
+        """Turns a failed write of ``step`` (or of the pending one) into WriteFailedError,
+        once: orbax raises a failure again at every later wait and at close, and the run
+        stops at the first."""
         try:
             yield
         except Exception as err:  # orbax/TensorStore wrap OSErrors in various types
             failed = self._pending if self._pending is not None else step
             self._pending = None
             self._remove_partial()
+            if self._failed:
+                return
+            self._failed = True
             raise errors.WriteFailedError(
                 f"cannot write checkpoint step {failed} to MODEL_DIR={self.model_dir}: "
-                f"{_write_cause(err)}; last good checkpoint: {self.name(self.last_good)}") from err
+                f"{_write_cause(err)}; last good checkpoint: {self.name(self.last_good)}",
+                names_last_good=True) from err
 
     def _finished(self) -> None:
         """After a save completed: record its integrity, advance ``last_good``."""
@@ -289,10 +337,22 @@ class Checkpointer:
             write_integrity(self.step_dir(self._pending))
         self.last_good, self._pending = self._pending, None
 
-    def _remove_partial(self) -> None:
-        if jax.process_index() == 0:
-            for tmp in storage.glob(self.directory, "*.orbax-checkpoint-tmp*"):
-                storage.rmtree(tmp)
+    def _remove_partial(self, quiet_sec: float = 0.5, timeout_sec: float = 30.0) -> None:
+        """Removes the temporary directories of a failed save (process 0). TensorStore
+        finishes the writes already issued after orbax reported the first failure (a
+        ``_sharding`` file, other items' data), recreating a directory removed too early:
+        removes until none reappears for ``quiet_sec``."""
+        if jax.process_index() != 0:
+            return
+        deadline = time.monotonic() + timeout_sec
+        while True:
+            partial = storage.glob(self.directory, "*.orbax-checkpoint-tmp*")
+            for tmp in partial:
+                with contextlib.suppress(OSError):  # a writer adding files meanwhile
+                    storage.rmtree(tmp)
+            if not partial or time.monotonic() > deadline:
+                return
+            time.sleep(quiet_sec)
 
     def name(self, step: int | None) -> str:
         """``MODEL_DIR/checkpoints/STEP`` or ``"none yet"``."""
@@ -382,7 +442,11 @@ class Checkpointer:
         return dest
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for a save in progress (raising its failure) and stops orbax's threads."""
+        with self._write_errors(self._pending):
+            self._manager.close()
+        if self._failed:
+            self._remove_partial()
 
 
 def restore_latest_readable(ckpt: Checkpointer, target: TrainState,

@@ -10,8 +10,8 @@ peers, and the coordination service's heartbeat makes every process exit with an
 within about ``heartbeat_timeout`` seconds when one of them dies, instead of hanging in a
 collective. ``JAX_NUM_CPU_DEVICES`` sets the CPU devices per process (local pod emulation).
 
-:class:`PreemptionWatcher` turns SIGTERM (a TPU preemption notice) into "save and exit"
-at a step every process agrees on.
+:class:`PreemptionWatcher` turns SIGTERM (a TPU preemption notice) and Ctrl-C into "save
+and exit" at a step every process agrees on.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from typing import Any
 
 import jax
 
@@ -76,28 +77,37 @@ def initialize(args: argparse.Namespace) -> None:
 
 
 class PreemptionWatcher:
-    """SIGTERM -> :meth:`reached` is True at a step all processes agree on.
+    """SIGTERM or Ctrl-C (SIGINT) -> :meth:`reached` is True at a step all processes agree
+    on; :attr:`signum` is the signal.
 
-    Multi-process: JAX's preemption service (started by ``jax.distributed``) catches the
-    signal and picks the sync step. Single process: a signal handler sets a flag.
+    Multi-process: JAX's preemption service (started by ``jax.distributed``) catches
+    SIGTERM and picks the sync step; Ctrl-C raises ``KeyboardInterrupt`` at once. Single
+    process: a signal handler sets a flag; a Ctrl-C after the first signal raises
+    ``KeyboardInterrupt`` (stop without waiting for the step and its save).
     """
 
     def __init__(self) -> None:
-        self._signalled = False
+        self.signum: int | None = None
         self._multi = jax.process_count() > 1
+        self._previous: dict[int, Any] = {}
         if not self._multi:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
 
-    def _handle(self, signum, frame) -> None:
-        self._signalled = True
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum = signum
 
     def reached(self, step: int) -> bool:
         if self._multi:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self._signalled
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signum = signal.SIGTERM
+        return self.signum is not None
 
     def close(self) -> None:
-        if not self._multi:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)

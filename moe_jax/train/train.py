@@ -8,13 +8,16 @@ position, RNG) or initialise; then per step fetch this host's batch shard, run t
 train step (state donated), check the *previous* step's loss (so the host never waits for
 the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
 evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
-loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM saves
-a checkpoint and exits 143; a non-finite loss stops with its step and the last good
-checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that step's update).
+loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM or
+Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
+second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a non-finite loss stops with its
+step and the last good checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that
+step's update).
 
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
-save stops the run (exit 74) naming the last good checkpoint; a resumption whose gin
+write anywhere in ``MODEL_DIR`` (a checkpoint, ``metrics.jsonl``, TensorBoard, configs)
+stops the run (exit 74) naming the file and the last good checkpoint; a resumption whose gin
 config differs from the run's (``config.gin``, or the newest ``config.step-N.gin`` an
 accepted change wrote) is refused unless ``--allow_config_change``; a refused start leaves
 no empty ``MODEL_DIR``;
@@ -23,8 +26,11 @@ no empty ``MODEL_DIR``;
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import gin
@@ -33,8 +39,6 @@ import numpy as np
 
 from moe_jax import errors, storage
 from moe_jax.train import checkpoints, distributed, gin_utils, run_lock, setup
-
-EXIT_PREEMPTED = errors.EXIT_PREEMPTED
 
 
 class NonFiniteLossError(errors.UserError, FloatingPointError):
@@ -109,7 +113,15 @@ def train(
         which later resumptions compare with).
 
     Returns:
-      ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "model_dir", "wall_sec"}``.
+      ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
+      "wall_sec"}``; ``preempted``: stopped early by SIGTERM or Ctrl-C (``signal``, its
+      number) after saving ``last_checkpoint``.
+
+    Raises:
+      WriteFailedError: a write to ``model_dir`` failed; names the file and the last good
+        checkpoint.
+      Interrupted: a second Ctrl-C (or one before the training loop) stopped the run before
+        a checkpoint was saved; names the last checkpoint.
     """
     if on_nonfinite not in ("stop", "skip"):
         raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
@@ -118,7 +130,7 @@ def train(
     created = not storage.exists(model_dir)
     checkpoints.ensure_writable(model_dir)
     try:
-        with run_lock.hold(model_dir):
+        with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
             return _train(model=model, train_dataset_cfg=train_dataset_cfg,
                           train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
                           total_steps=total_steps, random_seed=random_seed,
@@ -133,6 +145,33 @@ def train(
         if created and jax.process_index() == 0 and not storage.listdir(model_dir):
             storage.rmtree(model_dir)
         raise
+
+
+@contextlib.contextmanager
+def _naming_last_checkpoint(model_dir: str) -> Iterator[None]:
+    """Adds the run's last checkpoint (and how to resume) to a failed write and an
+    interrupt that stopped the block without saving."""
+    try:
+        yield
+    except errors.WriteFailedError as err:
+        if err.names_last_good:
+            raise
+        raise errors.WriteFailedError(f"{err}; last good checkpoint: {_last_checkpoint(model_dir)}",
+                                      names_last_good=True) from err
+    except KeyboardInterrupt as err:
+        if isinstance(err, errors.Interrupted) and err.detail:
+            raise
+        latest = _last_checkpoint(model_dir)
+        then = ("no checkpoint yet: the same command starts the run again" if latest == "none yet"
+                else f"last checkpoint: {latest}; the same command resumes from it")
+        raise errors.Interrupted(getattr(err, "signum", signal.SIGINT),
+                                 f"nothing saved at this stop; {then}") from None
+
+
+def _last_checkpoint(model_dir: str) -> str:
+    """``MODEL_DIR/checkpoints/STEP`` of the newest finished checkpoint, or ``"none yet"``."""
+    step = checkpoints.reached_step(model_dir)
+    return "none yet" if step is None else storage.join(model_dir, "checkpoints", str(step))
 
 
 def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
@@ -161,7 +200,7 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
                                   skip_nonfinite=on_nonfinite == "skip")
     aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
     ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
-                                    async_save=async_checkpointing)
+                                    async_save=async_checkpointing, remove_partial_saves=True)
     set_aside = checkpoints.set_aside_steps(model_dir)  # at earlier starts
     restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
     _check_set_aside(model_dir, set_aside, fresh=restored is None)
@@ -257,7 +296,6 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
                     last_saved = step
                 writer.flush()
             if preempted:
-                _log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
                 break
             if eval_now:
                 eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
@@ -275,8 +313,8 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
         writer.close()
         preemption.close()
     elapsed = time.perf_counter() - start_time
-    return {"step": step, "losses": losses, "preempted": preempted, "model_dir": model_dir,
-            "last_checkpoint": ckpt.name(last_saved), "wall_sec": elapsed}
+    return {"step": step, "losses": losses, "preempted": preempted, "signal": preemption.signum,
+            "model_dir": model_dir, "last_checkpoint": ckpt.name(last_saved), "wall_sec": elapsed}
 
 
 def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
@@ -318,8 +356,8 @@ def _log(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit code 0, or :data:`EXIT_PREEMPTED`; expected errors are raised for
-    :func:`moe_jax.cli.main` to report (codes in :mod:`moe_jax.errors`)."""
+    """Exit code 0; expected errors and interrupts are raised for :func:`moe_jax.cli.main`
+    to report (codes in :mod:`moe_jax.errors`)."""
     parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
     parser.add_argument("--allow_config_change", action="store_true",
                         help="resume although the gin config differs from the run's (config.gin "
@@ -329,4 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize(args)
     gin_utils.parse_gin(args)
     result = train(allow_config_change=args.allow_config_change)
-    return EXIT_PREEMPTED if result["preempted"] else 0
+    if result["preempted"]:
+        raise errors.Interrupted(result["signal"], (
+            f"at step {result['step']}: saved {result['last_checkpoint']}; "
+            "the same command resumes from it"))
+    return 0

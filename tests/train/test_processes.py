@@ -71,6 +71,10 @@ def test_sigterm_saves_then_resume_continues(tmp_path):
     assert code == 143, out[-2000:]
     saved = checkpoints.Checkpointer(str(tmp_path), read_only=True).all_steps()
     assert saved and saved[-1] >= 3, saved
+    assert [line for line in out.splitlines() if line.startswith("moe-jax train:")] == [
+        f"moe-jax train: stopped by SIGTERM: at step {saved[-1]}: saved {tmp_path}/checkpoints/"
+        f"{saved[-1]}; the same command resumes from it"], out[-2000:]
+    assert "Traceback" not in out
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={saved[-1] + 2}"))
     assert code == 0, out[-2000:]
     assert f"restored {tmp_path}/checkpoints/{saved[-1]}" in out
