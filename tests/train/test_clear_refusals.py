@@ -37,7 +37,8 @@ def _last_line(capsys) -> str:
                 "--gin.vocab.get_vocabulary.kind=sentencepiece",
                 "--gin.vocab.get_vocabulary.path=/nope/x.model",
             ],
-            "SentencePiece model not found: get_vocabulary.path='/nope/x.model' (kind='sentencepiece')",
+            "SentencePiece model not found: get_vocabulary.path='/nope/x.model' "
+            "(kind='sentencepiece')",
         ),
         (
             ["--gin.MoeLayer.num_selected_experts=5"],
@@ -45,8 +46,8 @@ def _last_line(capsys) -> str:
         ),
         (
             ["--gin.NUM_EXPERTS=3", "--gin.partitioning.make_mesh.mesh_shape=(4, 2, 1)"],
-            "params/decoder/layers_1/ffn/moe/expert/wi_0 [3, 32, 64]: dimension 0 (3) is split over "
-            "mesh axis expert of size 2, which does not divide it; make the number of experts "
+            "params/decoder/layers_1/ffn/moe/expert/wi_0 [3, 32, 64]: dimension 0 (3) is split "
+            "over mesh axis expert of size 2, which does not divide it; make the number of experts "
             "(NUM_EXPERTS) a multiple of the expert axis, or change the mesh "
             "(partitioning.make_mesh.mesh_shape)",
         ),

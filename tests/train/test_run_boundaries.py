@@ -82,6 +82,10 @@ def _refusal(config: pathlib.Path, payload: pathlib.Path) -> str:
     )
 
 
+def _last_line(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def _commands(
     run: pathlib.Path, export_dir: pathlib.Path, out: pathlib.Path
 ) -> dict[str, list[str]]:
@@ -152,14 +156,9 @@ def test_recorded_eval_settings_naming_a_module_are_refused(run_and_export, tmp_
     settings = copy / evaluate.EVAL_SETTINGS_FILE
     settings.write_text(settings.read_text().replace('"module": null', '"module": "eviltasks"'))
     assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 1
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .splitlines()[-1]
-        .startswith(
-            f"moe-jax eval: error: {settings}: refusing eval/utils.DatasetConfig.module = 'eviltasks'"
-        )
-    )
+    line = _last_line(capsys)
+    assert line.startswith(f"moe-jax eval: error: {settings}: refusing ")
+    assert "eval/utils.DatasetConfig.module = 'eviltasks'" in line
 
 
 def test_import_bindings_are_found_however_written():
@@ -191,10 +190,6 @@ train_eval/DatasetConfig.module = %TFDS_DATA_DIR
     )
     with pytest.raises(gin_utils.UntrustedCodeError, match=r"^t, line 3: refusing M = 'm1'"):
         gin_utils.refuse_untrusted_modules("t", [("M", 3, "m1")], trusted)
-
-
-def _last_line(capsys) -> str:
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_export_writes_only_into_a_new_empty_or_overwritten_directory(
