@@ -392,13 +392,11 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
 
 
 def _export(args) -> dict[str, Any]:
-    from moe_jax.train import checkpoints
-
     check_target(args.out, "--out", args.overwrite)  # an export never goes into a run directory
     distributed.initialize(args)
     run_files = gin_utils.run_gin_files(args, args.checkpoint, ["runs/export.gin"],
                                         command="moe-jax export")
-    config = gin_utils.run_config_file(checkpoints.split_checkpoint_path(args.checkpoint)[0], args)
+    config = gin_utils.checkpoint_config(args.checkpoint, args)
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
     gin_utils.parse_gin(args)

@@ -405,7 +405,7 @@ def run_gin_files(args: argparse.Namespace, checkpoint: str | None, defaults: Se
             raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
                                     f"({storage.join(model_dir, 'checkpoints')} does not exist)")
         if extend_run_config or not gin_files:
-            config = run_config_file(model_dir, args)
+            config = checkpoint_config(checkpoint, args)
     if config is None and not gin_files:
         raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
                                 f"{storage.join(model_dir, 'config.gin')}; pass its model and data "
@@ -440,19 +440,31 @@ def _parse_statements(text: str, origin: str) -> list:
         raise GinConfigError(f"gin: {origin}: {err}") from None
 
 
-def run_config_file(model_dir: str, args: argparse.Namespace) -> str | None:
-    """``MODEL_DIR/config.gin`` (or an export's ``config.gin``; None when there is none),
-    passed through :func:`check_run_config`. Every command that reads a run's or an export's
-    config (analyze, eval, infer, export, import) finds it here.
+def run_config_file(model_dir: str, args: argparse.Namespace,
+                    step: int | None = None) -> str | None:
+    """The run's config as of checkpoint ``step`` (:func:`recorded_run_config`: ``config.gin``
+    or a newer accepted ``config.step-N.gin``; an export's ``config.gin``; None when there is
+    none), passed through :func:`check_run_config`. Every command that reads a run's or an
+    export's config (analyze, eval, infer, export, import) finds it here.
 
     Raises:
       GinConfigError: as :func:`check_run_config`.
     """
-    path = storage.join(model_dir, "config.gin")
+    path = recorded_run_config(model_dir, step)
     if not storage.exists(path):
         return None
     check_run_config(path, args)
     return path
+
+
+def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
+    """:func:`run_config_file` of the run ``checkpoint`` (``MODEL_DIR[/STEP]``) belongs to, as
+    of its step (the latest when none is given)."""
+    from moe_jax.train import checkpoints
+
+    model_dir, step = checkpoints.split_checkpoint_path(checkpoint)
+    return run_config_file(model_dir, args,
+                           checkpoints.reached_step(model_dir) if step is None else step)
 
 
 def check_run_config(path: str, args: argparse.Namespace) -> None:
@@ -634,10 +646,11 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
     return kept
 
 
-def recorded_run_config(model_dir: str, step: int) -> str:
+def recorded_run_config(model_dir: str, step: int | None = None) -> str:
     """The run's gin config as of ``step``: the newest ``config.step-N.gin`` (written when a
-    resumption at step N changed the config with ``--allow_config_change``) with N <= ``step``,
-    else ``config.gin``."""
+    resumption at step N changed the config with ``--allow_config_change``) with N <= ``step``
+    (any N when ``step`` is None), else ``config.gin``."""
     accepted = {int(m.group(1)): name for name in storage.listdir(model_dir)
-                if (m := _ACCEPTED_CONFIG.fullmatch(name)) and int(m.group(1)) <= step}
+                if (m := _ACCEPTED_CONFIG.fullmatch(name))
+                and (step is None or int(m.group(1)) <= step)}
     return storage.join(model_dir, accepted[max(accepted)] if accepted else "config.gin")
