@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import contextlib
 import importlib
 import io
@@ -32,7 +33,9 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +43,7 @@ import gin
 from gin import config_parser
 
 from moe_jax import errors, storage
+from moe_jax.moe import legacy_gin
 
 REPO_GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
 
@@ -396,7 +400,9 @@ def run_config_file(model_dir: str, allowed_modules: Sequence[str] = ()) -> str 
     """``MODEL_DIR/config.gin`` (None when the run has none), checked to be safe to parse:
     every ``import`` names a module of the project (:data:`PROJECT_MODULES`) or of
     ``allowed_modules``, and it includes no other file. The CLIs that read a run's config
-    (analyze, eval, infer) call this rather than parsing the file directly.
+    (analyze, eval, infer) call this rather than parsing the file directly. A config written
+    before ``MoeConfig`` (``MoeLayer.*`` bindings) is read as a local copy in the new form
+    (:func:`new_form_config`).
 
     Raises:
       GinConfigError: naming the file and line of an import of another module, or of an include.
@@ -416,7 +422,33 @@ def run_config_file(model_dir: str, allowed_modules: Sequence[str] = ()) -> str 
         elif isinstance(statement, config_parser.IncludeStatement):
             raise GinConfigError(f"{path}, line {line}: refusing `include {statement.filename!r}`: "
                                  "a run directory's config must be self-contained")
-    return path
+    return new_form_config(path)
+
+
+def new_form_config(path: str) -> str:
+    """``path``, or, when it binds ``MoeLayer.*`` (a run written before ``MoeConfig``), a
+    local copy translated by :func:`moe_jax.moe.legacy_gin.translate` (said on stderr, with
+    the options it leaves out), removed when the process exits.
+
+    Raises:
+      GinConfigError: naming ``path`` and an option that cannot be translated.
+    """
+    text = _read(path)
+    try:
+        translated, warnings = legacy_gin.translate(text)
+    except legacy_gin.LegacyOptionError as err:
+        raise GinConfigError(f"{path}: {err}") from None
+    if translated == text:
+        return path
+    folder = tempfile.mkdtemp(prefix="moe_jax_config_")
+    atexit.register(shutil.rmtree, folder, True)
+    copy = os.path.join(folder, "config.gin")
+    storage.write_text(copy, translated)
+    print(f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form from {copy}",
+          file=sys.stderr, flush=True)
+    for warning in warnings:
+        print(f"[moe-jax] warning: {path}: {warning}", file=sys.stderr, flush=True)
+    return copy
 
 
 def config_bindings(text: str, origin: str = "config") -> dict[str, object]:
@@ -457,7 +489,7 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
     if not storage.exists(first):
         storage.write_text(first, operative)
         return first
-    changes = config_changes(_read(first), operative)
+    changes = config_changes(legacy_gin.translate(_read(first))[0], operative)
     if not changes:
         return first
     if not allow_change:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 import gin
+from moe_jax.models.t5 import T5Config
+from moe_jax.moe import legacy_gin
 from moe_jax.train import aot, export, gin_utils, setup
 
 SHAPES = {"encoder_input_tokens": (8, 64), "decoder_input_tokens": (8, 16)}
@@ -39,7 +41,8 @@ CONFIGS = {
         14499840.0,
     ),
 }
-# The routing part of the smoke model's export (config.json), as MoeLayer's fields.
+# The routing part of the smoke model's export (config.json) as written when it was
+# MoeLayer's gin fields (export format 1).
 SMOKE_ROUTING = {
     "accept_causal_leak": False,
     "activation": "gated_gelu",
@@ -96,18 +99,15 @@ def test_flops_per_example_pinned(name):
     assert model.flops_per_example(SHAPES, training=False) == forward
 
 
-def test_export_routing_and_compile_choices_pinned():
-    _model(CONFIGS["smoke"][0])
-    routing = export.routing_settings()
-    assert routing["router_mode"] == "learned"
-    assert {k: v for k, v in routing["moe_layer"].items() if k in SMOKE_ROUTING} == SMOKE_ROUTING
-    assert aot.layer_choices("cpu", "float32") == {
-        "platform": "cpu",
-        "dispatch": "sort",
-        "per_expert_loop": True,
-    }
-    assert aot.layer_choices("tpu", "bfloat16") == {
-        "platform": "tpu",
-        "dispatch": "sort",
-        "per_expert_loop": False,
-    }
+def test_export_config_and_compile_choices_pinned():
+    model = _model(CONFIGS["smoke"][0])
+    t5 = export.architecture(model)["t5_config"]
+    assert t5["decoder_moe"] is None and t5["moe"]["router"]["type"] == "top_k"
+    moe = T5Config.from_dict(t5).moe
+    assert moe == model.module.config.moe
+    assert {k: v for k, v in legacy_gin.legacy_fields(moe).items() if k in SMOKE_ROUTING} == SMOKE_ROUTING
+    config = model.module.config
+    assert aot.layer_choices("cpu", "float32", config.moe) == {
+        "platform": "cpu", "dispatch": "sort", "per_expert_loop": True}
+    assert aot.layer_choices("tpu", "bfloat16", config.moe) == {
+        "platform": "tpu", "dispatch": "sort", "per_expert_loop": False}
