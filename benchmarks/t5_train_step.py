@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from moe_jax.hardware import measured_matmul_flops
-import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, T5Config
 
@@ -34,9 +34,9 @@ def bench(kind: str, size: str, layers: int, sparse: int, experts: int, batch: i
           dec_len: int, steps: int) -> dict:
     gin.clear_config()
     gin.parse_config("\n".join([
-        f"MoeLayer.num_experts = {experts}", "MoeLayer.num_selected_experts = 2",
-        f"MoeLayer.d_ff = {SIZES[size]['mlp_dim']}", "MoeLayer.activation = 'gated_gelu'",
-        "MoeLayer.group_size = 4096"]))
+        f"MoeConfig.num_experts = {experts}", "TopKRouterConfig.num_selected_experts = 2",
+        f"MoeConfig.d_ff = {SIZES[size]['mlp_dim']}", "MoeConfig.activation = 'gated_gelu'",
+        "CapacityConfig.group_size = 4096"]))
     common = dict(vocab_size=32128, num_heads=12, head_dim=64, num_encoder_layers=layers,
                   num_decoder_layers=layers, num_sparse_encoder_layers=sparse,
                   num_sparse_decoder_layers=sparse, **SIZES[size])

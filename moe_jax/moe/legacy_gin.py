@@ -93,11 +93,13 @@ def config_from_fields(**fields: Any) -> moe_config.MoeConfig:
     bindings read; the types' defaults for what is not given).
 
     Raises:
-      LegacyOptionError: naming an option the router does not have (the old layer ignored it).
+      LegacyOptionError: naming an option the router does not have, set to other than the
+        old default (the old layer ignored it).
     """
     router_type, parts, dropped = split(fields)
-    if dropped:
-        raise LegacyOptionError(f"MoeLayer.{next(iter(dropped))}: the {router_type!r} router has no such option")
+    ignored = [name for name, value in dropped.items() if value != _ROUTER_DEFAULTS[FIELDS[name][1]]]
+    if ignored:
+        raise LegacyOptionError(f"MoeLayer.{ignored[0]}: the {router_type!r} router has no such option")
     data = dict(parts["MoeConfig"])
     data["router"] = {"type": router_type, **parts["router"]}
     for part, key in _PART_KEYS.items():

@@ -37,8 +37,8 @@ def test_fig5_moe_runs_are_the_papers_model_with_the_requested_router(mode):
     assert _model_config() == {"EMBED_DIM": 32, "MLP_DIM": 256, "NUM_HEADS": 12, "HEAD_DIM": 64,
                                "NUM_ENCODER_LAYERS": 12, "NUM_DECODER_LAYERS": 12}
     assert gin.query_parameter("freeze.router_mode.mode") == mode
-    assert gin.query_parameter("MoeLayer.num_selected_experts") == 2
-    assert gin.query_parameter("%TRAIN_CAPACITY_FACTOR") == 1.25  # MoeLayer's factors are these macros
+    assert gin.query_parameter("%NUM_SELECTED_EXPERTS") == 2  # TopKRouterConfig's k is this macro
+    assert gin.query_parameter("%TRAIN_CAPACITY_FACTOR") == 1.25  # CapacityConfig's factors are these macros
     assert gin.query_parameter("%EVAL_CAPACITY_FACTOR") == 2.0
     assert gin.query_parameter("%NUM_EXPERTS") == 32
     assert gin.query_parameter("%TRAIN_STEPS") == 500000
