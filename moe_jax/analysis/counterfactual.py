@@ -96,8 +96,10 @@ def init_stddevs(config: Any) -> dict[str, float]:
     """``{"encoder": s, "decoder": s}``: the init stddev of each stack's routers, read from
     the model's ``T5Config`` (its MoE configs' router configs; routers without one, such as
     hash, and models without MoE layers: :data:`DEFAULT_INIT_STDDEV`)."""
-    return {stack: float(getattr(getattr(config.moe_config(stack), "router", None), "init_stddev",
-                                 DEFAULT_INIT_STDDEV)) for stack in ("encoder", "decoder")}
+    if not config.has_moe:
+        return {"encoder": DEFAULT_INIT_STDDEV, "decoder": DEFAULT_INIT_STDDEV}
+    return {stack: float(getattr(config.moe_config(stack).router, "init_stddev", DEFAULT_INIT_STDDEV))
+            for stack in ("encoder", "decoder")}
 
 
 def random_routers(params: Any, seed: int = 0,

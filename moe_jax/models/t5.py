@@ -195,11 +195,14 @@ class T5Config:
                            if data.get(name) is not None}}
         return cls(**{f.name: data.get(f.name, f.default) for f in dataclasses.fields(cls)})
 
-    def moe_config(self, stack: str) -> MoeConfig | None:
-        """The MoE config of ``stack``'s sparse layers (``'encoder'`` or ``'decoder'``;
-        None for a model without MoE layers)."""
-        if not self.has_moe:
-            return None
+    def moe_config(self, stack: str) -> MoeConfig:
+        """The MoE config of ``stack``'s sparse layers (``'encoder'`` or ``'decoder'``).
+
+        Raises:
+          ValueError: the model has no MoE layers (see :attr:`has_moe`).
+        """
+        if not self.has_moe or self.moe is None:
+            raise ValueError("T5Config: the model has no MoE layers, so no MoE config")
         if stack == "decoder" and self.decoder_moe is not None:
             return self.decoder_moe
         return self.moe

@@ -23,17 +23,30 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import flax.linen as nn
-import gin
 
+import gin
 from moe_jax.moe.capacity import CAPACITY_RULES
 from moe_jax.moe.dispatch import CAPACITY_ORDERS, DISPATCH_IMPLS, layer_choices
 from moe_jax.moe.experts import check_activation
-from moe_jax.moe.hierarchical import HierarchicalRouter, NoisyHierarchicalRouter, check_hierarchical_options
-from moe_jax.moe.routers import ExpertChoiceRouter, HashRouter, NoisyTopKRouter, RandomRouter, TopKRouter
+from moe_jax.moe.hierarchical import (
+    HierarchicalRouter,
+    NoisyHierarchicalRouter,
+    check_hierarchical_options,
+)
+from moe_jax.moe.routers import (
+    ExpertChoiceRouter,
+    HashRouter,
+    NoisyTopKRouter,
+    RandomRouter,
+    TopKRouter,
+)
 from moe_jax.moe.selection import SCORE_FUNCTIONS
 
 # Router config field -> keyword of its router module where the two names differ.
-_MODULE_NAMES = {"batch_prioritized_routing": "batch_prioritized", "num_expert_groups": "num_groups"}
+_MODULE_NAMES = {
+    "batch_prioritized_routing": "batch_prioritized",
+    "num_expert_groups": "num_groups",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +65,17 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.num_selected_experts < 1:
-            raise ValueError(f"{type(self).__name__}.num_selected_experts={self.num_selected_experts} "
-                             "must be >= 1")
+            raise ValueError(
+                f"{type(self).__name__}.num_selected_experts={self.num_selected_experts} "
+                "must be >= 1"
+            )
 
     def module_options(self) -> dict[str, Any]:
         """Every option as a keyword of :attr:`module` (``num_selected_experts`` included)."""
-        return {_MODULE_NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            _MODULE_NAMES.get(f.name, f.name): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """``{"type": router_type, <option>: value...}``."""
@@ -106,10 +124,14 @@ class TopKRouterConfig(RouterConfig):
         if self.jitter_noise < 0:
             raise ValueError(f"TopKRouterConfig.jitter_noise={self.jitter_noise} must be >= 0")
         if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"TopKRouterConfig.score_function={self.score_function!r} is not one of "
-                             f"{SCORE_FUNCTIONS}")
+            raise ValueError(
+                f"TopKRouterConfig.score_function={self.score_function!r} is not one of "
+                f"{SCORE_FUNCTIONS}"
+            )
         if self.bias_update_rate < 0 or self.max_groups_per_token < 0:
-            raise ValueError("TopKRouterConfig.bias_update_rate and max_groups_per_token must be >= 0")
+            raise ValueError(
+                "TopKRouterConfig.bias_update_rate and max_groups_per_token must be >= 0"
+            )
 
 
 @gin.configurable
@@ -235,9 +257,17 @@ class NoisyHierarchicalRouterConfig(HierarchicalRouterConfig):
 
 # Every router config by its router name.
 ROUTER_CONFIGS: dict[str, type[RouterConfig]] = {
-    c.router_type: c for c in (TopKRouterConfig, NoisyTopKRouterConfig, ExpertChoiceRouterConfig,
-                               HashRouterConfig, RandomRouterConfig, HierarchicalRouterConfig,
-                               NoisyHierarchicalRouterConfig)}
+    c.router_type: c
+    for c in (
+        TopKRouterConfig,
+        NoisyTopKRouterConfig,
+        ExpertChoiceRouterConfig,
+        HashRouterConfig,
+        RandomRouterConfig,
+        HierarchicalRouterConfig,
+        NoisyHierarchicalRouterConfig,
+    )
+}
 HIERARCHICAL_ROUTER_TYPES = ("hierarchical", "noisy_hierarchical")
 # Routers that look at the whole routing group (future tokens in a causal decoder).
 GROUP_WIDE_ROUTER_TYPES = ("expert_choice",)
@@ -273,13 +303,17 @@ class CapacityConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"CapacityConfig.{name}={getattr(self, name)} must be > 0")
         if self.capacity_rule not in CAPACITY_RULES:
-            raise ValueError(f"CapacityConfig.capacity_rule={self.capacity_rule!r} is unknown; "
-                             f"choose one of {CAPACITY_RULES}")
+            raise ValueError(
+                f"CapacityConfig.capacity_rule={self.capacity_rule!r} is unknown; "
+                f"choose one of {CAPACITY_RULES}"
+            )
         if self.group_size < 1 or self.min_expert_capacity < 0:
             raise ValueError("CapacityConfig.group_size must be >= 1 and min_expert_capacity >= 0")
-        if self.capacity_order not in CAPACITY_ORDERS + ("auto",):
-            raise ValueError(f"CapacityConfig.capacity_order={self.capacity_order!r} is unknown; "
-                             f"choose one of {CAPACITY_ORDERS + ('auto',)}")
+        if self.capacity_order not in (*CAPACITY_ORDERS, "auto"):
+            raise ValueError(
+                f"CapacityConfig.capacity_order={self.capacity_order!r} is unknown; "
+                f"choose one of {(*CAPACITY_ORDERS, 'auto')}"
+            )
 
     def factor(self, deterministic: bool) -> float:
         """The eval factor when ``deterministic``, else the train factor."""
@@ -311,9 +345,11 @@ class ExecutionConfig:
     model_axis: str = "model"
 
     def __post_init__(self) -> None:
-        if self.dispatch not in DISPATCH_IMPLS + ("auto",):
-            raise ValueError(f"ExecutionConfig.dispatch={self.dispatch!r} is unknown; "
-                             f"choose one of {DISPATCH_IMPLS + ('auto',)}")
+        if self.dispatch not in (*DISPATCH_IMPLS, "auto"):
+            raise ValueError(
+                f"ExecutionConfig.dispatch={self.dispatch!r} is unknown; "
+                f"choose one of {(*DISPATCH_IMPLS, 'auto')}"
+            )
 
     def resolve(self, platform: str, dtype: Any) -> tuple[str, bool]:
         """(dispatch implementation, per-expert loop) when compiled for ``platform``
@@ -321,8 +357,10 @@ class ExecutionConfig:
         (``dispatch.layer_choices``) where it says ``auto`` / None. The layer and
         `moe-jax compile`'s report both call this."""
         auto_impl, auto_loop = layer_choices(platform, dtype)
-        return (auto_impl if self.dispatch == "auto" else self.dispatch,
-                auto_loop if self.per_expert_loop is None else self.per_expert_loop)
+        return (
+            auto_impl if self.dispatch == "auto" else self.dispatch,
+            auto_loop if self.per_expert_loop is None else self.per_expert_loop,
+        )
 
 
 @gin.configurable
@@ -338,10 +376,16 @@ class AuxLossConfig:
 
     def weights(self) -> dict[str, float]:
         """``{loss name: weight}`` (names of ``moe.losses.auxiliary_losses``)."""
-        return {f.name.removesuffix("_weight"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            f.name.removesuffix("_weight"): getattr(self, f.name) for f in dataclasses.fields(self)
+        }
 
 
-_PARTS: dict[str, type] = {"capacity": CapacityConfig, "execution": ExecutionConfig, "losses": AuxLossConfig}
+_PARTS: dict[str, type] = {
+    "capacity": CapacityConfig,
+    "execution": ExecutionConfig,
+    "losses": AuxLossConfig,
+}
 
 
 @gin.configurable
@@ -372,10 +416,11 @@ class MoeConfig:
     num_shared_experts: int = 0
     shared_expert_d_ff: int | None = None
     accept_causal_leak: bool = False
-    router: RouterConfig | None = None
-    capacity: CapacityConfig | None = None
-    execution: ExecutionConfig | None = None
-    losses: AuxLossConfig | None = None
+    # None (the default) is replaced in __post_init__: never None on a built config.
+    router: RouterConfig = None  # type: ignore[assignment]
+    capacity: CapacityConfig = None  # type: ignore[assignment]
+    execution: ExecutionConfig = None  # type: ignore[assignment]
+    losses: AuxLossConfig = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.router is None:
@@ -384,37 +429,54 @@ class MoeConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, part())
         if not isinstance(self.router, RouterConfig):
-            raise ValueError(f"MoeConfig.router={self.router!r} is not a router config; use one of "
-                             f"{', '.join(c.__name__ for c in ROUTER_CONFIGS.values())}")
+            raise ValueError(
+                f"MoeConfig.router={self.router!r} is not a router config; use one of "
+                f"{', '.join(c.__name__ for c in ROUTER_CONFIGS.values())}"
+            )
         for name, part in _PARTS.items():
             if not isinstance(getattr(self, name), part):
-                raise ValueError(f"MoeConfig.{name}={getattr(self, name)!r} is not a {part.__name__}")
+                raise ValueError(
+                    f"MoeConfig.{name}={getattr(self, name)!r} is not a {part.__name__}"
+                )
         self._validate()
 
     def _validate(self) -> None:
         router, k = self.router_type, self.router.num_selected_experts
         if self.num_experts < 1 or self.d_ff < 1:
-            raise ValueError(f"MoeConfig.num_experts={self.num_experts} and d_ff={self.d_ff} must be >= 1")
-        if router in HIERARCHICAL_ROUTER_TYPES:
-            check_hierarchical_options(self.num_experts, k, self.router.num_expert_groups,
-                                       self.router.num_selected_groups)
+            raise ValueError(
+                f"MoeConfig.num_experts={self.num_experts} and d_ff={self.d_ff} must be >= 1"
+            )
+        if isinstance(self.router, HierarchicalRouterConfig):
+            check_hierarchical_options(
+                self.num_experts, k, self.router.num_expert_groups, self.router.num_selected_groups
+            )
         elif not 1 <= k <= self.num_experts:
-            raise ValueError(f"{type(self.router).__name__}.num_selected_experts={k} must be between 1 "
-                             f"and MoeConfig.num_experts={self.num_experts}")
+            raise ValueError(
+                f"{type(self.router).__name__}.num_selected_experts={k} must be between 1 "
+                f"and MoeConfig.num_experts={self.num_experts}"
+            )
         check_activation(self.activation)
         m = self.expert_granularity
         if m < 1 or self.d_ff % m:
-            raise ValueError(f"MoeConfig.expert_granularity={m} must be >= 1 and divide d_ff={self.d_ff}")
+            raise ValueError(
+                f"MoeConfig.expert_granularity={m} must be >= 1 and divide d_ff={self.d_ff}"
+            )
         if m > 1 and router in HIERARCHICAL_ROUTER_TYPES:
-            raise ValueError(f"MoeConfig.expert_granularity={m} is for flat routers, not {router!r}")
+            raise ValueError(
+                f"MoeConfig.expert_granularity={m} is for flat routers, not {router!r}"
+            )
         if self.num_shared_experts < 0:
             raise ValueError(f"MoeConfig.num_shared_experts={self.num_shared_experts} must be >= 0")
         if self.num_shared_experts and router == "expert_choice":
-            raise ValueError("MoeConfig.num_shared_experts: shared experts are for token-choice routers; "
-                             "expert choice already lets experts take any number of tokens")
+            raise ValueError(
+                "MoeConfig.num_shared_experts: shared experts are for token-choice routers; "
+                "expert choice already lets experts take any number of tokens"
+            )
         if self.capacity.dropless and router == "expert_choice":
-            raise ValueError("CapacityConfig.dropless=True needs a token-choice router, "
-                             "not ExpertChoiceRouterConfig")
+            raise ValueError(
+                "CapacityConfig.dropless=True needs a token-choice router, "
+                "not ExpertChoiceRouterConfig"
+            )
 
     @property
     def router_type(self) -> str:
@@ -440,7 +502,7 @@ class MoeConfig:
     def choices_per_token(self) -> int:
         """Assignments per token: ``k`` (``m * k`` with granularity m), or ``k1 * k2`` for
         the hierarchical routers."""
-        if self.router_type in HIERARCHICAL_ROUTER_TYPES:
+        if isinstance(self.router, HierarchicalRouterConfig):
             return self.router.num_selected_groups * self.router.num_selected_experts
         return self.router.num_selected_experts * self.expert_granularity
 
@@ -450,12 +512,19 @@ class MoeConfig:
         if self.router_type in GROUP_WIDE_ROUTER_TYPES:
             return f"{type(self.router).__name__} reads every token of a routing group"
         if getattr(self.router, "batch_prioritized_routing", False):
-            return (f"{type(self.router).__name__}.batch_prioritized_routing=True ranks the tokens of "
-                    "a group by their router scores")
-        if (self.capacity.capacity_order == "choice_major" and self.choices_per_token > 1
-                and not self.capacity.dropless):
-            return ("CapacityConfig.capacity_order='choice_major' lets a later token's first choice "
-                    "take the buffer slot of an earlier token's second choice")
+            return (
+                f"{type(self.router).__name__}.batch_prioritized_routing=True ranks the tokens of "
+                "a group by their router scores"
+            )
+        if (
+            self.capacity.capacity_order == "choice_major"
+            and self.choices_per_token > 1
+            and not self.capacity.dropless
+        ):
+            return (
+                "CapacityConfig.capacity_order='choice_major' lets a later token's first choice "
+                "take the buffer slot of an earlier token's second choice"
+            )
         return None
 
     def check_causal(self, where: str = "a causal decoder") -> None:
@@ -466,13 +535,17 @@ class MoeConfig:
         """
         leak = self.causal_leak()
         if leak and not self.accept_causal_leak:
-            raise ValueError(f"{leak}, so in {where} it leaks future tokens; set "
-                             "MoeConfig.accept_causal_leak=True to accept the leak")
+            raise ValueError(
+                f"{leak}, so in {where} it leaks future tokens; set "
+                "MoeConfig.accept_causal_leak=True to accept the leak"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; :func:`from_dict` reads it back."""
         nested = ("router", *_PARTS)
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested}
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested
+        }
         out["router"] = self.router.to_dict()
         for name in _PARTS:
             out[name] = dataclasses.asdict(getattr(self, name))

@@ -66,8 +66,9 @@ class MoeLayer(nn.Module):
         so a config written for a large mesh also runs on one device."""
         router = self.config.router
         limit = getattr(router, "max_groups_per_token", 0)
-        if getattr(router, "num_limited_groups", None):
-            return router.num_limited_groups, limit
+        fixed = getattr(router, "num_limited_groups", None)
+        if fixed:
+            return fixed, limit
         groups = ep.axis_size(mesh, self.config.execution.expert_axis)
         return groups, (limit if limit < groups else 0)
 

@@ -21,33 +21,85 @@ from moe_jax.moe import config as moe_config
 
 # Old MoeLayer field -> (part, field of that part); "router" is the router config.
 FIELDS: dict[str, tuple[str, str]] = {
-    **{name: ("MoeConfig", name) for name in (
-        "num_experts", "d_ff", "activation", "expert_dropout_rate", "expert_granularity",
-        "num_shared_experts", "shared_expert_d_ff", "accept_causal_leak")},
-    **{name: ("router", name) for name in (
-        "num_selected_experts", "num_expert_groups", "num_selected_groups", "renormalize_gates",
-        "jitter_noise", "batch_prioritized_routing", "bias_update_rate", "num_limited_groups",
-        "max_groups_per_token")},
+    **{
+        name: ("MoeConfig", name)
+        for name in (
+            "num_experts",
+            "d_ff",
+            "activation",
+            "expert_dropout_rate",
+            "expert_granularity",
+            "num_shared_experts",
+            "shared_expert_d_ff",
+            "accept_causal_leak",
+        )
+    },
+    **{
+        name: ("router", name)
+        for name in (
+            "num_selected_experts",
+            "num_expert_groups",
+            "num_selected_groups",
+            "renormalize_gates",
+            "jitter_noise",
+            "batch_prioritized_routing",
+            "bias_update_rate",
+            "num_limited_groups",
+            "max_groups_per_token",
+        )
+    },
     "router_init_stddev": ("router", "init_stddev"),
     "router_seed": ("router", "seed"),
     "router_score": ("router", "score_function"),
-    **{name: ("CapacityConfig", name) for name in (
-        "train_capacity_factor", "eval_capacity_factor", "min_expert_capacity", "capacity_rule",
-        "group_size", "dropless", "capacity_order")},
-    **{name: ("ExecutionConfig", name) for name in (
-        "dispatch", "per_expert_loop", "data_axis", "expert_axis", "model_axis")},
-    **{name: ("AuxLossConfig", name) for name in (
-        "load_balancing_loss_weight", "router_z_loss_weight", "importance_loss_weight",
-        "load_loss_weight", "entropy_loss_weight")},
+    **{
+        name: ("CapacityConfig", name)
+        for name in (
+            "train_capacity_factor",
+            "eval_capacity_factor",
+            "min_expert_capacity",
+            "capacity_rule",
+            "group_size",
+            "dropless",
+            "capacity_order",
+        )
+    },
+    **{
+        name: ("ExecutionConfig", name)
+        for name in ("dispatch", "per_expert_loop", "data_axis", "expert_axis", "model_axis")
+    },
+    **{
+        name: ("AuxLossConfig", name)
+        for name in (
+            "load_balancing_loss_weight",
+            "router_z_loss_weight",
+            "importance_loss_weight",
+            "load_loss_weight",
+            "entropy_loss_weight",
+        )
+    },
 }
 # Set by the model, not configuration.
 IGNORED = ("causal", "dtype", "name")
 # The old MoeLayer's defaults of the router options (what "not set" looked like).
-_ROUTER_DEFAULTS = {"num_selected_experts": 2, "num_expert_groups": 1, "num_selected_groups": 1,
-                    "renormalize_gates": False, "jitter_noise": 0.0, "batch_prioritized_routing": False,
-                    "bias_update_rate": 0.0, "num_limited_groups": None, "max_groups_per_token": 0,
-                    "init_stddev": 2e-2, "seed": 0, "score_function": "softmax"}
-_PART_KEYS = {"CapacityConfig": "capacity", "ExecutionConfig": "execution", "AuxLossConfig": "losses"}
+_ROUTER_DEFAULTS = {
+    "num_selected_experts": 2,
+    "num_expert_groups": 1,
+    "num_selected_groups": 1,
+    "renormalize_gates": False,
+    "jitter_noise": 0.0,
+    "batch_prioritized_routing": False,
+    "bias_update_rate": 0.0,
+    "num_limited_groups": None,
+    "max_groups_per_token": 0,
+    "init_stddev": 2e-2,
+    "seed": 0,
+    "score_function": "softmax",
+}
+_PART_KEYS = {
+    "CapacityConfig": "capacity",
+    "ExecutionConfig": "execution",
+    "AuxLossConfig": "losses",
+}
 _BINDING = re.compile(r"^MoeLayer\.(\w+)\s*=\s*(.*?)\s*$", re.MULTILINE)
 _MACRO = re.compile(r"^(\w+)\s*=\s*(.*?)\s*$", re.MULTILINE)
 
@@ -58,12 +110,16 @@ class LegacyOptionError(ValueError):
 
 def _router_config(router_type: str, where: str) -> type[moe_config.RouterConfig]:
     if router_type not in moe_config.ROUTER_CONFIGS:
-        raise LegacyOptionError(f"{where}MoeLayer.router_type={router_type!r} is unknown; choose one of "
-                                f"{tuple(moe_config.ROUTER_CONFIGS)}")
+        raise LegacyOptionError(
+            f"{where}MoeLayer.router_type={router_type!r} is unknown; choose one of "
+            f"{tuple(moe_config.ROUTER_CONFIGS)}"
+        )
     return moe_config.ROUTER_CONFIGS[router_type]
 
 
-def split(fields: Mapping[str, Any], where: str = "") -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
+def split(
+    fields: Mapping[str, Any], where: str = ""
+) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
     """(router type, ``{part: {field: value}}``, ``{old name: value}`` of the router options
     its router does not have) of old ``MoeLayer`` ``fields`` (``part``: ``MoeConfig``,
     ``router`` or a part's class name; values as given).
@@ -97,9 +153,13 @@ def config_from_fields(**fields: Any) -> moe_config.MoeConfig:
         old default (the old layer ignored it).
     """
     router_type, parts, dropped = split(fields)
-    ignored = [name for name, value in dropped.items() if value != _ROUTER_DEFAULTS[FIELDS[name][1]]]
+    ignored = [
+        name for name, value in dropped.items() if value != _ROUTER_DEFAULTS[FIELDS[name][1]]
+    ]
     if ignored:
-        raise LegacyOptionError(f"MoeLayer.{ignored[0]}: the {router_type!r} router has no such option")
+        raise LegacyOptionError(
+            f"MoeLayer.{ignored[0]}: the {router_type!r} router has no such option"
+        )
     data = dict(parts["MoeConfig"])
     data["router"] = {"type": router_type, **parts["router"]}
     for part, key in _PART_KEYS.items():
@@ -110,10 +170,15 @@ def config_from_fields(**fields: Any) -> moe_config.MoeConfig:
 def legacy_fields(config: moe_config.MoeConfig) -> dict[str, Any]:
     """The old ``MoeLayer`` fields that configure as ``config`` does (router options its
     router does not have at the old defaults): the inverse of :func:`config_from_fields`."""
-    parts = {"MoeConfig": config, "router": config.router,
-             **{part: getattr(config, key) for part, key in _PART_KEYS.items()}}
-    fields = {name: getattr(parts[part], field, _ROUTER_DEFAULTS.get(field))
-              for name, (part, field) in FIELDS.items()}
+    parts = {
+        "MoeConfig": config,
+        "router": config.router,
+        **{part: getattr(config, key) for part, key in _PART_KEYS.items()},
+    }
+    fields = {
+        name: getattr(parts[part], field, _ROUTER_DEFAULTS.get(field))
+        for name, (part, field) in FIELDS.items()
+    }
     return {**fields, "router_type": config.router_type}
 
 
@@ -140,16 +205,22 @@ def translate(text: str) -> tuple[str, list[str]]:
     def value(raw: str) -> Any:
         return _literal(macros.get(raw[1:], raw) if raw.startswith("%") else raw)
 
-    router_type, parts, dropped = split({**bindings, "router_type": value(bindings.get("router_type", "'top_k'"))},
-                                        "config.gin: ")
+    router_type, parts, dropped = split(
+        {**bindings, "router_type": value(bindings.get("router_type", "'top_k'"))}, "config.gin: "
+    )
     router_cls = moe_config.ROUTER_CONFIGS[router_type]
-    warnings = [f"MoeLayer.{name} = {raw} had no effect on the {router_type!r} router; left out"
-                for name, raw in dropped.items() if value(raw) != _ROUTER_DEFAULTS[FIELDS[name][1]]]
-    lines = ["# MoeLayer.* bindings (the MoE settings before MoeConfig), translated:",
-             f"MoeConfig.router = @{router_cls.__name__}()"]
+    warnings = [
+        f"MoeLayer.{name} = {raw} had no effect on the {router_type!r} router; left out"
+        for name, raw in dropped.items()
+        if value(raw) != _ROUTER_DEFAULTS[FIELDS[name][1]]
+    ]
+    lines = [
+        "# MoeLayer.* bindings (the MoE settings before MoeConfig), translated:",
+        f"MoeConfig.router = @{router_cls.__name__}()",
+    ]
     for part in ("MoeConfig", "router", *_PART_KEYS):
         name = router_cls.__name__ if part == "router" else part
         lines += [f"{name}.{field} = {raw}" for field, raw in sorted(parts.get(part, {}).items())]
-    first = _BINDING.search(text).start()
+    first = min(m.start() for m in _BINDING.finditer(text))
     rest = _BINDING.sub("", text[first:])
     return text[:first] + "\n".join(lines) + "\n" + re.sub(r"\n{3,}", "\n\n", rest), warnings

@@ -34,7 +34,7 @@ import jax
 
 from moe_jax import storage
 from moe_jax.moe import capacity
-from moe_jax.moe.config import MoeConfig
+from moe_jax.moe.config import MoeConfig, TopKRouterConfig
 from moe_jax.train import gin_utils
 
 
@@ -65,8 +65,8 @@ def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str
     partial_gates = config.choices_per_token < config.routed_experts
     if config.router_type == "expert_choice":
         causes.append("ExpertChoiceRouterConfig: experts pick tokens, so a token may get none or several experts")
-    elif (config.router_type == "top_k" and router.score_function == "softmax" and not router.renormalize_gates
-          and partial_gates):
+    elif (isinstance(router, TopKRouterConfig) and router.score_function == "softmax"
+          and not router.renormalize_gates and partial_gates):
         causes.append("TopKRouterConfig.renormalize_gates=False: a token's top-k softmax gates sum to less "
                       "than 1 (include routers/renormalized.gin)")
     elif config.router_type == "noisy_top_k" and partial_gates:
@@ -83,7 +83,9 @@ def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str
 def moe_configs() -> list[MoeConfig]:
     """The distinct MoE configs (encoder's, decoder's) of the gin-configured model."""
     config = _train_argument("model").module.config
-    return list(dict.fromkeys(c for c in (config.moe_config("encoder"), config.moe_config("decoder")) if c))
+    if not config.has_moe:
+        return []
+    return list(dict.fromkeys((config.moe_config("encoder"), config.moe_config("decoder"))))
 
 
 def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]:

@@ -8,14 +8,20 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-import gin
 import pytest
 
+import gin
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import config as moe_config
 from moe_jax.moe import legacy_gin
-from moe_jax.moe.config import (CapacityConfig, ExpertChoiceRouterConfig, HashRouterConfig, MoeConfig,
-                                NoisyTopKRouterConfig, TopKRouterConfig)
+from moe_jax.moe.config import (
+    CapacityConfig,
+    ExpertChoiceRouterConfig,
+    HashRouterConfig,
+    MoeConfig,
+    NoisyTopKRouterConfig,
+    TopKRouterConfig,
+)
 from moe_jax.train import gin_utils, setup
 
 ROUTERS = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
@@ -41,13 +47,15 @@ def _fresh_gin():
     gin.clear_config()
 
 
-@pytest.mark.parametrize("router, option, value", IGNORED_BEFORE, ids=lambda v: str(v))
+@pytest.mark.parametrize("router, option, value", IGNORED_BEFORE, ids=str)
 def test_an_option_the_router_lacks_is_refused_at_parse_naming_file_line_option_router(
-        tmp_path, router, option, value):
+    tmp_path, router, option, value
+):
     path = tmp_path / "study.gin"
     path.write_text(f"# the study\nMoeConfig.router = @{router}()\n{router}.{option} = {value}\n")
-    args = gin_utils.parse_flags(setup.build_parser("test", "test"),
-                                 ["--gin_file=runs/smoke_cpu.gin", f"--gin_file={path}"])
+    args = gin_utils.parse_flags(
+        setup.build_parser("test", "test"), ["--gin_file=runs/smoke_cpu.gin", f"--gin_file={path}"]
+    )
     with pytest.raises(gin_utils.GinConfigError) as err:
         gin_utils.parse_gin(args)
     message = str(err.value)
@@ -56,7 +64,9 @@ def test_an_option_the_router_lacks_is_refused_at_parse_naming_file_line_option_
         getattr(moe_config, router)(**{option: True})
     old_name = {"init_stddev": "router_init_stddev"}.get(option, option)
     router_type = getattr(moe_config, router).router_type
-    with pytest.raises(legacy_gin.LegacyOptionError, match=f"MoeLayer.{old_name}: the '{router_type}' router"):
+    with pytest.raises(
+        legacy_gin.LegacyOptionError, match=f"MoeLayer.{old_name}: the '{router_type}' router"
+    ):
         legacy_gin.config_from_fields(router_type=router_type, **{old_name: True})
 
 
@@ -68,44 +78,75 @@ def test_every_option_of_a_router_config_reaches_its_router_module(router):
 
 
 def test_construction_refuses_what_the_layer_refused_naming_the_option():
-    with pytest.raises(ValueError, match="CapacityConfig.dropless=True needs a token-choice router"):
-        MoeConfig(num_experts=4, d_ff=8, router=ExpertChoiceRouterConfig(),
-                  capacity=CapacityConfig(dropless=True))
-    with pytest.raises(ValueError, match="num_selected_experts=5 must be between 1 and MoeConfig.num_experts=4"):
+    with pytest.raises(
+        ValueError, match="CapacityConfig.dropless=True needs a token-choice router"
+    ):
+        MoeConfig(
+            num_experts=4,
+            d_ff=8,
+            router=ExpertChoiceRouterConfig(),
+            capacity=CapacityConfig(dropless=True),
+        )
+    with pytest.raises(
+        ValueError, match="num_selected_experts=5 must be between 1 and MoeConfig.num_experts=4"
+    ):
         MoeConfig(num_experts=4, d_ff=8, router=TopKRouterConfig(num_selected_experts=5))
     with pytest.raises(ValueError, match="TopKRouterConfig.score_function='tanh'"):
         TopKRouterConfig(score_function="tanh")
     with pytest.raises(ValueError, match="MoeConfig.router=.* is not a router config"):
         MoeConfig(router=CapacityConfig())
     # a decoder whose router reads later tokens is refused when the model's config is built
-    with pytest.raises(ValueError, match="NoisyTopKRouterConfig.batch_prioritized_routing=True .* the decoder"):
-        T5Config(num_sparse_decoder_layers=1, moe=MoeConfig(
-            router=NoisyTopKRouterConfig(batch_prioritized_routing=True)))
-    T5Config(num_sparse_encoder_layers=1, moe=MoeConfig(router=NoisyTopKRouterConfig(batch_prioritized_routing=True)))
+    with pytest.raises(
+        ValueError, match="NoisyTopKRouterConfig.batch_prioritized_routing=True .* the decoder"
+    ):
+        T5Config(
+            num_sparse_decoder_layers=1,
+            moe=MoeConfig(router=NoisyTopKRouterConfig(batch_prioritized_routing=True)),
+        )
+    T5Config(
+        num_sparse_encoder_layers=1,
+        moe=MoeConfig(router=NoisyTopKRouterConfig(batch_prioritized_routing=True)),
+    )
 
 
 def test_encoder_and_decoder_configs_from_gin_scopes_and_back_from_a_dict():
-    gin.parse_config_files_and_bindings([str(ROUTERS / "top2.gin"), str(ROUTERS / "hash_decoder.gin")], [
-        "MoeConfig.num_experts = 4", "MoeConfig.d_ff = 16", "CapacityConfig.group_size = 64"])
-    config = T5Config(num_encoder_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1,
-                      num_sparse_decoder_layers=1)
+    gin.parse_config_files_and_bindings(
+        [str(ROUTERS / "top2.gin"), str(ROUTERS / "hash_decoder.gin")],
+        ["MoeConfig.num_experts = 4", "MoeConfig.d_ff = 16", "CapacityConfig.group_size = 64"],
+    )
+    config = T5Config(
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+    )
     encoder, decoder = config.moe_config("encoder"), config.moe_config("decoder")
     assert encoder.router == TopKRouterConfig(num_selected_experts=2)
     assert decoder.router == HashRouterConfig(num_selected_experts=1)
-    assert encoder.capacity == decoder.capacity and decoder.capacity.group_size == 64  # unscoped: shared
-    assert (encoder.losses.load_balancing_loss_weight, decoder.losses.load_balancing_loss_weight) == (0.01, 0.0)
+    assert (
+        encoder.capacity == decoder.capacity and decoder.capacity.group_size == 64
+    )  # unscoped: shared
+    assert (
+        encoder.losses.load_balancing_loss_weight,
+        decoder.losses.load_balancing_loss_weight,
+    ) == (0.01, 0.0)
     gin.clear_config()  # from_dict reads no binding
     assert T5Config.from_dict(config.to_dict()) == config
     assert moe_config.from_dict(decoder.to_dict()) == decoder
 
 
 def test_old_bindings_translate_and_ignored_options_are_left_out_with_a_warning():
-    text = ("NUM_EXPERTS = 4\nMoeLayer.num_experts = %NUM_EXPERTS\nMoeLayer.router_type = 'noisy_top_k'\n"
-            "MoeLayer.jitter_noise = 0.5\nMoeLayer.renormalize_gates = False\nMoeLayer.dropless = True\n"
-            "MoeLayer.causal = False\nMoeLayer.load_loss_weight = 0.1\n")
+    text = (
+        "NUM_EXPERTS = 4\nMoeLayer.num_experts = %NUM_EXPERTS\n"
+        "MoeLayer.router_type = 'noisy_top_k'\nMoeLayer.jitter_noise = 0.5\n"
+        "MoeLayer.renormalize_gates = False\nMoeLayer.dropless = True\n"
+        "MoeLayer.causal = False\nMoeLayer.load_loss_weight = 0.1\n"
+    )
     translated, warnings = legacy_gin.translate(text)
     assert "MoeLayer" not in translated.replace("# MoeLayer.*", "")
-    assert warnings == ["MoeLayer.jitter_noise = 0.5 had no effect on the 'noisy_top_k' router; left out"]
+    assert warnings == [
+        "MoeLayer.jitter_noise = 0.5 had no effect on the 'noisy_top_k' router; left out"
+    ]
     gin.parse_config(translated)
     config = MoeConfig()
     assert config.router == NoisyTopKRouterConfig() and config.num_experts == 4
