@@ -342,9 +342,10 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
     return step
 
 
-def _run_config_for_import(export_dir: str, model_dir: str) -> str:
-    """The export's ``config.gin`` with ``MODEL_DIR`` pointing at the new run directory."""
-    text = storage.read_text(storage.join(export_dir, CONFIG_GIN))
+def _run_config_for_import(config_path: str, model_dir: str) -> str:
+    """The export's ``config.gin`` (at ``config_path``, as ``gin_utils.run_config_file`` gave
+    it: in the new form) with ``MODEL_DIR`` pointing at the new run directory."""
+    text = storage.read_text(config_path)
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
@@ -385,7 +386,7 @@ def _import(args) -> int:
                           "files with --gin_file")
     config_text = None
     if use_export_config:
-        config_text = _run_config_for_import(args.export, args.model_dir)
+        config_text = _run_config_for_import(exported_gin, args.model_dir)
         args.gin_file = [exported_gin]
     args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
     gin_utils.parse_gin(args)
