@@ -462,6 +462,18 @@ def config_bindings(text: str, origin: str = "config") -> dict[str, object]:
     return out
 
 
+def _macros_resolved(bindings: dict[str, object]) -> dict[str, object]:
+    """``bindings`` (of :func:`config_bindings`) with each value that is a macro of the same
+    config (``"%NAME"``) replaced by the macro's value, so that ``k = %K`` with ``K = 2``
+    equals ``k = 2`` (a config translated from ``MoeLayer.*`` binds literals)."""
+    def value(v: object, depth: int = 0) -> object:
+        if isinstance(v, str) and v.startswith("%") and v[1:] in bindings and depth < 10:
+            return value(bindings[v[1:]], depth + 1)
+        return v
+
+    return {name: value(v) for name, v in bindings.items()}
+
+
 def config_changes(saved: str, current: str) -> list[str]:
     """The bindings set in both configs whose values differ, except those a resumed run may
     change (:data:`RESUMABLE_CHANGES`), as ``"name: saved -> current"`` lines.
@@ -469,7 +481,8 @@ def config_changes(saved: str, current: str) -> list[str]:
     Bindings in only one of the two are not compared: an operative config lists only the
     configurables the run called, which differs between a fresh start and a resumption.
     """
-    before, after = config_bindings(saved, "saved config.gin"), config_bindings(current, "operative config")
+    before, after = (_macros_resolved(config_bindings(saved, "saved config.gin")),
+                     _macros_resolved(config_bindings(current, "operative config")))
     return [f"{name}: {before[name]!r} -> {after[name]!r}" for name in sorted(set(before) & set(after))
             if before[name] != after[name] and not RESUMABLE_CHANGES.match(name.rsplit("/", 1)[-1])]
 

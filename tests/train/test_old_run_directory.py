@@ -42,3 +42,20 @@ def test_old_export_imports_in_the_new_form_and_evaluates_to_the_runs_loss(tmp_p
     assert cli.main(["eval", f"--checkpoint={back}", f"--output_dir={out}", "--eval_steps=2"]) == 0
     metrics = json.loads((out / "imported.json").read_text())["metrics"]
     assert abs(metrics["loss"] - LOSS) < 1e-5, metrics["loss"]
+
+
+def test_old_run_directory_resumes_training_with_the_new_gin_files(tmp_path, capsys):
+    """`train` resumes the fixture with the flags that made it, in the new form (the option
+    its router ignored left out): the saved config.gin is compared after translation."""
+    run = tmp_path / "run_before_moe_config"
+    shutil.copytree(FIXTURE, run)
+    flags = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=data/vocab_byte.gin", "--gin.VOCAB_SIZE=384",
+             "--gin.BATCH_SIZE=8", "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+             "--gin.TRAIN_STEPS=4", "--gin.train_script.train.checkpoint_period=3",
+             "--gin.train_script.train.keep_checkpoints=1", "--gin.train_script.train.eval_period=0",
+             "--gin.EVAL_STEPS=2", "--gin.TopKRouterConfig.renormalize_gates=True",
+             "--gin.TopKRouterConfig.jitter_noise=0.01", f"--gin.MODEL_DIR={run}"]
+    assert cli.main(["train", *flags]) == 0, capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 4
+    assert not list(run.glob("config.step-*.gin"))  # nothing changed
