@@ -1,6 +1,6 @@
 """A model whose decoder routes differently from its encoder (learned top-2 encoder, hash
 decoder: routers/hash_decoder.gin) trains, saves, restores, evaluates and exports through
-the CLI, and both MoE configs survive the round trip (config.gin, export, import)."""
+the CLI, and both MoE configs survive the round trip (config.gin, export's config.json)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def _config_of(model_dir) -> T5Config:
         gin.clear_config()
 
 
-def test_decoder_with_its_own_router_trains_evaluates_exports_and_imports(tmp_path, capsys):
-    run, out, back = tmp_path / "run", tmp_path / "export", tmp_path / "imported"
+def test_decoder_with_its_own_router_trains_evaluates_and_exports(tmp_path):
+    run, out = tmp_path / "run", tmp_path / "export"
     assert cli.main(["train", *TRAIN, f"--gin.MODEL_DIR={run}"]) == 0
     gin.clear_config()
     config = _config_of(run)
@@ -64,7 +64,3 @@ def test_decoder_with_its_own_router_trains_evaluates_exports_and_imports(tmp_pa
     arrays = load_file(out / export.WEIGHTS_FILE)
     assert "encoder/layers_1/mlp/router/router_weights/w/kernel" in arrays
     assert not any(n.startswith("decoder/") and "/router/" in n for n in arrays)  # hash: no weights
-
-    assert cli.main(["import", f"--export={out}", f"--model_dir={back}"]) == 0
-    gin.clear_config()
-    assert _config_of(back) == config

@@ -37,7 +37,7 @@ def test_old_export_imports_in_the_new_form_and_evaluates_to_the_runs_loss(tmp_p
     assert cli.main(["import", f"--export={EXPORT}", f"--model_dir={back}"]) == 0
     assert "binds MoeLayer.*" in capsys.readouterr().err
     config = (back / "config.gin").read_text()
-    assert "MoeLayer." not in config and "MoeConfig.router = @TopKRouterConfig()" in config
+    assert "\nMoeLayer." not in config and "\nMoeConfig.router = @TopKRouterConfig()" in config
     out = tmp_path / "eval"
     assert cli.main(["eval", f"--checkpoint={back}", f"--output_dir={out}", "--eval_steps=2"]) == 0
     metrics = json.loads((out / "imported.json").read_text())["metrics"]
