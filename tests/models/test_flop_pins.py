@@ -105,9 +105,17 @@ def test_export_config_and_compile_choices_pinned():
     assert t5["decoder_moe"] is None and t5["moe"]["router"]["type"] == "top_k"
     moe = T5Config.from_dict(t5).moe
     assert moe == model.module.config.moe
-    assert {k: v for k, v in legacy_gin.legacy_fields(moe).items() if k in SMOKE_ROUTING} == SMOKE_ROUTING
+    assert {
+        k: v for k, v in legacy_gin.legacy_fields(moe).items() if k in SMOKE_ROUTING
+    } == SMOKE_ROUTING
     config = model.module.config
     assert aot.layer_choices("cpu", "float32", config.moe) == {
-        "platform": "cpu", "dispatch": "sort", "per_expert_loop": True}
+        "platform": "cpu",
+        "dispatch": "sort",
+        "per_expert_loop": True,
+    }
     assert aot.layer_choices("tpu", "bfloat16", config.moe) == {
-        "platform": "tpu", "dispatch": "sort", "per_expert_loop": False}
+        "platform": "tpu",
+        "dispatch": "sort",
+        "per_expert_loop": False,
+    }

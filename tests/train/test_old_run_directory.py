@@ -49,12 +49,21 @@ def test_old_run_directory_resumes_training_with_the_new_gin_files(tmp_path, cap
     its router ignored left out): the saved config.gin is compared after translation."""
     run = tmp_path / "run_before_moe_config"
     shutil.copytree(FIXTURE, run)
-    flags = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=data/vocab_byte.gin", "--gin.VOCAB_SIZE=384",
-             "--gin.BATCH_SIZE=8", "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-             "--gin.TRAIN_STEPS=4", "--gin.train_script.train.checkpoint_period=3",
-             "--gin.train_script.train.keep_checkpoints=1", "--gin.train_script.train.eval_period=0",
-             "--gin.EVAL_STEPS=2", "--gin.TopKRouterConfig.renormalize_gates=True",
-             "--gin.TopKRouterConfig.jitter_noise=0.01", f"--gin.MODEL_DIR={run}"]
+    flags = [
+        "--gin_file=runs/smoke_cpu.gin",
+        "--gin_file=data/vocab_byte.gin",
+        "--gin.VOCAB_SIZE=384",
+        "--gin.BATCH_SIZE=8",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+        "--gin.TRAIN_STEPS=4",
+        "--gin.train_script.train.checkpoint_period=3",
+        "--gin.train_script.train.keep_checkpoints=1",
+        "--gin.train_script.train.eval_period=0",
+        "--gin.EVAL_STEPS=2",
+        "--gin.TopKRouterConfig.renormalize_gates=True",
+        "--gin.TopKRouterConfig.jitter_noise=0.01",
+        f"--gin.MODEL_DIR={run}",
+    ]
     assert cli.main(["train", *flags]) == 0, capsys.readouterr().err
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 4
