@@ -385,7 +385,7 @@ def _import(args) -> int:
         raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
                           "files with --gin_file")
     config_text = None
-    if use_export_config:
+    if use_export_config and exported_gin is not None:
         config_text = _run_config_for_import(exported_gin, args.model_dir)
         args.gin_file = [exported_gin]
     args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
