@@ -225,7 +225,10 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        raise GinConfigError(f"gin: {err}") from None
+        hint = ("\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, <Router>Config.*, "
+                "CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
+                if "'MoeLayer'" in str(err) else "")
+        raise GinConfigError(f"gin: {err}{hint}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
         try:
