@@ -87,12 +87,12 @@ def check_selection_options(num_experts: int, k: int, score_function: str, num_g
                             groups_per_token: int) -> None:
     """Raises ``ValueError`` naming the ``TopKRouterConfig`` option that is out of range."""
     if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"TopKRouterConfig.score_function={score_function!r} is unknown; choose one of "
-                         f"{SCORE_FUNCTIONS}")
+        raise ValueError(f"TopKRouterConfig.score_function={score_function!r} is unknown; "
+                         f"choose one of {SCORE_FUNCTIONS}")
     if not groups_per_token:
         return
-    check_expert_groups(num_experts, num_groups, groups_per_token, "TopKRouterConfig.num_limited_groups",
-                        "TopKRouterConfig.max_groups_per_token")
+    check_expert_groups(num_experts, num_groups, groups_per_token,
+                        "TopKRouterConfig.num_limited_groups", "TopKRouterConfig.max_groups_per_token")
     reachable = groups_per_token * (num_experts // num_groups)
     if k > reachable:
         raise ValueError(f"TopKRouterConfig.num_selected_experts: {k} experts per token, but "

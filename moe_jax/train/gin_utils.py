@@ -225,8 +225,8 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        hint = ("\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, <Router>Config.*, "
-                "CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
+        hint = ("\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, "
+                "<Router>Config.*, CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
                 if "'MoeLayer'" in str(err) else "")
         raise GinConfigError(f"gin: {err}{hint}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
@@ -447,8 +447,8 @@ def new_form_config(path: str) -> str:
     atexit.register(shutil.rmtree, folder, True)
     copy = os.path.join(folder, "config.gin")
     storage.write_text(copy, translated)
-    print(f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form from {copy}",
-          file=sys.stderr, flush=True)
+    print(f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form "
+          f"from {copy}", file=sys.stderr, flush=True)
     for warning in warnings:
         print(f"[moe-jax] warning: {path}: {warning}", file=sys.stderr, flush=True)
     return copy

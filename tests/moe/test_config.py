@@ -157,7 +157,11 @@ def test_old_bindings_translate_and_ignored_options_are_left_out_with_a_warning(
 
 
 def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names():
-    args = gin_utils.parse_flags(setup.build_parser("test", "test"),
-                                 ["--gin_file=runs/smoke_cpu.gin", "--gin.MoeLayer.jitter_noise=0.1"])
-    with pytest.raises(gin_utils.GinConfigError, match=r"(?s)'MoeLayer'.*MoeConfig\.\*, <Router>Config"):
+    args = gin_utils.parse_flags(
+        setup.build_parser("test", "test"),
+        ["--gin_file=runs/smoke_cpu.gin", "--gin.MoeLayer.jitter_noise=0.1"],
+    )
+    with pytest.raises(
+        gin_utils.GinConfigError, match=r"(?s)'MoeLayer'.*MoeConfig\.\*, <Router>Config"
+    ):
         gin_utils.parse_gin(args)
