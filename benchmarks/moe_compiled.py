@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import hardware, hlo_costs
-from moe_jax.moe import MoeLayer
+from moe_jax.moe import MoeLayer, legacy_gin
 from moe_jax.moe.capacity import expert_capacity
 
 TOKENS = (8, 512)
@@ -127,9 +127,10 @@ def moe_step(experts: int, dispatch: str, **layer_options):
         train_capacity_factor=1.25,
         capacity_rule="t5x",
         group_size=4096,
-        dtype=jnp.bfloat16,
     )
-    layer = MoeLayer(**{**options, **layer_options})
+    layer = MoeLayer(
+        legacy_gin.config_from_fields(**{**options, **layer_options}), dtype=jnp.bfloat16
+    )
     x = jax.ShapeDtypeStruct((*TOKENS, D_MODEL), jnp.bfloat16)
     variables = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x))
     state = {k: v for k, v in variables.items() if k not in ("params", "aux_loss", "moe_metrics")}

@@ -12,7 +12,7 @@ then the load-independent ratios of XLA's cost analysis of each compiled step (F
 bytes accessed, with batched expert matmuls). The updated balancing bias is an output of
 the timed step, as in a train step, so XLA cannot drop its update.
 
-``--orders`` times the two capacity orders (``MoeLayer.capacity_order``: ``choice_major``,
+``--orders`` times the two capacity orders (``CapacityConfig.capacity_order``: ``choice_major``,
 T5X's and the encoder's; ``token_major``, the causal decoder's) of each dispatch
 implementation in the same rounds, at both shapes with E = 8.
 
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.hardware import measured_matmul_flops
-from moe_jax.moe import MoeLayer
+from moe_jax.moe import MoeLayer, legacy_gin
 from moe_jax.moe.capacity import expert_capacity, group_layout
 
 TOKENS = (8, 512)
@@ -117,23 +117,26 @@ def _grad_fn(apply, out_shape, loss: str):
 
 
 def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
-    """Fwd+bwd of a training-mode MoeLayer (``options``: extra ``MoeLayer`` fields); a
-    balancing bias is passed in, updated and returned, as in a train step."""
+    """Fwd+bwd of a training-mode MoeLayer (``options``: extra settings, by the flat names of
+    ``legacy_gin.config_from_fields``); a balancing bias is passed in, updated and returned,
+    as in a train step."""
     layer = MoeLayer(
-        **{
-            **dict(
-                num_experts=experts,
-                num_selected_experts=2,
-                d_ff=d_ff,
-                dispatch=dispatch,
-                train_capacity_factor=1.25,
-                capacity_rule="t5x",
-                group_size=4096,
-                load_balancing_loss_weight=0.0,
-                router_z_loss_weight=0.0,
-            ),
-            **options,
-        }
+        legacy_gin.config_from_fields(
+            **{
+                **dict(
+                    num_experts=experts,
+                    num_selected_experts=2,
+                    d_ff=d_ff,
+                    dispatch=dispatch,
+                    train_capacity_factor=1.25,
+                    capacity_rule="t5x",
+                    group_size=4096,
+                    load_balancing_loss_weight=0.0,
+                    router_z_loss_weight=0.0,
+                ),
+                **options,
+            }
+        )
     )
     x = jax.random.normal(jax.random.PRNGKey(0), (*TOKENS, d_model))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))

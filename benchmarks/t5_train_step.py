@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.hardware import measured_matmul_flops
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, T5Config
@@ -44,11 +44,11 @@ def bench(
     gin.parse_config(
         "\n".join(
             [
-                f"MoeLayer.num_experts = {experts}",
-                "MoeLayer.num_selected_experts = 2",
-                f"MoeLayer.d_ff = {SIZES[size]['mlp_dim']}",
-                "MoeLayer.activation = 'gated_gelu'",
-                "MoeLayer.group_size = 4096",
+                f"MoeConfig.num_experts = {experts}",
+                "TopKRouterConfig.num_selected_experts = 2",
+                f"MoeConfig.d_ff = {SIZES[size]['mlp_dim']}",
+                "MoeConfig.activation = 'gated_gelu'",
+                "CapacityConfig.group_size = 4096",
             ]
         )
     )

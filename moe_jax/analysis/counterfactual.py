@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import storage
-from moe_jax.moe.layer import MoeLayer
+from moe_jax.moe.config import TopKRouterConfig
+from moe_jax.moe.layer import ROUTERS
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
 from moe_jax.synthetic.routers import shuffle_columns
 from moe_jax.train import checkpoints
@@ -88,25 +89,30 @@ def replace_routers(params: Any, new: dict[str, np.ndarray], what: str) -> Any:
     return _map_routers(params, replace)
 
 
-def init_stddev() -> float:
-    """The routers' init stddev: gin's ``MoeLayer.router_init_stddev`` or its default."""
-    import gin
-
-    try:
-        return float(gin.query_parameter("MoeLayer.router_init_stddev"))
-    except ValueError:
-        return MoeLayer.router_init_stddev
+DEFAULT_INIT_STDDEV = TopKRouterConfig.init_stddev
 
 
-def random_routers(params: Any, seed: int = 0, stddev: float | None = None) -> Any:
-    """Router kernels replaced by fresh ``normal(0, stddev)`` draws (one key per kernel)."""
-    stddev = init_stddev() if stddev is None else stddev
+def init_stddevs(config: Any) -> dict[str, float]:
+    """``{"encoder": s, "decoder": s}``: the init stddev of each stack's routers, read from
+    the model's ``T5Config`` (its MoE configs' router configs; routers without one, such as
+    hash, and models without MoE layers: :data:`DEFAULT_INIT_STDDEV`)."""
+    if not config.has_moe:
+        return {"encoder": DEFAULT_INIT_STDDEV, "decoder": DEFAULT_INIT_STDDEV}
+    return {stack: float(getattr(config.moe_config(stack).router, "init_stddev", DEFAULT_INIT_STDDEV))
+            for stack in ("encoder", "decoder")}
+
+
+def random_routers(params: Any, seed: int = 0,
+                   stddev: float | dict[str, float] = DEFAULT_INIT_STDDEV) -> Any:
+    """Router kernels replaced by fresh ``normal(0, stddev)`` draws (one key per kernel);
+    ``stddev`` per stack (``{"encoder": s, "decoder": s}``, :func:`init_stddevs`) or one."""
     key = jax.random.PRNGKey(seed)
 
     def draw(name: str, w: jax.Array) -> jax.Array:
         if not _is_kernel(name, w):
             return w
-        value = stddev * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), w.shape, w.dtype)
+        scale = stddev[name.split("/")[0]] if isinstance(stddev, dict) else stddev
+        value = scale * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), w.shape, w.dtype)
         return jax.device_put(value, w.sharding) if isinstance(w, jax.Array) else value
 
     return _map_routers(params, draw)
@@ -116,8 +122,6 @@ def random_routers(params: Any, seed: int = 0, stddev: float | None = None) -> A
 
 
 def _router_call(context) -> bool:
-    from moe_jax.moe.layer import ROUTERS
-
     return context.method_name == "__call__" and isinstance(context.module, tuple(ROUTERS.values()))
 
 
@@ -165,8 +169,10 @@ def hash_routing(seed: int = 0) -> Interceptor:
     return intercept
 
 
-def variant(name: str, params: Any, model_dir: str, seed: int = 0) -> tuple[Any, Interceptor | None]:
-    """(parameters, interceptor or None) that evaluate ``params`` with router ``name``.
+def variant(name: str, params: Any, model_dir: str, seed: int = 0,
+            config: Any = None) -> tuple[Any, Interceptor | None]:
+    """(parameters, interceptor or None) that evaluate ``params`` with router ``name``;
+    ``config``: the model's ``T5Config`` (the ``random`` router's init stddevs).
 
     Raises:
       ValueError: an unknown name (listing the valid ones), or ``init`` for a run without
@@ -182,7 +188,7 @@ def variant(name: str, params: Any, model_dir: str, seed: int = 0) -> tuple[Any,
                              f"({storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)")
         return replace_routers(params, initial, checkpoints.ROUTER_INIT_FILE), None
     if name == "random":
-        return random_routers(params, seed), None
+        return random_routers(params, seed, DEFAULT_INIT_STDDEV if config is None else init_stddevs(config)), None
     if name == "shuffled":
         return shuffle_router_inputs(params, seed), None
     if name == "hash":

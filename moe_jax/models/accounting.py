@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from moe_jax.models.t5 import T5Config
+from moe_jax.moe.config import MoeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +35,12 @@ class MoeShape:
     shared_mlp_dim: int = 0
 
 
-def moe_shape(layer: Any) -> MoeShape:
-    """The :class:`MoeShape` of a ``moe_jax.moe.MoeLayer`` (routed experts after
-    granularity, assignments per token, shared experts' total width)."""
-    return MoeShape(layer.routed_experts, layer.choices_per_token, layer.expert_d_ff,
-                    2 if layer.activation == "gated_gelu" else 1,
-                    layer.num_shared_experts * layer.shared_d_ff)
+def moe_shape(config: MoeConfig) -> MoeShape:
+    """The :class:`MoeShape` of an MoE layer's config (routed experts after granularity,
+    assignments per token, shared experts' total width)."""
+    return MoeShape(config.routed_experts, config.choices_per_token, config.expert_d_ff,
+                    2 if config.activation == "gated_gelu" else 1,
+                    config.num_shared_experts * config.shared_d_ff)
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
@@ -79,27 +80,25 @@ def describe_params(params: Any) -> str:
     return "\n".join(lines)
 
 
-def forward_flops_per_example(
-    config: T5Config, encoder_length: int, decoder_length: int, moe: MoeShape | None = None
-) -> float:
+def forward_flops_per_example(config: T5Config, encoder_length: int, decoder_length: int) -> float:
     """Forward-pass FLOPs (2 per multiply-add) of one example, matmuls only.
 
     Counts every projection, the attention scores and weighted sums (full, not halved for
     causality), the dense MLPs, the logits, and for MoE layers the router plus the
     ``num_selected_experts`` experts each token uses and the shared experts (active experts only: capacity
     padding and dispatch/combine einsums are not counted). Norms, softmax and
-    element-wise work are ignored.
+    element-wise work are ignored. Each stack's MoE layers have the shape of its MoE config
+    (``T5Config.moe_config``).
     """
     d, hk, V = config.emb_dim, config.num_heads * config.head_dim, config.vocab_size
     n_in = len(config.mlp_activations)
 
-    def ffn_macs(sparse: bool) -> float:
+    def ffn_macs(sparse: bool, stack: str) -> float:
         if not sparse:
             return (n_in + 1) * d * config.mlp_dim
         if config.sparse_layer_type == "dense":
             return (n_in + 1) * d * config.flop_matched_mlp_dim
-        if moe is None:
-            raise ValueError("FLOPs of a model with MoE layers need its MoeShape")
+        moe = moe_shape(config.moe_config(stack))
         expert = (moe.num_input_matrices + 1) * d * moe.expert_mlp_dim
         shared = (moe.num_input_matrices + 1) * d * moe.shared_mlp_dim
         return d * moe.num_experts + moe.num_selected_experts * expert + shared
@@ -108,10 +107,10 @@ def forward_flops_per_example(
     macs = 0.0
     enc_sparse, dec_sparse = config.sparse_layers("encoder"), config.sparse_layers("decoder")
     for i in range(config.num_encoder_layers):
-        macs += Le * (4 * d * hk + 2 * Le * hk + ffn_macs(i in enc_sparse))
+        macs += Le * (4 * d * hk + 2 * Le * hk + ffn_macs(i in enc_sparse, "encoder"))
     for i in range(config.num_decoder_layers):
         self_attn = Ld * (4 * d * hk + 2 * Ld * hk)
         cross_attn = Ld * (2 * d * hk + 2 * Le * hk) + Le * 2 * d * hk
-        macs += self_attn + cross_attn + Ld * ffn_macs(i in dec_sparse)
+        macs += self_attn + cross_attn + Ld * ffn_macs(i in dec_sparse, "decoder")
     macs += Ld * d * V
     return 2.0 * macs

@@ -26,7 +26,7 @@ MOE_METRICS_COLLECTION = "moe_metrics"
 # Non-parameter variable collections that are model state: created by ``init``, carried in
 # the train state (``TrainState.collections``), checkpointed, and updated by the training
 # forward pass (never by the optimizer). ``router_bias``: the auxiliary-loss-free balancing
-# bias of ``MoeLayer.bias_update_rate`` (moe/selection.py).
+# bias of ``TopKRouterConfig.bias_update_rate`` (moe/selection.py).
 STATE_COLLECTIONS = ("router_bias",)
 
 
@@ -251,19 +251,11 @@ class EncoderDecoderModel:
         """The start-up parameter table (path, shape, logical axes, count) and totals."""
         return accounting.describe_params(params)
 
-    def _moe_shape(self) -> accounting.MoeShape | None:
-        """The MoE layers' shape, read from ``MoeLayer``'s gin bindings (None if no MoE)."""
-        if not self.module.config.has_moe:
-            return None
-        from moe_jax.moe.layer import MoeLayer
-
-        return accounting.moe_shape(MoeLayer())
-
     def flops_per_example(self, input_shapes: InputShapes, training: bool = True) -> float:
         """Analytic FLOPs of one example (training = 3x forward: forward + backward)."""
         enc_len = input_shapes["encoder_input_tokens"][-1]
         dec_len = input_shapes["decoder_input_tokens"][-1]
-        fwd = accounting.forward_flops_per_example(self.module.config, enc_len, dec_len, self._moe_shape())
+        fwd = accounting.forward_flops_per_example(self.module.config, enc_len, dec_len)
         return 3.0 * fwd if training else fwd
 
     def flops_per_step(self, input_shapes: InputShapes) -> float:

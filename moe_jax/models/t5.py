@@ -14,7 +14,7 @@ dense MLP); which layers are sparse is given by :func:`sparse_layer_indices`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -29,6 +29,9 @@ from moe_jax.models.embedding import Embed
 from moe_jax.models.mlp import MlpBlock
 from moe_jax.models.normalization import RMSNorm
 from moe_jax.models.relative_position import RelativePositionBiases
+from moe_jax.moe.config import MoeConfig
+from moe_jax.moe.config import from_dict as moe_config_from_dict
+from moe_jax.moe.layer import MoeLayer
 
 SPARSE_LAYOUTS = ("bottom", "middle", "top", "mixed")
 SPARSE_LAYER_TYPES = ("moe", "dense")
@@ -103,12 +106,18 @@ class T5Config:
       sparse_layout: ``bottom``, ``middle``, ``top`` or ``mixed`` (see
         :func:`sparse_layer_indices`).
       sparse_layer_type: ``'moe'`` puts ``MoeLayer`` at the sparse positions (configured
-        by its own gin bindings); ``'dense'`` puts a dense MLP of width
+        by ``moe`` / ``decoder_moe``); ``'dense'`` puts a dense MLP of width
         ``flop_matched_mlp_dim`` there (the FLOP-matched dense baseline).
       flop_matched_mlp_dim: d_ff of those dense layers (top-k routing: ``k * mlp_dim``).
       remat_policy: activation checkpointing of each encoder/decoder layer (one of
         :data:`REMAT_POLICIES`: ``'none'``, ``'full'``, ``'minimal'``, ``'dots'``); the
         loss and gradients are the same, the backward pass recomputes what was not kept.
+      moe: the MoE layers' :class:`~moe_jax.moe.config.MoeConfig` (the encoder's, and the
+        decoder's unless ``decoder_moe`` is set). A model with MoE layers and no ``moe``
+        gets ``MoeConfig()`` with its gin bindings when the ``T5Config`` is built.
+      decoder_moe: the decoder's MoE config when it differs from the encoder's (Flaxformer's
+        ``sparse_decoder``; gin: ``T5Config.decoder_moe = @decoder/MoeConfig()`` with
+        ``decoder/...`` bindings). Checked for routing that reads later tokens of a group.
     """
 
     vocab_size: int = 32128
@@ -132,6 +141,8 @@ class T5Config:
     sparse_layer_type: str = "moe"
     flop_matched_mlp_dim: int | None = None
     remat_policy: str = "none"
+    moe: MoeConfig | None = None
+    decoder_moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim",
@@ -154,6 +165,47 @@ class T5Config:
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
         self.sparse_layers("encoder")  # validates layout and counts early
         self.sparse_layers("decoder")
+        if self.has_moe and self.moe is None:
+            object.__setattr__(self, "moe", MoeConfig())
+        for name in ("moe", "decoder_moe"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), MoeConfig):
+                raise ValueError(f"T5Config.{name}={getattr(self, name)!r} is not a MoeConfig")
+        if self.has_moe and self.num_sparse_decoder_layers:
+            self.moe_config("decoder").check_causal("the decoder")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (the MoE configs as ``MoeConfig.to_dict``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["mlp_activations"] = list(self.mlp_activations)
+        for name in ("moe", "decoder_moe"):
+            out[name] = None if out[name] is None else out[name].to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> T5Config:
+        """The config of :meth:`to_dict`'s output (every field passed: no gin binding read).
+
+        Raises:
+          ValueError: naming an unknown field.
+        """
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"T5Config has no field {', '.join(unknown)}")
+        data = {**data, **{name: moe_config_from_dict(data[name]) for name in ("moe", "decoder_moe")
+                           if data.get(name) is not None}}
+        return cls(**{f.name: data.get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+    def moe_config(self, stack: str) -> MoeConfig:
+        """The MoE config of ``stack``'s sparse layers (``'encoder'`` or ``'decoder'``).
+
+        Raises:
+          ValueError: the model has no MoE layers (see :attr:`has_moe`).
+        """
+        if not self.has_moe or self.moe is None:
+            raise ValueError("T5Config: the model has no MoE layers, so no MoE config")
+        if stack == "decoder" and self.decoder_moe is not None:
+            return self.decoder_moe
+        return self.moe
 
     def sparse_layers(self, stack: str) -> tuple[int, ...]:
         """Indices of the sparse layers of ``stack`` (``'encoder'`` or ``'decoder'``)."""
@@ -241,10 +293,8 @@ class FeedForwardBlock(nn.Module):
         cfg = self.config
         y = RMSNorm(dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="pre_norm")(x)
         if self.sparse and cfg.sparse_layer_type == "moe":
-            from moe_jax.moe.layer import MoeLayer  # only models with MoE layers need it
-
-            # Every other MoE knob is a gin binding on MoeLayer.*; the dtype follows the network.
-            y = MoeLayer(name="moe", causal=self.is_decoder, dtype=cfg.activation_dtype)(
+            moe = cfg.moe_config("decoder" if self.is_decoder else "encoder")
+            y = MoeLayer(moe, causal=self.is_decoder, dtype=cfg.activation_dtype, name="moe")(
                 y, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
         else:
             width = cfg.flop_matched_mlp_dim if self.sparse else cfg.mlp_dim

@@ -34,7 +34,7 @@ CAPACITY_RULES: tuple[str, ...] = ("t5x", "k_scaled")
 def group_layout(num_tokens: int, group_size: int, group_shards: int = 1) -> tuple[int, int]:
     """``(groups, tokens_per_group)`` for ``num_tokens`` tokens (see module docstring)."""
     if group_size < 1:
-        raise ValueError(f"MoeLayer.group_size={group_size} must be >= 1")
+        raise ValueError(f"CapacityConfig.group_size={group_size} must be >= 1")
     tokens_per_group = max(1, min(group_size, math.ceil(num_tokens / group_shards)))
     groups = math.ceil(num_tokens / tokens_per_group)
     return math.ceil(groups / group_shards) * group_shards, tokens_per_group
@@ -56,7 +56,7 @@ def expert_capacity(tokens_per_group: int, num_experts: int, num_selected_expert
                     capacity_factor: float, min_expert_capacity: int, rule: str = "t5x") -> int:
     """Buffer size per expert and group (see module docstring)."""
     if rule not in CAPACITY_RULES:
-        raise ValueError(f"MoeLayer.capacity_rule={rule!r} is unknown; choose one of {CAPACITY_RULES}")
+        raise ValueError(f"CapacityConfig.capacity_rule={rule!r} is unknown; choose one of {CAPACITY_RULES}")
     scale = num_selected_experts if rule == "k_scaled" else 1
     capacity = max(int(round(capacity_factor * scale * tokens_per_group / num_experts)), min_expert_capacity)
     if capacity < 1:
@@ -64,5 +64,5 @@ def expert_capacity(tokens_per_group: int, num_experts: int, num_selected_expert
             f"expert capacity {capacity} < 1 from capacity_factor={capacity_factor}, "
             f"tokens_per_group={tokens_per_group}, num_experts={num_experts}, "
             f"min_expert_capacity={min_expert_capacity}: raise the capacity factor or "
-            f"MoeLayer.min_expert_capacity")
+            f"CapacityConfig.min_expert_capacity")
     return min(capacity, tokens_per_group)

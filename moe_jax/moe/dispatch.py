@@ -23,7 +23,7 @@ tokens ranked by ``TokenChoiceRouting.priority``:
   Whether token ``t``'s assignments fit then depends only on the tokens ranked before it,
   so in a causal decoder (priority = token order) it never depends on later tokens.
   Choice-major order there leaks: a later token's first choice can take the slot an
-  earlier token's second choice would have had. ``MoeLayer.capacity_order`` picks it for
+  earlier token's second choice would have had. ``CapacityConfig.capacity_order`` picks it for
   causal layers by default.
 
 Assignments that do not fit are dropped: they contribute nothing, and a token whose
@@ -127,7 +127,7 @@ def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
 def check_capacity_order(capacity_order: str) -> None:
     """Refuses a ``capacity_order`` not in ``CAPACITY_ORDERS``, naming the option."""
     if capacity_order not in CAPACITY_ORDERS:
-        raise ValueError(f"MoeLayer.capacity_order={capacity_order!r} is unknown; "
+        raise ValueError(f"CapacityConfig.capacity_order={capacity_order!r} is unknown; "
                          f"choose one of {CAPACITY_ORDERS + ('auto',)}")
 
 
@@ -297,7 +297,7 @@ def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertCh
       ``[groups, tokens_per_group, k]`` kept-assignment mask (None for expert choice).
     """
     if impl not in DISPATCH_IMPLS:
-        raise ValueError(f"MoeLayer.dispatch={impl!r} is unknown; choose one of {DISPATCH_IMPLS + ('auto',)}")
+        raise ValueError(f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of {DISPATCH_IMPLS + ('auto',)}")
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice
         return fn(x, routing, num_experts, expert_fn), None

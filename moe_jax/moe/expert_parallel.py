@@ -66,8 +66,9 @@ def group_shards(mesh: AbstractMesh | None, data_axis: str, expert_axis: str) ->
 def check_divisible(num_experts: int, mesh: AbstractMesh | None, expert_axis: str) -> None:
     ep = axis_size(mesh, expert_axis)
     if num_experts % ep:
-        raise ValueError(f"MoeLayer.num_experts={num_experts} is not divisible by the size {ep} "
-                         f"of the {expert_axis!r} mesh axis")
+        raise ValueError(f"the routed experts (MoeConfig.num_experts x expert_granularity = "
+                         f"{num_experts}) are not divisible by the size {ep} of the {expert_axis!r} "
+                         "mesh axis")
 
 
 # ``jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,

@@ -23,7 +23,7 @@ default_kernel_init = nn.initializers.variance_scaling(
 
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"MoeLayer.activation={activation!r} is unknown; choose one of {ACTIVATIONS}")
+        raise ValueError(f"MoeConfig.activation={activation!r} is unknown; choose one of {ACTIVATIONS}")
 
 
 class Experts(nn.Module):

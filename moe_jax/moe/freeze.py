@@ -53,7 +53,7 @@ def router_mode(mode: str = "learned") -> str:
 
 @gin.configurable
 def bias_mode(mode: str = "updated") -> str:
-    """Whether the auxiliary-loss-free balancing biases (``MoeLayer.bias_update_rate``) keep
+    """Whether the auxiliary-loss-free balancing biases (``TopKRouterConfig.bias_update_rate``) keep
     updating (``updated``, default; with a frozen router: "frozen + balanced") or stay at
     their current value (``frozen``; from initialisation: zero, no balancing)."""
     if mode not in BIAS_MODES:
@@ -61,10 +61,11 @@ def bias_mode(mode: str = "updated") -> str:
     return mode
 
 
-def updated_collections(old: Any, new: Any) -> Any:
+def updated_collections(old: Any, new: Any, mode: str) -> Any:
     """The state collections after a train step: ``new`` (as the forward pass updated
-    them), or ``old`` for the balancing biases when ``bias_mode`` is ``frozen``."""
-    if bias_mode() == "updated":
+    them), or ``old`` for the balancing biases when ``mode`` (a :func:`bias_mode`, read
+    when the train step is built, not while it is traced) is ``frozen``."""
+    if bias_mode(mode) == "updated":
         return new
     return {name: old[name] if name == BIAS_COLLECTION else value for name, value in new.items()}
 

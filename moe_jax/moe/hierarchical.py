@@ -72,13 +72,16 @@ def hierarchical_load(primary_load: Array, secondary_load: Array, group_count: A
 
 def check_hierarchical_options(num_experts: int, num_selected_experts: int, num_groups: int,
                                num_selected_groups: int) -> None:
-    """Refuses inconsistent hierarchical options with a message naming the ``MoeLayer``
-    option: G must divide E, ``1 <= k1 <= G`` and ``1 <= k2 <= E / G``."""
-    check_expert_groups(num_experts, num_groups, num_selected_groups, "num_expert_groups", "num_selected_groups")
+    """Refuses inconsistent hierarchical options with a message naming the
+    ``HierarchicalRouterConfig`` option: G must divide E, ``1 <= k1 <= G`` and
+    ``1 <= k2 <= E / G``."""
+    check_expert_groups(num_experts, num_groups, num_selected_groups,
+                        "HierarchicalRouterConfig.num_expert_groups",
+                        "HierarchicalRouterConfig.num_selected_groups")
     per_group = num_experts // num_groups
     if not 1 <= num_selected_experts <= per_group:
-        raise ValueError(f"MoeLayer.num_selected_experts={num_selected_experts} (experts chosen "
-                         f"inside each expert group) must be between 1 and the group size "
+        raise ValueError(f"HierarchicalRouterConfig.num_selected_experts={num_selected_experts} "
+                         f"(experts chosen inside each expert group) must be between 1 and the group size "
                          f"num_experts / num_expert_groups = {per_group}")
 
 
@@ -109,7 +112,7 @@ class HierarchicalRouter(nn.Module):
     min_noise_std: float = 1e-2
 
     def check_options(self) -> None:
-        """Refuses inconsistent options, naming the ``MoeLayer`` option."""
+        """Refuses inconsistent options, naming the ``HierarchicalRouterConfig`` option."""
         check_hierarchical_options(self.num_experts, self.num_selected_experts, self.num_groups,
                                    self.num_selected_groups)
 

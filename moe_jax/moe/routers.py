@@ -210,7 +210,7 @@ class TopKRouter(nn.Module):
             return None
         if not (self.has_variable(selection.BIAS_COLLECTION, "bias")
                 or self.is_mutable_collection(selection.BIAS_COLLECTION)):
-            raise ValueError(f"MoeLayer.bias_update_rate={self.bias_update_rate} needs the "
+            raise ValueError(f"TopKRouterConfig.bias_update_rate={self.bias_update_rate} needs the "
                              f"{selection.BIAS_COLLECTION!r} variable collection: pass it with the "
                              f"params (train state's collections)")
         init = nn.with_logical_partitioning(lambda: jnp.zeros((self.num_experts,), jnp.float32), ("unmodeled",))
@@ -292,7 +292,7 @@ class HashRouter(nn.Module):
                  capacity: int, deterministic: bool) -> RouterOutput:
         del capacity, deterministic
         if token_ids is None:
-            raise ValueError("MoeLayer.router_type='hash' needs token_ids [batch, length]")
+            raise ValueError("HashRouterConfig: the hash router needs token_ids [batch, length]")
         k = self.num_selected_experts
         mixed = (token_ids.astype(jnp.uint32) + jnp.uint32(self.seed)) * jnp.uint32(2654435761)
         base = ((mixed >> 16) % jnp.uint32(self.num_experts)).astype(jnp.int32)

@@ -73,26 +73,28 @@ def bias_update(bias: Array, load: Array, rate: float) -> Array:
 def check_expert_groups(num_experts: int, num_groups: int, groups_per_token: int,
                         groups_option: str, per_token_option: str) -> None:
     """Refuses G not dividing the experts or a per-token group count outside ``[1, G]``,
-    naming the ``MoeLayer`` options (group-limited and hierarchical routing)."""
+    naming the router config's options (``Config.option``: group-limited and hierarchical
+    routing)."""
     if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(f"MoeLayer.{groups_option}={num_groups} must be >= 1 and divide the number "
+        raise ValueError(f"{groups_option}={num_groups} must be >= 1 and divide the number "
                          f"of experts ({num_experts})")
     if not 1 <= groups_per_token <= num_groups:
-        raise ValueError(f"MoeLayer.{per_token_option}={groups_per_token} must be between 1 and "
-                         f"{groups_option}={num_groups}")
+        raise ValueError(f"{per_token_option}={groups_per_token} must be between 1 and "
+                         f"{groups_option.rsplit('.', 1)[-1]}={num_groups}")
 
 
 def check_selection_options(num_experts: int, k: int, score_function: str, num_groups: int,
                             groups_per_token: int) -> None:
-    """Raises ``ValueError`` naming the ``MoeLayer`` option that is out of range."""
+    """Raises ``ValueError`` naming the ``TopKRouterConfig`` option that is out of range."""
     if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"MoeLayer.router_score={score_function!r} is unknown; choose one of "
-                         f"{SCORE_FUNCTIONS}")
+        raise ValueError(f"TopKRouterConfig.score_function={score_function!r} is unknown; "
+                         f"choose one of {SCORE_FUNCTIONS}")
     if not groups_per_token:
         return
-    check_expert_groups(num_experts, num_groups, groups_per_token, "num_limited_groups", "max_groups_per_token")
+    check_expert_groups(num_experts, num_groups, groups_per_token,
+                        "TopKRouterConfig.num_limited_groups", "TopKRouterConfig.max_groups_per_token")
     reachable = groups_per_token * (num_experts // num_groups)
     if k > reachable:
-        raise ValueError(f"MoeLayer.num_selected_experts: {k} experts per token, but "
+        raise ValueError(f"TopKRouterConfig.num_selected_experts: {k} experts per token, but "
                          f"max_groups_per_token={groups_per_token} groups of "
                          f"{num_experts // num_groups} experts reach only {reachable}")

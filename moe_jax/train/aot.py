@@ -168,17 +168,15 @@ def _gin_value(name: str, default: Any) -> Any:
         return default
 
 
-def layer_choices(platform: str, dtype: Any) -> dict[str, Any]:
+def layer_choices(platform: str, dtype: Any, moe: Any = None) -> dict[str, Any]:
     """The MoE layer's dispatch / per_expert_loop when compiled for ``platform`` devices with
-    ``dtype`` activations (gin bindings of ``MoeLayer`` win over the platform's default)."""
-    from moe_jax.moe import dispatch
+    ``dtype`` activations, as the layer of config ``moe`` (a ``MoeConfig``; None: the
+    defaults) resolves them (``ExecutionConfig.resolve``)."""
+    from moe_jax.moe.config import ExecutionConfig
 
-    auto_dispatch, auto_loop = dispatch.layer_choices(platform, dtype)
-    bound_dispatch = _gin_value("MoeLayer.dispatch", "auto")
-    bound_loop = _gin_value("MoeLayer.per_expert_loop", None)
-    return {"platform": platform,
-            "dispatch": auto_dispatch if bound_dispatch == "auto" else bound_dispatch,
-            "per_expert_loop": auto_loop if bound_loop is None else bound_loop}
+    execution = moe.execution if moe is not None else ExecutionConfig(dispatch="auto", per_expert_loop=None)
+    dispatch, per_expert_loop = execution.resolve(platform, dtype)
+    return {"platform": platform, "dispatch": dispatch, "per_expert_loop": per_expert_loop}
 
 
 def train_bindings() -> dict[str, Any]:
@@ -290,7 +288,7 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
         "activation_dtype": model.module.config.dtype,
         "model_dims": {name: getattr(model.module.config, name) for name in (
             "vocab_size", "emb_dim", "mlp_dim", "num_encoder_layers", "num_decoder_layers")},
-        "moe_layer": layer_choices(devices[0].platform, model.module.config.dtype), "steps": {}}
+        "moe_layer": layer_choices(devices[0].platform, model.module.config.dtype, model.module.config.moe), "steps": {}}
     progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
              f"{report['mesh_shape']})...")
     steps = [("train", compile_train, cfg)] + ([("eval", compile_eval, eval_cfg)] if eval_step else [])

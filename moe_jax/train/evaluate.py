@@ -329,7 +329,8 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
         restored = setup.restore_model(path, model, input_shapes, ctx)
         step = restored.step
         for name in names:
-            params, interceptor = counterfactual.variant(name, restored.params, model_dir, router_seed)
+            params, interceptor = counterfactual.variant(name, restored.params, model_dir, router_seed,
+                                                         model.module.config)
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
                 eval_fns[key] = train_step.jit_eval_step(

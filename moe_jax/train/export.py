@@ -16,8 +16,8 @@ An export directory holds:
   exported names as in ``model.safetensors``, so that an imported run reports how far its
   routers drifted from initialisation (`moe-jax eval`) and can be evaluated with them
   (`moe-jax analyze`'s ``init`` router). Not part of the model.
-* ``config.json``: the architecture (``T5Config``), the routing settings (``MoeLayer``
-  and router mode), the vocabulary, the source checkpoint and step, and for every array
+* ``config.json``: the architecture (``T5Config``, with the encoder's and the decoder's
+  ``MoeConfig``), the router mode (learned/frozen), the vocabulary, the source checkpoint and step, and for every array
   its shape, dtype and moe-jax parameter name.
 * ``config.gin``: the run's gin config (its ``MODEL_DIR/config.gin``), so that `import`
   rebuilds the same model without any gin file.
@@ -39,7 +39,6 @@ import that the command line does not (:func:`gin_utils.check_run_config`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import re
 import sys
@@ -52,6 +51,7 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.errors import UserError
+from moe_jax.moe import freeze
 from moe_jax.train import distributed, gin_utils
 
 WEIGHTS_FILE = "model.safetensors"
@@ -59,7 +59,9 @@ ROUTER_INIT_FILE = "router_init.safetensors"
 CONFIG_JSON = "config.json"
 CONFIG_GIN = "config.gin"
 FORMAT = "moe-jax-export"
-FORMAT_VERSION = 1
+# 2: the MoE layers' configs inside ``t5_config`` (``moe``, ``decoder_moe``); 1 wrote
+# ``routing.moe_layer`` (MoeLayer's gin fields). Import reads either (from ``config.gin``).
+FORMAT_VERSION = 2
 # Shapes the model is built with to list its parameters (parameter shapes do not depend on them).
 _PROBE_SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
 
@@ -184,22 +186,11 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def routing_settings() -> dict[str, Any]:
-    """``MoeLayer``'s fields as gin binds them, and the router mode (learned/frozen)."""
-    from moe_jax.moe import freeze
-    from moe_jax.moe.layer import MoeLayer
-
-    fields = {f.name: f.default for f in dataclasses.fields(MoeLayer)
-              if f.init and f.name not in ("parent", "name")
-              and f.default is not dataclasses.MISSING}
-    fields.update(gin.get_bindings(MoeLayer))
-    return {"moe_layer": _jsonable(fields), "router_mode": freeze.router_mode()}
-
-
 def architecture(model) -> dict[str, Any]:
-    """The network's ``T5Config`` and the vocabulary it was trained with."""
+    """The network's ``T5Config`` (``T5Config.to_dict``: its MoE configs included; read back
+    by ``T5Config.from_dict``) and the vocabulary it was trained with."""
     vocabulary = model.vocabulary
-    return {"t5_config": _jsonable(dataclasses.asdict(model.module.config)),
+    return {"t5_config": _jsonable(model.module.config.to_dict()),
             "vocabulary": {"size": model.vocab_size, "eos_id": model.eos_id,
                            "type": type(vocabulary).__name__,
                            "path": getattr(vocabulary, "sentencepiece_model_file",
@@ -242,7 +233,7 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     config = {
         "format": FORMAT, "version": FORMAT_VERSION,
         "source_checkpoint": storage.normalize(checkpoint_path),
-        "step": step, **architecture(model), "routing": routing_settings(),
+        "step": step, **architecture(model), "routing": {"router_mode": freeze.router_mode()},
         "num_parameters": int(sum(a.size for a in arrays.values())),
         "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
                    for name, a in sorted(arrays.items())},
@@ -358,9 +349,10 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
     return step
 
 
-def _run_config_for_import(export_dir: str, model_dir: str) -> str:
-    """The export's ``config.gin`` with ``MODEL_DIR`` pointing at the new run directory."""
-    text = storage.read_text(storage.join(export_dir, CONFIG_GIN))
+def _run_config_for_import(config_path: str, model_dir: str) -> str:
+    """The export's ``config.gin`` (at ``config_path``, as ``gin_utils.run_config_file`` gave
+    it: in the new form) with ``MODEL_DIR`` pointing at the new run directory."""
+    text = storage.read_text(config_path)
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
@@ -442,8 +434,8 @@ def _import(args) -> int:
         raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
                           "files with --gin_file")
     config_text = None
-    if use_export_config:
-        config_text = _run_config_for_import(args.export, args.model_dir)
+    if use_export_config and exported_gin is not None:
+        config_text = _run_config_for_import(exported_gin, args.model_dir)
         args.gin_file = [exported_gin]
     args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
     gin_utils.parse_gin(args)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import contextlib
 import importlib
 import io
@@ -32,7 +33,9 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import tokenize
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -41,6 +44,7 @@ import gin
 from gin import config_parser
 
 from moe_jax import errors, storage
+from moe_jax.moe import legacy_gin
 
 REPO_GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
 
@@ -243,7 +247,10 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        raise GinConfigError(f"gin: {_readable(err)}") from None
+        hint = ("\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, "
+                "<Router>Config.*, CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
+                if "'MoeLayer'" in str(err) else "")
+        raise GinConfigError(f"gin: {_readable(err)}{hint}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
         try:
@@ -445,7 +452,9 @@ def run_config_file(model_dir: str, args: argparse.Namespace,
     """The run's config as of checkpoint ``step`` (:func:`recorded_run_config`: ``config.gin``
     or a newer accepted ``config.step-N.gin``; an export's ``config.gin``; None when there is
     none), passed through :func:`check_run_config`. Every command that reads a run's or an
-    export's config (analyze, eval, infer, export, import) finds it here.
+    export's config (analyze, eval, infer, export, import) finds it here. A config written
+    before ``MoeConfig`` (``MoeLayer.*`` bindings) is read as a local copy in the new form
+    (:func:`new_form_config`).
 
     Raises:
       GinConfigError: as :func:`check_run_config`.
@@ -454,7 +463,7 @@ def run_config_file(model_dir: str, args: argparse.Namespace,
     if not storage.exists(path):
         return None
     check_run_config(path, args)
-    return path
+    return new_form_config(path)
 
 
 def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
@@ -590,6 +599,34 @@ def in_run_directory(path: str) -> bool:
                for name in ("checkpoints", "LOCK", "model.safetensors"))
 
 
+
+
+def new_form_config(path: str) -> str:
+    """``path``, or, when it binds ``MoeLayer.*`` (a run written before ``MoeConfig``), a
+    local copy translated by :func:`moe_jax.moe.legacy_gin.translate` (said on stderr, with
+    the options it leaves out), removed when the process exits.
+
+    Raises:
+      GinConfigError: naming ``path`` and an option that cannot be translated.
+    """
+    text = _read(path)
+    try:
+        translated, warnings = legacy_gin.translate(text)
+    except legacy_gin.LegacyOptionError as err:
+        raise GinConfigError(f"{path}: {err}") from None
+    if translated == text:
+        return path
+    folder = tempfile.mkdtemp(prefix="moe_jax_config_")
+    atexit.register(shutil.rmtree, folder, True)
+    copy = os.path.join(folder, "config.gin")
+    storage.write_text(copy, translated)
+    print(f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form "
+          f"from {copy}", file=sys.stderr, flush=True)
+    for warning in warnings:
+        print(f"[moe-jax] warning: {path}: {warning}", file=sys.stderr, flush=True)
+    return copy
+
+
 def config_bindings(text: str, origin: str = "config") -> dict[str, object]:
     """``{"scope/configurable.param" or "MACRO": value}`` of a gin config text (an operative
     config as written to ``config.gin``); values as parsed, references as text."""
@@ -601,6 +638,18 @@ def config_bindings(text: str, origin: str = "config") -> dict[str, object]:
     return out
 
 
+def _macros_resolved(bindings: dict[str, object]) -> dict[str, object]:
+    """``bindings`` (of :func:`config_bindings`) with each value that is a macro of the same
+    config (``"%NAME"``) replaced by the macro's value, so that ``k = %K`` with ``K = 2``
+    equals ``k = 2`` (a config translated from ``MoeLayer.*`` binds literals)."""
+    def value(v: object, depth: int = 0) -> object:
+        if isinstance(v, str) and v.startswith("%") and v[1:] in bindings and depth < 10:
+            return value(bindings[v[1:]], depth + 1)
+        return v
+
+    return {name: value(v) for name, v in bindings.items()}
+
+
 def config_changes(saved: str, current: str) -> list[str]:
     """The bindings set in both configs whose values differ, except those a resumed run may
     change (:data:`RESUMABLE_CHANGES`), as ``"name: saved -> current"`` lines.
@@ -608,7 +657,8 @@ def config_changes(saved: str, current: str) -> list[str]:
     Bindings in only one of the two are not compared: an operative config lists only the
     configurables the run called, which differs between a fresh start and a resumption.
     """
-    before, after = config_bindings(saved, "saved config.gin"), config_bindings(current, "operative config")
+    before, after = (_macros_resolved(config_bindings(saved, "saved config.gin")),
+                     _macros_resolved(config_bindings(current, "operative config")))
     return [f"{name}: {before[name]!r} -> {after[name]!r}" for name in sorted(set(before) & set(after))
             if before[name] != after[name] and not RESUMABLE_CHANGES.match(name.rsplit("/", 1)[-1])]
 
@@ -631,7 +681,7 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
         storage.write_text(first, operative)
         return first
     recorded = recorded_run_config(model_dir, step)
-    changes = config_changes(_read(recorded), operative)
+    changes = config_changes(legacy_gin.translate(_read(recorded))[0], operative)
     if not changes:
         return recorded
     if not allow_change:

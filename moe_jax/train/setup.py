@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from moe_jax import errors, partitioning
+from moe_jax.moe import freeze
 from moe_jax.train import distributed, gin_utils
 
 
@@ -104,7 +105,6 @@ def eval_batches(cfg: DatasetConfig, num_batches: int):
 
 def build_optimizer(model_params_abstract):
     """The gin optimizer, with router updates zeroed when the router mode is ``frozen``."""
-    from moe_jax.moe import freeze
     from moe_jax.train import optimizers
 
     tx, schedule = optimizers.create_optimizer()
@@ -237,7 +237,8 @@ def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunC
         ctx=ctx, input_shapes=dict(input_shapes), tx=tx, learning_rate_fn=lr_fn,
         abstract_state=train_state.abstract_with_shardings(abstract, shardings), shardings=shardings,
         train_step=train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
-                                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite),
+                                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite,
+                                             bias_mode=freeze.bias_mode()),
         eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.rules, ctx.batch_axes,
                                            shardings.collections),
         _init_fn=init_fn)

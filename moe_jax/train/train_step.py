@@ -39,10 +39,10 @@ def _split_microbatches(batch: Batch, accum_steps: int) -> Batch:
 
 def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTransformation,
                learning_rate_fn: optax.Schedule, accum_steps: int = 1,
-               skip_nonfinite: bool = False) -> tuple[TrainState, Metrics]:
+               skip_nonfinite: bool = False, bias_mode: str = "updated") -> tuple[TrainState, Metrics]:
     """One optimizer step. Returns the new state and scalar/array metrics (the model's
     ``loss_fn`` metrics averaged over microbatches, plus ``grad_norm``, ``learning_rate``
-    and ``skipped``)."""
+    and ``skipped``). ``bias_mode``: ``freeze.bias_mode`` of the balancing biases."""
     grad_fn = jax.value_and_grad(model.train_loss_fn, has_aux=True)
     rng = state.dropout_rng()
     if accum_steps == 1:
@@ -70,7 +70,7 @@ def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTran
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state,
-                              collections=freeze.updated_collections(state.collections, collections))
+                              collections=freeze.updated_collections(state.collections, collections, bias_mode))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
@@ -84,13 +84,13 @@ def train_step(state: TrainState, batch: Batch, *, model, tx: optax.GradientTran
 
 def jit_train_step(model, tx, learning_rate_fn, state_shardings: TrainState, mesh: Mesh,
                    rules: partitioning.LogicalRules, batch_axes: tuple[str, ...] = ("data", "expert"), *,
-                   accum_steps: int = 1, skip_nonfinite: bool = False):
+                   accum_steps: int = 1, skip_nonfinite: bool = False, bias_mode: str = "updated"):
     """``train_step`` jitted with the state donated and its shardings pinned, traced under
     ``mesh`` and the logical axis ``rules`` (which give the model's activation constraints
     their mesh axes)."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
     step = functools.partial(train_step, model=model, tx=tx, learning_rate_fn=learning_rate_fn,
-                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
+                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite, bias_mode=bias_mode)
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
                      donate_argnums=0, compiler_options=_compiler_options(mesh))

@@ -18,7 +18,7 @@ data stream continues from that step. The dense run is only read. See docs/moe.m
 What it preserves: the upcycled model computes the dense model's outputs at step 0 only
 when no token is dropped and each token's gates sum to 1 (:func:`step_zero_differences`).
 Unless ``--keep_capacity``, a token-choice layer that would drop tokens is written dropless
-(``MoeLayer.dropless = True`` in ``OUT/config.gin``, said on stderr), so the run as
+(``CapacityConfig.dropless = True`` in ``OUT/config.gin``, said on stderr), so the run as
 configured starts as the dense model and trains dropless; with ``--keep_capacity`` the
 capacity factors of the gin files stay and a warning names them. What still differs is
 printed as a warning.
@@ -33,59 +33,71 @@ import gin
 import jax
 
 from moe_jax import storage
+from moe_jax.moe import capacity
+from moe_jax.moe.config import MoeConfig, TopKRouterConfig
 from moe_jax.train import gin_utils
 
 
-def _keeps_every_token(layer: Any) -> bool:
-    """Whether ``layer`` (a ``MoeLayer``) routes every assignment of a routing group at
-    both capacity factors: dropless, or a capacity of the whole group."""
-    from moe_jax.moe import capacity
-
-    if layer.dropless:
+def _keeps_every_token(config: MoeConfig) -> bool:
+    """Whether a layer of ``config`` routes every assignment of a routing group at both
+    capacity factors: dropless, or a capacity of the whole group."""
+    cap = config.capacity
+    if cap.dropless:
         return True
-    tokens = layer.group_size
-    return all(capacity.expert_capacity(tokens, layer.routed_experts, layer.choices_per_token, factor,
-                                        layer.min_expert_capacity, layer.capacity_rule) >= tokens
-               for factor in (layer.train_capacity_factor, layer.eval_capacity_factor))
+    tokens = cap.group_size
+    return all(capacity.expert_capacity(tokens, config.routed_experts, config.choices_per_token, factor,
+                                        cap.min_expert_capacity, cap.capacity_rule) >= tokens
+               for factor in (cap.train_capacity_factor, cap.eval_capacity_factor))
 
 
-def step_zero_differences(layer: Any, noise_std: float = 0.0) -> list[str]:
-    """Why the upcycled model would not compute the dense model's outputs at step 0, for the
-    gin-configured ``layer`` (a ``MoeLayer``): one line per cause naming the option, empty
-    when it does (moe_jax/moe/upcycle.py gives the conditions)."""
+def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str]:
+    """Why the upcycled model would not compute the dense model's outputs at step 0, for MoE
+    layers of ``config``: one line per cause naming the option, empty when it does
+    (moe_jax/moe/upcycle.py gives the conditions)."""
     causes = []
-    if not _keeps_every_token(layer):
+    cap, router = config.capacity, config.router
+    if not _keeps_every_token(config):
         causes.append(
-            f"MoeLayer.dropless=False with train/eval capacity factors {layer.train_capacity_factor:g} / "
-            f"{layer.eval_capacity_factor:g}: an expert takes at most its capacity of a group's tokens and "
+            f"CapacityConfig.dropless=False with train/eval capacity factors {cap.train_capacity_factor:g} / "
+            f"{cap.eval_capacity_factor:g}: an expert takes at most its capacity of a group's tokens and "
             "the others skip the layer (all experts are the same MLP, so the router's choices are uneven); "
-            "--gin.MoeLayer.dropless=True keeps every token")
-    if layer.router_type == "expert_choice":
-        causes.append("MoeLayer.router_type='expert_choice': experts pick tokens, so a token may get "
-                      "none or several experts")
-    elif (layer.router_type in ("top_k", "noisy_top_k") and layer.router_score == "softmax"
-          and not layer.renormalize_gates and layer.choices_per_token < layer.routed_experts):
-        causes.append("MoeLayer.renormalize_gates=False: a token's top-k softmax gates sum to less than 1 "
-                      "(include routers/renormalized.gin)")
-    if layer.num_shared_experts:
-        causes.append(f"MoeLayer.num_shared_experts={layer.num_shared_experts}: shared experts start from "
+            "--gin.CapacityConfig.dropless=True keeps every token")
+    partial_gates = config.choices_per_token < config.routed_experts
+    if config.router_type == "expert_choice":
+        causes.append("ExpertChoiceRouterConfig: experts pick tokens, so a token may get none or several experts")
+    elif (isinstance(router, TopKRouterConfig) and router.score_function == "softmax"
+          and not router.renormalize_gates and partial_gates):
+        causes.append("TopKRouterConfig.renormalize_gates=False: a token's top-k softmax gates sum to less "
+                      "than 1 (include routers/renormalized.gin)")
+    elif config.router_type == "noisy_top_k" and partial_gates:
+        causes.append("NoisyTopKRouterConfig: a token's top-k softmax gates sum to less than 1 (this router "
+                      "does not renormalise them; TopKRouterConfig.renormalize_gates does)")
+    if config.num_shared_experts:
+        causes.append(f"MoeConfig.num_shared_experts={config.num_shared_experts}: shared experts start from "
                       "the MoE initialisation and add to the copied MLP")
     if noise_std:
         causes.append(f"--noise_std={noise_std:g} perturbs the experts")
     return causes
 
 
-def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, Any]:
-    """Binds ``MoeLayer.dropless = True`` (gin parsed, not finalized) when the configured
-    token-choice layer would drop tokens and ``keep_capacity`` is False; returns whether it
-    did and the ``MoeLayer`` as then configured."""
-    from moe_jax.moe.layer import MoeLayer
+def moe_configs() -> list[MoeConfig]:
+    """The distinct MoE configs (encoder's, decoder's) of the gin-configured model."""
+    config = _train_argument("model").module.config
+    if not config.has_moe:
+        return []
+    return list(dict.fromkeys((config.moe_config("encoder"), config.moe_config("decoder"))))
 
-    layer = MoeLayer()
-    if keep_capacity or _keeps_every_token(layer) or layer.router_type == "expert_choice":
-        return False, layer
-    gin.bind_parameter("MoeLayer.dropless", True)
-    return True, MoeLayer()
+
+def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]:
+    """Binds ``CapacityConfig.dropless = True`` (gin parsed, not finalized) when a configured
+    token-choice layer would drop tokens and ``keep_capacity`` is False; returns whether it
+    did and the model's MoE configs as then configured."""
+    configs = moe_configs()
+    if (keep_capacity or all(_keeps_every_token(c) for c in configs)
+            or any(c.router_type == "expert_choice" for c in configs)):
+        return False, configs
+    gin.bind_parameter("CapacityConfig.dropless", True)
+    return True, moe_configs()
 
 
 def _dense_params(path: str) -> tuple[dict[str, Any], int]:
@@ -123,7 +135,6 @@ def _train_argument(name: str) -> Any:
 
 def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
-    from moe_jax.moe.layer import MoeLayer
     from moe_jax.moe.upcycle import upcycle_params
     from moe_jax.train import checkpoints, evaluate, setup
 
@@ -135,10 +146,14 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
     if not model.module.config.has_moe:
         raise ValueError("upcycle: the gin files describe a model without MoE layers "
                          "(T5Config.num_sparse_*_layers = 0)")
+    granularities = {c.expert_granularity for c in moe_configs()}
+    if len(granularities) > 1:
+        raise ValueError(f"upcycle: the encoder's and the decoder's MoeConfig.expert_granularity differ "
+                         f"({sorted(granularities)}); upcycling takes one")
     dense, dense_step = _dense_params(checkpoint)
     run = setup.build_train_setup(model, dataset_cfg.input_shapes(), setup.run_context(), seed=seed)
     state, shardings = run.init_state(), run.shardings
-    params = upcycle_params(dense, jax.device_get(state.params), granularity=MoeLayer().expert_granularity,
+    params = upcycle_params(dense, jax.device_get(state.params), granularity=granularities.pop(),
                             noise_std=noise_std, rng=jax.random.PRNGKey(seed))
     params = jax.device_put(params, shardings.params)
     with jax.set_mesh(run.ctx.mesh):
@@ -175,23 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep_capacity", action="store_true",
                         help="keep the gin files' capacity factors (tokens beyond an expert's capacity are "
                              "dropped, so the step-0 model is not the dense one); default: a layer that "
-                             "would drop tokens is written dropless (MoeLayer.dropless = True)")
+                             "would drop tokens is written dropless (CapacityConfig.dropless = True)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     args.gin_dot_bindings.append(f"MODEL_DIR = {args.out!r}")
     try:
         gin_utils.parse_gin(args, finalize=False)
-        made_dropless, layer = make_dropless_if_needed(args.keep_capacity)
+        made_dropless, configs = make_dropless_if_needed(args.keep_capacity)
         gin.finalize()
         result = upcycle(args.checkpoint, args.out, noise_std=args.noise_std, reset_step=args.reset_step)
     except (gin_utils.GinConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"moe-jax upcycle: error: {err}", file=sys.stderr)
         return 1
     if made_dropless:
-        print(f"[moe-jax] upcycle: {args.out}/config.gin binds MoeLayer.dropless = True (the gin files' "
-              f"capacity factors {layer.train_capacity_factor:g} / {layer.eval_capacity_factor:g} would drop "
-              "tokens), so the step-0 model is the dense one and training continues dropless; "
-              "--keep_capacity keeps the capacity factors", file=sys.stderr)
-    for cause in step_zero_differences(layer, args.noise_std):
+        factors = ", ".join(f"{c.capacity.train_capacity_factor:g} / {c.capacity.eval_capacity_factor:g}"
+                            for c in configs)
+        print(f"[moe-jax] upcycle: {args.out}/config.gin binds CapacityConfig.dropless = True (the gin files' "
+              f"capacity factors {factors} would drop tokens), so the step-0 model is the dense one and "
+              "training continues dropless; --keep_capacity keeps the capacity factors", file=sys.stderr)
+    for cause in dict.fromkeys(c for config in configs for c in step_zero_differences(config, args.noise_std)):
         print(f"[moe-jax] upcycle: warning: the upcycled model differs from the dense one at step 0: {cause}",
               file=sys.stderr)
     print(f"[moe-jax] upcycled {args.checkpoint} (step {result['dense_step']}) into {result['out']} at step "

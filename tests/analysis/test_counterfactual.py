@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from moe_jax.analysis import counterfactual
-from moe_jax.moe import MoeLayer
 from moe_jax.moe.layer import ROUTING_COLLECTION
 from moe_jax.moe.routers import HashRouter, TopKRouter
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
 
 
 def _routing(layer, params, x, interceptor=None, **kwargs):
@@ -26,7 +25,7 @@ def _routing(layer, params, x, interceptor=None, **kwargs):
 
 
 def test_shuffled_changes_router_outputs_but_not_expert_weights():
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = make_inputs(2, 8)
     params = init_params(layer, x)
     shuffled = counterfactual.shuffle_router_inputs(params, seed=3)
@@ -48,7 +47,7 @@ def test_shuffled_changes_router_outputs_but_not_expert_weights():
 
 
 def test_random_and_init_replace_only_router_weights(tmp_path):
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = make_inputs(2, 8)
     params = init_params(layer, x)
     fresh = counterfactual.random_routers(params, seed=1, stddev=0.5)
@@ -102,7 +101,7 @@ def test_hash_routes_by_token_id_with_the_learned_gates():
 
 
 def test_gate_margin_is_top1_minus_top2_probability():
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = make_inputs(2, 8) * 10.0
     params = init_params(layer, x)
     mask = jnp.ones((2, 8)).at[1, 5:].set(0)

@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.moe import MoeLayer
 from moe_jax.moe.layer import ROUTING_COLLECTION
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
 
 
 def _apply(layer, params, x, collections, **kwargs):
@@ -18,9 +17,8 @@ def _apply(layer, params, x, collections, **kwargs):
 
 
 def test_routing_is_sown_per_token_only_when_mutable():
-    layer = MoeLayer(**SMALL)
-    # 24 tokens in 2 groups of 16 (one padded)
-    x = make_inputs(3, 8)
+    layer = moe_layer(**SMALL)
+    x = make_inputs(3, 8)  # 24 tokens in 2 groups of 16 (one padded)
     params = init_params(layer, x)
     mask = jnp.ones((3, 8)).at[2, 5:].set(0)
     y, state = _apply(layer, params, x, ["moe_metrics", ROUTING_COLLECTION], padding_mask=mask)
@@ -46,7 +44,7 @@ def test_routing_is_sown_per_token_only_when_mutable():
 
 
 def test_expert_choice_sows_probabilities_without_per_token_choices():
-    layer = MoeLayer(**dict(SMALL, router_type="expert_choice"))
+    layer = moe_layer(**dict(SMALL, router_type="expert_choice"))
     x = make_inputs(2, 8)
     params = init_params(layer, x)
     _, state = _apply(layer, params, x, [ROUTING_COLLECTION])

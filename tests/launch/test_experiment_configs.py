@@ -52,9 +52,10 @@ def test_fig5_moe_runs_are_the_papers_model_with_the_requested_router(mode):
         "NUM_DECODER_LAYERS": 12,
     }
     assert gin.query_parameter("freeze.router_mode.mode") == mode
-    assert gin.query_parameter("MoeLayer.num_selected_experts") == 2
-    # MoeLayer's factors are these macros
-    assert gin.query_parameter("%TRAIN_CAPACITY_FACTOR") == 1.25
+    assert gin.query_parameter("%NUM_SELECTED_EXPERTS") == 2  # TopKRouterConfig's k is this macro
+    assert (
+        gin.query_parameter("%TRAIN_CAPACITY_FACTOR") == 1.25
+    )  # CapacityConfig's factors are these macros
     assert gin.query_parameter("%EVAL_CAPACITY_FACTOR") == 2.0
     assert gin.query_parameter("%NUM_EXPERTS") == 32
     assert gin.query_parameter("%TRAIN_STEPS") == 500000

@@ -10,7 +10,7 @@ import gin
 import jax
 import pytest
 
-import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
@@ -18,8 +18,7 @@ SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
 
 @contextlib.contextmanager
 def gin_model(*files: str, bindings: tuple[str, ...] = ()):
-    """The MODEL of the gin files; the config stays live inside the block because
-    ``MoeLayer`` reads its bindings when the network is traced."""
+    """The MODEL of the gin files (its ``T5Config`` and MoE config built from them)."""
     gin.clear_config()
     gin.add_config_file_search_path(str(REPO))
     gin.parse_config_files_and_bindings([str(REPO / "gin" / "models" / f) for f in files],
@@ -84,8 +83,8 @@ def test_macros_override_from_bindings():
 def test_fine_grained_scales_the_capacity_factors_of_a_router_file_read_before_it(router):
     """routers/top2.gin (which the Figure 5 experiments include) sets the capacity factors
     through the macros, so routers/fine_grained.gin read after it multiplies them by m = 4;
-    they once bound MoeLayer's factors directly and the fine-grained runs kept 1.25 / 2.0."""
-    from moe_jax.moe import MoeLayer
+    they once bound the layer's factors directly and the fine-grained runs kept 1.25 / 2.0."""
+    from moe_jax.moe import MoeConfig
 
     files = [str(REPO / "gin" / d / f) for d, f in
              (("models", "t5_moe.gin"), ("routers", router), ("routers", "fine_grained.gin"))]
@@ -94,7 +93,7 @@ def test_fine_grained_scales_the_capacity_factors_of_a_router_file_read_before_i
         for parsed, expected in ((files, (5.0, 8.0)), (files[:2], (1.25, 2.0))):  # router alone: its own
             gin.clear_config()
             gin.parse_config_files_and_bindings(parsed, [], finalize_config=False)
-            layer = MoeLayer()
-            assert (layer.train_capacity_factor, layer.eval_capacity_factor) == expected
+            capacity = MoeConfig().capacity
+            assert (capacity.train_capacity_factor, capacity.eval_capacity_factor) == expected
     finally:
         gin.clear_config()

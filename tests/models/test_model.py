@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.models import losses
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder
@@ -30,10 +30,10 @@ def moe_gin():
     """Tiny MoE bindings (4 experts, top-2), live while the test traces the network."""
     gin.clear_config()
     gin.parse_config("\n".join([
-        "MoeLayer.num_experts = 4", "MoeLayer.num_selected_experts = 2", "MoeLayer.d_ff = 32",
-        "MoeLayer.activation = 'gated_gelu'", "MoeLayer.group_size = 16",
-        "MoeLayer.train_capacity_factor = 1.0", "MoeLayer.eval_capacity_factor = 8.0",
-        "MoeLayer.min_expert_capacity = 1"]))
+        "MoeConfig.num_experts = 4", "TopKRouterConfig.num_selected_experts = 2", "MoeConfig.d_ff = 32",
+        "MoeConfig.activation = 'gated_gelu'", "CapacityConfig.group_size = 16",
+        "CapacityConfig.train_capacity_factor = 1.0", "CapacityConfig.eval_capacity_factor = 8.0",
+        "CapacityConfig.min_expert_capacity = 1"]))
     yield
     gin.clear_config()
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax import partitioning
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder
@@ -26,8 +26,8 @@ def moe_model():
     gin.clear_config()
     # eval capacity large enough that no token is dropped whatever the grouping
     gin.parse_config("\n".join([
-        "MoeLayer.num_experts = 4", "MoeLayer.d_ff = 32", "MoeLayer.activation = 'gated_gelu'",
-        "MoeLayer.group_size = 8", "MoeLayer.eval_capacity_factor = 8.0"]))
+        "MoeConfig.num_experts = 4", "MoeConfig.d_ff = 32", "MoeConfig.activation = 'gated_gelu'",
+        "CapacityConfig.group_size = 8", "CapacityConfig.eval_capacity_factor = 8.0"]))
     model = EncoderDecoderModel(EncoderDecoder(tiny_config(
         num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)), z_loss=1e-4)
     params = model.get_initial_variables(jax.random.key(0), SHAPES)["params"]

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import REMAT_POLICIES, EncoderDecoder
 from tests.models.conftest import random_batch, tiny_config
@@ -25,8 +25,8 @@ def moe_bindings():
     """A tiny MoE layer in layer 1 of each stack (4 experts, top-2, expert dropout)."""
     gin.clear_config()
     gin.parse_config("\n".join([
-        "MoeLayer.num_experts = 4", "MoeLayer.d_ff = 32", "MoeLayer.activation = 'gated_gelu'",
-        "MoeLayer.group_size = 8", "MoeLayer.expert_dropout_rate = 0.1"]))
+        "MoeConfig.num_experts = 4", "MoeConfig.d_ff = 32", "MoeConfig.activation = 'gated_gelu'",
+        "CapacityConfig.group_size = 8", "MoeConfig.expert_dropout_rate = 0.1"]))
     yield
     gin.clear_config()
 

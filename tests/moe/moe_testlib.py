@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.moe import MoeLayer
+from moe_jax.moe import MoeLayer, legacy_gin
 
 SMALL = dict(num_experts=4, num_selected_experts=2, d_ff=16, group_size=16, min_expert_capacity=1)
 
@@ -72,3 +72,16 @@ def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding
 
     with jax.set_mesh(mesh):
         return jax.jit(step).lower(params, x).compile()
+
+
+def moe_layer(**fields) -> MoeLayer:
+    """An ``MoeLayer`` from the flat keyword arguments the layer took before ``MoeConfig``
+    (``legacy_gin.config_from_fields``; an option the router lacks is refused); ``causal``,
+    ``dtype`` and ``name`` are the layer's own."""
+    own = {k: fields.pop(k) for k in ("causal", "dtype", "name") if k in fields}
+    return MoeLayer(legacy_gin.config_from_fields(**fields), **own)
+
+
+def relayer(layer: MoeLayer, **fields) -> MoeLayer:
+    """``layer`` with some of those flat fields changed."""
+    return layer.clone(config=legacy_gin.config_from_fields(**{**legacy_gin.legacy_fields(layer.config), **fields}))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import compile_fwd_bwd
+from tests.moe.moe_testlib import compile_fwd_bwd, moe_layer
 
 from moe_jax import hardware, hlo_costs
 from moe_jax.moe import MoeLayer
@@ -92,7 +92,7 @@ def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
     devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5p:2x2x1")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), ("data", "expert", "model"))
-    layer = MoeLayer(num_experts=8, d_ff=256, dtype=jnp.bfloat16)  # one group of 4096 tokens
+    layer = moe_layer(num_experts=8, d_ff=256, dtype=jnp.bfloat16)  # one group of 4096 tokens
     compiled = compile_fwd_bwd(layer, jax.ShapeDtypeStruct((8, 512, 64), jnp.bfloat16), mesh)
     ops = hlo_costs.parse(compiled.as_text())
     totals = hlo_costs.summary(ops)

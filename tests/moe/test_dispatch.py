@@ -6,9 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer, relayer
 
-from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout
 from moe_jax.moe.dispatch import dispatch_combine
 from moe_jax.moe.routers import TokenChoiceRouting
@@ -29,10 +28,10 @@ def _loss_and_grads(layer, params, x):
 ])
 def test_sort_dispatch_equals_einsum_reference(overrides):
     x = make_inputs()
-    ref_layer = MoeLayer(**dict(SMALL, dispatch="einsum", **overrides))
+    ref_layer = moe_layer(**dict(SMALL, dispatch="einsum", **overrides))
     params = init_params(ref_layer, x)
     (_, y_ref), g_ref = _loss_and_grads(ref_layer, params, x)
-    (_, y), g = _loss_and_grads(ref_layer.clone(dispatch="sort"), params, x)
+    (_, y), g = _loss_and_grads(relayer(ref_layer, dispatch="sort"), params, x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -74,10 +73,10 @@ def test_group_layout_pads_to_the_shard_count():
 
 def test_per_expert_loop_equals_batched_expert_matmuls():
     x = make_inputs()
-    layer = MoeLayer(**dict(SMALL, per_expert_loop=False, activation="gated_gelu"))
+    layer = moe_layer(**dict(SMALL, per_expert_loop=False, activation="gated_gelu"))
     params = init_params(layer, x)
     (_, y_ref), g_ref = _loss_and_grads(layer, params, x)
-    (_, y), g = _loss_and_grads(layer.clone(per_expert_loop=True), params, x)
+    (_, y), g = _loss_and_grads(relayer(layer, per_expert_loop=True), params, x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

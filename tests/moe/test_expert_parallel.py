@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import make_inputs
+from tests.moe.moe_testlib import make_inputs, moe_layer
 
 from moe_jax import partitioning
-from moe_jax.moe import MoeLayer
 
 LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
              eval_capacity_factor=1.0, dispatch="sort")
@@ -33,7 +32,7 @@ def _value_and_grad(layer):
 @pytest.mark.parametrize("dispatch", ["sort", pytest.param("einsum", marks=pytest.mark.slow)])
 def test_sharded_run_equals_single_device(shape, dispatch):
     assert len(jax.devices()) == 8
-    layer = MoeLayer(**dict(LAYER, dispatch=dispatch))
+    layer = moe_layer(**dict(LAYER, dispatch=dispatch))
     x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     params = nn.unbox(boxed)
@@ -55,7 +54,7 @@ def test_sharded_run_equals_single_device(shape, dispatch):
 
 
 def test_experts_not_divisible_by_expert_axis_refused():
-    layer = MoeLayer(**dict(LAYER, num_experts=6))
+    layer = moe_layer(**dict(LAYER, num_experts=6))
     with jax.set_mesh(partitioning.make_mesh((2, 4, 1))):
         with pytest.raises(ValueError, match="num_experts"):
             jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs(8, 8, 8))

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
 
-from moe_jax.moe import MoeLayer, freeze
+from moe_jax.moe import freeze
 
 
 def _train(mode: str, steps: int = 3):
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = make_inputs()
     params = init_params(layer, x)
     tx = freeze.apply_router_mode(optax.adamw(1e-2, weight_decay=0.1), params, mode=mode)
@@ -65,7 +65,7 @@ def test_is_router_param():
 
 
 def test_data_initialised_router_uses_sampled_tokens():
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     params = init_params(layer, make_inputs())
     samples = make_inputs(1, 32, seed=7)[0]
     new = freeze.data_initialized_router(params, samples, jax.random.PRNGKey(0))

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from tests.moe.moe_testlib import make_inputs
 
-from moe_jax.moe import MoeLayer, freeze
+from moe_jax.models.t5 import T5Config
+from moe_jax.moe import MoeConfig, MoeLayer, freeze
 from moe_jax.moe.layer import ROUTING_COLLECTION
 from moe_jax.moe.selection import BIAS_COLLECTION
 
@@ -31,7 +32,14 @@ def _layer(path: pathlib.Path) -> tuple[MoeLayer, dict[str, str]]:
         gin.add_config_file_search_path(str(GIN_DIR.parents[1]))  # files that include others
         gin.parse_config_file(str(path))
         modes = {"router": freeze.router_mode(), "bias": freeze.bias_mode()}
-        return MoeLayer(num_experts=4, d_ff=16, group_size=16, min_expert_capacity=16), modes
+        for name, value in (("MoeConfig.num_experts", 4), ("MoeConfig.d_ff", 16),
+                            ("CapacityConfig.group_size", 16), ("CapacityConfig.min_expert_capacity", 16)):
+            gin.bind_parameter(name, value)
+        # the decoder's MoE config of a model with these bindings (the encoder's unless the
+        # file gives the decoder its own)
+        modes["decoder"] = T5Config(num_encoder_layers=2, num_decoder_layers=2,
+                                    num_sparse_encoder_layers=1).moe_config("decoder")
+        return MoeLayer(MoeConfig()), modes
     finally:
         gin.clear_config()
 
@@ -124,6 +132,18 @@ def modes(**expected: str):
     return check
 
 
+def decoder_routes_by_token_id(layer, variables, x, actual=None):
+    """The encoder keeps its top-2 router; the decoder's layers route by hash, top-1."""
+    decoder = MoeLayer(actual["decoder"], causal=True)
+    assert (layer.config.router_type, decoder.config.router_type) == ("top_k", "hash")
+    decoder_variables = nn.unbox(decoder.init(jax.random.PRNGKey(1), x, token_ids=IDS))
+    experts_per_token(1)(decoder, decoder_variables, x)
+    routes_by_token_id(decoder, decoder_variables, x)
+
+
+decoder_routes_by_token_id.wants_mode = True
+
+
 CHECKS = {
     "top2.gin": [experts_per_token(2), gates_do_not_sum_to_one],
     "switch.gin": [experts_per_token(1)],
@@ -131,6 +151,7 @@ CHECKS = {
     "sigmoid.gin": [gates_sum_to_one],
     "mixtral.gin": [experts_per_token(2), gates_sum_to_one],
     "hash.gin": [experts_per_token(1), routes_by_token_id],
+    "hash_decoder.gin": [experts_per_token(2), decoder_routes_by_token_id],
     "random.gin": [experts_per_token(2)],
     "noisy_topk.gin": [experts_per_token(2), noise_only_in_training],
     "expert_choice.gin": [each_expert_takes_its_capacity],

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer, relayer
 
 from moe_jax import partitioning
-from moe_jax.moe import MoeLayer, losses
+from moe_jax.moe import losses
 from moe_jax.moe.hierarchical import (HierarchicalRouter, NoisyHierarchicalRouter, hierarchical_importance,
                                       hierarchical_load)
 from moe_jax.moe.routers import TopKRouter
@@ -41,8 +41,8 @@ def _hierarchical_params(flat: dict) -> dict:
 ])
 def test_one_group_equals_flat_top_k(overrides):
     x = make_inputs()
-    flat = MoeLayer(**dict(SMALL, **WEIGHTS, **overrides))
-    hier = flat.clone(router_type="hierarchical", num_expert_groups=1, num_selected_groups=1)
+    flat = moe_layer(**dict(SMALL, **WEIGHTS, **overrides))
+    hier = relayer(flat, router_type="hierarchical", num_expert_groups=1, num_selected_groups=1)
     flat_params = init_params(flat, x)
     params = _hierarchical_params(flat_params)
     for deterministic in (True, False):  # eval capacity 8, train capacity 5: drops in both
@@ -183,12 +183,12 @@ def test_noisy_hierarchical_smooth_load_has_gradients_and_eval_is_clean():
 
 
 def test_layer_counts_k1_times_k2_assignments_per_token():
-    layer = MoeLayer(**dict(SMALL, num_experts=8, router_type="noisy_hierarchical", num_expert_groups=4,
+    layer = moe_layer(**dict(SMALL, num_experts=8, router_type="noisy_hierarchical", num_expert_groups=4,
                             num_selected_groups=2, num_selected_experts=2, capacity_rule="k_scaled",
                             importance_loss_weight=0.1, load_loss_weight=0.1))
     x = make_inputs()
     params = init_params(layer, x)
-    assert layer.choices_per_token == 4
+    assert layer.config.choices_per_token == 4
     y, state = apply(layer, params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
     assert bool(jnp.all(jnp.isfinite(y)))
     np.testing.assert_allclose(float(jnp.sum(metric(state, "expert_load"))), 4.0, rtol=1e-5)
@@ -196,7 +196,7 @@ def test_layer_counts_k1_times_k2_assignments_per_token():
 
 
 def test_parameter_logical_axes():
-    layer = MoeLayer(**dict(SMALL, router_type="noisy_hierarchical", num_expert_groups=2))
+    layer = moe_layer(**dict(SMALL, router_type="noisy_hierarchical", num_expert_groups=2))
     boxed = layer.init(jax.random.PRNGKey(0), make_inputs())["params"]["router"]
     specs = nn.get_partition_spec(boxed)
     for name, shape in (("primary", (8, 2)), ("primary_noise", (8, 2)), ("secondary", (8, 4)),
@@ -208,7 +208,7 @@ def test_parameter_logical_axes():
 
 def test_expert_parallel_equals_single_device():
     assert len(jax.devices()) == 8
-    layer = MoeLayer(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
+    layer = moe_layer(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
                      eval_capacity_factor=1.0, dispatch="sort", router_type="hierarchical",
                      num_expert_groups=2, num_selected_groups=1, importance_loss_weight=0.1)
 
@@ -241,6 +241,5 @@ def test_expert_parallel_equals_single_device():
     (dict(num_expert_groups=2, num_selected_groups=3), "num_selected_groups"),
 ])
 def test_bad_hierarchical_options_are_refused_by_name(overrides, option):
-    layer = MoeLayer(**dict(SMALL, router_type="hierarchical", **overrides))
-    with pytest.raises(ValueError, match=option):
-        layer.init(jax.random.PRNGKey(0), make_inputs())
+    with pytest.raises(ValueError, match=option):  # when the config is built
+        moe_layer(**dict(SMALL, router_type="hierarchical", **overrides))

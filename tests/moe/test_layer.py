@@ -7,15 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
 
 from moe_jax import partitioning
-from moe_jax.moe import MoeLayer
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_output_shape_and_dtype_follow_the_inputs(dtype):
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = make_inputs().astype(dtype)
     params = init_params(layer, x)
     y, _ = apply(layer, params, x)
@@ -25,7 +24,7 @@ def test_output_shape_and_dtype_follow_the_inputs(dtype):
 
 @pytest.mark.parametrize("batch,length", [(3, 1), (1, 1), (5, 7)])
 def test_any_token_count_works_including_length_one(batch, length):
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = make_inputs(batch, length)
     params = init_params(layer, make_inputs())  # params do not depend on the shape
     y, state = apply(layer, params, x)
@@ -34,7 +33,7 @@ def test_any_token_count_works_including_length_one(batch, length):
 
 
 def test_parameters_paths_and_logical_axes():
-    layer = MoeLayer(**dict(SMALL, activation="gated_gelu"))
+    layer = moe_layer(**dict(SMALL, activation="gated_gelu"))
     boxed = layer.init(jax.random.PRNGKey(0), make_inputs())["params"]
     specs = nn.get_partition_spec(boxed)
     flat = {"/".join(str(k.key) for k in path): spec
@@ -56,7 +55,7 @@ def test_parameters_paths_and_logical_axes():
 
 
 def test_aux_losses_are_weighted_and_metrics_are_sown():
-    layer = MoeLayer(**dict(SMALL, load_balancing_loss_weight=0.5, router_z_loss_weight=0.25,
+    layer = moe_layer(**dict(SMALL, load_balancing_loss_weight=0.5, router_z_loss_weight=0.25,
                             importance_loss_weight=0.0))
     x = make_inputs()
     params = init_params(layer, x)
@@ -73,7 +72,7 @@ def test_aux_losses_are_weighted_and_metrics_are_sown():
 
 
 def test_padding_is_never_routed_nor_counted():
-    layer = MoeLayer(**dict(SMALL, dropless=True, group_size=64))
+    layer = moe_layer(**dict(SMALL, dropless=True, group_size=64))
     real = make_inputs(1, 6)
     garbage = 100.0 * make_inputs(1, 4, seed=3)
     padded = jnp.concatenate([real, garbage], axis=1)
@@ -88,7 +87,7 @@ def test_padding_is_never_routed_nor_counted():
 
 
 def test_train_and_eval_capacity_factors_drop_differently():
-    layer = MoeLayer(**dict(SMALL, train_capacity_factor=0.5, eval_capacity_factor=2.0))
+    layer = moe_layer(**dict(SMALL, train_capacity_factor=0.5, eval_capacity_factor=2.0))
     x = make_inputs()
     params = init_params(layer, x)
     _, train = apply(layer, params, x, deterministic=False)
@@ -99,7 +98,7 @@ def test_train_and_eval_capacity_factors_drop_differently():
 
 
 def test_dropped_tokens_get_zero_output():
-    layer = MoeLayer(**dict(SMALL, num_selected_experts=1, eval_capacity_factor=0.25))
+    layer = moe_layer(**dict(SMALL, num_selected_experts=1, eval_capacity_factor=0.25))
     x = make_inputs(1, 16)
     params = init_params(layer, x)
     y, state = apply(layer, params, x)
@@ -109,7 +108,7 @@ def test_dropped_tokens_get_zero_output():
 
 
 def test_expert_dropout_only_in_training():
-    layer = MoeLayer(**dict(SMALL, expert_dropout_rate=0.5, eval_capacity_factor=2.0,
+    layer = moe_layer(**dict(SMALL, expert_dropout_rate=0.5, eval_capacity_factor=2.0,
                             train_capacity_factor=2.0))
     x = make_inputs()
     params = init_params(layer, x)
@@ -123,7 +122,7 @@ def test_expert_dropout_only_in_training():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gated_gelu"])
 def test_activations_run_and_differ(activation):
-    layer = MoeLayer(**dict(SMALL, activation=activation))
+    layer = moe_layer(**dict(SMALL, activation=activation))
     x = make_inputs()
     y, _ = apply(layer, init_params(layer, x), x)
     assert bool(jnp.all(jnp.isfinite(y))) and float(jnp.std(y)) > 0
@@ -146,9 +145,8 @@ def test_activations_run_and_differ(activation):
     (dict(router_type="expert_choice", dropless=True), "dropless"),
 ])
 def test_bad_options_are_refused_by_name(overrides, option):
-    layer = MoeLayer(**dict(SMALL, **overrides))
-    with pytest.raises(ValueError, match=option):
-        layer.init(jax.random.PRNGKey(0), make_inputs())
+    with pytest.raises(ValueError, match=option):  # building the config, or tracing the layer
+        moe_layer(**dict(SMALL, **overrides)).init(jax.random.PRNGKey(0), make_inputs())
 
 
 # Futures of make_inputs(): only the last token of sequence 0 differs (zeroed, scaled, redrawn).
@@ -161,7 +159,7 @@ def _earlier_outputs_change(**options) -> list[bool]:
     """Per future: whether any earlier output of sequence 0 differs at all (bitwise) from
     the layer's output on make_inputs()."""
     x = make_inputs()
-    layer = MoeLayer(**dict(SMALL, **options))
+    layer = moe_layer(**dict(SMALL, **options))
     params = init_params(layer, x)
     run = jax.jit(lambda inputs: layer.apply({"params": params}, inputs))  # one compile
     y = run(x)
@@ -195,10 +193,10 @@ def test_encoder_keeps_t5x_choice_major_capacity():
     capacity the two orders drop different assignments."""
     x = make_inputs()
     tight = dict(SMALL, eval_capacity_factor=0.75)
-    params = init_params(MoeLayer(**tight), x)
+    params = init_params(moe_layer(**tight), x)
 
     def outputs(**options) -> np.ndarray:
-        return np.asarray(apply(MoeLayer(**dict(tight, **options)), params, x)[0])
+        return np.asarray(apply(moe_layer(**dict(tight, **options)), params, x)[0])
 
     choice_major, token_major = outputs(capacity_order="choice_major"), outputs(capacity_order="token_major")
     assert not np.array_equal(choice_major, token_major)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-from tests.moe.moe_testlib import SMALL, make_inputs
+from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
 
 from moe_jax import hardware
 from moe_jax.moe import MoeLayer
@@ -62,22 +62,22 @@ def test_target_platform_reads_the_mesh_devices():
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
 def test_auto_layer_traces_the_platform_choice(platform):
-    layer = MoeLayer(**SMALL, dtype=jnp.bfloat16)
+    layer = moe_layer(**SMALL, dtype=jnp.bfloat16)
     dispatch, loop = layer_choices(platform, layer.dtype)
     auto = _primitives(layer, _abstract_mesh(platform))
-    explicit = _primitives(layer.clone(dispatch=dispatch, per_expert_loop=loop), None)
+    explicit = _primitives(relayer(layer, dispatch=dispatch, per_expert_loop=loop), None)
     assert auto == explicit
     assert ("scan" in auto) == loop
     assert ("scatter" in auto) == (dispatch == "sort")
     other = layer_choices("cpu", layer.dtype) if platform != "cpu" else ("einsum", False)
-    assert auto != _primitives(layer.clone(dispatch=other[0], per_expert_loop=other[1]), None)
+    assert auto != _primitives(relayer(layer, dispatch=other[0], per_expert_loop=other[1]), None)
 
 
 def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
     devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), AXES)
-    layer = MoeLayer(**SMALL)
+    layer = moe_layer(**SMALL)
     x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
     params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)  # abstract: no mesh needed
     with jax.set_mesh(mesh):

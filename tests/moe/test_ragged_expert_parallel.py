@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from tests.moe.moe_testlib import compile_fwd_bwd, emulated_ragged_all_to_all, make_inputs
+from tests.moe.moe_testlib import compile_fwd_bwd, emulated_ragged_all_to_all, make_inputs, moe_layer
 
 from moe_jax import hardware, hlo_costs, partitioning
-from moe_jax.moe import MoeLayer
 from moe_jax.moe import layer as layer_module
 from moe_jax.moe.dispatch import ragged_exchange
 
@@ -70,7 +69,7 @@ def _sharded_run(layer, shape, x, boxed):
     pytest.param((2, 2, 2), marks=pytest.mark.slow),
 ])
 def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch):
-    layer = MoeLayer(**LAYER)
+    layer = moe_layer(**LAYER)
     x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
@@ -84,7 +83,7 @@ def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch
 
 
 def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
-    layer = MoeLayer(**LAYER)
+    layer = moe_layer(**LAYER)
     x = make_inputs(8, 8, 8)
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
@@ -97,7 +96,7 @@ def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
 def _compile_for_tpu(mesh, **options):
     """Forward + backward of the layer (E = 16, top-2, d_model 256, bfloat16, 512 tokens per
     device)."""
-    layer = MoeLayer(num_experts=16, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
+    layer = moe_layer(num_experts=16, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
     return compile_fwd_bwd(layer, jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16), mesh)
 
 

@@ -4,17 +4,18 @@ property, its bad-input message, and each under expert parallelism on a (2, 4, 1
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
 
 from moe_jax import partitioning
 from moe_jax.models import accounting
 from moe_jax.models.t5 import T5Config
-from moe_jax.moe import MoeLayer
 from moe_jax.moe.routers import TopKRouter
 from moe_jax.moe.selection import BIAS_COLLECTION
 
@@ -43,7 +44,7 @@ def test_bias_changes_selection_but_not_gate_values():
 
 
 def test_bias_moves_toward_under_loaded_experts_and_balances_load():
-    layer = MoeLayer(**dict(SMALL, num_experts=8, bias_update_rate=0.01, group_size=64))
+    layer = moe_layer(**dict(SMALL, num_experts=8, bias_update_rate=0.01, group_size=64))
     x = make_inputs(4, 16, 8) + 0.5  # a shifted input: a skewed router at initialisation
     variables = jax.jit(layer.init)(jax.random.PRNGKey(1), x)
 
@@ -72,7 +73,7 @@ def test_bias_moves_toward_under_loaded_experts_and_balances_load():
 
 
 def test_bias_without_its_collection_is_refused_by_name():
-    layer = MoeLayer(**dict(SMALL, bias_update_rate=0.01))
+    layer = moe_layer(**dict(SMALL, bias_update_rate=0.01))
     x = make_inputs()
     params = init_params(layer, x)
     with pytest.raises(ValueError, match="bias_update_rate.*router_bias"):
@@ -91,7 +92,7 @@ def test_sigmoid_gates_of_selected_experts_sum_to_one():
 
 
 def test_every_token_reaches_the_shared_experts():
-    layer = MoeLayer(**dict(SMALL, num_shared_experts=2, shared_expert_d_ff=8, train_capacity_factor=0.01))
+    layer = moe_layer(**dict(SMALL, num_shared_experts=2, shared_expert_d_ff=8, train_capacity_factor=0.01))
     x = make_inputs()
     params = init_params(layer, x)
     assert params["shared_expert"]["wi"].shape == (8, 16) and "expert" not in str(
@@ -99,7 +100,7 @@ def test_every_token_reaches_the_shared_experts():
     # Capacity 1 per expert: most routed assignments are dropped; the shared MLP still
     # reaches every token.
     y, state = apply(layer, params, x, deterministic=False)
-    without_shared, _ = apply(MoeLayer(**dict(SMALL, train_capacity_factor=0.01)),
+    without_shared, _ = apply(moe_layer(**dict(SMALL, train_capacity_factor=0.01)),
                               {k: v for k, v in params.items() if k != "shared_expert"}, x, deterministic=False)
     shared = jax.nn.relu(x @ params["shared_expert"]["wi"]) @ params["shared_expert"]["wo"]
     np.testing.assert_allclose(y - without_shared, shared, rtol=1e-5, atol=1e-6)
@@ -117,10 +118,10 @@ def _groups_reached(layer, params, x) -> jax.Array:
 def test_no_token_reaches_more_than_m_groups():
     kwargs = dict(SMALL, num_experts=8, num_selected_experts=4, group_size=64)
     x = make_inputs(4, 16, 8)
-    limited = MoeLayer(**kwargs, num_limited_groups=4, max_groups_per_token=2)
+    limited = moe_layer(**kwargs, num_limited_groups=4, max_groups_per_token=2)
     params = init_params(limited, x)
     assert int(jnp.max(_groups_reached(limited, params, x))) == 2
-    assert int(jnp.max(_groups_reached(MoeLayer(**kwargs), params, x))) > 2  # the limit binds here
+    assert int(jnp.max(_groups_reached(moe_layer(**kwargs), params, x))) > 2  # the limit binds here
 
 
 def _d32_config() -> T5Config:
@@ -128,10 +129,15 @@ def _d32_config() -> T5Config:
                     num_decoder_layers=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
 
 
+def _flops(config: T5Config, layer) -> float:
+    """Forward FLOPs of one 8 + 8 token example of ``config`` with ``layer``'s MoE config."""
+    return accounting.forward_flops_per_example(dataclasses.replace(config, moe=layer.config), 8, 8)
+
+
 def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
     x = make_inputs(2, 8, 8)
-    coarse = MoeLayer(**dict(SMALL, d_ff=16, activation="gated_gelu"))
-    fine = MoeLayer(**dict(SMALL, d_ff=16, activation="gated_gelu", expert_granularity=4))
+    coarse = moe_layer(**dict(SMALL, d_ff=16, activation="gated_gelu"))
+    fine = moe_layer(**dict(SMALL, d_ff=16, activation="gated_gelu", expert_granularity=4))
     counts = {}
     for name, layer in (("coarse", coarse), ("fine", fine)):
         params = init_params(layer, x)
@@ -139,14 +145,13 @@ def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
     assert counts["coarse"] == counts["fine"]
     assert init_params(fine, x)["expert"]["wi_0"].shape == (16, 8, 4)
     config = _d32_config()
-    flops = {name: accounting.forward_flops_per_example(config, 8, 8, accounting.moe_shape(layer))
-             for name, layer in (("coarse", coarse), ("fine", fine))}
+    flops = {name: _flops(config, layer) for name, layer in (("coarse", coarse), ("fine", fine))}
     # Only the router widens (E -> m * E columns): 2 FLOPs x tokens x d_model x 12 more experts.
     router_extra = 2 * (8 + 8) * config.emb_dim * (16 - 4)
     assert flops["fine"] - flops["coarse"] == router_extra
-    shared = MoeLayer(**dict(SMALL, num_shared_experts=2, activation="relu"))
-    plain = accounting.forward_flops_per_example(config, 8, 8, accounting.moe_shape(MoeLayer(**SMALL)))
-    with_shared = accounting.forward_flops_per_example(config, 8, 8, accounting.moe_shape(shared))
+    shared = moe_layer(**dict(SMALL, num_shared_experts=2, activation="relu"))
+    plain = _flops(config, moe_layer(**SMALL))
+    with_shared = _flops(config, shared)
     assert with_shared - plain == 2 * (8 + 8) * 2 * config.emb_dim * 2 * 16
 
 
@@ -156,12 +161,12 @@ def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
     (dict(num_limited_groups=3, max_groups_per_token=1), "num_limited_groups"),
     (dict(num_limited_groups=4, max_groups_per_token=1, num_selected_experts=2), "num_selected_experts"),
     (dict(num_shared_experts=1, router_type="expert_choice"), "num_shared_experts"),
-    (dict(router_score="tanh"), "router_score"),
+    (dict(router_score="tanh"), "score_function"),
     (dict(router_score="sigmoid", router_type="hash"), "router_score"),
 ])
 def test_bad_options_are_refused_by_name(option, message):
-    layer = MoeLayer(**dict(SMALL, **option))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message):  # building the config, or tracing the layer
+        layer = moe_layer(**dict(SMALL, **option))
         jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs())
 
 
@@ -183,7 +188,7 @@ OPTIONS = {
                                     for name in OPTIONS])
 def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
     assert len(jax.devices()) == 8
-    layer = MoeLayer(**dict(EP_LAYER, **OPTIONS[option], dispatch=dispatch))
+    layer = moe_layer(**dict(EP_LAYER, **OPTIONS[option], dispatch=dispatch))
     x = make_inputs(8, 8, 8)
     boxed = layer.init(jax.random.PRNGKey(1), x)
     state = {k: nn.unbox(v) for k, v in boxed.items() if k != "params"}

@@ -96,7 +96,8 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert arrays["encoder/layers_1/mlp/router/router_weights/w/kernel"].shape == (32, 4)
     assert arrays["decoder/decoder_norm/scale"].shape == (32,)
     assert set(arrays) == set(config["arrays"]) and config["step"] == STEPS
-    assert config["routing"]["moe_layer"]["num_experts"] == 4 and config["t5_config"]["emb_dim"] == 32
+    assert config["t5_config"]["moe"]["num_experts"] == 4 and config["t5_config"]["emb_dim"] == 32
+    assert config["version"] == export.FORMAT_VERSION == 2 and config["routing"] == {"router_mode": "learned"}
     # the initial routers, under the routers' exported names, beside the model
     initial = load_file(out / export.ROUTER_INIT_FILE)
     assert sorted(initial) == config["router_init"]["arrays"] == sorted(n for n in arrays if "/router/" in n)

@@ -18,7 +18,7 @@ TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.TRAIN_STEPS=4",
         "--gin.train_script.train.checkpoint_period=2", "--gin.train_script.train.eval_period=0"]
 # Gates summing to 1 and no token dropped: the upcycled layer is its dense MLP.
-EXACT = ["--gin.MoeLayer.renormalize_gates=True", "--gin.MoeLayer.dropless=True"]
+EXACT = ["--gin.TopKRouterConfig.renormalize_gates=True", "--gin.CapacityConfig.dropless=True"]
 SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 
 
@@ -99,16 +99,16 @@ def test_upcycle_writes_a_config_that_keeps_every_token_unless_told(tmp_path, ca
     renormalized = "--gin_file=routers/renormalized.gin"
     model, state, _ = _upcycled(tmp_path, renormalized)
     err = capsys.readouterr().err
-    assert "MoeLayer.dropless = True" in (tmp_path / "moe" / "config.gin").read_text()
-    assert "binds MoeLayer.dropless = True" in err and "warning" not in err, err
+    assert "CapacityConfig.dropless = True" in (tmp_path / "moe" / "config.gin").read_text()
+    assert "binds CapacityConfig.dropless = True" in err and "warning" not in err, err
     np.testing.assert_allclose(_logits(model, state.params, batch), dense_logits, rtol=1e-5, atol=1e-5)
 
     out = tmp_path / "kept"
-    assert upcycle.main([*TINY, renormalized, "--gin.MoeLayer.eval_capacity_factor=0.5", "--keep_capacity",
+    assert upcycle.main([*TINY, renormalized, "--gin.CapacityConfig.eval_capacity_factor=0.5", "--keep_capacity",
                          f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
     err = capsys.readouterr().err
-    assert "MoeLayer.dropless = True" not in (out / "config.gin").read_text()
-    assert re.search(r"warning: .*MoeLayer.dropless=False with train/eval capacity factors 1.25 / 0.5", err), err
+    assert "CapacityConfig.dropless = True" not in (out / "config.gin").read_text()
+    assert re.search(r"warning: .*CapacityConfig.dropless=False with train/eval capacity factors 1.25 / 0.5", err), err
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     ckpt = checkpoints.Checkpointer(str(out), read_only=True)
     state, _ = ckpt.restore(ckpt.latest_step(), setup.build_train_setup(model, SHAPES, setup.run_context()).abstract_state)
@@ -120,7 +120,7 @@ def test_upcycle_warns_naming_the_gates_option_when_they_do_not_sum_to_one(tmp_p
     _dense_run(tmp_path / "dense")
     _upcycled(tmp_path)  # top-2 softmax gates, not renormalised
     err = capsys.readouterr().err
-    assert re.search(r"warning: .*MoeLayer.renormalize_gates=False", err), err
+    assert re.search(r"warning: .*TopKRouterConfig.renormalize_gates=False", err), err
 
 
 @pytest.mark.slow
@@ -147,9 +147,9 @@ def test_fine_grained_upcycle_splits_the_dense_mlp_and_equals_it_at_step_zero(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("router, exact", [
-    (["--gin.MoeLayer.router_type='hash'"], True),
+    (["--gin.MoeConfig.router=@HashRouterConfig()"], True),
     (["--gin_file=routers/sigmoid.gin"], True),
-    (["--gin.MoeLayer.router_type='random'"], False)], ids=["hash", "sigmoid", "random"])
+    (["--gin.MoeConfig.router=@RandomRouterConfig()"], False)], ids=["hash", "sigmoid", "random"])
 def test_fine_grained_upcycle_is_exact_when_each_segment_gets_1_over_m_of_the_gates(tmp_path, router, exact):
     """``hash`` picks m k = 8 consecutive experts of 16 with gates 1/8, so every segment index
     is picked twice (gate mass 1/4 each) and the dense MLP is recovered; sigmoid scores read
@@ -193,7 +193,7 @@ def test_bad_upcycle_input_is_one_line_naming_the_option(tmp_path, capsys):
         ([f"--out={tmp_path / 'full'}"], "--out="),
         ([f"--out={tmp_path / 'a'}", "--gin.MLP_DIM=32"], "wi_0: dense"),
         # granularity 2 of an MoE d_ff of 128: experts of 64 hidden units, but 1/2 of the dense 64 is 32
-        ([f"--out={tmp_path / 'b'}", "--gin.MoeLayer.expert_granularity=2", "--gin.MoeLayer.d_ff=128"],
+        ([f"--out={tmp_path / 'b'}", "--gin.MoeConfig.expert_granularity=2", "--gin.MoeConfig.d_ff=128"],
          r"wi_0: dense .*expert_granularity=2"),
     ]
     for flags, message in cases:

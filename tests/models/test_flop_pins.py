@@ -1,0 +1,121 @@
+"""Numbers read from the model's configuration, pinned as the code gave them when the MoE
+settings were gin bindings of ``MoeLayer``: FLOP counts, the routing settings an export
+writes, and the compile report's MoE choices."""
+
+from __future__ import annotations
+
+import pytest
+
+import gin
+from moe_jax.models.t5 import T5Config
+from moe_jax.moe import legacy_gin
+from moe_jax.train import aot, export, gin_utils, setup
+
+SHAPES = {"encoder_input_tokens": (8, 64), "decoder_input_tokens": (8, 16)}
+# name: (gin files and flags, training FLOPs per example, forward FLOPs per example)
+CONFIGS = {
+    "smoke": (["runs/smoke_cpu.gin"], 44101632.0, 14700544.0),
+    "base_fine_grained_shared": (
+        [
+            "runs/smoke_cpu.gin",
+            "models/size_base.gin",
+            "routers/fine_grained.gin",
+            "routers/shared_experts.gin",
+        ],
+        49334059008.0,
+        16444686336.0,
+    ),
+    "tiny_hierarchical": (
+        ["runs/smoke_cpu.gin", "routers/hierarchical.gin"],
+        44101632.0,
+        14700544.0,
+    ),
+    "tiny_expert_choice": (
+        [
+            "runs/smoke_cpu.gin",
+            "routers/expert_choice.gin",
+            "--gin.NUM_SPARSE_LAYERS=0",
+            "--gin.T5Config.num_sparse_encoder_layers=1",
+        ],
+        43499520.0,
+        14499840.0,
+    ),
+}
+# The routing part of the smoke model's export (config.json) as written when it was
+# MoeLayer's gin fields (export format 1).
+SMOKE_ROUTING = {
+    "accept_causal_leak": False,
+    "activation": "gated_gelu",
+    "batch_prioritized_routing": False,
+    "bias_update_rate": 0.0,
+    "capacity_order": "auto",
+    "capacity_rule": "t5x",
+    "d_ff": 64,
+    "data_axis": "data",
+    "dispatch": "auto",
+    "dropless": False,
+    "entropy_loss_weight": 0.0,
+    "eval_capacity_factor": 2.0,
+    "expert_axis": "expert",
+    "expert_dropout_rate": 0.0,
+    "expert_granularity": 1,
+    "group_size": 256,
+    "importance_loss_weight": 0.0,
+    "jitter_noise": 0.0,
+    "load_balancing_loss_weight": 0.01,
+    "load_loss_weight": 0.0,
+    "max_groups_per_token": 0,
+    "min_expert_capacity": 4,
+    "model_axis": "model",
+    "num_expert_groups": 1,
+    "num_experts": 4,
+    "num_limited_groups": None,
+    "num_selected_experts": 2,
+    "num_selected_groups": 1,
+    "num_shared_experts": 0,
+    "per_expert_loop": None,
+    "renormalize_gates": False,
+    "router_init_stddev": 0.02,
+    "router_score": "softmax",
+    "router_seed": 0,
+    "router_type": "top_k",
+    "router_z_loss_weight": 0.0001,
+    "shared_expert_d_ff": None,
+    "train_capacity_factor": 1.25,
+}
+
+
+def _model(files: list[str]):
+    flags = [f if f.startswith("--") else f"--gin_file={f}" for f in files]
+    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("test", "test"), flags))
+    return gin.query_parameter("train_script.train.model").scoped_configurable_fn()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_flops_per_example_pinned(name):
+    files, training, forward = CONFIGS[name]
+    model = _model(files)
+    assert model.flops_per_example(SHAPES) == training
+    assert model.flops_per_example(SHAPES, training=False) == forward
+
+
+def test_export_config_and_compile_choices_pinned():
+    model = _model(CONFIGS["smoke"][0])
+    t5 = export.architecture(model)["t5_config"]
+    assert t5["decoder_moe"] is None and t5["moe"]["router"]["type"] == "top_k"
+    moe = T5Config.from_dict(t5).moe
+    assert moe == model.module.config.moe
+    assert {
+        k: v for k, v in legacy_gin.legacy_fields(moe).items() if k in SMOKE_ROUTING
+    } == SMOKE_ROUTING
+    config = model.module.config
+    assert aot.layer_choices("cpu", "float32", config.moe) == {
+        "platform": "cpu",
+        "dispatch": "sort",
+        "per_expert_loop": True,
+    }
+    assert aot.layer_choices("tpu", "bfloat16", config.moe) == {
+        "platform": "tpu",
+        "dispatch": "sort",
+        "per_expert_loop": False,
+    }
