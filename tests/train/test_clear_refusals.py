@@ -41,8 +41,9 @@ def _last_line(capsys) -> str:
             "(kind='sentencepiece')",
         ),
         (
-            ["--gin.MoeLayer.num_selected_experts=5"],
-            "MoeLayer.num_selected_experts=5 must be between 1 and num_experts=4",
+            ["--gin.NUM_SELECTED_EXPERTS=5"],
+            "TopKRouterConfig.num_selected_experts=5 must be between 1 and "
+            "MoeConfig.num_experts=4",
         ),
         (
             ["--gin.NUM_EXPERTS=3", "--gin.partitioning.make_mesh.mesh_shape=(4, 2, 1)"],
