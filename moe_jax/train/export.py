@@ -21,6 +21,9 @@ An export directory holds:
   its shape, dtype and moe-jax parameter name.
 * ``config.gin``: the run's gin config (its ``MODEL_DIR/config.gin``), so that `import`
   rebuilds the same model without any gin file.
+* ``vocabulary.model`` (SentencePiece vocabularies): a copy of the model file the run
+  tokenized with, so that an export needs nothing outside its folder; `import` copies it
+  into the new run directory and binds ``vocab.get_vocabulary.path`` to that copy.
 
 `import` reads an export into a new run directory: an orbax checkpoint at the export's step
 (parameters as exported, a fresh optimizer state) and the run's ``config.gin``, so that
@@ -58,6 +61,7 @@ WEIGHTS_FILE = "model.safetensors"
 ROUTER_INIT_FILE = "router_init.safetensors"
 CONFIG_JSON = "config.json"
 CONFIG_GIN = "config.gin"
+VOCAB_FILE = "vocabulary.model"
 FORMAT = "moe-jax-export"
 # 2: the MoE layers' configs inside ``t5_config`` (``moe``, ``decoder_moe``); 1 wrote
 # ``routing.moe_layer`` (MoeLayer's gin fields). Import reads either (from ``config.gin``).
@@ -189,12 +193,18 @@ def _jsonable(value: Any) -> Any:
 def architecture(model) -> dict[str, Any]:
     """The network's ``T5Config`` (``T5Config.to_dict``: its MoE configs included; read back
     by ``T5Config.from_dict``) and the vocabulary it was trained with."""
-    vocabulary = model.vocabulary
+    vocabulary = getattr(model.vocabulary, "resolved", model.vocabulary)
     return {"t5_config": _jsonable(model.module.config.to_dict()),
             "vocabulary": {"size": model.vocab_size, "eos_id": model.eos_id,
                            "type": type(vocabulary).__name__,
-                           "path": getattr(vocabulary, "sentencepiece_model_file",
-                                           getattr(vocabulary, "path", None))}}
+                           "file": VOCAB_FILE if vocabulary_file(model) else None}}
+
+
+def vocabulary_file(model) -> str | None:
+    """The SentencePiece model file of ``model``'s vocabulary; None for one without a file
+    (bytes)."""
+    vocabulary = getattr(model.vocabulary, "resolved", model.vocabulary)
+    return getattr(vocabulary, "sentencepiece_model_file", None)
 
 
 @gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir", "config_gin"])
@@ -245,6 +255,8 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
         if router_init:
             storage.write_bytes(storage.join(out_dir, ROUTER_INIT_FILE), safetensors_bytes(
                 router_init, {"format": FORMAT, "version": str(FORMAT_VERSION), "content": "initial routers"}))
+        if (vocab := vocabulary_file(model)) is not None:
+            storage.write_bytes(storage.join(out_dir, VOCAB_FILE), storage.read_bytes(vocab))
         storage.write_text(storage.join(out_dir, CONFIG_JSON), json.dumps(config, indent=1))
         storage.write_text(storage.join(out_dir, CONFIG_GIN),
                            storage.read_text(config_gin) if config_gin else gin_utils.operative_config())
@@ -356,6 +368,14 @@ def _run_config_for_import(config_path: str, model_dir: str) -> str:
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
+def with_vocabulary_path(config_text: str, path: str) -> str:
+    """``config_text`` with ``vocab.get_vocabulary.path`` bound to ``path`` (replacing the
+    binding it has, or added)."""
+    binding = f"vocab.get_vocabulary.path = {path!r}"
+    text, found = re.subn(r"(?m)^vocab\.get_vocabulary\.path = .*$", binding, config_text)
+    return text if found else f"{config_text.rstrip()}\n{binding}\n"
+
+
 def holds_run(directory: str) -> bool:
     """``directory`` is a run directory: it holds ``checkpoints/`` or a trainer's ``LOCK``."""
     from moe_jax.train import run_lock
@@ -438,11 +458,19 @@ def _import(args) -> int:
         config_text = _run_config_for_import(exported_gin, args.model_dir)
         args.gin_file = [exported_gin]
     args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
+    exported_vocab = storage.join(args.export, VOCAB_FILE)
+    has_vocab = storage.exists(exported_vocab)
+    if has_vocab:  # the export's copy, not the path of the machine that exported it
+        args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
     step = import_export(args.export, args.model_dir)
     if jax.process_index() == 0 and not own_run:
-        storage.write_text(storage.join(args.model_dir, CONFIG_GIN),
-                           config_text if config_text is not None else gin_utils.operative_config())
+        text = config_text if config_text is not None else gin_utils.operative_config()
+        if has_vocab:
+            copy = storage.join(args.model_dir, VOCAB_FILE)
+            storage.write_bytes(copy, storage.read_bytes(exported_vocab))
+            text = with_vocabulary_path(text, copy)
+        storage.write_text(storage.join(args.model_dir, CONFIG_GIN), text)
     return step
 
 

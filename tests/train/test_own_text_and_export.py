@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from moe_jax import cli
-from moe_jax.data import sources
+from moe_jax.data import sources, vocab
 from moe_jax.train import checkpoints, export
 
 STEPS = 2
@@ -104,7 +104,15 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert not np.array_equal(initial["encoder/layers_1/mlp/router/router_weights/w/kernel"],
                               arrays["encoder/layers_1/mlp/router/router_weights/w/kernel"])  # trained
 
-    assert cli.main(["import", f"--export={out}", f"--model_dir={back}"]) == 0
+    # self-contained: the vocabulary travels with the export, config.json names no local path
+    assert (out / export.VOCAB_FILE).read_bytes() == vocab.EMBEDDED_SPM.read_bytes()
+    assert config["vocabulary"]["file"] == export.VOCAB_FILE and "path" not in config["vocabulary"]
+    moved = tmp_path / "moved_export"
+    out.rename(moved)
+    assert cli.main(["import", f"--export={moved}", f"--model_dir={back}"]) == 0
+    assert (back / export.VOCAB_FILE).read_bytes() == (moved / export.VOCAB_FILE).read_bytes()
+    assert f"vocab.get_vocabulary.path = {str(back / export.VOCAB_FILE)!r}" in (
+        (back / "config.gin").read_text().splitlines())
     original, imported = _params(text_run), _params(back)
     assert original.keys() == imported.keys()
     for name in original:
