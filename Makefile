@@ -38,7 +38,7 @@ smoke: $(STAMP)
 	$(VENV)/bin/moe-jax smoke
 
 test: $(STAMP) $(COMPILERS)/tpu/.installed
-	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile -q
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile -q --timeout=600 --durations=30
 
 test-slow: $(STAMP) compilers
 	$(PY) -m pytest -m slow -q

@@ -47,7 +47,9 @@ def _read_all(directory: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--dir", default=None, help="where to write the files (default: a temp dir)")
+    parser.add_argument(
+        "--dir", default=None, help="where to write the files (default: a temp dir)"
+    )
     args = parser.parse_args()
     directory = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -64,11 +66,16 @@ def main() -> None:
         print(f"{gib:.2f} GiB in {count} files of 64 MiB, in the page cache\n")
         print("| operation | s/GiB | T5-Base MoE checkpoint (s) |")
         print("|---|---|---|")
-        for name, seconds in (("read every byte", read), ("size + CRC32C (the integrity record)", crc),
-                              ("sizes only", sizes)):
+        for name, seconds in (
+            ("read every byte", read),
+            ("size + CRC32C (the integrity record)", crc),
+            ("sizes only", sizes),
+        ):
             print(f"| {name} | {seconds / gib:.4f} | {seconds / gib * base:.2f} |")
-        print(f"\nCRC32C record / plain read: {crc / read:.2f}x; T5-Base MoE checkpoint "
-              f"(float32 parameters + Adam moments): {base:.1f} GiB")
+        print(
+            f"\nCRC32C record / plain read: {crc / read:.2f}x; T5-Base MoE checkpoint "
+            f"(float32 parameters + Adam moments): {base:.1f} GiB"
+        )
     finally:
         shutil.rmtree(directory)
 

@@ -1,9 +1,12 @@
 """Every documented run compiled for its documented target: the table of docs/training.md
 and benchmarks/RESULTS.md ("Documented runs on their targets").
 
-    python benchmarks/compile_table.py run [--only base] [--force] [--hlo_dir DIR]   # compile (slow: minutes each)
-    python benchmarks/compile_table.py table                         # print the markdown table
-    python benchmarks/compile_table.py recount --hlo_dir DIR         # re-read kept HLO (parser changes)
+    # compile (slow: minutes each)
+    python benchmarks/compile_table.py run [--only base] [--force] [--hlo_dir DIR]
+    # print the markdown table
+    python benchmarks/compile_table.py table
+    # re-read kept HLO (parser changes)
+    python benchmarks/compile_table.py recount --hlo_dir DIR
 
 ``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
 in a fresh process, one at a time, and keeps each report as
@@ -11,9 +14,10 @@ in a fresh process, one at a time, and keeps each report as
 ``--force``; ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``); a failed
 compile leaves ``.err`` with its last lines. ``recount`` redoes what the HLO text gives
 (collectives, the MoE layers' share, the roofline estimate: ``aot.hlo_analysis``) for every
-report whose HLO was kept, without compiling again. ``table`` renders the reports; a pair without one is listed as not compiled.
-Numbers are those of the executable compiled for the target (memory_analysis,
-cost_analysis, HLO) and a roofline estimate from the chip table, not measurements.
+report whose HLO was kept, without compiling again. ``table`` renders the reports; a pair
+without one is listed as not compiled. Numbers are those of the executable compiled for the
+target (memory_analysis, cost_analysis, HLO) and a roofline estimate from the chip table,
+not measurements.
 """
 
 from __future__ import annotations
@@ -40,13 +44,20 @@ RUNS: dict[str, list[str]] = {
     "base_frozen": ["--gin_file=experiments/base_frozen.gin"],
     "base_dense": ["--gin_file=experiments/base_dense.gin"],
     # item 4's memory options one at a time, on the 16 GiB chip they are for
-    "base_learned_no_fsdp": ["--gin_file=experiments/base_learned.gin",
-                             "--gin.partitioning.standard_logical_axis_rules.fsdp=False"],
-    "base_learned_remat_full": ["--gin_file=experiments/base_learned.gin", "--gin.REMAT_POLICY='full'"],
+    "base_learned_no_fsdp": [
+        "--gin_file=experiments/base_learned.gin",
+        "--gin.partitioning.standard_logical_axis_rules.fsdp=False",
+    ],
+    "base_learned_remat_full": [
+        "--gin_file=experiments/base_learned.gin",
+        "--gin.REMAT_POLICY='full'",
+    ],
 }
 # runs compiled only for some targets (every other run: all of TARGETS)
-ONLY_ON: dict[str, tuple[str, ...]] = {"base_learned_no_fsdp": ("v5e-16",),
-                                       "base_learned_remat_full": ("v5e-16",)}
+ONLY_ON: dict[str, tuple[str, ...]] = {
+    "base_learned_no_fsdp": ("v5e-16",),
+    "base_learned_remat_full": ("v5e-16",),
+}
 # target name -> (--target, mesh flags). v4: libtpu describes a v4 chip as 2 TensorCore
 # devices (16 GiB each), so v4_32.gin's 16-device mesh is compiled on 8 chips' 16 cores:
 # the same per-device program with half a megacore chip's memory (a conservative verdict).
@@ -61,7 +72,9 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
 
 def pairs() -> list[tuple[str, str]]:
     """Every (run, target) of the table, in its order."""
-    return [(run, target) for run in RUNS for target in TARGETS if target in ONLY_ON.get(run, TARGETS)]
+    return [
+        (run, target) for run in RUNS for target in TARGETS if target in ONLY_ON.get(run, TARGETS)
+    ]
 
 
 def report_path(run: str, target: str) -> pathlib.Path:
@@ -73,11 +86,21 @@ def compile_one(run: str, target: str, force: bool, hlo_dir: str | None) -> None
     if out.exists() and not force:
         return
     spec, mesh = TARGETS[target]
-    cmd = [sys.executable, "-m", "moe_jax.cli", "compile", f"--target={spec}", "--no_eval", *RUNS[run], *mesh,
-           f"--out={out}"] + ([f"--hlo_dir={pathlib.Path(hlo_dir) / out.stem}"] if hlo_dir else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_jax.cli",
+        "compile",
+        f"--target={spec}",
+        "--no_eval",
+        *RUNS[run],
+        *mesh,
+        f"--out={out}",
+    ] + ([f"--hlo_dir={pathlib.Path(hlo_dir) / out.stem}"] if hlo_dir else [])
     print(f"[compile_table] {run} on {target}: {' '.join(cmd[3:])}", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    # a failed compile is reported below, not raised
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     err = out.with_suffix(".err")
     if not out.exists():
         err.write_text("\n".join((proc.stdout + proc.stderr).splitlines()[-5:]) + "\n")
@@ -95,9 +118,11 @@ def table() -> str:
     """The markdown table of the compiled (run, target) pairs, then one line naming the
     pairs not compiled (or failed)."""
     missing = []
-    rows = ["| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
-            "(train step) | TFLOP/step | est. step | MoE layers' HLO bytes | compile |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
+        "(train step) | TFLOP/step | est. step | MoE layers' HLO bytes | compile |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for run, target in pairs():
         spec = TARGETS[target][0]
         path = report_path(run, target)
@@ -111,12 +136,17 @@ def table() -> str:
         coll = ", ".join(f"{c['count']} {k}" for k, c in step["collectives"].items()) or "-"
         est = "-" if step["estimate"] is None else f"{step['estimate']['step_s'] * 1e3:.0f} ms"
         moe = step.get("moe_layers") or {}
-        share = f"{100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.1f}%" if moe.get("hlo_bytes") else "-"
+        share = (
+            f"{100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.1f}%"
+            if moe.get("hlo_bytes")
+            else "-"
+        )
         rows.append(
             f"| {run} | {target} (`{spec}`) | {'yes' if r['fits'] else '**no**'} | "
             f"{_gib(b['params_and_optimizer'])} / {_gib(b['temporaries'])} / {_gib(b['total'])} of "
             f"{_gib(b['device_memory'])} | {coll} | {step['flops_per_step'] / 1e12:.1f} | "
-            f"{est} | {share} | {step['compile_s']:.0f} s |")
+            f"{est} | {share} | {step['compile_s']:.0f} s |"
+        )
     if missing:
         rows += ["", "Not compiled: " + ", ".join(missing) + "."]
     return "\n".join(rows)
@@ -129,16 +159,25 @@ def recount(hlo_dir: str) -> None:
     from moe_jax.train import aot
 
     for run, target in pairs():
-        path, hlo = report_path(run, target), pathlib.Path(hlo_dir) / f"{run}__{target}" / "train.hlo.txt"
+        path, hlo = (
+            report_path(run, target),
+            pathlib.Path(hlo_dir) / f"{run}__{target}" / "train.hlo.txt",
+        )
         if not (path.exists() and hlo.exists()):
             continue
         report = json.loads(path.read_text())
         step, parsed = report["steps"]["train"], hardware.parse_target(TARGETS[target][0])
         facts = hardware.device_facts(range(report["devices"]), parsed.chip, parsed.num_chips)
-        step.update(aot.hlo_analysis(
-            hlo.read_text(), facts, flops_per_step=step["flops_per_step"],
-            bytes_accessed=step["hlo_bytes_accessed_per_device"] or 0.0, num_devices=report["devices"],
-            tokens_per_step=report["batch_size"] * sum(report["task_feature_lengths"].values())))
+        step.update(
+            aot.hlo_analysis(
+                hlo.read_text(),
+                facts,
+                flops_per_step=step["flops_per_step"],
+                bytes_accessed=step["hlo_bytes_accessed_per_device"] or 0.0,
+                num_devices=report["devices"],
+                tokens_per_step=report["batch_size"] * sum(report["task_feature_lengths"].values()),
+            )
+        )
         path.write_text(json.dumps(report, indent=1))
         print(f"[compile_table] {run} on {target}: recounted from {hlo}", flush=True)
 

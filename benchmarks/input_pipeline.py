@@ -21,16 +21,18 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import seqio  # noqa: E402
+import seqio
 
-from moe_jax.data.pipeline import TrainIterator  # noqa: E402
+from moe_jax.data.pipeline import TrainIterator
 
 
-def measure(task: str, lengths: dict[str, int], batch_size: int, batches: int,
-            skip: int) -> dict[str, float]:
+def measure(
+    task: str, lengths: dict[str, int], batch_size: int, batches: int, skip: int
+) -> dict[str, float]:
     start = time.perf_counter()
-    with TrainIterator(task, lengths, batch_size, seed=0, shard_info=seqio.ShardInfo(0, 1),
-                       prefetch=4) as it:
+    with TrainIterator(
+        task, lengths, batch_size, seed=0, shard_info=seqio.ShardInfo(0, 1), prefetch=4
+    ) as it:
         next(it)
         startup = time.perf_counter() - start
         t0 = time.perf_counter()
@@ -47,10 +49,14 @@ def measure(task: str, lengths: dict[str, int], batch_size: int, batches: int,
         next(resumed)
     restore = time.perf_counter() - t0
     rows = batches * batch_size
-    return {"startup_s": startup, "rows_per_s": rows / elapsed,
-            "target_tokens_per_s": dec / elapsed, "tokens_per_s": (enc + dec) / elapsed,
-            "fill": (enc + dec) / (rows * (lengths["inputs"] + lengths["targets"])),
-            "restore_s": restore}
+    return {
+        "startup_s": startup,
+        "rows_per_s": rows / elapsed,
+        "target_tokens_per_s": dec / elapsed,
+        "tokens_per_s": (enc + dec) / elapsed,
+        "fill": (enc + dec) / (rows * (lengths["inputs"] + lengths["targets"])),
+        "restore_s": restore,
+    }
 
 
 def main() -> None:
@@ -61,18 +67,25 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", default=["128,32", "512,114"])
     parser.add_argument("--skip", type=int, default=200)
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"task {args.task}, per-host batch {args.batch_size}, {args.batches} batches timed")
-    print("| inputs/targets | start-up s | packed rows/s | target tokens/s | tokens/s "
-          f"| fill | restore at step {args.skip} s |")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"task {args.task}, per-host batch {args.batch_size}, {args.batches} batches timed"
+    )
+    print(
+        "| inputs/targets | start-up s | packed rows/s | target tokens/s | tokens/s "
+        f"| fill | restore at step {args.skip} s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for pair in args.lengths:
         i, t = (int(x) for x in pair.split(","))
-        r = measure(args.task, {"inputs": i, "targets": t}, args.batch_size, args.batches,
-                    args.skip)
-        print(f"| {i}/{t} | {r['startup_s']:.1f} | {r['rows_per_s']:.0f} | "
-              f"{r['target_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['fill']:.2f} | "
-              f"{r['restore_s']:.1f} |")
+        r = measure(
+            args.task, {"inputs": i, "targets": t}, args.batch_size, args.batches, args.skip
+        )
+        print(
+            f"| {i}/{t} | {r['startup_s']:.1f} | {r['rows_per_s']:.0f} | "
+            f"{r['target_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['fill']:.2f} | "
+            f"{r['restore_s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

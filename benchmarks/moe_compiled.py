@@ -73,10 +73,18 @@ def target_devices(target: str) -> np.ndarray:
     if kind == "tpu" or target.count(":") == 2:
         return np.array(hardware.target_devices(hardware.parse_target(target)))
     if kind == "gpu" and name in GPU_TARGET_CONFIGS:
-        return np.array(topologies.get_topology_desc(platform="cuda", topology_name=name, topology="1x1x1",
-                                                     target_config=GPU_TARGET_CONFIGS[name].read_text()).devices)
-    raise ValueError(f"--target={target!r}: expected tpu:<chip>:<topology>, gpu:<chip>:<count> or "
-                     f"gpu:{{{','.join(GPU_TARGET_CONFIGS)}}}")
+        return np.array(
+            topologies.get_topology_desc(
+                platform="cuda",
+                topology_name=name,
+                topology="1x1x1",
+                target_config=GPU_TARGET_CONFIGS[name].read_text(),
+            ).devices
+        )
+    raise ValueError(
+        f"--target={target!r}: expected tpu:<chip>:<topology>, gpu:<chip>:<count> or "
+        f"gpu:{{{','.join(GPU_TARGET_CONFIGS)}}}"
+    )
 
 
 @dataclasses.dataclass
@@ -96,7 +104,7 @@ class Row:
 
     def by_category(self) -> dict[str, tuple[float, float]]:
         """``{category: (HLO bytes, TPU estimated cycles)}`` (``hlo_costs.categorize``)."""
-        totals = {c: (0.0, 0.0) for c in hlo_costs.CATEGORIES}
+        totals = dict.fromkeys(hlo_costs.CATEGORIES, (0.0, 0.0))
         for op in self.ops:
             category = hlo_costs.categorize(op, self.weight_sizes)
             totals[category] = (totals[category][0] + op.bytes, totals[category][1] + op.cycles)
@@ -110,26 +118,41 @@ def moe_step(experts: int, dispatch: str, **layer_options):
     """``(apply, params, x)`` of the layer; ``apply(params, x) -> (y, state)``, ``state`` the
     updated non-parameter collections (the balancing bias), returned so that the compiled
     step keeps their update."""
-    options = dict(num_experts=experts, num_selected_experts=2, d_ff=D_FF, dispatch=dispatch, per_expert_loop=False,
-                   train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096, dtype=jnp.bfloat16)
+    options = dict(
+        num_experts=experts,
+        num_selected_experts=2,
+        d_ff=D_FF,
+        dispatch=dispatch,
+        per_expert_loop=False,
+        train_capacity_factor=1.25,
+        capacity_rule="t5x",
+        group_size=4096,
+        dtype=jnp.bfloat16,
+    )
     layer = MoeLayer(**{**options, **layer_options})
-    x = jax.ShapeDtypeStruct(TOKENS + (D_MODEL,), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((*TOKENS, D_MODEL), jnp.bfloat16)
     variables = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x))
     state = {k: v for k, v in variables.items() if k not in ("params", "aux_loss", "moe_metrics")}
 
     def apply(p, x):
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
-        y, updated = layer.apply({"params": p, **zeros}, x, deterministic=False,
-                                 mutable=["aux_loss", "moe_metrics", *state])
+        y, updated = layer.apply(
+            {"params": p, **zeros},
+            x,
+            deterministic=False,
+            mutable=["aux_loss", "moe_metrics", *state],
+        )
         return y, {k: updated[k] for k in state}
 
     return apply, variables["params"], x
 
 
 def dense_step(hidden: int):
-    x = jax.ShapeDtypeStruct(TOKENS + (D_MODEL,), jnp.bfloat16)
-    params = {"wi": jax.ShapeDtypeStruct((D_MODEL, hidden), jnp.float32),
-              "wo": jax.ShapeDtypeStruct((hidden, D_MODEL), jnp.float32)}
+    x = jax.ShapeDtypeStruct((*TOKENS, D_MODEL), jnp.bfloat16)
+    params = {
+        "wi": jax.ShapeDtypeStruct((D_MODEL, hidden), jnp.float32),
+        "wo": jax.ShapeDtypeStruct((hidden, D_MODEL), jnp.float32),
+    }
 
     def apply(p, x):
         return jnp.maximum(x @ p["wi"].astype(x.dtype), 0) @ p["wo"].astype(x.dtype), {}
@@ -151,11 +174,20 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
     cost = compiled.cost_analysis() or {}
     ops = hlo_costs.parse(compiled.as_text())
     totals = hlo_costs.summary(ops)
-    return Row(name=name, flops=cost.get("flops", totals["flops"]), cost_bytes=cost.get("bytes accessed"),
-               hlo_bytes=totals["bytes"], temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-               cycles=totals["cycles"], sparse_core_ops=int(totals["sparse_core_ops"]),
-               params=sum(p.size for p in jax.tree.leaves(params)), ops=ops,
-               weight_sizes=frozenset(p.size for p in jax.tree.leaves(params) if p.ndim >= 2 and p.size > 2**16))
+    return Row(
+        name=name,
+        flops=cost.get("flops", totals["flops"]),
+        cost_bytes=cost.get("bytes accessed"),
+        hlo_bytes=totals["bytes"],
+        temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+        cycles=totals["cycles"],
+        sparse_core_ops=int(totals["sparse_core_ops"]),
+        params=sum(p.size for p in jax.tree.leaves(params)),
+        ops=ops,
+        weight_sizes=frozenset(
+            p.size for p in jax.tree.leaves(params) if p.ndim >= 2 and p.size > 2**16
+        ),
+    )
 
 
 def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str]) -> None:
@@ -171,23 +203,41 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
     """
     n = devices.size
     mesh = jax.sharding.Mesh(devices.reshape(1, n, 1), ("data", "expert", "model"))
-    print(f"\nexpert parallelism over {n} devices, mesh (1, {n}, 1), E = {experts}, {n} x 8 x 512 tokens")
-    print("| layer | all-to-alls (ragged) | MiB sent per device per step | async (work between start and done) "
-          "| GFLOP overlapped | GFLOP | HLO GiB | temp MiB |")
+    print(
+        f"\nexpert parallelism over {n} devices, mesh (1, {n}, 1), E = {experts}, "
+        f"{n} x 8 x 512 tokens"
+    )
+    print(
+        "| layer | all-to-alls (ragged) | MiB sent per device per step "
+        "| async (work between start and done) | GFLOP overlapped | GFLOP | HLO GiB | temp MiB |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     variants = [(d, d, {}) for d in dispatches] + [
-        ("sort, capacity = group (padded dropless)", "sort", {"train_capacity_factor": float(experts)}),
-        ("sort, dropless=True", "sort", {"dropless": True})]
+        (
+            "sort, capacity = group (padded dropless)",
+            "sort",
+            {"train_capacity_factor": float(experts)},
+        ),
+        ("sort, dropless=True", "sort", {"dropless": True}),
+    ]
     for label, dispatch, options in variants:
         apply, params, x = moe_step(experts, dispatch, **options)
-        x = jax.ShapeDtypeStruct((n * TOKENS[0],) + x.shape[1:], x.dtype)
+        x = jax.ShapeDtypeStruct((n * TOKENS[0], *x.shape[1:]), x.dtype)
         row = compile_row(dispatch, apply, params, x, mesh)
-        found = [c for c in hlo_costs.collectives(row.ops) if c.kind in ("all-to-all", "ragged-all-to-all")]
+        found = [
+            c
+            for c in hlo_costs.collectives(row.ops)
+            if c.kind in ("all-to-all", "ragged-all-to-all")
+        ]
         ragged = sum(c.kind == "ragged-all-to-all" for c in found)
-        print(f"| {label} | {len(found)} ({ragged}) | {sum(c.bytes for c in found) / MIB:.1f} | "
-              f"{sum(c.overlapped_ops > 0 for c in found)} of {len(found)} ({sum(c.overlapped_ops for c in found)} ops) | "
-              f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.flops / 1e9:.1f} | "
-              f"{row.hlo_bytes / GIB:.3f} | {row.temp_bytes / MIB:.1f} |", flush=True)
+        print(
+            f"| {label} | {len(found)} ({ragged}) | {sum(c.bytes for c in found) / MIB:.1f} | "
+            f"{sum(c.overlapped_ops > 0 for c in found)} of {len(found)} "
+            f"({sum(c.overlapped_ops for c in found)} ops) | "
+            f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.flops / 1e9:.1f} | "
+            f"{row.hlo_bytes / GIB:.3f} | {row.temp_bytes / MIB:.1f} |",
+            flush=True,
+        )
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -204,8 +254,11 @@ def print_ops(row: Row, count: int) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for op in sorted(row.ops, key=lambda o: (-o.cycles, -o.bytes))[:count]:
         indexed = ",".join(sorted(op.kinds & hlo_costs.INDEXED_KINDS))
-        print(f"| {op.name} | {op.cycles} | {op.bytes / MIB:.1f} | {op.flops / 1e9:.2f} | {indexed} | "
-              f"{'yes' if op.sparse_core_offload else ''} | {op.source[-70:]} |")
+        print(
+            f"| {op.name} | {op.cycles} | {op.bytes / MIB:.1f} | {op.flops / 1e9:.2f} "
+            f"| {indexed} | "
+            f"{'yes' if op.sparse_core_offload else ''} | {op.source[-70:]} |"
+        )
 
 
 def print_breakdown(rows: list[Row]) -> None:
@@ -216,53 +269,88 @@ def print_breakdown(rows: list[Row]) -> None:
     for row in rows[1:]:
         ours = row.by_category()
         excess = sum(b for b, _ in ours.values()) - dense_total
-        print(f"\n{row.name}: HLO bytes by category vs {rows[0].name} (excess {excess / MIB:.0f} MiB = "
-              f"{excess / dense_total:.2f}x the dense FFN's bytes)")
-        print("| category | dense MiB | layer MiB | excess MiB | share of the excess | TPU est. kcycles dense / layer |")
+        print(
+            f"\n{row.name}: HLO bytes by category vs {rows[0].name} "
+            f"(excess {excess / MIB:.0f} MiB = {excess / dense_total:.2f}x the dense FFN's bytes)"
+        )
+        print(
+            "| category | dense MiB | layer MiB | excess MiB | share of the excess "
+            "| TPU est. kcycles dense / layer |"
+        )
         print("| --- | --- | --- | --- | --- | --- |")
         for category in hlo_costs.CATEGORIES:
             (db, dc), (lb, lc) = dense[category], ours[category]
             share = f"{(lb - db) / excess:.0%}" if excess else ""
-            print(f"| {category} | {db / MIB:.0f} | {lb / MIB:.0f} | {(lb - db) / MIB:+.0f} | {share} | "
-                  f"{dc / 1e3:.0f} / {lc / 1e3:.0f} |")
+            print(
+                f"| {category} | {db / MIB:.0f} | {lb / MIB:.0f} | {(lb - db) / MIB:+.0f} "
+                f"| {share} | "
+                f"{dc / 1e3:.0f} / {lc / 1e3:.0f} |"
+            )
 
 
-# The routing options of docs/moe.md as compiled rows (``--options``), each at the T5-Base shape and E:
-# layer options of routers/*.gin (fine-grained: granularity 4, capacity factor x 4).
+# The routing options of docs/moe.md as compiled rows (``--options``), each at the T5-Base
+# shape and E: layer options of routers/*.gin (fine-grained: granularity 4, capacity factor
+# x 4).
 ROUTING_OPTIONS = {
     "shared expert (+1, d_ff 2048)": dict(num_shared_experts=1),
     "balancing bias (aux-loss-free)": dict(bias_update_rate=1e-3),
     "sigmoid scores": dict(router_score="sigmoid"),
-    "fine-grained m = 4 (4E experts of d_ff / 4, top-8)": dict(expert_granularity=4, train_capacity_factor=5.0),
+    "fine-grained m = 4 (4E experts of d_ff / 4, top-8)": dict(
+        expert_granularity=4, train_capacity_factor=5.0
+    ),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tpu:v5p:2x2x1", help="tpu:<topology> or gpu:h100")
-    parser.add_argument("--experts", type=int, nargs="*", default=[8, 32, 64],
-                        help="E of the single-device table (none: skip it)")
+    parser.add_argument(
+        "--experts",
+        type=int,
+        nargs="*",
+        default=[8, 32, 64],
+        help="E of the single-device table (none: skip it)",
+    )
     parser.add_argument("--dispatch", nargs="+", default=["auto", "sort", "einsum"])
-    parser.add_argument("--ops", type=int, default=0, help="list the N largest operations of each layer")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="each layer's HLO bytes by category (matmuls, indexed, whole weights, ...) vs the dense FFN")
-    parser.add_argument("--options", action="store_true",
-                        help="add the routing options (shared expert, bias, sigmoid, fine-grained) as `sort` rows")
+    parser.add_argument(
+        "--ops", type=int, default=0, help="list the N largest operations of each layer"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="each layer's HLO bytes by category (matmuls, indexed, whole weights, ...) "
+        "vs the dense FFN",
+    )
+    parser.add_argument(
+        "--options",
+        action="store_true",
+        help="add the routing options (shared expert, bias, sigmoid, fine-grained) as `sort` rows",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
-    parser.add_argument("--expert-parallel", type=int, default=0, metavar="E",
-                        help="also compile the layer with E experts split over all the target's devices")
+    parser.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=0,
+        metavar="E",
+        help="also compile the layer with E experts split over all the target's devices",
+    )
     args = parser.parse_args()
 
     devices = target_devices(args.target)
     device = devices.flat[0]
     chip = CHIPS[device.device_kind]
     mesh = jax.sharding.Mesh(devices.flat[:1].reshape(1, 1, 1), ("data", "expert", "model"))
-    print(f"target {args.target}: {device.device_kind} ({device.platform}), one device; peak "
-          f"{chip[0] / 1e12:.0f} TFLOP/s bf16, HBM {chip[1] / 1e12:.2f} TB/s; compiled from a CPU host "
-          f"(nothing ran on the target)")
+    print(
+        f"target {args.target}: {device.device_kind} ({device.platform}), one device; peak "
+        f"{chip[0] / 1e12:.0f} TFLOP/s bf16, HBM {chip[1] / 1e12:.2f} TB/s; "
+        f"compiled from a CPU host (nothing ran on the target)"
+    )
     if args.experts:
-        print("| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB | roofline ms (cost / HLO bytes) "
-              "| vs dense (cost / HLO) | TPU est. cycles vs dense | floor vs dense | SparseCore ops |")
+        print(
+            "| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB "
+            "| roofline ms (cost / HLO bytes) | vs dense (cost / HLO) | TPU est. cycles vs dense "
+            "| floor vs dense | SparseCore ops |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     table = []
     tokens = TOKENS[0] * TOKENS[1]
@@ -278,18 +366,40 @@ def main() -> None:
             rows.append(compile_row(f"sort, {label}", *moe_step(experts, "sort", **options), mesh))
         dense = rows[0]
         for row in rows:
-            cost_ms, hlo_ms = row.roofline_ms(chip, row.cost_bytes), row.roofline_ms(chip, row.hlo_bytes)
-            dense_cost_ms, dense_hlo_ms = dense.roofline_ms(chip, dense.cost_bytes), dense.roofline_ms(chip, dense.hlo_bytes)
-            print(f"| {experts} | {row.name} | {row.flops / 1e9:.1f} | {_gib(row.cost_bytes)} | {_gib(row.hlo_bytes)} | "
-                  f"{row.temp_bytes / MIB:.1f} | {'' if cost_ms is None else f'{cost_ms:.3f}'} / {hlo_ms:.3f} | "
-                  f"{_ratio(cost_ms, dense_cost_ms)} / {_ratio(hlo_ms, dense_hlo_ms)} | "
-                  f"{_ratio(row.cycles or None, dense.cycles)} | "
-                  f"{_ratio(dense.hlo_bytes + 8 * (row.params - dense.params), dense.hlo_bytes)} | "
-                  f"{row.sparse_core_ops} |", flush=True)
-            table.append(dict(target=args.target, device=device.device_kind, experts=experts, layer=row.name,
-                              flops=row.flops, cost_bytes=row.cost_bytes, hlo_bytes=row.hlo_bytes,
-                              temp_bytes=row.temp_bytes, roofline_ms_cost=cost_ms, roofline_ms_hlo=hlo_ms,
-                              tpu_cycles=row.cycles, sparse_core_ops=row.sparse_core_ops))
+            cost_ms, hlo_ms = (
+                row.roofline_ms(chip, row.cost_bytes),
+                row.roofline_ms(chip, row.hlo_bytes),
+            )
+            dense_cost_ms, dense_hlo_ms = (
+                dense.roofline_ms(chip, dense.cost_bytes),
+                dense.roofline_ms(chip, dense.hlo_bytes),
+            )
+            print(
+                f"| {experts} | {row.name} | {row.flops / 1e9:.1f} | {_gib(row.cost_bytes)} "
+                f"| {_gib(row.hlo_bytes)} | {row.temp_bytes / MIB:.1f} "
+                f"| {'' if cost_ms is None else f'{cost_ms:.3f}'} / {hlo_ms:.3f} | "
+                f"{_ratio(cost_ms, dense_cost_ms)} / {_ratio(hlo_ms, dense_hlo_ms)} | "
+                f"{_ratio(row.cycles or None, dense.cycles)} | "
+                f"{_ratio(dense.hlo_bytes + 8 * (row.params - dense.params), dense.hlo_bytes)} | "
+                f"{row.sparse_core_ops} |",
+                flush=True,
+            )
+            table.append(
+                dict(
+                    target=args.target,
+                    device=device.device_kind,
+                    experts=experts,
+                    layer=row.name,
+                    flops=row.flops,
+                    cost_bytes=row.cost_bytes,
+                    hlo_bytes=row.hlo_bytes,
+                    temp_bytes=row.temp_bytes,
+                    roofline_ms_cost=cost_ms,
+                    roofline_ms_hlo=hlo_ms,
+                    tpu_cycles=row.cycles,
+                    sparse_core_ops=row.sparse_core_ops,
+                )
+            )
         if args.ops:
             for row in rows:
                 print_ops(row, args.ops)

@@ -1,6 +1,7 @@
 """MoE layer forward+backward: dispatch implementations vs a dense FFN of equal useful FLOPs.
 
-Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum] [--options | --orders]
+Usage: python benchmarks/moe_layer.py [--quick] [--reps N] [--loss cotangent|sum]
+[--options | --orders]
 
 ``--options`` times instead, at the T5-Base shape with E = 8 and the sort dispatch, each
 routing option of docs/moe.md (shared experts, fine-grained experts, sigmoid scores, the
@@ -88,11 +89,17 @@ def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
             before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             jax.block_until_ready(fn(*args))
             wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
-            samples[name].append((wall, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
-    return {name: Timing(ms=1e3 * min(w for w, _, _ in ts),  # load only adds time
-                         page_faults=statistics.median(f for _, f, _ in ts),
-                         system_ms=1e3 * statistics.median(st for _, _, st in ts))
-            for name, ts in samples.items()}
+            samples[name].append(
+                (wall, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime)
+            )
+    return {
+        name: Timing(
+            ms=1e3 * min(w for w, _, _ in ts),  # load only adds time
+            page_faults=statistics.median(f for _, f, _ in ts),
+            system_ms=1e3 * statistics.median(st for _, _, st in ts),
+        )
+        for name, ts in samples.items()
+    }
 
 
 def _grad_fn(apply, out_shape, loss: str):
@@ -112,16 +119,33 @@ def _grad_fn(apply, out_shape, loss: str):
 def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
     """Fwd+bwd of a training-mode MoeLayer (``options``: extra ``MoeLayer`` fields); a
     balancing bias is passed in, updated and returned, as in a train step."""
-    layer = MoeLayer(**{**dict(num_experts=experts, num_selected_experts=2, d_ff=d_ff, dispatch=dispatch,
-                               train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096,
-                               load_balancing_loss_weight=0.0, router_z_loss_weight=0.0), **options})
-    x = jax.random.normal(jax.random.PRNGKey(0), TOKENS + (d_model,))
+    layer = MoeLayer(
+        **{
+            **dict(
+                num_experts=experts,
+                num_selected_experts=2,
+                d_ff=d_ff,
+                dispatch=dispatch,
+                train_capacity_factor=1.25,
+                capacity_rule="t5x",
+                group_size=4096,
+                load_balancing_loss_weight=0.0,
+                router_z_loss_weight=0.0,
+            ),
+            **options,
+        }
+    )
+    x = jax.random.normal(jax.random.PRNGKey(0), (*TOKENS, d_model))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
     state = {k: v for k, v in variables.items() if k == "router_bias"}
 
     def apply(p, x):
-        y, written = layer.apply({"params": p, **state}, x, deterministic=False,
-                                 mutable=["aux_loss", "moe_metrics", *state])
+        y, written = layer.apply(
+            {"params": p, **state},
+            x,
+            deterministic=False,
+            mutable=["aux_loss", "moe_metrics", *state],
+        )
         return y, {name: written[name] for name in state}
 
     grad = _grad_fn(apply, x.shape, loss)
@@ -135,13 +159,17 @@ def _options(d_model: int, d_ff: int, slots: int, tokens: int) -> dict[str, tupl
     router = 3 * 2 * tokens * d_model  # fwd + bwd FLOPs of one router column
     return {
         "top-2 (plain)": ({}, 1.0),
-        "shared expert (1 x d_ff) + top-2": (dict(num_shared_experts=1),
-                                              1.0 + useful_flops(tokens, d_model, d_ff) / base),
+        "shared expert (1 x d_ff) + top-2": (
+            dict(num_shared_experts=1),
+            1.0 + useful_flops(tokens, d_model, d_ff) / base,
+        ),
         "balancing bias (u = 1e-3)": (dict(bias_update_rate=1e-3), 1.0),
         "sigmoid scores": (dict(router_score="sigmoid"), 1.0),
         # capacity factor x m keeps the slots' FLOPs (the T5X rule does not scale with k)
-        "fine-grained m = 4 (32 x d_ff/4, top-8)": (dict(expert_granularity=4, train_capacity_factor=5.0),
-                                                    1.0 + 24 * router / base),
+        "fine-grained m = 4 (32 x d_ff/4, top-8)": (
+            dict(expert_granularity=4, train_capacity_factor=5.0),
+            1.0 + 24 * router / base,
+        ),
         "group-limited G = 4, M = 2": (dict(num_limited_groups=4, max_groups_per_token=2), 1.0),
     }
 
@@ -153,7 +181,9 @@ def options_table(reps: int, loss: str) -> None:
     groups, per_group = group_layout(tokens, 4096)
     slots = 8 * expert_capacity(per_group, 8, 2, 1.25, 4, "t5x") * groups
     options = _options(d_model, d_ff, slots, tokens)
-    runs = {name: moe_run(d_model, d_ff, 8, "sort", loss, **kw) for name, (kw, _) in options.items()}
+    runs = {
+        name: moe_run(d_model, d_ff, 8, "sort", loss, **kw) for name, (kw, _) in options.items()
+    }
     results = timed_interleaved(runs, reps)
     # Load-independent: XLA's cost analysis of each compiled step, with batched expert
     # matmuls (cost_analysis does not multiply a lax.map body by its trip count).
@@ -163,14 +193,19 @@ def options_table(reps: int, loss: str) -> None:
         cost = fn.lower(*fn_args).compile().cost_analysis()
         costs[name] = (cost.get("flops", float("nan")), cost.get("bytes accessed", float("nan")))
     plain, (plain_flops, plain_bytes) = results["top-2 (plain)"].ms, costs["top-2 (plain)"]
-    print("| option (T5-Base, E = 8, sort) | ms | time vs plain | useful FLOPs vs plain | cost beyond its FLOPs "
-          "| compiled FLOPs vs plain | compiled bytes accessed vs plain |")
+    print(
+        "| option (T5-Base, E = 8, sort) | ms | time vs plain | useful FLOPs vs plain "
+        "| cost beyond its FLOPs | compiled FLOPs vs plain | compiled bytes accessed vs plain |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, (_, flop_ratio) in options.items():
         ratio = results[name].ms / plain
-        print(f"| {name} | {results[name].ms:.1f} | {ratio:.3f}x | {flop_ratio:.3f}x | "
-              f"{ratio / flop_ratio - 1:+.1%} | {costs[name][0] / plain_flops:.3f}x | "
-              f"{costs[name][1] / plain_bytes:.3f}x |", flush=True)
+        print(
+            f"| {name} | {results[name].ms:.1f} | {ratio:.3f}x | {flop_ratio:.3f}x | "
+            f"{ratio / flop_ratio - 1:+.1%} | {costs[name][0] / plain_flops:.3f}x | "
+            f"{costs[name][1] / plain_bytes:.3f}x |",
+            flush=True,
+        )
 
 
 def orders_table(reps: int, loss: str) -> None:
@@ -178,33 +213,58 @@ def orders_table(reps: int, loss: str) -> None:
     print("| shape | impl | choice_major ms | token_major ms | token / choice |")
     print("| --- | --- | --- | --- | --- |")
     for shape, (d_model, d_ff) in SHAPES.items():
-        runs = {(impl, order): moe_run(d_model, d_ff, 8, impl, loss, capacity_order=order)
-                for impl in ("einsum", "sort") for order in ("choice_major", "token_major")}
+        runs = {
+            (impl, order): moe_run(d_model, d_ff, 8, impl, loss, capacity_order=order)
+            for impl in ("einsum", "sort")
+            for order in ("choice_major", "token_major")
+        }
         results = timed_interleaved(runs, reps)
         for impl in ("einsum", "sort"):
             choice, token = results[(impl, "choice_major")].ms, results[(impl, "token_major")].ms
-            print(f"| {shape} | {impl} | {choice:.1f} | {token:.1f} | {token / choice:.3f}x |", flush=True)
+            print(
+                f"| {shape} | {impl} | {choice:.1f} | {token:.1f} | {token / choice:.3f}x |",
+                flush=True,
+            )
 
 
 def dense_run(d_model: int, hidden: int, loss: str) -> tuple:
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     x = jax.random.normal(keys[0], (TOKENS[0] * TOKENS[1], d_model))
-    params = (jax.random.normal(keys[1], (d_model, hidden)) * 0.02, jax.random.normal(keys[2], (hidden, d_model)) * 0.02)
+    params = (
+        jax.random.normal(keys[1], (d_model, hidden)) * 0.02,
+        jax.random.normal(keys[2], (hidden, d_model)) * 0.02,
+    )
     grad = _grad_fn(lambda p, x: (jnp.maximum(x @ p[0], 0) @ p[1], ()), x.shape, loss)
     return grad, (params, x)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="T5-Base with E=8 only, plus the small shape")
-    parser.add_argument("--reps", type=int, default=10,
-                        help="timing rounds; fewer than ~10 scatter the matmul-rate ratio by +-5 points")
-    parser.add_argument("--loss", choices=("cotangent", "sum"), default="cotangent",
-                        help="value_and_grad of sum(y * r) (training-like), or the earlier grad of sum(y)")
-    parser.add_argument("--options", action="store_true",
-                        help="time each routing option against plain top-2 instead (T5-Base, E = 8, sort)")
-    parser.add_argument("--orders", action="store_true",
-                        help="time the two capacity orders of each dispatch instead (E = 8, both shapes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="T5-Base with E=8 only, plus the small shape"
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=10,
+        help="timing rounds; fewer than ~10 scatter the matmul-rate ratio by +-5 points",
+    )
+    parser.add_argument(
+        "--loss",
+        choices=("cotangent", "sum"),
+        default="cotangent",
+        help="value_and_grad of sum(y * r) (training-like), or the earlier grad of sum(y)",
+    )
+    parser.add_argument(
+        "--options",
+        action="store_true",
+        help="time each routing option against plain top-2 instead (T5-Base, E = 8, sort)",
+    )
+    parser.add_argument(
+        "--orders",
+        action="store_true",
+        help="time the two capacity orders of each dispatch instead (E = 8, both shapes)",
+    )
     args = parser.parse_args()
     if args.orders:
         print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
@@ -215,14 +275,18 @@ def main() -> None:
         options_table(args.reps, args.loss)
         return
     rate = measured_matmul_flops(MATMUL_N, repeats=max(args.reps, 5))
-    print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); "
-          f"float32 matmul rate at start {rate / 1e9:.1f} GFLOP/s (median); each shape below is "
-          f"compared with the best matmul time of its own timing rounds")
+    print(
+        f"backend {jax.default_backend()}, {len(jax.devices())} device(s); "
+        f"float32 matmul rate at start {rate / 1e9:.1f} GFLOP/s (median); each shape below is "
+        f"compared with the best matmul time of its own timing rounds"
+    )
     a = jnp.ones((MATMUL_N, MATMUL_N), jnp.float32)
     matmul = (jax.jit(lambda a: a @ a), (a,))
     print(f"loss: {args.loss}")
-    print("| shape | E | capacity | impl | ms | vs einsum | of dense FFN rate | useful GFLOP/s | of matmul rate "
-          "| page faults / step | system CPU ms / step |")
+    print(
+        "| shape | E | capacity | impl | ms | vs einsum | of dense FFN rate | useful GFLOP/s "
+        "| of matmul rate | page faults / step | system CPU ms / step |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     tokens = TOKENS[0] * TOKENS[1]
     for shape, (d_model, d_ff) in SHAPES.items():
@@ -233,20 +297,31 @@ def main() -> None:
             capacity = expert_capacity(per_group, experts, 2, 1.25, 4, "t5x")
             slots = experts * capacity * groups
             useful = useful_flops(slots, d_model, d_ff)
-            runs = {impl: moe_run(d_model, d_ff, experts, impl, args.loss) for impl in ("einsum", "sort")}
+            runs = {
+                impl: moe_run(d_model, d_ff, experts, impl, args.loss)
+                for impl in ("einsum", "sort")
+            }
             runs["dense FFN"] = dense_run(d_model, d_ff * slots // tokens, args.loss)
             runs["matmul"] = matmul
             results = timed_interleaved(runs, args.reps)
             reference = results.pop("matmul")
             rate = 2 * MATMUL_N**3 / (reference.ms * 1e-3)
-            print(f"| {shape} | {experts} | {capacity} | float32 matmul {MATMUL_N}^3, same rounds | "
-                  f"| | | {rate / 1e9:.1f} | 100% | {reference.page_faults:.0f} | {reference.system_ms:.0f} |")
+            print(
+                f"| {shape} | {experts} | {capacity} | float32 matmul {MATMUL_N}^3, same rounds | "
+                f"| | | {rate / 1e9:.1f} | 100% | {reference.page_faults:.0f} "
+                f"| {reference.system_ms:.0f} |"
+            )
             for impl, timing in results.items():
                 achieved = useful / (timing.ms * 1e-3)
-                print(f"| {shape} | {experts} | {capacity} | {impl} | {timing.ms:.1f} | "
-                      f"{results['einsum'].ms / timing.ms:.2f}x | {results['dense FFN'].ms / timing.ms:.0%} | "
-                      f"{achieved / 1e9:.1f} | {achieved / rate:.0%} | {timing.page_faults:.0f} | "
-                      f"{timing.system_ms:.0f} |", flush=True)
+                print(
+                    f"| {shape} | {experts} | {capacity} | {impl} | {timing.ms:.1f} | "
+                    f"{results['einsum'].ms / timing.ms:.2f}x "
+                    f"| {results['dense FFN'].ms / timing.ms:.0%} | "
+                    f"{achieved / 1e9:.1f} | {achieved / rate:.0%} | {timing.page_faults:.0f} | "
+                    f"{timing.system_ms:.0f} |",
+                    flush=True,
+                )
+
 
 if __name__ == "__main__":
     main()

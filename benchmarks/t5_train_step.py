@@ -18,32 +18,56 @@ import time
 import flax.linen as nn
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from moe_jax.hardware import measured_matmul_flops
 import moe_jax.moe.layer  # noqa: F401  (registers MoeLayer with gin)
+from moe_jax.hardware import measured_matmul_flops
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, T5Config
 
 SIZES = {"d32": dict(emb_dim=32, mlp_dim=256), "d768": dict(emb_dim=768, mlp_dim=2048)}
 
 
-def bench(kind: str, size: str, layers: int, sparse: int, experts: int, batch: int, enc_len: int,
-          dec_len: int, steps: int) -> dict:
+def bench(
+    kind: str,
+    size: str,
+    layers: int,
+    sparse: int,
+    experts: int,
+    batch: int,
+    enc_len: int,
+    dec_len: int,
+    steps: int,
+) -> dict:
     gin.clear_config()
-    gin.parse_config("\n".join([
-        f"MoeLayer.num_experts = {experts}", "MoeLayer.num_selected_experts = 2",
-        f"MoeLayer.d_ff = {SIZES[size]['mlp_dim']}", "MoeLayer.activation = 'gated_gelu'",
-        "MoeLayer.group_size = 4096"]))
-    common = dict(vocab_size=32128, num_heads=12, head_dim=64, num_encoder_layers=layers,
-                  num_decoder_layers=layers, num_sparse_encoder_layers=sparse,
-                  num_sparse_decoder_layers=sparse, **SIZES[size])
+    gin.parse_config(
+        "\n".join(
+            [
+                f"MoeLayer.num_experts = {experts}",
+                "MoeLayer.num_selected_experts = 2",
+                f"MoeLayer.d_ff = {SIZES[size]['mlp_dim']}",
+                "MoeLayer.activation = 'gated_gelu'",
+                "MoeLayer.group_size = 4096",
+            ]
+        )
+    )
+    common = dict(
+        vocab_size=32128,
+        num_heads=12,
+        head_dim=64,
+        num_encoder_layers=layers,
+        num_decoder_layers=layers,
+        num_sparse_encoder_layers=sparse,
+        num_sparse_decoder_layers=sparse,
+        **SIZES[size],
+    )
     if kind == "moe":
         config = T5Config(sparse_layer_type="moe", **common)
     else:
-        config = T5Config(sparse_layer_type="dense", flop_matched_mlp_dim=2 * SIZES[size]["mlp_dim"], **common)
+        config = T5Config(
+            sparse_layer_type="dense", flop_matched_mlp_dim=2 * SIZES[size]["mlp_dim"], **common
+        )
     model = EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)
     shapes = {"encoder_input_tokens": (batch, enc_len), "decoder_input_tokens": (batch, dec_len)}
     params = nn.unbox(model.get_initial_variables(jax.random.key(0), shapes)["params"])
@@ -51,10 +75,14 @@ def bench(kind: str, size: str, layers: int, sparse: int, experts: int, batch: i
     opt_state = tx.init(params)
     rng = np.random.default_rng(0)
     targets = rng.integers(2, 32000, (batch, dec_len)).astype(np.int32)
-    data = {"encoder_input_tokens": rng.integers(2, 32000, (batch, enc_len)).astype(np.int32),
-            "decoder_target_tokens": targets,
-            "decoder_input_tokens": np.concatenate([np.zeros((batch, 1), np.int32), targets[:, :-1]], 1),
-            "decoder_loss_weights": np.ones((batch, dec_len), np.float32)}
+    data = {
+        "encoder_input_tokens": rng.integers(2, 32000, (batch, enc_len)).astype(np.int32),
+        "decoder_target_tokens": targets,
+        "decoder_input_tokens": np.concatenate(
+            [np.zeros((batch, 1), np.int32), targets[:, :-1]], 1
+        ),
+        "decoder_loss_weights": np.ones((batch, dec_len), np.float32),
+    }
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, batch, key):
@@ -74,18 +102,33 @@ def bench(kind: str, size: str, layers: int, sparse: int, experts: int, batch: i
         times.append(time.perf_counter() - t)
     step_s = float(np.median(times))
     flops = model.flops_per_step(shapes)
-    result = dict(kind=kind, size=size, params=model.num_params(params), step_s=step_s, compile_s=compile_s,
-                  tokens_per_s=batch * (enc_len + dec_len) / step_s, flops_per_s=flops / step_s,
-                  flops_per_token=model.flops_per_token(shapes))
+    result = dict(
+        kind=kind,
+        size=size,
+        params=model.num_params(params),
+        step_s=step_s,
+        compile_s=compile_s,
+        tokens_per_s=batch * (enc_len + dec_len) / step_s,
+        flops_per_s=flops / step_s,
+        flops_per_token=model.flops_per_token(shapes),
+    )
     gin.clear_config()
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="d32,d768")
-    parser.add_argument("--layers", type=int, nargs=2, default=(12, 4), metavar=("D32", "D768"),
-                        help="layers per stack for d32 and d768 (the paper: 12; 768 cut for CPU)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs=2,
+        default=(12, 4),
+        metavar=("D32", "D768"),
+        help="layers per stack for d32 and d768 (the paper: 12; 768 cut for CPU)",
+    )
     parser.add_argument("--experts", type=int, nargs=2, default=(32, 8), metavar=("D32", "D768"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--enc_len", type=int, default=128)
@@ -93,28 +136,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     peak = measured_matmul_flops(repeats=10)
-    print(f"backend {jax.default_backend()}, {jax.device_count()} device(s); "
-          f"float32 2048^2 matmul: {peak / 1e9:.1f} GFLOP/s; batch {args.batch}, "
-          f"lengths {args.enc_len}/{args.dec_len}, top-2\n")
-    print("| model | layers/stack (sparse) | experts | params | step (ms) | compile (s) | tokens/s | "
-          "train GFLOP/token | GFLOP/s | of matmul rate |")
+    print(
+        f"backend {jax.default_backend()}, {jax.device_count()} device(s); "
+        f"float32 2048^2 matmul: {peak / 1e9:.1f} GFLOP/s; batch {args.batch}, "
+        f"lengths {args.enc_len}/{args.dec_len}, top-2\n"
+    )
+    print(
+        "| model | layers/stack (sparse) | experts | params | step (ms) | compile (s) | tokens/s | "
+        "train GFLOP/token | GFLOP/s | of matmul rate |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         idx = 0 if size == "d32" else 1
         layers, experts = args.layers[idx], args.experts[idx]
         sparse = 3 if layers == 12 else 1
-        rows = [bench(kind, size, layers, sparse, experts, args.batch, args.enc_len, args.dec_len, args.steps)
-                for kind in ("moe", "dense")]
+        rows = [
+            bench(
+                kind,
+                size,
+                layers,
+                sparse,
+                experts,
+                args.batch,
+                args.enc_len,
+                args.dec_len,
+                args.steps,
+            )
+            for kind in ("moe", "dense")
+        ]
         for r in rows:
             name = f"{size} {'MoE' if r['kind'] == 'moe' else 'dense FLOP-matched'}"
-            print(f"| {name} | {layers} ({sparse}) | {experts if r['kind'] == 'moe' else '-'} | "
-                  f"{r['params'] / 1e6:.2f}M | {1e3 * r['step_s']:.1f} | {r['compile_s']:.1f} | "
-                  f"{r['tokens_per_s']:,.0f} | {r['flops_per_token'] / 1e9:.4f} | "
-                  f"{r['flops_per_s'] / 1e9:.1f} | {100 * r['flops_per_s'] / peak:.1f}% |")
+            print(
+                f"| {name} | {layers} ({sparse}) | {experts if r['kind'] == 'moe' else '-'} | "
+                f"{r['params'] / 1e6:.2f}M | {1e3 * r['step_s']:.1f} | {r['compile_s']:.1f} | "
+                f"{r['tokens_per_s']:,.0f} | {r['flops_per_token'] / 1e9:.4f} | "
+                f"{r['flops_per_s'] / 1e9:.1f} | {100 * r['flops_per_s'] / peak:.1f}% |"
+            )
         moe, dense = rows
-        print(f"| {size} MoE / dense | | | {moe['params'] / dense['params']:.2f}x | "
-              f"{moe['step_s'] / dense['step_s']:.2f}x | | {moe['tokens_per_s'] / dense['tokens_per_s']:.2f}x | "
-              f"{moe['flops_per_token'] / dense['flops_per_token']:.3f}x | | |")
+        print(
+            f"| {size} MoE / dense | | | {moe['params'] / dense['params']:.2f}x | "
+            f"{moe['step_s'] / dense['step_s']:.2f}x | "
+            f"| {moe['tokens_per_s'] / dense['tokens_per_s']:.2f}x | "
+            f"{moe['flops_per_token'] / dense['flops_per_token']:.3f}x | | |"
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each loop, alternated")
     parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
     args, extra = parser.parse_known_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    ).strip()
     import jax
 
     from moe_jax.train import gin_utils, setup, train
@@ -46,26 +47,37 @@ def main(argv: list[str]) -> int:
     for round_index in range(args.rounds):
         for name, sync in LOOPS.items():
             model_dir = tempfile.mkdtemp(prefix="moe_jax_bench_")
-            flags = gin_utils.parse_flags(setup.build_parser("bench", "bench"), [
-                "--gin_file=runs/smoke_cpu.gin", f"--gin.MODEL_DIR={model_dir}",
-                f"--gin.TRAIN_STEPS={args.steps}", "--gin.train_script.train.log_period=25",
-                "--gin.train_script.train.eval_period=0",
-                f"--gin.train_script.train.checkpoint_period={args.steps}",
-                f"--gin.train_script.train.sync_every_step={sync}", *extra])
+            flags = gin_utils.parse_flags(
+                setup.build_parser("bench", "bench"),
+                [
+                    "--gin_file=runs/smoke_cpu.gin",
+                    f"--gin.MODEL_DIR={model_dir}",
+                    f"--gin.TRAIN_STEPS={args.steps}",
+                    "--gin.train_script.train.log_period=25",
+                    "--gin.train_script.train.eval_period=0",
+                    f"--gin.train_script.train.checkpoint_period={args.steps}",
+                    f"--gin.train_script.train.sync_every_step={sync}",
+                    *extra,
+                ],
+            )
             gin_utils.parse_gin(flags)
             train.train()
             windows[name] += _windows(model_dir)
             rate = np.median([w["steps_per_sec"] for w in _windows(model_dir)])
             print(f"round {round_index + 1}: {name}: {rate:.2f} steps/s", file=sys.stderr)
 
-    print(f"{jax.devices()[0].device_kind} x{jax.device_count()}, {args.steps} steps x "
-          f"{args.rounds} rounds per loop, medians over 25-step windows")
+    print(
+        f"{jax.devices()[0].device_kind} x{jax.device_count()}, {args.steps} steps x "
+        f"{args.rounds} rounds per loop, medians over 25-step windows"
+    )
     print("| loss check | steps/s | tokens/s | MFU |\n|---|---|---|---|")
     rates = {}
     for name, rows in windows.items():
         rates[name] = np.median([r["steps_per_sec"] for r in rows])
-        print(f"| {name} | {rates[name]:.2f} | {np.median([r['tokens_per_sec'] for r in rows]):,.0f} "
-              f"| {100 * np.median([r['mfu'] for r in rows]):.2f}% |")
+        print(
+            f"| {name} | {rates[name]:.2f} | {np.median([r['tokens_per_sec'] for r in rows]):,.0f} "
+            f"| {100 * np.median([r['mfu'] for r in rows]):.2f}% |"
+        )
     before, after = rates.values()
     print(f"one step late / every step: {after / before:.3f}x steps/s")
     return 0

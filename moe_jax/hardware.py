@@ -55,29 +55,45 @@ class Chip:
     interconnect_bandwidth: float
 
 
-CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("v4", "tpu", ("TPU v4",), 32 * GiB, 275e12, 1.2e12, 300e9),
-    Chip("v5e", "tpu", ("TPU v5 lite", "TPU v5e"), 16 * GiB, 197e12, 819e9, 200e9),
-    Chip("v5p", "tpu", ("TPU v5p", "TPU v5"), 95 * GiB, 459e12, 2.765e12, 600e9),
-    Chip("v6e", "tpu", ("TPU v6 lite", "TPU v6e"), 32 * GiB, 918e12, 1.64e12, 448e9),
-    Chip("a100", "gpu", ("NVIDIA A100",), 85_100_068_864, 312e12, 2.039e12, 600e9),
-    Chip("h100", "gpu", ("NVIDIA H100",), 84_942_979_072, 989e12, 3.35e12, 900e9),
-    Chip("h200", "gpu", ("NVIDIA H200",), 151_397_597_184, 989e12, 4.8e12, 900e9),
-)}
+CHIPS: dict[str, Chip] = {
+    c.name: c
+    for c in (
+        Chip("v4", "tpu", ("TPU v4",), 32 * GiB, 275e12, 1.2e12, 300e9),
+        Chip("v5e", "tpu", ("TPU v5 lite", "TPU v5e"), 16 * GiB, 197e12, 819e9, 200e9),
+        Chip("v5p", "tpu", ("TPU v5p", "TPU v5"), 95 * GiB, 459e12, 2.765e12, 600e9),
+        Chip("v6e", "tpu", ("TPU v6 lite", "TPU v6e"), 32 * GiB, 918e12, 1.64e12, 448e9),
+        Chip("a100", "gpu", ("NVIDIA A100",), 85_100_068_864, 312e12, 2.039e12, 600e9),
+        Chip("h100", "gpu", ("NVIDIA H100",), 84_942_979_072, 989e12, 3.35e12, 900e9),
+        Chip("h200", "gpu", ("NVIDIA H200",), 151_397_597_184, 989e12, 4.8e12, 900e9),
+    )
+}
 
 # TPU slice topologies libtpu describes here (chips per side; one host holds 2x2 chips, so a
 # slice is at least 2x2 and a single chip is not one): 2-D tori for v5e / v6e, 3-D for v4 / v5p.
 TPU_TOPOLOGIES = {
     "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
     "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"),
+    "v5p": (
+        "2x2x1",
+        "2x2x2",
+        "2x2x4",
+        "2x4x4",
+        "4x4x4",
+        "4x4x8",
+        "4x8x8",
+        "8x8x8",
+        "8x8x16",
+        "8x16x16",
+    ),
     "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16"),
 }
 
-KNOWN_TARGETS = ("tpu:{v4,v5e,v5p,v6e}:TOPOLOGY (e.g. tpu:v5e:4x4, tpu:v5p:2x2x4, tpu:v4:2x2x2)",
-                 "tpu:ACCELERATOR_TYPE, Cloud TPU's name (e.g. tpu:v5p-32, tpu:v5litepod-16, tpu:v4-32)",
-                 "gpu:{a100,h100,h200}:COUNT (e.g. gpu:h100:8; multiples of 8 for several nodes)",
-                 "cpu:COUNT (e.g. cpu:8)")
+KNOWN_TARGETS = (
+    "tpu:{v4,v5e,v5p,v6e}:TOPOLOGY (e.g. tpu:v5e:4x4, tpu:v5p:2x2x4, tpu:v4:2x2x2)",
+    "tpu:ACCELERATOR_TYPE, Cloud TPU's name (e.g. tpu:v5p-32, tpu:v5litepod-16, tpu:v4-32)",
+    "gpu:{a100,h100,h200}:COUNT (e.g. gpu:h100:8; multiples of 8 for several nodes)",
+    "cpu:COUNT (e.g. cpu:8)",
+)
 
 
 class TargetError(UserError, ValueError):
@@ -123,8 +139,10 @@ def accelerator_topology(accelerator_type: str) -> tuple[str, str]:
     so that the compiled devices are as many as JAX shows on the slice (one per chip)."""
     match = _ACCELERATOR_TYPE.fullmatch(accelerator_type)
     if match is None:
-        raise TargetError(f"--target=tpu:{accelerator_type}: not a Cloud TPU accelerator type "
-                          "(v4-N, v5p-N, v5litepod-N, v6e-N)")
+        raise TargetError(
+            f"--target=tpu:{accelerator_type}: not a Cloud TPU accelerator type "
+            "(v4-N, v5p-N, v5litepod-N, v6e-N)"
+        )
     family, count = match.group(1), int(match.group(2))
     chip = "v5e" if family == "v5litepod" else family
     chips = count // _CORES_PER_CHIP.get(family, 1) // (2 if family == "v4" else 1)
@@ -138,8 +156,10 @@ def accelerator_topology(accelerator_type: str) -> tuple[str, str]:
             dims[0 if dims[0] < dims[1] else 1] *= 2
         dims.sort()
     if math.prod(dims) != chips or count % _CORES_PER_CHIP.get(family, 1):
-        raise TargetError(f"--target=tpu:{accelerator_type}: no {chip} topology of that size known here; "
-                          f"name one as tpu:{chip}:TOPOLOGY; known: " + ", ".join(KNOWN_TARGETS))
+        raise TargetError(
+            f"--target=tpu:{accelerator_type}: no {chip} topology of that size known here; "
+            f"name one as tpu:{chip}:TOPOLOGY; known: " + ", ".join(KNOWN_TARGETS)
+        )
     return chip, "x".join(map(str, dims))
 
 
@@ -162,8 +182,10 @@ def parse_target(spec: str) -> Target:
     chip = CHIPS.get(chip_name)
     if chip is None or chip.platform != platform:
         names = sorted(c.name for c in CHIPS.values() if c.platform == platform)
-        raise TargetError(f"--target={spec!r}: unknown {platform.upper()} {chip_name!r} "
-                          f"(known: {', '.join(names)})" + known)
+        raise TargetError(
+            f"--target={spec!r}: unknown {platform.upper()} {chip_name!r} "
+            f"(known: {', '.join(names)})" + known
+        )
     if platform == "tpu":
         check_tpu_topology(spec, chip.name, topology)
     elif not re.fullmatch(r"\d+", topology) or int(topology) == 0:
@@ -178,19 +200,29 @@ def check_tpu_topology(spec: str, chip: str, topology: str) -> None:
     slice), the third a power of two."""
     valid = TPU_TOPOLOGIES[chip]
     dims = topology.split("x")
-    ok = (len(dims) == len(valid[0].split("x")) and all(d.isdigit() and int(d) > 0 for d in dims)
-          and all(int(d) & (int(d) - 1) == 0 for d in dims) and all(int(d) >= 2 for d in dims[:2]))
+    ok = (
+        len(dims) == len(valid[0].split("x"))
+        and all(d.isdigit() and int(d) > 0 for d in dims)
+        and all(int(d) & (int(d) - 1) == 0 for d in dims)
+        and all(int(d) >= 2 for d in dims[:2])
+    )
     if not ok:
-        raise TargetError(f"--target={spec!r}: {topology!r} is not a {chip} slice topology compiled for here "
-                          f"(a single chip or an odd shape is not); valid: {', '.join(valid)} "
-                          f"(e.g. --target=tpu:{chip}:{valid[0]}), or a Cloud TPU accelerator type "
-                          "such as tpu:v5litepod-16 or tpu:v5p-32")
+        raise TargetError(
+            f"--target={spec!r}: {topology!r} is not a {chip} slice topology compiled for here "
+            f"(a single chip or an odd shape is not); valid: {', '.join(valid)} "
+            f"(e.g. --target=tpu:{chip}:{valid[0]}), or a Cloud TPU accelerator type "
+            "such as tpu:v5litepod-16 or tpu:v5p-32"
+        )
 
 
 def chip_of_device_kind(device_kind: str) -> Chip | None:
     """The chip a ``jax.Device.device_kind`` names (longest matching prefix), or None."""
-    matches = [(len(kind), chip) for chip in CHIPS.values() for kind in chip.device_kinds
-               if device_kind.startswith(kind)]
+    matches = [
+        (len(kind), chip)
+        for chip in CHIPS.values()
+        for kind in chip.device_kinds
+        if device_kind.startswith(kind)
+    ]
     return max(matches, key=lambda m: m[0])[1] if matches else None
 
 
@@ -207,16 +239,24 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def device_facts(devices: Sequence, chip: Chip | None = None, num_chips: int | None = None) -> DeviceFacts:
+def device_facts(
+    devices: Sequence, chip: Chip | None = None, num_chips: int | None = None
+) -> DeviceFacts:
     """Per-device facts of ``devices``: the chip's (from ``chip`` or the devices' kind) divided
     by the devices per chip (libtpu shows a v4 chip as 2 TensorCore devices); on CPU the
     machine's available memory shared by the devices and the measured matmul rate."""
     chip = chip or chip_of_device_kind(devices[0].device_kind)
     if chip is None:
-        return DeviceFacts(available_memory_bytes() // len(devices), measured_matmul_flops(), None, None)
+        return DeviceFacts(
+            available_memory_bytes() // len(devices), measured_matmul_flops(), None, None
+        )
     per_chip = max(1, len(devices) // num_chips) if num_chips else 1
-    return DeviceFacts(chip.hbm_bytes // per_chip, chip.peak_bf16_flops / per_chip,
-                       chip.hbm_bandwidth / per_chip, chip.interconnect_bandwidth / per_chip)
+    return DeviceFacts(
+        chip.hbm_bytes // per_chip,
+        chip.peak_bf16_flops / per_chip,
+        chip.hbm_bandwidth / per_chip,
+        chip.interconnect_bandwidth / per_chip,
+    )
 
 
 # XLA options the project's jitted steps compile with, per device platform. GPU: XLA
@@ -252,11 +292,11 @@ def _use_compiler(platform: str) -> None:
     if directory.is_dir() and str(directory) not in sys.path:
         sys.path.insert(0, str(directory))
         if platform == "gpu":  # jax_plugins is a namespace package: extend it
-            import jax_plugins  # noqa: F401 (jax's own namespace)
+            import jax_plugins
 
             jax_plugins.__path__.append(str(directory / "jax_plugins"))
     if platform == "tpu":
-        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")        # no metadata server here
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server here
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compiles may run
     try:
         found = importlib.util.find_spec(module) is not None
@@ -264,9 +304,11 @@ def _use_compiler(platform: str) -> None:
         found = False
     if not found:
         extra = f"compile-{platform}"
-        raise TargetError(f"no {platform.upper()} compiler: run `make compilers` (installs the "
-                          f"`{extra}` extra of pyproject.toml into {directory}) or `pip install "
-                          f"--target {directory} <the {extra} packages>`")
+        raise TargetError(
+            f"no {platform.upper()} compiler: run `make compilers` (installs the "
+            f"`{extra}` extra of pyproject.toml into {directory}) or `pip install "
+            f"--target {directory} <the {extra} packages>`"
+        )
 
 
 def target_devices(target: Target) -> list:
@@ -285,26 +327,38 @@ def target_devices(target: Target) -> list:
             jax.config.update("jax_num_cpu_devices", count)
         devices = jax.devices("cpu")
         if len(devices) < count:
-            raise TargetError(f"--target={target.spec}: this process has {len(devices)} CPU "
-                              f"devices (start it with --target before anything else runs)")
+            raise TargetError(
+                f"--target={target.spec}: this process has {len(devices)} CPU "
+                f"devices (start it with --target before anything else runs)"
+            )
         return devices[:count]
     if not _backends_started():
         jax.config.update("jax_platforms", "cpu")
     _use_compiler(target.platform)
     from jax.experimental import topologies
 
+    chip = target.chip
+    assert chip is not None, target  # only CPU targets have none
     if target.platform == "tpu":
         try:
-            return list(topologies.get_topology_desc(
-                platform="tpu", topology_name=f"{target.chip.name}:{target.topology}").devices)
+            return list(
+                topologies.get_topology_desc(
+                    platform="tpu", topology_name=f"{chip.name}:{target.topology}"
+                ).devices
+            )
         except Exception as err:  # libtpu's own message names the bad topology
             raise TargetError(f"--target={target.spec}: {str(err).splitlines()[0]}") from None
     count = int(target.topology)
     hosts, per_host = (count // 8, 8) if count > 8 and count % 8 == 0 else (1, count)
-    config = (GPU_SPECS_DIR / f"{target.chip.name}.txtpb").read_text()
-    return list(topologies.get_topology_desc(platform="cuda", topology_name=target.chip.name,
-                                             topology=f"1x{hosts}x{per_host}",
-                                             target_config=config).devices)
+    config = (GPU_SPECS_DIR / f"{chip.name}.txtpb").read_text()
+    return list(
+        topologies.get_topology_desc(
+            platform="cuda",
+            topology_name=chip.name,
+            topology=f"1x{hosts}x{per_host}",
+            target_config=config,
+        ).devices
+    )
 
 
 @contextlib.contextmanager
@@ -341,7 +395,7 @@ def _backends_started() -> bool:
 # ----------------------------------------------------------------------------- measured
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
     """Median FLOP/s of a jitted float32 ``[n, n] @ [n, n]`` matmul on the first local device
     (measured once per process and arguments)."""

@@ -26,13 +26,38 @@ import dataclasses
 import math
 import re
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+}
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
 _CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
-_NOT_WORK = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "after-all", "partition-id",
-             "replica-id")
+_NOT_WORK = (
+    "parameter",
+    "get-tuple-element",
+    "bitcast",
+    "constant",
+    "tuple",
+    "after-all",
+    "partition-id",
+    "replica-id",
+)
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__triton_gemm")
 
 
@@ -116,7 +141,7 @@ def _split_operands(rest: str) -> tuple[str, str]:
     while i < len(rest) and depth:
         depth += {"(": 1, ")": -1}.get(rest[i], 0)
         i += 1
-    return rest[:i - 1], rest[i:]
+    return rest[: i - 1], rest[i:]
 
 
 # Larger "estimated_cycles" are sentinels (INT64_MAX for work handed to a SparseCore).
@@ -140,19 +165,28 @@ def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
     if line.opcode == "convolution":
         rhs = _dims(types.get(line.operands[1], "")) if len(line.operands) > 1 else []
         labels = re.search(r"dim_labels=\w*_(\w+)->", line.attributes)
-        out_features = rhs[labels.group(1).index("o")] if labels and rhs and "o" in labels.group(1) else 1
+        out_features = (
+            rhs[labels.group(1).index("o")] if labels and rhs and "o" in labels.group(1) else 1
+        )
         groups = re.search(r"feature_group_count=(\d+)", line.attributes)
         flops = 2.0 * out * math.prod(rhs) / out_features / (int(groups.group(1)) if groups else 1)
         window = re.search(r"window=\{size=([0-9x]+)[^}]*lhs_dilate=", line.attributes)
         if window:  # a batched matmul written as a base-dilated convolution: one tap per window
             flops /= math.prod(int(d) for d in window.group(1).split("x"))
         return flops
-    # a dot's attribute, or a GEMM custom call's backend_config (``"lhs_contracting_dimensions":["1"]``)
-    contracting = (re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line.attributes)
-                   or re.search(r'"lhs_contracting_dimensions":\[([0-9",]*)\]', line.attributes))
+    # a dot's attribute, or a GEMM custom call's backend_config
+    # (``"lhs_contracting_dimensions":["1"]``)
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line.attributes)
+    contracting = contracting or re.search(
+        r'"lhs_contracting_dimensions":\[([0-9",]*)\]', line.attributes
+    )
     if not contracting or not lhs:
         return 0.0
-    return 2.0 * out * math.prod(lhs[int(d)] for d in contracting.group(1).replace('"', "").split(",") if d)
+    return (
+        2.0
+        * out
+        * math.prod(lhs[int(d)] for d in contracting.group(1).replace('"', "").split(",") if d)
+    )
 
 
 def parse(hlo_text: str) -> list[Op]:
@@ -169,12 +203,21 @@ def parse(hlo_text: str) -> list[Op]:
         if text.startswith("}"):
             current = None
             continue
-        match = _INSTRUCTION.match(text) if current else None
+        if current is None:
+            continue
+        match = _INSTRUCTION.match(text)
         if match:
             name, result_type, opcode, rest = match.groups()
             operands, attributes = _split_operands(rest)
-            computations[current].append(_Line(name, result_type, opcode,
-                                               tuple(re.findall(r"%([\w.\-]+)", operands)), attributes))
+            computations[current].append(
+                _Line(
+                    name,
+                    result_type,
+                    opcode,
+                    tuple(re.findall(r"%([\w.\-]+)", operands)),
+                    attributes,
+                )
+            )
             types[current][name] = result_type
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -207,24 +250,46 @@ def parse(hlo_text: str) -> list[Op]:
                 k, f, s = inside(c, {c})
                 kinds, flops, sparse = kinds | k, flops + f, sparse or s
             target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
-            gemm = line.opcode == "custom-call" and target and target.group(1).startswith(_GEMM_TARGETS)
+            gemm = (
+                line.opcode == "custom-call"
+                and target
+                and target.group(1).startswith(_GEMM_TARGETS)
+            )
             if line.opcode in ("dot", "convolution") or gemm:
                 flops += _matmul_flops(line, types[computation])
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
             source = re.search(r'op_name="([^"]*)"', line.attributes)
             operand_types = [types[computation].get(o, "") for o in line.operands]
-            sizes = tuple(shape_bytes(t) for t in operand_types)  # every memory space (collectives' sizes)
+            # every memory space (collectives' sizes)
+            sizes = tuple(shape_bytes(t) for t in operand_types)
             device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
-            output_all, output_device = shape_bytes(line.result_type), shape_bytes(line.result_type, hbm_only=True)
-            counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
-            ops.append(Op(name=line.name, opcode=line.opcode, source=source.group(1) if source else "",
-                          operand_bytes=sum(device_sizes), operand_sizes=sizes,
-                          output_bytes=output_device,
-                          cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
-                          flops=flops, kinds=frozenset(kinds), sparse_core_offload=sparse,
-                          operands=line.operands, element_counts=counts,
-                          operand_alternate_bytes=sum(sizes) - sum(device_sizes),
-                          output_alternate_bytes=output_all - output_device))
+            output_all, output_device = (
+                shape_bytes(line.result_type),
+                shape_bytes(line.result_type, hbm_only=True),
+            )
+            counts = frozenset(
+                math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t)
+            )
+            ops.append(
+                Op(
+                    name=line.name,
+                    opcode=line.opcode,
+                    source=source.group(1) if source else "",
+                    operand_bytes=sum(device_sizes),
+                    operand_sizes=sizes,
+                    output_bytes=output_device,
+                    cycles=int(cycles.group(1))
+                    if cycles and int(cycles.group(1)) < _MAX_CYCLES
+                    else 0,
+                    flops=flops,
+                    kinds=frozenset(kinds),
+                    sparse_core_offload=sparse,
+                    operands=line.operands,
+                    element_counts=counts,
+                    operand_alternate_bytes=sum(sizes) - sum(device_sizes),
+                    output_alternate_bytes=output_all - output_device,
+                )
+            )
     return ops
 
 
@@ -254,11 +319,23 @@ def summary_of(ops: list[Op], source_contains: str) -> dict[str, float]:
     return summary([op for op in ops if source_contains in op.source])
 
 
-COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
-               "collective-permute")
+COLLECTIVES = (
+    "all-to-all",
+    "ragged-all-to-all",
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+)
 
 
-CATEGORIES = ("matmuls", "gather / scatter / sort", "whole weights (casts, gradients)", "collectives", "other")
+CATEGORIES = (
+    "matmuls",
+    "gather / scatter / sort",
+    "whole weights (casts, gradients)",
+    "collectives",
+    "other",
+)
 
 
 def categorize(op: Op, weight_sizes: frozenset[int]) -> str:
@@ -296,15 +373,32 @@ def collectives(ops: list[Op]) -> list[Collective]:
     """The collectives of ``ops`` (``parse`` order = the entry schedule) and their overlap."""
     found = []
     for i, op in enumerate(ops):
-        kind = next((c for c in COLLECTIVES if c in op.kinds or f"{c}-start" in op.kinds), None)  # GPU: async
+        # "<kind>-start": the GPU's asynchronous form
+        kind = next((c for c in COLLECTIVES if c in op.kinds or f"{c}-start" in op.kinds), None)
         if kind is None or op.opcode.endswith("-done"):
             continue
         done = i
         if op.opcode.endswith("-start"):
-            done = next((j for j in range(i + 1, len(ops)) if op.name in ops[j].operands
-                         and ops[j].opcode.endswith("-done")), i)
-        between = [o for o in ops[i + 1:done] if o.flops > 0 or o.cycles > 0]
-        sent = op.operand_sizes[0] if kind == "ragged-all-to-all" and op.operand_sizes else sum(op.operand_sizes)
-        found.append(Collective(kind=kind, bytes=sent, overlapped_ops=len(between),
-                                overlapped_flops=sum(o.flops for o in between)))
+            done = next(
+                (
+                    j
+                    for j in range(i + 1, len(ops))
+                    if op.name in ops[j].operands and ops[j].opcode.endswith("-done")
+                ),
+                i,
+            )
+        between = [o for o in ops[i + 1 : done] if o.flops > 0 or o.cycles > 0]
+        sent = (
+            op.operand_sizes[0]
+            if kind == "ragged-all-to-all" and op.operand_sizes
+            else sum(op.operand_sizes)
+        )
+        found.append(
+            Collective(
+                kind=kind,
+                bytes=sent,
+                overlapped_ops=len(between),
+                overlapped_flops=sum(o.flops for o in between),
+            )
+        )
     return found

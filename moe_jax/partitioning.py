@@ -25,9 +25,25 @@ LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 # Logical axis names the project's modules may use. A name outside this set is a typo.
 KNOWN_LOGICAL_AXES: frozenset[str] = frozenset(
     {
-        "batch", "length", "embed", "mlp", "heads", "kv", "joined_kv", "vocab",
-        "relpos_buckets", "abspos_buckets", "expert", "expert_mlp", "expert_group",
-        "unmodeled", "layers", "stack", "cache_batch", "cache_heads", "cache_kv",
+        "batch",
+        "length",
+        "embed",
+        "mlp",
+        "heads",
+        "kv",
+        "joined_kv",
+        "vocab",
+        "relpos_buckets",
+        "abspos_buckets",
+        "expert",
+        "expert_mlp",
+        "expert_group",
+        "unmodeled",
+        "layers",
+        "stack",
+        "cache_batch",
+        "cache_heads",
+        "cache_kv",
         "cache_length",
     }
 )
@@ -112,26 +128,34 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     shape = list(mesh_shape)
     if len(shape) != len(axis_names):
-        raise ValueError(f"mesh_shape={tuple(mesh_shape)} has {len(shape)} entries but "
-                         f"axis_names={tuple(axis_names)} has {len(axis_names)}")
+        raise ValueError(
+            f"mesh_shape={tuple(mesh_shape)} has {len(shape)} entries but "
+            f"axis_names={tuple(axis_names)} has {len(axis_names)}"
+        )
     if shape.count(-1) > 1:
         raise ValueError(f"mesh_shape={tuple(mesh_shape)}: at most one entry may be -1")
     known = int(np.prod([s for s in shape if s != -1]))
     if -1 in shape:
         if known <= 0 or len(devices) % known:
-            raise ValueError(f"mesh_shape={tuple(mesh_shape)} does not divide the "
-                             f"{len(devices)} available devices")
+            raise ValueError(
+                f"mesh_shape={tuple(mesh_shape)} does not divide the "
+                f"{len(devices)} available devices"
+            )
         shape[shape.index(-1)] = len(devices) // known
     if int(np.prod(shape)) != len(devices):
-        raise ValueError(f"mesh_shape={tuple(mesh_shape)} needs {int(np.prod(shape))} devices "
-                         f"but {len(devices)} are available")
+        raise ValueError(
+            f"mesh_shape={tuple(mesh_shape)} needs {int(np.prod(shape))} devices "
+            f"but {len(devices)} are available"
+        )
     if max_expert_partitions and "expert" in axis_names and "data" in axis_names:
         expert, data = axis_names.index("expert"), axis_names.index("data")
         if shape[expert] > max_expert_partitions:
             if shape[expert] % max_expert_partitions:
-                raise ValueError(f"mesh_shape={tuple(mesh_shape)}: its expert axis ({shape[expert]}) is not "
-                                 f"a multiple of the {max_expert_partitions} experts "
-                                 "(make_mesh.max_expert_partitions = NUM_EXPERTS)")
+                raise ValueError(
+                    f"mesh_shape={tuple(mesh_shape)}: its expert axis ({shape[expert]}) is not "
+                    f"a multiple of the {max_expert_partitions} experts "
+                    "(make_mesh.max_expert_partitions = NUM_EXPERTS)"
+                )
             shape[data] *= shape[expert] // max_expert_partitions
             shape[expert] = max_expert_partitions
     try:
@@ -147,8 +171,10 @@ def validate_logical_axes(logical_axes: Sequence[str | None], where: str = "") -
     """Refuses logical axis names the project does not know (typos in gin rules or modules)."""
     for name in logical_axes:
         if name is not None and name not in KNOWN_LOGICAL_AXES:
-            raise ValueError(f"unknown logical axis {name!r}{' in ' + where if where else ''}; "
-                             f"known axes: {sorted(KNOWN_LOGICAL_AXES)}")
+            raise ValueError(
+                f"unknown logical axis {name!r}{' in ' + where if where else ''}; "
+                f"known axes: {sorted(KNOWN_LOGICAL_AXES)}"
+            )
 
 
 def validate_rules(rules: LogicalRules, mesh: Mesh) -> None:
@@ -158,8 +184,10 @@ def validate_rules(rules: LogicalRules, mesh: Mesh) -> None:
         targets = (mesh_axes,) if isinstance(mesh_axes, str) or mesh_axes is None else mesh_axes
         for axis in targets:
             if axis is not None and axis not in mesh.axis_names:
-                raise ValueError(f"logical axis rule ({logical!r} -> {mesh_axes!r}) names mesh "
-                                 f"axis {axis!r}, not in the mesh axes {mesh.axis_names}")
+                raise ValueError(
+                    f"logical axis rule ({logical!r} -> {mesh_axes!r}) names mesh "
+                    f"axis {axis!r}, not in the mesh axes {mesh.axis_names}"
+                )
 
 
 def logical_to_sharding(
@@ -169,8 +197,8 @@ def logical_to_sharding(
     import flax.linen as nn
 
     validate_logical_axes(logical_axes)
-    spec = nn.logical_to_mesh_axes(tuple(logical_axes), rules)
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    spec = nn.logical_to_mesh_axes(tuple(logical_axes), rules)  # None only for no names
+    return NamedSharding(mesh, PartitionSpec(*(spec or ())))
 
 
 def tree_shardings(logical_spec_tree, mesh: Mesh, rules: LogicalRules):
@@ -196,13 +224,17 @@ def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: Logical
       the mesh axes with their total size.
     """
     specs = jax.tree_util.tree_flatten_with_path(
-        logical_spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+        logical_spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )[0]
     shapes = jax.tree.leaves(shape_tree)
-    for (path, spec), leaf in zip(specs, shapes):
+    for (path, spec), leaf in zip(specs, shapes, strict=True):
         validate_logical_axes(tuple(spec), where=jax.tree_util.keystr(path))
-        mesh_spec = NamedSharding(mesh, PartitionSpec()).spec if not spec else \
-            logical_to_sharding(tuple(spec), mesh, rules).spec
-        for dim, (logical, mesh_axes) in enumerate(zip(tuple(spec), tuple(mesh_spec))):
+        mesh_spec = (
+            NamedSharding(mesh, PartitionSpec()).spec
+            if not spec
+            else logical_to_sharding(tuple(spec), mesh, rules).spec
+        )
+        for dim, (logical, mesh_axes) in enumerate(zip(tuple(spec), tuple(mesh_spec), strict=True)):
             if mesh_axes is None:
                 continue
             axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
@@ -210,7 +242,8 @@ def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: Logical
             if leaf.shape[dim] % size:
                 raise ValueError(
                     f"{jax.tree_util.keystr(path)}: dimension {dim} ({logical!r}) has size "
-                    f"{leaf.shape[dim]}, not divisible by mesh axes {axes} of size {size}")
+                    f"{leaf.shape[dim]}, not divisible by mesh axes {axes} of size {size}"
+                )
 
 
 @contextlib.contextmanager

@@ -34,15 +34,26 @@ def run_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     more runs never share a look."""
     colours = pyplot().get_cmap("tab10").colors
     styles = itertools.product(range(len(LINE_STYLES)), range(len(colours)))
-    return {name: {"color": colours[c], "linestyle": LINE_STYLES[s], "marker": MARKERS[s % len(MARKERS)]}
-            for name, (s, c) in zip(names, styles)}
+    return {
+        name: {
+            "color": colours[c],
+            "linestyle": LINE_STYLES[s],
+            "marker": MARKERS[s % len(MARKERS)],
+        }
+        for name, (s, c) in zip(names, styles, strict=False)  # 40 styles: names past them get none
+    }
 
 
 def legend_outside(ax, **kwargs: Any):
     """The legend of ``ax`` to the right of its axes, where it cannot cover data
     (:func:`save` keeps it inside the image)."""
-    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
-                     fontsize=kwargs.pop("fontsize", 7), **kwargs)
+    return ax.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+        fontsize=kwargs.pop("fontsize", 7),
+        **kwargs,
+    )
 
 
 def integer_ticks(ax, axis: str = "both") -> None:

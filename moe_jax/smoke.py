@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     result = train.train()
     model_dir = result["model_dir"]
     evaluate.evaluate([model_dir])
-    print(f"[moe-jax] smoke: {result['step']} steps, final loss {result['losses'][result['step']]:.4f}, "
-          f"total wall time {time.perf_counter() - start:.0f} s; run in {model_dir}", flush=True)
+    print(
+        f"[moe-jax] smoke: {result['step']} steps, "
+        f"final loss {result['losses'][result['step']]:.4f}, "
+        f"total wall time {time.perf_counter() - start:.0f} s; run in {model_dir}",
+        flush=True,
+    )
     return 0

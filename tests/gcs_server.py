@@ -23,13 +23,14 @@ project writes run directories through fsspec and TensorStore only; the data pip
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 from http import HTTPStatus
+from typing import Any
 
 BUCKET = "moe-jax-test"
-_server = None
 
 
 def configure_environment() -> int:
@@ -41,34 +42,36 @@ def configure_environment() -> int:
             os.environ["MOE_JAX_TEST_GCS_PORT"] = str(sock.getsockname()[1])
     port = int(os.environ["MOE_JAX_TEST_GCS_PORT"])
     url = f"http://127.0.0.1:{port}"
-    os.environ.update({
-        "STORAGE_EMULATOR_HOST": url,
-        "TENSORSTORE_GCS_HTTP_URL": url,
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "moe-jax-test",
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        "EPATH_USE_TF": "false",
-    })
+    os.environ.update(
+        {
+            "STORAGE_EMULATOR_HOST": url,
+            "TENSORSTORE_GCS_HTTP_URL": url,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "moe-jax-test",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "EPATH_USE_TF": "false",
+        }
+    )
     return port
 
 
-def start() -> None:
+@functools.cache
+def start() -> Any:
     """Starts the server on the configured port with an empty bucket :data:`BUCKET` (once
-    per process)."""
-    global _server
-    if _server is not None:
-        return
+    per process: later calls return the same server)."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.handlers import objects
 
     # Its handler threads log a traceback per client that closes a connection early.
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
     _add_gcs_semantics(server, objects)
-    _server = server.create_server("127.0.0.1", configure_environment(), in_memory=True,
-                                   default_bucket=BUCKET)
-    _server._api.daemon = True  # noqa: SLF001 - ends with the test process
-    _server.start()
+    emulator = server.create_server(
+        "127.0.0.1", configure_environment(), in_memory=True, default_bucket=BUCKET
+    )
+    emulator._api.daemon = True
+    emulator.start()
     # a client that closes a connection early (a killed trainer) is not the server's error
-    _server._api._httpd.handle_error = lambda request, address: None  # noqa: SLF001
+    emulator._api._httpd.handle_error = lambda request, address: None
+    return emulator
 
 
 def _add_gcs_semantics(server, objects) -> None:
@@ -107,8 +110,11 @@ def _with_preconditions(plain):
         wanted = request.query.get("ifGenerationMatch")
         if wanted:
             data = request.data if isinstance(request.data, dict) else {}
-            name = (request.query.get("name", [None])[0] or data.get("meta", {}).get("name")
-                    or data.get("name"))
+            name = (
+                request.query.get("name", [None])[0]
+                or data.get("meta", {}).get("name")
+                or data.get("name")
+            )
             try:
                 current = storage.get_file_obj(request.params["bucket_name"], name)["generation"]
             except Exception:  # the emulator's NotFound

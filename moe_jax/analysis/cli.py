@@ -21,10 +21,16 @@ from moe_jax.train import distributed, gin_utils
 
 # analysis -> (module with ``analyze(checkpoint_path, out_dir)``, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
-    "positions": ("moe_jax.analysis.positions", "positional routing: activation by position, "
-                  "correlation length, position probes (Bershatsky & Oseledets)"),
-    "languages": ("moe_jax.analysis.languages", "languages as latent clusters: I(language; expert) vs "
-                  "shuffled labels, sparsity per language vs a shuffled router, heatmaps, curves over steps"),
+    "positions": (
+        "moe_jax.analysis.positions",
+        "positional routing: activation by position, "
+        "correlation length, position probes (Bershatsky & Oseledets)",
+    ),
+    "languages": (
+        "moe_jax.analysis.languages",
+        "languages as latent clusters: I(language; expert) vs "
+        "shuffled labels, sparsity per language vs a shuffled router, heatmaps, curves over steps",
+    ),
 }
 # Analyses taking several checkpoints (``--checkpoint`` repeated, ``--all_steps``).
 MULTI_CHECKPOINT = frozenset({"languages"})
@@ -32,8 +38,12 @@ DEFAULTS_DIR = gin_utils.REPO_GIN_DIR / "analysis"
 
 
 def _usage() -> str:
-    lines = ["usage: moe-jax analyze <analysis> --checkpoint=DIR[/checkpoints/STEP] [--out=DIR] "
-             "[gin flags]", "", "analyses:"]
+    lines = [
+        "usage: moe-jax analyze <analysis> --checkpoint=DIR[/checkpoints/STEP] [--out=DIR] "
+        "[gin flags]",
+        "",
+        "analyses:",
+    ]
     lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in ANALYSES.items()]
     return "\n".join(lines)
 
@@ -45,28 +55,51 @@ def main(argv: list[str] | None = None) -> int:
 
     from moe_jax.train import setup
 
-    picked = split_command(list(sys.argv[1:] if argv is None else argv), ANALYSES, "moe-jax analyze",
-                           _usage(), what="analysis")
+    picked = split_command(
+        list(sys.argv[1:] if argv is None else argv),
+        ANALYSES,
+        "moe-jax analyze",
+        _usage(),
+        what="analysis",
+    )
     if isinstance(picked, int):
         return picked
     analysis, rest = picked
     with gin.unlock_config():  # its gin configurables register on import (a config may be locked)
         module = importlib.import_module(ANALYSES[analysis][0])
     parser = setup.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
-    parser.add_argument("--checkpoint", type=storage.normalize, required=True, action="append", metavar="DIR[/checkpoints/STEP]",
-                        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP"
-                             + ("; repeat for several (runs of one model)" if analysis in MULTI_CHECKPOINT else ""))
+    parser.add_argument(
+        "--checkpoint",
+        type=storage.normalize,
+        required=True,
+        action="append",
+        metavar="DIR[/checkpoints/STEP]",
+        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP"
+        + ("; repeat for several (runs of one model)" if analysis in MULTI_CHECKPOINT else ""),
+    )
     if analysis in MULTI_CHECKPOINT:
-        parser.add_argument("--all_steps", action="store_true",
-                            help="every saved step of each --checkpoint's run (curves over steps)")
-    parser.add_argument("--out", type=storage.normalize, default=None, metavar="DIR",
-                        help="output directory (default: MODEL_DIR/analysis)")
+        parser.add_argument(
+            "--all_steps",
+            action="store_true",
+            help="every saved step of each --checkpoint's run (curves over steps)",
+        )
+    parser.add_argument(
+        "--out",
+        type=storage.normalize,
+        default=None,
+        metavar="DIR",
+        help="output directory (default: MODEL_DIR/analysis)",
+    )
     args = gin_utils.parse_flags(parser, rest)
     if analysis not in MULTI_CHECKPOINT and len(args.checkpoint) > 1:
         parser.error(f"{analysis} takes one --checkpoint")
     args.gin_file = gin_utils.run_gin_files(
-        args.checkpoint[0], [str(DEFAULTS_DIR / f"{analysis}.gin")], args.gin_file,
-        extend_run_config=True, command=f"moe-jax analyze {analysis}")
+        args,
+        args.checkpoint[0],
+        [str(DEFAULTS_DIR / f"{analysis}.gin")],
+        extend_run_config=True,
+        command=f"moe-jax analyze {analysis}",
+    )
     distributed.initialize(args)
     gin_utils.parse_gin(args)
     if analysis in MULTI_CHECKPOINT:

@@ -50,8 +50,14 @@ from moe_jax.train.sweep import seed_family
 # ------------------------------------------------------------------------------ statistics
 
 
-def language_information(top1: np.ndarray, row_labels: np.ndarray, valid: np.ndarray, num_labels: int,
-                         num_experts: int, rng: np.random.Generator) -> dict[str, float]:
+def language_information(
+    top1: np.ndarray,
+    row_labels: np.ndarray,
+    valid: np.ndarray,
+    num_labels: int,
+    num_experts: int,
+    rng: np.random.Generator,
+) -> dict[str, float]:
     """``I(language; top-1 expert)`` in bits over the valid tokens, its shuffled-label floor
     and ``H(language)``.
 
@@ -66,12 +72,17 @@ def language_information(top1: np.ndarray, row_labels: np.ndarray, valid: np.nda
     floor = mutual_information_bits(shuffled, e, num_labels, num_experts)
     freq = np.bincount(lab, minlength=num_labels) / max(lab.size, 1)
     h = float(-np.sum(freq[freq > 0] * np.log2(freq[freq > 0])))
-    return {"bits": bits, "shuffled_label_bits": floor, "excess_bits": bits - floor,
-            "language_entropy_bits": h}
+    return {
+        "bits": bits,
+        "shuffled_label_bits": floor,
+        "excess_bits": bits - floor,
+        "language_entropy_bits": h,
+    }
 
 
-def top1_share(top1: np.ndarray, row_labels: np.ndarray, valid: np.ndarray, num_labels: int,
-               num_experts: int) -> np.ndarray:
+def top1_share(
+    top1: np.ndarray, row_labels: np.ndarray, valid: np.ndarray, num_labels: int, num_experts: int
+) -> np.ndarray:
     """``[labels, experts]`` fraction of each label's valid tokens with each first choice."""
     labels = np.broadcast_to(row_labels[:, None], valid.shape)[valid]
     counts = np.bincount(labels * num_experts + top1[valid], minlength=num_labels * num_experts)
@@ -79,7 +90,9 @@ def top1_share(top1: np.ndarray, row_labels: np.ndarray, valid: np.ndarray, num_
     return counts / np.maximum(counts.sum(1, keepdims=True), 1.0)
 
 
-def cluster_sparsity(probs: np.ndarray, row_labels: np.ndarray, valid: np.ndarray, num_labels: int) -> float:
+def cluster_sparsity(
+    probs: np.ndarray, row_labels: np.ndarray, valid: np.ndarray, num_labels: int
+) -> float:
     """The paper's average sparsity per cluster (``exp`` of the entropy of each language's
     mean router distribution, averaged over languages) from ``probs [n, length, experts]``."""
     labels = np.broadcast_to(row_labels[:, None], valid.shape)[valid]
@@ -91,20 +104,34 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum(-1, keepdims=True)
 
 
-def analyze_layer(layer: routing.LayerRouting, row_labels: np.ndarray, num_labels: int,
-                  shuffled_kernel: np.ndarray | None, rng: np.random.Generator) -> dict[str, Any]:
+def analyze_layer(
+    layer: routing.LayerRouting,
+    row_labels: np.ndarray,
+    num_labels: int,
+    shuffled_kernel: np.ndarray | None,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
     """Every statistic of the module docstring for one layer (``shuffled_kernel [d_model,
     experts]``: the router with permuted inputs, or None for routers without one kernel)."""
     valid = layer.valid
     top1 = np.where(valid, layer.expert_index[..., 0], 0)
-    stats: dict[str, Any] = {"num_tokens": int(valid.sum()), "num_examples": int(len(row_labels)),
-                             "num_experts": layer.num_experts}
+    stats: dict[str, Any] = {
+        "num_tokens": int(valid.sum()),
+        "num_examples": len(row_labels),
+        "num_experts": layer.num_experts,
+    }
     stats.update(language_information(top1, row_labels, valid, num_labels, layer.num_experts, rng))
     stats["sparsity"] = cluster_sparsity(layer.router_probs, row_labels, valid, num_labels)
     stats["sparsity_shuffled_router"] = (
-        None if shuffled_kernel is None else
-        cluster_sparsity(_softmax(layer.router_inputs @ shuffled_kernel), row_labels, valid, num_labels))
-    stats["top1_share"] = top1_share(top1, row_labels, valid, num_labels, layer.num_experts).tolist()
+        None
+        if shuffled_kernel is None
+        else cluster_sparsity(
+            _softmax(layer.router_inputs @ shuffled_kernel), row_labels, valid, num_labels
+        )
+    )
+    stats["top1_share"] = top1_share(
+        top1, row_labels, valid, num_labels, layer.num_experts
+    ).tolist()
     return stats
 
 
@@ -125,8 +152,13 @@ def router_kernels(params: Any) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------ data
 
 
-def labelled_examples(groups: Mapping[str, str], feature_lengths: Mapping[str, int], split: str,
-                      max_examples_per_label: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def labelled_examples(
+    groups: Mapping[str, str],
+    feature_lengths: Mapping[str, int],
+    split: str,
+    max_examples_per_label: int,
+    seed: int,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The first ``max_examples_per_label`` unpacked examples of each label's task:
     (features ``{name: int32 [n, length]}``, ``int [n]`` label index in ``groups`` order)."""
     from moe_jax.data import pipeline
@@ -134,8 +166,16 @@ def labelled_examples(groups: Mapping[str, str], feature_lengths: Mapping[str, i
     rows: dict[str, list[np.ndarray]] = {}
     labels: list[int] = []
     for index, task in enumerate(groups.values()):
-        ds = pipeline.get_dataset(task, dict(feature_lengths), split, 1, shuffle=False, seed=seed,
-                                  pack=False, num_epochs=1)
+        ds = pipeline.get_dataset(
+            task,
+            dict(feature_lengths),
+            split,
+            1,
+            shuffle=False,
+            seed=seed,
+            pack=False,
+            num_epochs=1,
+        )
         for example in ds.take(max_examples_per_label).as_numpy_iterator():
             for name, value in example.items():
                 rows.setdefault(name, []).append(value)
@@ -145,7 +185,9 @@ def labelled_examples(groups: Mapping[str, str], feature_lengths: Mapping[str, i
     return {name: np.concatenate(v) for name, v in rows.items()}, np.asarray(labels)
 
 
-def global_batches(features: Mapping[str, np.ndarray], batch_size: int, ctx: Any) -> Iterator[dict[str, jax.Array]]:
+def global_batches(
+    features: Mapping[str, np.ndarray], batch_size: int, ctx: Any
+) -> Iterator[dict[str, jax.Array]]:
     """``features`` in global batches of ``batch_size`` rows, the last padded with empty
     rows (never routed); each process feeds its contiguous share of every batch."""
     from moe_jax.train import setup
@@ -155,10 +197,12 @@ def global_batches(features: Mapping[str, np.ndarray], batch_size: int, ctx: Any
     for start in range(0, n, batch_size):
         batch = {}
         for name, value in features.items():
-            block = value[start:start + batch_size]
-            pad = np.zeros((batch_size - len(block),) + block.shape[1:], block.dtype)
+            block = value[start : start + batch_size]
+            pad = np.zeros((batch_size - len(block), *block.shape[1:]), block.dtype)
             block = np.concatenate([block, pad])
-            batch[name] = block[jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
+            batch[name] = block[
+                jax.process_index() * per_process : (jax.process_index() + 1) * per_process
+            ]
         yield setup.global_batch(batch, ctx)
 
 
@@ -201,12 +245,22 @@ def seed_summary(checkpoints: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     for (family, step), results in sorted(groups.items()):
         if len(results) < 2:
             continue
-        layers = {name: {key: [float(np.mean(v)), float(np.std(v, ddof=1))]
-                         for key in SEED_STATISTICS
-                         for v in [[r["layers"][name][key] for r in results]]}
-                  for name in results[0]["layers"]}
-        summary.append({"family": family, "step": step, "seeds": sorted(r["run"] for r in results),
-                        "layers": layers})
+        layers = {
+            name: {
+                key: [float(np.mean(v)), float(np.std(v, ddof=1))]
+                for key in SEED_STATISTICS
+                for v in [[r["layers"][name][key] for r in results]]
+            }
+            for name in results[0]["layers"]
+        }
+        summary.append(
+            {
+                "family": family,
+                "step": step,
+                "seeds": sorted(r["run"] for r in results),
+                "layers": layers,
+            }
+        )
     return summary
 
 
@@ -215,18 +269,30 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     lines = []
     for name, s in result["layers"].items():
         shuffled = s["sparsity_shuffled_router"]
-        lines.append(f"{result['run']}@{result['step']} {name}: I(lang;expert) {s['bits']:.3f} bits "
-                     f"(shuffled labels {s['shuffled_label_bits']:.3f}, H(lang) {s['language_entropy_bits']:.2f}); "
-                     f"sparsity {s['sparsity']:.2f} (shuffled router "
-                     f"{'-' if shuffled is None else f'{shuffled:.2f}'}, of {s['num_experts']})")
+        lines.append(
+            f"{result['run']}@{result['step']} {name}: I(lang;expert) {s['bits']:.3f} bits "
+            f"(shuffled labels {s['shuffled_label_bits']:.3f}, "
+            f"H(lang) {s['language_entropy_bits']:.2f}); "
+            f"sparsity {s['sparsity']:.2f} (shuffled router "
+            f"{'-' if shuffled is None else f'{shuffled:.2f}'}, of {s['num_experts']})"
+        )
     return lines
 
 
 @gin.configurable(module="languages_script", denylist=["checkpoint_paths", "out_dir", "all_steps"])
-def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_steps: bool = False, *,
-            model: Any = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRED,
-            task_feature_lengths: Mapping[str, int] = gin.REQUIRED, split: str = "train",
-            max_examples_per_label: int = 64, batch_size: int = 64, seed: int = 0) -> dict[str, Any]:
+def analyze(
+    checkpoint_paths: Sequence[str],
+    out_dir: str | None = None,
+    all_steps: bool = False,
+    *,
+    model: Any = gin.REQUIRED,
+    mixture_or_task_name: str = gin.REQUIRED,
+    task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+    split: str = "train",
+    max_examples_per_label: int = 64,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Routes each label's examples through every checkpoint and writes ``languages.json``,
     a heatmap per checkpoint and, with several steps, ``languages_curves.png``.
 
@@ -250,38 +316,69 @@ def analyze(checkpoint_paths: Sequence[str], out_dir: str | None = None, all_ste
     groups = data_labels.label_groups(mixture_or_task_name)
     paths = expand_checkpoints(checkpoint_paths, all_steps)
     ctx = setup.run_context()
-    features, row_labels = labelled_examples(groups, task_feature_lengths, split, max_examples_per_label, seed)
-    input_shapes = {"encoder_input_tokens": (batch_size, task_feature_lengths["inputs"]),
-                    "decoder_input_tokens": (batch_size, task_feature_lengths["targets"])}
+    features, row_labels = labelled_examples(
+        groups, task_feature_lengths, split, max_examples_per_label, seed
+    )
+    input_shapes = {
+        "encoder_input_tokens": (batch_size, task_feature_lengths["inputs"]),
+        "decoder_input_tokens": (batch_size, task_feature_lengths["targets"]),
+    }
     fn = None
     results = []
     for path in paths:
         restored = setup.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
-            fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
-                                    restored.collections_shardings)
-        layers = routing.collect_routing(fn, params, global_batches(features, batch_size, ctx),
-                                         restored.collections)
+            fn = routing.routing_fn(
+                model,
+                restored.params_shardings,
+                ctx.mesh,
+                ctx.rules,
+                ctx.batch_axes,
+                restored.collections_shardings,
+            )
+        layers = routing.collect_routing(
+            fn, params, global_batches(features, batch_size, ctx), restored.collections
+        )
         shuffled = router_kernels(counterfactual.shuffle_router_inputs(params, seed))
         n = len(row_labels)
         rng = np.random.default_rng(seed)
-        result = {"checkpoint": storage.normalize(path), "run": checkpoints.run_name(path), "step": step,
-                  "layers": {name: analyze_layer(_first_rows(layer, n), row_labels, len(groups),
-                                                 shuffled.get(name), rng)
-                             for name, layer in layers.items()}}
+        result = {
+            "checkpoint": storage.normalize(path),
+            "run": checkpoints.run_name(path),
+            "step": step,
+            "layers": {
+                name: analyze_layer(
+                    _first_rows(layer, n), row_labels, len(groups), shuffled.get(name), rng
+                )
+                for name, layer in layers.items()
+            },
+        }
         results.append(result)
         if jax.process_index() == 0:
             print("\n".join(summary_lines(result)), flush=True)
-    out_dir = storage.normalize(out_dir or storage.join(checkpoints.split_checkpoint_path(paths[0])[0], "analysis"))
-    report = {"labels": list(groups), "split": split, "max_examples_per_label": max_examples_per_label,
-              "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
-              "checkpoints": results, "seed_summary": seed_summary(results)}
+    out_dir = storage.normalize(
+        out_dir or storage.join(checkpoints.split_checkpoint_path(paths[0])[0], "analysis")
+    )
+    report: dict[str, Any] = {
+        "labels": list(groups),
+        "split": split,
+        "max_examples_per_label": max_examples_per_label,
+        "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
+        "checkpoints": results,
+        "seed_summary": seed_summary(results),
+    }
     if jax.process_index() == 0:
         for summary in report["seed_summary"]:
             for name, stats in summary["layers"].items():
-                print(f"{summary['family']} ({len(summary['seeds'])} seeds)@{summary['step']} {name}: "
-                      + "; ".join(f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items()), flush=True)
+                print(
+                    f"{summary['family']} ({len(summary['seeds'])} seeds)@{summary['step']} "
+                    f"{name}: "
+                    + "; ".join(
+                        f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items()
+                    ),
+                    flush=True,
+                )
         report["files"] = plots.write_languages(report, out_dir)
         storage.write_text(storage.join(out_dir, "languages.json"), json.dumps(report, indent=1))
         print(f"[moe-jax] language analysis in {out_dir}", file=sys.stderr)
@@ -292,4 +389,6 @@ def _first_rows(layer: routing.LayerRouting, n: int) -> routing.LayerRouting:
     """``layer`` without the padding rows of the last batch."""
     import dataclasses
 
-    return dataclasses.replace(layer, **{f.name: getattr(layer, f.name)[:n] for f in dataclasses.fields(layer)})
+    return dataclasses.replace(
+        layer, **{f.name: getattr(layer, f.name)[:n] for f in dataclasses.fields(layer)}
+    )

@@ -1,13 +1,19 @@
 """PNGs of the routing analyses (matplotlib, Agg backend).
 
 Positions (:func:`write_all`):
-``activation_<stack>_<layer>.png``  heatmap of the top-k activation rate ``[position, expert]``
-``correlation_length.png``          ``xi_int``, ``corr_lag`` and ``xi_domain`` per layer, model vs shuffled
-``probe_accuracy.png``              probe accuracy per layer and target, with chance and majority
+
+* ``activation_<stack>_<layer>.png``: heatmap of the top-k activation rate
+  ``[position, expert]``;
+* ``correlation_length.png``: ``xi_int``, ``corr_lag`` and ``xi_domain`` per layer, model
+  vs shuffled;
+* ``probe_accuracy.png``: probe accuracy per layer and target, with chance and majority.
 
 Languages (:func:`write_languages`):
-``languages_<run>_step<N>.png``     per MoE layer, heatmap of the top-1 share ``[language, expert]``
-``languages_curves.png``            I(language; expert) and sparsity per cluster vs step, per run and layer
+
+* ``languages_<run>_step<N>.png``: per MoE layer, heatmap of the top-1 share
+  ``[language, expert]``;
+* ``languages_curves.png``: I(language; expert) and sparsity per cluster vs step, per run
+  and layer.
 """
 
 from __future__ import annotations
@@ -51,12 +57,14 @@ def correlation_figure(layers: dict[str, dict[str, Any]], title: str = ""):
     """The figure of :func:`correlation_bars` (one panel per length, each with its unit)."""
     plt = _pyplot()
     names = list(layers)
-    metrics = (("xi_int", "xi_int = 1 + 2 sum rho", "integrated autocorrelation time (tokens)"),
-               ("corr_lag", "corr_lag (lags with rho >= thr)", "leading correlated lags"),
-               ("xi_domain", "xi_domain (mean run length)", "mean run of one expert (tokens)"))
+    metrics = (
+        ("xi_int", "xi_int = 1 + 2 sum rho", "integrated autocorrelation time (tokens)"),
+        ("corr_lag", "corr_lag (lags with rho >= thr)", "leading correlated lags"),
+        ("xi_domain", "xi_domain (mean run length)", "mean run of one expert (tokens)"),
+    )
     fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False)
     x = np.arange(len(names))
-    for ax, (key, label, unit) in zip(axes[0], metrics):
+    for ax, (key, label, unit) in zip(axes[0], metrics, strict=True):
         model = [layers[n]["correlation"]["model"][key] for n in names]
         shuffled = [layers[n]["correlation"]["shuffled"][key] for n in names]
         ax.bar(x - 0.2, model, 0.4, label="model", color="tab:blue")
@@ -68,7 +76,9 @@ def correlation_figure(layers: dict[str, dict[str, Any]], title: str = ""):
         if key == "corr_lag":  # a count of lags
             plotting.integer_ticks(ax, "y")
     plotting.legend_outside(axes[0, -1])
-    fig.suptitle(f"{title}: correlation length of the top-1 expert sequence".strip(": "), fontsize=10)
+    fig.suptitle(
+        f"{title}: correlation length of the top-1 expert sequence".strip(": "), fontsize=10
+    )
     return fig
 
 
@@ -76,15 +86,25 @@ def probe_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") ->
     """One panel per layer: probe accuracy per target, chance (dash) and majority (dot)."""
     plt = _pyplot()
     names = list(layers)
-    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.2), squeeze=False, sharey=True)
-    for ax, name in zip(axes[0], names):
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(3.6 * len(names), 3.2), squeeze=False, sharey=True
+    )
+    for ax, name in zip(axes[0], names, strict=True):
         probes = layers[name]["probe"]
         targets = list(probes)
         x = np.arange(len(targets))
         ax.bar(x, [probes[t]["accuracy"] for t in targets], 0.6, color="tab:green", label="probe")
-        ax.scatter(x, [probes[t]["chance"] for t in targets], marker="_", s=300, color="k", label="1/C")
-        ax.scatter(x, [probes[t]["majority"] for t in targets], marker=".", s=60, color="tab:red",
-                   label="majority")
+        ax.scatter(
+            x, [probes[t]["chance"] for t in targets], marker="_", s=300, color="k", label="1/C"
+        )
+        ax.scatter(
+            x,
+            [probes[t]["majority"] for t in targets],
+            marker=".",
+            s=60,
+            color="tab:red",
+            label="majority",
+        )
         ax.set_xticks(x, targets, rotation=30, ha="right", fontsize=7)
         ax.set_ylim(0, 1.02)
         ax.set_title(name, fontsize=9)
@@ -103,7 +123,7 @@ def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") 
         files.append(fname)
     correlation_bars(layers, storage.join(out_dir, "correlation_length.png"), title)
     probe_bars(layers, storage.join(out_dir, "probe_accuracy.png"), title)
-    return files + ["correlation_length.png", "probe_accuracy.png"]
+    return [*files, "correlation_length.png", "probe_accuracy.png"]
 
 
 def language_heatmaps(result: dict[str, Any], labels: list[str], path: str) -> None:
@@ -112,26 +132,38 @@ def language_heatmaps(result: dict[str, Any], labels: list[str], path: str) -> N
     names = list(result["layers"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 0.16 * len(labels) * rows + 1.6), squeeze=False)
-    for ax in axes.flat[len(names):]:
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.6 * cols, 0.16 * len(labels) * rows + 1.6), squeeze=False
+    )
+    for ax in axes.flat[len(names) :]:
         ax.axis("off")
-    for ax, name in zip(axes.flat, names):
+    for ax, name in zip(axes.flat[: len(names)], names, strict=True):
         stats = result["layers"][name]
-        image = ax.imshow(np.asarray(stats["top1_share"]), aspect="auto", cmap="viridis",
-                          interpolation="nearest", vmin=0)
+        image = ax.imshow(
+            np.asarray(stats["top1_share"]),
+            aspect="auto",
+            cmap="viridis",
+            interpolation="nearest",
+            vmin=0,
+        )
         ax.set_yticks(range(len(labels)), labels, fontsize=6)
         ax.set_xlabel("expert", fontsize=8)
         plotting.integer_ticks(ax, "x")
-        ax.set_title(f"{name}: I = {stats['bits']:.2f} bits (floor {stats['shuffled_label_bits']:.2f})",
-                     fontsize=8)
+        ax.set_title(
+            f"{name}: I = {stats['bits']:.2f} bits (floor {stats['shuffled_label_bits']:.2f})",
+            fontsize=8,
+        )
         fig.colorbar(image, ax=ax, fraction=0.046, label="share of the language's tokens")
-    fig.suptitle(f"{result['run']} step {result['step']}: share of each language's tokens by top-1 expert",
-                 fontsize=10)
+    fig.suptitle(
+        f"{result['run']} step {result['step']}: share of each language's tokens by top-1 expert",
+        fontsize=10,
+    )
     _save(plt, fig, path)
 
 
-def language_curves(checkpoints: list[dict[str, Any]], path: str,
-                    seed_summary: list[dict[str, Any]] | None = None) -> None:
+def language_curves(
+    checkpoints: list[dict[str, Any]], path: str, seed_summary: list[dict[str, Any]] | None = None
+) -> None:
     """Per MoE layer: I(language; top-1 expert) (solid) with its shuffled-label floor
     (dotted), and sparsity per language (solid) with the shuffled router (dashed), vs step,
     one colour per run family (``languages.run_family``: its seeds as thin lines and, from
@@ -141,7 +173,10 @@ def language_curves(checkpoints: list[dict[str, Any]], path: str,
     plt = _pyplot()
     runs = list(dict.fromkeys(c["run"] for c in checkpoints))
     families = list(dict.fromkeys(run_family(run) for run in runs))
-    means = {f: sorted((s for s in seed_summary or [] if s["family"] == f), key=lambda s: s["step"]) for f in families}
+    means = {
+        f: sorted((s for s in seed_summary or [] if s["family"] == f), key=lambda s: s["step"])
+        for f in families
+    }
     names = list(checkpoints[0]["layers"])
     fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6.2), squeeze=False)
     colours = plt.get_cmap("tab10")
@@ -154,11 +189,22 @@ def language_curves(checkpoints: list[dict[str, Any]], path: str,
         label = None if thin else run
         for j, name in enumerate(names):
             layer = [c["layers"][name] for c in points]
-            axes[0, j].plot(steps, [s["bits"] for s in layer], "-o", ms=2 if thin else 3, label=label, **style)
+            axes[0, j].plot(
+                steps, [s["bits"] for s in layer], "-o", ms=2 if thin else 3, label=label, **style
+            )
             axes[0, j].plot(steps, [s["shuffled_label_bits"] for s in layer], ":", **style)
-            axes[1, j].plot(steps, [s["sparsity"] for s in layer], "-o", ms=2 if thin else 3, label=label, **style)
+            axes[1, j].plot(
+                steps,
+                [s["sparsity"] for s in layer],
+                "-o",
+                ms=2 if thin else 3,
+                label=label,
+                **style,
+            )
             if layer[0]["sparsity_shuffled_router"] is not None:
-                axes[1, j].plot(steps, [s["sparsity_shuffled_router"] for s in layer], "--", **style)
+                axes[1, j].plot(
+                    steps, [s["sparsity_shuffled_router"] for s in layer], "--", **style
+                )
     for f, family in enumerate(families):
         if not means[family]:
             continue
@@ -166,13 +212,21 @@ def language_curves(checkpoints: list[dict[str, Any]], path: str,
         label = f"{family} (mean of {len(means[family][-1]['seeds'])} seeds)"
         for j, name in enumerate(names):
             for row, key in ((0, "bits"), (1, "sparsity")):
-                axes[row, j].plot(steps, [s["layers"][name][key][0] for s in means[family]], "-", lw=2.2,
-                                  color=colours(f), label=label)
+                axes[row, j].plot(
+                    steps,
+                    [s["layers"][name][key][0] for s in means[family]],
+                    "-",
+                    lw=2.2,
+                    color=colours(f),
+                    label=label,
+                )
     for j, name in enumerate(names):
         axes[0, j].set_title(name, fontsize=9)
         axes[1, j].set_xlabel("step")
     axes[0, 0].set_ylabel("I(language; top-1 expert), bits\n(dotted: shuffled labels)", fontsize=8)
-    axes[1, 0].set_ylabel("sparsity per language (eff. experts)\n(dashed: shuffled router)", fontsize=8)
+    axes[1, 0].set_ylabel(
+        "sparsity per language (eff. experts)\n(dashed: shuffled router)", fontsize=8
+    )
     plotting.legend_outside(axes[0, -1])
     _save(plt, fig, path)
 
@@ -190,7 +244,10 @@ def write_languages(report: dict[str, Any], out_dir: str) -> list[str]:
         language_heatmaps(result, report["labels"], storage.join(out_dir, fname))
         files.append(fname)
     if len(report["checkpoints"]) > len(last):
-        language_curves(report["checkpoints"], storage.join(out_dir, "languages_curves.png"),
-                        report.get("seed_summary"))
+        language_curves(
+            report["checkpoints"],
+            storage.join(out_dir, "languages_curves.png"),
+            report.get("seed_summary"),
+        )
         files.append("languages_curves.png")
     return files

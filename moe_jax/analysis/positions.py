@@ -61,8 +61,13 @@ def top1(expert_index: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- 1. activation rate
-def activation_rates(expert_index: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                     num_experts: int, num_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def activation_rates(
+    expert_index: np.ndarray,
+    positions: np.ndarray,
+    valid: np.ndarray,
+    num_experts: int,
+    num_positions: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Expert activation rate by position.
 
     Args:
@@ -78,23 +83,35 @@ def activation_rates(expert_index: np.ndarray, positions: np.ndarray, valid: np.
     if num_positions is None:
         num_positions = int(positions[valid].max(initial=-1)) + 1
     chosen = valid[..., None] & (expert_index < num_experts) & (expert_index >= 0)
-    flat = np.broadcast_to(positions[..., None], expert_index.shape)[chosen] * num_experts + expert_index[chosen]
-    counts = np.bincount(flat, minlength=num_positions * num_experts).reshape(num_positions, num_experts)
+    flat = (
+        np.broadcast_to(positions[..., None], expert_index.shape)[chosen] * num_experts
+        + expert_index[chosen]
+    )
+    counts = np.bincount(flat, minlength=num_positions * num_experts).reshape(
+        num_positions, num_experts
+    )
     tokens = np.bincount(positions[valid], minlength=num_positions)[:num_positions]
     return counts / np.maximum(tokens, 1)[:, None], tokens
 
 
 def mutual_information_bits(a: np.ndarray, b: np.ndarray, num_a: int, num_b: int) -> float:
     """Plug-in mutual information (bits) between two label arrays of equal length."""
-    joint = np.bincount(a * num_b + b, minlength=num_a * num_b).reshape(num_a, num_b).astype(np.float64)
+    joint = (
+        np.bincount(a * num_b + b, minlength=num_a * num_b).reshape(num_a, num_b).astype(np.float64)
+    )
     joint /= max(joint.sum(), 1.0)
     outer = joint.sum(1, keepdims=True) * joint.sum(0, keepdims=True)
     nz = joint > 0
     return float(np.sum(joint[nz] * np.log2(joint[nz] / outer[nz])))
 
 
-def position_information(experts: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                         num_experts: int, rng: np.random.Generator) -> dict[str, float]:
+def position_information(
+    experts: np.ndarray,
+    positions: np.ndarray,
+    valid: np.ndarray,
+    num_experts: int,
+    rng: np.random.Generator,
+) -> dict[str, float]:
     """``I(position; top-1 expert)`` in bits over valid tokens, and the same with the
     experts permuted over tokens (the plug-in estimator's bias floor)."""
     e, p = experts[valid], positions[valid]
@@ -105,14 +122,17 @@ def position_information(experts: np.ndarray, positions: np.ndarray, valid: np.n
 
 
 # --------------------------------------------------------------------------- 2. correlation length
-def same_expert_by_lag(experts: np.ndarray, segments: np.ndarray, max_lag: int) -> tuple[np.ndarray, np.ndarray]:
+def same_expert_by_lag(
+    experts: np.ndarray, segments: np.ndarray, max_lag: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``p_same [max_lag]`` = P(s_t = s_{t+l}) for l = 1..max_lag over pairs of valid tokens
     of one sequence, and the number of such pairs ``[max_lag]`` (nan / 0 where none).
 
     ``experts``, ``segments``: ``[n, length]`` (segments 0 = padding)."""
     p_same = np.full(max_lag, np.nan)
     pairs = np.zeros(max_lag, np.int64)
-    for i, lag in enumerate(range(1, min(max_lag, experts.shape[1] - 1) + 1)):  # a loop over lags only
+    # a loop over lags only
+    for i, lag in enumerate(range(1, min(max_lag, experts.shape[1] - 1) + 1)):
         ok = (segments[:, :-lag] > 0) & (segments[:, :-lag] == segments[:, lag:])
         pairs[i] = ok.sum()
         if pairs[i]:
@@ -120,7 +140,9 @@ def same_expert_by_lag(experts: np.ndarray, segments: np.ndarray, max_lag: int) 
     return p_same, pairs
 
 
-def shuffled_baseline(experts: np.ndarray, segments: np.ndarray, num_experts: int, max_lag: int) -> np.ndarray:
+def shuffled_baseline(
+    experts: np.ndarray, segments: np.ndarray, num_experts: int, max_lag: int
+) -> np.ndarray:
     """``[max_lag]`` exact expectation of :func:`same_expert_by_lag` when each sequence's
     positions are permuted at random: a sequence with expert counts ``n_e`` (length ``n``)
     contributes ``n - l`` pairs at lag ``l``, each equal with probability
@@ -148,8 +170,9 @@ def domain_size(experts: np.ndarray, segments: np.ndarray) -> float:
     return float(valid.sum() / max(starts.sum(), 1))
 
 
-def correlation_stats(experts: np.ndarray, segments: np.ndarray, num_experts: int, max_lag: int,
-                      threshold: float) -> dict[str, Any]:
+def correlation_stats(
+    experts: np.ndarray, segments: np.ndarray, num_experts: int, max_lag: int, threshold: float
+) -> dict[str, Any]:
     """The correlation lengths of one set of expert sequences (see the module docstring):
     ``{"xi_int", "corr_lag", "xi_domain", "p_same", "baseline", "rho", "pairs"}``."""
     p_same, pairs = same_expert_by_lag(experts, segments, max_lag)
@@ -160,10 +183,15 @@ def correlation_stats(experts: np.ndarray, segments: np.ndarray, num_experts: in
     corr_lag = int(np.argmax(below)) if below.any() else max_lag
     nonpositive = ~(finite > 0)
     positive_run = int(np.argmax(nonpositive)) if nonpositive.any() else max_lag
-    return {"xi_int": float(1.0 + 2.0 * np.sum(rho[:positive_run])), "corr_lag": corr_lag,
-            "xi_domain": domain_size(experts, segments),
-            "p_same": _json_floats(p_same), "baseline": _json_floats(base), "rho": _json_floats(rho),
-            "pairs": pairs.tolist()}
+    return {
+        "xi_int": float(1.0 + 2.0 * np.sum(rho[:positive_run])),
+        "corr_lag": corr_lag,
+        "xi_domain": domain_size(experts, segments),
+        "p_same": _json_floats(p_same),
+        "baseline": _json_floats(base),
+        "rho": _json_floats(rho),
+        "pairs": pairs.tolist(),
+    }
 
 
 def _json_floats(values: np.ndarray) -> list[float | None]:
@@ -171,7 +199,9 @@ def _json_floats(values: np.ndarray) -> list[float | None]:
     return [float(v) if np.isfinite(v) else None for v in values]
 
 
-def shuffle_within_sequences(values: np.ndarray, segments: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def shuffle_within_sequences(
+    values: np.ndarray, segments: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
     """``values [n, length]`` with each sequence's tokens randomly permuted among that
     sequence's slots (padding untouched)."""
     key = np.where(segments > 0, segments, segments.max(initial=0) + 1).astype(np.float64)
@@ -184,14 +214,23 @@ def shuffle_within_sequences(values: np.ndarray, segments: np.ndarray, rng: np.r
     return out
 
 
-def correlation_length(experts: np.ndarray, segments: np.ndarray, num_experts: int, *, max_lag: int = 16,
-                       threshold: float = 0.05, rng: np.random.Generator | None = None) -> dict[str, Any]:
+def correlation_length(
+    experts: np.ndarray,
+    segments: np.ndarray,
+    num_experts: int,
+    *,
+    max_lag: int = 16,
+    threshold: float = 0.05,
+    rng: np.random.Generator | None = None,
+) -> dict[str, Any]:
     """``{"model": stats, "shuffled": stats}`` of :func:`correlation_stats` on the expert
     sequences ``[n, length]`` and on the same sequences with shuffled positions."""
     rng = np.random.default_rng(0) if rng is None else rng
     shuffled = shuffle_within_sequences(experts, segments, rng)
-    return {"model": correlation_stats(experts, segments, num_experts, max_lag, threshold),
-            "shuffled": correlation_stats(shuffled, segments, num_experts, max_lag, threshold)}
+    return {
+        "model": correlation_stats(experts, segments, num_experts, max_lag, threshold),
+        "shuffled": correlation_stats(shuffled, segments, num_experts, max_lag, threshold),
+    }
 
 
 # --------------------------------------------------------------------------- 3. probes
@@ -212,9 +251,16 @@ def _ridge_fits(x: np.ndarray, y: np.ndarray, num_classes: int, ridges: Sequence
     return predict
 
 
-def ridge_probe(features: np.ndarray, labels: np.ndarray, groups: np.ndarray, num_classes: int, *,
-                train_fraction: float = 0.75, seed: int = 0,
-                ridges: Sequence[float] = RIDGES) -> dict[str, Any]:
+def ridge_probe(
+    features: np.ndarray,
+    labels: np.ndarray,
+    groups: np.ndarray,
+    num_classes: int,
+    *,
+    train_fraction: float = 0.75,
+    seed: int = 0,
+    ridges: Sequence[float] = RIDGES,
+) -> dict[str, Any]:
     """Linear probe ``features [n, d] -> labels [n]`` (ints < ``num_classes``) trained on
     the tokens of a ``train_fraction`` of the sequences (``groups [n]``) and tested on the
     others; the ridge is picked on a fifth of the training sequences, then refit.
@@ -230,9 +276,9 @@ def ridge_probe(features: np.ndarray, labels: np.ndarray, groups: np.ndarray, nu
     uniq = rng.permutation(np.unique(groups))
     if len(uniq) < 3:
         raise ValueError(f"the probe needs at least 3 sequences, got {len(uniq)}")
-    n_train = min(max(2, int(round(train_fraction * len(uniq)))), len(uniq) - 1)
+    n_train = min(max(2, round(train_fraction * len(uniq))), len(uniq) - 1)
     train_groups = uniq[:n_train]
-    n_fit = max(1, int(round(0.8 * n_train)))
+    n_fit = max(1, round(0.8 * n_train))
     is_train = np.isin(groups, train_groups)
     is_fit = np.isin(groups, train_groups[:n_fit])
     is_val = is_train & ~is_fit
@@ -247,14 +293,26 @@ def ridge_probe(features: np.ndarray, labels: np.ndarray, groups: np.ndarray, nu
     test = ~is_train
     accuracy = float(np.mean(predict(x[test], 0) == labels[test]))
     commonest = np.argmax(np.bincount(labels[is_train], minlength=num_classes))
-    return {"accuracy": accuracy, "chance": 1.0 / num_classes,
-            "majority": float(np.mean(labels[test] == commonest)), "num_classes": int(num_classes),
-            "ridge": float(ridges[best]), "train_tokens": int(is_train.sum()), "test_tokens": int(test.sum())}
+    return {
+        "accuracy": accuracy,
+        "chance": 1.0 / num_classes,
+        "majority": float(np.mean(labels[test] == commonest)),
+        "num_classes": int(num_classes),
+        "ridge": float(ridges[best]),
+        "train_tokens": int(is_train.sum()),
+        "test_tokens": int(test.sum()),
+    }
 
 
-def position_probes(features: np.ndarray, positions: np.ndarray, segments: np.ndarray,
-                    block_sizes: Sequence[int], *, train_fraction: float = 0.75,
-                    seed: int = 0) -> dict[str, dict[str, Any]]:
+def position_probes(
+    features: np.ndarray,
+    positions: np.ndarray,
+    segments: np.ndarray,
+    block_sizes: Sequence[int],
+    *,
+    train_fraction: float = 0.75,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
     """Probes of parity (``"parity"``) and block index (``"block_<n>"``, skipped when the
     sequences span a single block) from ``features [n, length, d]`` of valid tokens."""
     valid = segments > 0
@@ -264,15 +322,22 @@ def position_probes(features: np.ndarray, positions: np.ndarray, segments: np.nd
     for n in block_sizes:
         classes = -(-num_positions // n)
         if classes >= 2:
-            out[f"block_{n}"] = ridge_probe(x, pos // n, groups, classes, train_fraction=train_fraction,
-                                            seed=seed)
+            out[f"block_{n}"] = ridge_probe(
+                x, pos // n, groups, classes, train_fraction=train_fraction, seed=seed
+            )
     return out
 
 
 # --------------------------------------------------------------------------- one layer, the binary
-def analyze_layer(layer: routing.LayerRouting, *, block_sizes: Sequence[int] = (2, 8, 32), max_lag: int = 16,
-                  lag_threshold: float = 0.05, probe_train_fraction: float = 0.75,
-                  seed: int = 0) -> dict[str, Any]:
+def analyze_layer(
+    layer: routing.LayerRouting,
+    *,
+    block_sizes: Sequence[int] = (2, 8, 32),
+    max_lag: int = 16,
+    lag_threshold: float = 0.05,
+    probe_train_fraction: float = 0.75,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Every statistic of the module docstring for one MoE layer (JSON-ready)."""
     rng = np.random.default_rng(seed)
     valid = layer.valid
@@ -284,19 +349,30 @@ def analyze_layer(layer: routing.LayerRouting, *, block_sizes: Sequence[int] = (
     seen = tokens > 0
     return {
         "num_tokens": int(valid.sum()),
-        "num_sequences": int(len(np.unique(sequence_ids(layer.segments)[valid]))),
+        "num_sequences": len(np.unique(sequence_ids(layer.segments)[valid])),
         "num_experts": num_experts,
         "k": int(layer.expert_index.shape[-1]),
         "activation_rate": {
-            "top_k": rates.tolist(), "top1": rates1.tolist(), "tokens_per_position": tokens.tolist(),
+            "top_k": rates.tolist(),
+            "top1": rates1.tolist(),
+            "tokens_per_position": tokens.tolist(),
             "top1_overall": overall1.tolist(),
             "top1_max_deviation": float(np.max(np.abs(rates1[seen] - overall1), initial=0.0)),
         },
-        "position_information": position_information(first, layer.positions, valid, num_experts, rng),
-        "correlation": correlation_length(first, layer.segments, num_experts, max_lag=max_lag,
-                                          threshold=lag_threshold, rng=rng),
-        "probe": position_probes(layer.router_inputs, layer.positions, layer.segments, block_sizes,
-                                 train_fraction=probe_train_fraction, seed=seed),
+        "position_information": position_information(
+            first, layer.positions, valid, num_experts, rng
+        ),
+        "correlation": correlation_length(
+            first, layer.segments, num_experts, max_lag=max_lag, threshold=lag_threshold, rng=rng
+        ),
+        "probe": position_probes(
+            layer.router_inputs,
+            layer.positions,
+            layer.segments,
+            block_sizes,
+            train_fraction=probe_train_fraction,
+            seed=seed,
+        ),
     }
 
 
@@ -317,22 +393,34 @@ def summary_table(layers: dict[str, dict[str, Any]]) -> str:
     lines = [SUMMARY_LEGEND, ""]
     for name, stats in layers.items():
         c = stats["correlation"]
-        probes = "  ".join(f"{t} {p['accuracy']:.3f} (chance {p['chance']:.3f}, majority {p['majority']:.3f})"
-                           for t, p in stats["probe"].items())
+        probes = "  ".join(
+            f"{t} {p['accuracy']:.3f} (chance {p['chance']:.3f}, majority {p['majority']:.3f})"
+            for t, p in stats["probe"].items()
+        )
         lines.append(
             f"{name}: I(pos;expert) {stats['position_information']['bits']:.3f} bits "
             f"(shuffled {stats['position_information']['shuffled_bits']:.3f}); "
             f"xi_int {c['model']['xi_int']:.2f} vs {c['shuffled']['xi_int']:.2f}, "
             f"corr_lag {c['model']['corr_lag']} vs {c['shuffled']['corr_lag']}, "
-            f"xi_domain {c['model']['xi_domain']:.2f} vs {c['shuffled']['xi_domain']:.2f}; {probes}")
+            f"xi_domain {c['model']['xi_domain']:.2f} vs {c['shuffled']['xi_domain']:.2f}; {probes}"
+        )
     return "\n".join(lines)
 
 
 @gin.configurable(module="positions_script", denylist=["checkpoint_path", "out_dir"])
-def analyze(checkpoint_path: str, out_dir: str | None = None, *, model: Any = gin.REQUIRED,
-            dataset_cfg: Any = gin.REQUIRED, num_batches: int = 8, block_sizes: Sequence[int] = (2, 8, 32),
-            max_lag: int = 16, lag_threshold: float = 0.05, probe_train_fraction: float = 0.75,
-            seed: int = 0) -> dict[str, Any]:
+def analyze(
+    checkpoint_path: str,
+    out_dir: str | None = None,
+    *,
+    model: Any = gin.REQUIRED,
+    dataset_cfg: Any = gin.REQUIRED,
+    num_batches: int = 8,
+    block_sizes: Sequence[int] = (2, 8, 32),
+    max_lag: int = 16,
+    lag_threshold: float = 0.05,
+    probe_train_fraction: float = 0.75,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Restores ``checkpoint_path``, routes ``num_batches`` batches of ``dataset_cfg`` and
     writes ``positions.json`` plus the PNGs to ``out_dir`` (default ``MODEL_DIR/analysis``).
 
@@ -344,25 +432,47 @@ def analyze(checkpoint_path: str, out_dir: str | None = None, *, model: Any = gi
     ctx = setup.run_context()
     restored = setup.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
     step = restored.step
-    fn = routing.routing_fn(model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
-                            restored.collections_shardings)
+    fn = routing.routing_fn(
+        model,
+        restored.params_shardings,
+        ctx.mesh,
+        ctx.rules,
+        ctx.batch_axes,
+        restored.collections_shardings,
+    )
     batches = (setup.global_batch(b, ctx) for b in setup.eval_batches(dataset_cfg, num_batches))
     layers = routing.collect_routing(fn, restored.params, batches, restored.collections)
-    settings = dict(num_batches=num_batches, block_sizes=list(block_sizes), max_lag=max_lag,
-                    lag_threshold=lag_threshold, probe_train_fraction=probe_train_fraction, seed=seed)
-    stats = {name: analyze_layer(layer, **{k: v for k, v in settings.items() if k != "num_batches"})
-             for name, layer in layers.items()}
+    settings: dict[str, Any] = dict(
+        num_batches=num_batches,
+        block_sizes=list(block_sizes),
+        max_lag=max_lag,
+        lag_threshold=lag_threshold,
+        probe_train_fraction=probe_train_fraction,
+        seed=seed,
+    )
+    stats = {
+        name: analyze_layer(layer, **{k: v for k, v in settings.items() if k != "num_batches"})
+        for name, layer in layers.items()
+    }
     model_dir = checkpoints.split_checkpoint_path(checkpoint_path)[0]
     out_dir = storage.normalize(out_dir or storage.join(model_dir, "analysis"))
     result = {
-        "checkpoint": storage.normalize(checkpoint_path), "step": step,
-        "dataset": {"mixture_or_task_name": dataset_cfg.mixture_or_task_name, "split": dataset_cfg.split,
-                    "task_feature_lengths": dict(dataset_cfg.task_feature_lengths),
-                    "batch_size": dataset_cfg.batch_size, "pack": dataset_cfg.pack},
-        "settings": settings, "layers": stats,
+        "checkpoint": storage.normalize(checkpoint_path),
+        "step": step,
+        "dataset": {
+            "mixture_or_task_name": dataset_cfg.mixture_or_task_name,
+            "split": dataset_cfg.split,
+            "task_feature_lengths": dict(dataset_cfg.task_feature_lengths),
+            "batch_size": dataset_cfg.batch_size,
+            "pack": dataset_cfg.pack,
+        },
+        "settings": settings,
+        "layers": stats,
     }
     if jax.process_index() == 0:
-        result["files"] = plots.write_all(stats, out_dir, title=f"{checkpoints.run_name(model_dir)} (step {step})")
+        result["files"] = plots.write_all(
+            stats, out_dir, title=f"{checkpoints.run_name(model_dir)} (step {step})"
+        )
         storage.write_text(storage.join(out_dir, "positions.json"), json.dumps(result, indent=1))
         print(summary_table(stats), flush=True)
         print(f"[moe-jax] positional analysis in {out_dir}", file=sys.stderr)

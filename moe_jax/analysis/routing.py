@@ -1,10 +1,10 @@
 """Per-token routing of a trained checkpoint on a dataset.
 
 Checkpoints are restored with :func:`moe_jax.train.setup.restore_model` (parameters and
-state collections, as `moe-jax eval` does); :func:`collect_routing` runs batches through the network with the MoE layers' opt-in
-``routing`` collection mutable and returns, for each MoE layer (``"encoder/layers_3"``,
-``"decoder/layers_7"``, ...), every token's expert choices, router probabilities and router
-inputs together with its position in its sequence.
+state collections, as `moe-jax eval` does); :func:`collect_routing` runs batches through the
+network with the MoE layers' opt-in ``routing`` collection mutable and returns, for each MoE
+layer (``"encoder/layers_3"``, ``"decoder/layers_7"``, ...), every token's expert choices,
+router probabilities and router inputs together with its position in its sequence.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class LayerRouting:
         return self.segments > 0
 
 
-def _positions_and_segments(tokens: jax.Array, valid: jax.Array, batch: Mapping[str, jax.Array],
-                            prefix: str) -> tuple[jax.Array, jax.Array]:
+def _positions_and_segments(
+    tokens: jax.Array, valid: jax.Array, batch: Mapping[str, jax.Array], prefix: str
+) -> tuple[jax.Array, jax.Array]:
     """``[batch, length]`` positions and segment ids (0 = padding) of one stack's tokens:
     the packed features when present, else the column index and one segment per row."""
     positions = batch.get(f"{prefix}_positions")
@@ -68,12 +69,20 @@ def _positions_and_segments(tokens: jax.Array, valid: jax.Array, batch: Mapping[
 
 def _layer_name(path) -> tuple[str, str]:
     """(layer name without the ffn/moe parts, sown variable name) of a collection path."""
-    names = [str(getattr(k, "key", k)) for k in path if not isinstance(k, jax.tree_util.SequenceKey)]
+    names = [
+        str(getattr(k, "key", k)) for k in path if not isinstance(k, jax.tree_util.SequenceKey)
+    ]
     return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
 
 
-def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules: partitioning.LogicalRules,
-               batch_axes: tuple[str, ...] = ("data", "expert"), collections_shardings: Any = None):
+def routing_fn(
+    model: Any,
+    params_shardings: Any,
+    mesh: jax.sharding.Mesh,
+    rules: partitioning.LogicalRules,
+    batch_axes: tuple[str, ...] = ("data", "expert"),
+    collections_shardings: Any = None,
+):
     """Jitted ``(params, batch, collections=None) -> {layer: {name: array}}``: the
     deterministic forward pass (eval capacity factor) with the ``routing`` collection sown,
     plus per stack ``positions``/``segments`` of the global batch; outputs replicated on
@@ -85,10 +94,16 @@ def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules
 
     def fn(params, batch, collections):
         args = [batch.get(k) for k in FEATURES[:3]] + [batch.get(k) for k in FEATURES[4:]]
-        _, state = model.module.apply({"params": params, **collections}, *args, enable_dropout=False,
-                                      mutable=[ROUTING_COLLECTION])
+        _, state = model.module.apply(
+            {"params": params, **collections},
+            *args,
+            enable_dropout=False,
+            mutable=[ROUTING_COLLECTION],
+        )
         out: dict[str, dict[str, jax.Array]] = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state.get(ROUTING_COLLECTION, {}))[0]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state.get(ROUTING_COLLECTION, {}))[
+            0
+        ]:
             layer, name = _layer_name(path)
             out.setdefault(layer, {})[name] = leaf
         enc = batch["encoder_input_tokens"]
@@ -100,9 +115,15 @@ def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules
             out["_positions"][f"{prefix}_segments"] = seg
         return out
 
-    jitted = jax.jit(fn, in_shardings=(params_shardings, NamedSharding(mesh, PartitionSpec(batch_axes)),
-                                       collections_shardings or {}),
-                     out_shardings=NamedSharding(mesh, PartitionSpec()))
+    jitted = jax.jit(
+        fn,
+        in_shardings=(
+            params_shardings,
+            NamedSharding(mesh, PartitionSpec(batch_axes)),
+            collections_shardings or {},
+        ),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+    )
 
     def run(params, batch, collections=None):
         with partitioning.activate(mesh, rules):
@@ -113,12 +134,15 @@ def routing_fn(model: Any, params_shardings: Any, mesh: jax.sharding.Mesh, rules
 
 def layer_order(name: str) -> tuple:
     """Encoder layers first, then decoder ones, each by depth."""
-    return tuple((0, int(p)) if p.isdigit() else (1, {"encoder": "0", "decoder": "1"}.get(p, p))
-                 for p in re.split(r"[/_]", name))
+    return tuple(
+        (0, int(p)) if p.isdigit() else (1, {"encoder": "0", "decoder": "1"}.get(p, p))
+        for p in re.split(r"[/_]", name)
+    )
 
 
-def collect_routing(fn, params: Any, batches: Iterable[Mapping[str, jax.Array]],
-                    collections: Any = None) -> dict[str, LayerRouting]:
+def collect_routing(
+    fn, params: Any, batches: Iterable[Mapping[str, jax.Array]], collections: Any = None
+) -> dict[str, LayerRouting]:
     """Runs ``fn`` (from :func:`routing_fn`; ``collections``: the state collections it is
     given) over global ``batches`` and concatenates the rows: ``{"encoder/layers_3":
     LayerRouting, ...}``, encoder layers first, by depth.
@@ -148,7 +172,11 @@ def collect_routing(fn, params: Any, batches: Iterable[Mapping[str, jax.Array]],
         if index is None:  # expert choice: a token's own choice is its argmax expert
             index = np.argmax(probs, axis=-1)[..., None]
         index = np.where(segments[..., None] > 0, index, probs.shape[-1]).astype(np.int32)
-        layers[layer] = LayerRouting(expert_index=index, router_probs=probs,
-                                     router_inputs=cat["router_inputs"].astype(np.float32),
-                                     positions=pos[f"{prefix}_positions"], segments=segments)
+        layers[layer] = LayerRouting(
+            expert_index=index,
+            router_probs=probs,
+            router_inputs=cat["router_inputs"].astype(np.float32),
+            positions=pos[f"{prefix}_positions"],
+            segments=segments,
+        )
     return layers

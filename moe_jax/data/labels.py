@@ -42,9 +42,11 @@ def corpus_labels() -> tuple[str, ...]:
     """
     groups = sources.corpus_groups()
     if len(groups) < 2:
-        raise NoLabelsError(f"the corpus ({_corpus_option()}) has one group {groups[0]!r}, no labels to "
-                            "compare; `analyze languages` needs the embedded corpus, c4/multilingual or "
-                            "a text corpus of {label: pattern} groups (gin/data/text.gin)")
+        raise NoLabelsError(
+            f"the corpus ({_corpus_option()}) has one group {groups[0]!r}, no labels to "
+            "compare; `analyze languages` needs the embedded corpus, c4/multilingual or "
+            "a text corpus of {label: pattern} groups (gin/data/text.gin)"
+        )
     return groups
 
 
@@ -58,9 +60,16 @@ def label_groups(mixture_or_task_name: str) -> dict[str, str]:
         this project (a one-group task, a user mixture), or naming the corpus when it
         has no labels.
     """
-    all_group = {tasks.task_name(o, prefix=prefix): o for o in tasks.OBJECTIVES
-                 for prefix in ("mc4", tasks.TEXT_PREFIX)}
+    all_group = {
+        tasks.task_name(o, prefix=prefix): o
+        for o in tasks.OBJECTIVES
+        for prefix in ("mc4", tasks.TEXT_PREFIX)
+    }
     if mixture_or_task_name not in all_group:
-        raise NoLabelsError(f"MIXTURE_OR_TASK_NAME={mixture_or_task_name!r} is not one of the "
-                            f"all-group tasks {sorted(all_group)}: its examples carry no labels")
-    return {label: tasks.group_task(label, all_group[mixture_or_task_name]) for label in corpus_labels()}
+        raise NoLabelsError(
+            f"MIXTURE_OR_TASK_NAME={mixture_or_task_name!r} is not one of the "
+            f"all-group tasks {sorted(all_group)}: its examples carry no labels"
+        )
+    return {
+        label: tasks.group_task(label, all_group[mixture_or_task_name]) for label in corpus_labels()
+    }

@@ -29,8 +29,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moe_jax.data import tasks
 from moe_jax.data.vocab import get_vocabulary
 
-_STATE_KEYS = ("mixture_or_task_name", "task_feature_lengths", "split", "batch_size", "seed",
-               "shard_index", "num_shards", "pack", "use_cached", "shuffle_buffer_size")
+_STATE_KEYS = (
+    "mixture_or_task_name",
+    "task_feature_lengths",
+    "split",
+    "batch_size",
+    "seed",
+    "shard_index",
+    "num_shards",
+    "pack",
+    "use_cached",
+    "shuffle_buffer_size",
+)
 
 
 def host_shard_info() -> seqio.ShardInfo:
@@ -45,21 +55,34 @@ def get_provider(mixture_or_task_name: str) -> seqio.DatasetProviderBase:
     try:
         return seqio.get_mixture_or_task(mixture_or_task_name)
     except ValueError as e:
-        known = [tasks.task_name(objective, prefix=prefix) for prefix in ("mc4", tasks.TEXT_PREFIX)
-                 for objective in tasks.OBJECTIVES]
-        raise ValueError(f"unknown task or mixture MIXTURE_OR_TASK_NAME="
-                         f"{mixture_or_task_name!r}; the project registers {known}, "
-                         "mc4_<lang>_<objective> for every mC4 language and "
-                         "text_<label>_<objective> for the text corpus' groups; set "
-                         "MIXTURE_OR_TASK_MODULE to the module registering your own") from e
+        known = [
+            tasks.task_name(objective, prefix=prefix)
+            for prefix in ("mc4", tasks.TEXT_PREFIX)
+            for objective in tasks.OBJECTIVES
+        ]
+        raise ValueError(
+            f"unknown task or mixture MIXTURE_OR_TASK_NAME="
+            f"{mixture_or_task_name!r}; the project registers {known}, "
+            "mc4_<lang>_<objective> for every mC4 language and "
+            "text_<label>_<objective> for the text corpus' groups; set "
+            "MIXTURE_OR_TASK_MODULE to the module registering your own"
+        ) from e
 
 
 @gin.configurable
-def get_dataset(mixture_or_task_name: str, task_feature_lengths: Mapping[str, int], split: str,
-                batch_size: int, shuffle: bool, seed: int | None,
-                shard_info: seqio.ShardInfo | None = None, pack: bool = True,
-                num_epochs: int | None = None, use_cached: bool = False,
-                shuffle_buffer_size: int | None = None) -> tf.data.Dataset:
+def get_dataset(
+    mixture_or_task_name: str,
+    task_feature_lengths: Mapping[str, int],
+    split: str,
+    batch_size: int,
+    shuffle: bool,
+    seed: int | None,
+    shard_info: seqio.ShardInfo | None = None,
+    pack: bool = True,
+    num_epochs: int | None = None,
+    use_cached: bool = False,
+    shuffle_buffer_size: int | None = None,
+) -> tf.data.Dataset:
     """Per-host batches of ``seqio.EncDecFeatureConverter`` features (see module docstring).
 
     Args:
@@ -85,9 +108,16 @@ def get_dataset(mixture_or_task_name: str, task_feature_lengths: Mapping[str, in
     kwargs: dict[str, Any] = {}
     if isinstance(provider, seqio.Task):
         kwargs["shuffle_buffer_size"] = shuffle_buffer_size
-    ds = provider.get_dataset(sequence_length=lengths, split=split, use_cached=use_cached,
-                              shuffle=shuffle, seed=seed, shard_info=shard_info,
-                              num_epochs=num_epochs, **kwargs)
+    ds = provider.get_dataset(
+        sequence_length=lengths,
+        split=split,
+        use_cached=use_cached,
+        shuffle=shuffle,
+        seed=seed,
+        shard_info=shard_info,
+        num_epochs=num_epochs,
+        **kwargs,
+    )
     ds = seqio.EncDecFeatureConverter(pack=pack)(ds, lengths)
     ds = ds.batch(batch_size, drop_remainder=True)
     options = tf.data.Options()
@@ -103,33 +133,61 @@ class TrainIterator:
     ``TrainIterator.restore(state)`` continues exactly where the saved iterator was.
     """
 
-    def __init__(self, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
-                 batch_size: int, seed: int, shard_info: seqio.ShardInfo | None = None,
-                 split: str = "train", pack: bool = True, use_cached: bool = False,
-                 start_step: int = 0, prefetch: int = 2,
-                 shuffle_buffer_size: int | None = None):
+    def __init__(
+        self,
+        mixture_or_task_name: str,
+        task_feature_lengths: Mapping[str, int],
+        batch_size: int,
+        seed: int,
+        shard_info: seqio.ShardInfo | None = None,
+        split: str = "train",
+        pack: bool = True,
+        use_cached: bool = False,
+        start_step: int = 0,
+        prefetch: int = 2,
+        shuffle_buffer_size: int | None = None,
+    ):
         if seed is None:
-            raise ValueError("TrainIterator needs an integer seed (it is what makes restarts "
-                             "reproducible)")
+            raise ValueError(
+                "TrainIterator needs an integer seed (it is what makes restarts reproducible)"
+            )
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         shard_info = host_shard_info() if shard_info is None else shard_info
         self._config = {
             "mixture_or_task_name": mixture_or_task_name,
-            "task_feature_lengths": dict(task_feature_lengths), "split": split,
-            "batch_size": batch_size, "seed": seed, "shard_index": shard_info.index,
-            "num_shards": shard_info.num_shards, "pack": pack, "use_cached": use_cached,
+            "task_feature_lengths": dict(task_feature_lengths),
+            "split": split,
+            "batch_size": batch_size,
+            "seed": seed,
+            "shard_index": shard_info.index,
+            "num_shards": shard_info.num_shards,
+            "pack": pack,
+            "use_cached": use_cached,
             "shuffle_buffer_size": shuffle_buffer_size,
         }
         self.step = start_step
-        ds = get_dataset(mixture_or_task_name, task_feature_lengths, split, batch_size,
-                         shuffle=True, seed=seed, shard_info=shard_info, pack=pack,
-                         num_epochs=None, use_cached=use_cached,
-                         shuffle_buffer_size=shuffle_buffer_size)
+        ds = get_dataset(
+            mixture_or_task_name,
+            task_feature_lengths,
+            split,
+            batch_size,
+            shuffle=True,
+            seed=seed,
+            shard_info=shard_info,
+            pack=pack,
+            num_epochs=None,
+            use_cached=use_cached,
+            shuffle_buffer_size=shuffle_buffer_size,
+        )
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(ds.skip(start_step),),
-                                        name="TrainIterator-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._produce,
+            args=(ds.skip(start_step),),
+            name="TrainIterator-prefetch",
+            daemon=True,
+        )
         self._thread.start()
 
     def _produce(self, ds: tf.data.Dataset) -> None:
@@ -171,12 +229,19 @@ class TrainIterator:
         missing = [k for k in (*_STATE_KEYS, "step") if k not in state]
         if missing:
             raise ValueError(f"iterator state lacks {missing}")
-        return cls(state["mixture_or_task_name"], state["task_feature_lengths"],
-                   state["batch_size"], state["seed"],
-                   shard_info=seqio.ShardInfo(state["shard_index"], state["num_shards"]),
-                   split=state["split"], pack=state["pack"], use_cached=state["use_cached"],
-                   start_step=state["step"], prefetch=prefetch,
-                   shuffle_buffer_size=state["shuffle_buffer_size"])
+        return cls(
+            state["mixture_or_task_name"],
+            state["task_feature_lengths"],
+            state["batch_size"],
+            state["seed"],
+            shard_info=seqio.ShardInfo(state["shard_index"], state["num_shards"]),
+            split=state["split"],
+            pack=state["pack"],
+            use_cached=state["use_cached"],
+            start_step=state["step"],
+            prefetch=prefetch,
+            shuffle_buffer_size=state["shuffle_buffer_size"],
+        )
 
     def close(self) -> None:
         """Stops the prefetch thread (idempotent)."""
@@ -194,8 +259,11 @@ class TrainIterator:
             self._stop.set()
 
 
-def to_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh,
-                    batch_axes: Sequence[str] = ("data", "expert")) -> dict[str, jax.Array]:
+def to_global_batch(
+    local_batch: Mapping[str, np.ndarray],
+    mesh: Mesh,
+    batch_axes: Sequence[str] = ("data", "expert"),
+) -> dict[str, jax.Array]:
     """Global ``[global_batch, length]`` arrays, batch dimension sharded over ``batch_axes``.
 
     Every host passes its own ``[batch_size, length]`` batch; the global batch is
@@ -212,7 +280,9 @@ def to_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh,
     for name, array in local_batch.items():
         global_batch = array.shape[0] * jax.process_count()
         if global_batch % shards:
-            raise ValueError(f"global batch {global_batch} ({name}) is not divisible by the "
-                             f"{shards} devices of mesh axes {axes}")
+            raise ValueError(
+                f"global batch {global_batch} ({name}) is not divisible by the "
+                f"{shards} devices of mesh axes {axes}"
+            )
         out[name] = jax.make_array_from_process_local_data(sharding, array)
     return out

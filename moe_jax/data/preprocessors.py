@@ -22,12 +22,14 @@ def clean_text(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """
 
     def _clean(x: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        text = tf.strings.unicode_transcode(x["text"], "UTF-8", "UTF-8", errors="replace",
-                                            replacement_char=0xFFFD)
+        text = tf.strings.unicode_transcode(
+            x["text"], "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD
+        )
         return {"targets": tf.strings.regex_replace(text, _EDGE_SPACE, "")}
 
     return dataset.map(_clean, num_parallel_calls=tf.data.AUTOTUNE).filter(
-        lambda x: tf.strings.length(x["targets"]) > 0)
+        lambda x: tf.strings.length(x["targets"]) > 0
+    )
 
 
 def drop_empty_targets(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -45,15 +47,19 @@ def split_tokens(dataset: tf.data.Dataset, max_tokens_per_segment: int) -> tf.da
         tokens = x["targets"]
         n = tf.size(tokens)
         num_segments = (n + max_tokens_per_segment - 1) // max_tokens_per_segment
-        lengths = tf.minimum(max_tokens_per_segment,
-                             n - tf.range(num_segments) * max_tokens_per_segment)
+        lengths = tf.minimum(
+            max_tokens_per_segment, n - tf.range(num_segments) * max_tokens_per_segment
+        )
         return {"targets": tf.RaggedTensor.from_row_lengths(tokens, lengths)}
 
     return dataset.map(_split, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
 
 
-def prefix_lm(dataset: tf.data.Dataset, sequence_length: Mapping[str, int],
-              output_features: Mapping[str, seqio.Feature]) -> tf.data.Dataset:
+def prefix_lm(
+    dataset: tf.data.Dataset,
+    sequence_length: Mapping[str, int],
+    output_features: Mapping[str, seqio.Feature],
+) -> tf.data.Dataset:
     """Prefix LM: each segment of a document is cut at a random point; the encoder reads the
     prefix (``inputs``), the decoder predicts the continuation token by token (``targets``).
 
@@ -62,10 +68,15 @@ def prefix_lm(dataset: tf.data.Dataset, sequence_length: Mapping[str, int],
     whenever the segment has two tokens or more.
     """
     del output_features
-    if not sequence_length or not sequence_length.get("inputs") or not sequence_length.get(
-            "targets"):
-        raise ValueError("prefix_lm needs task_feature_lengths with 'inputs' and 'targets', "
-                         f"got {sequence_length}")
+    if (
+        not sequence_length
+        or not sequence_length.get("inputs")
+        or not sequence_length.get("targets")
+    ):
+        raise ValueError(
+            "prefix_lm needs task_feature_lengths with 'inputs' and 'targets', "
+            f"got {sequence_length}"
+        )
     max_inputs, max_targets = sequence_length["inputs"] - 1, sequence_length["targets"] - 1
     if max_inputs < 1 or max_targets < 1:
         raise ValueError(f"prefix_lm needs feature lengths >= 2, got {dict(sequence_length)}")

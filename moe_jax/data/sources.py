@@ -74,48 +74,67 @@ def _count_lines(paths: Sequence[str]) -> int:
 def _embedded_source(language: str | None) -> seqio.DataSource:
     available = embedded_languages()
     if language is not None and language not in available:
-        raise ValueError(f"language {language!r} is not in the embedded corpus "
-                         f"({EMBEDDED_DIR}); available: {available}. Bind "
-                         "make_source.corpus='tfds' for the other mC4 languages.")
+        raise ValueError(
+            f"language {language!r} is not in the embedded corpus "
+            f"({EMBEDDED_DIR}); available: {available}. Bind "
+            "make_source.corpus='tfds' for the other mC4 languages."
+        )
     languages = available if language is None else (language,)
-    files = {"train": [str(EMBEDDED_DIR / f"{lang}.txt") for lang in languages],
-             "validation": [str(EMBEDDED_DIR / f"{lang}-validation.txt") for lang in languages]}
+    files = {
+        "train": [str(EMBEDDED_DIR / f"{lang}.txt") for lang in languages],
+        "validation": [str(EMBEDDED_DIR / f"{lang}-validation.txt") for lang in languages],
+    }
     return seqio.FileDataSource(
-        read_file_fn=_read_text_lines, split_to_filepattern=files,
-        num_input_examples={split: _count_lines(paths) for split, paths in files.items()})
+        read_file_fn=_read_text_lines,
+        split_to_filepattern=files,
+        num_input_examples={split: _count_lines(paths) for split, paths in files.items()},
+    )
 
 
 def _tfds_split_map(tfds_name: str, language: str | None) -> Mapping[str, str]:
     if not tfds_name.startswith("c4/multilingual"):
         if language not in (None, "en"):
-            raise ValueError(f"make_source.tfds_name={tfds_name!r} has no per-language splits; "
-                             f"language {language!r} needs c4/multilingual")
+            raise ValueError(
+                f"make_source.tfds_name={tfds_name!r} has no per-language splits; "
+                f"language {language!r} needs c4/multilingual"
+            )
         return {"train": "train", "validation": "validation"}
     languages = mc4_languages() if language is None else (language,)
     if language is not None and language not in mc4_languages():
         raise ValueError(f"language {language!r} is not an mC4 language: {mc4_languages()}")
-    return {"train": "+".join(languages),
-            "validation": "+".join(f"{lang}-validation" for lang in languages)}
+    return {
+        "train": "+".join(languages),
+        "validation": "+".join(f"{lang}-validation" for lang in languages),
+    }
 
 
 class _CheckedTfdsSource(seqio.TfdsDataSource):
     """``TfdsDataSource`` that never generates data and names ``data_dir`` when it is absent."""
 
     def __init__(self, tfds_name: str, data_dir: str | None, splits: Mapping[str, str]):
-        super().__init__(tfds_name=tfds_name, tfds_data_dir=data_dir, splits=dict(splits),
-                         read_only=True)
+        super().__init__(
+            tfds_name=tfds_name, tfds_data_dir=data_dir, splits=dict(splits), read_only=True
+        )
         self._data_dir = data_dir
 
-    def get_dataset(self, split: str = "train", shuffle: bool = True, seed: int | None = None,
-                    shard_info: seqio.ShardInfo | None = None, **unused) -> tf.data.Dataset:
+    def get_dataset(
+        self,
+        split: str = "train",
+        shuffle: bool = True,
+        seed: int | None = None,
+        shard_info: seqio.ShardInfo | None = None,
+        **unused,
+    ) -> tf.data.Dataset:
         try:
-            return super().get_dataset(split=split, shuffle=shuffle, seed=seed,
-                                       shard_info=shard_info)
+            return super().get_dataset(
+                split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
+            )
         except (AssertionError, FileNotFoundError, tfds.core.DatasetNotFoundError) as e:
             where = self._data_dir or "the default TFDS data_dir (~/tensorflow_datasets)"
             raise FileNotFoundError(
                 f"TFDS dataset {self.tfds_dataset.name!r} is not prepared in {where}: set "
-                "make_source.data_dir (gin TFDS_DATA_DIR) to the directory holding it") from e
+                "make_source.data_dir (gin TFDS_DATA_DIR) to the directory holding it"
+            ) from e
 
     def num_input_examples(self, split: str) -> int | None:
         """The split's size, or ``None`` where TFDS records none (seqio then skips its
@@ -139,14 +158,17 @@ def _groups(patterns: Patterns | None, option: str) -> _Groups:
     elif not isinstance(patterns, Mapping):
         patterns = {TEXT_GROUP: tuple(patterns)}
     groups = []
-    for label, group in patterns.items():
+    for label, given in patterns.items():
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
-            raise ValueError(f"{option}: label {label!r} must be letters, digits, '_' or '-' "
-                             "(it names the group's task, text_<label>_<objective>)")
-        group = (group,) if isinstance(group, str) else tuple(group)
+            raise ValueError(
+                f"{option}: label {label!r} must be letters, digits, '_' or '-' "
+                "(it names the group's task, text_<label>_<objective>)"
+            )
+        group = (given,) if isinstance(given, str) else tuple(given)
         if not group or not all(isinstance(p, str) and p for p in group):
-            raise ValueError(f"{option}[{label!r}]: expected a file pattern or a list of them, "
-                             f"got {group!r}")
+            raise ValueError(
+                f"{option}[{label!r}]: expected a file pattern or a list of them, got {group!r}"
+            )
         groups.append((label, group))
     if not groups:
         raise ValueError(f"{option} is empty: give a file pattern or {{label: pattern}}")
@@ -170,52 +192,76 @@ class TextFilesSource(seqio.TextLineDataSource):
     10 000 buckets) is at/above or below ``validation_fraction * 10 000``.
     """
 
-    def __init__(self, split_to_files: Mapping[str, Sequence[str]],
-                 validation_fraction: float | None):
+    def __init__(
+        self, split_to_files: Mapping[str, Sequence[str]], validation_fraction: float | None
+    ):
         super().__init__(split_to_filepattern={k: list(v) for k, v in split_to_files.items()})
         self._validation_fraction = validation_fraction
 
     def _check_split(self, split: str) -> None:
         if split not in self.splits:
-            raise ValueError(f"the text corpus has no {split!r} split: bind "
-                             "make_source.validation_patterns or make_source.validation_fraction")
+            raise ValueError(
+                f"the text corpus has no {split!r} split: bind "
+                "make_source.validation_patterns or make_source.validation_fraction"
+            )
 
     def list_shards(self, split: str) -> Sequence[str]:
         self._check_split(split)
         return super().list_shards(split)
 
-    def get_dataset(self, split: str = "train", shuffle: bool = True, seed: int | None = None,
-                    shard_info: seqio.ShardInfo | None = None, **kwargs) -> tf.data.Dataset:
+    def get_dataset(
+        self,
+        split: str = "train",
+        shuffle: bool = True,
+        seed: int | None = None,
+        shard_info: seqio.ShardInfo | None = None,
+        **kwargs,
+    ) -> tf.data.Dataset:
         self._check_split(split)
-        ds = super().get_dataset(split=split, shuffle=shuffle, seed=seed, shard_info=shard_info,
-                                 **kwargs)
+        ds = super().get_dataset(
+            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info, **kwargs
+        )
         if self._validation_fraction:
             cut = round(self._validation_fraction * _HASH_BUCKETS)
             held_out = split == "validation"
-            ds = ds.filter(lambda line: tf.equal(
-                tf.strings.to_hash_bucket_fast(line, _HASH_BUCKETS) < cut, held_out))
+            ds = ds.filter(
+                lambda line: tf.equal(
+                    tf.strings.to_hash_bucket_fast(line, _HASH_BUCKETS) < cut, held_out
+                )
+            )
         return ds.map(lambda line: {"text": line}, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-def _text_source(language: str | None, train: _Groups, validation: _Groups,
-                 validation_fraction: float | None) -> seqio.DataSource:
+def _text_source(
+    language: str | None, train: _Groups, validation: _Groups, validation_fraction: float | None
+) -> seqio.DataSource:
     if not train:
-        raise ValueError("make_source.corpus='text' needs make_source.train_patterns "
-                         "(gin TEXT_TRAIN_FILES): a file pattern or {label: pattern}")
+        raise ValueError(
+            "make_source.corpus='text' needs make_source.train_patterns "
+            "(gin TEXT_TRAIN_FILES): a file pattern or {label: pattern}"
+        )
     if validation_fraction is not None and not 0 <= validation_fraction < 1:
         raise ValueError(f"make_source.validation_fraction={validation_fraction} is not in [0, 1)")
     labels = [label for label, _ in train]
     if language is not None and language not in labels:
-        raise ValueError(f"group {language!r} is not in the text corpus; "
-                         f"make_source.train_patterns has {labels}")
+        raise ValueError(
+            f"group {language!r} is not in the text corpus; make_source.train_patterns has {labels}"
+        )
     unknown = [label for label, _ in validation if label not in labels]
     if unknown:
-        raise ValueError(f"make_source.validation_patterns labels {unknown} are not in "
-                         f"make_source.train_patterns ({labels})")
+        raise ValueError(
+            f"make_source.validation_patterns labels {unknown} are not in "
+            f"make_source.train_patterns ({labels})"
+        )
 
     def files(groups: _Groups, option: str) -> list[str]:
-        return [f for label, patterns in groups if language in (None, label)
-                for p in patterns for f in _files(p, f"make_source.{option}[{label!r}]")]
+        return [
+            f
+            for label, patterns in groups
+            if language in (None, label)
+            for p in patterns
+            for f in _files(p, f"make_source.{option}[{label!r}]")
+        ]
 
     split_files = {"train": files(train, "train_patterns")}
     if validation:
@@ -228,9 +274,15 @@ def _text_source(language: str | None, train: _Groups, validation: _Groups,
 
 
 @functools.lru_cache(maxsize=256)
-def _build(language: str | None, corpus: str, tfds_name: str, data_dir: str | None,
-           train: _Groups, validation: _Groups,
-           validation_fraction: float | None) -> seqio.DataSource:
+def _build(
+    language: str | None,
+    corpus: str,
+    tfds_name: str,
+    data_dir: str | None,
+    train: _Groups,
+    validation: _Groups,
+    validation_fraction: float | None,
+) -> seqio.DataSource:
     if corpus == "embedded":
         return _embedded_source(language)
     if corpus == "tfds":
@@ -241,11 +293,15 @@ def _build(language: str | None, corpus: str, tfds_name: str, data_dir: str | No
 
 
 @gin.configurable
-def make_source(language: str | None, corpus: str = "embedded",
-                tfds_name: str = "c4/multilingual:3.1.0",
-                data_dir: str | None = None, train_patterns: Patterns | None = None,
-                validation_patterns: Patterns | None = None,
-                validation_fraction: float | None = None) -> seqio.DataSource:
+def make_source(
+    language: str | None,
+    corpus: str = "embedded",
+    tfds_name: str = "c4/multilingual:3.1.0",
+    data_dir: str | None = None,
+    train_patterns: Patterns | None = None,
+    validation_patterns: Patterns | None = None,
+    validation_fraction: float | None = None,
+) -> seqio.DataSource:
     """The raw-text source of ``language`` (a group label; ``None``: all groups).
 
     ``train_patterns`` / ``validation_patterns`` / ``validation_fraction`` configure
@@ -256,16 +312,24 @@ def make_source(language: str | None, corpus: str = "embedded",
       ValueError: naming ``make_source.corpus`` / the language when they are unknown.
       FileNotFoundError: naming a text pattern that matches no file.
     """
-    return _build(language, corpus, tfds_name, data_dir,
-                  _groups(train_patterns, "make_source.train_patterns"),
-                  _groups(validation_patterns, "make_source.validation_patterns"),
-                  validation_fraction)
+    return _build(
+        language,
+        corpus,
+        tfds_name,
+        data_dir,
+        _groups(train_patterns, "make_source.train_patterns"),
+        _groups(validation_patterns, "make_source.validation_patterns"),
+        validation_fraction,
+    )
 
 
 def make_source_settings() -> dict:
     """``make_source``'s keyword arguments as gin binds them (defaults filled in)."""
-    settings = {name: p.default for name, p in inspect.signature(make_source).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    settings = {
+        name: p.default
+        for name, p in inspect.signature(make_source).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
     settings.update(gin.get_bindings(make_source))
     return settings
 
@@ -287,8 +351,9 @@ def corpus_groups() -> tuple[str, ...]:
     if corpus == "tfds":
         return mc4_languages() if settings["tfds_name"].startswith("c4/multilingual") else ("en",)
     if corpus == "text":
-        return tuple(label for label, _ in
-                     _groups(settings["train_patterns"], "make_source.train_patterns"))
+        return tuple(
+            label for label, _ in _groups(settings["train_patterns"], "make_source.train_patterns")
+        )
     raise ValueError(f"make_source.corpus={corpus!r} is not one of {CORPORA}")
 
 
@@ -313,12 +378,20 @@ class CorpusSource(seqio.DataSource):
     def num_input_examples(self, split: str) -> int | None:
         return self.resolved.num_input_examples(split)
 
-    def get_dataset(self, split: str = "train", shuffle: bool = True, seed: int | None = None,
-                    shard_info: seqio.ShardInfo | None = None, *,
-                    sequence_length: Mapping[str, int] | None = None, use_cached: bool = False,
-                    num_epochs: int | None = 1) -> tf.data.Dataset:
-        return self.resolved.get_dataset(split=split, shuffle=shuffle, seed=seed,
-                                         shard_info=shard_info)
+    def get_dataset(
+        self,
+        split: str = "train",
+        shuffle: bool = True,
+        seed: int | None = None,
+        shard_info: seqio.ShardInfo | None = None,
+        *,
+        sequence_length: Mapping[str, int] | None = None,
+        use_cached: bool = False,
+        num_epochs: int | None = 1,
+    ) -> tf.data.Dataset:
+        return self.resolved.get_dataset(
+            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
+        )
 
     def __repr__(self) -> str:
         return f"CorpusSource(language={self._language!r})"

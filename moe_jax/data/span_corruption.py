@@ -28,24 +28,32 @@ NOISE_DENSITY = 0.15
 MEAN_NOISE_SPAN_LENGTH = 3.0
 
 
-def noise_counts(length: int, noise_density: float,
-                 mean_noise_span_length: float) -> tuple[int, int]:
+def noise_counts(
+    length: int, noise_density: float, mean_noise_span_length: float
+) -> tuple[int, int]:
     """(noise tokens, noise spans) of a segment of ``length`` tokens, as the mask draws them."""
     length = max(length, 2)
-    num_noise = min(max(int(round(length * noise_density)), 1), length - 1)
-    return num_noise, max(int(round(num_noise / mean_noise_span_length)), 1)
+    num_noise = min(max(round(length * noise_density), 1), length - 1)
+    return num_noise, max(round(num_noise / mean_noise_span_length), 1)
 
 
-def corrupted_lengths(tokens_length: int, noise_density: float = NOISE_DENSITY,
-                      mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH) -> tuple[int, int]:
-    """(inputs, targets) lengths, one EOS each included, of a corrupted ``tokens_length`` segment."""
+def corrupted_lengths(
+    tokens_length: int,
+    noise_density: float = NOISE_DENSITY,
+    mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH,
+) -> tuple[int, int]:
+    """(inputs, targets) lengths, one EOS each included, of a corrupted ``tokens_length``
+    segment."""
     num_noise, num_spans = noise_counts(tokens_length, noise_density, mean_noise_span_length)
     return tokens_length - num_noise + num_spans + 1, num_noise + num_spans + 1
 
 
-def tokens_length_for(inputs_length: int, targets_length: int | None,
-                      noise_density: float = NOISE_DENSITY,
-                      mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH) -> int:
+def tokens_length_for(
+    inputs_length: int,
+    targets_length: int | None,
+    noise_density: float = NOISE_DENSITY,
+    mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH,
+) -> int:
     """The longest segment whose corrupted inputs/targets fit the feature lengths.
 
     Raises:
@@ -58,16 +66,19 @@ def tokens_length_for(inputs_length: int, targets_length: int | None,
         return inputs <= inputs_length and targets <= targets_length
 
     if not fits(2):
-        raise ValueError(f"feature lengths inputs={inputs_length}, targets={targets_length} are "
-                         "too small for span corruption (need at least 3 each)")
+        raise ValueError(
+            f"feature lengths inputs={inputs_length}, targets={targets_length} are "
+            "too small for span corruption (need at least 3 each)"
+        )
     n = 2
     while fits(n + 1):
         n += 1
     return n
 
 
-def _random_segmentation(num_items: tf.Tensor, num_segments: tf.Tensor,
-                         seed: tf.Tensor) -> tf.Tensor:
+def _random_segmentation(
+    num_items: tf.Tensor, num_segments: tf.Tensor, seed: tf.Tensor
+) -> tf.Tensor:
     """Random lengths ``[num_segments]`` (each >= 1) summing to ``num_items``."""
     is_first = tf.cast(tf.range(num_items - 1) < num_segments - 1, tf.int32)
     order = tf.argsort(tf.random.stateless_uniform([num_items - 1], seed))
@@ -76,9 +87,12 @@ def _random_segmentation(num_items: tf.Tensor, num_segments: tf.Tensor,
     return tf.math.unsorted_segment_sum(tf.ones_like(segment_id), segment_id, num_segments)
 
 
-def random_spans_noise_mask(length: tf.Tensor, seeds: tf.Tensor,
-                            noise_density: float = NOISE_DENSITY,
-                            mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH) -> tf.Tensor:
+def random_spans_noise_mask(
+    length: tf.Tensor,
+    seeds: tf.Tensor,
+    noise_density: float = NOISE_DENSITY,
+    mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH,
+) -> tf.Tensor:
     """Boolean noise mask ``[length]``: non-noise span first, spans alternating.
 
     Args:
@@ -89,21 +103,22 @@ def random_spans_noise_mask(length: tf.Tensor, seeds: tf.Tensor,
     length = tf.maximum(length, 2)
     num_noise = tf.cast(tf.round(tf.cast(length, tf.float32) * noise_density), tf.int32)
     num_noise = tf.clip_by_value(num_noise, 1, length - 1)
-    num_spans = tf.cast(tf.round(tf.cast(num_noise, tf.float32) / mean_noise_span_length),
-                        tf.int32)
+    num_spans = tf.cast(tf.round(tf.cast(num_noise, tf.float32) / mean_noise_span_length), tf.int32)
     num_spans = tf.maximum(num_spans, 1)
     noise_lengths = _random_segmentation(num_noise, num_spans, seeds[0])
     nonnoise_lengths = _random_segmentation(length - num_noise, num_spans, seeds[1])
     interleaved = tf.reshape(tf.stack([nonnoise_lengths, noise_lengths], axis=1), [-1])
     span_starts = tf.cumsum(interleaved)[:-1]
-    span_start_indicator = tf.math.unsorted_segment_sum(tf.ones_like(span_starts), span_starts,
-                                                        length)
+    span_start_indicator = tf.math.unsorted_segment_sum(
+        tf.ones_like(span_starts), span_starts, length
+    )
     is_noise = tf.equal(tf.cumsum(span_start_indicator) % 2, 1)
     return is_noise[:orig_length]
 
 
-def replace_spans_with_sentinels(tokens: tf.Tensor, mask: tf.Tensor,
-                                 first_sentinel: tf.Tensor | int) -> tf.Tensor:
+def replace_spans_with_sentinels(
+    tokens: tf.Tensor, mask: tf.Tensor, first_sentinel: tf.Tensor | int
+) -> tf.Tensor:
     """Replaces each run of ``mask``-ed tokens by one sentinel (``first_sentinel - k`` for run k).
 
     Args:
@@ -117,11 +132,14 @@ def replace_spans_with_sentinels(tokens: tf.Tensor, mask: tf.Tensor,
     return tf.boolean_mask(tokens, tf.logical_not(later_in_run))
 
 
-def span_corruption(dataset: tf.data.Dataset, sequence_length: Mapping[str, int],
-                    output_features: Mapping[str, seqio.Feature],
-                    noise_density: float = NOISE_DENSITY,
-                    mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH,
-                    num_sentinels: int = 100) -> tf.data.Dataset:
+def span_corruption(
+    dataset: tf.data.Dataset,
+    sequence_length: Mapping[str, int],
+    output_features: Mapping[str, seqio.Feature],
+    noise_density: float = NOISE_DENSITY,
+    mean_noise_span_length: float = MEAN_NOISE_SPAN_LENGTH,
+    num_sentinels: int = 100,
+) -> tf.data.Dataset:
     """seqio post-cache preprocessor: ``{"targets": tokens [n]}`` -> ``{"inputs", "targets"}``.
 
     Documents are first cut into segments of ``tokens_length_for(inputs, targets)`` tokens
@@ -134,24 +152,33 @@ def span_corruption(dataset: tf.data.Dataset, sequence_length: Mapping[str, int]
         sentinels than ``num_sentinels``.
     """
     if not sequence_length or not sequence_length.get("inputs"):
-        raise ValueError("span_corruption needs task_feature_lengths with 'inputs', got "
-                         f"{sequence_length}")
-    tokens_length = tokens_length_for(sequence_length["inputs"], sequence_length.get("targets"),
-                                      noise_density, mean_noise_span_length)
+        raise ValueError(
+            f"span_corruption needs task_feature_lengths with 'inputs', got {sequence_length}"
+        )
+    tokens_length = tokens_length_for(
+        sequence_length["inputs"],
+        sequence_length.get("targets"),
+        noise_density,
+        mean_noise_span_length,
+    )
     max_spans = noise_counts(tokens_length, noise_density, mean_noise_span_length)[1]
     if max_spans > num_sentinels:
-        raise ValueError(f"inputs length {sequence_length['inputs']} gives up to {max_spans} "
-                         f"noise spans but the vocabulary has {num_sentinels} sentinels")
+        raise ValueError(
+            f"inputs length {sequence_length['inputs']} gives up to {max_spans} "
+            f"noise spans but the vocabulary has {num_sentinels} sentinels"
+        )
     vocabulary = output_features["targets"].vocabulary
 
     @seqio.map_over_dataset(num_seeds=2)
     def _corrupt(x: Mapping[str, tf.Tensor], seeds: tf.Tensor) -> dict[str, tf.Tensor]:
         tokens = x["targets"]
-        mask = random_spans_noise_mask(tf.size(tokens), seeds, noise_density,
-                                       mean_noise_span_length)
+        mask = random_spans_noise_mask(
+            tf.size(tokens), seeds, noise_density, mean_noise_span_length
+        )
         first_sentinel = tf.constant(vocabulary.vocab_size - 1, tokens.dtype)
-        return {"inputs": replace_spans_with_sentinels(tokens, mask, first_sentinel),
-                "targets": replace_spans_with_sentinels(tokens, tf.logical_not(mask),
-                                                        first_sentinel)}
+        return {
+            "inputs": replace_spans_with_sentinels(tokens, mask, first_sentinel),
+            "targets": replace_spans_with_sentinels(tokens, tf.logical_not(mask), first_sentinel),
+        }
 
     return _corrupt(split_tokens(dataset, tokens_length))

@@ -20,9 +20,10 @@ tokenizes with ``moe_jax.data.vocab.get_vocabulary()``. ``group_task(label)`` na
 of one group of the selected corpus (``sources.corpus_groups()`` lists them).
 
 Other tasks: T5X's ``MIXTURE_OR_TASK_MODULE`` names a module that registers the user's own
-seqio tasks or mixtures; :func:`import_task_module` imports it before the data is read. Each task yields ``inputs`` and ``targets`` (int32,
-EOS-terminated). The paper's accuracy numbers are T5X MoE mC4 pre-training, i.e. span
-corruption (``DEFAULT_TASK``); see docs/data.md.
+seqio tasks or mixtures; :func:`import_task_module` imports it before the data is read.
+Each task yields ``inputs`` and ``targets`` (int32, EOS-terminated). The paper's accuracy
+numbers are T5X MoE mC4 pre-training, i.e. span corruption (``DEFAULT_TASK``); see
+docs/data.md.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def task_name(objective: str, language: str | None = None, prefix: str = "mc4") 
 
 def output_features() -> dict[str, seqio.Feature]:
     vocabulary = GinVocabulary()
-    return {"inputs": seqio.Feature(vocabulary, add_eos=True, required=False),
-            "targets": seqio.Feature(vocabulary, add_eos=True)}
+    return {
+        "inputs": seqio.Feature(vocabulary, add_eos=True, required=False),
+        "targets": seqio.Feature(vocabulary, add_eos=True),
+    }
 
 
 def _add_task(objective: str, language: str | None, prefix: str = "mc4") -> None:
@@ -142,9 +145,13 @@ def import_task_module(module: str | None) -> None:
         if not os.path.isfile(module):
             raise ValueError(f"MIXTURE_OR_TASK_MODULE={module!r}: no such file")
         name = os.path.splitext(os.path.basename(module))[0]
-        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == os.path.abspath(module):
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == os.path.abspath(
+            module
+        ):
             return
         spec = importlib.util.spec_from_file_location(name, os.path.abspath(module))
+        if spec is None or spec.loader is None:
+            raise ValueError(f"MIXTURE_OR_TASK_MODULE={module!r}: cannot be imported")
         loaded = importlib.util.module_from_spec(spec)
         sys.modules[name] = loaded
         spec.loader.exec_module(loaded)
@@ -155,8 +162,10 @@ def import_task_module(module: str | None) -> None:
         importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name and module.startswith(err.name):
-            raise ValueError(f"MIXTURE_OR_TASK_MODULE={module!r}: no module named {err.name!r} "
-                             "(put its folder on PYTHONPATH or give the .py file's path)") from None
+            raise ValueError(
+                f"MIXTURE_OR_TASK_MODULE={module!r}: no module named {err.name!r} "
+                "(put its folder on PYTHONPATH or give the .py file's path)"
+            ) from None
         raise
 
 

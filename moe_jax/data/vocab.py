@@ -36,23 +36,28 @@ def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
         raise ValueError(f"get_vocabulary.kind={kind!r} is not one of {KINDS}")
     if kind == "byte":
         if extra_ids <= 0:
-            raise ValueError("get_vocabulary.kind='byte' needs extra_ids > 0 (span-corruption "
-                             f"sentinels), got get_vocabulary.extra_ids={extra_ids}")
+            raise ValueError(
+                "get_vocabulary.kind='byte' needs extra_ids > 0 (span-corruption "
+                f"sentinels), got get_vocabulary.extra_ids={extra_ids}"
+            )
         return seqio.ByteVocabulary(extra_ids=extra_ids)
     if kind == "embedded":
         path = str(EMBEDDED_SPM) if path is None else path
     if not path:
-        raise ValueError("get_vocabulary.kind='sentencepiece' needs get_vocabulary.path "
-                         f"(e.g. {MT5_SPM!r})")
+        raise ValueError(
+            f"get_vocabulary.kind='sentencepiece' needs get_vocabulary.path (e.g. {MT5_SPM!r})"
+        )
     if not tf.io.gfile.exists(path):
-        raise InputFileError(f"SentencePiece model not found: get_vocabulary.path={path!r} "
-                                f"(kind={kind!r})")
+        raise InputFileError(
+            f"SentencePiece model not found: get_vocabulary.path={path!r} (kind={kind!r})"
+        )
     return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
 
 
 @gin.configurable
-def get_vocabulary(kind: str = "embedded", path: str | None = None,
-                   extra_ids: int = 100) -> seqio.Vocabulary:
+def get_vocabulary(
+    kind: str = "embedded", path: str | None = None, extra_ids: int = 100
+) -> seqio.Vocabulary:
     """The project's vocabulary (cached per arguments).
 
     Args:

@@ -13,7 +13,7 @@ Python ints). A ``Batch`` always carries ``x`` (model input), ``y`` (target) and
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +24,13 @@ Array = jax.Array
 class Batch(NamedTuple):
     """Labelled examples.
 
-    x: ``[n, d]`` (or ``[n, s, d]`` for tokenized inputs); y: ``[n, out]``;
+    x: ``[n, d]`` (or ``[n, s, d]`` for tokenized inputs, or the pair (images
+    ``[n, 32, 32, 3]``, v ``[n, dim_v]``) for the CNN router); y: ``[n, out]``;
     cluster: ``[n]`` int32 (``[n, s]`` for tokenized inputs; ``[n, 2]`` atoms for the
     dictionary task).
     """
 
-    x: Array
+    x: Any  # an array, or the CNN router's (images, v) pair of arrays
     y: Array
     cluster: Array
 
@@ -130,7 +131,9 @@ class SubspaceMixture(NamedTuple):
     noise: Array
 
 
-def make_subspace_mixture(key: Array, k: int, d: int, t: int, *, noise: float = 0.25) -> SubspaceMixture:
+def make_subspace_mixture(
+    key: Array, k: int, d: int, t: int, *, noise: float = 0.25
+) -> SubspaceMixture:
     """k random rank-``t`` subspaces; ``noise`` < sqrt(t/d) keeps ||eps|| below ||x||."""
     if not 0 < t <= d:
         raise ValueError(f"rank t must be in (0, d={d}], got {t}")
@@ -172,7 +175,14 @@ class TokenizedMixture(NamedTuple):
 
 
 def make_tokenized_mixture(
-    key: Array, k: int, d: int, length: int, *, c: float = 2.0, quadratic: bool = False, label_reduce: str = "sum"
+    key: Array,
+    k: int,
+    d: int,
+    length: int,
+    *,
+    c: float = 2.0,
+    quadratic: bool = False,
+    label_reduce: str = "sum",
 ) -> TokenizedMixture:
     """k c-separated Gaussians in R^d, per-cluster w_g ~ N(0, I_d / d); labels summed over
     the tokens (``label_reduce="sum"``, App. C.2's formula) or averaged (``"mean"``)."""
@@ -261,7 +271,12 @@ def make_truncated_pair(
         raise ValueError(f"radius must be in (0, 1), got {radius}")
     k_z, k_v = jax.random.split(key)
     z = jax.random.normal(k_z, (d,))
-    return TruncatedPair(z / jnp.linalg.norm(z), jax.random.normal(k_v, (out_dim,)), jnp.asarray(sigma), jnp.asarray(radius))
+    return TruncatedPair(
+        z / jnp.linalg.norm(z),
+        jax.random.normal(k_v, (out_dim,)),
+        jnp.asarray(sigma),
+        jnp.asarray(radius),
+    )
 
 
 def _truncated_radii(key: Array, n: int, d: int, max_radius: Array, iters: int = 40) -> Array:
@@ -335,9 +350,22 @@ def make_patch_mixture(
     if 2 * k > d:
         raise ValueError(f"2k orthogonal signals need d >= 2k, got k={k}, d={d}")
     if num_patches < 3:
-        raise ValueError(f"num_patches must be >= 3 (signal, centre, feature noise), got {num_patches}")
+        raise ValueError(
+            f"num_patches must be >= 3 (signal, centre, feature noise), got {num_patches}"
+        )
     q, _ = jnp.linalg.qr(jax.random.normal(key, (d, 2 * k)))  # [d, 2k] orthonormal columns
-    return PatchMixture(q[:, :k].T, q[:, k:].T, tuple(alpha), tuple(beta), tuple(gamma), sigma_p, num_patches, scale)
+    # (lo, hi) pairs as tuples: a preset read back from JSON gives lists
+    (a_lo, a_hi), (b_lo, b_hi), (g_lo, g_hi) = alpha, beta, gamma
+    return PatchMixture(
+        q[:, :k].T,
+        q[:, k:].T,
+        (a_lo, a_hi),
+        (b_lo, b_hi),
+        (g_lo, g_hi),
+        sigma_p,
+        num_patches,
+        scale,
+    )
 
 
 def sample_patch_mixture(task: PatchMixture, key: Array, n: int) -> Batch:
@@ -355,7 +383,10 @@ def sample_patch_mixture(task: PatchMixture, key: Array, n: int) -> Batch:
     other = (cluster + jax.random.randint(keys[1], (n,), 1, k)) % k
     y = jax.random.rademacher(keys[2], (n,)).astype(jnp.float32)
     eps = jax.random.rademacher(keys[3], (n,)).astype(jnp.float32)
-    alpha, beta, gamma = (jax.random.uniform(kk, (n, 1), minval=lo, maxval=hi) for kk, (lo, hi) in zip(keys[4:7], (task.alpha, task.beta, task.gamma)))
+    alpha, beta, gamma = (
+        jax.random.uniform(kk, (n, 1), minval=lo, maxval=hi)
+        for kk, (lo, hi) in zip(keys[4:7], (task.alpha, task.beta, task.gamma), strict=True)
+    )
     signal = alpha * y[:, None] * task.features[cluster]
     centre = beta * task.centres[cluster]
     feature_noise = gamma * eps[:, None] * task.features[other]

@@ -17,7 +17,9 @@ Array = jax.Array
 EXPERTS = ("constant", "linear", "mlp")
 
 
-def init(kind: str, key: Array, num_experts: int, d: int, out: int, hidden: int | None = None) -> Params:
+def init(
+    kind: str, key: Array, num_experts: int, d: int, out: int, hidden: int | None = None
+) -> Params:
     """Parameters of ``num_experts`` experts of ``kind``.
 
     constant: u ``[E, out]`` (a learned vector, small init as in Appendix F);
@@ -33,12 +35,20 @@ def init(kind: str, key: Array, num_experts: int, d: int, out: int, hidden: int 
         hidden = 4 * d if hidden is None else hidden
         keys = jax.random.split(key, 3)
         sizes = [d, hidden, hidden, out]
-        return {"layers": [_stacked_dense(k, num_experts, a, b) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]}
+        return {
+            "layers": [
+                _stacked_dense(k, num_experts, a, b)
+                for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+            ]
+        }
     raise ValueError(f"unknown expert kind {kind!r}; choose one of {EXPERTS}")
 
 
 def _stacked_dense(key: Array, num_experts: int, fan_in: int, fan_out: int) -> Params:
-    return {"w": jax.random.normal(key, (num_experts, fan_in, fan_out)) / fan_in**0.5, "b": jnp.zeros((num_experts, fan_out))}
+    return {
+        "w": jax.random.normal(key, (num_experts, fan_in, fan_out)) / fan_in**0.5,
+        "b": jnp.zeros((num_experts, fan_out)),
+    }
 
 
 def apply(params: Params, x: Array) -> Array:

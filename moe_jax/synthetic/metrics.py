@@ -81,7 +81,9 @@ def purity(probs: Array, cluster: Array, num_clusters: int) -> Array:
     return jnp.sum(jnp.max(counts, axis=-1)) / cluster.shape[0]
 
 
-def cluster_coverage(probs: Array, cluster: Array, num_clusters: int, threshold: float = 0.9) -> Array:
+def cluster_coverage(
+    probs: Array, cluster: Array, num_clusters: int, threshold: float = 0.9
+) -> Array:
     """Fraction of clusters served by specialists (Theorem 2).
 
     Expert j is a specialist of cluster c when >= ``threshold`` of the routing mass j
@@ -91,7 +93,9 @@ def cluster_coverage(probs: Array, cluster: Array, num_clusters: int, threshold:
     mass = jax.ops.segment_sum(probs, cluster, num_segments=num_clusters)  # [k, E]
     share = mass / jnp.maximum(jnp.sum(mass, axis=0, keepdims=True), 1e-12)
     specialist = share >= threshold
-    served = jnp.sum(jnp.where(specialist, mass, 0.0), axis=1) / jnp.maximum(jnp.sum(mass, axis=1), 1e-12)
+    served = jnp.sum(jnp.where(specialist, mass, 0.0), axis=1) / jnp.maximum(
+        jnp.sum(mass, axis=1), 1e-12
+    )
     present = jnp.sum(mass, axis=1) > 0
     return jnp.sum((served >= threshold) & present) / jnp.maximum(jnp.sum(present), 1)
 

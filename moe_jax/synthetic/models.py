@@ -73,6 +73,8 @@ class MoE:
     def init(self, key: Array, x_train: Array | None = None) -> Params:
         k_r, k_e = jax.random.split(key)
         if self.router_init == "data":
+            if x_train is None:
+                raise ValueError("router_init='data' needs x_train to draw the router rows from")
             router = routers.data_init(k_r, x_train, self.num_experts)
         elif self.router == "linear":
             router = routers.linear_init(k_r, self.d_in, self.num_experts)
@@ -82,14 +84,23 @@ class MoE:
             router = routers.cnn_init(k_r, self.num_experts, self.cnn_channels, self.cnn_features)
         if self.router_init == "random":
             router = jax.tree.map(lambda w: self.router_scale * w, router)
-        return {"router": router, "experts": experts.init(self.expert, k_e, self.num_experts, self.expert_in, self.d_out, self.expert_hidden)}
+        return {
+            "router": router,
+            "experts": experts.init(
+                self.expert, k_e, self.num_experts, self.expert_in, self.d_out, self.expert_hidden
+            ),
+        }
 
-    def apply(self, params: Params, x, *, top1: bool = False, expert_count: Array | None = None) -> tuple[Array, Array]:
+    def apply(
+        self, params: Params, x, *, top1: bool = False, expert_count: Array | None = None
+    ) -> tuple[Array, Array]:
         if self.router != "cnn" and x.ndim == 3:
-            return _per_token(lambda t: self.apply(params, t, top1=top1, expert_count=expert_count), x)
+            return _per_token(
+                lambda t: self.apply(params, t, top1=top1, expert_count=expert_count), x
+            )
         if self.router == "cnn":
             images, v = x
-            logits, features = routers.apply("cnn", params["router"], images)
+            logits, features = routers.cnn_apply(params["router"], images)
             expert_x = jnp.concatenate([v, features], axis=-1)
         else:
             logits, _ = routers.apply(self.router, params["router"], x)
@@ -99,7 +110,9 @@ class MoE:
         probs = jax.nn.softmax(logits, axis=-1)
         outputs = experts.apply(params["experts"], expert_x)  # [n, E, out]
         if top1:
-            pred = jnp.take_along_axis(outputs, jnp.argmax(logits, axis=-1)[:, None, None], axis=1)[:, 0]
+            pred = jnp.take_along_axis(outputs, jnp.argmax(logits, axis=-1)[:, None, None], axis=1)[
+                :, 0
+            ]
         else:
             pred = jnp.einsum("ne,neo->no", probs, outputs)
         return pred, probs
@@ -119,15 +132,23 @@ class Dense:
     depth: int
 
     def init(self, key: Array, x_train: Array | None = None) -> Params:
-        return {"experts": {"layers": routers.mlp_init(key, [self.d_in] + [self.hidden] * (self.depth - 1) + [self.d_out])}}
+        return {
+            "experts": {
+                "layers": routers.mlp_init(
+                    key, [self.d_in] + [self.hidden] * (self.depth - 1) + [self.d_out]
+                )
+            }
+        }
 
-    def apply(self, params: Params, x: Array, *, top1: bool = False, expert_count: Array | None = None) -> tuple[Array, Array]:
+    def apply(
+        self, params: Params, x: Array, *, top1: bool = False, expert_count: Array | None = None
+    ) -> tuple[Array, Array]:
         if x.ndim == 3:
             return _per_token(lambda t: self.apply(params, t), x)
         return routers.mlp_apply(params["experts"]["layers"], x), jnp.ones((x.shape[0], 1))
 
     @classmethod
-    def matching(cls, num_params: int, d_in: int, d_out: int, depth: int) -> "Dense":
+    def matching(cls, num_params: int, d_in: int, d_out: int, depth: int) -> Dense:
         """The depth-``depth`` MLP whose parameter count is closest to ``num_params``:
         solves (depth-2) h^2 + (d_in + d_out + depth - 1) h + d_out = num_params for h."""
         a, b, c = depth - 2, d_in + d_out + depth - 1, d_out - num_params
@@ -158,7 +179,9 @@ class GatedPair:
             "experts": {"u": self.init_scale * jax.random.normal(k_u, (self.d_out,))},
         }
 
-    def apply(self, params: Params, x: Array, *, top1: bool = False, expert_count: Array | None = None) -> tuple[Array, Array]:
+    def apply(
+        self, params: Params, x: Array, *, top1: bool = False, expert_count: Array | None = None
+    ) -> tuple[Array, Array]:
         p = jax.nn.sigmoid(x @ params["router"]["w"])
         gate = jnp.sign(p - 0.5) if top1 else 2 * p - 1
         return gate[:, None] * params["experts"]["u"], jnp.stack([p, 1 - p], axis=-1)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -85,12 +86,25 @@ class Target:
         elif self.bound == "lower":
             close = mean >= self.paper / 2
         else:
-            close = self.paper / 2 <= mean <= 2 * self.paper if self.paper > 0 else abs(mean) <= 1e-12
+            close = (
+                self.paper / 2 <= mean <= 2 * self.paper if self.paper > 0 else abs(mean) <= 1e-12
+            )
         return VERDICTS[0] if close else VERDICTS[1]
 
 
-def _lt(a: Callable[[Result], tuple[float, float]], b: Callable[[Result], tuple[float, float]]) -> Callable[[Result], bool]:
+def _lt(
+    a: Callable[[Result], tuple[float, float]], b: Callable[[Result], tuple[float, float]]
+) -> Callable[[Result], bool]:
     return lambda r: a(r)[0] < b(r)[0]
+
+
+def _above(
+    get: Callable[[Result], tuple[float, float]], limit: float, *, inclusive: bool = False
+) -> Callable[[Result], bool]:
+    """The claim that ``get``'s mean is > ``limit`` (>= when ``inclusive``)."""
+    if inclusive:
+        return lambda r: get(r)[0] >= limit
+    return lambda r: get(r)[0] > limit
 
 
 def _ratio(num: Callable, den: Callable) -> Callable[[Result], tuple[float, float]]:
@@ -105,7 +119,10 @@ def _ratio(num: Callable, den: Callable) -> Callable[[Result], tuple[float, floa
 
 def _fig2_falls_with_n(r: Result) -> bool:
     k = r["config"]["k"]
-    return value("loss", num_experts=k, num_train=largest("num_train", r, num_experts=k))(r)[0] < value("loss", num_experts=k, num_train=smallest("num_train", r, num_experts=k))(r)[0]
+    return (
+        value("loss", num_experts=k, num_train=largest("num_train", r, num_experts=k))(r)[0]
+        < value("loss", num_experts=k, num_train=smallest("num_train", r, num_experts=k))(r)[0]
+    )
 
 
 def _tok(metric: str, model: str, output: str, length: int):
@@ -113,11 +130,15 @@ def _tok(metric: str, model: str, output: str, length: int):
 
 
 def _frozen_over_learned(metric: str = "loss") -> Callable[[Result], tuple[float, float]]:
-    """Frozen-router over learned-router ``metric`` at the largest training set (> 1: learning helps)."""
+    """Frozen-router over learned-router ``metric`` at the largest training set (> 1: learning
+    helps)."""
 
     def get(r: Result) -> tuple[float, float]:
         n = largest("num_train", r)
-        return _ratio(value(metric, model="MoE frozen", num_train=n), value(metric, model="MoE learned", num_train=n))(r)
+        return _ratio(
+            value(metric, model="MoE frozen", num_train=n),
+            value(metric, model="MoE learned", num_train=n),
+        )(r)
 
     return get
 
@@ -126,9 +147,22 @@ def _learning_helps_rows(experiment: str, figure: str, source: str) -> list[Targ
     """Frozen / learned loss at the largest n (the paper's claim: > 1), top-1 (the paper's
     evaluation, l. 98) and soft (the training-mode MoE)."""
     rows = []
-    for metric, suffix, quantity in (("loss", "", "normalised, top-1 (l. 98)"), ("loss_soft", " (soft)", "normalised, soft MoE")):
+    for metric, suffix, quantity in (
+        ("loss", "", "normalised, top-1 (l. 98)"),
+        ("loss_soft", " (soft)", "normalised, soft MoE"),
+    ):
         ratio = _frozen_over_learned(metric)
-        rows.append(Target(experiment, f"{figure}: frozen / learned loss, largest n{suffix}", None, source, ratio, lambda r, ratio=ratio: ratio(r)[0] > 1, quantity))
+        rows.append(
+            Target(
+                experiment,
+                f"{figure}: frozen / learned loss, largest n{suffix}",
+                None,
+                source,
+                ratio,
+                _above(ratio, 1),
+                quantity,
+            )
+        )
     return rows
 
 
@@ -145,7 +179,10 @@ def _fig2(metric: str) -> Callable[[Result], tuple[float, float]]:
 
 
 def _dense_catches_up(r: Result) -> bool:
-    return _tok("mse", "dense 2 layers", "linear", 16)(r)[0] < _tok("mse", "dense 2 layers", "linear", 4)(r)[0]
+    return (
+        _tok("mse", "dense 2 layers", "linear", 16)(r)[0]
+        < _tok("mse", "dense 2 layers", "linear", 4)(r)[0]
+    )
 
 
 def _sparsity_order(length: int):
@@ -158,7 +195,11 @@ def _sparsity_order(length: int):
     return claim
 
 
-TABLE1_MSE = {"MoE learned": (0.0016, 0.0017, 0.0015), "dense 2 layers": (0.0044, 0.0021, 0.0015), "MoE frozen": (0.0046, 0.0020, 0.0027)}
+TABLE1_MSE = {
+    "MoE learned": (0.0016, 0.0017, 0.0015),
+    "dense 2 layers": (0.0044, 0.0021, 0.0015),
+    "MoE frozen": (0.0046, 0.0020, 0.0027),
+}
 """Table 1 (l. 329-333), linear output: MSE at s = 4, 8, 16."""
 
 
@@ -166,18 +207,81 @@ def _tokenized_rows() -> list[Target]:
     rows = []
     for model, values in TABLE1_MSE.items():
         metric = "mse" if model == "dense 2 layers" else "mse_soft"
-        for length, paper in zip((4, 8, 16), values):
-            claim = _dense_catches_up if model == "dense 2 layers" else _lt(_tok("mse_soft", "MoE learned", "linear", length), _tok("mse_soft", "MoE frozen", "linear", length))
+        for length, paper in zip((4, 8, 16), values, strict=True):
+            claim = (
+                _dense_catches_up
+                if model == "dense 2 layers"
+                else _lt(
+                    _tok("mse_soft", "MoE learned", "linear", length),
+                    _tok("mse_soft", "MoE frozen", "linear", length),
+                )
+            )
             quantity = "raw MSE" if model == "dense 2 layers" else "raw MSE, soft MoE (l. 325)"
-            rows.append(Target("tokenized", f"Table 1, linear, s = {length}: {model} MSE", paper, "Table 1, l. 329-333", _tok(metric, model, "linear", length), claim, quantity))
+            rows.append(
+                Target(
+                    "tokenized",
+                    f"Table 1, linear, s = {length}: {model} MSE",
+                    paper,
+                    "Table 1, l. 329-333",
+                    _tok(metric, model, "linear", length),
+                    claim,
+                    quantity,
+                )
+            )
     paper_sparsity = {"sparsity": (13.0, 14.14, 14.29), "shuffled_sparsity": (14.29, 15.41, 15.6)}
     for metric, values in paper_sparsity.items():
-        for length, paper in zip((4, 8, 16), values):
-            rows.append(Target("tokenized", f"Table 2, s = {length}: {metric.replace('_', ' ')}", paper, "Table 2, l. 336-339", _tok(metric, "MoE learned", "linear", length), _sparsity_order(length), "mean over clusters of exp(entropy)"))
-    for length, paper in zip((4, 8, 16), (28.52, 28.51, 28.53)):
-        rows.append(Target("tokenized", f"Table 2, s = {length}: frozen sparsity", paper, "Table 2, l. 339", _tok("sparsity", "MoE frozen", "linear", length), _sparsity_order(length), "mean over clusters of exp(entropy)"))
-    rows.append(Target("tokenized", "quadratic, s = 4: MoE beats dense", None, "l. 327", _tok("mse_soft", "MoE learned", "quadratic", 4), _lt(_tok("mse_soft", "MoE learned", "quadratic", 4), _tok("mse", "dense 2 layers", "quadratic", 4)), "raw MSE, soft MoE"))
-    rows.append(Target("tokenized", "quadratic: learned sparsity (shuffled 11.5)", 8.8, "l. 327", _tok("sparsity", "MoE learned", "quadratic", 4), _lt(_tok("sparsity", "MoE learned", "quadratic", 4), _tok("shuffled_sparsity", "MoE learned", "quadratic", 4)), "s not stated; ours s = 4"))
+        for length, paper in zip((4, 8, 16), values, strict=True):
+            rows.append(
+                Target(
+                    "tokenized",
+                    f"Table 2, s = {length}: {metric.replace('_', ' ')}",
+                    paper,
+                    "Table 2, l. 336-339",
+                    _tok(metric, "MoE learned", "linear", length),
+                    _sparsity_order(length),
+                    "mean over clusters of exp(entropy)",
+                )
+            )
+    for length, paper in zip((4, 8, 16), (28.52, 28.51, 28.53), strict=True):
+        rows.append(
+            Target(
+                "tokenized",
+                f"Table 2, s = {length}: frozen sparsity",
+                paper,
+                "Table 2, l. 339",
+                _tok("sparsity", "MoE frozen", "linear", length),
+                _sparsity_order(length),
+                "mean over clusters of exp(entropy)",
+            )
+        )
+    rows.append(
+        Target(
+            "tokenized",
+            "quadratic, s = 4: MoE beats dense",
+            None,
+            "l. 327",
+            _tok("mse_soft", "MoE learned", "quadratic", 4),
+            _lt(
+                _tok("mse_soft", "MoE learned", "quadratic", 4),
+                _tok("mse", "dense 2 layers", "quadratic", 4),
+            ),
+            "raw MSE, soft MoE",
+        )
+    )
+    rows.append(
+        Target(
+            "tokenized",
+            "quadratic: learned sparsity (shuffled 11.5)",
+            8.8,
+            "l. 327",
+            _tok("sparsity", "MoE learned", "quadratic", 4),
+            _lt(
+                _tok("sparsity", "MoE learned", "quadratic", 4),
+                _tok("shuffled_sparsity", "MoE learned", "quadratic", 4),
+            ),
+            "s not stated; ours s = 4",
+        )
+    )
     return rows
 
 
@@ -188,9 +292,21 @@ def _tokenized_ratio_rows() -> list[Target]:
     rows = []
     for model, metric in (("dense 2 layers", "mse"), ("MoE frozen", "mse_soft")):
         for i, length in enumerate((4, 8, 16)):
-            ratio = _ratio(_tok(metric, model, "linear", length), _tok("mse_soft", "MoE learned", "linear", length))
-            rows.append(Target("tokenized", f"Table 1, linear, s = {length}: {model} / MoE learned MSE", round(TABLE1_MSE[model][i] / TABLE1_MSE["MoE learned"][i], 3), "Table 1, l. 329-333",
-                               ratio, lambda r, ratio=ratio: ratio(r)[0] >= 1, "MSE ratio, soft MoE (l. 325)"))
+            ratio = _ratio(
+                _tok(metric, model, "linear", length),
+                _tok("mse_soft", "MoE learned", "linear", length),
+            )
+            rows.append(
+                Target(
+                    "tokenized",
+                    f"Table 1, linear, s = {length}: {model} / MoE learned MSE",
+                    round(TABLE1_MSE[model][i] / TABLE1_MSE["MoE learned"][i], 3),
+                    "Table 1, l. 329-333",
+                    ratio,
+                    _above(ratio, 1, inclusive=True),
+                    "MSE ratio, soft MoE (l. 325)",
+                )
+            )
     return rows
 
 
@@ -198,10 +314,15 @@ def _dict(metric: str, model: str, atoms: int):
     return value(metric, model=model, atoms=atoms)
 
 
-def _dict_mse_ratio(num: str, den: str, atoms: int, moe_metric: str) -> Callable[[Result], tuple[float, float]]:
+def _dict_mse_ratio(
+    num: str, den: str, atoms: int, moe_metric: str
+) -> Callable[[Result], tuple[float, float]]:
     """MSE of model ``num`` over model ``den`` at ``atoms``; MoE models read ``moe_metric``
     (``mse`` top-1 or ``mse_soft``), dense ones ``mse``. Scale-free, unlike the raw MSEs."""
-    metric = lambda model: "mse" if model.startswith("dense") else moe_metric
+
+    def metric(model: str) -> str:
+        return "mse" if model.startswith("dense") else moe_metric
+
     return _ratio(_dict(metric(num), num, atoms), _dict(metric(den), den, atoms))
 
 
@@ -210,49 +331,279 @@ def _dictionary_ratio_rows() -> list[Target]:
     0.38 / 0.23, 0.19 / 0.041), top-1 and soft MoE: its label scale is not stated, so the
     ratios are the magnitudes that can be compared."""
     rows = []
-    for moe_metric, suffix, quantity in (("mse", "", "MSE ratio, top-1 MoE (l. 98)"), ("mse_soft", " (soft)", "MSE ratio, soft MoE")):
-        for num, den, atoms, paper in (("dense 2 layers", "MoE learned", 128, 0.26 / 0.23), ("MoE frozen", "MoE learned", 128, 0.38 / 0.23), ("dense 1 layer", "MoE learned", 32, 0.19 / 0.041)):
+    for moe_metric, suffix, quantity in (
+        ("mse", "", "MSE ratio, top-1 MoE (l. 98)"),
+        ("mse_soft", " (soft)", "MSE ratio, soft MoE"),
+    ):
+        for num, den, atoms, paper in (
+            ("dense 2 layers", "MoE learned", 128, 0.26 / 0.23),
+            ("MoE frozen", "MoE learned", 128, 0.38 / 0.23),
+            ("dense 1 layer", "MoE learned", 32, 0.19 / 0.041),
+        ):
             ratio = _dict_mse_ratio(num, den, atoms, moe_metric)
-            rows.append(Target("dictionary", f"c = {atoms}: {num} / {den} MSE{suffix}", round(paper, 3), "l. 349-351", ratio, lambda r, ratio=ratio: ratio(r)[0] > 1, quantity))
+            rows.append(
+                Target(
+                    "dictionary",
+                    f"c = {atoms}: {num} / {den} MSE{suffix}",
+                    round(paper, 3),
+                    "l. 349-351",
+                    ratio,
+                    _above(ratio, 1),
+                    quantity,
+                )
+            )
     return rows
 
 
 def _dictionary_rows() -> list[Target]:
-    moe_lt_dense_lt_frozen = lambda r: _dict("mse", "MoE learned", 128)(r)[0] < _dict("mse", "dense 2 layers", 128)(r)[0] < _dict("mse", "MoE frozen", 128)(r)[0]
-    dense1_worst = lambda r: _dict("mse", "dense 1 layer", 32)(r)[0] > max(_dict("mse", "dense 2 layers", 32)(r)[0], _dict("mse", "MoE learned", 32)(r)[0])
+    def moe_lt_dense_lt_frozen(r: Result) -> bool:
+        return (
+            _dict("mse", "MoE learned", 128)(r)[0]
+            < _dict("mse", "dense 2 layers", 128)(r)[0]
+            < _dict("mse", "MoE frozen", 128)(r)[0]
+        )
+
+    def dense1_worst(r: Result) -> bool:
+        return _dict("mse", "dense 1 layer", 32)(r)[0] > max(
+            _dict("mse", "dense 2 layers", 32)(r)[0], _dict("mse", "MoE learned", 32)(r)[0]
+        )
+
     q = "raw MSE, top-1 MoE (l. 98)"
     return [
-        Target("dictionary", "c = 32: MoE MSE", 0.041, "l. 349", _dict("mse", "MoE learned", 32), dense1_worst, q),
-        Target("dictionary", "c = 32: dense 2-layer MSE", 0.043, "l. 349", _dict("mse", "dense 2 layers", 32), dense1_worst, "raw MSE"),
-        Target("dictionary", "c = 32: dense 1-layer MSE", 0.19, "l. 349", _dict("mse", "dense 1 layer", 32), dense1_worst, "raw MSE"),
-        Target("dictionary", "c = 128: MoE MSE", 0.23, "l. 349-351", _dict("mse", "MoE learned", 128), moe_lt_dense_lt_frozen, q),
-        Target("dictionary", "c = 128: dense 2-layer MSE", 0.26, "l. 351", _dict("mse", "dense 2 layers", 128), moe_lt_dense_lt_frozen, "raw MSE"),
-        Target("dictionary", "c = 128: frozen MoE MSE", 0.38, "l. 351", _dict("mse", "MoE frozen", 128), moe_lt_dense_lt_frozen, q),
-        Target("dictionary", "c = 32: sparsity per pair (= shuffled)", 4.5, "l. 349", _dict("sparsity", "MoE learned", 32), lambda r: True, "mean of exp(entropy)"),
-        Target("dictionary", "c = 128: sparsity per pair (= shuffled 3.01)", 3.01, "l. 351", _dict("sparsity", "MoE learned", 128), lambda r: True, "mean of exp(entropy)"),
+        Target(
+            "dictionary",
+            "c = 32: MoE MSE",
+            0.041,
+            "l. 349",
+            _dict("mse", "MoE learned", 32),
+            dense1_worst,
+            q,
+        ),
+        Target(
+            "dictionary",
+            "c = 32: dense 2-layer MSE",
+            0.043,
+            "l. 349",
+            _dict("mse", "dense 2 layers", 32),
+            dense1_worst,
+            "raw MSE",
+        ),
+        Target(
+            "dictionary",
+            "c = 32: dense 1-layer MSE",
+            0.19,
+            "l. 349",
+            _dict("mse", "dense 1 layer", 32),
+            dense1_worst,
+            "raw MSE",
+        ),
+        Target(
+            "dictionary",
+            "c = 128: MoE MSE",
+            0.23,
+            "l. 349-351",
+            _dict("mse", "MoE learned", 128),
+            moe_lt_dense_lt_frozen,
+            q,
+        ),
+        Target(
+            "dictionary",
+            "c = 128: dense 2-layer MSE",
+            0.26,
+            "l. 351",
+            _dict("mse", "dense 2 layers", 128),
+            moe_lt_dense_lt_frozen,
+            "raw MSE",
+        ),
+        Target(
+            "dictionary",
+            "c = 128: frozen MoE MSE",
+            0.38,
+            "l. 351",
+            _dict("mse", "MoE frozen", 128),
+            moe_lt_dense_lt_frozen,
+            q,
+        ),
+        Target(
+            "dictionary",
+            "c = 32: sparsity per pair (= shuffled)",
+            4.5,
+            "l. 349",
+            _dict("sparsity", "MoE learned", 32),
+            lambda r: True,
+            "mean of exp(entropy)",
+        ),
+        Target(
+            "dictionary",
+            "c = 128: sparsity per pair (= shuffled 3.01)",
+            3.01,
+            "l. 351",
+            _dict("sparsity", "MoE learned", 128),
+            lambda r: True,
+            "mean of exp(entropy)",
+        ),
     ]
 
 
 TARGETS: list[Target] = [
-    Target("fig2", "Fig 2(a): E = k test loss, largest n (-> 0)", 0.01, "l. 123, Fig. 2; target < 0.01", _fig2("loss"), _fig2_falls_with_n, "normalised, top-1 (l. 98)", "upper"),
-    Target("fig2", "Fig 2(c): sparsity, largest n (-> 1)", 1.0, "l. 127", _fig2("sparsity"), lambda r: _fig2("sparsity")(r)[0] < _fig2("shuffled_sparsity")(r)[0], "mean of exp(entropy); learned < shuffled"),
-    Target("fig2", "Fig 2(b): loss at E = k/4 above E = k", None, "l. 123", lambda r: value("loss", num_experts=min(r["config"]["experts"]), num_train=max(r["config"]["sizes"]))(r),
-           lambda r: value("loss", num_experts=min(r["config"]["experts"]), num_train=max(r["config"]["sizes"]))(r)[0] > _fig2("loss")(r)[0], "normalised, top-1"),
-    Target("fig3", "Fig 3(a): frozen / learned loss, largest n (target >= 3)", 3.0, "l. 139, Fig. 3; target", _frozen_over_learned(), lambda r: _frozen_over_learned()(r)[0] > 1, "normalised, top-1", "lower"),
-    Target("fig3", "Fig 3(a): MoE between the two dense models", None, "l. 143", _largest_n("loss", "MoE learned"),
-           lambda r: _largest_n("loss", "dense (whole MoE's params)")(r)[0] < _largest_n("loss", "MoE learned")(r)[0] < _largest_n("loss", "dense (1 expert's params)")(r)[0], "normalised, top-1"),
-    Target("fig3", "Fig 3(b) / C.1: norm uniformity, largest n", 1.025, "l. 295", _largest_n("norm_uniformity", "MoE learned"), lambda r: _largest_n("norm_uniformity", "MoE learned")(r)[0] < 2.0, "E norm(M_i)^2 / (E norm(M_i))^2"),
+    Target(
+        "fig2",
+        "Fig 2(a): E = k test loss, largest n (-> 0)",
+        0.01,
+        "l. 123, Fig. 2; target < 0.01",
+        _fig2("loss"),
+        _fig2_falls_with_n,
+        "normalised, top-1 (l. 98)",
+        "upper",
+    ),
+    Target(
+        "fig2",
+        "Fig 2(c): sparsity, largest n (-> 1)",
+        1.0,
+        "l. 127",
+        _fig2("sparsity"),
+        lambda r: _fig2("sparsity")(r)[0] < _fig2("shuffled_sparsity")(r)[0],
+        "mean of exp(entropy); learned < shuffled",
+    ),
+    Target(
+        "fig2",
+        "Fig 2(b): loss at E = k/4 above E = k",
+        None,
+        "l. 123",
+        lambda r: value(
+            "loss", num_experts=min(r["config"]["experts"]), num_train=max(r["config"]["sizes"])
+        )(r),
+        lambda r: (
+            value(
+                "loss", num_experts=min(r["config"]["experts"]), num_train=max(r["config"]["sizes"])
+            )(r)[0]
+            > _fig2("loss")(r)[0]
+        ),
+        "normalised, top-1",
+    ),
+    Target(
+        "fig3",
+        "Fig 3(a): frozen / learned loss, largest n (target >= 3)",
+        3.0,
+        "l. 139, Fig. 3; target",
+        _frozen_over_learned(),
+        lambda r: _frozen_over_learned()(r)[0] > 1,
+        "normalised, top-1",
+        "lower",
+    ),
+    Target(
+        "fig3",
+        "Fig 3(a): MoE between the two dense models",
+        None,
+        "l. 143",
+        _largest_n("loss", "MoE learned"),
+        lambda r: (
+            _largest_n("loss", "dense (whole MoE's params)")(r)[0]
+            < _largest_n("loss", "MoE learned")(r)[0]
+            < _largest_n("loss", "dense (1 expert's params)")(r)[0]
+        ),
+        "normalised, top-1",
+    ),
+    Target(
+        "fig3",
+        "Fig 3(b) / C.1: norm uniformity, largest n",
+        1.025,
+        "l. 295",
+        _largest_n("norm_uniformity", "MoE learned"),
+        lambda r: _largest_n("norm_uniformity", "MoE learned")(r)[0] < 2.0,
+        "E norm(M_i)^2 / (E norm(M_i))^2",
+    ),
     *_learning_helps_rows("fig4", "Fig 4(a)", "l. 155, Fig. 4"),
-    Target("fig4", "Fig 4(b): learned sparsity below shuffled", None, "l. 155", _largest_n("sparsity", "MoE learned"), lambda r: _largest_n("sparsity", "MoE learned")(r)[0] < _largest_n("shuffled_sparsity", "MoE learned")(r)[0], "mean of exp(entropy)"),
+    Target(
+        "fig4",
+        "Fig 4(b): learned sparsity below shuffled",
+        None,
+        "l. 155",
+        _largest_n("sparsity", "MoE learned"),
+        lambda r: (
+            _largest_n("sparsity", "MoE learned")(r)[0]
+            < _largest_n("shuffled_sparsity", "MoE learned")(r)[0]
+        ),
+        "mean of exp(entropy)",
+    ),
     *_learning_helps_rows("fig6", "Fig 6", "l. 161, Fig. 6"),
-    Target("spurious", "Sec 3.1: signal fraction after training, no weight decay", 0.84, "l. 151", value("ratio_final", weight_decay=0.0), lambda r: value("ratio_final", weight_decay=0.0)(r)[0] > value("ratio_init", weight_decay=0.0)(r)[0], "sum norm(w_i')^2 / sum norm(w_i)^2"),
-    Target("spurious", "Sec 3.1: signal fraction, weight decay", 0.9, "l. 151", value("ratio_final", weight_decay=1e-3), lambda r: value("ratio_final", weight_decay=1e-3)(r)[0] > value("ratio_final", weight_decay=0.0)(r)[0], "weight decay 1e-3 (value not stated)"),
-    Target("spurious", "Sec 3.1: test loss (0.01)", 0.01, "l. 145", value("loss", weight_decay=0.0), lambda r: value("loss", weight_decay=0.0)(r)[0] < 0.5, "normalised, top-1", "upper"),
-    Target("theorem1", "Thm 1: off-V router norm falls under weight decay", None, "l. 193-205", value("off_norm_final", weight_decay=1e-3), lambda r: value("off_norm_final", weight_decay=1e-3)(r)[0] < value("off_norm_init", weight_decay=1e-3)(r)[0], "mean norm(Proj_{V-perp} w_i)"),
-    Target("theorem2", "Thm 2: clusters covered at 2 k ln k experts", 1.0, "l. 75", lambda r: value("coverage", router_init="data", num_experts=largest("num_experts", r))(r),
-           lambda r: value("coverage", router_init="data", num_experts=largest("num_experts", r))(r)[0] > value("coverage", router_init="data", num_experts=smallest("num_experts", r))(r)[0], "data-initialised router"),
-    Target("lemma1", "Lemma 1: max abs(grad - closed-form k-means gradient)", 0.0, "Lemma 1", lambda r: (r["summary"]["max_grad_gap"], 0.0), lambda r: r["summary"]["max_grad_gap"] < 1e-4, "exact identity (0 up to float32 rounding, 1e-5)", "upper"),
-    Target("theorem4", "Thm 4: abs cos(w, z) -> 1", 1.0, "App. F", value("abs_cos_w_z"), lambda r: value("abs_cos_w_z")(r)[0] > 0.9, ""),
+    Target(
+        "spurious",
+        "Sec 3.1: signal fraction after training, no weight decay",
+        0.84,
+        "l. 151",
+        value("ratio_final", weight_decay=0.0),
+        lambda r: (
+            value("ratio_final", weight_decay=0.0)(r)[0]
+            > value("ratio_init", weight_decay=0.0)(r)[0]
+        ),
+        "sum norm(w_i')^2 / sum norm(w_i)^2",
+    ),
+    Target(
+        "spurious",
+        "Sec 3.1: signal fraction, weight decay",
+        0.9,
+        "l. 151",
+        value("ratio_final", weight_decay=1e-3),
+        lambda r: (
+            value("ratio_final", weight_decay=1e-3)(r)[0]
+            > value("ratio_final", weight_decay=0.0)(r)[0]
+        ),
+        "weight decay 1e-3 (value not stated)",
+    ),
+    Target(
+        "spurious",
+        "Sec 3.1: test loss (0.01)",
+        0.01,
+        "l. 145",
+        value("loss", weight_decay=0.0),
+        lambda r: value("loss", weight_decay=0.0)(r)[0] < 0.5,
+        "normalised, top-1",
+        "upper",
+    ),
+    Target(
+        "theorem1",
+        "Thm 1: off-V router norm falls under weight decay",
+        None,
+        "l. 193-205",
+        value("off_norm_final", weight_decay=1e-3),
+        lambda r: (
+            value("off_norm_final", weight_decay=1e-3)(r)[0]
+            < value("off_norm_init", weight_decay=1e-3)(r)[0]
+        ),
+        "mean norm(Proj_{V-perp} w_i)",
+    ),
+    Target(
+        "theorem2",
+        "Thm 2: clusters covered at 2 k ln k experts",
+        1.0,
+        "l. 75",
+        lambda r: value("coverage", router_init="data", num_experts=largest("num_experts", r))(r),
+        lambda r: (
+            value("coverage", router_init="data", num_experts=largest("num_experts", r))(r)[0]
+            > value("coverage", router_init="data", num_experts=smallest("num_experts", r))(r)[0]
+        ),
+        "data-initialised router",
+    ),
+    Target(
+        "lemma1",
+        "Lemma 1: max abs(grad - closed-form k-means gradient)",
+        0.0,
+        "Lemma 1",
+        lambda r: (r["summary"]["max_grad_gap"], 0.0),
+        lambda r: r["summary"]["max_grad_gap"] < 1e-4,
+        "exact identity (0 up to float32 rounding, 1e-5)",
+        "upper",
+    ),
+    Target(
+        "theorem4",
+        "Thm 4: abs cos(w, z) -> 1",
+        1.0,
+        "App. F",
+        value("abs_cos_w_z"),
+        lambda r: value("abs_cos_w_z")(r)[0] > 0.9,
+        "",
+    ),
     *_tokenized_rows(),
     *_tokenized_ratio_rows(),
     *_dictionary_rows(),
@@ -294,7 +645,21 @@ def rows(converged: dict[str, Result], quick: dict[str, Result]) -> list[dict[st
             out.append(dict(experiment=t.experiment, result=t.name, absent=True))
             continue
         q = _optional(t.get, quick.get(t.experiment))
-        out.append(dict(experiment=t.experiment, result=t.name, quantity=t.quantity, source=t.source, paper=t.paper, bound=t.bound, quick=q, converged=mean, std=std, seeds=len(result.get("seeds", [])), verdict=verdict))
+        out.append(
+            dict(
+                experiment=t.experiment,
+                result=t.name,
+                quantity=t.quantity,
+                source=t.source,
+                paper=t.paper,
+                bound=t.bound,
+                quick=q,
+                converged=mean,
+                std=std,
+                seeds=len(result.get("seeds", [])),
+                verdict=verdict,
+            )
+        )
     return out
 
 
@@ -307,19 +672,59 @@ def _optional(get: Callable[[Result], tuple[float, float]], result: Result | Non
 
 
 def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
-    paper = lambda r: "-" if r["paper"] is None else ("<= " if r["bound"] == "upper" else ">= " if r["bound"] == "lower" else "") + _cell(r["paper"])
-    lines = ["| experiment | result | quantity | paper (source) | quick | converged (mean +- std over seeds) | verdict |", "|---|---|---|---|---|---|---|"]
+    def paper(r: dict[str, Any]) -> str:
+        if r["paper"] is None:
+            return "-"
+        bound = {"upper": "<= ", "lower": ">= "}.get(r["bound"], "")
+        return bound + _cell(r["paper"])
+
+    def row(cells: list[Any]) -> str:
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    lines = [
+        row(
+            [
+                "experiment",
+                "result",
+                "quantity",
+                "paper (source)",
+                "quick",
+                "converged (mean +- std over seeds)",
+                "verdict",
+            ]
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     absent = [f"{r['experiment']}: {r['result']}" for r in table if r.get("absent")]
     table = [r for r in table if not r.get("absent")]
     for r in table:
         quick = "-" if r["quick"] is None else _cell(r["quick"])
-        lines.append(f"| {r['experiment']} | {r['result']} | {r['quantity']} | {paper(r)} ({r['source']}) | {quick} | {_cell(r['converged'], r['std'])} ({r['seeds']} seeds) | {r['verdict']} |")
+        lines.append(
+            row(
+                [
+                    r["experiment"],
+                    r["result"],
+                    r["quantity"],
+                    f"{paper(r)} ({r['source']})",
+                    quick,
+                    f"{_cell(r['converged'], r['std'])} ({r['seeds']} seeds)",
+                    r["verdict"],
+                ]
+            )
+        )
     counts = {v: sum(r["verdict"] == v for r in table) for v in VERDICTS}
-    lines += ["", "Verdicts: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + f" (of {len(table)} rows)."]
+    lines += [
+        "",
+        "Verdicts: "
+        + ", ".join(f"{n} {v}" for v, n in counts.items())
+        + f" (of {len(table)} rows).",
+    ]
     if absent:
         lines.append(f"Not in these runs (setting not trained): {'; '.join(absent)}.")
     if missing:
-        lines.append(f"Missing (no JSON in the results folder): {', '.join(m + '.json' for m in missing)}.")
+        lines.append(
+            f"Missing (no JSON in the results folder): {', '.join(m + '.json' for m in missing)}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -339,7 +744,11 @@ def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(10.5, 0.28 * max(len(shown), 4) + 1.6))
     colours = {VERDICTS[0]: "tab:green", VERDICTS[1]: "tab:orange", VERDICTS[2]: "tab:red"}
     y = np.arange(len(shown))
-    ratio = np.array([max(abs(r["converged"] / r["paper"]), 1e-3) for r in shown]) if shown else np.zeros(0)
+    ratio = (
+        np.array([max(abs(r["converged"] / r["paper"]), 1e-3) for r in shown])
+        if shown
+        else np.zeros(0)
+    )
     ax.hlines(y, np.minimum(ratio, 1.0), np.maximum(ratio, 1.0), color="lightgray", lw=1, zorder=1)
     ax.scatter(ratio, y, c=[colours[r["verdict"]] for r in shown], s=22, zorder=3)
     ax.axvspan(0.5, 2.0, color="gray", alpha=0.15)
@@ -348,17 +757,26 @@ def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     ax.set_yticks(y, [f"{r['experiment']}: {r['result']}" for r in shown], fontsize=6)
     ax.set_ylim(len(shown) - 0.5, -0.5)
     ax.set_xlabel("|converged value / paper value| (log scale; 1 = the paper's value)")
-    handles = [Patch(color=c, label=v) for v, c in colours.items()] + [Patch(color="gray", alpha=0.15, label="within 2x")]
+    handles = [Patch(color=c, label=v) for v, c in colours.items()] + [
+        Patch(color="gray", alpha=0.15, label="within 2x")
+    ]
     plotting.legend_outside(ax, handles=handles, title="verdict")
     left_out = ([f"{len(no_paper)} without a paper number"] if no_paper else []) + (
-        [f"{len(absent)} not trained in these runs"] if absent else [])
-    ax.set_title(f"synthetic suite: fidelity to the paper ({len(shown)} of {len(table)} rows"
-                 + (f"; not shown: {', '.join(left_out)}, see report.md" if left_out else "") + ")", fontsize=9)
+        [f"{len(absent)} not trained in these runs"] if absent else []
+    )
+    ax.set_title(
+        f"synthetic suite: fidelity to the paper ({len(shown)} of {len(table)} rows"
+        + (f"; not shown: {', '.join(left_out)}, see report.md" if left_out else "")
+        + ")",
+        fontsize=9,
+    )
     common.style_log_axes(ax)
     plotting.save(fig, str(path), dpi=100)
 
 
-def write(results: pathlib.Path, quick: pathlib.Path | None, out: pathlib.Path) -> tuple[dict[str, str], list[str]]:
+def write(
+    results: pathlib.Path, quick: pathlib.Path | None, out: pathlib.Path
+) -> tuple[dict[str, str], list[str]]:
     """Write ``<out>/report.md`` and ``<out>/report.png``; returns the paths and the missing
     experiments. Raises FileNotFoundError when ``results`` is not a folder."""
     if not results.is_dir():

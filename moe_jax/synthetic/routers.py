@@ -31,7 +31,7 @@ def dense_init(key: Array, fan_in: int, fan_out: int) -> Params:
 def mlp_init(key: Array, sizes: list[int]) -> list[Params]:
     """An MLP with layer widths ``sizes`` (``[d_in, h, ..., d_out]``)."""
     keys = jax.random.split(key, len(sizes) - 1)
-    return [dense_init(k, a, b) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    return [dense_init(k, a, b) for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)]
 
 
 def mlp_apply(layers: list[Params], x: Array) -> Array:
@@ -77,22 +77,40 @@ def mlp_router_apply(params: Params, x: Array) -> tuple[Array, None]:
 # --- CNN router (CIFAR-100, Section 3.4), pure JAX via lax.conv ----------------------------
 
 
-def cnn_init(key: Array, num_experts: int, channels: tuple[int, ...] = (32, 64), hidden: int = 128, in_channels: int = 3) -> Params:
+def cnn_init(
+    key: Array,
+    num_experts: int,
+    channels: tuple[int, ...] = (32, 64),
+    hidden: int = 128,
+    in_channels: int = 3,
+) -> Params:
     """3x3 convs (stride 2) with ``channels``, global average pool, dense ``hidden`` (the
     penultimate features), dense -> E logits."""
     keys = jax.random.split(key, len(channels) + 2)
     convs, c_in = [], in_channels
-    for k, c_out in zip(keys, channels):
-        convs.append({"w": jax.random.normal(k, (3, 3, c_in, c_out)) / (9 * c_in) ** 0.5, "b": jnp.zeros(c_out)})
+    for k, c_out in zip(keys[:-2], channels, strict=True):
+        convs.append(
+            {
+                "w": jax.random.normal(k, (3, 3, c_in, c_out)) / (9 * c_in) ** 0.5,
+                "b": jnp.zeros(c_out),
+            }
+        )
         c_in = c_out
-    return {"convs": convs, "hidden": dense_init(keys[-2], c_in, hidden), "out": dense_init(keys[-1], hidden, num_experts)}
+    return {
+        "convs": convs,
+        "hidden": dense_init(keys[-2], c_in, hidden),
+        "out": dense_init(keys[-1], hidden, num_experts),
+    }
 
 
 def cnn_apply(params: Params, images: Array) -> tuple[Array, Array]:
-    """``images`` ``[n, H, W, C]`` (float, ~unit scale) -> (logits ``[n, E]``, features ``[n, hidden]``)."""
+    """``images`` ``[n, H, W, C]`` (float, ~unit scale) -> (logits ``[n, E]``, features
+    ``[n, hidden]``)."""
     h = images
     for conv in params["convs"]:
-        h = jax.lax.conv_general_dilated(h, conv["w"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jax.lax.conv_general_dilated(
+            h, conv["w"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
         h = jax.nn.relu(h + conv["b"])
     h = h.mean(axis=(1, 2))
     features = jax.nn.relu(h @ params["hidden"]["w"] + params["hidden"]["b"])

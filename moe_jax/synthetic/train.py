@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,10 @@ class TrainConfig:
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
         if self.converge_window % self.chunk:
-            raise ValueError(f"converge_window ({self.converge_window}) must be a multiple of chunk ({self.chunk})")
+            raise ValueError(
+                f"converge_window ({self.converge_window}) must be a multiple of chunk "
+                f"({self.chunk})"
+            )
 
 
 def param_labels(params: Params) -> Params:
@@ -86,11 +90,15 @@ def normalize_per_expert(eps: float = 1e-30) -> optax.GradientTransformation:
     norm is taken over slice i of all leaves together (an expert that got no gradient
     keeps its zero)."""
 
-    def update_fn(updates: Params, state: optax.EmptyState, params: Params | None = None) -> tuple[Params, optax.EmptyState]:
+    def update_fn(
+        updates: Params, state: optax.EmptyState, params: Params | None = None
+    ) -> tuple[Params, optax.EmptyState]:
         leaves = jax.tree.leaves(updates)
         sq = sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves)  # [E]
         scale = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
-        return jax.tree.map(lambda g: g * scale.reshape((-1,) + (1,) * (g.ndim - 1)), updates), state
+        return jax.tree.map(
+            lambda g: g * scale.reshape((-1,) + (1,) * (g.ndim - 1)), updates
+        ), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -101,12 +109,26 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     def branch(peak: float) -> optax.GradientTransformation:
         lr = peak
         if cfg.schedule == "cosine":
-            lr = optax.warmup_cosine_decay_schedule(0.0 if cfg.warmup else peak, peak, cfg.warmup, max(cfg.steps, cfg.warmup + 1), end_value=0.01 * peak)
+            lr = optax.warmup_cosine_decay_schedule(
+                0.0 if cfg.warmup else peak,
+                peak,
+                cfg.warmup,
+                max(cfg.steps, cfg.warmup + 1),
+                end_value=0.01 * peak,
+            )
         base = optax.adam(lr) if cfg.optimizer == "adam" else optax.sgd(lr, momentum=cfg.momentum)
-        return optax.chain(optax.add_decayed_weights(cfg.weight_decay), base) if cfg.weight_decay else base
+        return (
+            optax.chain(optax.add_decayed_weights(cfg.weight_decay), base)
+            if cfg.weight_decay
+            else base
+        )
 
     router = optax.set_to_zero() if cfg.router_mode == "frozen" else branch(cfg.lr_router)
-    experts = optax.chain(normalize_per_expert(), branch(cfg.lr_experts)) if cfg.normalize_experts else branch(cfg.lr_experts)
+    experts = (
+        optax.chain(normalize_per_expert(), branch(cfg.lr_experts))
+        if cfg.normalize_experts
+        else branch(cfg.lr_experts)
+    )
     return optax.multi_transform({"router": router, "experts": experts}, param_labels)
 
 
@@ -140,7 +162,13 @@ class TrainLog:
 
     def columns(self) -> dict[str, np.ndarray]:
         """Per-run columns for result tables: steps, converged, final train loss."""
-        return {"steps": self.steps, "converged": self.converged.astype(float), "train_loss": self.train_loss[:, -1]}
+        if self.steps is None or self.converged is None or self.train_loss is None:
+            raise ValueError("TrainLog.columns: the log is empty; pass it to train_runs first")
+        return {
+            "steps": self.steps,
+            "converged": self.converged.astype(float),
+            "train_loss": self.train_loss[:, -1],
+        }
 
 
 class Runs(NamedTuple):
@@ -153,10 +181,15 @@ class Runs(NamedTuple):
     expert_count: Array
 
 
-def grid(seeds: list[int], num_train: list[int], expert_count: list[int]) -> tuple[Runs, list[dict[str, int]]]:
+def grid(
+    seeds: list[int], num_train: list[int], expert_count: list[int]
+) -> tuple[Runs, list[dict[str, int]]]:
     """The cartesian product seeds x num_train x expert_count as ``Runs`` plus one row of
     coordinates per run (for tables)."""
-    rows = [dict(seed=s, num_train=n, num_experts=e) for s, n, e in itertools.product(seeds, num_train, expert_count)]
+    rows = [
+        dict(seed=s, num_train=n, num_experts=e)
+        for s, n, e in itertools.product(seeds, num_train, expert_count)
+    ]
     runs = Runs(
         key=jnp.stack([jax.random.fold_in(jax.random.PRNGKey(r["seed"]), 1) for r in rows]),
         data_index=jnp.array([seeds.index(r["seed"]) for r in rows]),
@@ -166,9 +199,9 @@ def grid(seeds: list[int], num_train: list[int], expert_count: list[int]) -> tup
     return runs, rows
 
 
-def concat(*grids: tuple[Runs, list[dict[str, int]]]) -> tuple[Runs, list[dict[str, int]]]:
+def concat(*grids: tuple[Runs, list[dict[str, Any]]]) -> tuple[Runs, list[dict[str, Any]]]:
     """Several ``grid`` results as one batch of runs (trained in one jit)."""
-    runs = Runs(*(jnp.concatenate(fields) for fields in zip(*(g[0] for g in grids))))
+    runs = Runs(*(jnp.concatenate(fields) for fields in zip(*(g[0] for g in grids), strict=True)))
     return runs, [row for g in grids for row in g[1]]
 
 
@@ -180,10 +213,13 @@ def _select(data: Batch, data_index: Array, index: Array) -> Batch:
 def init_runs(model: Any, runs: Runs, train: Batch) -> Params:
     """Initial params of every run, stacked ``[R, ...]`` (the data-initialised router
     draws its rows from the run's own training set)."""
-    if getattr(model, "router_init", "random") == "data":
-        init = lambda key, i: model.init(jax.random.fold_in(key, 0), train.x[i])
-    else:
-        init = lambda key, i: model.init(jax.random.fold_in(key, 0))
+    with_data = getattr(model, "router_init", "random") == "data"
+
+    def init(key: Array, i: Array) -> Params:
+        if with_data:
+            return model.init(jax.random.fold_in(key, 0), train.x[i])
+        return model.init(jax.random.fold_in(key, 0))
+
     return jax.jit(jax.vmap(init))(runs.key, runs.data_index)
 
 
@@ -229,10 +265,18 @@ def train_runs(
             else:
                 idx = jax.random.randint(step_key, (cfg.batch_size,), 0, num_train)
                 batch = _select(train, data_index, idx)
-            loss, grads = jax.value_and_grad(loss_fn)(p, batch, expert_count, jax.random.fold_in(step_key, 1))
+            loss, grads = jax.value_and_grad(loss_fn)(
+                p, batch, expert_count, jax.random.fold_in(step_key, 1)
+            )
             updates, new_state = optimizer.update(grads, state, p)
-            keep = lambda new, old: jnp.where(active, new, old)  # a stopped run keeps its params
-            return (jax.tree.map(keep, optax.apply_updates(p, updates), p), jax.tree.map(keep, new_state, state)), loss
+
+            def keep(new: Array, old: Array) -> Array:
+                return jnp.where(active, new, old)  # a stopped run keeps its params
+
+            return (
+                jax.tree.map(keep, optax.apply_updates(p, updates), p),
+                jax.tree.map(keep, new_state, state),
+            ), loss
 
         (p, state), losses = jax.lax.scan(step, (p, state), start + jnp.arange(chunk))
         return p, state, jnp.mean(losses)
@@ -245,7 +289,16 @@ def train_runs(
     window = cfg.converge_window // chunk
     with tqdm(total=cfg.steps, desc=desc, leave=False, mininterval=1.0) as bar:
         for start in range(0, cfg.steps, chunk):
-            params, opt_state, loss = run_chunk(params, opt_state, runs.key, runs.data_index, runs.num_train, runs.expert_count, jnp.asarray(active), start)
+            params, opt_state, loss = run_chunk(
+                params,
+                opt_state,
+                runs.key,
+                runs.data_index,
+                runs.num_train,
+                runs.expert_count,
+                jnp.asarray(active),
+                start,
+            )
             loss = np.asarray(loss)
             history.append(np.where(active, loss, history[-1] if history else loss))
             steps += chunk * active
@@ -253,7 +306,9 @@ def train_runs(
             if callback is not None:
                 callback(start + chunk, params)
             if window:
-                active &= ~converged(np.stack(history, axis=1), window, cfg.converge_rtol, cfg.converge_atol)
+                active &= ~converged(
+                    np.stack(history, axis=1), window, cfg.converge_rtol, cfg.converge_atol
+                )
                 bar.set_postfix(running=int(active.sum()), refresh=False)
                 if not active.any():
                     break
@@ -263,7 +318,9 @@ def train_runs(
     return params
 
 
-def evaluate_runs(model: Any, params: Params, runs: Runs, test: Batch, num_clusters: int) -> dict[str, np.ndarray]:
+def evaluate_runs(
+    model: Any, params: Params, runs: Runs, test: Batch, num_clusters: int
+) -> dict[str, np.ndarray]:
     """Test metrics of every run (top-1 routing, Section 2), each ``[R]``:
 
     loss (normalised, top-1), loss_soft (normalised, probability-weighted), mse / mse_soft
@@ -282,22 +339,45 @@ def evaluate_runs(model: Any, params: Params, runs: Runs, test: Batch, num_clust
         batch = jax.tree.map(lambda leaf: leaf[data_index], test)
         pred, probs = model.apply(p, batch.x, top1=True, expert_count=expert_count)
         soft, _ = model.apply(p, batch.x, expert_count=expert_count)
-        out = {"loss": metrics.normalised_loss(pred, batch.y), "loss_soft": metrics.normalised_loss(soft, batch.y), "mse": metrics.mse(pred, batch.y), "mse_soft": metrics.mse(soft, batch.y)}
+        out = {
+            "loss": metrics.normalised_loss(pred, batch.y),
+            "loss_soft": metrics.normalised_loss(soft, batch.y),
+            "mse": metrics.mse(pred, batch.y),
+            "mse_soft": metrics.mse(soft, batch.y),
+        }
         if not is_moe:
             return out
         flat = probs.reshape(-1, probs.shape[-1])
         cluster = batch.cluster.reshape(-1)
         s = metrics.sparsity(flat, cluster, num_clusters)
-        out.update(sparsity_nats=s["nats"], sparsity=s["effective"], sparsity_exp_mean_nats=jnp.exp(s["nats"]), purity=metrics.purity(flat, cluster, num_clusters))
+        out.update(
+            sparsity_nats=s["nats"],
+            sparsity=s["effective"],
+            sparsity_exp_mean_nats=jnp.exp(s["nats"]),
+            purity=metrics.purity(flat, cluster, num_clusters),
+        )
         if shuffleable:
-            shuffled = {**p, "router": routers.shuffle_columns(model.router, p["router"], jax.random.fold_in(key, 2))}
+            shuffled = {
+                **p,
+                "router": routers.shuffle_columns(
+                    model.router, p["router"], jax.random.fold_in(key, 2)
+                ),
+            }
             _, sprobs = model.apply(shuffled, batch.x, expert_count=expert_count)
             s = metrics.sparsity(sprobs.reshape(flat.shape), cluster, num_clusters)
-            out.update(shuffled_sparsity_nats=s["nats"], shuffled_sparsity=s["effective"], shuffled_sparsity_exp_mean_nats=jnp.exp(s["nats"]))
-            out["norm_uniformity"] = metrics.norm_uniformity(routers.expert_weight(model.router, p["router"]))
+            out.update(
+                shuffled_sparsity_nats=s["nats"],
+                shuffled_sparsity=s["effective"],
+                shuffled_sparsity_exp_mean_nats=jnp.exp(s["nats"]),
+            )
+            out["norm_uniformity"] = metrics.norm_uniformity(
+                routers.expert_weight(model.router, p["router"])
+            )
         return out
 
-    result = jax.jit(lambda p: jax.lax.map(one, (p, runs.key, runs.data_index, runs.expert_count)))(params)
+    result = jax.jit(lambda p: jax.lax.map(one, (p, runs.key, runs.data_index, runs.expert_count)))(
+        params
+    )
     return {name: np.asarray(value) for name, value in result.items()}
 
 

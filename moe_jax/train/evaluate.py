@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     first = gin_utils.first_checkpoint(args)
-    args.gin_file = gin_utils.run_gin_files(first, ["runs/eval.gin"], args.gin_file, command="moe-jax eval")
+    args.gin_file = gin_utils.run_gin_files(args, first, ["runs/eval.gin"], command="moe-jax eval")
     apply_eval_settings(args, first)
     gin_utils.parse_gin(args)
     evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
@@ -412,8 +412,11 @@ def apply_eval_settings(args, checkpoint: str | None) -> None:
     model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
     recorded = read_eval_settings(model_dir) if model_dir and args.eval_settings == "run" else None
     if recorded is not None:
+        path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+        gin_utils.refuse_untrusted_modules(  # the task module, imported like the config's
+            path, [(f"{_EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))], args)
         args.gin_dot_bindings[:0] = eval_settings_bindings(recorded)
-        source = (f"the run's, from {storage.join(model_dir, EVAL_SETTINGS_FILE)} "
+        source = (f"the run's, from {path} "
                   "(--eval_settings=gin: runs/eval.gin's)")
     elif args.eval_settings == "run" and model_dir:
         source = f"runs/eval.gin's and the gin flags' ({model_dir} recorded none)"

@@ -28,10 +28,17 @@ An export directory holds:
 ``MODEL_DIR/router_init.npz`` from ``router_init.safetensors``. The round trip gives
 bit-identical parameters and initial routers. Gin: ``runs/export.gin`` (the model of both commands) is
 added to the run's config; ``--gin_file`` / ``--gin.NAME=VALUE`` override as elsewhere.
+
+Neither writes over another run: ``--out`` / ``--model_dir`` must be new or empty
+(``--overwrite``: a non-empty one), and never a run directory (``checkpoints/`` or a
+``LOCK``), except for `import` into the very run the export came from (with ``--overwrite``;
+its ``config.gin`` is kept). The config an export or run directory brings names no code to
+import that the command line does not (:func:`gin_utils.check_run_config`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -357,13 +364,39 @@ def _run_config_for_import(export_dir: str, model_dir: str) -> str:
     return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
 
 
-def _export(args) -> dict[str, Any]:
-    from moe_jax.train import checkpoints
+def holds_run(directory: str) -> bool:
+    """``directory`` is a run directory: it holds ``checkpoints/`` or a trainer's ``LOCK``."""
+    from moe_jax.train import run_lock
 
+    return any(storage.exists(storage.join(directory, name))
+               for name in ("checkpoints", run_lock.LOCK_FILE))
+
+
+def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None = None) -> None:
+    """Refuses to write into ``directory`` (given as ``flag``) when it holds a run other than
+    ``own_run`` (even with ``overwrite``), or when it is not empty and ``overwrite`` is False.
+
+    Raises:
+      ExportError: naming the flag, the directory and what it holds.
+    """
+    entries = storage.listdir(directory)
+    if not entries:
+        return
+    if holds_run(directory) and storage.normalize(directory) != own_run:
+        raise ExportError(f"{flag}={directory} holds another run ({', '.join(entries[:4])}); "
+                          "refusing to write into it, even with --overwrite: pick a new directory")
+    if not overwrite:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ExportError(f"{flag}={directory} is not empty ({shown}); pass --overwrite to write "
+                          "into it")
+
+
+def _export(args) -> dict[str, Any]:
+    check_target(args.out, "--out", args.overwrite)  # an export never goes into a run directory
     distributed.initialize(args)
-    run_files = gin_utils.run_gin_files(args.checkpoint, ["runs/export.gin"], args.gin_file,
+    run_files = gin_utils.run_gin_files(args, args.checkpoint, ["runs/export.gin"],
                                         command="moe-jax export")
-    config = gin_utils.run_config_file(checkpoints.split_checkpoint_path(args.checkpoint)[0])
+    config = gin_utils.checkpoint_config(args.checkpoint, args)
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
     gin_utils.parse_gin(args)
@@ -376,7 +409,10 @@ def export_main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
     parser.add_argument("--checkpoint", type=storage.normalize, required=True, metavar="DIR[/STEP]",
                         help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
-    parser.add_argument("--out", type=storage.normalize, required=True, metavar="DIR", help="the export directory")
+    parser.add_argument("--out", type=storage.normalize, required=True, metavar="DIR",
+                        help="the export directory (new or empty; never a run directory)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out (an earlier export)")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     result = _export(args)
     print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
@@ -385,9 +421,22 @@ def export_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _source_run(export_dir: str) -> str | None:
+    """The run directory an export was written from (its ``config.json``), if it says."""
+    from moe_jax.train import checkpoints
+
+    path = storage.join(export_dir, CONFIG_JSON)
+    with contextlib.suppress(OSError, ValueError):  # read_export names what is wrong
+        source = json.loads(storage.read_text(path)).get("source_checkpoint")
+        return checkpoints.split_checkpoint_path(source)[0] if isinstance(source, str) else None
+    return None
+
+
 def _import(args) -> int:
+    check_target(args.model_dir, "--model_dir", args.overwrite, _source_run(args.export))
+    own_run = holds_run(args.model_dir)  # the run exported: its config.gin stays as it is
     distributed.initialize(args)
-    exported_gin = gin_utils.run_config_file(args.export)  # a downloaded export: imports checked
+    exported_gin = gin_utils.run_config_file(args.export, args)  # perhaps downloaded: checked
     use_export_config = not args.gin_file and exported_gin is not None
     if not args.gin_file and not use_export_config:
         raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
@@ -399,7 +448,7 @@ def _import(args) -> int:
     args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
     gin_utils.parse_gin(args)
     step = import_export(args.export, args.model_dir)
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not own_run:
         storage.write_text(storage.join(args.model_dir, CONFIG_GIN),
                            config_text if config_text is not None else gin_utils.operative_config())
     return step
@@ -410,7 +459,10 @@ def import_main(argv: list[str] | None = None) -> int:
 
     parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
     parser.add_argument("--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory")
-    parser.add_argument("--model_dir", type=storage.normalize, required=True, metavar="DIR", help="the new run directory")
+    parser.add_argument("--model_dir", type=storage.normalize, required=True, metavar="DIR",
+                        help="the new run directory (new or empty; or the run exported, with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --model_dir that holds no other run")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     step = _import(args)
     print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,

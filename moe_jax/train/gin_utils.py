@@ -33,6 +33,7 @@ import os
 import pathlib
 import re
 import sys
+import tokenize
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,10 +64,16 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
 _SEARCH_PATHS_ADDED: set[str] = set()
 _MACRO_REF = re.compile(r"%([A-Za-z_][\w./]*)")
 _MACRO_DEF = re.compile(r"^\s*([A-Za-z_][\w]*)\s*=")
+_ACCEPTED_CONFIG = re.compile(r"config\.step-(\d+)\.gin")  # record_run_config's
 
 
 # Modules a run directory's config file may import (gin runs an import when parsing).
 PROJECT_MODULES: tuple[str, ...] = ("moe_jax",)
+# Bindings whose value names a module (or .py file) that is imported, i.e. run: the macro
+# and (configurable, parameter) pairs (T5X's MIXTURE_OR_TASK_MODULE, imported by
+# utils.DatasetConfig).
+IMPORT_MACROS: tuple[str, ...] = ("MIXTURE_OR_TASK_MODULE",)
+IMPORT_PARAMETERS: tuple[tuple[str, str], ...] = (("DatasetConfig", "module"),)
 
 # Bindings that may differ when a run resumes: its length, periods and paths.
 RESUMABLE_CHANGES = re.compile(
@@ -80,6 +87,11 @@ class GinConfigError(errors.UserError, ValueError):
 
 class ConfigChangedError(GinConfigError):
     """A run would resume with another gin config than it was trained with."""
+
+
+class UntrustedCodeError(GinConfigError):
+    """A run directory's or export's config names code to import that the command line does
+    not name."""
 
 
 # Macros the repository's gin files define, by the file that defines them (shown by --help).
@@ -170,6 +182,9 @@ def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
             rest.append(arg)
     args = parser.parse_args(rest)
     args.gin_dot_bindings = dot_bindings
+    # what the user gave, kept apart from what a command adds (a run's config, its settings)
+    args.command_line_bindings = [*args.gin_bindings, *dot_bindings]
+    args.command_line_gin_files = list(args.gin_file)
     if args.tfds_data_dir:
         os.environ["TFDS_DATA_DIR"] = args.tfds_data_dir
     return args
@@ -216,18 +231,50 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
             gin.add_config_file_search_path(path)
             _SEARCH_PATHS_ADDED.add(path)
     files = [_resolve(f, roots) for f in args.gin_file]
+    for given in args.command_line_gin_files:  # e.g. train --gin_file=RUN/config.gin
+        if (path := _resolve(given, roots)) and in_run_directory(path):
+            check_run_config(path, args)
     bindings = [*args.gin_bindings, *args.gin_dot_bindings]
+    for binding in args.gin_bindings:
+        _check_binding(binding, f"--gin_bindings={binding!r}")
+    for binding in args.gin_dot_bindings:
+        _check_binding(binding, "--gin.{}={}".format(*binding.split(" = ", 1)))
     try:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        raise GinConfigError(f"gin: {err}") from None
+        raise GinConfigError(f"gin: {_readable(err)}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
         try:
             gin.finalize()
         except ValueError as err:
             raise GinConfigError(f"gin: {err}") from None
+
+
+def _check_binding(binding: str, origin: str) -> None:
+    """Parses one command-line binding on its own: gin parses all of them as one text, so an
+    unclosed bracket would be blamed on the next binding's line.
+
+    Raises:
+      GinConfigError: naming ``origin`` (the flag as given) and what cannot be parsed.
+    """
+    try:
+        list(config_parser.ConfigParser(binding, _InertDelegate()))
+    except tokenize.TokenError:
+        raise GinConfigError(f"gin: {origin}: cannot parse it (a bracket or quote is not "
+                             "closed)") from None
+    except (SyntaxError, ValueError) as err:
+        raise GinConfigError(f"gin: {origin}: cannot parse it: {_readable(err)}") from None
+
+
+_AST_NODE = re.compile(r"malformed node or string on line \d+: <ast\.\w+ object at 0x[0-9a-f]+>")
+
+
+def _readable(err: BaseException) -> str:
+    """gin's message without Python's ``<ast.Name object at 0x...>`` (a bare word where a
+    value was expected: a string without quotes)."""
+    return _AST_NODE.sub("not a value (strings need quotes)", str(err))
 
 
 def _drop_path_not_found(record: logging.LogRecord) -> bool:
@@ -327,7 +374,7 @@ def first_checkpoint(args: argparse.Namespace) -> str | None:
     return storage.normalize(given) if given else None
 
 
-def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Sequence[str], *,
+def run_gin_files(args: argparse.Namespace, checkpoint: str | None, defaults: Sequence[str], *,
                   extend_run_config: bool = False, command: str = "moe-jax") -> list[str]:
     """The gin files of a command reading a run's checkpoint (eval, infer, analyze, export)
     and a line on stderr saying which config that is.
@@ -335,8 +382,8 @@ def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Se
     ``defaults`` (the command's own files, e.g. ``runs/eval.gin``; resolved against the
     search paths) come first, then the run's ``MODEL_DIR/config.gin``, so the run's macros
     (task, feature lengths, batch size) win over the defaults'. The run's config is used when
-    no ``gin_files`` are given, or with ``extend_run_config`` before them (``analyze``:
-    the command line overrides the run).
+    no ``args.gin_file`` are given, or with ``extend_run_config`` before them (``analyze``:
+    the command line overrides the run); it goes through :func:`check_run_config`.
 
     Raises:
       FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint, or
@@ -347,6 +394,7 @@ def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Se
 
     roots = search_paths([])
     defaults = [_resolve(f, roots) for f in defaults]
+    gin_files = args.gin_file
     config = None
     if checkpoint is None:
         if not gin_files:
@@ -357,7 +405,7 @@ def run_gin_files(checkpoint: str | None, defaults: Sequence[str], gin_files: Se
             raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
                                     f"({storage.join(model_dir, 'checkpoints')} does not exist)")
         if extend_run_config or not gin_files:
-            config = run_config_file(model_dir)
+            config = checkpoint_config(checkpoint, args)
     if config is None and not gin_files:
         raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
                                 f"{storage.join(model_dir, 'config.gin')}; pass its model and data "
@@ -392,31 +440,154 @@ def _parse_statements(text: str, origin: str) -> list:
         raise GinConfigError(f"gin: {origin}: {err}") from None
 
 
-def run_config_file(model_dir: str, allowed_modules: Sequence[str] = ()) -> str | None:
-    """``MODEL_DIR/config.gin`` (None when the run has none), checked to be safe to parse:
-    every ``import`` names a module of the project (:data:`PROJECT_MODULES`) or of
-    ``allowed_modules``, and it includes no other file. The CLIs that read a run's config
-    (analyze, eval, infer) call this rather than parsing the file directly.
+def run_config_file(model_dir: str, args: argparse.Namespace,
+                    step: int | None = None) -> str | None:
+    """The run's config as of checkpoint ``step`` (:func:`recorded_run_config`: ``config.gin``
+    or a newer accepted ``config.step-N.gin``; an export's ``config.gin``; None when there is
+    none), passed through :func:`check_run_config`. Every command that reads a run's or an
+    export's config (analyze, eval, infer, export, import) finds it here.
 
     Raises:
-      GinConfigError: naming the file and line of an import of another module, or of an include.
+      GinConfigError: as :func:`check_run_config`.
     """
-    path = storage.join(model_dir, "config.gin")
+    path = recorded_run_config(model_dir, step)
     if not storage.exists(path):
         return None
-    allowed = (*PROJECT_MODULES, *allowed_modules)
+    check_run_config(path, args)
+    return path
+
+
+def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
+    """:func:`run_config_file` of the run ``checkpoint`` (``MODEL_DIR[/STEP]``) belongs to, as
+    of its step (the latest when none is given)."""
+    from moe_jax.train import checkpoints
+
+    model_dir, step = checkpoints.split_checkpoint_path(checkpoint)
+    return run_config_file(model_dir, args,
+                           checkpoints.reached_step(model_dir) if step is None else step)
+
+
+def check_run_config(path: str, args: argparse.Namespace) -> None:
+    """The gate a config file that comes with a run directory or an export goes through
+    before gin parses it (parsing runs ``import`` lines; the data pipeline imports
+    ``MIXTURE_OR_TASK_MODULE``): every ``import`` names a module of the project
+    (:data:`PROJECT_MODULES`), it includes no other file, and every binding naming code to
+    import (:func:`import_bindings`) names the project's own or a module the command line
+    names too (:func:`command_line_modules`).
+
+    Raises:
+      GinConfigError: naming the file, line and statement refused.
+    """
     for statement in _parse_statements(_read(path), path):
         line = statement.location.line_num if hasattr(statement, "location") else "?"
         if isinstance(statement, config_parser.ImportStatement):
-            if not any(statement.module == m or statement.module.startswith(m + ".") for m in allowed):
+            if not any(statement.module == m or statement.module.startswith(m + ".")
+                       for m in PROJECT_MODULES):
                 raise GinConfigError(
-                    f"{path}, line {line}: refusing `{statement.format()}`: a run directory's config "
-                    f"may import only the project's modules ({', '.join(allowed)}); parsing it would run "
-                    f"{statement.module}")
+                    f"{path}, line {line}: refusing `{statement.format()}`: a run directory's "
+                    f"config may import only the project's modules ({', '.join(PROJECT_MODULES)}); "
+                    f"parsing it would run {statement.module}")
         elif isinstance(statement, config_parser.IncludeStatement):
             raise GinConfigError(f"{path}, line {line}: refusing `include {statement.filename!r}`: "
                                  "a run directory's config must be self-contained")
-    return path
+    refuse_untrusted_modules(path, import_bindings(_read(path), path), args)
+
+
+def refuse_untrusted_modules(origin: str, found: Iterable[tuple[str, int | None, Any]],
+                             args: argparse.Namespace) -> None:
+    """Refuses the first of ``found`` (``(binding, line, module)``, read from ``origin``, a
+    run's file) that is neither the project's own module nor one the command line names.
+
+    Raises:
+      UntrustedCodeError: naming ``origin``, the line and the binding.
+    """
+    trusted = command_line_modules(args)
+    for binding, line, module in found:
+        if module is None or _is_project_module(module) or _same_module(module, trusted):
+            continue
+        where = f"{origin}, line {line}" if line else origin
+        raise UntrustedCodeError(
+            f"{where}: refusing {binding} = {module!r}: a run's config may name only the "
+            "project's modules or those given on the command line (importing it would run its "
+            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}")
+
+
+def _is_project_module(module: Any) -> bool:
+    return isinstance(module, str) and any(module == m or module.startswith(m + ".")
+                                           for m in PROJECT_MODULES)
+
+
+def _same_module(module: Any, trusted: Iterable[Any]) -> bool:
+    """``module`` is one of ``trusted`` (a ``.py`` file: the same file, however written)."""
+    for other in trusted:
+        if module == other or (isinstance(module, str) and isinstance(other, str)
+                               and module.endswith(".py") and other.endswith(".py")
+                               and os.path.abspath(module) == os.path.abspath(other)):
+            return True
+    return False
+
+
+def _macro_name(statement: config_parser.BindingStatement) -> str | None:
+    """The macro a binding defines (``NAME = v`` or ``NAME/macro.value = v``), else None."""
+    if not statement.scope and not statement.arg_name and "." not in statement.selector:
+        return statement.selector
+    if statement.selector in ("macro", "gin.macro") and statement.arg_name == "value":
+        return statement.scope
+    return None
+
+
+def import_bindings(text: str, origin: str) -> list[tuple[str, int, Any]]:
+    """``(binding, line, module)`` for each binding of a gin text whose value names code that
+    is imported (:data:`IMPORT_MACROS`, :data:`IMPORT_PARAMETERS`), with macros the text
+    defines resolved (``DatasetConfig.module = %X`` and ``X = 'mod'`` give ``'mod'``). A
+    reference to ``%MIXTURE_OR_TASK_MODULE`` the text does not define is left to the file
+    or flag that does; one to any other undefined macro is listed as the reference itself
+    (``'%X'``), a value no import binding of the project's configs has."""
+    statements = [s for s in _parse_statements(text, origin)
+                  if isinstance(s, config_parser.BindingStatement)]
+    macros = {name: s.value for s in statements if (name := _macro_name(s))}
+    found = []
+    for statement in statements:
+        macro = _macro_name(statement)
+        parameter = (statement.selector.rsplit(".", 1)[-1], statement.arg_name)
+        if macro not in IMPORT_MACROS and parameter not in IMPORT_PARAMETERS:
+            continue
+        value, seen = statement.value, set()
+        while (isinstance(value, str) and value.startswith("%") and value[1:] in macros
+               and value not in seen):
+            seen.add(value)
+            value = macros[value[1:]]
+        if isinstance(value, str) and value[1:] in IMPORT_MACROS and value not in seen:
+            continue
+        parameter_name = f"{statement.selector}.{statement.arg_name}"
+        name = macro or "/".join(p for p in (statement.scope, parameter_name) if p)
+        found.append((name, statement.location.line_num, value))
+    return found
+
+
+def command_line_modules(args: argparse.Namespace) -> list[Any]:
+    """The modules the user's command line names: in ``--gin.NAME=VALUE`` / ``--gin_bindings``
+    flags and in the ``--gin_file`` files that are not a run directory's (as given to
+    :func:`parse_flags`, before a command adds a run's config or recorded settings)."""
+    found = []
+    for binding in args.command_line_bindings:
+        with contextlib.suppress(GinConfigError):  # parse_gin reports a bad binding
+            found += import_bindings(binding, f"binding {binding!r}")
+    roots = search_paths(args.gin_search_paths)
+    for name in args.command_line_gin_files:
+        with contextlib.suppress(GinConfigError, OSError):
+            path = _resolve(name, roots)
+            if not in_run_directory(path):
+                found += import_bindings(_read(path), path)
+    return [module for _, _, module in found]
+
+
+def in_run_directory(path: str) -> bool:
+    """``path`` lies in a run directory (beside ``checkpoints/`` or a ``LOCK``) or an export
+    (beside ``model.safetensors``): its config is the run's, not the user's."""
+    folder = storage.parent(path)
+    return any(storage.exists(storage.join(folder, name))
+               for name in ("checkpoints", "LOCK", "model.safetensors"))
 
 
 def config_bindings(text: str, origin: str = "config") -> dict[str, object]:
@@ -444,11 +615,13 @@ def config_changes(saved: str, current: str) -> list[str]:
 
 def record_run_config(model_dir: str, operative: str, step: int, *, allow_change: bool = False) -> str:
     """Keeps the run's gin config: writes ``MODEL_DIR/config.gin`` on the first start; on a
-    resumption (at ``step``) compares ``operative`` with it, which is never overwritten.
+    resumption (at ``step``) compares ``operative`` with the run's config as last accepted
+    (:func:`recorded_run_config`). No recorded config is ever overwritten, so a plain resume
+    that would undo an accepted change is refused like any other change.
 
     Returns:
-      the path the operative config is kept at: ``config.gin``, or ``config.step-N.gin``
-      when a resumption changed something and ``allow_change`` let it.
+      the path the operative config is kept at: the recorded one it equals, or
+      ``config.step-N.gin`` when this resumption changed something and ``allow_change`` let it.
 
     Raises:
       ConfigChangedError: listing the differing bindings, when ``allow_change`` is False.
@@ -457,16 +630,27 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
     if not storage.exists(first):
         storage.write_text(first, operative)
         return first
-    changes = config_changes(_read(first), operative)
+    recorded = recorded_run_config(model_dir, step)
+    changes = config_changes(_read(recorded), operative)
     if not changes:
-        return first
+        return recorded
     if not allow_change:
         raise ConfigChangedError(
-            f"MODEL_DIR={model_dir} was trained with another gin config ({first}); resuming at step "
-            f"{step} would change {len(changes)} binding(s) (pass --allow_config_change to resume "
-            "with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
+            f"MODEL_DIR={model_dir} was trained with another gin config ({recorded}); resuming at "
+            f"step {step} would change {len(changes)} binding(s) (pass --allow_config_change to "
+            "resume with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
     kept = storage.join(model_dir, f"config.step-{step}.gin")
-    storage.write_text(kept, f"# resumed at step {step} with --allow_config_change; changed from config.gin:\n"
-                 + "".join(f"#   {line}\n" for line in changes) + operative)
+    storage.write_text(kept, f"# resumed at step {step} with --allow_config_change; changed from "
+                       f"{storage.basename(recorded)}:\n"
+                       + "".join(f"#   {line}\n" for line in changes) + operative)
     return kept
 
+
+def recorded_run_config(model_dir: str, step: int | None = None) -> str:
+    """The run's gin config as of ``step``: the newest ``config.step-N.gin`` (written when a
+    resumption at step N changed the config with ``--allow_config_change``) with N <= ``step``
+    (any N when ``step`` is None), else ``config.gin``."""
+    accepted = {int(m.group(1)): name for name in storage.listdir(model_dir)
+                if (m := _ACCEPTED_CONFIG.fullmatch(name))
+                and (step is None or int(m.group(1)) <= step)}
+    return storage.join(model_dir, accepted[max(accepted)] if accepted else "config.gin")

@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one --input or an --input_file")
     distributed.initialize(args)
     args.gin_file = gin_utils.run_gin_files(
-        gin_utils.first_checkpoint(args), ["runs/infer.gin"], args.gin_file,
-        command="moe-jax infer")
+        args, gin_utils.first_checkpoint(args), ["runs/infer.gin"], command="moe-jax infer")
     gin_utils.parse_gin(args)
     outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
     if jax.process_index() == 0:

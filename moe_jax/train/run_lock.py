@@ -5,7 +5,8 @@ for all). The file is JSON naming the holder: ``{"host", "pid", "since", "lease_
 the holder refreshes it (its modification time is the heartbeat) every ``lease_sec / 4``
 seconds: locally by touching it, on GCS by rewriting the object. A second trainer is refused with :class:`~moe_jax.errors.RunLockedError` naming
 the holder, unless the holder is dead: a process on this host that no longer exists
-(kill -9) is taken over at once; a holder on another host (or one that stopped
+(kill -9), or an empty file (a writer stopped between creating and writing it; the
+project's own locks are created whole), is taken over at once; a holder on another host (or one that stopped
 heartbeating) once its heartbeat is older than ``lease_sec`` (default 120 s,
 ``MOE_JAX_LOCK_LEASE_SEC``). A clean exit removes the file.
 
@@ -99,6 +100,8 @@ class RunLock:
             age = time.time() - storage.modified_time(self.path)
         except FileNotFoundError:
             return None, 0.0
+        if not text.strip():
+            return {}, age  # created but never written: its writer died at once (see _dead)
         try:
             return json.loads(text), age
         except ValueError:  # written by something else: treat as a holder of unknown identity
@@ -106,6 +109,8 @@ class RunLock:
 
     def _dead(self, holder: dict[str, Any], age: float) -> str | None:
         """Why ``holder`` is dead, or None when it may be alive."""
+        if not holder:  # a lock is created whole (create_exclusive): an empty one has no holder
+            return "the lock file is empty (its writer stopped before writing it)"
         if holder.get("host") == self.record["host"] and isinstance(holder.get("pid"), int):
             try:
                 os.kill(holder["pid"], 0)
@@ -180,8 +185,10 @@ def hold(model_dir: str) -> Iterator[RunLock | None]:
             error = err
         if lock is not None and lock.took_over:
             old = lock.took_over
-            print(f"[moe-jax] took over the lock of {model_dir} from host {old.get('host')} PID "
-                  f"{old.get('pid')} (since {old.get('since')}): {old['reason']}", file=sys.stderr, flush=True)
+            holder = (f"host {old.get('host')} PID {old.get('pid')} (since {old.get('since')})"
+                      if old.get("host") else "no holder")
+            print(f"[moe-jax] took over the lock of {model_dir} from {holder}: {old['reason']}",
+                  file=sys.stderr, flush=True)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -421,18 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or (gin_flags and args.action != "run"):
         parser.error(f"unrecognized arguments: {' '.join(unknown or gin_flags)}"
                      + (" (--gin.NAME=VALUE is a flag of `sweep run`)" if gin_flags and not unknown else ""))
-    try:
-        family = load_family(args.family, args.sets, gin_flags)
-    except FamilyError as err:
-        print(f"moe-jax sweep: {err}", file=sys.stderr)
-        return 2
+    family = load_family(args.family, args.sets, gin_flags)
     if args.action == "run":
         if args.only:
             names = args.only.split(",")
             unknown = sorted(set(names) - {s.run for s in family.runs})
             if unknown:
-                print(f"moe-jax sweep: --only={args.only}: no run {unknown} in {args.family}", file=sys.stderr)
-                return 2
+                raise FamilyError(f"--only={args.only}: no run {unknown} in {args.family}")
             family = dataclasses.replace(family, runs=tuple(s for s in family.runs if s.run in names))
         if args.dry_run:
             import shlex
@@ -452,8 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.root
     summary = summarize(family, args.root)
     if all(g.get("missing") for g in summary["groups"].values()):
-        print(f"moe-jax sweep: no eval records under {args.root} for family {family.name}", file=sys.stderr)
-        return 1
+        raise FamilyError(f"no eval records under {args.root} for family {family.name}")
     path = storage.join(out, f"{family.name}.json")
     storage.write_text(path, json.dumps(summary, indent=1))
     pngs = plot_summary(summary, family, out)

@@ -18,7 +18,9 @@ Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_l
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
 write anywhere in ``MODEL_DIR`` (a checkpoint, ``metrics.jsonl``, TensorBoard, configs)
 stops the run (exit 74) naming the file and the last good checkpoint; a resumption whose gin
-config differs from the run's ``config.gin`` is refused unless ``--allow_config_change``;
+config differs from the run's (``config.gin``, or the newest ``config.step-N.gin`` an
+accepted change wrote) is refused unless ``--allow_config_change``; a refused start leaves
+no empty ``MODEL_DIR``;
 ``metrics.jsonl`` and TensorBoard records past the restored step are dropped on resume.
 """
 
@@ -107,7 +109,8 @@ def train(
       stop_after_steps: end (with a checkpoint) after this many steps of *this* invocation
         (tests of interrupted runs); not a gin parameter.
       allow_config_change: resume although the operative gin config differs from the run's
-        ``config.gin`` (``--allow_config_change``; kept as ``config.step-N.gin``).
+        config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
+        which later resumptions compare with).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -124,17 +127,24 @@ def train(
         raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
     model_dir = storage.normalize(model_dir)
     _check_total_steps(total_steps, checkpoints.reached_step(model_dir), model_dir)
+    created = not storage.exists(model_dir)
     checkpoints.ensure_writable(model_dir)
-    with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
-        return _train(model=model, train_dataset_cfg=train_dataset_cfg,
-                      train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
-                      total_steps=total_steps, random_seed=random_seed,
-                      checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
-                      async_checkpointing=async_checkpointing, log_period=log_period,
-                      eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
-                      on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
-                      routing_churn=routing_churn,
-                      stop_after_steps=stop_after_steps, allow_config_change=allow_config_change)
+    try:
+        with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
+            return _train(model=model, train_dataset_cfg=train_dataset_cfg,
+                          train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
+                          total_steps=total_steps, random_seed=random_seed,
+                          checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
+                          async_checkpointing=async_checkpointing, log_period=log_period,
+                          eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
+                          on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
+                          routing_churn=routing_churn, stop_after_steps=stop_after_steps,
+                          allow_config_change=allow_config_change)
+    except Exception:
+        # refused before writing anything (vocabulary, experts, mesh): no empty MODEL_DIR left
+        if created and jax.process_index() == 0 and not storage.listdir(model_dir):
+            storage.rmtree(model_dir)
+        raise
 
 
 @contextlib.contextmanager
@@ -350,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     to report (codes in :mod:`moe_jax.errors`)."""
     parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
     parser.add_argument("--allow_config_change", action="store_true",
-                        help="resume although the gin config differs from the run's config.gin "
-                             "(the new one is kept as MODEL_DIR/config.step-N.gin)")
+                        help="resume although the gin config differs from the run's (config.gin "
+                             "or the newest config.step-N.gin); the new one is kept as "
+                             "MODEL_DIR/config.step-N.gin and later resumes compare with it")
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)

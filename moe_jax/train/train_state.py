@@ -10,6 +10,7 @@ train step's forward pass updates and the optimizer never sees. Dropout keys are
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax import partitioning
+from moe_jax import errors, partitioning
 
 PyTree = Any
 
@@ -87,6 +88,29 @@ def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: M
 
 
 def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
-    """``jax.ShapeDtypeStruct`` leaves carrying their sharding (orbax restore targets)."""
+    """``jax.ShapeDtypeStruct`` leaves carrying their sharding (orbax restore targets).
+
+    Raises:
+      errors.ConfigError: naming the first array whose dimension a mesh axis does not divide
+        (e.g. 3 experts on an ``expert`` axis of 2), instead of JAX's sharding text.
+    """
+    jax.tree_util.tree_map_with_path(_check_divides, abstract, shardings)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, shardings)
+
+
+def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
+    """Refuses a ``sharding`` that splits a dimension of ``leaf`` into unequal parts."""
+    if not isinstance(sharding, NamedSharding):
+        return
+    name, shape = jax.tree_util.keystr(path, simple=True, separator="/"), tuple(leaf.shape)
+    for dim, (size, axes) in enumerate(zip(shape, sharding.spec)):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        parts = math.prod(sharding.mesh.shape[axis] for axis in axes)
+        if parts > 1 and size % parts:
+            hint = ("make the number of experts (NUM_EXPERTS) a multiple of the expert axis, or "
+                    "change the mesh (partitioning.make_mesh.mesh_shape)" if "expert" in axes
+                    else "change the mesh (partitioning.make_mesh.mesh_shape) or that size")
+            raise errors.ConfigError(
+                f"{name} {list(shape)}: dimension {dim} ({size}) is split over mesh axis "
+                f"{'x'.join(axes)} of size {parts}, which does not divide it; {hint}")

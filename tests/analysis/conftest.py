@@ -11,18 +11,24 @@ import pytest
 
 from moe_jax.train import gin_utils, setup, train
 
-TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-        "--gin.train_script.train.checkpoint_period=1", "--gin.train_script.train.log_period=1",
-        "--gin.train_script.train.eval_period=0"]
+TINY = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.train_script.train.checkpoint_period=1",
+    "--gin.train_script.train.log_period=1",
+    "--gin.train_script.train.eval_period=0",
+]
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> pathlib.Path:
     """``MODEL_DIR`` of a 1-step run: ``checkpoints/1`` and the run's ``config.gin``."""
     model_dir = tmp_path_factory.mktemp("tiny_run")
-    args = gin_utils.parse_flags(setup.build_parser("test", "test"),
-                                 [*TINY, f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=1"])
+    args = gin_utils.parse_flags(
+        setup.build_parser("test", "test"),
+        [*TINY, f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=1"],
+    )
     gin_utils.parse_gin(args)
     try:
         train.train()

@@ -10,15 +10,21 @@ import pytest
 from moe_jax import cli as moe_jax_cli
 from moe_jax.analysis import cli
 
-LAYERS = ["encoder/layers_1", "decoder/layers_1"]   # size_tiny: one sparse layer per stack
+LAYERS = ["encoder/layers_1", "decoder/layers_1"]  # size_tiny: one sparse layer per stack
 
 
 @pytest.fixture(scope="module")
 def analysis(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("positions")
-    rc = cli.main(["positions", f"--checkpoint={tiny_run}/checkpoints/1", f"--out={out}",
-                   "--gin.positions_script.analyze.num_batches=2",
-                   "--gin.positions_script.analyze.block_sizes=(4, 16)"])
+    rc = cli.main(
+        [
+            "positions",
+            f"--checkpoint={tiny_run}/checkpoints/1",
+            f"--out={out}",
+            "--gin.positions_script.analyze.num_batches=2",
+            "--gin.positions_script.analyze.block_sizes=(4, 16)",
+        ]
+    )
     assert rc == 0
     return out, json.loads((out / "positions.json").read_text())
 
@@ -35,7 +41,10 @@ def test_cli_writes_the_json_and_the_pngs(analysis):
     enc, dec = (result["layers"][n] for n in LAYERS)
     assert len(enc["activation_rate"]["top_k"]) <= 32 and len(dec["activation_rate"]["top_k"]) <= 8
     assert enc["num_sequences"] == 16 and enc["k"] == 2 and enc["num_experts"] == 4
-    assert set(enc["probe"]) == {"parity", "block_4", "block_16"} and set(dec["probe"]) == {"parity", "block_4"}
+    assert set(enc["probe"]) == {"parity", "block_4", "block_16"} and set(dec["probe"]) == {
+        "parity",
+        "block_4",
+    }
     for stats in result["layers"].values():
         for probe in stats["probe"].values():
             assert 0.0 <= probe["accuracy"] <= 1.0 and probe["test_tokens"] > 0
@@ -50,18 +59,30 @@ def test_activation_rates_sum_to_k_at_every_position(analysis):
         tokens = np.asarray(stats["activation_rate"]["tokens_per_position"])
         seen = tokens > 0
         assert seen[0] and tokens.sum() == stats["num_tokens"]
-        np.testing.assert_allclose(np.sum(stats["activation_rate"]["top_k"], 1)[seen], stats["k"], rtol=1e-9)
-        np.testing.assert_allclose(np.sum(stats["activation_rate"]["top1"], 1)[seen], 1.0, rtol=1e-9)
+        np.testing.assert_allclose(
+            np.sum(stats["activation_rate"]["top_k"], 1)[seen], stats["k"], rtol=1e-9
+        )
+        np.testing.assert_allclose(
+            np.sum(stats["activation_rate"]["top1"], 1)[seen], 1.0, rtol=1e-9
+        )
 
 
 def test_bad_checkpoint_path_is_named(tmp_path, tiny_run, capsys):
     missing = tmp_path / "no_such_run"
-    assert moe_jax_cli.main(["analyze", "positions", f"--checkpoint={missing}/checkpoints/5",
-                             f"--out={tmp_path}"]) == 1
+    assert (
+        moe_jax_cli.main(
+            ["analyze", "positions", f"--checkpoint={missing}/checkpoints/5", f"--out={tmp_path}"]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert f"--checkpoint='{missing}/checkpoints/5'" in err and "does not exist" in err
-    assert moe_jax_cli.main(["analyze", "positions", f"--checkpoint={tiny_run}/checkpoints/7",
-                             f"--out={tmp_path}"]) == 1
+    assert (
+        moe_jax_cli.main(
+            ["analyze", "positions", f"--checkpoint={tiny_run}/checkpoints/7", f"--out={tmp_path}"]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "no checkpoint step 7" in err and str(tiny_run) in err and "[1]" in err
     assert not (tmp_path / "positions.json").exists()

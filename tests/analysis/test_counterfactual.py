@@ -7,18 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 from moe_jax.analysis import counterfactual
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.layer import ROUTING_COLLECTION
 from moe_jax.moe.routers import HashRouter, TopKRouter
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
 def _routing(layer, params, x, interceptor=None, **kwargs):
     fn = counterfactual.intercepted(
-        lambda p, x: layer.apply({"params": p}, x, mutable=["moe_metrics", ROUTING_COLLECTION], **kwargs),
-        interceptor)
+        lambda p, x: layer.apply(
+            {"params": p}, x, mutable=["moe_metrics", ROUTING_COLLECTION], **kwargs
+        ),
+        interceptor,
+    )
     return jax.jit(fn)(params, x)
 
 
@@ -31,12 +34,17 @@ def test_shuffled_changes_router_outputs_but_not_expert_weights():
     assert not np.array_equal(w, w_shuffled)
     # the same entries, each input row moved whole: a permutation of the rows
     np.testing.assert_array_equal(np.sort(np.asarray(w), 0), np.sort(np.asarray(w_shuffled), 0))
-    assert sorted(map(tuple, np.asarray(w).tolist())) == sorted(map(tuple, np.asarray(w_shuffled).tolist()))
-    for a, b in zip(jax.tree.leaves(params["expert"]), jax.tree.leaves(shuffled["expert"])):
+    assert sorted(map(tuple, np.asarray(w).tolist())) == sorted(
+        map(tuple, np.asarray(w_shuffled).tolist())
+    )
+    for a, b in zip(
+        jax.tree.leaves(params["expert"]), jax.tree.leaves(shuffled["expert"]), strict=True
+    ):
         assert a is b
     (_, plain), (_, other) = _routing(layer, params, x), _routing(layer, shuffled, x)
-    assert not np.allclose(plain[ROUTING_COLLECTION]["router_probs"][0],
-                           other[ROUTING_COLLECTION]["router_probs"][0])
+    assert not np.allclose(
+        plain[ROUTING_COLLECTION]["router_probs"][0], other[ROUTING_COLLECTION]["router_probs"][0]
+    )
 
 
 def test_random_and_init_replace_only_router_weights(tmp_path):
@@ -46,10 +54,16 @@ def test_random_and_init_replace_only_router_weights(tmp_path):
     fresh = counterfactual.random_routers(params, seed=1, stddev=0.5)
     assert np.std(np.asarray(fresh["router"]["weights"]["w"])) > 0.2  # drawn with the given stddev
     assert fresh["expert"] is not params["expert"] or all(
-        a is b for a, b in zip(jax.tree.leaves(params["expert"]), jax.tree.leaves(fresh["expert"])))
+        a is b
+        for a, b in zip(
+            jax.tree.leaves(params["expert"]), jax.tree.leaves(fresh["expert"]), strict=True
+        )
+    )
     with pytest.raises(ValueError, match="saved no initial router"):
         counterfactual.variant("init", params, str(tmp_path))
-    with pytest.raises(ValueError, match="valid routers: learned, init, random, hash, uniform, shuffled"):
+    with pytest.raises(
+        ValueError, match="valid routers: learned, init, random, hash, uniform, shuffled"
+    ):
         counterfactual.variant("best", params, str(tmp_path))
     same, interceptor = counterfactual.variant("learned", params, str(tmp_path))
     assert same is params and interceptor is None
@@ -72,7 +86,9 @@ def test_uniform_splits_the_gate_mass_equally_over_the_same_experts():
     np.testing.assert_array_equal(uniform.routing.expert_index, learned.routing.expert_index)
     w = np.asarray(uniform.routing.combine_weights)
     np.testing.assert_allclose(w[..., 0], w[..., 1])
-    np.testing.assert_allclose(w.sum(-1), np.asarray(learned.routing.combine_weights).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(
+        w.sum(-1), np.asarray(learned.routing.combine_weights).sum(-1), rtol=1e-6
+    )
     assert (w[np.asarray(mask) == 0] == 0).all()
     np.testing.assert_allclose(np.asarray(uniform.gates).sum(-1), w.sum(-1), rtol=1e-6)
 
@@ -104,16 +120,26 @@ def test_seed_table_averages_a_familys_seeds_per_router():
     from moe_jax.train.evaluate import seed_table
 
     def result(entropy, dead):
-        routing = {"encoder/layers_1": {"dead_experts": dead, "dropped_fraction": 0.1},
-                   "decoder/layers_1": {"dead_experts": 1, "dropped_fraction": 0.3}}
+        routing = {
+            "encoder/layers_1": {"dead_experts": dead, "dropped_fraction": 0.1},
+            "decoder/layers_1": {"dead_experts": 1, "dropped_fraction": 0.3},
+        }
         return {"metrics": {"cross_entropy": entropy, "accuracy": 0.5}, "routing": routing}
 
-    results = {"learned_seed0:learned": result(5.0, 0), "learned_seed0:init": result(5.1, 4),
-               "learned_seed1:learned": result(6.0, 0), "learned_seed1:init": result(6.3, 8),
-               "frozen_seed0:learned": result(5.5, 2)}
-    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in seed_table(results).splitlines()[2:]}
+    results = {
+        "learned_seed0:learned": result(5.0, 0),
+        "learned_seed0:init": result(5.1, 4),
+        "learned_seed1:learned": result(6.0, 0),
+        "learned_seed1:init": result(6.3, 8),
+        "frozen_seed0:learned": result(5.5, 2),
+    }
+    rows = {
+        tuple(cell.strip() for cell in line.split("|")[1:3]): line
+        for line in seed_table(results).splitlines()[2:]
+    }
     assert set(rows) == {("learned", "learned"), ("learned", "init")}
     # cross-entropy 5.1 / 6.3 -> 5.7 +- 0.8485; change from learned 0.1 / 0.3 -> 0.2 +- 0.1414
     assert "5.7000 +- 0.8485 | 0.2000 +- 0.1414" in rows[("learned", "init")]
-    assert "| 7.0000 +- 2.8284 | 0.2000 +- 0.0000 |" in rows[("learned", "init")]  # (4+1, 8+1) dead; dropped
+    # (4+1, 8+1) dead; dropped
+    assert "| 7.0000 +- 2.8284 | 0.2000 +- 0.0000 |" in rows[("learned", "init")]
     assert seed_table({"learned_seed0": result(5.0, 0)}) == ""

@@ -42,12 +42,14 @@ def test_mutual_information_equals_language_entropy_for_one_expert_per_language(
 def test_sparsity_and_share_of_one_expert_per_language():
     row_labels, valid = _rows([0, 1, 2, 0])
     experts = np.array([2, 0, 1])[row_labels]
-    probs = np.zeros(valid.shape + (3,))
+    probs = np.zeros((*valid.shape, 3))
     probs[np.arange(4)[:, None], np.arange(6)[None], experts[:, None]] = 1.0
     assert languages.cluster_sparsity(probs, row_labels, valid, 3) == pytest.approx(1.0)
-    uniform = np.full(valid.shape + (3,), 1 / 3)
+    uniform = np.full((*valid.shape, 3), 1 / 3)
     assert languages.cluster_sparsity(uniform, row_labels, valid, 3) == pytest.approx(3.0)
-    share = languages.top1_share(np.broadcast_to(experts[:, None], valid.shape), row_labels, valid, 3, 3)
+    share = languages.top1_share(
+        np.broadcast_to(experts[:, None], valid.shape), row_labels, valid, 3, 3
+    )
     np.testing.assert_array_equal(share, np.eye(3)[[2, 0, 1]])
 
 
@@ -62,7 +64,9 @@ def test_dead_experts_and_imbalance_on_hand_built_loads():
     assert summaries.shard_imbalance(load, 8) == pytest.approx(0.3 / 0.25)
     with pytest.raises(ValueError, match="3 shards"):
         summaries.shard_imbalance(load, 3)
-    out = summaries.routing_telemetry({"moe/encoder/layers_1/expert_load": load, "loss": 1.0}, expert_shards=2)
+    out = summaries.routing_telemetry(
+        {"moe/encoder/layers_1/expert_load": load, "loss": 1.0}, expert_shards=2
+    )
     assert out["moe/encoder/layers_1/dead_experts"] == 1
     assert out["moe/encoder/layers_1/shard_imbalance"] == pytest.approx(1.2)
     assert out["loss"] == 1.0
@@ -84,13 +88,22 @@ def test_seed_summary_groups_a_familys_seeds_at_shared_steps(tmp_path):
     from moe_jax.analysis import plots
 
     def result(run, step, bits):
-        layer = {"bits": bits, "shuffled_label_bits": bits / 10, "sparsity": 32 - bits,
-                 "sparsity_shuffled_router": 31.9}
+        layer = {
+            "bits": bits,
+            "shuffled_label_bits": bits / 10,
+            "sparsity": 32 - bits,
+            "sparsity_shuffled_router": 31.9,
+        }
         return {"run": run, "step": step, "layers": {"decoder/layers_3": layer}}
 
-    checkpoints = [result("learned/seed0", 100, 0.2), result("learned/seed1", 100, 0.4),
-                   result("learned/seed2", 100, 0.6), result("learned/seed2", 150, 0.9),
-                   result("frozen/seed0", 100, 0.1), result("dense_run", 100, 0.0)]
+    checkpoints = [
+        result("learned/seed0", 100, 0.2),
+        result("learned/seed1", 100, 0.4),
+        result("learned/seed2", 100, 0.6),
+        result("learned/seed2", 150, 0.9),
+        result("frozen/seed0", 100, 0.1),
+        result("dense_run", 100, 0.0),
+    ]
     assert languages.run_family("learned/seed12") == "learned"
     assert languages.run_family("dense_run") == "dense_run"
     assert languages.run_family("sweep/seeds") == "sweep/seeds"

@@ -10,9 +10,14 @@ from moe_jax.analysis import plots, positions
 
 def _layer(xi: float) -> dict:
     lengths = {"xi_int": xi, "corr_lag": 2, "xi_domain": xi + 0.5}
-    return {"correlation": {"model": lengths, "shuffled": {"xi_int": 1.0, "corr_lag": 0, "xi_domain": 1.3}},
-            "position_information": {"bits": 0.4, "shuffled_bits": 0.01},
-            "probe": {"parity": {"accuracy": 0.9, "chance": 0.5, "majority": 0.5}}}
+    return {
+        "correlation": {
+            "model": lengths,
+            "shuffled": {"xi_int": 1.0, "corr_lag": 0, "xi_domain": 1.3},
+        },
+        "position_information": {"bits": 0.4, "shuffled_bits": 0.01},
+        "probe": {"parity": {"accuracy": 0.9, "chance": 0.5, "majority": 0.5}},
+    }
 
 
 def test_every_correlation_panel_has_a_y_label_and_the_values():
@@ -31,6 +36,8 @@ def test_console_names_are_explained_before_the_table():
     legend, rows = table.split("\n\n", 1)
     used = set(re.findall(r"\b(xi_int|corr_lag|xi_domain|I\(pos;expert\))", rows))
     assert used == {"xi_int", "corr_lag", "xi_domain", "I(pos;expert)"}
-    explained = {line.split()[0] for line in legend.splitlines() if line and not line.startswith(" ")}
+    explained = {
+        line.split()[0] for line in legend.splitlines() if line and not line.startswith(" ")
+    }
     assert used <= explained
     assert "xi_int 1.50 vs 1.00" in rows

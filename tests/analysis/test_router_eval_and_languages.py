@@ -7,27 +7,41 @@ import shutil
 
 import numpy as np
 import pytest
-from tests.analysis.conftest import TINY
 
 from moe_jax import cli as moe_cli
 from moe_jax.data import sources
 from moe_jax.train import evaluate
+from tests.analysis.conftest import TINY
 
 LAYERS = ["encoder/layers_1", "decoder/layers_1"]
 
 
 def _eval(run, out, *routers):
-    return moe_cli.main(["eval", *TINY, f"--checkpoint={run}", f"--output_dir={out}",
-                          "--gin.eval_script.evaluate.eval_steps=2", *(f"--router={r}" for r in routers)])
+    return moe_cli.main(
+        [
+            "eval",
+            *TINY,
+            f"--checkpoint={run}",
+            f"--output_dir={out}",
+            "--gin.eval_script.evaluate.eval_steps=2",
+            *(f"--router={r}" for r in routers),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
 def router_results(tiny_run, tmp_path_factory):
     plain_dir, routers_dir = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("routers")
     assert _eval(tiny_run, plain_dir) == 0
-    assert _eval(tiny_run, routers_dir, "learned", "init", "random", "hash", "uniform", "shuffled") == 0
-    return (json.loads((plain_dir / "comparison.json").read_text()),
-            json.loads((routers_dir / "comparison.json").read_text()), routers_dir)
+    assert (
+        _eval(tiny_run, routers_dir, "learned", "init", "random", "hash", "uniform", "shuffled")
+        == 0
+    )
+    return (
+        json.loads((plain_dir / "comparison.json").read_text()),
+        json.loads((routers_dir / "comparison.json").read_text()),
+        routers_dir,
+    )
 
 
 def test_learned_router_equals_plain_evaluation_exactly(router_results, tiny_run):
@@ -46,18 +60,23 @@ def test_replaced_routers_change_the_evaluation(router_results):
     for name in ("random", "hash", "shuffled"):
         assert ce[name] != ce["learned"], name
     drift = {r["router"]: r["router_drift"] for r in routers.values()}
-    assert all(v == 0.0 for v in drift["init"].values())     # the initial router itself
+    assert all(v == 0.0 for v in drift["init"].values())  # the initial router itself
     assert (out / "routers.png").read_bytes()[:4] == b"\x89PNG"
     # one JSON per checkpoint and router, named <label>_<router> (no ':' in file names)
     assert not [p.name for p in out.iterdir() if ":" in p.name]
     for label, result in routers.items():
         checkpoint, _, router = label.partition(":")
-        assert json.loads((out / f"{checkpoint}_{router}.json").read_text())["metrics"] == result["metrics"]
+        assert (
+            json.loads((out / f"{checkpoint}_{router}.json").read_text())["metrics"]
+            == result["metrics"]
+        )
 
 
 def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys):
     assert _eval(tiny_run, tmp_path, "best") == 1
-    assert "valid routers: learned, init, random, hash, uniform, shuffled" in capsys.readouterr().err
+    assert (
+        "valid routers: learned, init, random, hash, uniform, shuffled" in capsys.readouterr().err
+    )
     copy = tmp_path / "run"
     shutil.copytree(tiny_run, copy)
     (copy / "router_init.npz").unlink()
@@ -65,15 +84,26 @@ def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys)
     assert "saved no initial router" in capsys.readouterr().err
     assert _eval(copy, tmp_path / "plain") == 0  # the table says why there is no drift
     (result,) = json.loads((tmp_path / "plain" / "comparison.json").read_text()).values()
-    assert result["router_drift"] == {} and f"{copy}/router_init.npz does not exist" in result["router_drift_missing"]
+    assert (
+        result["router_drift"] == {}
+        and f"{copy}/router_init.npz does not exist" in result["router_drift_missing"]
+    )
     assert f"drift of {result['label']} is '-': {copy}/router_init.npz" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # 20 per-language data pipelines: about a minute of CPU
 def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
-    rc = moe_cli.main(["analyze", "languages", f"--checkpoint={tiny_run}", "--all_steps", f"--out={tmp_path}",
-                   "--gin.languages_script.analyze.max_examples_per_label=2",
-                   "--gin.languages_script.analyze.batch_size=8"])
+    rc = moe_cli.main(
+        [
+            "analyze",
+            "languages",
+            f"--checkpoint={tiny_run}",
+            "--all_steps",
+            f"--out={tmp_path}",
+            "--gin.languages_script.analyze.max_examples_per_label=2",
+            "--gin.languages_script.analyze.batch_size=8",
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "languages.json").read_text())
     assert report["labels"] == list(sources.embedded_languages())
@@ -90,18 +120,43 @@ def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
 
 
 def test_analyze_languages_refuses_unlabelled_data(tiny_run, tmp_path, capsys):
-    assert moe_cli.main(["analyze", "languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
-                     "--gin.MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'"]) == 1
+    assert (
+        moe_cli.main(
+            [
+                "analyze",
+                "languages",
+                f"--checkpoint={tiny_run}",
+                f"--out={tmp_path}",
+                "--gin.MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'",
+            ]
+        )
+        == 1
+    )
     assert "MIXTURE_OR_TASK_NAME='mc4_en_span_corruption'" in capsys.readouterr().err
-    assert moe_cli.main(["analyze", "languages", f"--checkpoint={tiny_run}", f"--out={tmp_path}",
-                     "--gin.sources.make_source.corpus='tfds'",
-                     "--gin.sources.make_source.tfds_name='c4/en:3.1.0'"]) == 1
+    assert (
+        moe_cli.main(
+            [
+                "analyze",
+                "languages",
+                f"--checkpoint={tiny_run}",
+                f"--out={tmp_path}",
+                "--gin.sources.make_source.corpus='tfds'",
+                "--gin.sources.make_source.tfds_name='c4/en:3.1.0'",
+            ]
+        )
+        == 1
+    )
     assert "tfds_name='c4/en:3.1.0'" in capsys.readouterr().err
     assert not (tmp_path / "languages.json").exists()
 
 
 def test_checkpoint_labels_tell_runs_of_the_same_name_apart():
-    assert evaluate.checkpoint_labels(["/r/learned/seed0", "/r/frozen/seed0/checkpoints/300", "/r/dense"]) == [
-        "learned_seed0", "frozen_seed0@300", "dense"]
+    assert evaluate.checkpoint_labels(
+        ["/r/learned/seed0", "/r/frozen/seed0/checkpoints/300", "/r/dense"]
+    ) == ["learned_seed0", "frozen_seed0@300", "dense"]
     assert evaluate.checkpoint_labels(["/a/run/500", "/b/run"]) == ["a_run@500", "b_run"]
-    assert evaluate.checkpoint_labels(["/x/run/100", "/x/run", "/x/run"]) == ["run@100", "run", "run'"]
+    assert evaluate.checkpoint_labels(["/x/run/100", "/x/run", "/x/run"]) == [
+        "run@100",
+        "run",
+        "run'",
+    ]

@@ -18,8 +18,10 @@ def test_unpacked_rows_are_one_sequence_with_column_positions():
 
 def test_packed_rows_use_the_packing_features():
     tokens = jnp.array([[5, 6, 1, 7, 8, 9, 1, 0]])
-    batch = {"decoder_positions": jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]]),
-             "decoder_segment_ids": jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])}
+    batch = {
+        "decoder_positions": jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]]),
+        "decoder_segment_ids": jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]]),
+    }
     pos, seg = routing._positions_and_segments(tokens, tokens > 0, batch, "decoder")
     np.testing.assert_array_equal(pos, batch["decoder_positions"])
     np.testing.assert_array_equal(seg, batch["decoder_segment_ids"])
@@ -30,4 +32,8 @@ def test_packed_rows_use_the_packing_features():
 def test_layers_come_encoder_first_by_depth():
     names = ["decoder/layers_11", "decoder/layers_3", "encoder/layers_11", "encoder/layers_7"]
     assert sorted(names, key=routing.layer_order) == [
-        "encoder/layers_7", "encoder/layers_11", "decoder/layers_3", "decoder/layers_11"]
+        "encoder/layers_7",
+        "encoder/layers_11",
+        "decoder/layers_3",
+        "decoder/layers_11",
+    ]

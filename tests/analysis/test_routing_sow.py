@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.layer import ROUTING_COLLECTION
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
 def _apply(layer, params, x, collections, **kwargs):
@@ -19,14 +19,15 @@ def _apply(layer, params, x, collections, **kwargs):
 
 def test_routing_is_sown_per_token_only_when_mutable():
     layer = MoeLayer(**SMALL)
-    x = make_inputs(3, 8)                                  # 24 tokens in 2 groups of 16 (one padded)
+    # 24 tokens in 2 groups of 16 (one padded)
+    x = make_inputs(3, 8)
     params = init_params(layer, x)
     mask = jnp.ones((3, 8)).at[2, 5:].set(0)
     y, state = _apply(layer, params, x, ["moe_metrics", ROUTING_COLLECTION], padding_mask=mask)
     routing = {k: v[0] for k, v in state[ROUTING_COLLECTION].items()}
     assert routing["expert_index"].shape == (3, 8, 2) and routing["expert_index"].dtype == jnp.int32
     assert routing["router_probs"].shape == (3, 8, 4)
-    np.testing.assert_allclose(routing["router_inputs"], x)   # the layer's input feeds the router
+    np.testing.assert_allclose(routing["router_inputs"], x)  # the layer's input feeds the router
     np.testing.assert_allclose(jnp.sum(routing["router_probs"], -1), 1.0, rtol=1e-5)
     # the choices are the top-2 of the probabilities, best first; padding is not routed
     top2 = np.argsort(-np.asarray(routing["router_probs"]), axis=-1)[..., :2]

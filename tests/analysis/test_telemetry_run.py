@@ -6,19 +6,24 @@ import json
 
 import gin
 import numpy as np
-from tests.analysis.conftest import TINY
 
 from moe_jax.train import gin_utils, setup, train
+from tests.analysis.conftest import TINY
 
 LAYERS = ("encoder/layers_1", "decoder/layers_1")
 
 
 def test_training_logs_telemetry_and_zero_churn_when_nothing_changes(tmp_path):
     # learning rate 0: the parameters, hence the probe batch's routing, never change
-    flags = [*TINY, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=2",
-             "--gin.train_script.train.eval_period=1", "--gin.train_script.train.eval_steps=1",
-             "--gin.learning_rate_schedule.base_learning_rate=0.0",
-             "--gin.learning_rate_schedule.final_learning_rate=0.0"]
+    flags = [
+        *TINY,
+        f"--gin.MODEL_DIR={tmp_path}",
+        "--gin.TRAIN_STEPS=2",
+        "--gin.train_script.train.eval_period=1",
+        "--gin.train_script.train.eval_steps=1",
+        "--gin.learning_rate_schedule.base_learning_rate=0.0",
+        "--gin.learning_rate_schedule.final_learning_rate=0.0",
+    ]
     gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("test", "test"), flags))
     try:
         train.train()
@@ -34,10 +39,10 @@ def test_training_logs_telemetry_and_zero_churn_when_nothing_changes(tmp_path):
             load = np.asarray(record[f"{key}/expert_load"])
             share = load / load.sum()
             assert record[f"{key}/dead_experts"] == int((share < 0.1 / load.size).sum())
-            assert record[f"{key}/shard_imbalance"] == 1.0                  # one expert shard
+            assert record[f"{key}/shard_imbalance"] == 1.0  # one expert shard
             assert np.isclose(record[f"{key}/expert_imbalance"], load.max() / load.mean())
             assert 0.0 <= record[f"{key}/gate_margin"] <= 1.0
-        assert f"{key}/routing_churn" not in evals[0]                      # nothing to compare yet
+        assert f"{key}/routing_churn" not in evals[0]  # nothing to compare yet
         assert evals[1][f"{key}/routing_churn"] == 0.0
     assert (tmp_path / "routing_probe.npz").exists()
     assert list((tmp_path / "eval").iterdir()) and list((tmp_path / "train").iterdir())

@@ -19,7 +19,10 @@ def test_make_mesh_gives_data_what_the_experts_cannot_use():
     devices = len(jax.devices())  # 8 forced CPU devices
     mesh = partitioning.make_mesh((1, -1, 1), max_expert_partitions=devices // 2)
     assert dict(mesh.shape) == {"data": 2, "expert": devices // 2, "model": 1}
-    assert dict(partitioning.make_mesh((1, -1, 1), max_expert_partitions=64).shape)["expert"] == devices
+    assert (
+        dict(partitioning.make_mesh((1, -1, 1), max_expert_partitions=64).shape)["expert"]
+        == devices
+    )
     with pytest.raises(ValueError, match="max_expert_partitions"):
         partitioning.make_mesh((1, -1, 1), max_expert_partitions=3)
 

@@ -26,7 +26,9 @@ def test_sweep_curves_of_eleven_runs_are_distinct_labelled_and_the_legend_is_bes
     plt = plotting.pyplot()
     captured = []
     original = plotting.save
-    plotting.save = lambda fig, path, dpi=110, **kw: captured.append(fig) or original(fig, path, dpi, **kw)
+    plotting.save = lambda fig, path, dpi=110, **kw: (
+        captured.append(fig) or original(fig, path, dpi, **kw)
+    )
     try:
         (png,) = sweep.plot_summary(summary, family, str(tmp_path))
     finally:
@@ -34,7 +36,9 @@ def test_sweep_curves_of_eleven_runs_are_distinct_labelled_and_the_legend_is_bes
     assert pathlib.Path(png).stat().st_size > 0
     (ax,) = captured[0].axes
     lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
-    assert len(lines) == 11 and len({(line.get_color(), line.get_linestyle()) for line in lines}) == 11
+    assert (
+        len(lines) == 11 and len({(line.get_color(), line.get_linestyle()) for line in lines}) == 11
+    )
     assert "fraction" in ax.get_ylabel() and ax.get_xlabel() == "training step"
     captured[0].canvas.draw()
     legend = ax.get_legend().get_window_extent()
@@ -46,13 +50,15 @@ def test_routing_bars_start_at_zero_and_missing_values_are_marked(tmp_path):
     table = json.loads((REPO / "docs/img/routing/routing_cpu_routing.json").read_text())
     plt = plotting.pyplot()
     original, captured = plotting.save, []
-    plotting.save = lambda fig, path, dpi=110, **kw: captured.append(fig) or original(fig, path, dpi, **kw)
+    plotting.save = lambda fig, path, dpi=110, **kw: (
+        captured.append(fig) or original(fig, path, dpi, **kw)
+    )
     try:
         routing_comparison.plot(table, "routing_cpu", str(tmp_path / "r.png"))
     finally:
         plotting.save = original
     axes = captured[0].axes
-    for ax, quantity in zip(axes, routing_comparison.QUANTITIES):
+    for ax, quantity in zip(axes, routing_comparison.QUANTITIES, strict=True):
         assert ax.get_xlabel()
         if ax.patches:  # bars
             assert quantity not in routing_comparison.ZOOMED and ax.get_xlim()[0] == 0

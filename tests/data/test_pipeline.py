@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import unicodedata
 import pathlib
+import unicodedata
 
 import gin
 import jax
@@ -23,9 +23,15 @@ LENGTHS = {"inputs": 64, "targets": 16}
 
 
 def _iterator(seed: int, **kwargs) -> pipeline.TrainIterator:
-    return pipeline.TrainIterator("mc4_span_corruption", LENGTHS, batch_size=4, seed=seed,
-                                  shard_info=seqio.ShardInfo(0, 1), shuffle_buffer_size=128,
-                                  **kwargs)
+    return pipeline.TrainIterator(
+        "mc4_span_corruption",
+        LENGTHS,
+        batch_size=4,
+        seed=seed,
+        shard_info=seqio.ShardInfo(0, 1),
+        shuffle_buffer_size=128,
+        **kwargs,
+    )
 
 
 def _take(it: pipeline.TrainIterator, n: int) -> list[dict[str, np.ndarray]]:
@@ -39,8 +45,8 @@ def _equal(a: dict, b: dict) -> bool:
 def test_same_seed_same_batches_other_seed_other_batches():
     with _iterator(7) as a, _iterator(7) as b, _iterator(8) as c:
         xs, ys, zs = _take(a, 3), _take(b, 3), _take(c, 3)
-    assert all(_equal(x, y) for x, y in zip(xs, ys))
-    assert not any(_equal(x, z) for x, z in zip(xs, zs))
+    assert all(_equal(x, y) for x, y in zip(xs, ys, strict=True))
+    assert not any(_equal(x, z) for x, z in zip(xs, zs, strict=True))
 
 
 def test_restart_sees_the_batches_of_an_uninterrupted_run():
@@ -71,9 +77,17 @@ def test_close_stops_the_prefetch_thread():
 
 def _segments(shard: seqio.ShardInfo | None) -> set[tuple[int, ...]]:
     """Original token segments (span corruption undone) of one shard of the validation split."""
-    ds = pipeline.get_dataset("mc4_span_corruption", LENGTHS, "validation", batch_size=1,
-                              shuffle=False, seed=0, shard_info=shard, pack=False,
-                              num_epochs=1)
+    ds = pipeline.get_dataset(
+        "mc4_span_corruption",
+        LENGTHS,
+        "validation",
+        batch_size=1,
+        shuffle=False,
+        seed=0,
+        shard_info=shard,
+        pack=False,
+        num_epochs=1,
+    )
     return {tuple(original_tokens(batch)) for batch in ds.as_numpy_iterator()}
 
 
@@ -85,8 +99,7 @@ def test_host_shards_are_disjoint_and_cover_the_split():
 
 
 def test_host_shard_info_uses_the_process_index():
-    assert pipeline.host_shard_info() == seqio.ShardInfo(jax.process_index(),
-                                                         jax.process_count())
+    assert pipeline.host_shard_info() == seqio.ShardInfo(jax.process_index(), jax.process_count())
 
 
 def test_to_global_batch_shards_the_batch_over_data_and_expert():
@@ -106,10 +119,14 @@ def test_to_global_batch_shards_the_batch_over_data_and_expert():
 def test_gin_files_drive_the_pipeline():
     gin.parse_config_files_and_bindings(
         [str(REPO / "gin/data/embedded.gin"), str(REPO / "gin/data/vocab_byte.gin")],
-        ["TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
-         "MIXTURE_OR_TASK_NAME = 'mc4_el_prefix_lm'"])
-    ds = pipeline.get_dataset(split="train", batch_size=2, shuffle=True, seed=0,
-                              shuffle_buffer_size=16)
+        [
+            "TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
+            "MIXTURE_OR_TASK_NAME = 'mc4_el_prefix_lm'",
+        ],
+    )
+    ds = pipeline.get_dataset(
+        split="train", batch_size=2, shuffle=True, seed=0, shuffle_buffer_size=16
+    )
     batch = next(ds.as_numpy_iterator())
     assert batch["encoder_input_tokens"].shape == (2, 32)
     assert batch["decoder_target_tokens"].shape == (2, 8)
@@ -124,7 +141,8 @@ def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
     mT5 vocabulary on gs:// is swapped for bytes, data/vocab_mt5.gin is tested on its own)."""
     monkeypatch.chdir(REPO)  # gin `include` paths are relative to the repository root
     gin.parse_config_files_and_bindings(
-        ["gin/data/mc4.gin", "gin/data/vocab_byte.gin"], ["vocab.get_vocabulary.path = None"])
+        ["gin/data/mc4.gin", "gin/data/vocab_byte.gin"], ["vocab.get_vocabulary.path = None"]
+    )
     source = sources.make_source(None)
     assert isinstance(source, seqio.TfdsDataSource)
     assert source.tfds_dataset.name == "c4/multilingual:3.1.0"
@@ -136,12 +154,16 @@ def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
         return tf.data.Dataset.from_tensor_slices({"text": [" ".join(["word"] * 2000)] * 2})
 
     with tfds.testing.mock_data(as_dataset_fn=c4_text):
-        batch = next(pipeline.get_dataset(split="train", batch_size=2, shuffle=False, seed=0,
-                                          pack=False).as_numpy_iterator())
+        batch = next(
+            pipeline.get_dataset(
+                split="train", batch_size=2, shuffle=False, seed=0, pack=False
+            ).as_numpy_iterator()
+        )
     assert read[0][0] == "c4"
     languages = read[0][1].split("+")
     assert languages == list(sources.mc4_languages()) and len(languages) > 100
     assert batch["encoder_input_tokens"].shape == (2, 512)
     assert batch["decoder_target_tokens"].shape == (2, 114)
-    sentinel = vocab.get_vocabulary().vocab_size - 1  # span corruption: targets open with <extra_id_0>
+    # span corruption: targets open with <extra_id_0>
+    sentinel = vocab.get_vocabulary().vocab_size - 1
     np.testing.assert_array_equal(batch["decoder_target_tokens"][:, 0], sentinel)

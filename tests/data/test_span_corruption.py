@@ -68,7 +68,8 @@ def test_noise_fraction_span_count_and_reconstruction(length, seed):
 def _corrupt(docs: list[list[int]], seed: int, lengths: dict[str, int]) -> list[dict]:
     ds = tf.data.Dataset.from_generator(
         lambda: ({"targets": np.asarray(d, np.int32)} for d in docs),
-        output_signature={"targets": tf.TensorSpec([None], tf.int32)})
+        output_signature={"targets": tf.TensorSpec([None], tf.int32)},
+    )
     features = {"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)}
     with seqio.utils.map_seed_manager(seed):
         ds = sc.span_corruption(ds, lengths, features)
@@ -93,8 +94,8 @@ def test_preprocessor_splits_long_documents_and_fits_lengths():
 def test_preprocessor_is_deterministic_given_the_seed():
     docs = [list(range(3, 203))]
     a, b, c = (_corrupt(docs, s, {"inputs": 64, "targets": 16}) for s in (5, 5, 6))
-    assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b))
-    assert any(not np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, c))
+    assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b, strict=True))
+    assert any(not np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, c, strict=True))
 
 
 def test_too_many_spans_for_the_sentinels_is_refused():

@@ -23,12 +23,23 @@ def test_two_hosts_read_different_shards_and_assemble_one_global_batch():
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    results = [json.loads(line.split(" ", 1)[1]) for out in outputs
-               for line in out.splitlines() if line.startswith("RESULT ")]
+    results = [
+        json.loads(line.split(" ", 1)[1])
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("RESULT ")
+    ]
     assert [p.returncode for p in procs] == [0, 0] and len(results) == 2
     assert sorted(tuple(r["shard"]) for r in results) == [(0, 2), (1, 2)]
     for r in results:

@@ -17,7 +17,7 @@ def _parse(*files: str, bindings: tuple[str, ...] = ()) -> None:
     parser = argparse.ArgumentParser()
     gin_utils.add_gin_flags(parser)
     argv = [f"--gin_file=experiments/{f}" for f in files] + [f"--gin.{b}" for b in bindings]
-    gin_utils.parse_gin(gin_utils.parse_flags(parser, argv + ["--gin.MODEL_DIR=/tmp/x"]))
+    gin_utils.parse_gin(gin_utils.parse_flags(parser, [*argv, "--gin.MODEL_DIR=/tmp/x"]))
 
 
 @pytest.fixture(autouse=True)
@@ -27,18 +27,34 @@ def _clean_gin():
 
 
 def _model_config() -> dict:
-    return {name: gin.query_parameter(f"%{name}") for name in
-            ("EMBED_DIM", "MLP_DIM", "NUM_HEADS", "HEAD_DIM", "NUM_ENCODER_LAYERS", "NUM_DECODER_LAYERS")}
+    return {
+        name: gin.query_parameter(f"%{name}")
+        for name in (
+            "EMBED_DIM",
+            "MLP_DIM",
+            "NUM_HEADS",
+            "HEAD_DIM",
+            "NUM_ENCODER_LAYERS",
+            "NUM_DECODER_LAYERS",
+        )
+    }
 
 
 @pytest.mark.parametrize("mode", ["frozen", "learned"])
 def test_fig5_moe_runs_are_the_papers_model_with_the_requested_router(mode):
     _parse(f"fig5_{mode}.gin")
-    assert _model_config() == {"EMBED_DIM": 32, "MLP_DIM": 256, "NUM_HEADS": 12, "HEAD_DIM": 64,
-                               "NUM_ENCODER_LAYERS": 12, "NUM_DECODER_LAYERS": 12}
+    assert _model_config() == {
+        "EMBED_DIM": 32,
+        "MLP_DIM": 256,
+        "NUM_HEADS": 12,
+        "HEAD_DIM": 64,
+        "NUM_ENCODER_LAYERS": 12,
+        "NUM_DECODER_LAYERS": 12,
+    }
     assert gin.query_parameter("freeze.router_mode.mode") == mode
     assert gin.query_parameter("MoeLayer.num_selected_experts") == 2
-    assert gin.query_parameter("%TRAIN_CAPACITY_FACTOR") == 1.25  # MoeLayer's factors are these macros
+    # MoeLayer's factors are these macros
+    assert gin.query_parameter("%TRAIN_CAPACITY_FACTOR") == 1.25
     assert gin.query_parameter("%EVAL_CAPACITY_FACTOR") == 2.0
     assert gin.query_parameter("%NUM_EXPERTS") == 32
     assert gin.query_parameter("%TRAIN_STEPS") == 500000
@@ -58,12 +74,19 @@ def test_base_scale_and_expert_count_family():
     _parse("base_learned.gin", bindings=("NUM_EXPERTS=8", "EncoderDecoderModel.vocabulary=250112"))
     model = gin.query_parameter("%MODEL").scoped_configurable_fn()
     shapes = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
-    params = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))["params"]
-    flat = {"/".join(str(k.key) for k in path): leaf.shape
-            for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]}
+    params = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))[
+        "params"
+    ]
+    flat = {
+        "/".join(str(k.key) for k in path): leaf.shape
+        for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]
+    }
     for stack in ("encoder", "decoder"):
-        sparse = sorted(int(name.split("/")[1][len("layers_"):]) for name in flat
-                        if name.startswith(f"{stack}/") and name.endswith("moe/expert/wi_0"))
+        sparse = sorted(
+            int(name.split("/")[1][len("layers_") :])
+            for name in flat
+            if name.startswith(f"{stack}/") and name.endswith("moe/expert/wi_0")
+        )
         assert sparse == [3, 7, 11]
         assert flat[f"{stack}/layers_3/ffn/moe/expert/wi_0"] == (8, 768, 2048)
         assert flat[f"{stack}/layers_3/ffn/moe/router/weights/w"] == (768, 8)
@@ -80,7 +103,9 @@ def test_cpu_overlay_switches_to_the_embedded_corpus_and_short_sequences():
     assert _model_config()["EMBED_DIM"] == 32
 
 
-@pytest.mark.parametrize("experiment", ["fig5_learned.gin", "fig5_dense.gin", "base_frozen.gin", "base_dense.gin"])
+@pytest.mark.parametrize(
+    "experiment", ["fig5_learned.gin", "fig5_dense.gin", "base_frozen.gin", "base_dense.gin"]
+)
 def test_accelerator_runs_use_bfloat16_activations_and_the_cpu_overlay_float32(experiment):
     _parse(experiment)
     assert gin.query_parameter("%ACTIVATION_DTYPE") == "bfloat16"
@@ -90,13 +115,17 @@ def test_accelerator_runs_use_bfloat16_activations_and_the_cpu_overlay_float32(e
     assert gin.query_parameter("%ACTIVATION_DTYPE") == "float32"
 
 
-@pytest.mark.parametrize("mesh,dtype", [("v4_32", "bfloat16"), ("gpu_8x_h100", "bfloat16"),
-                                        ("cpu_8", "float32")])
+@pytest.mark.parametrize(
+    "mesh,dtype", [("v4_32", "bfloat16"), ("gpu_8x_h100", "bfloat16"), ("cpu_8", "float32")]
+)
 def test_accelerator_meshes_switch_a_run_to_bfloat16(mesh, dtype):
     parser = argparse.ArgumentParser()
     gin_utils.add_gin_flags(parser)
-    gin_utils.parse_gin(gin_utils.parse_flags(parser, [
-        "--gin_file=runs/smoke_cpu.gin", f"--gin_file=meshes/{mesh}.gin"]))
+    gin_utils.parse_gin(
+        gin_utils.parse_flags(
+            parser, ["--gin_file=runs/smoke_cpu.gin", f"--gin_file=meshes/{mesh}.gin"]
+        )
+    )
     assert gin.query_parameter("%ACTIVATION_DTYPE") == dtype
 
 

@@ -16,7 +16,10 @@ LAUNCH = pathlib.Path(__file__).resolve().parents[2] / "launch"
 def _run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(LAUNCH / script), *args],
-        capture_output=True, text=True, timeout=600,
+        check=False,  # the tests read the exit code
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, **(env or {})},
     )
 
@@ -26,13 +29,27 @@ def _steps(out: str) -> list[str]:
 
 
 def test_tpu_pod_dry_run_creates_installs_trains_on_all_workers_and_deletes():
-    proc = _run("tpu_pod.sh", "--dry-run", "--tpu", "moe1", "--zone", "us-central2-b",
-                "--accelerator", "v4-32", "--model-dir", "gs://bucket/runs/fig5",
-                "--", "--gin_file=models/t5_moe.gin", "--gin.TRAIN_STEPS=500000")
+    proc = _run(
+        "tpu_pod.sh",
+        "--dry-run",
+        "--tpu",
+        "moe1",
+        "--zone",
+        "us-central2-b",
+        "--accelerator",
+        "v4-32",
+        "--model-dir",
+        "gs://bucket/runs/fig5",
+        "--",
+        "--gin_file=models/t5_moe.gin",
+        "--gin.TRAIN_STEPS=500000",
+    )
     assert proc.returncode == 0, proc.stderr
     steps = _steps(proc.stdout)
     # first the run compiled here for the slice it is about to book, with the same flags
-    assert steps[0].startswith("moe-jax compile --target=tpu:v4-32 --no_eval --gin_file=models/t5_moe.gin")
+    assert steps[0].startswith(
+        "moe-jax compile --target=tpu:v4-32 --no_eval --gin_file=models/t5_moe.gin"
+    )
     assert steps[1].startswith("gcloud compute tpus tpu-vm create moe1")
     assert "--accelerator-type v4-32" in steps[1]
     train = [s for s in steps if "nohup" in s]
@@ -43,8 +60,22 @@ def test_tpu_pod_dry_run_creates_installs_trains_on_all_workers_and_deletes():
 
 
 def test_tpu_pod_reuse_and_keep_skip_create_and_delete():
-    proc = _run("tpu_pod.sh", "--dry-run", "--reuse", "--keep", "--tpu", "moe1", "--zone", "z",
-                "--accelerator", "v5p-128", "--model-dir", "gs://b/r", "--", "--gin_file=x.gin")
+    proc = _run(
+        "tpu_pod.sh",
+        "--dry-run",
+        "--reuse",
+        "--keep",
+        "--tpu",
+        "moe1",
+        "--zone",
+        "z",
+        "--accelerator",
+        "v5p-128",
+        "--model-dir",
+        "gs://b/r",
+        "--",
+        "--gin_file=x.gin",
+    )
     steps = _steps(proc.stdout)
     assert proc.returncode == 0, proc.stderr
     assert "describe moe1" in steps[1]
@@ -55,14 +86,31 @@ def test_tpu_pod_stops_before_booking_a_run_that_does_not_fit(tmp_path):
     # a real compile for a v5e-4 slice (libtpu of `make compilers`) of a batch too big for
     # it; gcloud is a stub recording its calls: it must never be called
     calls = tmp_path / "gcloud_calls"
-    (tmp_path / "gcloud").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    (tmp_path / "gcloud").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
     (tmp_path / "gcloud").chmod(0o755)
     repo = LAUNCH.parent
-    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "MOE_JAX": f"{sys.executable} -m moe_jax.cli",
-           "PYTHONPATH": str(repo), "XLA_FLAGS": ""}  # not the test session's 8 CPU devices
-    proc = _run("tpu_pod.sh", "--tpu", "t", "--zone", "z", "--accelerator", "v5litepod-4",
-                "--model-dir", "gs://b/r", "--", "--gin_file=runs/smoke_cpu.gin",
-                "--gin.make_mesh.mesh_shape=(1,4,1)", "--gin.BATCH_SIZE=131072", env=env)
+    env = {
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+        "MOE_JAX": f"{sys.executable} -m moe_jax.cli",
+        "PYTHONPATH": str(repo),
+        "XLA_FLAGS": "",
+    }  # not the test session's 8 CPU devices
+    proc = _run(
+        "tpu_pod.sh",
+        "--tpu",
+        "t",
+        "--zone",
+        "z",
+        "--accelerator",
+        "v5litepod-4",
+        "--model-dir",
+        "gs://b/r",
+        "--",
+        "--gin_file=runs/smoke_cpu.gin",
+        "--gin.make_mesh.mesh_shape=(1,4,1)",
+        "--gin.BATCH_SIZE=131072",
+        env=env,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "DOES NOT FIT" in proc.stdout and "--no-check" in proc.stderr
     assert not calls.exists()
@@ -71,9 +119,29 @@ def test_tpu_pod_stops_before_booking_a_run_that_does_not_fit(tmp_path):
 @pytest.mark.parametrize(
     "args, named",
     [
-        (["--zone", "z", "--accelerator", "v4-8", "--model-dir", "gs://b", "--", "--gin_file=x"], "--tpu"),
-        (["--tpu", "t", "--zone", "z", "--accelerator", "v4-8", "--model-dir", "/local", "--", "--gin_file=x"], "--model-dir"),
-        (["--tpu", "t", "--zone", "z", "--accelerator", "v4-8", "--model-dir", "gs://b"], "train flags"),
+        (
+            ["--zone", "z", "--accelerator", "v4-8", "--model-dir", "gs://b", "--", "--gin_file=x"],
+            "--tpu",
+        ),
+        (
+            [
+                "--tpu",
+                "t",
+                "--zone",
+                "z",
+                "--accelerator",
+                "v4-8",
+                "--model-dir",
+                "/local",
+                "--",
+                "--gin_file=x",
+            ],
+            "--model-dir",
+        ),
+        (
+            ["--tpu", "t", "--zone", "z", "--accelerator", "v4-8", "--model-dir", "gs://b"],
+            "train flags",
+        ),
         (["--tpu", "t", "--bogus"], "--bogus"),
     ],
 )
@@ -85,19 +153,35 @@ def test_tpu_pod_refuses_bad_flags_by_name(args, named):
 
 
 def test_slurm_script_passes_coordinator_count_and_rank_to_every_task():
-    proc = _run("slurm_gpu.sbatch", "--gin_file=models/t5_moe.gin",
-                env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu-node7,gpu-node8", "SLURM_NTASKS": "16"})
+    proc = _run(
+        "slurm_gpu.sbatch",
+        "--gin_file=models/t5_moe.gin",
+        env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu-node7,gpu-node8", "SLURM_NTASKS": "16"},
+    )
     assert proc.returncode == 0, proc.stderr
     (step,) = _steps(proc.stdout)
     assert step.startswith("srun --kill-on-bad-exit=1")
-    for expected in ("--coordinator_address=gpu-node7:29500", "--process_count=16",
-                     "--process_index=\\$SLURM_PROCID", "--multiprocess_gpu"):
+    for expected in (
+        "--coordinator_address=gpu-node7:29500",
+        "--process_count=16",
+        "--process_index=\\$SLURM_PROCID",
+        "--multiprocess_gpu",
+    ):
         assert expected in step
 
 
 def test_local_multiprocess_dry_run_starts_one_process_per_rank():
-    proc = _run("local_cpu_multiprocess.sh", "--dry-run", "--processes", "3", "--devices", "2",
-                "--", "--gin_file=runs/smoke_cpu.gin", env={"MOE_JAX_COORDINATOR_PORT": "23456"})
+    proc = _run(
+        "local_cpu_multiprocess.sh",
+        "--dry-run",
+        "--processes",
+        "3",
+        "--devices",
+        "2",
+        "--",
+        "--gin_file=runs/smoke_cpu.gin",
+        env={"MOE_JAX_COORDINATOR_PORT": "23456"},
+    )
     assert proc.returncode == 0, proc.stderr
     steps = _steps(proc.stdout)
     assert len(steps) == 3

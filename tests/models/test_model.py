@@ -90,10 +90,11 @@ def _teacher_forced_step_logits(model, params, batch):
     kwargs = dict(enable_dropout=False, decode=True, max_decode_length=length,
                   method=EncoderDecoder.decode, mutable=["cache"])
     _, state = encode(encoded, enc, jnp.ones_like(batch["decoder_input_tokens"]), **kwargs)
+    step = jax.jit(lambda cache, tokens: model.module.apply(
+        {"params": params, "cache": cache}, encoded, enc, tokens, **kwargs))
     cache, steps = state["cache"], []
     for i in range(length):
-        logits, state = model.module.apply({"params": params, "cache": cache}, encoded, enc,
-                                           batch["decoder_input_tokens"][:, i:i + 1], **kwargs)
+        logits, state = step(cache, batch["decoder_input_tokens"][:, i:i + 1])
         cache = state["cache"]
         steps.append(logits[:, 0])
     return np.stack(steps, axis=1)
@@ -158,11 +159,11 @@ def test_moe_model_adds_aux_losses_and_reports_routing_per_layer(moe_gin):
         for name in ("dropped_fraction", "router_entropy", "router_confidence"):
             assert f"moe/{stack}/layers_1/{name}" in metrics
     # eval uses the larger eval capacity factor: fewer drops than training's factor 1.0
-    evaluated = model.eval_fn(params, batch)
+    evaluated = jax.jit(model.eval_fn)(params, batch)
     assert evaluated["moe/encoder/layers_1/dropped_fraction"] == 0.0
     assert metrics["moe/encoder/layers_1/dropped_fraction"] > 0.0
     # gradients reach the router and the experts
-    grads = jax.grad(lambda p: model.loss_fn(p, batch, jax.random.key(1))[0])(params)
+    grads = jax.jit(jax.grad(lambda p: model.loss_fn(p, batch, jax.random.key(1))[0]))(params)
     moe_grads = grads["decoder"]["layers_1"]["ffn"]["moe"]
     assert float(jnp.abs(moe_grads["router"]["weights"]["w"].value).sum()) > 0
     assert float(jnp.abs(moe_grads["expert"]["wi_0"].value).sum()) > 0

@@ -49,7 +49,8 @@ def _reference():
     return params, batch, _grad_fn(model)(params, batch, jax.random.key(3))
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal", pytest.param("dots", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "minimal",
+                                    pytest.param("dots", marks=pytest.mark.slow)])
 def test_remat_gives_the_same_loss_metrics_and_gradients(policy):
     params, batch, ((ref_loss, ref_metrics), ref_grads) = _reference()
     model = _model(policy)

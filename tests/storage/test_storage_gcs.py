@@ -49,8 +49,12 @@ def _umask() -> int:
 def test_create_exclusive_has_one_winner(root):
     path = storage.join(root, "LOCK")
     results: list[bool] = []
-    threads = [threading.Thread(target=lambda i=i: results.append(storage.create_exclusive(path, b"%d" % i)))
-               for i in range(4)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(storage.create_exclusive(path, b"%d" % i))
+        )
+        for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

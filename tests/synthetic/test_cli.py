@@ -11,38 +11,54 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from moe_jax import cli as moe_jax_cli
 from moe_jax.synthetic import cli
 from moe_jax.synthetic.experiments import EXPERIMENTS
 
 
 def test_help_and_list_do_not_import_tensorflow():
-    code = "import sys; from moe_jax.synthetic import cli; cli.main(['list']); assert 'tensorflow' not in sys.modules"
+    code = (
+        "import sys; from moe_jax.synthetic import cli; cli.main(['list']); "
+        "assert 'tensorflow' not in sys.modules"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()
     assert len(lines) == len(EXPERIMENTS)
-    for name, line in zip(EXPERIMENTS, lines):  # one line each: the name, then its description
+    # one line each: the name, then its description
+    for name, line in zip(EXPERIMENTS, lines, strict=True):
         assert line.split()[0] == name and len(line.split()) > 3
 
 
+def _synthetic(capsys, *argv: str) -> tuple[int, str]:
+    """``moe-jax synthetic ARGV``'s exit code and its last line on stderr."""
+    code = moe_jax_cli.main(["synthetic", *argv])
+    return code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_unknown_experiment_and_bad_preset_are_named(capsys):
-    assert cli.main(["fig99"]) == 2
-    assert "unknown experiment 'fig99'" in capsys.readouterr().err
-    assert cli.main(["fig2", "--preset", "huge"]) == 2
-    assert "unknown preset 'huge'" in capsys.readouterr().err
+    code, line = _synthetic(capsys, "fig99")
+    assert code == 1 and line.startswith("moe-jax synthetic: error: unknown experiment 'fig99'")
+    assert _synthetic(capsys, "fig2", "--preset", "nope") == (
+        1,
+        "moe-jax synthetic: error: unknown preset 'nope'; choose one of quick, converged, paper",
+    )
 
 
 def test_bad_overrides_are_named(capsys):
-    assert cli.main(["fig6", "--set", "lr_routr=0.1"]) == 2
-    err = capsys.readouterr().err
+    code, err = _synthetic(capsys, "fig6", "--set", "lr_routr=0.1")
+    assert code == 1 and err.startswith("moe-jax synthetic: error: ")
     assert "--set lr_routr: fig6's quick preset has no such key" in err and "lr_router" in err
-    assert cli.main(["fig6", "--set", "sizes=1024"]) == 2
-    assert "sizes=1024: fig6's quick preset has sizes=[1024, 8192], a list, not a int" in capsys.readouterr().err
-    assert cli.main(["all", "--set", "steps=10"]) == 2
-    assert "name the experiment" in capsys.readouterr().err
+    code, err = _synthetic(capsys, "fig6", "--set", "sizes=1024")
+    assert code == 1
+    assert "sizes=1024: fig6's quick preset has sizes=[1024, 8192], a list, not a int" in err
+    code, err = _synthetic(capsys, "all", "--set", "steps=10")
+    assert code == 1 and "name the experiment" in err
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["fig6", "--set", "lr_router"])
     # values are literals where they parse, strings otherwise; ints stand for floats
-    assert cli.apply_overrides({"lr": 1e-3, "mode": "sum"}, [cli._override("lr=1"), cli._override("mode=mean")], "p") == {"lr": 1.0, "mode": "mean"}
+    assert cli.apply_overrides(
+        {"lr": 1e-3, "mode": "sum"}, [cli._override("lr=1"), cli._override("mode=mean")], "p"
+    ) == {"lr": 1.0, "mode": "mean"}
 
 
 def test_an_experiment_writes_json_csv_and_png(tmp_path, capsys):
@@ -56,14 +72,22 @@ def test_an_experiment_writes_json_csv_and_png(tmp_path, capsys):
     result = json.loads((tmp_path / "spurious.json").read_text())
     assert result["seeds"] == [0, 1]
     assert result["config"] == {**preset, **small}  # the preset as it ran
-    assert experiments.load("spurious").presets["quick"] == preset  # and the preset itself untouched
+    # and the preset itself untouched
+    assert experiments.load("spurious").presets["quick"] == preset
     with open(tmp_path / "spurious.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((int(r["seed"]), float(r["weight_decay"])) for r in rows) == [(0, 0.0), (0, 1e-3), (1, 0.0), (1, 1e-3)]
+    assert sorted((int(r["seed"]), float(r["weight_decay"])) for r in rows) == [
+        (0, 0.0),
+        (0, 1e-3),
+        (1, 0.0),
+        (1, 1e-3),
+    ]
     for entry in result["summary"]:  # the JSON's means are the CSV's runs averaged over seeds
         runs = [r for r in rows if float(r["weight_decay"]) == entry["weight_decay"]]
         assert entry["loss"] == pytest.approx(np.mean([float(r["loss"]) for r in runs]), rel=1e-6)
-        assert entry["ratio_init"] == pytest.approx(np.mean([float(r["ratio_init"]) for r in runs]), rel=1e-6)
+        assert entry["ratio_init"] == pytest.approx(
+            np.mean([float(r["ratio_init"]) for r in runs]), rel=1e-6
+        )
         assert 0 < entry["ratio_init"] < 1 and entry["steps"] == 100
         assert f"{entry['loss']:.4g}" in printed  # the console's results table
     assert plt.imread(tmp_path / "spurious.png").shape[:2] == (256, 400)  # 5 x 3.2 inches at 80 dpi

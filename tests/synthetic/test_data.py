@@ -17,9 +17,11 @@ def test_gaussian_mixture_is_c_separated_and_deterministic():
     dist = np.linalg.norm(task.means[:, None] - task.means[None], axis=-1)[~np.eye(10, dtype=bool)]
     assert dist.min() >= 1.5 * 0.5 * 12**0.5 * (1 - 1e-5)
     a = data.sample_gaussian_mixture(task, jax.random.PRNGKey(1), 64)
-    b = data.sample_gaussian_mixture(data.make_gaussian_mixture(KEY, k=10, d=12, c=1.5, sigma=0.5), jax.random.PRNGKey(1), 64)
+    b = data.sample_gaussian_mixture(
+        data.make_gaussian_mixture(KEY, k=10, d=12, c=1.5, sigma=0.5), jax.random.PRNGKey(1), 64
+    )
     assert a.x.shape == (64, 12) and a.y.shape == (64, 10) and a.cluster.shape == (64,)
-    for u, v in zip(a, b):
+    for u, v in zip(a, b, strict=True):
         np.testing.assert_array_equal(u, v)
     c = data.sample_gaussian_mixture(task, jax.random.PRNGKey(2), 64)
     assert not np.allclose(a.x, c.x)
@@ -32,7 +34,9 @@ def test_spurious_dims_are_standard_noise_and_linear_labels_are_centred():
     np.testing.assert_array_equal(task.means[:, 5:], 0.0)
     spurious = np.asarray(batch.x[:, 5:])
     assert abs(spurious.mean()) < 0.02 and abs(spurious.std() - 1) < 0.02
-    expected = jnp.sum(task.label_vectors[batch.cluster] * (batch.x - task.means[batch.cluster]), axis=-1)
+    expected = jnp.sum(
+        task.label_vectors[batch.cluster] * (batch.x - task.means[batch.cluster]), axis=-1
+    )
     np.testing.assert_allclose(batch.y[:, 0], expected, atol=1e-4)
 
 
@@ -42,14 +46,23 @@ def test_generators_jit_and_have_documented_shapes():
     assert b.x.shape == (32, 10) and b.y.shape == (32, 1)
     # the noise-free part of x lies in the cluster's subspace
     proj = jnp.einsum("ndt,nd->nt", sub.bases[b.cluster], b.x)
-    assert float(jnp.mean(jnp.sum((b.x - jnp.einsum("ndt,nt->nd", sub.bases[b.cluster], proj)) ** 2, -1))) < 0.1**2 * 10 * 1.5
+    assert (
+        float(
+            jnp.mean(jnp.sum((b.x - jnp.einsum("ndt,nt->nd", sub.bases[b.cluster], proj)) ** 2, -1))
+        )
+        < 0.1**2 * 10 * 1.5
+    )
 
     tok = data.make_tokenized_mixture(KEY, k=5, d=6, length=4, quadratic=True)
     b = data.sample_tokenized_mixture(tok, KEY, 8)
     assert b.x.shape == (8, 4, 6) and b.cluster.shape == (8, 4) and b.y.shape == (8, 1)
     per_token = jnp.sum(tok.mixture.label_vectors[b.cluster] * b.x, -1) ** 2
     np.testing.assert_allclose(b.y[:, 0], per_token.sum(-1), rtol=1e-5)
-    averaged = data.sample_tokenized_mixture(data.make_tokenized_mixture(KEY, k=5, d=6, length=4, quadratic=True, label_reduce="mean"), KEY, 8)
+    averaged = data.sample_tokenized_mixture(
+        data.make_tokenized_mixture(KEY, k=5, d=6, length=4, quadratic=True, label_reduce="mean"),
+        KEY,
+        8,
+    )
     np.testing.assert_allclose(averaged.x, b.x)
     np.testing.assert_allclose(averaged.y[:, 0], per_token.mean(-1), rtol=1e-5)
 

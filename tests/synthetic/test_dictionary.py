@@ -17,7 +17,15 @@ def test_pair_and_atom_cluster_ids():
 
 
 def test_moe_beats_frozen_and_linear_dense_on_dictionary(tmp_path):
-    cfg = dict(dictionary.PRESETS["quick"], atoms=[16], d=16, num_experts=16, n_train=4096, n_test=1024, steps=750)
+    cfg = dict(
+        dictionary.PRESETS["quick"],
+        atoms=[16],
+        d=16,
+        num_experts=16,
+        n_train=4096,
+        n_test=1024,
+        steps=750,
+    )
     result = dictionary.run(cfg, [0, 1], tmp_path)
     by_model = {e["model"]: e for e in result["summary"]}
     learned = by_model["MoE learned"]

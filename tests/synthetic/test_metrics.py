@@ -44,13 +44,21 @@ def test_subspace_fraction_and_norm_uniformity():
     np.testing.assert_allclose(metrics.subspace_weight_fraction(w, 2), 25 / 50)
     np.testing.assert_allclose(metrics.off_subspace_norm(w, 2), 2.5)  # rows' off-V norms 0 and 5
     np.testing.assert_allclose(metrics.norm_uniformity(w), 1.0)
-    np.testing.assert_allclose(metrics.norm_uniformity(jnp.array([[1.0], [0.0], [0.0], [0.0]])), 4.0)
+    np.testing.assert_allclose(
+        metrics.norm_uniformity(jnp.array([[1.0], [0.0], [0.0], [0.0]])), 4.0
+    )
 
 
 def test_coverage_counts_clusters_with_a_specialist():
     cluster = jnp.array([0, 0, 1, 1])
-    assert float(metrics.cluster_coverage(jax.nn.one_hot(jnp.array([2, 3, 1, 1]), 4), cluster, 2)) == 1.0
-    assert float(metrics.cluster_coverage(jax.nn.one_hot(jnp.array([1, 1, 1, 1]), 4), cluster, 2)) == 0.0
+    assert (
+        float(metrics.cluster_coverage(jax.nn.one_hot(jnp.array([2, 3, 1, 1]), 4), cluster, 2))
+        == 1.0
+    )
+    assert (
+        float(metrics.cluster_coverage(jax.nn.one_hot(jnp.array([1, 1, 1, 1]), 4), cluster, 2))
+        == 0.0
+    )
 
 
 def test_shuffled_router_permutes_columns_only():

@@ -65,19 +65,25 @@ def test_copying_one_gate_makes_mmoe_compute_the_omoe_function():
     untied_pred, untied_gates = built["MMoE"].apply(mmoe_params, x)
     tied_pred, tied_gates = built["MMoE"].apply(tied, x)
     np.testing.assert_allclose(tied_pred, omoe_pred, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(untied_pred[:, 1], omoe_pred[:, 1], atol=1e-3)  # task 2's own gate matters
+    # task 2's own gate matters
+    assert not np.allclose(untied_pred[:, 1], omoe_pred[:, 1], atol=1e-3)
     np.testing.assert_allclose(untied_pred[:, 0], omoe_pred[:, 0], rtol=1e-5, atol=1e-6)
-    assert float(mmoe.gate_divergence(tied_gates)) < 1e-6 < float(mmoe.gate_divergence(untied_gates))
+    assert (
+        float(mmoe.gate_divergence(tied_gates)) < 1e-6 < float(mmoe.gate_divergence(untied_gates))
+    )
 
 
 def test_runs_cover_rho_by_seed_with_one_init_per_seed():
     runs, rows = mmoe.rho_grid([3, 5], [0.0, 0.5, 1.0], 128, 4)
-    assert [(r["rho"], r["seed"]) for r in rows] == [(rho, s) for rho in (0.0, 0.5, 1.0) for s in (3, 5)]
+    assert [(r["rho"], r["seed"]) for r in rows] == [
+        (rho, s) for rho in (0.0, 0.5, 1.0) for s in (3, 5)
+    ]
     np.testing.assert_array_equal(runs.data_index, np.arange(6))
     np.testing.assert_array_equal(runs.key[0], runs.key[4])  # seed 3 at rho 0 and rho 1
     assert not np.array_equal(runs.key[0], runs.key[1])
 
 
+@pytest.mark.slow
 def test_small_run_moe_beats_shared_bottom_at_every_correlation(tmp_path):
     cfg = dict(CFG, rhos=[0.0, 1.0], n_test=1024, steps=1000)
     result = mmoe.run(cfg, [0, 1, 2, 3], tmp_path)
@@ -88,12 +94,17 @@ def test_small_run_moe_beats_shared_bottom_at_every_correlation(tmp_path):
         assert by["OMoE", rho]["gate_divergence"] == 0.0
     assert by["MMoE", 0.0]["label_corr"] < 0.1 < 0.9 < by["MMoE", 1.0]["label_corr"]
     assert by["MMoE", 0.0]["gate_divergence"] > 0.05  # the two gates are trained apart
-    for e in result["summary"]:  # the training log: no stopping rule in this preset, so every run takes the cap
+    # the training log: no stopping rule in this preset, so every run takes the cap
+    for e in result["summary"]:
         assert e["steps"] == 1000 and e["converged"] == 0.0, e
-        # train loss is the mean over both tasks' squared errors, the test loss their sum: about half
+        # train loss is the mean over both tasks' squared errors, the test loss their sum:
+        # about half
         assert 0.35 < e["train_loss"] / e["loss"] < 0.7, e
     steps = sorted({e["step"] for e in result["curves"]})
     assert steps == [500, 1000]
-    first, last = ({e["model"]: e["loss"] for e in result["curves"] if e["step"] == s and e["rho"] == 0.0} for s in (500, 1000))
+    first, last = (
+        {e["model"]: e["loss"] for e in result["curves"] if e["step"] == s and e["rho"] == 0.0}
+        for s in (500, 1000)
+    )
     assert all(last[m] < first[m] for m in mmoe.MODELS), (first, last)
     assert (tmp_path / "mmoe.png").stat().st_size > 0 and (tmp_path / "mmoe.csv").exists()

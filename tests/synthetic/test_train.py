@@ -24,9 +24,18 @@ def test_frozen_router_is_bit_identical_after_training_and_experts_move():
     model = models.MoE("linear", "mlp", 4, 6, 10, expert_hidden=8)
     init = train.init_runs(model, runs, tr)
     for optimizer in ("adam", "sgd"):
-        cfg = train.TrainConfig(steps=50, chunk=50, batch_size=32, optimizer=optimizer, router_mode="frozen", weight_decay=1e-2)
+        cfg = train.TrainConfig(
+            steps=50,
+            chunk=50,
+            batch_size=32,
+            optimizer=optimizer,
+            router_mode="frozen",
+            weight_decay=1e-2,
+        )
         out = train.train_runs(model, cfg, runs, tr, init)
-        np.testing.assert_array_equal(np.asarray(out["router"]["w"]), np.asarray(init["router"]["w"]))
+        np.testing.assert_array_equal(
+            np.asarray(out["router"]["w"]), np.asarray(init["router"]["w"])
+        )
         assert not np.allclose(out["experts"]["layers"][0]["w"], init["experts"]["layers"][0]["w"])
 
 
@@ -37,11 +46,21 @@ def test_learned_router_beats_frozen_with_depth3_experts_and_is_sparser_than_shu
     model = models.MoE("linear", "mlp", k, 8, 10, expert_hidden=32)
     results = {}
     for mode in ("learned", "frozen"):
-        cfg = train.TrainConfig(steps=600, chunk=300, batch_size=128, optimizer="sgd", lr_router=1e-1, lr_experts=1e-2, router_mode=mode)
+        cfg = train.TrainConfig(
+            steps=600,
+            chunk=300,
+            batch_size=128,
+            optimizer="sgd",
+            lr_router=1e-1,
+            lr_experts=1e-2,
+            router_mode=mode,
+        )
         params = train.train_runs(model, cfg, runs, tr)
         results[mode] = train.evaluate_runs(model, params, runs, te, k)
     assert np.all(results["learned"]["loss"] < results["frozen"]["loss"]), results
-    assert np.all(results["learned"]["sparsity"] < 0.75 * results["learned"]["shuffled_sparsity"]), results["learned"]
+    assert np.all(
+        results["learned"]["sparsity"] < 0.75 * results["learned"]["shuffled_sparsity"]
+    ), results["learned"]
     assert np.all(results["learned"]["sparsity"] < results["frozen"]["sparsity"])
 
 
@@ -52,7 +71,9 @@ def test_router_weight_moves_into_the_signal_subspace():
     model = models.MoE("linear", "constant", k, d, 10)
     init = train.init_runs(model, runs, tr)
     ratio = jax.vmap(lambda p: metrics.subspace_weight_fraction(p["router"]["w"], ds))
-    cfg = train.TrainConfig(steps=500, chunk=500, batch_size=128, lr_router=3.2e-3, lr_experts=3.2e-3, weight_decay=1e-3)
+    cfg = train.TrainConfig(
+        steps=500, chunk=500, batch_size=128, lr_router=3.2e-3, lr_experts=3.2e-3, weight_decay=1e-3
+    )
     final = train.train_runs(model, cfg, runs, tr, init)
     before, after = np.asarray(ratio(init)), np.asarray(ratio(final))
     assert np.all(before < 0.2)
@@ -112,14 +133,33 @@ def test_convergence_stops_a_solved_run_but_not_an_unsolved_one():
     tr = data.Batch(x, (x @ w_star)[..., None], jnp.zeros((2, 64), jnp.int32))
     runs, _ = train.grid([0, 1], [64], [1])
     model = models.Dense(d, 1, 1, 1)  # linear: y = x w + b
-    cfg = train.TrainConfig(steps=2000, chunk=50, batch_size=None, optimizer="sgd", momentum=0.0, lr_experts=0.1, converge_window=100, converge_rtol=1e-3, converge_atol=1e-8)
+    cfg = train.TrainConfig(
+        steps=2000,
+        chunk=50,
+        batch_size=None,
+        optimizer="sgd",
+        momentum=0.0,
+        lr_experts=0.1,
+        converge_window=100,
+        converge_rtol=1e-3,
+        converge_atol=1e-8,
+    )
     log = train.TrainLog()
     params = train.train_runs(model, cfg, runs, tr, log=log)
     w = np.asarray(params["experts"]["layers"][0]["w"])[..., 0]  # [R, d]
     np.testing.assert_allclose(w, np.broadcast_to(w_star, w.shape), atol=1e-3)  # both solved it
     assert log.converged.all() and (log.steps < 2000).all()
 
-    slow = train.TrainConfig(steps=400, chunk=50, batch_size=None, optimizer="sgd", momentum=0.0, lr_experts=1e-4, converge_window=100, converge_rtol=1e-3)
+    slow = train.TrainConfig(
+        steps=400,
+        chunk=50,
+        batch_size=None,
+        optimizer="sgd",
+        momentum=0.0,
+        lr_experts=1e-4,
+        converge_window=100,
+        converge_rtol=1e-3,
+    )
     slow_log = train.TrainLog()
     train.train_runs(model, slow, runs, tr, log=slow_log)
     assert not slow_log.converged.any() and (slow_log.steps == 400).all()  # still falling: no stop
@@ -129,12 +169,23 @@ def test_convergence_stops_a_solved_run_but_not_an_unsolved_one():
 def test_a_stopped_run_keeps_its_params_while_the_others_train():
     d = 3
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, d))
-    y = jnp.stack([jnp.zeros((32, 1)), (x[1] @ jnp.ones(d))[:, None]])  # run 0: y = 0 (solved at init)
+    # run 0: y = 0 (solved at init)
+    y = jnp.stack([jnp.zeros((32, 1)), (x[1] @ jnp.ones(d))[:, None]])
     tr = data.Batch(x, y, jnp.zeros((2, 32), jnp.int32))
     runs, _ = train.grid([0, 1], [32], [1])
     model = models.Dense(d, 1, 1, 1)
     init = jax.tree.map(jnp.zeros_like, train.init_runs(model, runs, tr))
-    cfg = train.TrainConfig(steps=300, chunk=50, batch_size=None, optimizer="sgd", momentum=0.0, lr_experts=0.05, converge_window=50, converge_rtol=1e-3, converge_atol=1e-10)
+    cfg = train.TrainConfig(
+        steps=300,
+        chunk=50,
+        batch_size=None,
+        optimizer="sgd",
+        momentum=0.0,
+        lr_experts=0.05,
+        converge_window=50,
+        converge_rtol=1e-3,
+        converge_atol=1e-10,
+    )
     log = train.TrainLog()
     params = train.train_runs(model, cfg, runs, tr, init, log=log)
     assert log.steps[0] == 50 and log.steps[1] > 50  # run 0 stops at its first chunk (loss 0)

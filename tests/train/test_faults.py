@@ -15,7 +15,7 @@ import time
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.train import checkpoints, gin_utils, run_lock, train
+from moe_jax.train import checkpoints, gin_utils, run_lock, setup, train
 from tests.train.test_train import parse, run
 
 
@@ -33,6 +33,7 @@ def metrics(model_dir: pathlib.Path, split: str = "train") -> list[dict]:
             if r["split"] == split]
 
 
+@pytest.mark.slow
 def test_unreadable_latest_checkpoint_falls_back_and_continues_exactly(tmp_path, capsys):
     full = run(tmp_path / "full", 9)
     run(tmp_path / "run", 6)                                   # checkpoints 3 and 6
@@ -84,6 +85,19 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
                                      "#   learning_rate_schedule.base_learning_rate: 0.003 -> 0.5",
                                      saved.splitlines()[0]], kept[:500]
     assert "learning_rate_schedule.base_learning_rate = 0.5" in kept
+    # the accepted change is the run's config now: repeating it needs no flag...
+    assert run(tmp_path, 6, "--gin.learning_rate_schedule.base_learning_rate=0.5")["step"] == 6
+    assert sorted(p.name for p in tmp_path.glob("config*.gin")) == ["config.gin", "config.step-3.gin"]
+    # ...and a plain resume that would silently go back to 0.003 is refused like any change
+    with pytest.raises(gin_utils.ConfigChangedError,
+                       match=r"(?s)another gin config \(.*config.step-3.gin\); resuming at step 6 "
+                             r"would change 1 binding.*base_learning_rate: 0.5 -> 0.003"):
+        run(tmp_path, 7)
+    assert checkpoints.reached_step(str(tmp_path)) == 6
+
+
+def _flags(*argv: str):
+    return gin_utils.parse_flags(setup.build_parser("t", "t"), list(argv))
 
 
 def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):
@@ -97,11 +111,11 @@ def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):
     (run_dir / "config.gin").write_text("from moe_jax.data import vocab\n# c\nimport evilmod\nA = 1\n")
     with pytest.raises(gin_utils.GinConfigError,
                        match=r"config.gin, line 3: refusing `import evilmod`"):
-        gin_utils.run_gin_files(str(run_dir), [], [], extend_run_config=True)
+        gin_utils.run_gin_files(_flags(), str(run_dir), [], extend_run_config=True)
     assert cli.main(["analyze", "positions", f"--checkpoint={run_dir}"]) == 1
     assert not marker.exists()                                 # the module never ran
     (run_dir / "config.gin").write_text("import moe_jax.models.t5 as moe_jax2\nA = 1\n")
-    assert gin_utils.run_config_file(str(run_dir)) == str(run_dir / "config.gin")
+    assert gin_utils.run_config_file(str(run_dir), _flags()) == str(run_dir / "config.gin")
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):

@@ -36,6 +36,7 @@ def event_steps(model_dir: str, split: str = "train", tag: str = "loss") -> list
     return sorted(steps)
 
 
+@pytest.mark.slow
 def test_gcs_run_killed_mid_save_resumes_bit_identical_to_a_local_run(tmp_path, gcs_dir):
     flags = ["--gin.TRAIN_STEPS=10", "--gin.train_script.train.checkpoint_period=1"]
     code, out = finish(start(tmp_path / "local", *flags))
@@ -103,6 +104,7 @@ def test_gcs_lock_refuses_a_second_writer_until_the_holder_dies_or_its_lease_exp
     second.release()
 
 
+@pytest.mark.slow
 def test_gcs_second_trainer_process_is_refused_and_a_killed_holder_does_not_block(gcs_dir):
     first = start(gcs_dir, "--gin.TRAIN_STEPS=500", "--gin.train_script.train.checkpoint_period=2")
     wait_for_step(first, gcs_dir, 3)
@@ -121,6 +123,7 @@ def _cli(*argv: str) -> int:
     return cli.main(list(argv))
 
 
+@pytest.mark.slow
 def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
     """eval, infer, export/import and analyze positions of a gs:// run give what they give
     for the same run copied to local disk."""
@@ -163,6 +166,7 @@ def _eval_numbers(folder: str) -> list[dict]:
     return [{"step": r["step"], "metrics": r["metrics"], "routing": r["routing"]} for r in results.values()]
 
 
+@pytest.mark.slow
 def test_gcs_sweep_runs_marks_and_collects_a_family_on_a_bucket(tmp_path, gcs_dir, capsys):
     from moe_jax.train import sweep
 

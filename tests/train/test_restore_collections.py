@@ -16,6 +16,10 @@ import pytest
 from moe_jax import cli
 from moe_jax.train import checkpoints, gin_utils, setup, summaries, train
 
+# A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
+# bias itself is in test_state_collections.py, which runs with `make test`.
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=routers/aux_free_bias.gin", "--gin.BATCH_SIZE=8",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BIAS_UPDATE_RATE=0.01",

@@ -11,6 +11,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+from moe_jax import cli
 from moe_jax.train import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -75,9 +76,15 @@ def test_bad_family_files_are_refused_naming_file_and_key(tmp_path, text, match)
     assert str(err.value).startswith(path)
 
 
-def test_missing_family_file_exits_2_naming_it(tmp_path, capsys):
-    assert sweep.main(["collect", str(tmp_path / "nope.toml"), "--root", str(tmp_path)]) == 2
-    assert "nope.toml: no such family file" in capsys.readouterr().err
+def test_missing_or_bad_family_file_is_one_error_line(tmp_path, capsys):
+    assert cli.main(["sweep", "collect", str(tmp_path / "nope.toml"), "--root", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (f"moe-jax sweep: error: {tmp_path / 'nope.toml'}: "
+                                               "no such family file")
+    bad = write_family(tmp_path, "this is = = bad\n")
+    assert cli.main(["sweep", "run", bad, "--root", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"moe-jax sweep: error: {bad}: not valid TOML (Expected '=' after a key in a key/value "
+        "pair (at line 1, column 6))")
 
 
 def write_eval_records(model_dir: str, curve: dict[int, float]) -> None:
@@ -144,8 +151,8 @@ gin_files = ["b.gin"]
 
 def test_collect_without_any_eval_record_fails_clearly(tmp_path, capsys):
     path = write_family(tmp_path, '[runs.a]\ngin_files = ["x.gin"]\n')
-    assert sweep.main(["collect", path, "--root", str(tmp_path / "empty")]) == 1
-    assert "no eval records under" in capsys.readouterr().err
+    assert cli.main(["sweep", "collect", path, "--root", str(tmp_path / "empty")]) == 1
+    assert capsys.readouterr().err.startswith("moe-jax sweep: error: no eval records under")
 
 
 TINY_FAMILY = """

@@ -44,6 +44,7 @@ def test_interrupted_run_continues_exactly(tmp_path):
     assert checkpoints.load_router_init(str(tmp_path / "full"))
 
 
+@pytest.mark.slow
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     run(tmp_path, 1)
     with pytest.raises(checkpoints.CheckpointMismatchError, match=r"other shapes \(\d+\): decoder/final_norm/scale: checkpoint \[32\] vs model \[16\]"):
@@ -74,6 +75,7 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
         jax.tree.map(np.testing.assert_array_equal, restored[0], other)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     huge_lr = "--gin.learning_rate_schedule.base_learning_rate=1e30"
     with pytest.raises(train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"):

@@ -61,6 +61,7 @@ def test_uneven_microbatches_are_refused_by_name(smoke_gin):
         _step(model, tx, schedule, state, random_batch(batch=4, enc_len=16, dec_len=8, vocab=500), 3)
 
 
+@pytest.mark.slow
 def test_adafactor_with_bfloat16_activations_fits_a_batch_and_keeps_float32_params(smoke_gin):
     smoke_gin("--gin.ACTIVATION_DTYPE='bfloat16'")
     model = EncoderDecoderModel()
@@ -94,6 +95,7 @@ def _two_steps_on_mesh(fsdp: bool):
     return state, losses
 
 
+@pytest.mark.slow
 def test_fsdp_shards_parameters_and_adam_state_over_the_batch_axes_with_the_same_losses(smoke_gin):
     smoke_gin("--gin_file=meshes/cpu_8.gin")  # (data 2, expert 4, model 1); Adam
     _, ref_losses = _two_steps_on_mesh(fsdp=False)

@@ -123,6 +123,7 @@ def test_upcycle_warns_naming_the_gates_option_when_they_do_not_sum_to_one(tmp_p
     assert re.search(r"warning: .*MoeLayer.renormalize_gates=False", err), err
 
 
+@pytest.mark.slow
 def test_fine_grained_upcycle_splits_the_dense_mlp_and_equals_it_at_step_zero(tmp_path):
     """Granularity 4 (routers/fine_grained.gin): 16 experts of 16 hidden units, top-8. Expert
     e * 4 + j is segment j of the dense hidden units (wo scaled by 4), the router's columns
@@ -144,6 +145,7 @@ def test_fine_grained_upcycle_splits_the_dense_mlp_and_equals_it_at_step_zero(tm
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router, exact", [
     (["--gin.MoeLayer.router_type='hash'"], True),
     (["--gin_file=routers/sigmoid.gin"], True),

@@ -36,5 +36,7 @@ SUITE: tuple[str, ...] = tuple(name for name in EXPERIMENTS if name != "cifar100
 def load(name: str) -> Experiment:
     """The experiment called ``name`` (its module is imported now)."""
     if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or 'all'")
+        raise ValueError(
+            f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or 'all'"
+        )
     return importlib.import_module(f"{__name__}.{EXPERIMENTS[name]}").EXPERIMENTS[name]

@@ -24,9 +24,46 @@ from moe_jax.synthetic.data import Batch
 from moe_jax.synthetic.experiments import common
 
 PRESETS = {
-    "quick": dict(classes=10, num_experts=24, dim_v=16, hidden=64, channels=[16, 32], features=64, n_train=5000, n_test=1000, steps=1000, batch=64),
-    "converged": dict(classes=10, num_experts=24, dim_v=16, hidden=64, channels=[16, 32], features=64, n_train=5000, n_test=1000, steps=6000, batch=64, schedule="cosine", converge_window=1000, converge_rtol=1e-3, chunk=250),
-    "paper": dict(classes=100, num_experts=200, dim_v=32, hidden=128, channels=[32, 64], features=128, n_train=50000, n_test=10000, steps=20000, batch=256),
+    "quick": dict(
+        classes=10,
+        num_experts=24,
+        dim_v=16,
+        hidden=64,
+        channels=[16, 32],
+        features=64,
+        n_train=5000,
+        n_test=1000,
+        steps=1000,
+        batch=64,
+    ),
+    "converged": dict(
+        classes=10,
+        num_experts=24,
+        dim_v=16,
+        hidden=64,
+        channels=[16, 32],
+        features=64,
+        n_train=5000,
+        n_test=1000,
+        steps=6000,
+        batch=64,
+        schedule="cosine",
+        converge_window=1000,
+        converge_rtol=1e-3,
+        chunk=250,
+    ),
+    "paper": dict(
+        classes=100,
+        num_experts=200,
+        dim_v=32,
+        hidden=128,
+        channels=[32, 64],
+        features=128,
+        n_train=50000,
+        n_test=10000,
+        steps=20000,
+        batch=256,
+    ),
 }
 METRICS = ("loss", "loss_soft", "sparsity", "sparsity_nats", "purity")
 
@@ -38,7 +75,9 @@ def load_cifar100(split: str, classes: int, n: int) -> tuple[np.ndarray, np.ndar
     import tensorflow_datasets as tfds
 
     chunks, kept = [], 0
-    for images, labels in tfds.as_numpy(tfds.load("cifar100", split=split, as_supervised=True).batch(1024)):
+    for images, labels in tfds.as_numpy(
+        tfds.load("cifar100", split=split, as_supervised=True).batch(1024)
+    ):
         keep = labels < classes
         chunks.append((images[keep], labels[keep]))
         kept += int(keep.sum())
@@ -49,7 +88,9 @@ def load_cifar100(split: str, classes: int, n: int) -> tuple[np.ndarray, np.ndar
     return images, np.concatenate([c[1] for c in chunks])[:n].astype(np.int32)
 
 
-def sample_pairs(images: np.ndarray, labels: np.ndarray, label_vectors: jax.Array, key: jax.Array) -> Batch:
+def sample_pairs(
+    images: np.ndarray, labels: np.ndarray, label_vectors: jax.Array, key: jax.Array
+) -> Batch:
     """x = (images ``[n, 32, 32, 3]``, v ``[n, dim_v]``), y = w_label^T v ``[n, 1]``,
     cluster = the class ``[n]``; label_vectors ``[classes, dim_v]``."""
     v = jax.random.normal(key, (labels.shape[0], label_vectors.shape[1]))
@@ -61,16 +102,48 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     k, e = cfg["classes"], cfg["num_experts"]
     train_images, train_labels = load_cifar100("train", k, cfg["n_train"])
     test_images, test_labels = load_cifar100("test", k, cfg["n_test"])
-    label_vectors = [jax.random.normal(common.seed_key(s, 0), (k, cfg["dim_v"])) / cfg["dim_v"] ** 0.5 for s in seeds]
-    train_set = train.stack_datasets([sample_pairs(train_images, train_labels, w, common.seed_key(s, 2)) for w, s in zip(label_vectors, seeds)])
-    test_set = train.stack_datasets([sample_pairs(test_images, test_labels, w, common.seed_key(s, 3)) for w, s in zip(label_vectors, seeds)])
+    label_vectors = [
+        jax.random.normal(common.seed_key(s, 0), (k, cfg["dim_v"])) / cfg["dim_v"] ** 0.5
+        for s in seeds
+    ]
+    train_set = train.stack_datasets(
+        [
+            sample_pairs(train_images, train_labels, w, common.seed_key(s, 2))
+            for w, s in zip(label_vectors, seeds, strict=True)
+        ]
+    )
+    test_set = train.stack_datasets(
+        [
+            sample_pairs(test_images, test_labels, w, common.seed_key(s, 3))
+            for w, s in zip(label_vectors, seeds, strict=True)
+        ]
+    )
     runs, coords = train.grid(seeds, [int(train_labels.shape[0])], [e])
-    model = models.MoE("cnn", "mlp", e, cfg["dim_v"], 1, expert_hidden=cfg["hidden"], cnn_channels=tuple(cfg["channels"]), cnn_features=cfg["features"])
+    model = models.MoE(
+        "cnn",
+        "mlp",
+        e,
+        cfg["dim_v"],
+        1,
+        expert_hidden=cfg["hidden"],
+        cnn_channels=tuple(cfg["channels"]),
+        cnn_features=cfg["features"],
+    )
     rows = []
     for mode in ("learned", "frozen"):
-        opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=1e-3, lr_experts=1e-3, router_mode=mode)
+        opt = common.train_config(
+            cfg,
+            steps=cfg["steps"],
+            batch_size=cfg["batch"],
+            optimizer="adam",
+            lr_router=1e-3,
+            lr_experts=1e-3,
+            router_mode=mode,
+        )
         params = train.train_runs(model, opt, runs, train_set, desc=f"cifar100 {mode}")
-        rows += common.table(coords, train.evaluate_runs(model, params, runs, test_set, k), model=f"MoE {mode}")
+        rows += common.table(
+            coords, train.evaluate_runs(model, params, runs, test_set, k), model=f"MoE {mode}"
+        )
     summary = common.summarise(rows, ("model",), METRICS)
 
     fig, (ax,) = common.figure(1, 5.0)
@@ -79,9 +152,22 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     ax.set_ylabel("normalised test loss (top-1)")
     ax.set_title(f"CIFAR-100, {k} classes, E = {e}", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    result = {"experiment": "cifar100", "config": cfg, "seeds": seeds, "num_train": int(train_labels.shape[0]), "summary": summary}
+    result = {
+        "experiment": "cifar100",
+        "config": cfg,
+        "seeds": seeds,
+        "num_train": int(train_labels.shape[0]),
+        "summary": summary,
+    }
     result["files"] = common.write_outputs(out_dir, "cifar100", result, rows, fig)
     return result
 
 
-EXPERIMENTS = {"cifar100": common.Experiment("cifar100", "CIFAR-100 class clusters, CNN router: learned vs frozen (Sec. 3.4; needs the dataset)", PRESETS, run)}
+EXPERIMENTS = {
+    "cifar100": common.Experiment(
+        "cifar100",
+        "CIFAR-100 class clusters, CNN router: learned vs frozen (Sec. 3.4; needs the dataset)",
+        PRESETS,
+        run,
+    )
+}

@@ -6,7 +6,8 @@ import csv
 import dataclasses
 import json
 import pathlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,7 +31,8 @@ class Experiment:
     description: str
     presets: dict[str, dict[str, Any]]
     run: Callable[[dict[str, Any], list[int], pathlib.Path], dict[str, Any]]
-    plot: Callable[[dict[str, Any]], Any] | None = None  # the figure from the JSON alone (`synthetic plot`)
+    # the figure from the JSON alone (`synthetic plot`)
+    plot: Callable[[dict[str, Any]], Any] | None = None
 
 
 def train_config(cfg: dict[str, Any], **fixed: Any) -> TrainConfig:
@@ -45,21 +47,33 @@ def seed_key(seed: int, purpose: int) -> jax.Array:
 
 
 def seed_datasets(
-    make: Callable[[jax.Array], Any], sample: Callable[[Any, jax.Array, int], Batch], seeds: list[int], n_train: int, n_test: int
+    make: Callable[[jax.Array], Any],
+    sample: Callable[[Any, jax.Array, int], Batch],
+    seeds: list[int],
+    n_train: int,
+    n_test: int,
 ) -> tuple[list[Any], Batch, Batch]:
     """One task per seed (``make(key)``) and its train / test sets stacked ``[S, n, ...]``."""
     tasks = [make(seed_key(s, 0)) for s in seeds]
-    train = stack_datasets([sample(t, seed_key(s, 2), n_train) for t, s in zip(tasks, seeds)])
-    test = stack_datasets([sample(t, seed_key(s, 3), n_test) for t, s in zip(tasks, seeds)])
+    pairs = list(zip(tasks, seeds, strict=True))
+    train = stack_datasets([sample(t, seed_key(s, 2), n_train) for t, s in pairs])
+    test = stack_datasets([sample(t, seed_key(s, 3), n_test) for t, s in pairs])
     return tasks, train, test
 
 
-def table(rows: list[dict[str, Any]], results: dict[str, np.ndarray], **extra: Any) -> list[dict[str, Any]]:
+def table(
+    rows: list[dict[str, Any]], results: dict[str, np.ndarray], **extra: Any
+) -> list[dict[str, Any]]:
     """One row per run: its coordinates, ``extra`` columns and every metric."""
-    return [{**row, **extra, **{k: float(v[i]) for k, v in results.items()}} for i, row in enumerate(rows)]
+    return [
+        {**row, **extra, **{k: float(v[i]) for k, v in results.items()}}
+        for i, row in enumerate(rows)
+    ]
 
 
-def summarise(rows: list[dict[str, Any]], by: Iterable[str], metrics: Iterable[str]) -> list[dict[str, Any]]:
+def summarise(
+    rows: list[dict[str, Any]], by: Iterable[str], metrics: Iterable[str]
+) -> list[dict[str, Any]]:
     """Mean and std over seeds of ``metrics`` for each distinct value of the ``by`` columns."""
     by, metrics = list(by), list(metrics)
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -67,7 +81,7 @@ def summarise(rows: list[dict[str, Any]], by: Iterable[str], metrics: Iterable[s
         groups.setdefault(tuple(row[b] for b in by), []).append(row)
     out = []
     for key, members in groups.items():
-        entry = dict(zip(by, key), seeds=len(members))
+        entry = dict(zip(by, key, strict=True), seeds=len(members))
         for m in metrics:
             values = np.array([r[m] for r in members if m in r], dtype=float)
             if values.size:
@@ -77,13 +91,32 @@ def summarise(rows: list[dict[str, Any]], by: Iterable[str], metrics: Iterable[s
     return out
 
 
-def curve(summary: list[dict[str, Any]], x: str, y: str, **where: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def curve(
+    summary: list[dict[str, Any]], x: str, y: str, **where: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x, mean, std) of metric ``y`` over the summary entries matching ``where``, sorted by x."""
-    entries = sorted((e for e in summary if all(e.get(k) == v for k, v in where.items()) and y in e), key=lambda e: e[x])
-    return (np.array([e[x] for e in entries]), np.array([e[y] for e in entries]), np.array([e[y + "_std"] for e in entries]))
+    entries = sorted(
+        (e for e in summary if all(e.get(k) == v for k, v in where.items()) and y in e),
+        key=lambda e: e[x],
+    )
+    return (
+        np.array([e[x] for e in entries]),
+        np.array([e[y] for e in entries]),
+        np.array([e[y + "_std"] for e in entries]),
+    )
 
 
-def plot_curves(ax, summary: list[dict[str, Any]], x: str, y: str, series: dict[str, dict[str, Any]], *, logx: bool = True, ylabel: str | None = None, title: str = "") -> None:
+def plot_curves(
+    ax,
+    summary: list[dict[str, Any]],
+    x: str,
+    y: str,
+    series: dict[str, dict[str, Any]],
+    *,
+    logx: bool = True,
+    ylabel: str | None = None,
+    title: str = "",
+) -> None:
     """One line (mean +- std over seeds) per ``series`` label -> filter on the summary."""
     ticks = set(getattr(ax, "_data_ticks", ()))
     for label, where in series.items():
@@ -108,26 +141,53 @@ def style_log_axes(ax, xticks: list[float] | None = None) -> None:
     on minor ticks (matplotlib's overlap within a decade, the fig4 bug) and, when
     ``xticks`` is given, major ticks exactly at the data's x values, labelled plainly
     (640, 3200, 25600) with every other label dropped if there are more than 6."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
+    from matplotlib.ticker import (
+        FixedLocator,
+        FuncFormatter,
+        LogLocator,
+        NullFormatter,
+        NullLocator,
+    )
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
         if scale == "log" and not isinstance(axis.get_major_locator(), FixedLocator):
             low, high = sorted(abs(v) for v in axis.get_view_interval())
             decades = np.log10(high / max(low, 1e-300))  # over 2 decades: powers of ten only
-            axis.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades > 2 else (1.0, 2.0, 5.0)))
+            axis.set_major_locator(
+                LogLocator(base=10, subs=(1.0,) if decades > 2 else (1.0, 2.0, 5.0))
+            )
             axis.set_major_formatter(plain)
             axis.set_minor_formatter(NullFormatter())
     if xticks and ax.get_xscale() == "log":
         ax.xaxis.set_major_locator(FixedLocator(xticks))
         ax.xaxis.set_minor_locator(NullLocator())
         step = 2 if len(xticks) > 6 else 1
-        ax.set_xticks(xticks, [f"{v:g}" if i % step == 0 else "" for i, v in enumerate(xticks)], fontsize=7)
+        ax.set_xticks(
+            xticks, [f"{v:g}" if i % step == 0 else "" for i, v in enumerate(xticks)], fontsize=7
+        )
 
 
 # what ``console_table`` shows, in this order, when an experiment's summary has it
-CONSOLE_METRICS = ("loss", "loss_soft", "mse", "mse_soft", "accuracy", "dispatch_entropy", "sparsity", "shuffled_sparsity", "coverage",
-                   "ratio_final", "off_norm_final", "abs_cos_w_z", "norm_w", "rel_err_u", "loss_vs_mmoe", "gate_divergence", "steps")
+CONSOLE_METRICS = (
+    "loss",
+    "loss_soft",
+    "mse",
+    "mse_soft",
+    "accuracy",
+    "dispatch_entropy",
+    "sparsity",
+    "shuffled_sparsity",
+    "coverage",
+    "ratio_final",
+    "off_norm_final",
+    "abs_cos_w_z",
+    "norm_w",
+    "rel_err_u",
+    "loss_vs_mmoe",
+    "gate_divergence",
+    "steps",
+)
 CONSOLE_COLUMNS = 7
 
 
@@ -140,12 +200,30 @@ def console_table(result: dict[str, Any]) -> str:
         return "\n".join(f"{k:>20}  {v:.4g}" for k, v in summary.items())
     keys = list(dict.fromkeys(k for e in summary for k in e))
     metrics = [m for m in CONSOLE_METRICS if m in keys][:CONSOLE_COLUMNS]
-    coords = [k for k in keys if not k.endswith("_std") and k not in CONSOLE_METRICS and not isinstance(summary[0].get(k), float) or k in ("weight_decay", "rho")]
-    coords = [k for k in coords if k != "seeds" and not any(k == m or k == m + "_std" for m in metrics)]
-    cell = lambda e, m: f"{e[m]:.4g}" + (f" +- {e[m + '_std']:.2g}" if e.get(m + "_std") else "") if m in e else "-"
-    table = [coords + metrics] + [[str(e.get(c, "-")) for c in coords] + [cell(e, m) for m in metrics] for e in summary]
+    coords = [
+        k
+        for k in keys
+        if (
+            not k.endswith("_std")
+            and k not in CONSOLE_METRICS
+            and not isinstance(summary[0].get(k), float)
+        )
+        or k in ("weight_decay", "rho")
+    ]
+    coords = [
+        k for k in coords if k != "seeds" and not any(k == m or k == m + "_std" for m in metrics)
+    ]
+
+    def cell(e: dict[str, Any], m: str) -> str:
+        if m not in e:
+            return "-"
+        return f"{e[m]:.4g}" + (f" +- {e[m + '_std']:.2g}" if e.get(m + "_std") else "")
+
+    table = [coords + metrics] + [
+        [str(e.get(c, "-")) for c in coords] + [cell(e, m) for m in metrics] for e in summary
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in table]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
@@ -157,8 +235,11 @@ def figure(ncols: int, width: float = 4.0):
     return fig, list(axes[0])
 
 
-def write_outputs(out_dir: pathlib.Path, name: str, result: dict[str, Any], rows: list[dict[str, Any]], fig) -> dict[str, str]:
-    """Write ``<out_dir>/<name>.json`` (``result``), ``<name>.csv`` (``rows``) and ``<name>.png``."""
+def write_outputs(
+    out_dir: pathlib.Path, name: str, result: dict[str, Any], rows: list[dict[str, Any]], fig
+) -> dict[str, str]:
+    """Write ``<out_dir>/<name>.json`` (``result``), ``<name>.csv`` (``rows``) and
+    ``<name>.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {ext: str(out_dir / f"{name}.{ext}") for ext in ("json", "csv", "png")}
     with open(paths["json"], "w") as f:

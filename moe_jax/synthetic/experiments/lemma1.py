@@ -20,7 +20,11 @@ import numpy as np
 from moe_jax.synthetic import data
 from moe_jax.synthetic.experiments import common
 
-PRESETS = {"quick": dict(k=8, d=10, n=4000, iterations=15), "converged": dict(k=8, d=10, n=4000, iterations=15), "paper": dict(k=64, d=24, n=64000, iterations=30)}
+PRESETS = {
+    "quick": dict(k=8, d=10, n=4000, iterations=15),
+    "converged": dict(k=8, d=10, n=4000, iterations=15),
+    "paper": dict(k=64, d=24, n=64000, iterations=30),
+}
 
 
 def moe_loss(u: jax.Array, x: jax.Array) -> jax.Array:
@@ -49,9 +53,17 @@ def trajectories(u0: jax.Array, x: jax.Array, iterations: int) -> dict[str, jax.
         u_gd = u_gd - (n / (2 * jnp.maximum(counts, 1)))[:, None] * grad
         _, counts_l = kmeans_gradient(u_lloyd, x)
         assign = jnp.argmin(jnp.sum((x[:, None] - u_lloyd[None]) ** 2, -1), axis=1)
-        means = jax.ops.segment_sum(x, assign, num_segments=u0.shape[0]) / jnp.maximum(counts_l, 1)[:, None]
+        means = (
+            jax.ops.segment_sum(x, assign, num_segments=u0.shape[0])
+            / jnp.maximum(counts_l, 1)[:, None]
+        )
         u_lloyd = jnp.where(counts_l[:, None] > 0, means, u_lloyd)
-        out = dict(grad_gap=jnp.max(jnp.abs(grad - closed)), centre_gap=jnp.max(jnp.abs(u_gd - u_lloyd)), loss_gd=moe_loss(u_gd, x), loss_lloyd=moe_loss(u_lloyd, x))
+        out = dict(
+            grad_gap=jnp.max(jnp.abs(grad - closed)),
+            centre_gap=jnp.max(jnp.abs(u_gd - u_lloyd)),
+            loss_gd=moe_loss(u_gd, x),
+            loss_lloyd=moe_loss(u_lloyd, x),
+        )
         return (u_gd, u_lloyd), out
 
     _, out = jax.lax.scan(step, (u0, u0), None, length=iterations)
@@ -62,15 +74,33 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     make = functools.partial(data.make_gaussian_mixture, k=cfg["k"], d=cfg["d"], c=1.0)
     _, x_all, _ = common.seed_datasets(make, data.sample_gaussian_mixture, seeds, cfg["n"], 1)
     x = x_all.x  # [S, n, d]
-    u0 = jax.vmap(lambda xs, s: xs[jax.random.choice(jax.random.PRNGKey(s), xs.shape[0], (cfg["k"],), replace=False)])(x, jnp.array(seeds))
+    u0 = jax.vmap(
+        lambda xs, s: xs[
+            jax.random.choice(jax.random.PRNGKey(s), xs.shape[0], (cfg["k"],), replace=False)
+        ]
+    )(x, jnp.array(seeds))
     out = jax.jit(jax.vmap(functools.partial(trajectories, iterations=cfg["iterations"])))(u0, x)
     out = {k: np.asarray(v) for k, v in out.items()}  # [S, T]
-    rows = [dict(seed=s, iteration=t + 1, **{k: float(v[i, t]) for k, v in out.items()}) for i, s in enumerate(seeds) for t in range(cfg["iterations"])]
-    summary = {"max_grad_gap": float(out["grad_gap"].max()), "max_centre_gap": float(out["centre_gap"].max()),
-               "final_loss_gd": float(out["loss_gd"][:, -1].mean()), "final_loss_lloyd": float(out["loss_lloyd"][:, -1].mean())}
+    rows = [
+        dict(seed=s, iteration=t + 1, **{k: float(v[i, t]) for k, v in out.items()})
+        for i, s in enumerate(seeds)
+        for t in range(cfg["iterations"])
+    ]
+    summary = {
+        "max_grad_gap": float(out["grad_gap"].max()),
+        "max_centre_gap": float(out["centre_gap"].max()),
+        "final_loss_gd": float(out["loss_gd"][:, -1].mean()),
+        "final_loss_lloyd": float(out["loss_lloyd"][:, -1].mean()),
+    }
     fig, (ax,) = common.figure(1, 5.0)
     steps = np.arange(1, cfg["iterations"] + 1)
-    ax.plot(steps, out["loss_gd"].mean(0), marker="o", ms=4, label="GD on weight-sharing MoE, step n/(2 n_j)")
+    ax.plot(
+        steps,
+        out["loss_gd"].mean(0),
+        marker="o",
+        ms=4,
+        label="GD on weight-sharing MoE, step n/(2 n_j)",
+    )
     ax.plot(steps, out["loss_lloyd"].mean(0), marker="x", ls="--", label="Lloyd (k-means)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("k-means objective / n")
@@ -81,4 +111,8 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     return result
 
 
-EXPERIMENTS = {"lemma1": common.Experiment("lemma1", "a GD step of the weight-sharing MoE is a k-means step (Lemma 1)", PRESETS, run)}
+EXPERIMENTS = {
+    "lemma1": common.Experiment(
+        "lemma1", "a GD step of the weight-sharing MoE is a k-means step (Lemma 1)", PRESETS, run
+    )
+}

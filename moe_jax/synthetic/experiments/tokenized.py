@@ -26,11 +26,75 @@ from moe_jax.synthetic import data, models, train
 from moe_jax.synthetic.experiments import common
 
 PRESETS = {
-    "quick": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=4096, n_test=1024, steps=1500, batch=64, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05, label_reduce="sum"),
-    "converged": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear"], n_train=8192, n_test=2048, steps=4000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.25, label_reduce="sum", schedule="cosine", converge_window=500, converge_rtol=1e-3, converge_atol=1e-5, chunk=250),
-    "paper": dict(k=32, d=32, c=2.0, num_experts=32, lengths=[4, 8, 16], outputs=["linear", "quadratic"], n_train=51200, n_test=8192, steps=20000, batch=256, lr_router=3.2e-3, lr_experts=3.2e-3, router_scale=0.05, label_reduce="sum"),
+    "quick": dict(
+        k=32,
+        d=32,
+        c=2.0,
+        num_experts=32,
+        lengths=[4, 8, 16],
+        outputs=["linear", "quadratic"],
+        n_train=4096,
+        n_test=1024,
+        steps=1500,
+        batch=64,
+        lr_router=3.2e-3,
+        lr_experts=3.2e-3,
+        router_scale=0.05,
+        label_reduce="sum",
+    ),
+    "converged": dict(
+        k=32,
+        d=32,
+        c=2.0,
+        num_experts=32,
+        lengths=[4, 8, 16],
+        outputs=["linear"],
+        n_train=8192,
+        n_test=2048,
+        steps=4000,
+        batch=256,
+        lr_router=3.2e-3,
+        lr_experts=3.2e-3,
+        router_scale=0.25,
+        label_reduce="sum",
+        schedule="cosine",
+        converge_window=500,
+        converge_rtol=1e-3,
+        converge_atol=1e-5,
+        chunk=250,
+    ),
+    "paper": dict(
+        k=32,
+        d=32,
+        c=2.0,
+        num_experts=32,
+        lengths=[4, 8, 16],
+        outputs=["linear", "quadratic"],
+        n_train=51200,
+        n_test=8192,
+        steps=20000,
+        batch=256,
+        lr_router=3.2e-3,
+        lr_experts=3.2e-3,
+        router_scale=0.05,
+        label_reduce="sum",
+    ),
 }
-METRICS = ("loss", "loss_soft", "mse", "mse_soft", "steps", "converged", "train_loss", "sparsity", "sparsity_exp_mean_nats", "sparsity_nats", "shuffled_sparsity", "shuffled_sparsity_nats", "purity")
+METRICS = (
+    "loss",
+    "loss_soft",
+    "mse",
+    "mse_soft",
+    "steps",
+    "converged",
+    "train_loss",
+    "sparsity",
+    "sparsity_exp_mean_nats",
+    "sparsity_nats",
+    "shuffled_sparsity",
+    "shuffled_sparsity_nats",
+    "purity",
+)
 MODELS = ("MoE learned", "MoE frozen", "dense 2 layers")
 
 
@@ -39,20 +103,61 @@ def run(cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path) -> dict[st
     runs, coords = train.grid(seeds, [cfg["n_train"]], [e])
     moe = models.MoE("linear", "linear", e, d, 1, router_scale=cfg["router_scale"])
     dense = models.Dense.matching(models.count_params(moe.init(common.seed_key(0, 1))), d, 1, 2)
-    candidates = {"MoE learned": (moe, "learned"), "MoE frozen": (moe, "frozen"), "dense 2 layers": (dense, "learned")}
+    candidates = {
+        "MoE learned": (moe, "learned"),
+        "MoE frozen": (moe, "frozen"),
+        "dense 2 layers": (dense, "learned"),
+    }
     rows = []
     for output in cfg["outputs"]:
         for length in cfg["lengths"]:
-            make = functools.partial(data.make_tokenized_mixture, k=k, d=d, length=length, c=cfg["c"], quadratic=output == "quadratic", label_reduce=cfg["label_reduce"])
-            _, train_set, test_set = common.seed_datasets(make, data.sample_tokenized_mixture, seeds, cfg["n_train"], cfg["n_test"])
+            make = functools.partial(
+                data.make_tokenized_mixture,
+                k=k,
+                d=d,
+                length=length,
+                c=cfg["c"],
+                quadratic=output == "quadratic",
+                label_reduce=cfg["label_reduce"],
+            )
+            _, train_set, test_set = common.seed_datasets(
+                make, data.sample_tokenized_mixture, seeds, cfg["n_train"], cfg["n_test"]
+            )
             for label, (model, mode) in candidates.items():
-                opt = common.train_config(cfg, steps=cfg["steps"], batch_size=cfg["batch"], optimizer="adam", lr_router=cfg["lr_router"], lr_experts=cfg["lr_experts"], router_mode=mode)
+                opt = common.train_config(
+                    cfg,
+                    steps=cfg["steps"],
+                    batch_size=cfg["batch"],
+                    optimizer="adam",
+                    lr_router=cfg["lr_router"],
+                    lr_experts=cfg["lr_experts"],
+                    router_mode=mode,
+                )
                 log = train.TrainLog()
-                params = train.train_runs(model, opt, runs, train_set, desc=f"tokenized {output} s={length} {label}", log=log)
-                rows += common.table(coords, {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()}, model=label, output=output, length=length)
+                params = train.train_runs(
+                    model,
+                    opt,
+                    runs,
+                    train_set,
+                    desc=f"tokenized {output} s={length} {label}",
+                    log=log,
+                )
+                rows += common.table(
+                    coords,
+                    {**train.evaluate_runs(model, params, runs, test_set, k), **log.columns()},
+                    model=label,
+                    output=output,
+                    length=length,
+                )
     summary = common.summarise(rows, ("output", "model", "length"), METRICS)
 
-    result = {"experiment": "tokenized", "config": cfg, "seeds": seeds, "dense_hidden": dense.hidden, "summary": summary}
+    result = {
+        "experiment": "tokenized",
+        "config": cfg,
+        "seeds": seeds,
+        "dense_hidden": dense.hidden,
+        "summary": summary,
+    }
     result["files"] = common.write_outputs(out_dir, "tokenized", result, rows, plot(result))
     return result
 
@@ -63,12 +168,38 @@ def plot(result: dict[str, Any]):
     the band above E (the largest sparsity) so that it covers no curve."""
     cfg, summary = result["config"], result["summary"]
     fig, axes = common.figure(len(cfg["outputs"]) + 1)
-    for ax, output in zip(axes, cfg["outputs"]):
-        common.plot_curves(ax, summary, "length", "loss_soft", {m: dict(model=m, output=output) for m in MODELS}, ylabel="normalised test loss (soft MoE)", title=f"Table 1: {output} output")
+    for ax, output in zip(axes[:-1], cfg["outputs"], strict=True):
+        common.plot_curves(
+            ax,
+            summary,
+            "length",
+            "loss_soft",
+            {m: dict(model=m, output=output) for m in MODELS},
+            ylabel="normalised test loss (soft MoE)",
+            title=f"Table 1: {output} output",
+        )
     ax = axes[-1]
     for output in cfg["outputs"]:
-        common.plot_curves(ax, summary, "length", "sparsity", {f"{output}, learned": dict(model="MoE learned", output=output), f"{output}, frozen": dict(model="MoE frozen", output=output)}, ylabel="sparsity (effective experts)")
-        common.plot_curves(ax, summary, "length", "shuffled_sparsity", {f"{output}, shuffled": dict(model="MoE learned", output=output)}, ylabel="sparsity (effective experts)", title=f"Table 2: sparsity (E = {cfg['num_experts']})")
+        common.plot_curves(
+            ax,
+            summary,
+            "length",
+            "sparsity",
+            {
+                f"{output}, learned": dict(model="MoE learned", output=output),
+                f"{output}, frozen": dict(model="MoE frozen", output=output),
+            },
+            ylabel="sparsity (effective experts)",
+        )
+        common.plot_curves(
+            ax,
+            summary,
+            "length",
+            "shuffled_sparsity",
+            {f"{output}, shuffled": dict(model="MoE learned", output=output)},
+            ylabel="sparsity (effective experts)",
+            title=f"Table 2: sparsity (E = {cfg['num_experts']})",
+        )
     for axis in axes:
         axis.set_xlabel("sequence length s (tokens)")
     ax.set_ylim(0, cfg["num_experts"] * 1.6)  # sparsity <= E: the band above it holds the legend
@@ -77,4 +208,12 @@ def plot(result: dict[str, Any]):
     return fig
 
 
-EXPERIMENTS = {"tokenized": common.Experiment("tokenized", "tokenized MoG, linear / quadratic outputs: loss and sparsity vs s (Tables 1-2)", PRESETS, run, plot)}
+EXPERIMENTS = {
+    "tokenized": common.Experiment(
+        "tokenized",
+        "tokenized MoG, linear / quadratic outputs: loss and sparsity vs s (Tables 1-2)",
+        PRESETS,
+        run,
+        plot,
+    )
+}

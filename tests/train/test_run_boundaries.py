@@ -1,0 +1,299 @@
+"""A run's files are data, not instructions: a run directory's or export's config runs no
+code the command line does not name, and exports and imports never write over another run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+
+import gin
+import pytest
+
+from moe_jax import cli, errors
+from moe_jax.train import evaluate, gin_utils, setup
+
+STEPS = 2
+TRAIN = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    f"--gin.TRAIN_STEPS={STEPS}",
+    "--gin.train_script.train.eval_period=0",
+    "--gin.train_script.train.log_period=1",
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gin():
+    yield
+    gin.clear_config()
+
+
+@pytest.fixture(scope="module")
+def run_and_export(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """A run trained by `moe-jax train` (checkpoints 1 and 2) and its export."""
+    root = tmp_path_factory.mktemp("boundaries")
+    model_dir, out = root / "run", root / "export"
+    assert cli.main(["train", *TRAIN, f"--gin.MODEL_DIR={model_dir}"]) == 0
+    assert cli.main(["export", f"--checkpoint={model_dir}", f"--out={out}"]) == 0
+    gin.clear_config()
+    return model_dir, out
+
+
+@pytest.fixture(scope="module")
+def poisoned(run_and_export, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """Copies of the run and the export whose config.gin names a payload ``.py`` file as
+    ``MIXTURE_OR_TASK_MODULE``; the payload writes ``payload.ran`` beside itself when run."""
+    root = tmp_path_factory.mktemp("poisoned")
+    payload = root / "payload.py"
+    payload.write_text(
+        "import pathlib\npathlib.Path(__file__).with_suffix('.ran').write_text('ran')\n"
+    )
+    copies = []
+    for source in run_and_export:
+        copy = root / source.name
+        shutil.copytree(source, copy)
+        config = copy / "config.gin"
+        text = config.read_text()
+        assert "MIXTURE_OR_TASK_MODULE = None\n" in text
+        config.write_text(
+            text.replace(
+                "MIXTURE_OR_TASK_MODULE = None\n", f"MIXTURE_OR_TASK_MODULE = {str(payload)!r}\n"
+            )
+        )
+        copies.append(copy)
+    return copies[0], copies[1], payload
+
+
+def _refusal(config: pathlib.Path, payload: pathlib.Path) -> str:
+    line = next(
+        i
+        for i, text in enumerate(config.read_text().splitlines(), 1)
+        if text.startswith("MIXTURE_OR_TASK_MODULE")
+    )
+    return (
+        f"{config}, line {line}: refusing MIXTURE_OR_TASK_MODULE = {str(payload)!r}: a run's "
+        "config may name only the project's modules or those given on the command line "
+        f"(importing it would run its code); to trust it, pass "
+        f"--gin.MIXTURE_OR_TASK_MODULE={payload}"
+    )
+
+
+def _last_line(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _commands(
+    run: pathlib.Path, export_dir: pathlib.Path, out: pathlib.Path
+) -> dict[str, list[str]]:
+    """Each command that reads a run's (or an export's) config, and where it reads it."""
+    return {
+        "eval": ["eval", f"--checkpoint={run}", "--gin.EVAL_STEPS=1", f"--output_dir={out}"],
+        "infer": ["infer", f"--checkpoint={run}", "--input=hello"],
+        "analyze positions": ["analyze", "positions", f"--checkpoint={run}", f"--out={out}"],
+        "analyze languages": ["analyze", "languages", f"--checkpoint={run}", f"--out={out}"],
+        "export": ["export", f"--checkpoint={run}", f"--out={out}"],
+        "import": ["import", f"--export={export_dir}", f"--model_dir={out}"],
+        # a run's config named on the command line (T5X's way to continue or upcycle a run)
+        "train": ["train", f"--gin_file={run / 'config.gin'}", "--gin.TRAIN_STEPS=3"],
+        "upcycle": [
+            "upcycle",
+            f"--checkpoint={run}",
+            f"--out={out}",
+            f"--gin_file={run / 'config.gin'}",
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "eval",
+        "infer",
+        "analyze positions",
+        "analyze languages",
+        "export",
+        "import",
+        "train",
+        "upcycle",
+    ],
+)
+def test_a_run_config_naming_a_module_is_refused_by_every_command(
+    poisoned, tmp_path, capsys, command
+):
+    run, export_dir, payload = poisoned
+    argv = _commands(run, export_dir, tmp_path / "out")[command]
+    assert cli.main(argv) == errors.EXIT_USER_ERROR
+    config = (export_dir if command == "import" else run) / "config.gin"
+    name = "analyze" if command.startswith("analyze") else command
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"moe-jax {name}: error: {_refusal(config, payload)}"
+    )
+    assert not payload.with_suffix(".ran").exists()  # the payload never ran
+    assert not (tmp_path / "out").exists()  # and nothing was written
+
+
+def test_the_same_module_on_the_command_line_is_trusted(poisoned, tmp_path, capsys):
+    run, export_dir, payload = poisoned
+    trust = f"--gin.MIXTURE_OR_TASK_MODULE={payload}"
+    args = gin_utils.parse_flags(setup.build_parser("t", "t"), [trust])
+    for source in (run, export_dir):  # the one gate every command's reading goes through
+        assert gin_utils.run_config_file(str(source), args) == str(source / "config.gin")
+    assert not payload.with_suffix(".ran").exists()
+    argv = _commands(run, export_dir, tmp_path / "out")["eval"]
+    assert cli.main([*argv, "--eval_settings=gin", trust]) == 0, capsys.readouterr().err
+    assert payload.with_suffix(".ran").read_text() == "ran"  # the user asked for it
+    payload.with_suffix(".ran").unlink()
+
+
+def test_recorded_eval_settings_naming_a_module_are_refused(run_and_export, tmp_path, capsys):
+    run, _ = run_and_export
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    settings = copy / evaluate.EVAL_SETTINGS_FILE
+    settings.write_text(settings.read_text().replace('"module": null', '"module": "eviltasks"'))
+    assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 1
+    line = _last_line(capsys)
+    assert line.startswith(f"moe-jax eval: error: {settings}: refusing ")
+    assert "eval/utils.DatasetConfig.module = 'eviltasks'" in line
+
+
+def test_import_bindings_are_found_however_written():
+    text = """X = 'a.b'
+MIXTURE_OR_TASK_MODULE/macro.value = 'm1'
+eval/utils.DatasetConfig.module = %X
+train/DatasetConfig.module = %MIXTURE_OR_TASK_MODULE
+DatasetConfig:
+  module = 'm2'
+MODEL/EncoderDecoderModel.module = @EncoderDecoder()
+train_eval/DatasetConfig.module = %TFDS_DATA_DIR
+"""
+    assert gin_utils.import_bindings(text, "t") == [
+        ("MIXTURE_OR_TASK_MODULE", 2, "m1"),
+        ("eval/utils.DatasetConfig.module", 3, "a.b"),
+        ("train/DatasetConfig.module", 4, "m1"),
+        ("DatasetConfig.module", 6, "m2"),
+        ("train_eval/DatasetConfig.module", 8, "%TFDS_DATA_DIR"),
+    ]
+    # a macro the text does not set is checked where it is set (defaults, command line)
+    assert gin_utils.import_bindings("DatasetConfig.module = %MIXTURE_OR_TASK_MODULE", "t") == []
+    trusted = argparse.Namespace(
+        command_line_bindings=["MIXTURE_OR_TASK_MODULE = 'a.b'"],
+        command_line_gin_files=[],
+        gin_search_paths=[],
+    )
+    gin_utils.refuse_untrusted_modules(
+        "t", [("M", 1, "a.b"), ("M", 2, "moe_jax.data.tasks")], trusted
+    )
+    with pytest.raises(gin_utils.UntrustedCodeError, match=r"^t, line 3: refusing M = 'm1'"):
+        gin_utils.refuse_untrusted_modules("t", [("M", 3, "m1")], trusted)
+
+
+def test_export_writes_only_into_a_new_empty_or_overwritten_directory(
+    run_and_export, tmp_path, capsys
+):
+    run, _ = run_and_export
+    other = tmp_path / "other_run"  # another run: its files must stay as they are
+    shutil.copytree(run, other)
+    config = (other / "config.gin").read_text()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    export = ["export", f"--checkpoint={run}"]
+    assert cli.main([*export, f"--out={mine}"]) == 1
+    assert _last_line(capsys) == (
+        f"moe-jax export: error: --out={mine} is not empty (notes.txt); "
+        "pass --overwrite to write into it"
+    )
+    for target in (other, run):  # another run, or the run itself: never, even with --overwrite
+        assert cli.main([*export, f"--out={target}", "--overwrite"]) == 1
+        assert _last_line(capsys).startswith(
+            f"moe-jax export: error: --out={target} holds another run (checkpoints, config.gin, "
+        )
+        assert not (target / "model.safetensors").exists()
+    assert (other / "config.gin").read_text() == config
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert cli.main([*export, f"--out={mine}", "--overwrite"]) == 0
+    assert (mine / "model.safetensors").exists() and (mine / "notes.txt").read_text() == "mine"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in mine.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors as readable as the rest
+
+
+def test_import_never_writes_into_another_run(run_and_export, tmp_path, capsys):
+    run, export_dir = run_and_export
+    other = tmp_path / "other_run"
+    shutil.copytree(run, other)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    assert (
+        cli.main(["import", f"--export={export_dir}", f"--model_dir={other}", "--overwrite"]) == 1
+    )
+    assert _last_line(capsys).startswith(
+        f"moe-jax import: error: --model_dir={other} holds another run (checkpoints, "
+    )
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    # the run the export came from, missing that step: --overwrite puts it back, config kept
+    source = json.loads((export_dir / "config.json").read_text())["source_checkpoint"]
+    assert source == str(run)
+    own_export = tmp_path / "own_export"
+    shutil.copytree(export_dir, own_export)
+    (own_export / "config.json").write_text(
+        (own_export / "config.json")
+        .read_text()
+        .replace(json.dumps(str(run)), json.dumps(str(other)))
+    )
+    shutil.rmtree(other / "checkpoints" / str(STEPS))
+    imported = ["import", f"--export={own_export}", f"--model_dir={other}"]
+    assert cli.main(imported) == 1
+    assert _last_line(capsys).startswith(f"moe-jax import: error: --model_dir={other} is not empty")
+    assert cli.main([*imported, "--overwrite"]) == 0, capsys.readouterr().err
+    assert sorted(os.listdir(other / "checkpoints")) == ["1", str(STEPS)]
+    assert (other / "config.gin").read_bytes() == before[other / "config.gin"]
+
+
+def test_commands_read_the_config_a_checkpoint_was_trained_with(tmp_path):
+    """After an accepted change at step 3 (config.step-3.gin), checkpoints from step 3 on
+    are read with it, earlier ones with config.gin."""
+    for step in (1, 3, 5):
+        (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+    (tmp_path / "config.gin").write_text("A = 1\n")
+    (tmp_path / "config.step-3.gin").write_text("# resumed at step 3\nA = 2\n")
+    args = gin_utils.parse_flags(setup.build_parser("t", "t"), [])
+    read = {
+        checkpoint: gin_utils.checkpoint_config(str(tmp_path / checkpoint), args)
+        for checkpoint in ("checkpoints/1", "checkpoints/3", "5", "")
+    }
+    assert read == {
+        "checkpoints/1": str(tmp_path / "config.gin"),
+        "checkpoints/3": str(tmp_path / "config.step-3.gin"),
+        "5": str(tmp_path / "config.step-3.gin"),
+        "": str(tmp_path / "config.step-3.gin"),
+    }
+
+
+def test_a_module_on_the_path_is_refused_as_well(run_and_export, tmp_path, monkeypatch, capsys):
+    run, _ = run_and_export
+    (tmp_path / "pkg").mkdir()
+    marker = tmp_path / "ran"
+    (tmp_path / "pkg" / "eviltasks.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    config = copy / "config.gin"
+    config.write_text(
+        config.read_text().replace(
+            "MIXTURE_OR_TASK_MODULE = None\n", "MIXTURE_OR_TASK_MODULE = 'eviltasks'\n"
+        )
+    )
+    assert cli.main(["analyze", "positions", f"--checkpoint={copy}"]) == 1
+    line = _last_line(capsys)
+    assert line.startswith(f"moe-jax analyze: error: {config}, line ")
+    assert line.endswith(
+        ": refusing MIXTURE_OR_TASK_MODULE = 'eviltasks': a run's config may name "
+        "only the project's modules or those given on the command line (importing "
+        "it would run its code); to trust it, pass "
+        "--gin.MIXTURE_OR_TASK_MODULE=eviltasks"
+    )
+    assert not marker.exists()
