@@ -180,13 +180,16 @@ def _train_item(state: TrainState) -> dict[str, Any]:
 
 
 _ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
+_PARTIAL_SAVE = ".orbax-checkpoint-tmp"  # in the paths of a save not yet finished
 
 
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
     writer threads) and asyncio's ERROR records about orbax's tasks and futures ("Task
     exception was never retrieved": the writes of a failed save that the library never
-    awaited; told by orbax's source in the message or the exception's traceback):
+    awaited; told by orbax's source in the message or the exception's traceback, or by
+    the path of a partial save in the exception, as TensorStore's futures carry no
+    traceback):
     :class:`Checkpointer` raises each failure as one line naming the step and cause
     instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning "Given
     directory is read only" that every reader (``read_only=True``) would print."""
@@ -201,7 +204,8 @@ class _OrbaxErrorFilter(logging.Filter):
 
 
 def _mentions_orbax(record: logging.LogRecord) -> bool:
-    if _ORBAX_SOURCE in record.getMessage():
+    message = record.getMessage()
+    if _ORBAX_SOURCE in message or _PARTIAL_SAVE in message:
         return True
     tb = record.exc_info[2] if record.exc_info else None
     while tb is not None:

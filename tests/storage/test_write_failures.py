@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -18,9 +17,10 @@ from moe_jax import cli, errors
 from moe_jax.train import summaries
 
 WRITER = textwrap.dedent("""
-    import json, sys
+    import json, resource, sys
     from moe_jax import errors, storage
 
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))  # a file-size limit of 100 bytes
     folder = sys.argv[1]
     appender = storage.AppendFile(f"{folder}/metrics.jsonl")
     appender.append(b"x" * 59 + b"\\n")                   # 60 bytes: under the limit
@@ -37,15 +37,11 @@ WRITER = textwrap.dedent("""
 
 
 def test_writes_over_a_size_limit_fail_whole_and_name_the_file(tmp_path):
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
-
     proc = subprocess.run(
         [sys.executable, "-c", WRITER, str(tmp_path)],
         capture_output=True,
         check=False,
         text=True,
-        preexec_fn=limit,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
