@@ -45,13 +45,16 @@ def check_variants(names: list[str]) -> list[str]:
     """``names`` (default ``["learned"]``), refusing unknown ones with the valid list."""
     unknown = [n for n in names if n not in ROUTER_VARIANTS]
     if unknown:
-        raise ValueError(f"--router={unknown[0]!r} is unknown; valid routers: {', '.join(ROUTER_VARIANTS)}")
+        raise ValueError(
+            f"--router={unknown[0]!r} is unknown; valid routers: {', '.join(ROUTER_VARIANTS)}"
+        )
     return list(dict.fromkeys(names)) or ["learned"]
 
 
 def _map_routers(params: Any, fn: Callable[[str, jax.Array], jax.Array]) -> Any:
     """``params`` with every router leaf ``x`` (by :func:`checkpoints.router_params` name)
     replaced by ``fn(name, x)``; all other leaves are the same objects."""
+
     def visit(path, leaf):
         name = checkpoints.path_name(path)
         return fn(name, leaf) if "router" in name else leaf
@@ -80,6 +83,7 @@ def shuffle_router_inputs(params: Any, seed: int = 0) -> Any:
 
 def replace_routers(params: Any, new: dict[str, np.ndarray], what: str) -> Any:
     """Router leaves replaced by ``new[name]``; a router leaf missing there is refused."""
+
     def replace(name: str, w: jax.Array) -> jax.Array:
         if name not in new:
             raise ValueError(f"{what} has no weights for {name}")
@@ -98,12 +102,15 @@ def init_stddevs(config: Any) -> dict[str, float]:
     hash, and models without MoE layers: :data:`DEFAULT_INIT_STDDEV`)."""
     if not config.has_moe:
         return {"encoder": DEFAULT_INIT_STDDEV, "decoder": DEFAULT_INIT_STDDEV}
-    return {stack: float(getattr(config.moe_config(stack).router, "init_stddev", DEFAULT_INIT_STDDEV))
-            for stack in ("encoder", "decoder")}
+    return {
+        stack: float(getattr(config.moe_config(stack).router, "init_stddev", DEFAULT_INIT_STDDEV))
+        for stack in ("encoder", "decoder")
+    }
 
 
-def random_routers(params: Any, seed: int = 0,
-                   stddev: float | dict[str, float] = DEFAULT_INIT_STDDEV) -> Any:
+def random_routers(
+    params: Any, seed: int = 0, stddev: float | dict[str, float] = DEFAULT_INIT_STDDEV
+) -> Any:
     """Router kernels replaced by fresh ``normal(0, stddev)`` draws (one key per kernel);
     ``stddev`` per stack (``{"encoder": s, "decoder": s}``, :func:`init_stddevs`) or one."""
     key = jax.random.PRNGKey(seed)
@@ -112,7 +119,9 @@ def random_routers(params: Any, seed: int = 0,
         if not _is_kernel(name, w):
             return w
         scale = stddev[name.split("/")[0]] if isinstance(stddev, dict) else stddev
-        value = scale * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), w.shape, w.dtype)
+        value = scale * jax.random.normal(
+            jax.random.fold_in(key, zlib.crc32(name.encode())), w.shape, w.dtype
+        )
         return jax.device_put(value, w.sharding) if isinstance(w, jax.Array) else value
 
     return _map_routers(params, draw)
@@ -127,8 +136,9 @@ def _router_call(context) -> bool:
 
 def _token_choice(out: RouterOutput) -> TokenChoiceRouting:
     if not isinstance(out.routing, TokenChoiceRouting):
-        raise ValueError("--router=hash and --router=uniform need a token-choice router, "
-                         "not expert choice")
+        raise ValueError(
+            "--router=hash and --router=uniform need a token-choice router, not expert choice"
+        )
     return out.routing
 
 
@@ -137,8 +147,11 @@ def _with_choices(out: RouterOutput, expert_index: jax.Array, weights: jax.Array
     num_experts = out.probs.shape[-1]
     one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [g, t, k, E]
     routing = TokenChoiceRouting(expert_index, weights, out.routing.priority)
-    return out.replace(routing=routing, assigned=jnp.sum(one_hot, axis=-2),
-                       gates=jnp.einsum("gtk,gtke->gte", weights, one_hot))
+    return out.replace(
+        routing=routing,
+        assigned=jnp.sum(one_hot, axis=-2),
+        gates=jnp.einsum("gtk,gtke->gte", weights, one_hot),
+    )
 
 
 def uniform_gates(next_fun, args, kwargs, context):
@@ -156,21 +169,29 @@ def uniform_gates(next_fun, args, kwargs, context):
 def hash_routing(seed: int = 0) -> Interceptor:
     """Interceptor: experts by token id (``HashRouter`` with the router's k), the i-th
     choice weighted by the learned router's i-th gate."""
+
     def intercept(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
-        if not _router_call(context) or isinstance(context.module, HashRouter):  # (incl. the one below)
+        if not _router_call(context) or isinstance(
+            context.module, HashRouter
+        ):  # (incl. the one below)
             return out
         learned = _token_choice(out)
         x, mask, token_ids, capacity, deterministic = args
-        hashed = HashRouter(num_experts=out.probs.shape[-1], num_selected_experts=learned.expert_index.shape[-1],
-                            seed=seed, parent=None).apply({}, x, mask, token_ids, capacity, deterministic)
+        hashed = HashRouter(
+            num_experts=out.probs.shape[-1],
+            num_selected_experts=learned.expert_index.shape[-1],
+            seed=seed,
+            parent=None,
+        ).apply({}, x, mask, token_ids, capacity, deterministic)
         return _with_choices(out, hashed.routing.expert_index, learned.combine_weights)
 
     return intercept
 
 
-def variant(name: str, params: Any, model_dir: str, seed: int = 0,
-            config: Any = None) -> tuple[Any, Interceptor | None]:
+def variant(
+    name: str, params: Any, model_dir: str, seed: int = 0, config: Any = None
+) -> tuple[Any, Interceptor | None]:
     """(parameters, interceptor or None) that evaluate ``params`` with router ``name``;
     ``config``: the model's ``T5Config`` (the ``random`` router's init stddevs).
 
@@ -184,11 +205,15 @@ def variant(name: str, params: Any, model_dir: str, seed: int = 0,
     if name == "init":
         initial = checkpoints.load_router_init(model_dir)
         if not initial:
-            raise ValueError(f"--router=init: the run {model_dir} saved no initial router "
-                             f"({storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)")
+            raise ValueError(
+                f"--router=init: the run {model_dir} saved no initial router "
+                f"({storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)"
+            )
         return replace_routers(params, initial, checkpoints.ROUTER_INIT_FILE), None
     if name == "random":
-        return random_routers(params, seed, DEFAULT_INIT_STDDEV if config is None else init_stddevs(config)), None
+        return random_routers(
+            params, seed, DEFAULT_INIT_STDDEV if config is None else init_stddevs(config)
+        ), None
     if name == "shuffled":
         return shuffle_router_inputs(params, seed), None
     if name == "hash":

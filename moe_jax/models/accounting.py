@@ -38,9 +38,13 @@ class MoeShape:
 def moe_shape(config: MoeConfig) -> MoeShape:
     """The :class:`MoeShape` of an MoE layer's config (routed experts after granularity,
     assignments per token, shared experts' total width)."""
-    return MoeShape(config.routed_experts, config.choices_per_token, config.expert_d_ff,
-                    2 if config.activation == "gated_gelu" else 1,
-                    config.num_shared_experts * config.shared_d_ff)
+    return MoeShape(
+        config.routed_experts,
+        config.choices_per_token,
+        config.expert_d_ff,
+        2 if config.activation == "gated_gelu" else 1,
+        config.num_shared_experts * config.shared_d_ff,
+    )
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
@@ -54,9 +58,16 @@ def num_params(params: Any) -> int:
 
 def _group(path: str) -> str:
     """Coarse category of a parameter path, for the start-up summary."""
-    for key, group in (("router", "moe router"), ("/moe/", "moe experts"), ("token_embedder", "embedding"),
-                       ("logits_dense", "logits"), ("relpos", "relative positions"),
-                       ("attention", "attention"), ("/mlp/", "dense mlp"), ("norm", "layer norms")):
+    for key, group in (
+        ("router", "moe router"),
+        ("/moe/", "moe experts"),
+        ("token_embedder", "embedding"),
+        ("logits_dense", "logits"),
+        ("relpos", "relative positions"),
+        ("attention", "attention"),
+        ("/mlp/", "dense mlp"),
+        ("norm", "layer norms"),
+    ):
         if key in f"/{path}/":
             return group
     return "other"
@@ -72,10 +83,15 @@ def describe_params(params: Any) -> str:
         name = _path_name(path)
         count = int(np.prod(leaf.shape))
         groups[_group(name)] = groups.get(_group(name), 0) + count
-        rows.append(f"  {name:<70} {str(tuple(leaf.shape)):<20} {str(tuple(spec)):<36} {count:>12,}")
+        rows.append(
+            f"  {name:<70} {tuple(leaf.shape)!s:<20} {tuple(spec)!s:<36} {count:>12,}"
+        )
     total = sum(groups.values())
     lines = ["Parameters:"] + rows + ["By group:"]
-    lines += [f"  {g:<20} {c:>14,}  ({100.0 * c / max(total, 1):5.1f}%)" for g, c in sorted(groups.items())]
+    lines += [
+        f"  {g:<20} {c:>14,}  ({100.0 * c / max(total, 1):5.1f}%)"
+        for g, c in sorted(groups.items())
+    ]
     lines.append(f"Total parameters: {total:,}")
     return "\n".join(lines)
 

@@ -3,7 +3,8 @@ it), attention masks, and the key/value cache used for autoregressive decoding."
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -110,7 +111,9 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def _projection(self, name: str, x: jnp.ndarray, init_scale: float) -> jnp.ndarray:
         """``[batch, length, d_model] -> [batch, length, heads, head_dim]``."""
-        init = nn.initializers.variance_scaling(init_scale, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
+        init = nn.initializers.variance_scaling(
+            init_scale, "fan_in", "normal", in_axis=0, out_axis=(1, 2)
+        )
         kernel = self.param(
             name,
             nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
@@ -131,12 +134,18 @@ class MultiHeadDotProductAttention(nn.Module):
         if not initialized:
             return key, value, None, bias
         if key.shape[1] != 1:
-            raise ValueError(f"decode=True takes one token per call after the cache is "
-                             f"initialised; got a query of length {key.shape[1]}")
+            raise ValueError(
+                f"decode=True takes one token per call after the cache is "
+                f"initialised; got a query of length {key.shape[1]}"
+            )
         index = cache_index.value
         cache_axes = ("cache_batch", "cache_length", "cache_heads", "cache_kv")
-        key = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype), (0, index, 0, 0))
-        value = jax.lax.dynamic_update_slice(cached_value.value, value.astype(cached_value.value.dtype), (0, index, 0, 0))
+        key = jax.lax.dynamic_update_slice(
+            cached_key.value, key.astype(cached_key.value.dtype), (0, index, 0, 0)
+        )
+        value = jax.lax.dynamic_update_slice(
+            cached_value.value, value.astype(cached_value.value.dtype), (0, index, 0, 0)
+        )
         cached_key.value = nn.with_logical_constraint(key, cache_axes)
         cached_value.value = nn.with_logical_constraint(value, cache_axes)
         cache_index.value = index + 1
@@ -175,17 +184,28 @@ class MultiHeadDotProductAttention(nn.Module):
         if decode:
             key, value, step_mask, bias = self._update_cache(key, value, bias)
             mask = combine_masks(mask, step_mask)
-        dropout_rng = None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
+        dropout_rng = (
+            None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
+        )
         heads_out = dot_product_attention(
-            query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
-            dropout_rate=self.dropout_rate, deterministic=deterministic, dtype=self.dtype,
+            query,
+            key,
+            value,
+            bias=bias,
+            mask=mask,
+            dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate,
+            deterministic=deterministic,
+            dtype=self.dtype,
             float32_logits=self.float32_logits,
         )
         heads_out = nn.with_logical_constraint(heads_out, ("batch", "length", "heads", "kv"))
         out_kernel = self.param(
             "out",
             nn.with_logical_partitioning(
-                nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2),
+                nn.initializers.variance_scaling(
+                    1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2
+                ),
                 ("heads", "kv", "embed"),
             ),
             (self.num_heads, self.head_dim, features),

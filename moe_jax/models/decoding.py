@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,9 @@ def decode_tokens(
         if decode_method == "greedy":
             chosen = jnp.argmax(logits, axis=-1)
         else:
-            chosen = jax.random.categorical(step_rng, logits.astype(jnp.float32) / temperature, axis=-1)
+            chosen = jax.random.categorical(
+                step_rng, logits.astype(jnp.float32) / temperature, axis=-1
+            )
         chosen = jnp.where(finished, 0, chosen).astype(jnp.int32)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, chosen[:, None], i + 1, axis=1)
         return i + 1, tokens, cache, rng, jnp.logical_or(finished, chosen == eos_id)

@@ -37,14 +37,18 @@ def cross_entropy_with_logits(
     log_z = jax.nn.logsumexp(logits, axis=-1)
     loss = log_z - jnp.sum(soft_targets * logits, axis=-1)
     if label_smoothing > 0.0:
-        entropy = -(confidence * jnp.log(confidence)
-                    + (vocab - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
+        entropy = -(
+            confidence * jnp.log(confidence)
+            + (vocab - 1) * low_confidence * jnp.log(low_confidence + 1e-20)
+        )
         loss = loss - entropy
     z_term = z_loss * jnp.square(log_z)
     return loss + z_term, z_term
 
 
-def normalize_loss(total: jnp.ndarray, weights: jnp.ndarray, factor: str | float | None) -> jnp.ndarray:
+def normalize_loss(
+    total: jnp.ndarray, weights: jnp.ndarray, factor: str | float | None
+) -> jnp.ndarray:
     """Divides a summed loss by ``factor``.
 
     ``'NUM_REAL_TARGET_TOKENS'``: the sum of the loss weights (mean over real tokens);
@@ -58,8 +62,9 @@ def normalize_loss(total: jnp.ndarray, weights: jnp.ndarray, factor: str | float
     if factor == "NUM_TOTAL_TARGET_TOKENS":
         return total / weights.size
     if isinstance(factor, str):
-        raise ValueError(f"loss_normalizing_factor={factor!r}: use a number, None or one of "
-                         f"{LOSS_NORMALIZERS}")
+        raise ValueError(
+            f"loss_normalizing_factor={factor!r}: use a number, None or one of {LOSS_NORMALIZERS}"
+        )
     return total / factor
 
 

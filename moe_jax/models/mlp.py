@@ -43,8 +43,10 @@ class MlpBlock(nn.Module):
         """``[batch, length, d_model] -> [batch, length, d_model]``."""
         unknown = [a for a in self.activations if a not in _ACTIVATIONS]
         if unknown or not self.activations:
-            raise ValueError(f"MlpBlock.activations={tuple(self.activations)}: unknown "
-                             f"{unknown}; choose from {sorted(_ACTIVATIONS)}")
+            raise ValueError(
+                f"MlpBlock.activations={tuple(self.activations)}: unknown "
+                f"{unknown}; choose from {sorted(_ACTIVATIONS)}"
+            )
         d_model = inputs.shape[-1]
         x = jnp.asarray(inputs, self.dtype)
         hidden = None

@@ -18,9 +18,16 @@ from moe_jax.models.t5 import EncoderDecoder
 Batch = Mapping[str, jax.Array]
 InputShapes = Mapping[str, tuple[int, ...]]
 
-FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
-            "decoder_loss_weights", "encoder_segment_ids", "decoder_segment_ids",
-            "encoder_positions", "decoder_positions")
+FEATURES = (
+    "encoder_input_tokens",
+    "decoder_input_tokens",
+    "decoder_target_tokens",
+    "decoder_loss_weights",
+    "encoder_segment_ids",
+    "decoder_segment_ids",
+    "encoder_positions",
+    "decoder_positions",
+)
 AUX_LOSS_COLLECTION = "aux_loss"
 MOE_METRICS_COLLECTION = "moe_metrics"
 # Non-parameter variable collections that are model state: created by ``init``, carried in
@@ -74,9 +81,14 @@ class EncoderDecoderModel:
             self.check_vocabulary()
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-        if isinstance(loss_normalizing_factor, str) and loss_normalizing_factor not in losses.LOSS_NORMALIZERS:
-            raise ValueError(f"loss_normalizing_factor={loss_normalizing_factor!r}: use a number, "
-                             f"None or one of {losses.LOSS_NORMALIZERS}")
+        if (
+            isinstance(loss_normalizing_factor, str)
+            and loss_normalizing_factor not in losses.LOSS_NORMALIZERS
+        ):
+            raise ValueError(
+                f"loss_normalizing_factor={loss_normalizing_factor!r}: use a number, "
+                f"None or one of {losses.LOSS_NORMALIZERS}"
+            )
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.loss_normalizing_factor = loss_normalizing_factor
@@ -88,7 +100,9 @@ class EncoderDecoderModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.vocabulary if isinstance(self.vocabulary, int) else self.vocabulary.vocab_size)
+        return int(
+            self.vocabulary if isinstance(self.vocabulary, int) else self.vocabulary.vocab_size
+        )
 
     @property
     def eos_id(self) -> int:
@@ -99,12 +113,18 @@ class EncoderDecoderModel:
         network's embedding rows (resolves the vocabulary)."""
         net_vocab = self.module.config.vocab_size
         if self.vocab_size > net_vocab:
-            raise ValueError(f"vocabulary has {self.vocab_size} ids but T5Config.vocab_size="
-                             f"{net_vocab}; set VOCAB_SIZE >= {self.vocab_size}")
+            raise ValueError(
+                f"vocabulary has {self.vocab_size} ids but T5Config.vocab_size="
+                f"{net_vocab}; set VOCAB_SIZE >= {self.vocab_size}"
+            )
 
     # ----------------------------------------------------------------- initialisation
-    def get_initial_variables(self, rng: jax.Array, input_shapes: InputShapes,
-                              input_types: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def get_initial_variables(
+        self,
+        rng: jax.Array,
+        input_shapes: InputShapes,
+        input_types: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """``{'params': ...}`` with every parameter boxed as ``nn.Partitioned`` (logical names),
         plus the model's non-parameter state collections (``STATE_COLLECTIONS``) it has.
 
@@ -115,25 +135,38 @@ class EncoderDecoderModel:
         del input_types
         enc = jnp.ones(input_shapes["encoder_input_tokens"], jnp.int32)
         dec = jnp.ones(input_shapes["decoder_input_tokens"], jnp.int32)
-        variables = self.module.init({"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False)
-        return {name: variables[name] for name in ("params",) + STATE_COLLECTIONS if name in variables}
+        variables = self.module.init(
+            {"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False
+        )
+        return {
+            name: variables[name] for name in ("params",) + STATE_COLLECTIONS if name in variables
+        }
 
     def param_logical_axes(self, input_shapes: InputShapes) -> Any:
         """Pytree (like params) of ``PartitionSpec`` of logical axis names."""
         shapes = jax.eval_shape(
-            functools.partial(self.get_initial_variables, input_shapes=input_shapes), jax.random.key(0))
+            functools.partial(self.get_initial_variables, input_shapes=input_shapes),
+            jax.random.key(0),
+        )
         return nn.get_partition_spec(shapes)["params"]
 
     def state_logical_axes(self, input_shapes: InputShapes) -> dict[str, Any]:
         """``{collection: PartitionSpec tree}`` of the non-parameter state collections."""
         shapes = jax.eval_shape(
-            functools.partial(self.get_initial_variables, input_shapes=input_shapes), jax.random.key(0))
+            functools.partial(self.get_initial_variables, input_shapes=input_shapes),
+            jax.random.key(0),
+        )
         return {k: v for k, v in nn.get_partition_spec(shapes).items() if k != "params"}
 
     # ----------------------------------------------------------------- losses and metrics
-    def _forward(self, params: Any, batch: Batch, enable_dropout: bool,
-                 dropout_rng: jax.Array | None,
-                 state: Mapping[str, Any] | None = None) -> tuple[jax.Array, dict[str, Any]]:
+    def _forward(
+        self,
+        params: Any,
+        batch: Batch,
+        enable_dropout: bool,
+        dropout_rng: jax.Array | None,
+        state: Mapping[str, Any] | None = None,
+    ) -> tuple[jax.Array, dict[str, Any]]:
         """Logits and the collections the pass wrote (sown losses and metrics; in training
         also the updated state collections)."""
         missing = [k for k in FEATURES[:3] if k not in batch]
@@ -144,21 +177,29 @@ class EncoderDecoderModel:
         updated = list(state) if enable_dropout else []
         return self.module.apply(
             {"params": params, **state},
-            *(batch.get(k) for k in FEATURES[:3]), *(batch.get(k) for k in FEATURES[4:]),
-            enable_dropout=enable_dropout, rngs=rngs,
+            *(batch.get(k) for k in FEATURES[:3]),
+            *(batch.get(k) for k in FEATURES[4:]),
+            enable_dropout=enable_dropout,
+            rngs=rngs,
             mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, *updated],
         )
 
-    def _loss_and_metrics(self, logits: jax.Array, state: Mapping[str, Any],
-                          batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def _loss_and_metrics(
+        self, logits: jax.Array, state: Mapping[str, Any], batch: Batch
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         targets = batch["decoder_target_tokens"]
         weights = batch.get("decoder_loss_weights")
         weights = (targets > 0) if weights is None else weights
         weights = jnp.asarray(weights, jnp.float32)
         token_loss, token_z = losses.cross_entropy_with_logits(
-            logits, targets, self.label_smoothing, self.z_loss)
-        total = losses.normalize_loss(jnp.sum(token_loss * weights), weights, self.loss_normalizing_factor)
-        z_term = losses.normalize_loss(jnp.sum(token_z * weights), weights, self.loss_normalizing_factor)
+            logits, targets, self.label_smoothing, self.z_loss
+        )
+        total = losses.normalize_loss(
+            jnp.sum(token_loss * weights), weights, self.loss_normalizing_factor
+        )
+        z_term = losses.normalize_loss(
+            jnp.sum(token_z * weights), weights, self.loss_normalizing_factor
+        )
         metrics: dict[str, jax.Array] = {"cross_entropy": total - z_term, "z_loss": z_term}
         aux_total = jnp.zeros((), jnp.float32)
         for path, value in _collection_by_path(state.get(AUX_LOSS_COLLECTION, {})).items():
@@ -174,8 +215,13 @@ class EncoderDecoderModel:
         metrics["num_tokens"] = jnp.sum(weights)
         return loss, metrics
 
-    def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
-                state: Mapping[str, Any] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss_fn(
+        self,
+        params: Any,
+        batch: Batch,
+        dropout_rng: jax.Array | None,
+        state: Mapping[str, Any] | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Training loss and metrics (differentiable in ``params``); ``state``: the
         non-parameter collections (``STATE_COLLECTIONS``) when the model has any.
 
@@ -191,8 +237,9 @@ class EncoderDecoderModel:
         loss, (metrics, _) = self.train_loss_fn(params, state or {}, batch, dropout_rng)
         return loss, metrics
 
-    def train_loss_fn(self, params: Any, state: Mapping[str, Any], batch: Batch,
-                      dropout_rng: jax.Array | None) -> tuple[jax.Array, tuple[dict[str, jax.Array], dict]]:
+    def train_loss_fn(
+        self, params: Any, state: Mapping[str, Any], batch: Batch, dropout_rng: jax.Array | None
+    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], dict]]:
         """:meth:`loss_fn` for the train step: ``(loss, (metrics, new_state))``, where
         ``new_state`` is ``state`` as updated by this forward pass (with ``dropout_rng``;
         unchanged without)."""
@@ -201,17 +248,25 @@ class EncoderDecoderModel:
         loss, metrics = self._loss_and_metrics(logits, written, batch)
         return loss, (metrics, nn.unbox(new_state))
 
-    def eval_fn(self, params: Any, batch: Batch,
-                state: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+    def eval_fn(
+        self, params: Any, batch: Batch, state: Mapping[str, Any] | None = None
+    ) -> dict[str, jax.Array]:
         """Deterministic metrics (eval capacity factor), same names as :meth:`loss_fn`."""
         logits, written = self._forward(params, batch, False, None, state)
         return self._loss_and_metrics(logits, written, batch)[1]
 
     # ----------------------------------------------------------------- decoding
-    def predict_batch(self, params: Any, batch: Batch, rng: jax.Array | None = None, *,
-                      decode_method: str = "greedy", temperature: float = 1.0,
-                      max_decode_length: int | None = None,
-                      state: Mapping[str, Any] | None = None) -> jax.Array:
+    def predict_batch(
+        self,
+        params: Any,
+        batch: Batch,
+        rng: jax.Array | None = None,
+        *,
+        decode_method: str = "greedy",
+        temperature: float = 1.0,
+        max_decode_length: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> jax.Array:
         """Generates ``[batch, max_decode_length]`` tokens from ``encoder_input_tokens``.
 
         ``max_decode_length`` defaults to the length of ``decoder_input_tokens`` (or of
@@ -222,25 +277,52 @@ class EncoderDecoderModel:
             ref = batch.get("decoder_input_tokens", enc_tokens)
             max_decode_length = ref.shape[1]
         variables = {"params": params, **(state or {})}
-        encoded = self.module.apply(variables, enc_tokens, batch.get("encoder_segment_ids"),
-                                    enable_dropout=False, method=EncoderDecoder.encode)
+        encoded = self.module.apply(
+            variables,
+            enc_tokens,
+            batch.get("encoder_segment_ids"),
+            enable_dropout=False,
+            method=EncoderDecoder.encode,
+        )
         batch_size = enc_tokens.shape[0]
-        decode_kwargs = dict(enable_dropout=False, decode=True, max_decode_length=max_decode_length,
-                             method=EncoderDecoder.decode)
+        decode_kwargs = dict(
+            enable_dropout=False,
+            decode=True,
+            max_decode_length=max_decode_length,
+            method=EncoderDecoder.decode,
+        )
         _, init = self.module.apply(
-            variables, encoded, enc_tokens, jnp.ones((batch_size, max_decode_length), jnp.int32),
-            mutable=["cache"], **decode_kwargs)
+            variables,
+            encoded,
+            enc_tokens,
+            jnp.ones((batch_size, max_decode_length), jnp.int32),
+            mutable=["cache"],
+            **decode_kwargs,
+        )
         vocab_ok = jnp.arange(self.module.config.vocab_size) < self.vocab_size
 
         def step(tokens: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
             logits, state = self.module.apply(
-                {**variables, "cache": cache}, encoded, enc_tokens, tokens, mutable=["cache"], **decode_kwargs)
+                {**variables, "cache": cache},
+                encoded,
+                enc_tokens,
+                tokens,
+                mutable=["cache"],
+                **decode_kwargs,
+            )
             logits = jnp.where(vocab_ok, logits[:, -1].astype(jnp.float32), -1e9)
             return logits, state["cache"]
 
         return decoding.decode_tokens(
-            step, init["cache"], batch_size, max_decode_length, self.eos_id, rng,
-            decode_method=decode_method, temperature=temperature)
+            step,
+            init["cache"],
+            batch_size,
+            max_decode_length,
+            self.eos_id,
+            rng,
+            decode_method=decode_method,
+            temperature=temperature,
+        )
 
     # ----------------------------------------------------------------- accounting
     def num_params(self, params: Any) -> int:

@@ -38,4 +38,3 @@ class RMSNorm(nn.Module):
             self.param_dtype,
         )
         return jnp.asarray(y * jnp.asarray(scale, jnp.float32), self.dtype)
-

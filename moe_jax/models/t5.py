@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.models.attention import (
-    MultiHeadDotProductAttention, combine_masks, make_attention_mask, make_causal_mask,
+    MultiHeadDotProductAttention,
+    combine_masks,
+    make_attention_mask,
+    make_causal_mask,
 )
 from moe_jax.models.embedding import Embed
 from moe_jax.models.mlp import MlpBlock
@@ -78,9 +81,11 @@ def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple
     period = num_layers // num_sparse
     layers = tuple(i for i in range(num_layers) if i % period == period - 1)
     if len(layers) != num_sparse:
-        raise ValueError(f"sparse_layout='mixed' with num_layers={num_layers} gives sparse layers "
-                         f"{layers}, not num_sparse_layers={num_sparse}; choose a divisor of "
-                         f"{num_layers} or another layout")
+        raise ValueError(
+            f"sparse_layout='mixed' with num_layers={num_layers} gives sparse layers "
+            f"{layers}, not num_sparse_layers={num_sparse}; choose a divisor of "
+            f"{num_layers} or another layout"
+        )
     return layers
 
 
@@ -145,23 +150,35 @@ class T5Config:
     decoder_moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim",
-                     "num_encoder_layers", "num_decoder_layers"):
+        for name in (
+            "vocab_size",
+            "emb_dim",
+            "num_heads",
+            "head_dim",
+            "mlp_dim",
+            "num_encoder_layers",
+            "num_decoder_layers",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"T5Config.{name}={getattr(self, name)} must be positive")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"T5Config.dropout_rate={self.dropout_rate} must be in [0, 1)")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"T5Config.{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'")
+                raise ValueError(
+                    f"T5Config.{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'"
+                )
         if self.sparse_layer_type not in SPARSE_LAYER_TYPES:
-            raise ValueError(f"T5Config.sparse_layer_type={self.sparse_layer_type!r} is not one "
-                             f"of {SPARSE_LAYER_TYPES}")
+            raise ValueError(
+                f"T5Config.sparse_layer_type={self.sparse_layer_type!r} is not one "
+                f"of {SPARSE_LAYER_TYPES}"
+            )
         if self.sparse_layer_type == "dense" and not self.flop_matched_mlp_dim:
             raise ValueError("T5Config.sparse_layer_type='dense' needs flop_matched_mlp_dim")
         if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"T5Config.remat_policy={self.remat_policy!r} is not one of "
-                             f"{tuple(REMAT_POLICIES)}")
+            raise ValueError(
+                f"T5Config.remat_policy={self.remat_policy!r} is not one of {tuple(REMAT_POLICIES)}"
+            )
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
         self.sparse_layers("encoder")  # validates layout and counts early
         self.sparse_layers("decoder")
@@ -191,8 +208,14 @@ class T5Config:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"T5Config has no field {', '.join(unknown)}")
-        data = {**data, **{name: moe_config_from_dict(data[name]) for name in ("moe", "decoder_moe")
-                           if data.get(name) is not None}}
+        data = {
+            **data,
+            **{
+                name: moe_config_from_dict(data[name])
+                for name in ("moe", "decoder_moe")
+                if data.get(name) is not None
+            },
+        }
         return cls(**{f.name: data.get(f.name, f.default) for f in dataclasses.fields(cls)})
 
     def moe_config(self, stack: str) -> MoeConfig:
@@ -210,18 +233,21 @@ class T5Config:
     def sparse_layers(self, stack: str) -> tuple[int, ...]:
         """Indices of the sparse layers of ``stack`` (``'encoder'`` or ``'decoder'``)."""
         if stack == "encoder":
-            return sparse_layer_indices(self.num_encoder_layers, self.num_sparse_encoder_layers,
-                                        self.sparse_layout)
+            return sparse_layer_indices(
+                self.num_encoder_layers, self.num_sparse_encoder_layers, self.sparse_layout
+            )
         if stack == "decoder":
-            return sparse_layer_indices(self.num_decoder_layers, self.num_sparse_decoder_layers,
-                                        self.sparse_layout)
+            return sparse_layer_indices(
+                self.num_decoder_layers, self.num_sparse_decoder_layers, self.sparse_layout
+            )
         raise ValueError(f"stack={stack!r} is not 'encoder' or 'decoder'")
 
     @property
     def has_moe(self) -> bool:
         """Whether any layer holds an ``MoeLayer``."""
         return self.sparse_layer_type == "moe" and (
-            self.num_sparse_encoder_layers + self.num_sparse_decoder_layers > 0)
+            self.num_sparse_encoder_layers + self.num_sparse_decoder_layers > 0
+        )
 
     @property
     def activation_dtype(self) -> Any:
@@ -256,9 +282,13 @@ class AttentionBlock(nn.Module):
         cfg = self.config
         y = RMSNorm(dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="pre_norm")(x)
         y = MultiHeadDotProductAttention(
-            num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.activation_dtype,
-            param_dtype=cfg.parameter_dtype, dropout_rate=cfg.dropout_rate,
-            float32_logits=cfg.float32_attention_logits, name="attention",
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            dtype=cfg.activation_dtype,
+            param_dtype=cfg.parameter_dtype,
+            dropout_rate=cfg.dropout_rate,
+            float32_logits=cfg.float32_attention_logits,
+            name="attention",
         )(y, y if kv is None else kv, mask, bias, deterministic=deterministic, decode=decode)
         y = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
         return nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
@@ -295,13 +325,17 @@ class FeedForwardBlock(nn.Module):
         if self.sparse and cfg.sparse_layer_type == "moe":
             moe = cfg.moe_config("decoder" if self.is_decoder else "encoder")
             y = MoeLayer(moe, causal=self.is_decoder, dtype=cfg.activation_dtype, name="moe")(
-                y, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+                y, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic
+            )
         else:
             width = cfg.flop_matched_mlp_dim if self.sparse else cfg.mlp_dim
             y = MlpBlock(
-                intermediate_dim=width, activations=cfg.mlp_activations,
-                intermediate_dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype,
-                param_dtype=cfg.parameter_dtype, name="mlp",
+                intermediate_dim=width,
+                activations=cfg.mlp_activations,
+                intermediate_dropout_rate=cfg.dropout_rate,
+                dtype=cfg.activation_dtype,
+                param_dtype=cfg.parameter_dtype,
+                name="mlp",
             )(y, deterministic=deterministic)
         y = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
         return nn.with_logical_constraint(x + jnp.asarray(y, x.dtype), ("batch", "length", "embed"))
@@ -319,9 +353,12 @@ class EncoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, mask, bias, token_ids, padding_mask, deterministic: bool) -> jnp.ndarray:
         """``[batch, length, d_model] -> [batch, length, d_model]``; ``mask [batch, 1, L, L]``."""
-        x = AttentionBlock(self.config, name="self_attention")(x, None, mask, bias, deterministic=deterministic)
+        x = AttentionBlock(self.config, name="self_attention")(
+            x, None, mask, bias, deterministic=deterministic
+        )
         return FeedForwardBlock(self.config, self.sparse, is_decoder=False, name="ffn")(
-            x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+            x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -335,29 +372,49 @@ class DecoderLayer(nn.Module):
     sparse: bool = False
 
     @nn.compact
-    def __call__(self, x, encoded, self_mask, cross_mask, bias, token_ids, padding_mask,
-                 deterministic: bool, decode: bool = False) -> jnp.ndarray:
+    def __call__(
+        self,
+        x,
+        encoded,
+        self_mask,
+        cross_mask,
+        bias,
+        token_ids,
+        padding_mask,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jnp.ndarray:
         """``x [batch, Ld, d_model]``, ``encoded [batch, Le, d_model]`` -> ``[batch, Ld, d_model]``."""
         x = AttentionBlock(self.config, name="self_attention")(
-            x, None, self_mask, bias, deterministic=deterministic, decode=decode)
+            x, None, self_mask, bias, deterministic=deterministic, decode=decode
+        )
         x = AttentionBlock(self.config, name="cross_attention")(
-            x, encoded, cross_mask, None, deterministic=deterministic)
+            x, encoded, cross_mask, None, deterministic=deterministic
+        )
         return FeedForwardBlock(self.config, self.sparse, is_decoder=True, name="ffn")(
-            x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
+            x, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic
+        )
 
 
-def remat_layer(layer_cls: type[nn.Module], config: T5Config, static_argnums: tuple[int, ...],
-                decode: bool = False) -> type[nn.Module]:
+def remat_layer(
+    layer_cls: type[nn.Module],
+    config: T5Config,
+    static_argnums: tuple[int, ...],
+    decode: bool = False,
+) -> type[nn.Module]:
     """``layer_cls`` wrapped in ``nn.remat`` with the config's policy (unchanged for
     ``'none'`` and when decoding: no backward pass). ``static_argnums`` count ``self`` as 0.
     Parameter names and shapes do not change."""
     if config.remat_policy == "none" or decode:
         return layer_cls
-    return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy],
-                    static_argnums=static_argnums)
+    return nn.remat(
+        layer_cls, policy=REMAT_POLICIES[config.remat_policy], static_argnums=static_argnums
+    )
 
 
-def _embed_inputs(embedder: Embed, tokens: jnp.ndarray, rate: float, deterministic: bool) -> jnp.ndarray:
+def _embed_inputs(
+    embedder: Embed, tokens: jnp.ndarray, rate: float, deterministic: bool
+) -> jnp.ndarray:
     """Token embedding followed by dropout: ``[batch, length] -> [batch, length, d_model]``."""
     x = embedder(tokens)
     return nn.Dropout(rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
@@ -365,7 +422,9 @@ def _embed_inputs(embedder: Embed, tokens: jnp.ndarray, rate: float, determinist
 
 def _final_norm(config: T5Config, x: jnp.ndarray, deterministic: bool) -> jnp.ndarray:
     """Final RMS norm (named ``final_norm``) then dropout, inside the calling stack."""
-    x = RMSNorm(dtype=config.activation_dtype, param_dtype=config.parameter_dtype, name="final_norm")(x)
+    x = RMSNorm(
+        dtype=config.activation_dtype, param_dtype=config.parameter_dtype, name="final_norm"
+    )(x)
     x = nn.Dropout(config.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -377,20 +436,27 @@ class Encoder(nn.Module):
     shared_embedding: Embed
 
     @nn.compact
-    def __call__(self, tokens: jnp.ndarray, mask: jnp.ndarray, *, deterministic: bool) -> jnp.ndarray:
+    def __call__(
+        self, tokens: jnp.ndarray, mask: jnp.ndarray, *, deterministic: bool
+    ) -> jnp.ndarray:
         """``tokens [batch, Le]``, ``mask [batch, 1, Le, Le]`` -> ``[batch, Le, d_model]``."""
         cfg = self.config
         x = _embed_inputs(self.shared_embedding, tokens, cfg.dropout_rate, deterministic)
         length = tokens.shape[1]
         bias = RelativePositionBiases(
-            cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
-            dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="relpos_bias",
+            cfg.num_heads,
+            cfg.relpos_num_buckets,
+            cfg.relpos_max_distance,
+            dtype=cfg.activation_dtype,
+            param_dtype=cfg.parameter_dtype,
+            name="relpos_bias",
         )(length, length, bidirectional=True)
         sparse = cfg.sparse_layers("encoder")
         layer_cls = remat_layer(EncoderLayer, cfg, static_argnums=(6,))
         for i in range(cfg.num_encoder_layers):
             x = layer_cls(cfg, sparse=i in sparse, name=f"layers_{i}")(
-                x, mask, bias, tokens, tokens > 0, deterministic)
+                x, mask, bias, tokens, tokens > 0, deterministic
+            )
         return _final_norm(cfg, x, deterministic)
 
 
@@ -422,14 +488,19 @@ class Decoder(nn.Module):
         x = _embed_inputs(self.shared_embedding, tokens, cfg.dropout_rate, deterministic)
         length = max_decode_length if decode and max_decode_length else tokens.shape[1]
         bias = RelativePositionBiases(
-            cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
-            dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="relpos_bias",
+            cfg.num_heads,
+            cfg.relpos_num_buckets,
+            cfg.relpos_max_distance,
+            dtype=cfg.activation_dtype,
+            param_dtype=cfg.parameter_dtype,
+            name="relpos_bias",
         )(length, length, bidirectional=False)
         sparse = cfg.sparse_layers("decoder")
         layer_cls = remat_layer(DecoderLayer, cfg, static_argnums=(8, 9), decode=decode)
         for i in range(cfg.num_decoder_layers):
             x = layer_cls(cfg, sparse=i in sparse, name=f"layers_{i}")(
-                x, encoded, self_mask, cross_mask, bias, tokens, padding_mask, deterministic, decode)
+                x, encoded, self_mask, cross_mask, bias, tokens, padding_mask, deterministic, decode
+            )
         x = _final_norm(cfg, x, deterministic)
         if cfg.logits_via_embedding:
             logits = self.shared_embedding.attend(x) / jnp.sqrt(jnp.asarray(cfg.emb_dim, x.dtype))
@@ -437,7 +508,9 @@ class Decoder(nn.Module):
             kernel = self.param(
                 "logits_dense",
                 nn.with_logical_partitioning(
-                    nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), ("embed", "vocab")),
+                    nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+                    ("embed", "vocab"),
+                ),
                 (cfg.emb_dim, cfg.vocab_size),
                 cfg.parameter_dtype,
             )
@@ -466,17 +539,22 @@ def decoder_masks(
     pad id 0 as BOS, so they cannot tell); without targets every decoder position counts.
     Packed segments are kept apart.
     """
-    dec_valid = (jnp.ones_like(decoder_input_tokens, bool) if decoder_target_tokens is None
-                 else decoder_target_tokens > 0)
+    dec_valid = (
+        jnp.ones_like(decoder_input_tokens, bool)
+        if decoder_target_tokens is None
+        else decoder_target_tokens > 0
+    )
     self_mask = combine_masks(
         make_causal_mask(decoder_input_tokens),
         make_attention_mask(dec_valid, dec_valid),
-        None if decoder_segment_ids is None
+        None
+        if decoder_segment_ids is None
         else make_attention_mask(decoder_segment_ids, decoder_segment_ids, jnp.equal),
     )
     cross_mask = combine_masks(
         make_attention_mask(dec_valid, encoder_tokens > 0),
-        None if decoder_segment_ids is None or encoder_segment_ids is None
+        None
+        if decoder_segment_ids is None or encoder_segment_ids is None
         else make_attention_mask(decoder_segment_ids, encoder_segment_ids, jnp.equal),
     )
     return self_mask, cross_mask
@@ -495,7 +573,8 @@ class EncoderDecoder(nn.Module):
     def setup(self) -> None:
         cfg = self.config
         self.token_embedder = Embed(
-            cfg.vocab_size, cfg.emb_dim, dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype)
+            cfg.vocab_size, cfg.emb_dim, dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype
+        )
         self.encoder = Encoder(cfg, self.token_embedder)
         self.decoder = Decoder(cfg, self.token_embedder)
 
@@ -526,16 +605,29 @@ class EncoderDecoder(nn.Module):
         """Logits ``[batch, Ld, vocab]``; in ``decode`` mode one step ``[batch, 1]`` at a time."""
         if decode:
             self_mask = None  # the KV cache masks positions not yet written
-            cross_mask = make_attention_mask(jnp.ones_like(decoder_input_tokens, bool), encoder_input_tokens > 0)
+            cross_mask = make_attention_mask(
+                jnp.ones_like(decoder_input_tokens, bool), encoder_input_tokens > 0
+            )
             padding_mask = None
         else:
             self_mask, cross_mask = decoder_masks(
-                encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
-                encoder_segment_ids, decoder_segment_ids)
+                encoder_input_tokens,
+                decoder_input_tokens,
+                decoder_target_tokens,
+                encoder_segment_ids,
+                decoder_segment_ids,
+            )
             padding_mask = None if decoder_target_tokens is None else decoder_target_tokens > 0
         return self.decoder(
-            encoded, decoder_input_tokens, self_mask, cross_mask, padding_mask,
-            deterministic=not enable_dropout, decode=decode, max_decode_length=max_decode_length)
+            encoded,
+            decoder_input_tokens,
+            self_mask,
+            cross_mask,
+            padding_mask,
+            deterministic=not enable_dropout,
+            decode=decode,
+            max_decode_length=max_decode_length,
+        )
 
     def __call__(
         self,
@@ -558,8 +650,17 @@ class EncoderDecoder(nn.Module):
         within-segment offsets agree and cross-segment pairs are masked).
         """
         del encoder_positions, decoder_positions
-        encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout=enable_dropout)
+        encoded = self.encode(
+            encoder_input_tokens, encoder_segment_ids, enable_dropout=enable_dropout
+        )
         return self.decode(
-            encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
-            encoder_segment_ids, decoder_segment_ids, enable_dropout=enable_dropout,
-            decode=decode, max_decode_length=max_decode_length)
+            encoded,
+            encoder_input_tokens,
+            decoder_input_tokens,
+            decoder_target_tokens,
+            encoder_segment_ids,
+            decoder_segment_ids,
+            enable_dropout=enable_dropout,
+            decode=decode,
+            max_decode_length=max_decode_length,
+        )

@@ -52,17 +52,28 @@ def from_groups(x: jax.Array, num_tokens: int) -> jax.Array:
     return x.reshape((-1,) + x.shape[2:])[:num_tokens]
 
 
-def expert_capacity(tokens_per_group: int, num_experts: int, num_selected_experts: int,
-                    capacity_factor: float, min_expert_capacity: int, rule: str = "t5x") -> int:
+def expert_capacity(
+    tokens_per_group: int,
+    num_experts: int,
+    num_selected_experts: int,
+    capacity_factor: float,
+    min_expert_capacity: int,
+    rule: str = "t5x",
+) -> int:
     """Buffer size per expert and group (see module docstring)."""
     if rule not in CAPACITY_RULES:
-        raise ValueError(f"CapacityConfig.capacity_rule={rule!r} is unknown; choose one of {CAPACITY_RULES}")
+        raise ValueError(
+            f"CapacityConfig.capacity_rule={rule!r} is unknown; choose one of {CAPACITY_RULES}"
+        )
     scale = num_selected_experts if rule == "k_scaled" else 1
-    capacity = max(int(round(capacity_factor * scale * tokens_per_group / num_experts)), min_expert_capacity)
+    capacity = max(
+        int(round(capacity_factor * scale * tokens_per_group / num_experts)), min_expert_capacity
+    )
     if capacity < 1:
         raise ValueError(
             f"expert capacity {capacity} < 1 from capacity_factor={capacity_factor}, "
             f"tokens_per_group={tokens_per_group}, num_experts={num_experts}, "
             f"min_expert_capacity={min_expert_capacity}: raise the capacity factor or "
-            f"CapacityConfig.min_expert_capacity")
+            f"CapacityConfig.min_expert_capacity"
+        )
     return min(capacity, tokens_per_group)

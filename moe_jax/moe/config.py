@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import flax.linen as nn
-
 import gin
+
 from moe_jax.moe.capacity import CAPACITY_RULES
 from moe_jax.moe.dispatch import CAPACITY_ORDERS, DISPATCH_IMPLS, layer_choices
 from moe_jax.moe.experts import check_activation

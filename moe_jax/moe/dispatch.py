@@ -112,7 +112,9 @@ def _family(platform: str) -> str:
     """``cpu``, ``tpu`` or ``gpu``: the backend family of a device platform name."""
     family = _PLATFORM_FAMILY.get(platform)
     if family is None:
-        raise ValueError(f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}")
+        raise ValueError(
+            f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}"
+        )
     return family
 
 
@@ -127,8 +129,10 @@ def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
 def check_capacity_order(capacity_order: str) -> None:
     """Refuses a ``capacity_order`` not in ``CAPACITY_ORDERS``, naming the option."""
     if capacity_order not in CAPACITY_ORDERS:
-        raise ValueError(f"CapacityConfig.capacity_order={capacity_order!r} is unknown; "
-                         f"choose one of {CAPACITY_ORDERS + ('auto',)}")
+        raise ValueError(
+            f"CapacityConfig.capacity_order={capacity_order!r} is unknown; "
+            f"choose one of {CAPACITY_ORDERS + ('auto',)}"
+        )
 
 
 def _assignment_order(routing: TokenChoiceRouting, capacity_order: str) -> Array:
@@ -168,8 +172,14 @@ def _onehot_positions(routing: TokenChoiceRouting, num_experts: int, capacity_or
     return jnp.take_along_axis(positions, routing.priority[:, :, None], axis=1)
 
 
-def einsum_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
-                        expert_fn: ExpertFn, capacity_order: str = "choice_major") -> tuple[Array, Array]:
+def einsum_token_choice(
+    x: Array,
+    routing: TokenChoiceRouting,
+    num_experts: int,
+    capacity: int,
+    expert_fn: ExpertFn,
+    capacity_order: str = "choice_major",
+) -> tuple[Array, Array]:
     """One-hot dispatch/combine (reference).
 
     Args:
@@ -184,30 +194,39 @@ def einsum_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int,
     expert_mask = jax.nn.one_hot(routing.expert_index, num_experts, dtype=x.dtype)  # [G, S, K, E]
     slot_mask = jax.nn.one_hot(positions, capacity, dtype=x.dtype)  # [G, S, K, C]; 0 past C
     dispatch = jnp.einsum("gske,gskc->gsec", expert_mask, slot_mask)
-    combine = jnp.einsum("gsk,gske,gskc->gsec", routing.combine_weights.astype(x.dtype),
-                         expert_mask, slot_mask)
+    combine = jnp.einsum(
+        "gsk,gske,gskc->gsec", routing.combine_weights.astype(x.dtype), expert_mask, slot_mask
+    )
     buffers = jnp.einsum("gsec,gsd->gecd", dispatch, x)
     outputs = jnp.einsum("gsec,gecd->gsd", combine, expert_fn(buffers))
     kept = (positions < capacity) & (routing.expert_index < num_experts)
     return outputs, kept
 
 
-def einsum_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: int,
-                         expert_fn: ExpertFn) -> Array:
+def einsum_expert_choice(
+    x: Array, routing: ExpertChoiceRouting, num_experts: int, expert_fn: ExpertFn
+) -> Array:
     """One-hot dispatch/combine of an expert-choice decision (reference).
     ``[groups, tokens_per_group, d_model]`` -> same."""
     dispatch = jax.nn.one_hot(routing.token_index, x.shape[1], dtype=x.dtype)  # [G, E, C, S]
     buffers = jnp.einsum("gecs,gsd->gecd", dispatch, x)
-    return jnp.einsum("gecs,gec,gecd->gsd", dispatch, routing.combine_weights.astype(x.dtype),
-                      expert_fn(buffers))
+    return jnp.einsum(
+        "gecs,gec,gecd->gsd", dispatch, routing.combine_weights.astype(x.dtype), expert_fn(buffers)
+    )
 
 
 # ----------------------------------------------------------------------------- sort
 
 
-def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, capacity: int,
-                      expert_fn: ExpertFn, choice_major: bool = False,
-                      capacity_order: str = "choice_major") -> tuple[Array, Array]:
+def sort_token_choice(
+    x: Array,
+    routing: TokenChoiceRouting,
+    num_experts: int,
+    capacity: int,
+    expert_fn: ExpertFn,
+    choice_major: bool = False,
+    capacity_order: str = "choice_major",
+) -> tuple[Array, Array]:
     """Sort/gather dispatch, same contract as ``einsum_token_choice``.
 
     ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
@@ -226,7 +245,9 @@ def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, c
     sorted_expert = jnp.take_along_axis(expert_flat, perm, axis=-1)
     starts_or_end = jnp.concatenate([starts, jnp.full((groups, 1), n, starts.dtype)], axis=-1)
     sorted_pos = jnp.arange(n) - jnp.take_along_axis(starts_or_end, sorted_expert, axis=-1)
-    positions = jnp.zeros((groups, n), jnp.int32).at[g, perm].set(sorted_pos).reshape(groups, tokens, k)
+    positions = (
+        jnp.zeros((groups, n), jnp.int32).at[g, perm].set(sorted_pos).reshape(groups, tokens, k)
+    )
     # Buffer slot (e, c) holds sorted assignment starts[e] + c when c < counts[e].
     slot = jnp.arange(capacity)
     filled = slot < counts[..., None]  # [G, E, C]
@@ -246,8 +267,9 @@ def sort_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int, c
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
 
 
-def gather_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: int,
-                         expert_fn: ExpertFn) -> Array:
+def gather_expert_choice(
+    x: Array, routing: ExpertChoiceRouting, num_experts: int, expert_fn: ExpertFn
+) -> Array:
     """Gather/scatter-add form of ``einsum_expert_choice``."""
     groups = x.shape[0]
     g = _groups_index(groups)[:, :, None]
@@ -256,8 +278,9 @@ def gather_expert_choice(x: Array, routing: ExpertChoiceRouting, num_experts: in
     return jnp.zeros_like(x).at[g, routing.token_index].add(weighted)
 
 
-def ragged_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int,
-                        ragged_fn: RaggedFn) -> tuple[Array, Array]:
+def ragged_token_choice(
+    x: Array, routing: TokenChoiceRouting, num_experts: int, ragged_fn: RaggedFn
+) -> tuple[Array, Array]:
     """Dropless token choice through a grouped matmul over all groups' assignments.
 
     ``ragged_fn(rows [assignments, d_model] sorted by expert, group_sizes [experts])``
@@ -277,10 +300,16 @@ def ragged_token_choice(x: Array, routing: TokenChoiceRouting, num_experts: int,
     return jnp.einsum("gsk,gskd->gsd", weights, outputs), kept
 
 
-def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertChoiceRouting,
-                     num_experts: int, capacity: int, expert_fn: ExpertFn,
-                     choice_major: bool = False, capacity_order: str = "choice_major",
-                     ) -> tuple[Array, Array | None]:
+def dispatch_combine(
+    impl: str,
+    x: Array,
+    routing: TokenChoiceRouting | ExpertChoiceRouting,
+    num_experts: int,
+    capacity: int,
+    expert_fn: ExpertFn,
+    choice_major: bool = False,
+    capacity_order: str = "choice_major",
+) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
 
     Args:
@@ -297,11 +326,15 @@ def dispatch_combine(impl: str, x: Array, routing: TokenChoiceRouting | ExpertCh
       ``[groups, tokens_per_group, k]`` kept-assignment mask (None for expert choice).
     """
     if impl not in DISPATCH_IMPLS:
-        raise ValueError(f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of {DISPATCH_IMPLS + ('auto',)}")
+        raise ValueError(
+            f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of {DISPATCH_IMPLS + ('auto',)}"
+        )
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice
         return fn(x, routing, num_experts, expert_fn), None
     check_capacity_order(capacity_order)
     if impl == "einsum":
         return einsum_token_choice(x, routing, num_experts, capacity, expert_fn, capacity_order)
-    return sort_token_choice(x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order)
+    return sort_token_choice(
+        x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order
+    )

@@ -31,7 +31,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import shard_map
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
 
@@ -66,9 +67,11 @@ def group_shards(mesh: AbstractMesh | None, data_axis: str, expert_axis: str) ->
 def check_divisible(num_experts: int, mesh: AbstractMesh | None, expert_axis: str) -> None:
     ep = axis_size(mesh, expert_axis)
     if num_experts % ep:
-        raise ValueError(f"the routed experts (MoeConfig.num_experts x expert_granularity = "
-                         f"{num_experts}) are not divisible by the size {ep} of the {expert_axis!r} "
-                         "mesh axis")
+        raise ValueError(
+            f"the routed experts (MoeConfig.num_experts x expert_granularity = "
+            f"{num_experts}) are not divisible by the size {ep} of the {expert_axis!r} "
+            "mesh axis"
+        )
 
 
 # ``jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -76,12 +79,27 @@ def check_divisible(num_experts: int, mesh: AbstractMesh | None, expert_axis: st
 RaggedExchange = Callable[..., Array]
 # ``compute(rows [rows, d_model] grouped by local expert, group_sizes [local_experts])``.
 RaggedCompute = Callable[[Array, Array], Array]
-LocalFn = Callable[[Array, TokenChoiceRouting | ExpertChoiceRouting, dict[str, Array], Array,
-                    Callable[..., Array]], tuple[Array, ...]]
+LocalFn = Callable[
+    [
+        Array,
+        TokenChoiceRouting | ExpertChoiceRouting,
+        dict[str, Array],
+        Array,
+        Callable[..., Array],
+    ],
+    tuple[Array, ...],
+]
 
 
-def expert_parallel(local_fn: LocalFn, mesh: AbstractMesh, *, data_axis: str, expert_axis: str,
-                    model_axis: str, exchange: RaggedExchange | None = None) -> Callable[..., tuple[Array, ...]]:
+def expert_parallel(
+    local_fn: LocalFn,
+    mesh: AbstractMesh,
+    *,
+    data_axis: str,
+    expert_axis: str,
+    model_axis: str,
+    exchange: RaggedExchange | None = None,
+) -> Callable[..., tuple[Array, ...]]:
     """Wraps ``local_fn(x, routing, weights, rng, comm) -> outputs`` in ``shard_map``.
 
     Without ``exchange``, ``local_fn`` must run its expert computation on buffers
@@ -104,7 +122,11 @@ def expert_parallel(local_fn: LocalFn, mesh: AbstractMesh, *, data_axis: str, ex
             out = jax.lax.psum(out, model)
         return jax.lax.all_to_all(out, expert_axis, split_axis=0, concat_axis=1, tiled=True)
 
-    comm = buffer_comm if exchange is None else ragged_comm(exchange, expert_axis, mesh.shape[expert_axis], model)
+    comm = (
+        buffer_comm
+        if exchange is None
+        else ragged_comm(exchange, expert_axis, mesh.shape[expert_axis], model)
+    )
 
     def body(x, routing, weights, rng):
         for axis in mesh.axis_names:
@@ -114,8 +136,12 @@ def expert_parallel(local_fn: LocalFn, mesh: AbstractMesh, *, data_axis: str, ex
     def run(x: Array, routing, weights: dict[str, Array], rng: Array, num_outputs: int):
         weight_specs = {name: weight_spec(name) for name in weights}
         routing_specs = jax.tree.map(lambda _: tokens, routing)
-        return shard_map(body, mesh=mesh, in_specs=(tokens, routing_specs, weight_specs, P()),
-                         out_specs=(tokens,) * num_outputs)(x, routing, weights, rng)
+        return shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(tokens, routing_specs, weight_specs, P()),
+            out_specs=(tokens,) * num_outputs,
+        )(x, routing, weights, rng)
 
     return run
 
@@ -125,7 +151,9 @@ def local_comm(buffers: Array, compute: Callable[[Array], Array]) -> Array:
     return compute(buffers)
 
 
-def local_ragged_comm(rows: Array, group_sizes: Array, compute: RaggedCompute, rows_per_expert: int) -> Array:
+def local_ragged_comm(
+    rows: Array, group_sizes: Array, compute: RaggedCompute, rows_per_expert: int
+) -> Array:
     """``ragged_comm``'s ``comm`` without expert parallelism: one grouped matmul in place."""
     del rows_per_expert
     return compute(rows, group_sizes)
@@ -135,8 +163,9 @@ def _exclusive_cumsum(a: Array, axis: int) -> Array:
     return jnp.cumsum(a, axis=axis) - a
 
 
-def ragged_comm(exchange: RaggedExchange, expert_axis: str, shards: int,
-                model_axis: str | None) -> Callable[[Array, Array, RaggedCompute, int], Array]:
+def ragged_comm(
+    exchange: RaggedExchange, expert_axis: str, shards: int, model_axis: str | None
+) -> Callable[[Array, Array, RaggedCompute, int], Array]:
     """Dropless ``comm`` inside ``shard_map``: rows, not buffers, cross the ``expert`` axis.
 
     The returned ``comm(rows, group_sizes, compute, rows_per_expert)`` takes this device's
@@ -160,31 +189,57 @@ def ragged_comm(exchange: RaggedExchange, expert_axis: str, shards: int,
     expert (its tokens: a token picks an expert at most once).
     """
 
-    def comm(rows: Array, group_sizes: Array, compute: RaggedCompute, rows_per_expert: int) -> Array:
+    def comm(
+        rows: Array, group_sizes: Array, compute: RaggedCompute, rows_per_expert: int
+    ) -> Array:
         n, d_model = rows.shape
         experts = group_sizes.shape[0]
         local = experts // shards
         me = jax.lax.axis_index(expert_axis)
-        counts = jax.lax.all_gather(group_sizes, expert_axis)  # [shards, experts]: C[source, expert]
-        block = jnp.sum(counts, axis=0).reshape(shards, local)  # rows each expert receives, by owner
-        expert_start = _exclusive_cumsum(block, 1).reshape(experts)  # its first row in the owner's buffer
-        arrival = expert_start + _exclusive_cumsum(counts, 0)  # [shards, experts]: where C[s, e]'s rows land
+        counts = jax.lax.all_gather(
+            group_sizes, expert_axis
+        )  # [shards, experts]: C[source, expert]
+        block = jnp.sum(counts, axis=0).reshape(
+            shards, local
+        )  # rows each expert receives, by owner
+        expert_start = _exclusive_cumsum(block, 1).reshape(
+            experts
+        )  # its first row in the owner's buffer
+        arrival = expert_start + _exclusive_cumsum(
+            counts, 0
+        )  # [shards, experts]: where C[s, e]'s rows land
         source_start = _exclusive_cumsum(counts, 1)  # [shards, experts]: C[s, e]'s rows on device s
 
         def mine(a: Array) -> Array:  # [shards, experts] -> [shards * local]: columns of my experts
-            return jax.lax.dynamic_slice_in_dim(a, me * local, local, axis=1).reshape(shards * local)
+            return jax.lax.dynamic_slice_in_dim(a, me * local, local, axis=1).reshape(
+                shards * local
+            )
 
         received_sizes = mine(counts)  # slice (source s, local expert l)
         # zeros_like keeps rows' varying mesh axes: a plain jnp.zeros buffer is invariant over
         # `expert`, the exchange's result would be typed so, and the backward pass would psum
         # the received rows' gradient over `expert`
         buffer = jnp.zeros_like(rows, shape=(shards * min(n, local * rows_per_expert), d_model))
-        received = exchange(rows, buffer, source_start[me], group_sizes, arrival[me], received_sizes,
-                            axis_name=expert_axis)
+        received = exchange(
+            rows,
+            buffer,
+            source_start[me],
+            group_sizes,
+            arrival[me],
+            received_sizes,
+            axis_name=expert_axis,
+        )
         out = compute(received, jax.lax.dynamic_index_in_dim(block, me, keepdims=False))
         if model_axis is not None:
             out = jax.lax.psum(out, model_axis)
-        return exchange(out, jnp.zeros_like(rows), mine(arrival), received_sizes, mine(source_start), group_sizes,
-                        axis_name=expert_axis)
+        return exchange(
+            out,
+            jnp.zeros_like(rows),
+            mine(arrival),
+            received_sizes,
+            mine(source_start),
+            group_sizes,
+            axis_name=expert_axis,
+        )
 
     return comm

@@ -23,7 +23,9 @@ default_kernel_init = nn.initializers.variance_scaling(
 
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"MoeConfig.activation={activation!r} is unknown; choose one of {ACTIVATIONS}")
+        raise ValueError(
+            f"MoeConfig.activation={activation!r} is unknown; choose one of {ACTIVATIONS}"
+        )
 
 
 class Experts(nn.Module):
@@ -49,12 +51,15 @@ class Experts(nn.Module):
             name: self.param(name, init_in, (self.num_experts, d_model, self.d_ff), jnp.float32)
             for name in names_in
         }
-        weights["wo"] = self.param("wo", init_out, (self.num_experts, self.d_ff, d_model), jnp.float32)
+        weights["wo"] = self.param(
+            "wo", init_out, (self.num_experts, self.d_ff, d_model), jnp.float32
+        )
         return {k: v.astype(self.dtype) for k, v in weights.items()}
 
 
-def activate(weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array],
-              activation: str) -> jax.Array:
+def activate(
+    weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array], activation: str
+) -> jax.Array:
     if activation == "gated_gelu":
         return nn.gelu(h_in(weights["wi_0"]), approximate=True) * h_in(weights["wi_1"])
     h = h_in(weights["wi"])
@@ -68,9 +73,14 @@ def dropout(h: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
     return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
 
 
-def expert_ffn(weights: dict[str, jax.Array], x: jax.Array, activation: str,
-               dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
-               per_expert_loop: bool = False) -> jax.Array:
+def expert_ffn(
+    weights: dict[str, jax.Array],
+    x: jax.Array,
+    activation: str,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    per_expert_loop: bool = False,
+) -> jax.Array:
     """Applies expert ``e`` to ``x[:, e]``.
 
     Args:
@@ -102,9 +112,14 @@ def expert_ffn(weights: dict[str, jax.Array], x: jax.Array, activation: str,
     return jnp.swapaxes(out.reshape(experts, groups, capacity, -1), 0, 1)
 
 
-def ragged_expert_ffn(weights: dict[str, jax.Array], x: jax.Array, group_sizes: jax.Array,
-                      activation: str, dropout_rate: float = 0.0,
-                      dropout_rng: jax.Array | None = None) -> jax.Array:
+def ragged_expert_ffn(
+    weights: dict[str, jax.Array],
+    x: jax.Array,
+    group_sizes: jax.Array,
+    activation: str,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
     """Grouped-matmul form of ``expert_ffn`` (dropless): rows of ``x`` sorted by expert.
 
     Args:

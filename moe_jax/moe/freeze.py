@@ -9,9 +9,8 @@ layer's router submodule is named ``router``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import zlib
+from typing import Any
 
 import gin
 import jax
@@ -40,7 +39,9 @@ def is_router_param(path: tuple[Any, ...] | str) -> bool:
 
 def router_labels(params: Any) -> Any:
     """The pytree of ``"router"`` / ``"other"`` labels of ``params``."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: _ROUTER if is_router_param(p) else _OTHER, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: _ROUTER if is_router_param(p) else _OTHER, params
+    )
 
 
 @gin.configurable
@@ -70,8 +71,9 @@ def updated_collections(old: Any, new: Any, mode: str) -> Any:
     return {name: old[name] if name == BIAS_COLLECTION else value for name, value in new.items()}
 
 
-def apply_router_mode(tx: optax.GradientTransformation, params: Any = None,
-                      mode: str | None = None) -> optax.GradientTransformation:
+def apply_router_mode(
+    tx: optax.GradientTransformation, params: Any = None, mode: str | None = None
+) -> optax.GradientTransformation:
     """``tx`` for ``learned``; for ``frozen``, ``tx`` on every non-router leaf and
     ``optax.set_to_zero()`` on router leaves.
 
@@ -88,8 +90,9 @@ def apply_router_mode(tx: optax.GradientTransformation, params: Any = None,
     return optax.multi_transform({_OTHER: tx, _ROUTER: optax.set_to_zero()}, router_labels)
 
 
-def data_initialized_router(params: Any, samples: jax.Array, rng: jax.Array,
-                            path_contains: str = "", scale: float = 1.0) -> Any:
+def data_initialized_router(
+    params: Any, samples: jax.Array, rng: jax.Array, path_contains: str = "", scale: float = 1.0
+) -> Any:
     """Router rows set to sampled token representations (the paper's Theorem 2).
 
     Every router kernel ``.../router/weights/w [d_model, experts]`` whose path contains
@@ -104,8 +107,10 @@ def data_initialized_router(params: Any, samples: jax.Array, rng: jax.Array,
             return leaf
         d_model, experts = leaf.shape
         if samples.shape[-1] != d_model or samples.shape[0] < experts:
-            raise ValueError(f"data_initialized_router: samples {samples.shape} must be [n >= {experts}, "
-                             f"{d_model}] for router kernel {name} {leaf.shape}")
+            raise ValueError(
+                f"data_initialized_router: samples {samples.shape} must be [n >= {experts}, "
+                f"{d_model}] for router kernel {name} {leaf.shape}"
+            )
         key = jax.random.fold_in(rng, zlib.crc32(name.encode()))
         rows = jax.random.choice(key, samples.shape[0], (experts,), replace=False)
         return (scale * samples[rows].T).astype(leaf.dtype)
@@ -113,5 +118,14 @@ def data_initialized_router(params: Any, samples: jax.Array, rng: jax.Array,
     return jax.tree_util.tree_map_with_path(replace, params)
 
 
-__all__ = ["BIAS_MODES", "ROUTER_MODES", "apply_router_mode", "bias_mode", "data_initialized_router", "is_router_param",
-           "router_labels", "router_mode", "updated_collections"]
+__all__ = [
+    "BIAS_MODES",
+    "ROUTER_MODES",
+    "apply_router_mode",
+    "bias_mode",
+    "data_initialized_router",
+    "is_router_param",
+    "router_labels",
+    "router_mode",
+    "updated_collections",
+]

@@ -35,13 +35,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.moe.routers import RouterOutput, RouterWeights, _dense, _prob_in_top_k, _token_choice, top_k
+from moe_jax.moe.routers import (
+    RouterOutput,
+    RouterWeights,
+    _dense,
+    _prob_in_top_k,
+    _token_choice,
+    top_k,
+)
 from moe_jax.moe.selection import check_expert_groups
 
 Array = jax.Array
 
 
-def hierarchical_importance(primary_gates: Array, secondary_gates: Array, padding_mask: Array) -> Array:
+def hierarchical_importance(
+    primary_gates: Array, secondary_gates: Array, padding_mask: Array
+) -> Array:
     """``Importance_H [G * b]`` (flattened ``(i, j) -> i * b + j``).
 
     Args:
@@ -51,8 +60,9 @@ def hierarchical_importance(primary_gates: Array, secondary_gates: Array, paddin
         every expert group.
       padding_mask: ``[groups, tokens_per_group]``, 1 = real token.
     """
-    importance = jnp.einsum("gsi,gsij,gs->ij", primary_gates, secondary_gates,
-                            padding_mask.astype(primary_gates.dtype))
+    importance = jnp.einsum(
+        "gsi,gsij,gs->ij", primary_gates, secondary_gates, padding_mask.astype(primary_gates.dtype)
+    )
     return importance.reshape(-1)
 
 
@@ -70,19 +80,26 @@ def hierarchical_load(primary_load: Array, secondary_load: Array, group_count: A
     return (scale[:, None] * secondary_load).reshape(-1)
 
 
-def check_hierarchical_options(num_experts: int, num_selected_experts: int, num_groups: int,
-                               num_selected_groups: int) -> None:
+def check_hierarchical_options(
+    num_experts: int, num_selected_experts: int, num_groups: int, num_selected_groups: int
+) -> None:
     """Refuses inconsistent hierarchical options with a message naming the
     ``HierarchicalRouterConfig`` option: G must divide E, ``1 <= k1 <= G`` and
     ``1 <= k2 <= E / G``."""
-    check_expert_groups(num_experts, num_groups, num_selected_groups,
-                        "HierarchicalRouterConfig.num_expert_groups",
-                        "HierarchicalRouterConfig.num_selected_groups")
+    check_expert_groups(
+        num_experts,
+        num_groups,
+        num_selected_groups,
+        "HierarchicalRouterConfig.num_expert_groups",
+        "HierarchicalRouterConfig.num_selected_groups",
+    )
     per_group = num_experts // num_groups
     if not 1 <= num_selected_experts <= per_group:
-        raise ValueError(f"HierarchicalRouterConfig.num_selected_experts={num_selected_experts} "
-                         f"(experts chosen inside each expert group) must be between 1 and the group size "
-                         f"num_experts / num_expert_groups = {per_group}")
+        raise ValueError(
+            f"HierarchicalRouterConfig.num_selected_experts={num_selected_experts} "
+            f"(experts chosen inside each expert group) must be between 1 and the group size "
+            f"num_experts / num_expert_groups = {per_group}"
+        )
 
 
 class HierarchicalRouter(nn.Module):
@@ -113,11 +130,13 @@ class HierarchicalRouter(nn.Module):
 
     def check_options(self) -> None:
         """Refuses inconsistent options, naming the ``HierarchicalRouterConfig`` option."""
-        check_hierarchical_options(self.num_experts, self.num_selected_experts, self.num_groups,
-                                   self.num_selected_groups)
+        check_hierarchical_options(
+            self.num_experts, self.num_selected_experts, self.num_groups, self.num_selected_groups
+        )
 
-    def _gate(self, clean: Array, name: str, k: int, deterministic: bool,
-              x: Array) -> tuple[Array, Array, Array | None]:
+    def _gate(
+        self, clean: Array, name: str, k: int, deterministic: bool, x: Array
+    ) -> tuple[Array, Array, Array | None]:
         """Top-``k`` gating of ``clean [..., n]`` logits.
 
         Returns ``(index [..., k], gates [..., k], P(x, i) [..., n] or None)``; the last is
@@ -128,8 +147,11 @@ class HierarchicalRouter(nn.Module):
             if self.renormalize_gates:
                 gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
             return index, gates, None
-        noise_logits = RouterWeights(self.num_experts if name == "secondary" else self.num_groups,
-                                     self.init_stddev, name=f"{name}_noise")(x).reshape(clean.shape)
+        noise_logits = RouterWeights(
+            self.num_experts if name == "secondary" else self.num_groups,
+            self.init_stddev,
+            name=f"{name}_noise",
+        )(x).reshape(clean.shape)
         noisy, prob = clean, None
         if not deterministic:
             noise_std = jax.nn.softplus(noise_logits) + self.min_noise_std
@@ -139,8 +161,14 @@ class HierarchicalRouter(nn.Module):
         return index, jax.nn.softmax(top_values, axis=-1), prob
 
     @nn.compact
-    def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
-                 capacity: int, deterministic: bool) -> RouterOutput:
+    def __call__(
+        self,
+        x: Array,
+        padding_mask: Array,
+        token_ids: Array | None,
+        capacity: int,
+        deterministic: bool,
+    ) -> RouterOutput:
         """``x [groups, tokens_per_group, d_model]``, ``padding_mask [groups,
         tokens_per_group]`` -> ``RouterOutput`` with ``k1 * k2`` choices per token."""
         del token_ids, capacity
@@ -152,13 +180,21 @@ class HierarchicalRouter(nn.Module):
         secondary = RouterWeights(self.num_experts, self.init_stddev, name="secondary")(x)
         secondary = secondary.reshape(lead + (n_groups, per_group))  # [g, s, G, b]
 
-        group_index, group_gates, primary_prob = self._gate(primary, "primary", k1, deterministic, x)
-        inner_index, inner_gates, secondary_prob = self._gate(secondary, "secondary", k2, deterministic, x)
+        group_index, group_gates, primary_prob = self._gate(
+            primary, "primary", k1, deterministic, x
+        )
+        inner_index, inner_gates, secondary_prob = self._gate(
+            secondary, "secondary", k2, deterministic, x
+        )
 
         # Final choices: (chosen group c, secondary choice m) -> expert group * b + inner index.
-        chosen_inner = jnp.take_along_axis(inner_index, group_index[..., None], axis=-2)  # [g, s, k1, k2]
+        chosen_inner = jnp.take_along_axis(
+            inner_index, group_index[..., None], axis=-2
+        )  # [g, s, k1, k2]
         chosen_gates = jnp.take_along_axis(inner_gates, group_index[..., None], axis=-2)
-        expert_index = (group_index[..., None] * per_group + chosen_inner).reshape(lead + (k1 * k2,))
+        expert_index = (group_index[..., None] * per_group + chosen_inner).reshape(
+            lead + (k1 * k2,)
+        )
         gates = (group_gates[..., None] * chosen_gates).reshape(lead + (k1 * k2,))
         gates, order = top_k(gates, k1 * k2)  # descending final gate: capacity order
         expert_index = jnp.take_along_axis(expert_index, order, axis=-1)
@@ -173,13 +209,23 @@ class HierarchicalRouter(nn.Module):
             smooth_load = hierarchical_load(
                 jnp.sum(primary_prob * mask[..., None], axis=(0, 1)),
                 jnp.einsum("gsi,gsij->ij", in_group, secondary_prob),
-                jnp.sum(in_group, axis=(0, 1)))
+                jnp.sum(in_group, axis=(0, 1)),
+            )
 
-        probs = (jax.nn.softmax(primary, axis=-1)[..., None]
-                 * jax.nn.softmax(secondary, axis=-1)).reshape(lead + (self.num_experts,))
-        return _token_choice(secondary.reshape(probs.shape), probs, expert_index, gates, padding_mask,
-                             self.batch_prioritized, smooth_load, importance=importance,
-                             primary_logits=primary)
+        probs = (
+            jax.nn.softmax(primary, axis=-1)[..., None] * jax.nn.softmax(secondary, axis=-1)
+        ).reshape(lead + (self.num_experts,))
+        return _token_choice(
+            secondary.reshape(probs.shape),
+            probs,
+            expert_index,
+            gates,
+            padding_mask,
+            self.batch_prioritized,
+            smooth_load,
+            importance=importance,
+            primary_logits=primary,
+        )
 
 
 class NoisyHierarchicalRouter(HierarchicalRouter):

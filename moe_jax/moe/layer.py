@@ -22,12 +22,17 @@ from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
 from moe_jax.moe.config import HIERARCHICAL_ROUTER_TYPES, MoeConfig
-from moe_jax.moe.dispatch import (choice_major_combine, dispatch_combine, ragged_exchange, ragged_token_choice,
-                                  target_platform)
+from moe_jax.moe.dispatch import (
+    choice_major_combine,
+    dispatch_combine,
+    ragged_exchange,
+    ragged_token_choice,
+    target_platform,
+)
 from moe_jax.moe.experts import Experts, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS
-from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
 from moe_jax.moe.routers import ROUTERS as _FLAT_ROUTERS
+from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
 from moe_jax.moe.selection import check_selection_options
 from moe_jax.moe.shared import SharedExperts
 
@@ -84,8 +89,14 @@ class MoeLayer(nn.Module):
         return cfg.router.module(**options, name="router")
 
     @nn.compact
-    def __call__(self, inputs: Array, *, token_ids: Array | None = None,
-                 padding_mask: Array | None = None, deterministic: bool = True) -> Array:
+    def __call__(
+        self,
+        inputs: Array,
+        *,
+        token_ids: Array | None = None,
+        padding_mask: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
         """``[batch, length, d_model]`` -> ``[batch, length, d_model]`` (same dtype).
 
         Args:
@@ -100,40 +111,71 @@ class MoeLayer(nn.Module):
         num_tokens = batch * length
         mesh = ep.current_mesh()
         ep.check_divisible(cfg.routed_experts, mesh, axes.expert_axis)
-        check_selection_options(cfg.routed_experts, cfg.choices_per_token,
-                                getattr(cfg.router, "score_function", "softmax"), *self._group_limit(mesh))
+        check_selection_options(
+            cfg.routed_experts,
+            cfg.choices_per_token,
+            getattr(cfg.router, "score_function", "softmax"),
+            *self._group_limit(mesh),
+        )
         groups, tokens_per_group = cap.group_layout(
-            num_tokens, cfg.capacity.group_size, ep.group_shards(mesh, axes.data_axis, axes.expert_axis))
+            num_tokens,
+            cfg.capacity.group_size,
+            ep.group_shards(mesh, axes.data_axis, axes.expert_axis),
+        )
 
         def grouped(a: Array) -> Array:
             return cap.to_groups(a.reshape((num_tokens,) + a.shape[2:]), groups, tokens_per_group)
 
-        x = nn.with_logical_constraint(grouped(inputs.astype(self.dtype)), ("expert_group", "length", "embed"))
-        mask = grouped(jnp.ones((batch, length), jnp.float32) if padding_mask is None
-                       else (padding_mask > 0).astype(jnp.float32))
+        x = nn.with_logical_constraint(
+            grouped(inputs.astype(self.dtype)), ("expert_group", "length", "embed")
+        )
+        mask = grouped(
+            jnp.ones((batch, length), jnp.float32)
+            if padding_mask is None
+            else (padding_mask > 0).astype(jnp.float32)
+        )
         ids = None if token_ids is None else grouped(token_ids)
         if cfg.capacity.dropless:
             capacity = tokens_per_group
         else:
-            capacity = cap.expert_capacity(tokens_per_group, cfg.routed_experts, cfg.choices_per_token,
-                                           cfg.capacity.factor(deterministic), cfg.capacity.min_expert_capacity,
-                                           cfg.capacity.capacity_rule)
+            capacity = cap.expert_capacity(
+                tokens_per_group,
+                cfg.routed_experts,
+                cfg.choices_per_token,
+                cfg.capacity.factor(deterministic),
+                cfg.capacity.min_expert_capacity,
+                cfg.capacity.capacity_rule,
+            )
 
         router_output = self._router(mesh)(x, mask, ids, capacity, deterministic)
         self._sow_routing(router_output, x, num_tokens, (batch, length))
-        weights = Experts(cfg.routed_experts, cfg.expert_d_ff, cfg.activation, self.dtype, name="expert")(d_model)
+        weights = Experts(
+            cfg.routed_experts, cfg.expert_d_ff, cfg.activation, self.dtype, name="expert"
+        )(d_model)
         y, kept = self._experts(x, router_output, weights, capacity, mesh, deterministic)
         self._sow_losses_and_metrics(router_output, mask, kept)
         y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model)
         if cfg.num_shared_experts:
-            y = y + SharedExperts(cfg.num_shared_experts, cfg.shared_d_ff, cfg.activation,
-                                  cfg.expert_dropout_rate, self.dtype, name="shared_expert")(
-                inputs.astype(self.dtype), deterministic)
+            y = y + SharedExperts(
+                cfg.num_shared_experts,
+                cfg.shared_d_ff,
+                cfg.activation,
+                cfg.expert_dropout_rate,
+                self.dtype,
+                name="shared_expert",
+            )(inputs.astype(self.dtype), deterministic)
         y = y.astype(inputs.dtype)
         return nn.with_logical_constraint(y, ("batch", "length", "embed"))
 
-    def _experts(self, x: Array, router_output: RouterOutput, weights: dict[str, Array], capacity: int,
-                 mesh, deterministic: bool) -> tuple[Array, Array | None]:
+    def _experts(
+        self,
+        x: Array,
+        router_output: RouterOutput,
+        weights: dict[str, Array],
+        capacity: int,
+        mesh,
+        deterministic: bool,
+    ) -> tuple[Array, Array | None]:
         """Dispatch, expert MLPs, combine: ``[groups, tokens_per_group, d_model]`` -> same,
         plus the kept-assignment mask (token choice)."""
         platform = target_platform(mesh)
@@ -145,41 +187,73 @@ class MoeLayer(nn.Module):
         expert_parallel = ep.axis_size(mesh, axes.expert_axis) > 1
 
         def run_experts(w: dict[str, Array], buffers: Array, key: Array) -> Array:
-            return expert_ffn(w, buffers, cfg.activation, cfg.expert_dropout_rate,
-                              key if use_dropout else None, per_expert_loop)
+            return expert_ffn(
+                w,
+                buffers,
+                cfg.activation,
+                cfg.expert_dropout_rate,
+                key if use_dropout else None,
+                per_expert_loop,
+            )
 
         # Dropless sort: a grouped matmul, its rows exchanged by a ragged all-to-all under
         # expert parallelism where that pays (TPU; padded buffers elsewhere: ragged_exchange).
         exchange = ragged_exchange(platform) if expert_parallel else None
-        ragged = cfg.capacity.dropless and impl == "sort" and (exchange is not None or not expert_parallel)
+        ragged = (
+            cfg.capacity.dropless
+            and impl == "sort"
+            and (exchange is not None or not expert_parallel)
+        )
 
         def ragged_local_fn(x, routing, w, key, comm):
             def ffn(rows: Array, sizes: Array) -> Array:
-                return ragged_expert_ffn(w, rows, sizes, cfg.activation, cfg.expert_dropout_rate,
-                                         key if use_dropout else None)
+                return ragged_expert_ffn(
+                    w,
+                    rows,
+                    sizes,
+                    cfg.activation,
+                    cfg.expert_dropout_rate,
+                    key if use_dropout else None,
+                )
 
             tokens = x.shape[0] * x.shape[1]  # a token sends each expert at most one row
-            return ragged_token_choice(x, routing, cfg.routed_experts,
-                                       lambda rows, sizes: comm(rows, sizes, ffn, tokens))
+            return ragged_token_choice(
+                x, routing, cfg.routed_experts, lambda rows, sizes: comm(rows, sizes, ffn, tokens)
+            )
 
         def local_fn(x, routing, w, key, comm):
-            y, kept = dispatch_combine(impl, x, routing, cfg.routed_experts, capacity,
-                                       lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)),
-                                       choice_major_combine(platform), self.resolved_capacity_order)
+            y, kept = dispatch_combine(
+                impl,
+                x,
+                routing,
+                cfg.routed_experts,
+                capacity,
+                lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)),
+                choice_major_combine(platform),
+                self.resolved_capacity_order,
+            )
             return (y,) if kept is None else (y, kept)
 
         num_outputs = 1 if isinstance(routing, ExpertChoiceRouting) else 2
         fn = ragged_local_fn if ragged else local_fn
         if expert_parallel:
-            outputs = ep.expert_parallel(fn, mesh, data_axis=axes.data_axis, expert_axis=axes.expert_axis,
-                                         model_axis=axes.model_axis, exchange=exchange if ragged else None)(
-                x, routing, weights, rng, num_outputs)
+            outputs = ep.expert_parallel(
+                fn,
+                mesh,
+                data_axis=axes.data_axis,
+                expert_axis=axes.expert_axis,
+                model_axis=axes.model_axis,
+                exchange=exchange if ragged else None,
+            )(x, routing, weights, rng, num_outputs)
         else:
-            outputs = fn(x, routing, weights, rng, ep.local_ragged_comm if ragged else ep.local_comm)
+            outputs = fn(
+                x, routing, weights, rng, ep.local_ragged_comm if ragged else ep.local_comm
+            )
         return outputs[0], (outputs[1] if num_outputs == 2 else None)
 
-    def _sow_routing(self, router_output: RouterOutput, x: Array, num_tokens: int,
-                     batch_length: tuple[int, int]) -> None:
+    def _sow_routing(
+        self, router_output: RouterOutput, x: Array, num_tokens: int, batch_length: tuple[int, int]
+    ) -> None:
         """Sows per-token routing into ``routing`` when that collection is mutable (and not
         at init), so training and eval are unaffected. In ``[batch, length, ...]`` layout:
 
@@ -198,9 +272,13 @@ class MoeLayer(nn.Module):
         self.sow(ROUTING_COLLECTION, "router_inputs", ungrouped(x))
         self.sow(ROUTING_COLLECTION, "router_probs", ungrouped(router_output.probs))
         if not isinstance(router_output.routing, ExpertChoiceRouting):
-            self.sow(ROUTING_COLLECTION, "expert_index", ungrouped(router_output.routing.expert_index))
+            self.sow(
+                ROUTING_COLLECTION, "expert_index", ungrouped(router_output.routing.expert_index)
+            )
 
-    def _sow_losses_and_metrics(self, router_output: RouterOutput, mask: Array, kept: Array | None) -> None:
+    def _sow_losses_and_metrics(
+        self, router_output: RouterOutput, mask: Array, kept: Array | None
+    ) -> None:
         if kept is None:  # expert choice: tokens no expert took
             untaken = (jnp.sum(router_output.assigned, axis=-1) == 0).astype(jnp.float32)
             dropped = jnp.sum(untaken * mask) / jnp.maximum(jnp.sum(mask), 1.0)

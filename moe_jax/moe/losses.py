@@ -35,7 +35,9 @@ def load_balancing_loss(probs: Array, assigned: Array, padding_mask: Array) -> A
     k, so a weight tuned for top-1 acts k times stronger under top-k.
     """
     num_experts = probs.shape[-1]
-    return num_experts * jnp.sum(expert_load(assigned, padding_mask) * _token_mean(probs, padding_mask))
+    return num_experts * jnp.sum(
+        expert_load(assigned, padding_mask) * _token_mean(probs, padding_mask)
+    )
 
 
 def router_z_loss(logits: Array, padding_mask: Array) -> Array:
@@ -61,7 +63,9 @@ def expert_importance(router_output: RouterOutput, padding_mask: Array) -> Array
     return jnp.sum(router_output.gates * padding_mask[..., None], axis=(0, 1))
 
 
-def hierarchical_z_loss(primary_logits: Array, secondary_logits: Array, padding_mask: Array) -> Array:
+def hierarchical_z_loss(
+    primary_logits: Array, secondary_logits: Array, padding_mask: Array
+) -> Array:
     """Z-loss of a two-level router: the primary gate's plus the mean over expert groups of
     each secondary gate's (``secondary_logits [..., G * b]``, group ``i`` in columns
     ``i * b ... (i + 1) * b - 1``)."""
@@ -101,8 +105,9 @@ def auxiliary_losses(router_output: RouterOutput, padding_mask: Array) -> dict[s
     }
 
 
-def routing_metrics(router_output: RouterOutput, padding_mask: Array,
-                    dropped_fraction: Array) -> dict[str, Array]:
+def routing_metrics(
+    router_output: RouterOutput, padding_mask: Array, dropped_fraction: Array
+) -> dict[str, Array]:
     """Statistics sown per layer: ``expert_load [experts]``, ``dropped_fraction``,
     ``router_confidence`` (mean top-1 probability), ``gate_margin`` (mean top-1 minus
     top-2 probability: how decided the router is), ``router_entropy``,

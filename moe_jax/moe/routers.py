@@ -101,7 +101,9 @@ class RouterWeights(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         """``[groups, tokens_per_group, d_model]`` -> float32 ``[groups, tokens_per_group, experts]``."""
-        init = nn.with_logical_partitioning(nn.initializers.normal(self.init_stddev), ("embed", "unmodeled"))
+        init = nn.with_logical_partitioning(
+            nn.initializers.normal(self.init_stddev), ("embed", "unmodeled")
+        )
         w = self.param("w", init, (x.shape[-1], self.num_experts), jnp.float32)
         return jnp.einsum("gsd,de->gse", x.astype(jnp.float32), w)
 
@@ -122,7 +124,9 @@ def top_k(values: Array, k: int, select: Array | None = None) -> tuple[Array, Ar
 
 def _dense(index: Array, values: Array, num_experts: int) -> Array:
     """Scatters ``values [..., k]`` at ``index [..., k]`` into ``[..., experts]``."""
-    return jnp.einsum("...k,...ke->...e", values, jax.nn.one_hot(index, num_experts, dtype=values.dtype))
+    return jnp.einsum(
+        "...k,...ke->...e", values, jax.nn.one_hot(index, num_experts, dtype=values.dtype)
+    )
 
 
 def _priority(probs: Array, padding_mask: Array, batch_prioritized: bool) -> Array:
@@ -135,15 +139,24 @@ def _priority(probs: Array, padding_mask: Array, batch_prioritized: bool) -> Arr
     return jnp.argsort(order, axis=-1).astype(jnp.int32)
 
 
-def _token_choice(logits: Array, probs: Array, expert_index: Array, gates: Array,
-                  padding_mask: Array, batch_prioritized: bool,
-                  smooth_load: Array | None = None, **extra: Array | None) -> RouterOutput:
+def _token_choice(
+    logits: Array,
+    probs: Array,
+    expert_index: Array,
+    gates: Array,
+    padding_mask: Array,
+    batch_prioritized: bool,
+    smooth_load: Array | None = None,
+    **extra: Array | None,
+) -> RouterOutput:
     """Packs a token-choice decision; padding tokens are routed nowhere."""
     num_experts = logits.shape[-1]
     real = padding_mask[..., None] > 0
     expert_index = jnp.where(real, expert_index, num_experts).astype(jnp.int32)
     gates = jnp.where(real, gates, 0.0).astype(jnp.float32)
-    routing = TokenChoiceRouting(expert_index, gates, _priority(probs, padding_mask, batch_prioritized))
+    routing = TokenChoiceRouting(
+        expert_index, gates, _priority(probs, padding_mask, batch_prioritized)
+    )
     return RouterOutput(
         routing=routing,
         logits=logits,
@@ -162,9 +175,9 @@ def _prob_in_top_k(clean: Array, noisy: Array, noise_std: Array, k: int) -> Arra
     if k >= clean.shape[-1]:
         return jnp.ones_like(clean)
     top, _ = top_k(noisy, k + 1)
-    in_top_k = noisy >= top[..., k - 1:k]
+    in_top_k = noisy >= top[..., k - 1 : k]
     # Threshold for entry i with the other noises fixed: the k-th largest of the others.
-    threshold = jnp.where(in_top_k, top[..., k:k + 1], top[..., k - 1:k])
+    threshold = jnp.where(in_top_k, top[..., k : k + 1], top[..., k - 1 : k])
     return norm.cdf((clean - threshold) / noise_std)
 
 
@@ -200,38 +213,63 @@ class TopKRouter(nn.Module):
 
     def _logits(self, x: Array, deterministic: bool) -> Array:
         if self.jitter_noise > 0.0 and not deterministic:
-            x = x * jax.random.uniform(self.make_rng("dropout"), x.shape, x.dtype,
-                                       1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            x = x * jax.random.uniform(
+                self.make_rng("dropout"),
+                x.shape,
+                x.dtype,
+                1.0 - self.jitter_noise,
+                1.0 + self.jitter_noise,
+            )
         return RouterWeights(self.num_experts, self.init_stddev, name="weights")(x)
 
     def _bias(self) -> nn.Variable | None:
         """The balancing bias ``[experts]`` (float32, zeros at init), or None when off."""
         if self.bias_update_rate <= 0.0:
             return None
-        if not (self.has_variable(selection.BIAS_COLLECTION, "bias")
-                or self.is_mutable_collection(selection.BIAS_COLLECTION)):
-            raise ValueError(f"TopKRouterConfig.bias_update_rate={self.bias_update_rate} needs the "
-                             f"{selection.BIAS_COLLECTION!r} variable collection: pass it with the "
-                             f"params (train state's collections)")
-        init = nn.with_logical_partitioning(lambda: jnp.zeros((self.num_experts,), jnp.float32), ("unmodeled",))
+        if not (
+            self.has_variable(selection.BIAS_COLLECTION, "bias")
+            or self.is_mutable_collection(selection.BIAS_COLLECTION)
+        ):
+            raise ValueError(
+                f"TopKRouterConfig.bias_update_rate={self.bias_update_rate} needs the "
+                f"{selection.BIAS_COLLECTION!r} variable collection: pass it with the "
+                f"params (train state's collections)"
+            )
+        init = nn.with_logical_partitioning(
+            lambda: jnp.zeros((self.num_experts,), jnp.float32), ("unmodeled",)
+        )
         return self.variable(selection.BIAS_COLLECTION, "bias", init)
 
     @nn.compact
-    def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
-                 capacity: int, deterministic: bool) -> RouterOutput:
+    def __call__(
+        self,
+        x: Array,
+        padding_mask: Array,
+        token_ids: Array | None,
+        capacity: int,
+        deterministic: bool,
+    ) -> RouterOutput:
         del token_ids, capacity
         logits = self._logits(x, deterministic)
         scores, probs = selection.scores(logits, self.score_function)
         bias = self._bias()
         select = scores if bias is None else scores + bias.value
         if self.max_groups_per_token:
-            select = selection.group_limited(select, self.num_limited_groups, self.max_groups_per_token)
+            select = selection.group_limited(
+                select, self.num_limited_groups, self.max_groups_per_token
+            )
         gates, expert_index = top_k(scores, self.num_selected_experts, select)
         if self.renormalize_gates or self.score_function == "sigmoid":
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        output = _token_choice(logits, probs, expert_index, gates, padding_mask, self.batch_prioritized)
-        if (bias is not None and not deterministic and not self.is_initializing()
-                and self.is_mutable_collection(selection.BIAS_COLLECTION)):
+        output = _token_choice(
+            logits, probs, expert_index, gates, padding_mask, self.batch_prioritized
+        )
+        if (
+            bias is not None
+            and not deterministic
+            and not self.is_initializing()
+            and self.is_mutable_collection(selection.BIAS_COLLECTION)
+        ):
             load = selection.expert_counts(output.routing.expert_index, self.num_experts)
             bias.value = selection.bias_update(bias.value, load, self.bias_update_rate)
         return output
@@ -253,8 +291,14 @@ class NoisyTopKRouter(nn.Module):
     min_noise_std: float = 1e-2
 
     @nn.compact
-    def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
-                 capacity: int, deterministic: bool) -> RouterOutput:
+    def __call__(
+        self,
+        x: Array,
+        padding_mask: Array,
+        token_ids: Array | None,
+        capacity: int,
+        deterministic: bool,
+    ) -> RouterOutput:
         del token_ids, capacity
         k = self.num_selected_experts
         clean = RouterWeights(self.num_experts, self.init_stddev, name="weights")(x)
@@ -267,10 +311,19 @@ class NoisyTopKRouter(nn.Module):
             smooth_load = self._smooth_load(clean, noisy, noise_std, padding_mask)
         top_values, expert_index = top_k(noisy, k)
         gates = jax.nn.softmax(top_values, axis=-1)
-        return _token_choice(clean, jax.nn.softmax(clean, axis=-1), expert_index, gates,
-                             padding_mask, self.batch_prioritized, smooth_load)
+        return _token_choice(
+            clean,
+            jax.nn.softmax(clean, axis=-1),
+            expert_index,
+            gates,
+            padding_mask,
+            self.batch_prioritized,
+            smooth_load,
+        )
 
-    def _smooth_load(self, clean: Array, noisy: Array, noise_std: Array, padding_mask: Array) -> Array:
+    def _smooth_load(
+        self, clean: Array, noisy: Array, noise_std: Array, padding_mask: Array
+    ) -> Array:
         """``[experts]``: expected number of tokens routed to each expert (normal CDF)."""
         prob = _prob_in_top_k(clean, noisy, noise_std, self.num_selected_experts)
         return jnp.sum(prob * padding_mask[..., None], axis=(0, 1))
@@ -288,8 +341,14 @@ class HashRouter(nn.Module):
     seed: int = 0
 
     @nn.compact
-    def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
-                 capacity: int, deterministic: bool) -> RouterOutput:
+    def __call__(
+        self,
+        x: Array,
+        padding_mask: Array,
+        token_ids: Array | None,
+        capacity: int,
+        deterministic: bool,
+    ) -> RouterOutput:
         del capacity, deterministic
         if token_ids is None:
             raise ValueError("HashRouterConfig: the hash router needs token_ids [batch, length]")
@@ -318,8 +377,14 @@ class RandomRouter(nn.Module):
     seed: int = 0
 
     @nn.compact
-    def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
-                 capacity: int, deterministic: bool) -> RouterOutput:
+    def __call__(
+        self,
+        x: Array,
+        padding_mask: Array,
+        token_ids: Array | None,
+        capacity: int,
+        deterministic: bool,
+    ) -> RouterOutput:
         del token_ids, capacity, deterministic
         salt = zlib.crc32("/".join(self.scope.path).encode())
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), salt)
@@ -341,8 +406,14 @@ class ExpertChoiceRouter(nn.Module):
     init_stddev: float = 2e-2
 
     @nn.compact
-    def __call__(self, x: Array, padding_mask: Array, token_ids: Array | None,
-                 capacity: int, deterministic: bool) -> RouterOutput:
+    def __call__(
+        self,
+        x: Array,
+        padding_mask: Array,
+        token_ids: Array | None,
+        capacity: int,
+        deterministic: bool,
+    ) -> RouterOutput:
         del token_ids, deterministic
         logits = RouterWeights(self.num_experts, self.init_stddev, name="weights")(x)
         probs = jax.nn.softmax(logits, axis=-1)
@@ -357,8 +428,13 @@ class ExpertChoiceRouter(nn.Module):
         assigned = jnp.zeros((groups, tokens, self.num_experts), jnp.float32)
         assigned = assigned.at[g, token_index, e].add(chosen_real.astype(jnp.float32))
         dense_gates = jnp.zeros_like(assigned).at[g, token_index, e].add(gates)
-        return RouterOutput(ExpertChoiceRouting(token_index.astype(jnp.int32), gates),
-                            logits, probs, assigned, dense_gates)
+        return RouterOutput(
+            ExpertChoiceRouting(token_index.astype(jnp.int32), gates),
+            logits,
+            probs,
+            assigned,
+            dense_gates,
+        )
 
 
 ROUTERS: dict[str, type[nn.Module]] = {

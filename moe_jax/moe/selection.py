@@ -53,7 +53,7 @@ def group_limited(selection: Array, num_groups: int, groups_per_token: int) -> A
     size = num_experts // num_groups
     grouped = selection.reshape(*lead, num_groups, size)
     best, _ = jax.lax.top_k(grouped, min(GROUP_SCORE_TOP, size))
-    _, chosen = jax.lax.top_k(jnp.sum(best, axis=-1), groups_per_token)        # [..., M]
+    _, chosen = jax.lax.top_k(jnp.sum(best, axis=-1), groups_per_token)  # [..., M]
     keep = jnp.sum(jax.nn.one_hot(chosen, num_groups, dtype=jnp.int32), axis=-2) > 0  # [..., G]
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(selection.shape)
 
@@ -61,7 +61,10 @@ def group_limited(selection: Array, num_groups: int, groups_per_token: int) -> A
 def expert_counts(expert_index: Array, num_experts: int) -> Array:
     """``[experts]`` tokens assigned to each expert (before capacity); index
     ``num_experts`` (padding, not routed) counts nowhere."""
-    return jnp.sum(jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32), axis=tuple(range(expert_index.ndim)))
+    return jnp.sum(
+        jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32),
+        axis=tuple(range(expert_index.ndim)),
+    )
 
 
 def bias_update(bias: Array, load: Array, rate: float) -> Array:
@@ -70,31 +73,50 @@ def bias_update(bias: Array, load: Array, rate: float) -> Array:
     return bias + rate * jnp.sign(jnp.mean(load) - load)
 
 
-def check_expert_groups(num_experts: int, num_groups: int, groups_per_token: int,
-                        groups_option: str, per_token_option: str) -> None:
+def check_expert_groups(
+    num_experts: int,
+    num_groups: int,
+    groups_per_token: int,
+    groups_option: str,
+    per_token_option: str,
+) -> None:
     """Refuses G not dividing the experts or a per-token group count outside ``[1, G]``,
     naming the router config's options (``Config.option``: group-limited and hierarchical
     routing)."""
     if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(f"{groups_option}={num_groups} must be >= 1 and divide the number "
-                         f"of experts ({num_experts})")
+        raise ValueError(
+            f"{groups_option}={num_groups} must be >= 1 and divide the number "
+            f"of experts ({num_experts})"
+        )
     if not 1 <= groups_per_token <= num_groups:
-        raise ValueError(f"{per_token_option}={groups_per_token} must be between 1 and "
-                         f"{groups_option.rsplit('.', 1)[-1]}={num_groups}")
+        raise ValueError(
+            f"{per_token_option}={groups_per_token} must be between 1 and "
+            f"{groups_option.rsplit('.', 1)[-1]}={num_groups}"
+        )
 
 
-def check_selection_options(num_experts: int, k: int, score_function: str, num_groups: int,
-                            groups_per_token: int) -> None:
+def check_selection_options(
+    num_experts: int, k: int, score_function: str, num_groups: int, groups_per_token: int
+) -> None:
     """Raises ``ValueError`` naming the ``TopKRouterConfig`` option that is out of range."""
     if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"TopKRouterConfig.score_function={score_function!r} is unknown; "
-                         f"choose one of {SCORE_FUNCTIONS}")
+        raise ValueError(
+            f"TopKRouterConfig.score_function={score_function!r} is unknown; "
+            f"choose one of {SCORE_FUNCTIONS}"
+        )
     if not groups_per_token:
         return
-    check_expert_groups(num_experts, num_groups, groups_per_token,
-                        "TopKRouterConfig.num_limited_groups", "TopKRouterConfig.max_groups_per_token")
+    check_expert_groups(
+        num_experts,
+        num_groups,
+        groups_per_token,
+        "TopKRouterConfig.num_limited_groups",
+        "TopKRouterConfig.max_groups_per_token",
+    )
     reachable = groups_per_token * (num_experts // num_groups)
     if k > reachable:
-        raise ValueError(f"TopKRouterConfig.num_selected_experts: {k} experts per token, but "
-                         f"max_groups_per_token={groups_per_token} groups of "
-                         f"{num_experts // num_groups} experts reach only {reachable}")
+        raise ValueError(
+            f"TopKRouterConfig.num_selected_experts: {k} experts per token, but "
+            f"max_groups_per_token={groups_per_token} groups of "
+            f"{num_experts // num_groups} experts reach only {reachable}"
+        )

@@ -44,7 +44,10 @@ class SharedExperts(nn.Module):
         d_model, width = x.shape[-1], self.num_shared * self.d_ff
         names_in = ("wi_0", "wi_1") if self.activation == "gated_gelu" else ("wi",)
         init_in = nn.with_logical_partitioning(_KERNEL_INIT, ("embed", "mlp"))
-        weights = {n: self.param(n, init_in, (d_model, width), jnp.float32).astype(self.dtype) for n in names_in}
+        weights = {
+            n: self.param(n, init_in, (d_model, width), jnp.float32).astype(self.dtype)
+            for n in names_in
+        }
         init_out = nn.with_logical_partitioning(_KERNEL_INIT, ("mlp", "embed"))
         weights["wo"] = self.param("wo", init_out, (width, d_model), jnp.float32).astype(self.dtype)
         h = activate(weights, lambda w: jnp.einsum("bld,dm->blm", x, w), self.activation)

@@ -93,8 +93,14 @@ def tie_router_columns(kernel: jax.Array, granularity: int) -> jax.Array:
     return jnp.broadcast_to(groups[..., :1], groups.shape).reshape(kernel.shape)
 
 
-def upcycle_params(dense: dict[str, np.ndarray], moe_init: PyTree, *, granularity: int = 1,
-                   noise_std: float = 0.0, rng: jax.Array | None = None) -> PyTree:
+def upcycle_params(
+    dense: dict[str, np.ndarray],
+    moe_init: PyTree,
+    *,
+    granularity: int = 1,
+    noise_std: float = 0.0,
+    rng: jax.Array | None = None,
+) -> PyTree:
     """The MoE parameter tree ``moe_init`` (unboxed arrays) with every parameter that has a
     dense counterpart taken from ``dense`` (``{"encoder/layers_0/ffn/mlp/wi_0": array}``);
     ``granularity``: ``MoeLayer.expert_granularity`` m (experts are virtual groups of m
@@ -116,29 +122,45 @@ def upcycle_params(dense: dict[str, np.ndarray], moe_init: PyTree, *, granularit
         if source is None:
             return leaf
         if source not in dense:
-            raise UpcycleShapeError(f"upcycle: MoE parameter {name} {tuple(leaf.shape)} has no dense "
-                                    f"counterpart {source} in the checkpoint")
+            raise UpcycleShapeError(
+                f"upcycle: MoE parameter {name} {tuple(leaf.shape)} has no dense "
+                f"counterpart {source} in the checkpoint"
+            )
         value = jnp.asarray(dense[source], leaf.dtype)
         if source == name:
             if value.shape != leaf.shape:
-                raise UpcycleShapeError(f"upcycle: parameter {name}: dense checkpoint {tuple(value.shape)} "
-                                        f"vs MoE config {tuple(leaf.shape)}")
+                raise UpcycleShapeError(
+                    f"upcycle: parameter {name}: dense checkpoint {tuple(value.shape)} "
+                    f"vs MoE config {tuple(leaf.shape)}"
+                )
             return value
         output = name.rsplit("/", 1)[-1] == OUTPUT_KERNEL
         hidden = 0 if output else -1
         segment = list(value.shape)
         segment[hidden] //= m
-        if value.ndim != 2 or value.shape[hidden] % m or tuple(segment) != leaf.shape[1:] or leaf.shape[0] % m:
-            what = (f"each expert must have the dense MLP's shape {tuple(leaf.shape[1:])}" if m == 1 else
-                    f"with MoeLayer.expert_granularity={m} each expert must be 1/{m} of the dense MLP's "
-                    f"hidden units, {tuple(leaf.shape[1:])}, and the experts a multiple of {m}")
-            raise UpcycleShapeError(f"upcycle: parameter {name}: dense {source} {tuple(value.shape)} vs "
-                                    f"MoE config {tuple(leaf.shape)} ({what})")
+        if (
+            value.ndim != 2
+            or value.shape[hidden] % m
+            or tuple(segment) != leaf.shape[1:]
+            or leaf.shape[0] % m
+        ):
+            what = (
+                f"each expert must have the dense MLP's shape {tuple(leaf.shape[1:])}"
+                if m == 1
+                else f"with MoeLayer.expert_granularity={m} each expert must be 1/{m} of the dense MLP's "
+                f"hidden units, {tuple(leaf.shape[1:])}, and the experts a multiple of {m}"
+            )
+            raise UpcycleShapeError(
+                f"upcycle: parameter {name}: dense {source} {tuple(value.shape)} vs "
+                f"MoE config {tuple(leaf.shape)} ({what})"
+            )
         segments = dense_segments(value, m, output)
         experts = jnp.tile(segments, (leaf.shape[0] // m, 1, 1))  # expert e * m + j = segment j
         if noise_std > 0.0:
             key = jax.random.fold_in(rng, zlib.crc32(name.encode()))
-            experts = experts + noise_std * jnp.std(segments) * jax.random.normal(key, leaf.shape, leaf.dtype)
+            experts = experts + noise_std * jnp.std(segments) * jax.random.normal(
+                key, leaf.shape, leaf.dtype
+            )
         return experts
 
     return jax.tree_util.tree_map_with_path(take, moe_init)

@@ -36,12 +36,34 @@ from moe_jax import hardware
 from moe_jax.errors import UserError
 from moe_jax.train import setup
 
-COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
-               "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_HLO_OP = re.compile(r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) +
-                     r")(?:-done)?\(")
+COLLECTIVES = (
+    "all-to-all",
+    "ragged-all-to-all",
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+)
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_HLO_OP = re.compile(
+    r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-done)?\("
+)
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _HLO_COMMENT = re.compile(r"/\*.*?\*/")
 
@@ -66,8 +88,10 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         shapes = _SHAPE.findall(match.group("shape"))
         kind = out[match.group("op")]
         kind["count"] += 1
-        kind["bytes"] += sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                             for dtype, dims in shapes)
+        kind["bytes"] += sum(
+            _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in shapes
+        )
     return {kind: stats for kind, stats in out.items() if stats["count"]}
 
 
@@ -75,35 +99,67 @@ def per_device_bytes(abstract_tree: Any) -> int:
     """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s (its largest shard)."""
     import jax
 
-    return int(sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-                   for leaf in jax.tree.leaves(abstract_tree)))
+    return int(
+        sum(
+            math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree.leaves(abstract_tree)
+        )
+    )
 
 
-def analyze(compiled, facts: hardware.DeviceFacts, *, state_bytes: int, flops_per_step: float,
-            tokens_per_step: int, num_devices: int) -> dict[str, Any]:
+def analyze(
+    compiled,
+    facts: hardware.DeviceFacts,
+    *,
+    state_bytes: int,
+    flops_per_step: float,
+    tokens_per_step: int,
+    num_devices: int,
+) -> dict[str, Any]:
     """Memory, collectives, cost and a roofline step time of one compiled step (per device)."""
     mem = compiled.memory_analysis()
-    total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + \
-        mem.temp_size_in_bytes
+    total = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
     return {
-        "bytes": {"params_and_optimizer": state_bytes, "arguments": mem.argument_size_in_bytes,
-                  "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
-                  "temporaries": mem.temp_size_in_bytes, "total": total,
-                  "device_memory": facts.hbm_bytes},
+        "bytes": {
+            "params_and_optimizer": state_bytes,
+            "arguments": mem.argument_size_in_bytes,
+            "outputs": mem.output_size_in_bytes,
+            "aliased": mem.alias_size_in_bytes,
+            "temporaries": mem.temp_size_in_bytes,
+            "total": total,
+            "device_memory": facts.hbm_bytes,
+        },
         "fits": total <= facts.hbm_bytes,
         "flops_per_step": flops_per_step,
         "hlo_flops_per_device": cost.get("flops"),
         "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
-        **hlo_analysis(compiled.as_text(), facts, flops_per_step=flops_per_step,
-                       bytes_accessed=cost.get("bytes accessed"), tokens_per_step=tokens_per_step,
-                       num_devices=num_devices),
+        **hlo_analysis(
+            compiled.as_text(),
+            facts,
+            flops_per_step=flops_per_step,
+            bytes_accessed=cost.get("bytes accessed"),
+            tokens_per_step=tokens_per_step,
+            num_devices=num_devices,
+        ),
     }
 
 
-def hlo_analysis(hlo_text: str, facts: hardware.DeviceFacts, *, flops_per_step: float,
-                 bytes_accessed: float | None, tokens_per_step: int, num_devices: int) -> dict[str, Any]:
+def hlo_analysis(
+    hlo_text: str,
+    facts: hardware.DeviceFacts,
+    *,
+    flops_per_step: float,
+    bytes_accessed: float | None,
+    tokens_per_step: int,
+    num_devices: int,
+) -> dict[str, Any]:
     """What the compiled HLO text gives: its ``collectives``, the ``moe_layers``' share and
     the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
     collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
@@ -114,14 +170,34 @@ def hlo_analysis(hlo_text: str, facts: hardware.DeviceFacts, *, flops_per_step: 
     says which terms it holds; ``step_s`` and ``tokens_per_s`` are then bounds)."""
     coll = collectives(hlo_text)
     compute_s = flops_per_step / num_devices / facts.peak_flops
-    hbm_s = bytes_accessed / facts.hbm_bandwidth if bytes_accessed is not None and facts.hbm_bandwidth else None
-    comm_s = (sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
-              if facts.interconnect_bandwidth else None)
+    hbm_s = (
+        bytes_accessed / facts.hbm_bandwidth
+        if bytes_accessed is not None and facts.hbm_bandwidth
+        else None
+    )
+    comm_s = (
+        sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
+        if facts.interconnect_bandwidth
+        else None
+    )
     step_s = max(compute_s, hbm_s or 0.0) + (comm_s or 0.0)
-    covers = ["compute"] + (["HBM"] if hbm_s is not None else []) + (["collectives"] if comm_s is not None else [])
-    return {"collectives": coll, "moe_layers": moe_layer_costs(hlo_text),
-            "estimate": {"compute_s": compute_s, "hbm_s": hbm_s, "collectives_s": comm_s, "covers": covers,
-                         "step_s": step_s, "tokens_per_s": tokens_per_step / step_s if step_s else None}}
+    covers = (
+        ["compute"]
+        + (["HBM"] if hbm_s is not None else [])
+        + (["collectives"] if comm_s is not None else [])
+    )
+    return {
+        "collectives": coll,
+        "moe_layers": moe_layer_costs(hlo_text),
+        "estimate": {
+            "compute_s": compute_s,
+            "hbm_s": hbm_s,
+            "collectives_s": comm_s,
+            "covers": covers,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_step / step_s if step_s else None,
+        },
+    }
 
 
 def moe_layer_costs(hlo_text: str) -> dict[str, float]:
@@ -134,12 +210,21 @@ def moe_layer_costs(hlo_text: str) -> dict[str, float]:
 
     ops = hlo_costs.parse(hlo_text)
     step, moe = hlo_costs.summary(ops), hlo_costs.summary_of(ops, MOE_SOURCE)
-    return {"hlo_bytes": moe["bytes"], "step_hlo_bytes": step["bytes"],
-            "indexed_bytes": moe["indexed_bytes"], "flops": moe["flops"]}
+    return {
+        "hlo_bytes": moe["bytes"],
+        "step_hlo_bytes": step["bytes"],
+        "indexed_bytes": moe["indexed_bytes"],
+        "flops": moe["flops"],
+    }
 
 
-def fit_advice(step: Mapping[str, Any], *, mesh_shape: Mapping[str, int], batch_size: int,
-               activation_dtype: str | None) -> list[str]:
+def fit_advice(
+    step: Mapping[str, Any],
+    *,
+    mesh_shape: Mapping[str, int],
+    batch_size: int,
+    activation_dtype: str | None,
+) -> list[str]:
     """What to change when ``step`` (an :func:`analyze` result) does not fit: for
     activations (temporaries) first when they dominate, then for the state; options already
     on (bfloat16, full remat, FSDP) are not proposed again."""
@@ -149,13 +234,19 @@ def fit_advice(step: Mapping[str, Any], *, mesh_shape: Mapping[str, int], batch_
             advice.append("--gin.ACTIVATION_DTYPE=bfloat16 (halves activations)")
         if _gin_value("REMAT_POLICY/macro.value", "none") != "full":
             advice.append("--gin.REMAT_POLICY=full (activations recomputed in the backward pass)")
-        advice.append(f"a smaller per-step batch: --gin.BATCH_SIZE={max(1, batch_size // 2)} or "
-                      "--gin.train_script.train.accum_steps=2 (same batch in 2 microbatches)")
+        advice.append(
+            f"a smaller per-step batch: --gin.BATCH_SIZE={max(1, batch_size // 2)} or "
+            "--gin.train_script.train.accum_steps=2 (same batch in 2 microbatches)"
+        )
     if not _gin_value("standard_logical_axis_rules.fsdp", False):
-        advice.append("--gin.standard_logical_axis_rules.fsdp=True (parameters and optimizer "
-                      "state sharded over the batch axes)")
-    advice.append(f"more devices along the data or expert axis (mesh_shape now "
-                  f"{tuple(mesh_shape.values())} for {tuple(mesh_shape)})")
+        advice.append(
+            "--gin.standard_logical_axis_rules.fsdp=True (parameters and optimizer "
+            "state sharded over the batch axes)"
+        )
+    advice.append(
+        f"more devices along the data or expert axis (mesh_shape now "
+        f"{tuple(mesh_shape.values())} for {tuple(mesh_shape)})"
+    )
     return advice
 
 
@@ -174,7 +265,9 @@ def layer_choices(platform: str, dtype: Any, moe: Any = None) -> dict[str, Any]:
     defaults) resolves them (``ExecutionConfig.resolve``)."""
     from moe_jax.moe.config import ExecutionConfig
 
-    execution = moe.execution if moe is not None else ExecutionConfig(dispatch="auto", per_expert_loop=None)
+    execution = (
+        moe.execution if moe is not None else ExecutionConfig(dispatch="auto", per_expert_loop=None)
+    )
     dispatch, per_expert_loop = execution.resolve(platform, dtype)
     return {"platform": platform, "dispatch": dispatch, "per_expert_loop": per_expert_loop}
 
@@ -190,8 +283,16 @@ _SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _OOM_TEMPS = re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)")
 
 
-def compile_step(lowered_fn, abstract_args: tuple, facts: hardware.DeviceFacts, *, state_bytes: int,
-                 flops_per_step: float, tokens_per_step: int, num_devices: int) -> tuple[Any, dict]:
+def compile_step(
+    lowered_fn,
+    abstract_args: tuple,
+    facts: hardware.DeviceFacts,
+    *,
+    state_bytes: int,
+    flops_per_step: float,
+    tokens_per_step: int,
+    num_devices: int,
+) -> tuple[Any, dict]:
     """(compiled executable or None, :func:`analyze` result plus ``compile_s``) of
     ``lowered_fn.lower(*abstract_args)``. A compiler that refuses the program for lack of
     memory (XLA:TPU does) gives a result with ``fits`` False, the temporaries it reported
@@ -207,44 +308,74 @@ def compile_step(lowered_fn, abstract_args: tuple, facts: hardware.DeviceFacts, 
         temps = _OOM_TEMPS.search(str(err))
         temporaries = int(float(temps.group(1)) * _SIZE[temps.group(2)]) if temps else 0
         return None, {
-            "compile_s": time.perf_counter() - start, "fits": False,
+            "compile_s": time.perf_counter() - start,
+            "fits": False,
             "compiler_error": str(err).splitlines()[0],
-            "bytes": {"params_and_optimizer": state_bytes, "arguments": state_bytes, "outputs": 0,
-                      "aliased": 0, "temporaries": temporaries, "total": state_bytes + temporaries,
-                      "device_memory": facts.hbm_bytes},
-            "collectives": {}, "flops_per_step": flops_per_step, "hlo_flops_per_device": None,
-            "hlo_bytes_accessed_per_device": None, "estimate": None}
+            "bytes": {
+                "params_and_optimizer": state_bytes,
+                "arguments": state_bytes,
+                "outputs": 0,
+                "aliased": 0,
+                "temporaries": temporaries,
+                "total": state_bytes + temporaries,
+                "device_memory": facts.hbm_bytes,
+            },
+            "collectives": {},
+            "flops_per_step": flops_per_step,
+            "hlo_flops_per_device": None,
+            "hlo_bytes_accessed_per_device": None,
+            "estimate": None,
+        }
     seconds = time.perf_counter() - start
-    return compiled, {"compile_s": seconds, **analyze(
-        compiled, facts, state_bytes=state_bytes, flops_per_step=flops_per_step,
-        tokens_per_step=tokens_per_step, num_devices=num_devices)}
+    return compiled, {
+        "compile_s": seconds,
+        **analyze(
+            compiled,
+            facts,
+            state_bytes=state_bytes,
+            flops_per_step=flops_per_step,
+            tokens_per_step=tokens_per_step,
+            num_devices=num_devices,
+        ),
+    }
 
 
 def _tokens(shapes: Mapping[str, tuple[int, int]]) -> int:
     return int(sum(math.prod(s) for s in shapes.values()))
 
 
-def compile_train(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
-                  facts: hardware.DeviceFacts) -> tuple[Any, dict]:
+def compile_train(
+    run: setup.TrainSetup, cfg: setup.DatasetConfig, model, facts: hardware.DeviceFacts
+) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
     shapes = cfg.input_shapes()
-    return compile_step(run.train_step, (run.abstract_state, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
-                        facts, state_bytes=per_device_bytes(run.abstract_state),
-                        flops_per_step=model.flops_per_step(shapes), tokens_per_step=_tokens(shapes),
-                        num_devices=run.ctx.mesh.size)
+    return compile_step(
+        run.train_step,
+        (run.abstract_state, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+        facts,
+        state_bytes=per_device_bytes(run.abstract_state),
+        flops_per_step=model.flops_per_step(shapes),
+        tokens_per_step=_tokens(shapes),
+        num_devices=run.ctx.mesh.size,
+    )
 
 
-def compile_eval(run: setup.TrainSetup, cfg: setup.DatasetConfig, model,
-                 facts: hardware.DeviceFacts) -> tuple[Any, dict]:
+def compile_eval(
+    run: setup.TrainSetup, cfg: setup.DatasetConfig, model, facts: hardware.DeviceFacts
+) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s eval step on batches of ``cfg`` (forward FLOPs:
     a third of training's)."""
     shapes = cfg.input_shapes()
     params = run.abstract_state.params
-    return compile_step(run.eval_step, (params, setup.abstract_batch(run.ctx, shapes, cfg.pack),
-                                        run.abstract_state.collections),
-                        facts, state_bytes=per_device_bytes(params),
-                        flops_per_step=model.flops_per_step(shapes) / 3, tokens_per_step=_tokens(shapes),
-                        num_devices=run.ctx.mesh.size)
+    return compile_step(
+        run.eval_step,
+        (params, setup.abstract_batch(run.ctx, shapes, cfg.pack), run.abstract_state.collections),
+        facts,
+        state_bytes=per_device_bytes(params),
+        flops_per_step=model.flops_per_step(shapes) / 3,
+        tokens_per_step=_tokens(shapes),
+        num_devices=run.ctx.mesh.size,
+    )
 
 
 def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[str, Any]:
@@ -256,20 +387,35 @@ def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[s
     _, step = compile_train(run, cfg, model, hardware.device_facts(devices))
     if not step["fits"]:
         b = step["bytes"]
-        where = ("of this machine's available memory" if devices[0].platform == "cpu"
-                 else f"of {devices[0].device_kind} memory")
-        advice = fit_advice(step, mesh_shape=dict(run.ctx.mesh.shape), batch_size=cfg.batch_size,
-                            activation_dtype=model.module.config.dtype)
+        where = (
+            "of this machine's available memory"
+            if devices[0].platform == "cpu"
+            else f"of {devices[0].device_kind} memory"
+        )
+        advice = fit_advice(
+            step,
+            mesh_shape=dict(run.ctx.mesh.shape),
+            batch_size=cfg.batch_size,
+            activation_dtype=model.module.config.dtype,
+        )
         raise DoesNotFitError(
             f"the train step needs {_gib(b['total'])} per device ({_gib(b['params_and_optimizer'])} "
             f"parameters + optimizer, {_gib(b['temporaries'])} temporaries; batch {cfg.batch_size} x "
             f"{dict(cfg.task_feature_lengths)}) but each of the {len(devices)} devices has "
-            f"{_gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice))
+            f"{_gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice)
+        )
     return step
 
 
-def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
-                eval_step: bool = True, hlo_dir: str | None = None, progress=print) -> dict[str, Any]:
+def compile_run(
+    devices: list,
+    facts: hardware.DeviceFacts,
+    *,
+    target: str,
+    eval_step: bool = True,
+    hlo_dir: str | None = None,
+    progress=print,
+) -> dict[str, Any]:
     """Compiles the gin-configured run's train (and eval) step for ``devices``; the report
     that :func:`format_report` prints and ``--out`` writes. ``hlo_dir``: where to write each
     compiled step's HLO text (``<step>.hlo.txt``)."""
@@ -277,21 +423,45 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
     ctx = setup.run_context(devices=devices)
-    run = setup.build_train_setup(model, cfg.input_shapes(), ctx, seed=args.get("random_seed", 0),
-                                  accum_steps=args.get("accum_steps", 1),
-                                  skip_nonfinite=args.get("on_nonfinite", "stop") == "skip")
+    run = setup.build_train_setup(
+        model,
+        cfg.input_shapes(),
+        ctx,
+        seed=args.get("random_seed", 0),
+        accum_steps=args.get("accum_steps", 1),
+        skip_nonfinite=args.get("on_nonfinite", "stop") == "skip",
+    )
     report: dict[str, Any] = {
-        "target": target, "devices": len(devices), "device_kind": devices[0].device_kind,
-        "mesh_shape": dict(ctx.mesh.shape), "batch_size": cfg.batch_size,
+        "target": target,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "mesh_shape": dict(ctx.mesh.shape),
+        "batch_size": cfg.batch_size,
         "task_feature_lengths": dict(cfg.task_feature_lengths),
         "parameters": int(sum(math.prod(p.shape) for p in _leaves(run.abstract_state.params))),
         "activation_dtype": model.module.config.dtype,
-        "model_dims": {name: getattr(model.module.config, name) for name in (
-            "vocab_size", "emb_dim", "mlp_dim", "num_encoder_layers", "num_decoder_layers")},
-        "moe_layer": layer_choices(devices[0].platform, model.module.config.dtype, model.module.config.moe), "steps": {}}
-    progress(f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
-             f"{report['mesh_shape']})...")
-    steps = [("train", compile_train, cfg)] + ([("eval", compile_eval, eval_cfg)] if eval_step else [])
+        "model_dims": {
+            name: getattr(model.module.config, name)
+            for name in (
+                "vocab_size",
+                "emb_dim",
+                "mlp_dim",
+                "num_encoder_layers",
+                "num_decoder_layers",
+            )
+        },
+        "moe_layer": layer_choices(
+            devices[0].platform, model.module.config.dtype, model.module.config.moe
+        ),
+        "steps": {},
+    }
+    progress(
+        f"[moe-jax] compiling the train step for {target} ({len(devices)} devices, mesh "
+        f"{report['mesh_shape']})..."
+    )
+    steps = [("train", compile_train, cfg)] + (
+        [("eval", compile_eval, eval_cfg)] if eval_step else []
+    )
     for name, compile_fn, step_cfg in steps:
         if name == "eval":
             progress("[moe-jax] compiling the eval step...")
@@ -302,9 +472,12 @@ def compile_run(devices: list, facts: hardware.DeviceFacts, *, target: str,
     report["fits"] = all(step["fits"] for step in report["steps"].values())
     if not report["fits"]:
         worst = max(report["steps"].values(), key=lambda s: s["bytes"]["total"])
-        report["advice"] = fit_advice(worst, mesh_shape=report["mesh_shape"],
-                                      batch_size=cfg.batch_size,
-                                      activation_dtype=report["activation_dtype"])
+        report["advice"] = fit_advice(
+            worst,
+            mesh_shape=report["mesh_shape"],
+            batch_size=cfg.batch_size,
+            activation_dtype=report["activation_dtype"],
+        )
     return report
 
 
@@ -320,20 +493,26 @@ def _gib(n: float) -> str:
 
 def format_report(report: Mapping[str, Any]) -> str:
     """The printed report: one block per step, then the verdict."""
-    lines = [f"target {report['target']}: {report['devices']} x {report['device_kind']}, mesh "
-             f"{report['mesh_shape']}; {report['parameters']:,} parameters; batch "
-             f"{report['batch_size']} x {report['task_feature_lengths']}; activations "
-             f"{report['activation_dtype']}",
-             f"MoE layer for {report['moe_layer']['platform']}: dispatch="
-             f"{report['moe_layer']['dispatch']!r}, per_expert_loop={report['moe_layer']['per_expert_loop']}"]
+    lines = [
+        f"target {report['target']}: {report['devices']} x {report['device_kind']}, mesh "
+        f"{report['mesh_shape']}; {report['parameters']:,} parameters; batch "
+        f"{report['batch_size']} x {report['task_feature_lengths']}; activations "
+        f"{report['activation_dtype']}",
+        f"MoE layer for {report['moe_layer']['platform']}: dispatch="
+        f"{report['moe_layer']['dispatch']!r}, per_expert_loop={report['moe_layer']['per_expert_loop']}",
+    ]
     for name, step in report["steps"].items():
         b, est = step["bytes"], step["estimate"]
         if est is None:  # the compiler refused it for lack of memory
-            lines += [f"{name} step, per device: params + optimizer {_gib(b['params_and_optimizer'])}, "
-                      f"temporaries {_gib(b['temporaries'])}: DOES NOT FIT {_gib(b['device_memory'])}",
-                      f"  compiler: {step['compiler_error']}"]
+            lines += [
+                f"{name} step, per device: params + optimizer {_gib(b['params_and_optimizer'])}, "
+                f"temporaries {_gib(b['temporaries'])}: DOES NOT FIT {_gib(b['device_memory'])}",
+                f"  compiler: {step['compiler_error']}",
+            ]
             continue
-        coll = ", ".join(f"{c['count']} {kind}" for kind, c in step["collectives"].items()) or "none"
+        coll = (
+            ", ".join(f"{c['count']} {kind}" for kind, c in step["collectives"].items()) or "none"
+        )
         lines += [
             f"{name} step (compiled in {step['compile_s']:.1f} s), per device:",
             f"  params + optimizer {_gib(b['params_and_optimizer'])}, arguments {_gib(b['arguments'])}, "
@@ -341,18 +520,24 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"  total {_gib(b['total'])} of {_gib(b['device_memory'])} "
             f"({100 * b['total'] / b['device_memory']:.0f}%): {'fits' if step['fits'] else 'DOES NOT FIT'}",
             f"  collectives: {coll}",
-            f"  {quantity(step['flops_per_step'], 'FLOP')} per step (model); HLO per device: " + (
+            f"  {quantity(step['flops_per_step'], 'FLOP')} per step (model); HLO per device: "
+            + (
                 f"{quantity(step['hlo_flops_per_device'], 'FLOP')}, "
                 f"{quantity(step['hlo_bytes_accessed_per_device'], 'B')} accessed"
-                if step["hlo_flops_per_device"] is not None or step["hlo_bytes_accessed_per_device"] is not None
-                else "FLOPs and bytes accessed unknown (the compiler gave no cost analysis)"),
-            estimate_line(est)]
+                if step["hlo_flops_per_device"] is not None
+                or step["hlo_bytes_accessed_per_device"] is not None
+                else "FLOPs and bytes accessed unknown (the compiler gave no cost analysis)"
+            ),
+            estimate_line(est),
+        ]
         moe = step["moe_layers"]
         if moe["hlo_bytes"]:
-            lines.append(f"  MoE layers: {quantity(moe['hlo_bytes'], 'B')} of the step's "
-                         f"{quantity(moe['step_hlo_bytes'], 'B')} of HLO operand/result bytes "
-                         f"({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; gathers/scatters/sorts "
-                         f"{quantity(moe['indexed_bytes'], 'B')}), {quantity(moe['flops'], 'FLOP')} of matmuls")
+            lines.append(
+                f"  MoE layers: {quantity(moe['hlo_bytes'], 'B')} of the step's "
+                f"{quantity(moe['step_hlo_bytes'], 'B')} of HLO operand/result bytes "
+                f"({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; gathers/scatters/sorts "
+                f"{quantity(moe['indexed_bytes'], 'B')}), {quantity(moe['flops'], 'FLOP')} of matmuls"
+            )
     if report["fits"]:
         lines.append("verdict: fits")
     else:
@@ -388,11 +573,24 @@ def estimate_line(est: Mapping[str, Any]) -> str:
     units, saying which terms it leaves out (then both numbers are bounds)."""
     terms = [f"compute {plain(est['compute_s'] * 1e3)}"]
     terms += [f"HBM {plain(est['hbm_s'] * 1e3)}"] if est["hbm_s"] is not None else []
-    terms += [f"collectives {plain(est['collectives_s'] * 1e3)}"] if est["collectives_s"] is not None else []
-    left_out = [name for name, key in (("HBM", "hbm_s"), ("collectives", "collectives_s")) if est[key] is None]
-    label = "estimate" if not left_out else (
-        f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time unknown: "
-        "a lower bound on the step time, an upper bound on tokens/s)")
+    terms += (
+        [f"collectives {plain(est['collectives_s'] * 1e3)}"]
+        if est["collectives_s"] is not None
+        else []
+    )
+    left_out = [
+        name
+        for name, key in (("HBM", "hbm_s"), ("collectives", "collectives_s"))
+        if est[key] is None
+    ]
+    label = (
+        "estimate"
+        if not left_out
+        else (
+            f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time unknown: "
+            "a lower bound on the step time, an upper bound on tokens/s)"
+        )
+    )
     rate = "unknown" if est["tokens_per_s"] is None else f"{plain(est['tokens_per_s'])} tokens/s"
     return f"  {label}: {plain(est['step_s'] * 1e3)} ms/step ({', '.join(terms)} ms), {rate}"
 
@@ -418,14 +616,25 @@ def main(argv: list[str] | None = None) -> int:
     from moe_jax.train import gin_utils
 
     parser = setup.build_parser("moe-jax compile", __doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, metavar="PLATFORM:CHIP:TOPOLOGY",
-                        help="tpu:v5e:4x4, tpu:v5p:2x2x4, gpu:h100:8, cpu:8, ...")
+    parser.add_argument(
+        "--target",
+        required=True,
+        metavar="PLATFORM:CHIP:TOPOLOGY",
+        help="tpu:v5e:4x4, tpu:v5p:2x2x4, gpu:h100:8, cpu:8, ...",
+    )
     parser.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
     parser.add_argument("--no_eval", action="store_true", help="compile the train step only")
-    parser.add_argument("--hlo_dir", default=None, metavar="DIR",
-                        help="write each compiled step's HLO text to DIR/<step>.hlo.txt")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show the compilers' own start-up output and logs (libtpu, CUDA, XLA)")
+    parser.add_argument(
+        "--hlo_dir",
+        default=None,
+        metavar="DIR",
+        help="write each compiled step's HLO text to DIR/<step>.hlo.txt",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the compilers' own start-up output and logs (libtpu, CUDA, XLA)",
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     hint = ""
     try:
@@ -434,9 +643,14 @@ def main(argv: list[str] | None = None) -> int:
         with hardware.native_output_hidden(not args.verbose) as messages:
             devices = hardware.target_devices(target)
             parse_gin_for_compile(args)
-            report = compile_run(devices, hardware.device_facts(devices, target.chip, target.num_chips),
-                                 target=target.spec, eval_step=not args.no_eval, hlo_dir=args.hlo_dir,
-                                 progress=lambda m: print(m, file=messages, flush=True))
+            report = compile_run(
+                devices,
+                hardware.device_facts(devices, target.chip, target.num_chips),
+                target=target.spec,
+                eval_step=not args.no_eval,
+                hlo_dir=args.hlo_dir,
+                progress=lambda m: print(m, file=messages, flush=True),
+            )
     except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax compile: error: {err}{hint}", file=sys.stderr)
         return 1

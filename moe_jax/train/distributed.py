@@ -26,19 +26,41 @@ import jax
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multi-host")
-    group.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                       help="HOST:PORT of process 0's coordinator (GPU clusters, local emulation)")
-    group.add_argument("--process_count", type=int,
-                       default=_env_int("JAX_PROCESS_COUNT"), help="number of processes")
-    group.add_argument("--process_index", type=int,
-                       default=_env_int("JAX_PROCESS_INDEX"), help="this process's index")
-    group.add_argument("--multiprocess_gpu", action="store_true",
-                       default=os.environ.get("JAX_MULTIPROCESS") == "1",
-                       help="let JAX detect the cluster (SLURM, Open MPI) itself")
-    group.add_argument("--initialization_timeout", type=int, default=300,
-                       help="seconds to wait for all processes at start-up")
-    group.add_argument("--heartbeat_timeout", type=int, default=60,
-                       help="seconds without a peer's heartbeat before every process fails")
+    group.add_argument(
+        "--coordinator_address",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        help="HOST:PORT of process 0's coordinator (GPU clusters, local emulation)",
+    )
+    group.add_argument(
+        "--process_count",
+        type=int,
+        default=_env_int("JAX_PROCESS_COUNT"),
+        help="number of processes",
+    )
+    group.add_argument(
+        "--process_index",
+        type=int,
+        default=_env_int("JAX_PROCESS_INDEX"),
+        help="this process's index",
+    )
+    group.add_argument(
+        "--multiprocess_gpu",
+        action="store_true",
+        default=os.environ.get("JAX_MULTIPROCESS") == "1",
+        help="let JAX detect the cluster (SLURM, Open MPI) itself",
+    )
+    group.add_argument(
+        "--initialization_timeout",
+        type=int,
+        default=300,
+        help="seconds to wait for all processes at start-up",
+    )
+    group.add_argument(
+        "--heartbeat_timeout",
+        type=int,
+        default=60,
+        help="seconds without a peer's heartbeat before every process fails",
+    )
 
 
 def _env_int(name: str) -> int | None:
@@ -48,7 +70,8 @@ def _env_int(name: str) -> int | None:
 
 def _on_tpu_pod() -> bool:
     return bool(os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",")) or bool(
-        os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+        os.environ.get("MEGASCALE_COORDINATOR_ADDRESS")
+    )
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -61,11 +84,14 @@ def initialize(args: argparse.Namespace) -> None:
     explicit = args.coordinator_address is not None or (args.process_count or 1) > 1
     if not (explicit or args.multiprocess_gpu or _on_tpu_pod()):
         return
-    if explicit and (args.coordinator_address is None or args.process_count is None
-                     or args.process_index is None):
-        raise ValueError("a multi-process run needs all of --coordinator_address, "
-                         "--process_count and --process_index (or let JAX detect the cluster "
-                         "with --multiprocess_gpu / on a TPU pod)")
+    if explicit and (
+        args.coordinator_address is None or args.process_count is None or args.process_index is None
+    ):
+        raise ValueError(
+            "a multi-process run needs all of --coordinator_address, "
+            "--process_count and --process_index (or let JAX detect the cluster "
+            "with --multiprocess_gpu / on a TPU pod)"
+        )
     jax.distributed.initialize(
         coordinator_address=args.coordinator_address,
         num_processes=args.process_count,

@@ -80,18 +80,24 @@ def read_eval_settings(model_dir: str) -> dict[str, Any] | None:
 
 def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
     """Gin bindings giving ``eval_script.evaluate`` the recorded ``settings``."""
-    return [f"eval_script.evaluate.eval_steps = {settings['eval_steps']!r}",
-            *(f"{_EVAL_SCOPE}.{name} = {value!r}" for name, value in settings["dataset"].items())]
+    return [
+        f"eval_script.evaluate.eval_steps = {settings['eval_steps']!r}",
+        *(f"{_EVAL_SCOPE}.{name} = {value!r}" for name, value in settings["dataset"].items()),
+    ]
 
 
 def describe_eval_settings(eval_steps: int, cfg: setup.DatasetConfig) -> str:
     """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
     mc4_span_corruption``."""
-    return (f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x {dict(cfg.task_feature_lengths)} from the "
-            f"{cfg.split} split of {cfg.mixture_or_task_name}")
+    return (
+        f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x {dict(cfg.task_feature_lengths)} from the "
+        f"{cfg.split} split of {cfg.mixture_or_task_name}"
+    )
 
 
-def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None) -> dict[str, Any]:
+def run_eval(
+    eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None
+) -> dict[str, Any]:
     """Mean of ``eval_fn(params, batch, collections)`` metrics over the first ``eval_steps``
     batches of ``dataset_cfg`` (``num_tokens`` summed); ``collections``: the model's
     non-parameter state (e.g. MoE balancing biases), if any."""
@@ -103,9 +109,13 @@ def run_eval(eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=Non
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
         count += 1
     if not count:
-        raise ValueError(f"the {dataset_cfg.split!r} split of {dataset_cfg.mixture_or_task_name!r} "
-                         "gave no batches")
-    return {name: (value / count if name != "num_tokens" else value) for name, value in totals.items()}
+        raise ValueError(
+            f"the {dataset_cfg.split!r} split of {dataset_cfg.mixture_or_task_name!r} "
+            "gave no batches"
+        )
+    return {
+        name: (value / count if name != "num_tokens" else value) for name, value in totals.items()
+    }
 
 
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -120,14 +130,18 @@ def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict(sorted(layers.items(), key=lambda item: layer_order(item[0])))
 
 
-def router_drift(params, initial: dict[str, np.ndarray] | None, layers: Sequence[str]) -> dict[str, float]:
+def router_drift(
+    params, initial: dict[str, np.ndarray] | None, layers: Sequence[str]
+) -> dict[str, float]:
     """Per MoE layer, ``||W - W0|| / ||W0||`` over that layer's router parameters
     (0 for a frozen router); empty when the run kept no initial router weights."""
     from moe_jax.train import checkpoints
 
     if not initial:
         return {}
-    current = {k: np.asarray(jax.device_get(v)) for k, v in checkpoints.router_params(params).items()}
+    current = {
+        k: np.asarray(jax.device_get(v)) for k, v in checkpoints.router_params(params).items()
+    }
     drift = {}
     for layer in layers:
         names = [k for k in current if k.startswith(layer + "/") and k in initial]
@@ -155,16 +169,24 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
 
     plt = plotting.pyplot()
 
-    loads = {name: np.asarray(stats["expert_load"]) for name, stats in layers.items()
-             if "expert_load" in stats}
+    loads = {
+        name: np.asarray(stats["expert_load"])
+        for name, stats in layers.items()
+        if "expert_load" in stats
+    }
     if not loads:
         return None
     fig, axes = plt.subplots(len(loads), 1, figsize=(7, 1.9 * len(loads) + 0.7), squeeze=False)
     for ax, (name, load) in zip(axes[:, 0], loads.items()):
         k = float(load.sum())  # experts chosen per token
         ax.bar(np.arange(load.size), load, color="tab:blue", label="fraction of tokens")
-        ax.axhline(k / load.size, color="gray", linestyle="--", linewidth=0.8,
-                   label=f"uniform: k/E = {k:.3g}/{load.size}")
+        ax.axhline(
+            k / load.size,
+            color="gray",
+            linestyle="--",
+            linewidth=0.8,
+            label=f"uniform: k/E = {k:.3g}/{load.size}",
+        )
         plotting.integer_ticks(ax, "x")
         ax.set_xlim(-0.6, load.size - 0.4)
         ax.set_ylim(0, 1.4 * max(float(load.max()), k / load.size))  # room for the legend
@@ -190,24 +212,36 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     add("step", [str(r["step"]) for r in results.values()])
     for metric in ("loss", "cross_entropy", "accuracy"):
         add(metric, [r["metrics"].get(metric, float("nan")) for r in results.values()])
-    layer_names = sorted({layer for r in results.values() for layer in r["routing"]}, key=layer_order)
+    layer_names = sorted(
+        {layer for r in results.values() for layer in r["routing"]}, key=layer_order
+    )
     for layer in layer_names:
         stats = [r["routing"].get(layer, {}) for r in results.values()]
         add(f"{layer} dropped", [s.get("dropped_fraction", "-") for s in stats])
         add(f"{layer} entropy", [s.get("router_entropy", "-") for s in stats])
         add(f"{layer} gate margin", [s.get("gate_margin", "-") for s in stats])
-        add(f"{layer} dead experts", [str(s["dead_experts"]) if "dead_experts" in s else "-" for s in stats])
+        add(
+            f"{layer} dead experts",
+            [str(s["dead_experts"]) if "dead_experts" in s else "-" for s in stats],
+        )
         add(f"{layer} shard imbalance", [s.get("shard_imbalance", "-") for s in stats])
-        add(f"{layer} max load", [float(np.max(s["expert_load"])) if "expert_load" in s else "-"
-                                  for s in stats])
+        add(
+            f"{layer} max load",
+            [float(np.max(s["expert_load"])) if "expert_load" in s else "-" for s in stats],
+        )
         add(f"{layer} drift", [r["router_drift"].get(layer, "-") for r in results.values()])
     width = max(len(name) for name, _ in rows)
     cols = [max(len(label), *(len(v[i]) for _, v in rows)) for i, label in enumerate(labels)]
     lines = [" " * width + "  " + "  ".join(label.rjust(c) for label, c in zip(labels, cols))]
-    lines += [name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(values, cols))
-              for name, values in rows]
-    lines += [f"drift of {label} is '-': {r['router_drift_missing']}" for label, r in results.items()
-              if r.get("router_drift_missing")]
+    lines += [
+        name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(values, cols))
+        for name, values in rows
+    ]
+    lines += [
+        f"drift of {label} is '-': {r['router_drift_missing']}"
+        for label, r in results.items()
+        if r.get("router_drift_missing")
+    ]
     return "\n".join(lines)
 
 
@@ -227,20 +261,31 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
     def stat(values: list[float]) -> str:
         return f"{np.mean(values):.4f} +- {np.std(values, ddof=1):.4f}"
 
-    lines = ["| run | router | seeds | cross-entropy | vs learned router | accuracy | dead experts (all layers) "
-             "| dropped (mean of layers) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| run | router | seeds | cross-entropy | vs learned router | accuracy | dead experts (all layers) "
+        "| dropped (mean of layers) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for (family, router), members in groups.items():
         if len(members) < 2:
             continue
         entropy = [r["metrics"]["cross_entropy"] for _, r in members]
-        learned = [results.get(f"{c}:learned", results.get(c, {})).get("metrics", {}).get("cross_entropy")
-                   for c, _ in members]
+        learned = [
+            results.get(f"{c}:learned", results.get(c, {})).get("metrics", {}).get("cross_entropy")
+            for c, _ in members
+        ]
         change = "-" if None in learned else stat([e - b for e, b in zip(entropy, learned)])
-        dead = [float(sum(s.get("dead_experts", 0) for s in r["routing"].values())) for _, r in members]
-        dropped = [float(np.mean([s.get("dropped_fraction", np.nan) for s in r["routing"].values()]))
-                   for _, r in members]
-        lines.append(f"| {family} | {router} | {len(members)} | {stat(entropy)} | {change} | "
-                     f"{stat([r['metrics']['accuracy'] for _, r in members])} | {stat(dead)} | {stat(dropped)} |")
+        dead = [
+            float(sum(s.get("dead_experts", 0) for s in r["routing"].values())) for _, r in members
+        ]
+        dropped = [
+            float(np.mean([s.get("dropped_fraction", np.nan) for s in r["routing"].values()]))
+            for _, r in members
+        ]
+        lines.append(
+            f"| {family} | {router} | {len(members)} | {stat(entropy)} | {change} | "
+            f"{stat([r['metrics']['accuracy'] for _, r in members])} | {stat(dead)} | {stat(dropped)} |"
+        )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -254,7 +299,9 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
     short = {d: pathlib.Path(d).name for d, _ in split}
     labels = []
     for model_dir, step in split:
-        clash = any(other != model_dir and name == short[model_dir] for other, name in short.items())
+        clash = any(
+            other != model_dir and name == short[model_dir] for other, name in short.items()
+        )
         name = "_".join(pathlib.Path(model_dir).parts[-2:]) if clash else short[model_dir]
         labels.append(name if step is None else f"{name}@{step}")
     unique: list[str] = []
@@ -277,12 +324,25 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric in zip(axes, ("accuracy", "cross_entropy")):
         for label in checkpoints_seen:
-            values = {r["router"]: r["metrics"].get(metric, np.nan) for r in results.values() if r["label"] == label}
-            ax.plot(range(len(routers)), [values.get(name, np.nan) for name in routers], label=label, **styles[label])
+            values = {
+                r["router"]: r["metrics"].get(metric, np.nan)
+                for r in results.values()
+                if r["label"] == label
+            }
+            ax.plot(
+                range(len(routers)),
+                [values.get(name, np.nan) for name in routers],
+                label=label,
+                **styles[label],
+            )
         ax.set_xticks(range(len(routers)), routers)
         ax.set_xlabel("router used at evaluation")
-        ax.set_ylabel({"accuracy": "eval token accuracy (fraction)",
-                       "cross_entropy": "eval cross-entropy (nats per token)"}[metric])
+        ax.set_ylabel(
+            {
+                "accuracy": "eval token accuracy (fraction)",
+                "cross_entropy": "eval cross-entropy (nats per token)",
+            }[metric]
+        )
         ax.grid(alpha=0.3)
     plotting.legend_outside(axes[-1], title="checkpoint")
     fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
@@ -290,10 +350,16 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
 
 
 @gin.configurable(module="eval_script", denylist=["routers"])
-def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: str | None = None,
-             routers: Sequence[str] = (), *,
-             model: Any = gin.REQUIRED, dataset_cfg: Any = gin.REQUIRED,
-             eval_steps: int = 20, router_seed: int = 0) -> dict[str, dict[str, Any]]:
+def evaluate(
+    checkpoint_paths: str | Sequence[str] | None = None,
+    output_dir: str | None = None,
+    routers: Sequence[str] = (),
+    *,
+    model: Any = gin.REQUIRED,
+    dataset_cfg: Any = gin.REQUIRED,
+    eval_steps: int = 20,
+    router_seed: int = 0,
+) -> dict[str, dict[str, Any]]:
     """Evaluates each checkpoint on ``dataset_cfg`` with each of ``routers`` (default: as
     trained) and writes JSON, plots and the table.
 
@@ -312,7 +378,9 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     from moe_jax.train import checkpoints, export, summaries, train_step
 
     if not checkpoint_paths:
-        raise ValueError("no checkpoint to evaluate: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
+        raise ValueError(
+            "no checkpoint to evaluate: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR"
+        )
     if isinstance(checkpoint_paths, str):
         checkpoint_paths = [checkpoint_paths]
 
@@ -321,52 +389,86 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
     eval_fns: dict[str | None, Any] = {}
-    output_dir = storage.normalize(output_dir or storage.join(
-        checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results"))
+    output_dir = storage.normalize(
+        output_dir
+        or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
+    )
     results = {}
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
         restored = setup.restore_model(path, model, input_shapes, ctx)
         step = restored.step
         for name in names:
-            params, interceptor = counterfactual.variant(name, restored.params, model_dir, router_seed,
-                                                         model.module.config)
+            params, interceptor = counterfactual.variant(
+                name, restored.params, model_dir, router_seed, model.module.config
+            )
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
                 eval_fns[key] = train_step.jit_eval_step(
-                    model, restored.params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
+                    model,
+                    restored.params_shardings,
+                    ctx.mesh,
+                    ctx.rules,
+                    ctx.batch_axes,
                     restored.collections_shardings,
-                    eval_fn=counterfactual.intercepted(model.eval_fn, interceptor) if interceptor else None)
+                    eval_fn=counterfactual.intercepted(model.eval_fn, interceptor)
+                    if interceptor
+                    else None,
+                )
             metrics = summaries.routing_telemetry(
                 run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections),
-                expert_shards)
+                expert_shards,
+            )
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
-            file_label = ckpt_label if names == ["learned"] else f"{ckpt_label}_{name}"  # no ':' in file names
+            file_label = (
+                ckpt_label if names == ["learned"] else f"{ckpt_label}_{name}"
+            )  # no ':' in file names
             results[label] = {
-                "checkpoint": storage.join(model_dir, "checkpoints", str(step)), "step": step,
-                "label": ckpt_label, "router": name,
+                "checkpoint": storage.join(model_dir, "checkpoints", str(step)),
+                "step": step,
+                "label": ckpt_label,
+                "router": name,
                 "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
-                "routing": {layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
-                            for layer, stats in routing.items()},
-                "router_drift": router_drift(params, checkpoints.load_router_init(model_dir), list(routing)),
-                "eval_settings": {"eval_steps": eval_steps, "dataset": dataclasses.asdict(dataset_cfg)},
+                "routing": {
+                    layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
+                    for layer, stats in routing.items()
+                },
+                "router_drift": router_drift(
+                    params, checkpoints.load_router_init(model_dir), list(routing)
+                ),
+                "eval_settings": {
+                    "eval_steps": eval_steps,
+                    "dataset": dataclasses.asdict(dataset_cfg),
+                },
             }
             if routing and not results[label]["router_drift"]:
                 results[label]["router_drift_missing"] = (
                     f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the routers' "
                     f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
-                    f"export has {export.ROUTER_INIT_FILE})")
+                    f"export has {export.ROUTER_INIT_FILE})"
+                )
             if jax.process_index() == 0:
-                storage.write_text(storage.join(output_dir, f"{file_label}.json"), json.dumps(results[label], indent=1))
-                plot_expert_load(routing, f"{label} (step {step}): expert load",
-                                 storage.join(output_dir, f"{file_label}_expert_load.png"))
+                storage.write_text(
+                    storage.join(output_dir, f"{file_label}.json"),
+                    json.dumps(results[label], indent=1),
+                )
+                plot_expert_load(
+                    routing,
+                    f"{label} (step {step}): expert load",
+                    storage.join(output_dir, f"{file_label}_expert_load.png"),
+                )
     table = comparison_table(results)
     if jax.process_index() == 0:
-        print(f"[moe-jax eval] evaluated {describe_eval_settings(eval_steps, dataset_cfg)}", file=sys.stderr)
+        print(
+            f"[moe-jax eval] evaluated {describe_eval_settings(eval_steps, dataset_cfg)}",
+            file=sys.stderr,
+        )
         print(table, flush=True)
         storage.write_text(storage.join(output_dir, "comparison.txt"), table + "\n")
-        storage.write_text(storage.join(output_dir, "comparison.json"), json.dumps(results, indent=1))
+        storage.write_text(
+            storage.join(output_dir, "comparison.json"), json.dumps(results, indent=1)
+        )
         seeds = seed_table(results)
         if seeds:
             print(seeds, flush=True)
@@ -379,28 +481,61 @@ def evaluate(checkpoint_paths: str | Sequence[str] | None = None, output_dir: st
 
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax eval", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=storage.normalize, action="append", default=[], metavar="DIR[/STEP]",
-                        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare "
-                             "(or gin CHECKPOINT_PATH)")
-    parser.add_argument("--output_dir", type=storage.normalize, default=None,
-                        help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
-                             "or gin EVAL_OUTPUT_DIR)")
-    parser.add_argument("--router", action="append", default=[], metavar="NAME",
-                        help="evaluate with the routers replaced: learned (default), init, random, hash, "
-                             "uniform, shuffled; repeat to compare")
-    parser.add_argument("--eval_steps", type=int, default=None, metavar="N",
-                        help="batches to evaluate (default: the run's, from MODEL_DIR/eval_settings.json)")
-    parser.add_argument("--eval_settings", choices=("run", "gin"), default="run",
-                        help="run (default): the eval settings the first run recorded (batches, batch size, "
-                             "feature lengths, task, split); gin: runs/eval.gin's and the gin flags'")
+    parser.add_argument(
+        "--checkpoint",
+        type=storage.normalize,
+        action="append",
+        default=[],
+        metavar="DIR[/STEP]",
+        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP; repeat to compare "
+        "(or gin CHECKPOINT_PATH)",
+    )
+    parser.add_argument(
+        "--output_dir",
+        type=storage.normalize,
+        default=None,
+        help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
+        "or gin EVAL_OUTPUT_DIR)",
+    )
+    parser.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="evaluate with the routers replaced: learned (default), init, random, hash, "
+        "uniform, shuffled; repeat to compare",
+    )
+    parser.add_argument(
+        "--eval_steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batches to evaluate (default: the run's, from MODEL_DIR/eval_settings.json)",
+    )
+    parser.add_argument(
+        "--eval_settings",
+        choices=("run", "gin"),
+        default="run",
+        help="run (default): the eval settings the first run recorded (batches, batch size, "
+        "feature lengths, task, split); gin: runs/eval.gin's and the gin flags'",
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     first = gin_utils.first_checkpoint(args)
     args.gin_file = gin_utils.run_gin_files(args, first, ["runs/eval.gin"], command="moe-jax eval")
     apply_eval_settings(args, first)
     gin_utils.parse_gin(args)
-    evaluate(**{k: v for k, v in (("checkpoint_paths", args.checkpoint),
-                                  ("output_dir", args.output_dir), ("routers", args.router)) if v})
+    evaluate(
+        **{
+            k: v
+            for k, v in (
+                ("checkpoint_paths", args.checkpoint),
+                ("output_dir", args.output_dir),
+                ("routers", args.router),
+            )
+            if v
+        }
+    )
     return 0
 
 
@@ -415,17 +550,19 @@ def apply_eval_settings(args, checkpoint: str | None) -> None:
     if recorded is not None:
         path = storage.join(model_dir, EVAL_SETTINGS_FILE)
         gin_utils.refuse_untrusted_modules(  # the task module, imported like the config's
-            path, [(f"{_EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))], args)
+            path, [(f"{_EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))], args
+        )
         args.gin_dot_bindings[:0] = eval_settings_bindings(recorded)
-        source = (f"the run's, from {path} "
-                  "(--eval_settings=gin: runs/eval.gin's)")
+        source = f"the run's, from {path} (--eval_settings=gin: runs/eval.gin's)"
     elif args.eval_settings == "run" and model_dir:
         source = f"runs/eval.gin's and the gin flags' ({model_dir} recorded none)"
     else:
         source = "runs/eval.gin's and the gin flags'"
     if args.eval_steps is not None:
         if args.eval_steps <= 0:
-            raise gin_utils.GinConfigError(f"--eval_steps={args.eval_steps}: expected a positive integer")
+            raise gin_utils.GinConfigError(
+                f"--eval_steps={args.eval_steps}: expected a positive integer"
+            )
         args.gin_dot_bindings.append(f"eval_script.evaluate.eval_steps = {args.eval_steps}")
         source += f", --eval_steps={args.eval_steps}"
     if jax.process_index() == 0:

@@ -72,23 +72,55 @@ _PROBE_SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
 # (moe-jax parameter name pattern, exported name); first match wins. Names that match no
 # rule are exported unchanged.
 NAME_RULES: tuple[tuple[str, str], ...] = (
-    (r"encoder/layers_(\d+)/self_attention/pre_norm/scale", r"encoder/layers_\1/pre_attention_layer_norm/scale"),
-    (r"encoder/layers_(\d+)/self_attention/attention/(query|key|value|out)", r"encoder/layers_\1/attention/\2/kernel"),
-    (r"decoder/layers_(\d+)/self_attention/pre_norm/scale", r"decoder/layers_\1/pre_self_attention_layer_norm/scale"),
-    (r"decoder/layers_(\d+)/self_attention/attention/(query|key|value|out)", r"decoder/layers_\1/self_attention/\2/kernel"),
-    (r"decoder/layers_(\d+)/cross_attention/pre_norm/scale", r"decoder/layers_\1/pre_cross_attention_layer_norm/scale"),
-    (r"decoder/layers_(\d+)/cross_attention/attention/(query|key|value|out)", r"decoder/layers_\1/encoder_decoder_attention/\2/kernel"),
-    (r"(encoder|decoder)/layers_(\d+)/ffn/pre_norm/scale", r"\1/layers_\2/pre_mlp_layer_norm/scale"),
+    (
+        r"encoder/layers_(\d+)/self_attention/pre_norm/scale",
+        r"encoder/layers_\1/pre_attention_layer_norm/scale",
+    ),
+    (
+        r"encoder/layers_(\d+)/self_attention/attention/(query|key|value|out)",
+        r"encoder/layers_\1/attention/\2/kernel",
+    ),
+    (
+        r"decoder/layers_(\d+)/self_attention/pre_norm/scale",
+        r"decoder/layers_\1/pre_self_attention_layer_norm/scale",
+    ),
+    (
+        r"decoder/layers_(\d+)/self_attention/attention/(query|key|value|out)",
+        r"decoder/layers_\1/self_attention/\2/kernel",
+    ),
+    (
+        r"decoder/layers_(\d+)/cross_attention/pre_norm/scale",
+        r"decoder/layers_\1/pre_cross_attention_layer_norm/scale",
+    ),
+    (
+        r"decoder/layers_(\d+)/cross_attention/attention/(query|key|value|out)",
+        r"decoder/layers_\1/encoder_decoder_attention/\2/kernel",
+    ),
+    (
+        r"(encoder|decoder)/layers_(\d+)/ffn/pre_norm/scale",
+        r"\1/layers_\2/pre_mlp_layer_norm/scale",
+    ),
     (r"(encoder|decoder)/layers_(\d+)/ffn/mlp/(wi|wi_\d+|wo)", r"\1/layers_\2/mlp/\3/kernel"),
-    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/expert/(wi|wi_\d+|wo)", r"\1/layers_\2/mlp/expert/\3/kernel"),
-    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/weights/w", r"\1/layers_\2/mlp/router/router_weights/w/kernel"),
-    (r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/(\w+)/w", r"\1/layers_\2/mlp/router/\3/w/kernel"),
+    (
+        r"(encoder|decoder)/layers_(\d+)/ffn/moe/expert/(wi|wi_\d+|wo)",
+        r"\1/layers_\2/mlp/expert/\3/kernel",
+    ),
+    (
+        r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/weights/w",
+        r"\1/layers_\2/mlp/router/router_weights/w/kernel",
+    ),
+    (
+        r"(encoder|decoder)/layers_(\d+)/ffn/moe/router/(\w+)/w",
+        r"\1/layers_\2/mlp/router/\3/w/kernel",
+    ),
     (r"(encoder|decoder)/layers_(\d+)/ffn/moe/(.+)", r"\1/layers_\2/mlp/\3"),
     (r"encoder/final_norm/scale", r"encoder/encoder_norm/scale"),
     (r"decoder/final_norm/scale", r"decoder/decoder_norm/scale"),
     (r"decoder/logits_dense", r"decoder/logits_dense/kernel"),
 )
-_ATTENTION = re.compile(r"/(attention|self_attention|encoder_decoder_attention)/(query|key|value|out)/kernel$")
+_ATTENTION = re.compile(
+    r"/(attention|self_attention|encoder_decoder_attention)/(query|key|value|out)/kernel$"
+)
 
 
 class ExportError(UserError, ValueError):
@@ -109,8 +141,9 @@ def name_map(param_names: list[str]) -> dict[str, str]:
     seen: dict[str, str] = {}
     for name, exported in mapping.items():
         if exported in seen:
-            raise ExportError(f"parameters {seen[exported]!r} and {name!r} would both be exported "
-                              f"as {exported!r}")
+            raise ExportError(
+                f"parameters {seen[exported]!r} and {name!r} would both be exported as {exported!r}"
+            )
         seen[exported] = name
     return mapping
 
@@ -129,8 +162,10 @@ def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _flat(params) -> dict[str, Any]:
     from moe_jax.train import checkpoints
 
-    return {checkpoints.path_name(path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {
+        checkpoints.path_name(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
 
 
 def arrays_for_export(params) -> dict[str, np.ndarray]:
@@ -146,8 +181,10 @@ def arrays_for_export(params) -> dict[str, np.ndarray]:
 
     flat = _flat(params)
     mapping = name_map(list(flat))
-    return {mapping[name]: host(leaf).reshape(export_shape(mapping[name], leaf.shape))
-            for name, leaf in flat.items()}
+    return {
+        mapping[name]: host(leaf).reshape(export_shape(mapping[name], leaf.shape))
+        for name, leaf in flat.items()
+    }
 
 
 def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where: str):
@@ -163,19 +200,23 @@ def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where:
     missing = sorted(mapping[n] for n in flat if mapping[n] not in arrays)
     extra = sorted(set(arrays) - set(mapping.values()))
     if missing or extra:
-        raise ExportError(f"{where} does not hold the gin config's model: "
-                          + (f"arrays the model needs but the export lacks: {missing[:8]}" if missing else "")
-                          + ("; " if missing and extra else "")
-                          + (f"arrays the model does not have: {extra[:8]}" if extra else ""))
+        raise ExportError(
+            f"{where} does not hold the gin config's model: "
+            + (f"arrays the model needs but the export lacks: {missing[:8]}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"arrays the model does not have: {extra[:8]}" if extra else "")
+        )
     leaves = []
     for name, leaf in flat.items():
         exported = mapping[name]
         array = arrays[exported]
         expected = export_shape(exported, leaf.shape)
         if array.shape != expected:
-            raise ExportError(f"{where}: array {exported!r} has shape {list(array.shape)} in the "
-                              f"export but {list(expected)} in the gin config's model "
-                              f"(moe-jax parameter {name})")
+            raise ExportError(
+                f"{where}: array {exported!r} has shape {list(array.shape)} in the "
+                f"export but {list(expected)} in the gin config's model "
+                f"(moe-jax parameter {name})"
+            )
         leaves.append(array.reshape(leaf.shape).astype(leaf.dtype, copy=False))
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
 
@@ -194,10 +235,15 @@ def architecture(model) -> dict[str, Any]:
     """The network's ``T5Config`` (``T5Config.to_dict``: its MoE configs included; read back
     by ``T5Config.from_dict``) and the vocabulary it was trained with."""
     vocabulary = getattr(model.vocabulary, "resolved", model.vocabulary)
-    return {"t5_config": _jsonable(model.module.config.to_dict()),
-            "vocabulary": {"size": model.vocab_size, "eos_id": model.eos_id,
-                           "type": type(vocabulary).__name__,
-                           "file": VOCAB_FILE if vocabulary_file(model) else None}}
+    return {
+        "t5_config": _jsonable(model.module.config.to_dict()),
+        "vocabulary": {
+            "size": model.vocab_size,
+            "eos_id": model.eos_id,
+            "type": type(vocabulary).__name__,
+            "file": VOCAB_FILE if vocabulary_file(model) else None,
+        },
+    }
 
 
 def vocabulary_file(model) -> str | None:
@@ -208,8 +254,9 @@ def vocabulary_file(model) -> str | None:
 
 
 @gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir", "config_gin"])
-def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None = None, *,
-                      model: Any = gin.REQUIRED) -> dict[str, Any]:
+def export_checkpoint(
+    checkpoint_path: str, out_dir: str, config_gin: str | None = None, *, model: Any = gin.REQUIRED
+) -> dict[str, Any]:
     """Writes the export of ``checkpoint_path`` (``MODEL_DIR``, ``MODEL_DIR/STEP``) to
     ``out_dir``; returns the ``config.json`` content.
 
@@ -227,39 +274,63 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, config_gin: str | None
     ctx = setup.run_context()
     target = train_state.abstract_with_shardings(
         setup.abstract_params(model, _PROBE_SHAPES),
-        train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules))
+        train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules),
+    )
     try:
         params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
     except (FileNotFoundError, checkpoints.CheckpointMismatchError):
         raise
     except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint
         first = (str(err).strip().splitlines() or [""])[0][:300]
-        raise ExportError(f"cannot read the checkpoint at {checkpoint_path!r}: "
-                          f"{type(err).__name__}: {first}") from err
+        raise ExportError(
+            f"cannot read the checkpoint at {checkpoint_path!r}: {type(err).__name__}: {first}"
+        ) from err
     arrays = arrays_for_export(params)
     names = {v: k for k, v in name_map(list(_flat(params))).items()}
     initial = checkpoints.load_router_init(checkpoints.split_checkpoint_path(checkpoint_path)[0])
     router_init = arrays_for_export(initial) if initial else {}
     config = {
-        "format": FORMAT, "version": FORMAT_VERSION,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
         "source_checkpoint": storage.normalize(checkpoint_path),
-        "step": step, **architecture(model), "routing": {"router_mode": freeze.router_mode()},
+        "step": step,
+        **architecture(model),
+        "routing": {"router_mode": freeze.router_mode()},
         "num_parameters": int(sum(a.size for a in arrays.values())),
-        "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
-                   for name, a in sorted(arrays.items())},
-        "router_init": ({"file": ROUTER_INIT_FILE, "arrays": sorted(router_init)} if router_init else None),
+        "arrays": {
+            name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
+            for name, a in sorted(arrays.items())
+        },
+        "router_init": (
+            {"file": ROUTER_INIT_FILE, "arrays": sorted(router_init)} if router_init else None
+        ),
     }
     if jax.process_index() == 0:
-        storage.write_bytes(storage.join(out_dir, WEIGHTS_FILE), safetensors_bytes(
-            arrays, {"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}))
+        storage.write_bytes(
+            storage.join(out_dir, WEIGHTS_FILE),
+            safetensors_bytes(
+                arrays, {"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}
+            ),
+        )
         if router_init:
-            storage.write_bytes(storage.join(out_dir, ROUTER_INIT_FILE), safetensors_bytes(
-                router_init, {"format": FORMAT, "version": str(FORMAT_VERSION), "content": "initial routers"}))
+            storage.write_bytes(
+                storage.join(out_dir, ROUTER_INIT_FILE),
+                safetensors_bytes(
+                    router_init,
+                    {
+                        "format": FORMAT,
+                        "version": str(FORMAT_VERSION),
+                        "content": "initial routers",
+                    },
+                ),
+            )
         if (vocab := vocabulary_file(model)) is not None:
             storage.write_bytes(storage.join(out_dir, VOCAB_FILE), storage.read_bytes(vocab))
         storage.write_text(storage.join(out_dir, CONFIG_JSON), json.dumps(config, indent=1))
-        storage.write_text(storage.join(out_dir, CONFIG_GIN),
-                           storage.read_text(config_gin) if config_gin else gin_utils.operative_config())
+        storage.write_text(
+            storage.join(out_dir, CONFIG_GIN),
+            storage.read_text(config_gin) if config_gin else gin_utils.operative_config(),
+        )
     return config
 
 
@@ -307,23 +378,31 @@ def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]
     """
     from safetensors import SafetensorError
 
-    weights, config_path = storage.join(export_dir, WEIGHTS_FILE), storage.join(export_dir, CONFIG_JSON)
+    weights, config_path = (
+        storage.join(export_dir, WEIGHTS_FILE),
+        storage.join(export_dir, CONFIG_JSON),
+    )
     for path in (weights, config_path):
         if not storage.exists(path):
-            raise ExportError(f"--export={export_dir}: {path} does not exist (not an export directory?)")
+            raise ExportError(
+                f"--export={export_dir}: {path} does not exist (not an export directory?)"
+            )
     try:
         config = json.loads(storage.read_text(config_path))
         arrays = safetensors_arrays(weights)
     except (json.JSONDecodeError, SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {err}") from None
     if config.get("format") != FORMAT:
-        raise ExportError(f"{config_path} is not a {FORMAT} config (format {config.get('format')!r})")
+        raise ExportError(
+            f"{config_path} is not a {FORMAT} config (format {config.get('format')!r})"
+        )
     return arrays, config
 
 
 @gin.configurable(module="export_script", denylist=["export_dir", "model_dir"])
-def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
-                  random_seed: int = 0) -> int:
+def import_export(
+    export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED, random_seed: int = 0
+) -> int:
     """Writes an orbax checkpoint of the export's parameters (at its step, with a fresh
     optimizer state and RNG from ``random_seed``) and, when the export carries them, the
     initial routers (``router_init.npz``) into ``model_dir``; returns the step.
@@ -336,24 +415,38 @@ def import_export(export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED,
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
     run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
-    host_params = params_from_export(arrays, run.abstract_state.params,
-                                     storage.join(export_dir, WEIGHTS_FILE))
+    host_params = params_from_export(
+        arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
+    )
     initial_routers = read_router_init(export_dir, run.abstract_state.params)
     checkpoints.ensure_writable(model_dir)  # only once the export fits the model
-    params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
-                          host_params, run.shardings.params)
+    params = jax.tree.map(
+        lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
+        host_params,
+        run.shardings.params,
+    )
     with jax.set_mesh(run.ctx.mesh):
         opt_state = jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(params)
     rng = jax.random.split(jax.random.PRNGKey(random_seed))[1]  # as a fresh run's
     state = train_state.TrainState(
-        step=jax.device_put(np.int32(step), run.shardings.step), params=params,
-        opt_state=opt_state, rng=jax.device_put(rng, run.shardings.rng))
+        step=jax.device_put(np.int32(step), run.shardings.step),
+        params=params,
+        opt_state=opt_state,
+        rng=jax.device_put(rng, run.shardings.rng),
+    )
     ckpt = checkpoints.Checkpointer(model_dir, async_save=False)
     try:
         if step in ckpt.all_steps():
             raise ExportError(f"{model_dir} already has a checkpoint at step {step}")
-        ckpt.save(state, {"data_iterators": [], "random_seed": random_seed,
-                          "imported_from": storage.normalize(export_dir)}, force=True)
+        ckpt.save(
+            state,
+            {
+                "data_iterators": [],
+                "random_seed": random_seed,
+                "imported_from": storage.normalize(export_dir),
+            },
+            force=True,
+        )
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
@@ -380,8 +473,10 @@ def holds_run(directory: str) -> bool:
     """``directory`` is a run directory: it holds ``checkpoints/`` or a trainer's ``LOCK``."""
     from moe_jax.train import run_lock
 
-    return any(storage.exists(storage.join(directory, name))
-               for name in ("checkpoints", run_lock.LOCK_FILE))
+    return any(
+        storage.exists(storage.join(directory, name))
+        for name in ("checkpoints", run_lock.LOCK_FILE)
+    )
 
 
 def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None = None) -> None:
@@ -395,19 +490,23 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
     if not entries:
         return
     if holds_run(directory) and storage.normalize(directory) != own_run:
-        raise ExportError(f"{flag}={directory} holds another run ({', '.join(entries[:4])}); "
-                          "refusing to write into it, even with --overwrite: pick a new directory")
+        raise ExportError(
+            f"{flag}={directory} holds another run ({', '.join(entries[:4])}); "
+            "refusing to write into it, even with --overwrite: pick a new directory"
+        )
     if not overwrite:
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-        raise ExportError(f"{flag}={directory} is not empty ({shown}); pass --overwrite to write "
-                          "into it")
+        raise ExportError(
+            f"{flag}={directory} is not empty ({shown}); pass --overwrite to write into it"
+        )
 
 
 def _export(args) -> dict[str, Any]:
     check_target(args.out, "--out", args.overwrite)  # an export never goes into a run directory
     distributed.initialize(args)
-    run_files = gin_utils.run_gin_files(args, args.checkpoint, ["runs/export.gin"],
-                                        command="moe-jax export")
+    run_files = gin_utils.run_gin_files(
+        args, args.checkpoint, ["runs/export.gin"], command="moe-jax export"
+    )
     config = gin_utils.checkpoint_config(args.checkpoint, args)
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
@@ -419,17 +518,31 @@ def export_main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
     parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
-    parser.add_argument("--checkpoint", type=storage.normalize, required=True, metavar="DIR[/STEP]",
-                        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP")
-    parser.add_argument("--out", type=storage.normalize, required=True, metavar="DIR",
-                        help="the export directory (new or empty; never a run directory)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty --out (an earlier export)")
+    parser.add_argument(
+        "--checkpoint",
+        type=storage.normalize,
+        required=True,
+        metavar="DIR[/STEP]",
+        help="a MODEL_DIR (latest step), MODEL_DIR/STEP or MODEL_DIR/checkpoints/STEP",
+    )
+    parser.add_argument(
+        "--out",
+        type=storage.normalize,
+        required=True,
+        metavar="DIR",
+        help="the export directory (new or empty; never a run directory)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="write into a non-empty --out (an earlier export)"
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     result = _export(args)
-    print(f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
-          f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
+        f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0
 
 
@@ -451,8 +564,10 @@ def _import(args) -> int:
     exported_gin = gin_utils.run_config_file(args.export, args)  # perhaps downloaded: checked
     use_export_config = not args.gin_file and exported_gin is not None
     if not args.gin_file and not use_export_config:
-        raise ExportError(f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
-                          "files with --gin_file")
+        raise ExportError(
+            f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
+            "files with --gin_file"
+        )
     config_text = None
     if use_export_config and exported_gin is not None:
         config_text = _run_config_for_import(exported_gin, args.model_dir)
@@ -478,13 +593,26 @@ def import_main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
     parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
-    parser.add_argument("--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory")
-    parser.add_argument("--model_dir", type=storage.normalize, required=True, metavar="DIR",
-                        help="the new run directory (new or empty; or the run exported, with --overwrite)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty --model_dir that holds no other run")
+    parser.add_argument(
+        "--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory"
+    )
+    parser.add_argument(
+        "--model_dir",
+        type=storage.normalize,
+        required=True,
+        metavar="DIR",
+        help="the new run directory (new or empty; or the run exported, with --overwrite)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --model_dir that holds no other run",
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     step = _import(args)
-    print(f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}", file=sys.stderr,
-          flush=True)
+    print(
+        f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0

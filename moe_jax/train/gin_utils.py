@@ -82,7 +82,8 @@ IMPORT_PARAMETERS: tuple[tuple[str, str], ...] = (("DatasetConfig", "module"),)
 # Bindings that may differ when a run resumes: its length, periods and paths.
 RESUMABLE_CHANGES = re.compile(
     r"^(MODEL_DIR|TRAIN_STEPS|.*(_period|_dir|_path|\.path|total_steps|eval_steps|keep_checkpoints|"
-    r"async_checkpointing))$")
+    r"async_checkpointing))$"
+)
 
 
 class GinConfigError(errors.UserError, ValueError):
@@ -104,24 +105,44 @@ MACROS: dict[str, tuple[str, str]] = {
     "TRAIN_STEPS": ("runs/pretrain.gin", "total training steps"),
     "BATCH_SIZE": ("runs/pretrain.gin", "global batch size (all processes together)"),
     "RANDOM_SEED": ("runs/pretrain.gin", "parameter init, dropout and data order"),
-    "MIXTURE_OR_TASK_NAME": ("runs/pretrain.gin", "seqio task or mixture: mc4_span_corruption, "
-                             "mc4_<lang>_prefix_lm, text_span_corruption, text_<label>_..., yours"),
-    "MIXTURE_OR_TASK_MODULE": ("runs/pretrain.gin", "module (or .py file) that registers your own "
-                               "seqio tasks/mixtures, imported before the data is read (T5X)"),
+    "MIXTURE_OR_TASK_NAME": (
+        "runs/pretrain.gin",
+        "seqio task or mixture: mc4_span_corruption, "
+        "mc4_<lang>_prefix_lm, text_span_corruption, text_<label>_..., yours",
+    ),
+    "MIXTURE_OR_TASK_MODULE": (
+        "runs/pretrain.gin",
+        "module (or .py file) that registers your own "
+        "seqio tasks/mixtures, imported before the data is read (T5X)",
+    ),
     "TASK_FEATURE_LENGTHS": ("runs/pretrain.gin", "{'inputs': I, 'targets': T}"),
     "USE_CACHED_TASKS": ("runs/pretrain.gin", "read seqio's offline cache"),
     "TFDS_DATA_DIR": ("data/embedded.gin", "TFDS data directory (data/mc4.gin: where mC4 lives)"),
-    "TEXT_TRAIN_FILES": ("data/text.gin", "your text files: a glob, or {label: glob} per language/domain"),
+    "TEXT_TRAIN_FILES": (
+        "data/text.gin",
+        "your text files: a glob, or {label: glob} per language/domain",
+    ),
     "TEXT_VALIDATION_FILES": ("data/text.gin", "validation files, same form (default: held out)"),
-    "TEXT_VALIDATION_FRACTION": ("data/text.gin", "fraction of training lines held out for validation"),
+    "TEXT_VALIDATION_FRACTION": (
+        "data/text.gin",
+        "fraction of training lines held out for validation",
+    ),
     "VOCAB_SIZE": ("models/t5_dense.gin", "embedding rows (>= the vocabulary's size)"),
-    "EMBED_DIM": ("models/t5_dense.gin", "d_model (also MLP_DIM, NUM_HEADS, HEAD_DIM, "
-                  "NUM_ENCODER_LAYERS, NUM_DECODER_LAYERS)"),
+    "EMBED_DIM": (
+        "models/t5_dense.gin",
+        "d_model (also MLP_DIM, NUM_HEADS, HEAD_DIM, NUM_ENCODER_LAYERS, NUM_DECODER_LAYERS)",
+    ),
     "DROPOUT_RATE": ("models/t5_dense.gin", "dropout everywhere"),
     "ACTIVATION_DTYPE": ("models/t5_dense.gin", "'float32' or 'bfloat16' activations"),
-    "NUM_EXPERTS": ("models/t5_moe.gin", "experts per MoE layer (also NUM_SELECTED_EXPERTS, "
-                    "NUM_SPARSE_LAYERS, SPARSE_LAYOUT, GROUP_SIZE)"),
-    "TRAIN_CAPACITY_FACTOR": ("models/t5_moe.gin", "expert capacity factor (EVAL_CAPACITY_FACTOR in eval)"),
+    "NUM_EXPERTS": (
+        "models/t5_moe.gin",
+        "experts per MoE layer (also NUM_SELECTED_EXPERTS, "
+        "NUM_SPARSE_LAYERS, SPARSE_LAYOUT, GROUP_SIZE)",
+    ),
+    "TRAIN_CAPACITY_FACTOR": (
+        "models/t5_moe.gin",
+        "expert capacity factor (EVAL_CAPACITY_FACTOR in eval)",
+    ),
     "CHECKPOINT_PATH": ("runs/eval.gin", "eval/infer: the checkpoint (T5X; same as --checkpoint)"),
     "EVAL_OUTPUT_DIR": ("runs/eval.gin", "eval: where results go (T5X; same as --output_dir)"),
     "INFER_OUTPUT_DIR": ("runs/infer.gin", "infer: writes predictions.jsonl there (T5X)"),
@@ -138,13 +159,15 @@ gin flags, as in T5X:
 """
 
 
-
 def _open_url(path: str) -> io.StringIO:
     return io.StringIO(storage.read_text(path))
 
 
 # gin opens files with `open`; a run's config.gin on an object store (gs://) is read here.
-gin.config.register_file_reader(_open_url, lambda path: not storage.is_local(path) and storage.exists(path))
+gin.config.register_file_reader(
+    _open_url, lambda path: not storage.is_local(path) and storage.exists(path)
+)
+
 
 def gin_help(macros: Sequence[str] = ()) -> str:
     """The help epilog: the gin flags and the macros (all of :data:`MACROS` by default)."""
@@ -157,14 +180,33 @@ def gin_help(macros: Sequence[str] = ()) -> str:
 def add_gin_flags(parser: argparse.ArgumentParser, macros: Sequence[str] = ()) -> None:
     """Adds T5X's gin flags to ``parser`` (``--gin.NAME=VALUE`` is handled by
     :func:`parse_flags`) and, in ``--help``, their description and the ``macros``."""
-    parser.add_argument("--gin_file", action="append", default=[], metavar="PATH",
-                        help="gin file (repeatable); later files override earlier ones")
-    parser.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
-                        help="extra gin binding line (repeatable)")
-    parser.add_argument("--gin_search_paths", action="append", default=[], metavar="DIRS",
-                        help=f"comma-separated gin search paths (default: {REPO_GIN_DIR})")
-    parser.add_argument("--tfds_data_dir", default=None, metavar="DIR",
-                        help="TFDS data directory (sets TFDS_DATA_DIR)")
+    parser.add_argument(
+        "--gin_file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="gin file (repeatable); later files override earlier ones",
+    )
+    parser.add_argument(
+        "--gin_bindings",
+        action="append",
+        default=[],
+        metavar="BINDING",
+        help="extra gin binding line (repeatable)",
+    )
+    parser.add_argument(
+        "--gin_search_paths",
+        action="append",
+        default=[],
+        metavar="DIRS",
+        help=f"comma-separated gin search paths (default: {REPO_GIN_DIR})",
+    )
+    parser.add_argument(
+        "--tfds_data_dir",
+        default=None,
+        metavar="DIR",
+        help="TFDS data directory (sets TFDS_DATA_DIR)",
+    )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = gin_help(macros)
 
@@ -178,7 +220,7 @@ def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
     rest: list[str] = []
     for arg in argv:
         if arg.startswith("--gin."):
-            name, sep, value = arg[len("--gin."):].partition("=")
+            name, sep, value = arg[len("--gin.") :].partition("=")
             if not sep or not name:
                 parser.error(f"{arg!r}: expected --gin.NAME=VALUE")
             dot_bindings.append(f"{name} = {_as_gin_value(value)}")
@@ -247,9 +289,12 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        hint = ("\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, "
-                "<Router>Config.*, CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
-                if "'MoeLayer'" in str(err) else "")
+        hint = (
+            "\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, "
+            "<Router>Config.*, CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
+            if "'MoeLayer'" in str(err)
+            else ""
+        )
         raise GinConfigError(f"gin: {_readable(err)}{hint}") from None
     _check_macros([_resolve(f, roots) for f in _walk_files(parsed)], bindings)
     if finalize:
@@ -269,8 +314,9 @@ def _check_binding(binding: str, origin: str) -> None:
     try:
         list(config_parser.ConfigParser(binding, _InertDelegate()))
     except tokenize.TokenError:
-        raise GinConfigError(f"gin: {origin}: cannot parse it (a bracket or quote is not "
-                             "closed)") from None
+        raise GinConfigError(
+            f"gin: {origin}: cannot parse it (a bracket or quote is not closed)"
+        ) from None
     except (SyntaxError, ValueError) as err:
         raise GinConfigError(f"gin: {origin}: cannot parse it: {_readable(err)}") from None
 
@@ -312,8 +358,10 @@ def _resolve(path: str, roots: Sequence[str]) -> str:
     for root in roots:
         if os.path.exists(os.path.join(root, path)):
             return os.path.join(root, path)
-    raise GinConfigError(f"--gin_file={path}: no such file in the working directory or the "
-                         f"gin search paths ({', '.join(roots)})")
+    raise GinConfigError(
+        f"--gin_file={path}: no such file in the working directory or the "
+        f"gin search paths ({', '.join(roots)})"
+    )
 
 
 def _walk_files(parsed) -> Iterable[str]:
@@ -333,20 +381,31 @@ def _check_macros(files: Sequence[str], bindings: Sequence[str]) -> None:
     for path in files:
         lines += _statements(_read(path), f"file {path!r}")
     binding_lines = [s for b in bindings for s in _statements(b, f"binding {b.strip()!r}")]
-    defined = {m.group(1) for _, _, text in lines + binding_lines if (m := _MACRO_DEF.match(text))
-               and "." not in m.group(1)}
+    defined = {
+        m.group(1)
+        for _, _, text in lines + binding_lines
+        if (m := _MACRO_DEF.match(text)) and "." not in m.group(1)
+    }
     referenced = set()
     for origin, lineno, text in lines + binding_lines:
         for name in _MACRO_REF.findall(text):
             referenced.add(name)
-            if (name not in defined and "/" not in name and not name.startswith("gin.")
-                    and not _gin_has_macro(name)):
-                raise GinConfigError(f"gin: macro %{name} is used but never defined\n"
-                                     f"  In {origin}, line {lineno}\n    {text.strip()}")
+            if (
+                name not in defined
+                and "/" not in name
+                and not name.startswith("gin.")
+                and not _gin_has_macro(name)
+            ):
+                raise GinConfigError(
+                    f"gin: macro %{name} is used but never defined\n"
+                    f"  In {origin}, line {lineno}\n    {text.strip()}"
+                )
     for origin, _, text in binding_lines:
         if (m := _MACRO_DEF.match(text)) and m.group(1).isupper() and m.group(1) not in referenced:
-            raise GinConfigError(f"gin: macro {m.group(1)} set by {origin} is not used by any gin "
-                                 f"file (typo?); macros used: {sorted(referenced)}")
+            raise GinConfigError(
+                f"gin: macro {m.group(1)} set by {origin} is not used by any gin "
+                f"file (typo?); macros used: {sorted(referenced)}"
+            )
 
 
 def _read(path: str) -> str:
@@ -354,7 +413,7 @@ def _read(path: str) -> str:
 
 
 def _gin_has_macro(name: str) -> bool:
-    return (name, "gin.macro") in gin.config._CONFIG  # noqa: SLF001 - gin has no public query
+    return (name, "gin.macro") in gin.config._CONFIG
 
 
 def command_line_value(args: argparse.Namespace, name: str) -> Any:
@@ -367,8 +426,9 @@ def command_line_value(args: argparse.Namespace, name: str) -> Any:
             try:
                 value = ast.literal_eval(right.strip())
             except (ValueError, SyntaxError):
-                raise GinConfigError(f"gin: {name} = {right.strip()}: expected a path or a list "
-                                     "of paths") from None
+                raise GinConfigError(
+                    f"gin: {name} = {right.strip()}: expected a path or a list of paths"
+                ) from None
     return value
 
 
@@ -381,8 +441,14 @@ def first_checkpoint(args: argparse.Namespace) -> str | None:
     return storage.normalize(given) if given else None
 
 
-def run_gin_files(args: argparse.Namespace, checkpoint: str | None, defaults: Sequence[str], *,
-                  extend_run_config: bool = False, command: str = "moe-jax") -> list[str]:
+def run_gin_files(
+    args: argparse.Namespace,
+    checkpoint: str | None,
+    defaults: Sequence[str],
+    *,
+    extend_run_config: bool = False,
+    command: str = "moe-jax",
+) -> list[str]:
     """The gin files of a command reading a run's checkpoint (eval, infer, analyze, export)
     and a line on stderr saying which config that is.
 
@@ -409,19 +475,29 @@ def run_gin_files(args: argparse.Namespace, checkpoint: str | None, defaults: Se
     else:
         model_dir = checkpoints.split_checkpoint_path(checkpoint)[0]
         if not storage.isdir(storage.join(model_dir, "checkpoints")):
-            raise FileNotFoundError(f"--checkpoint={checkpoint!r}: no checkpoints there "
-                                    f"({storage.join(model_dir, 'checkpoints')} does not exist)")
+            raise FileNotFoundError(
+                f"--checkpoint={checkpoint!r}: no checkpoints there "
+                f"({storage.join(model_dir, 'checkpoints')} does not exist)"
+            )
         if extend_run_config or not gin_files:
             config = checkpoint_config(checkpoint, args)
     if config is None and not gin_files:
-        raise FileNotFoundError(f"--checkpoint={checkpoint!r}: the run has no "
-                                f"{storage.join(model_dir, 'config.gin')}; pass its model and data "
-                                "gin files with --gin_file")
+        raise FileNotFoundError(
+            f"--checkpoint={checkpoint!r}: the run has no "
+            f"{storage.join(model_dir, 'config.gin')}; pass its model and data "
+            "gin files with --gin_file"
+        )
     files = [*defaults, *([config] if config else []), *gin_files]
-    used = f"the run's {config}" + (f" + {', '.join(gin_files)}" if gin_files else "") if config \
+    used = (
+        f"the run's {config}" + (f" + {', '.join(gin_files)}" if gin_files else "")
+        if config
         else ", ".join(gin_files)
-    print(f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'})",
-          file=sys.stderr, flush=True)
+    )
+    print(
+        f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'})",
+        file=sys.stderr,
+        flush=True,
+    )
     return files
 
 
@@ -447,8 +523,9 @@ def _parse_statements(text: str, origin: str) -> list:
         raise GinConfigError(f"gin: {origin}: {err}") from None
 
 
-def run_config_file(model_dir: str, args: argparse.Namespace,
-                    step: int | None = None) -> str | None:
+def run_config_file(
+    model_dir: str, args: argparse.Namespace, step: int | None = None
+) -> str | None:
     """The run's config as of checkpoint ``step`` (:func:`recorded_run_config`: ``config.gin``
     or a newer accepted ``config.step-N.gin``; an export's ``config.gin``; None when there is
     none), passed through :func:`check_run_config`. Every command that reads a run's or an
@@ -472,8 +549,9 @@ def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
     from moe_jax.train import checkpoints
 
     model_dir, step = checkpoints.split_checkpoint_path(checkpoint)
-    return run_config_file(model_dir, args,
-                           checkpoints.reached_step(model_dir) if step is None else step)
+    return run_config_file(
+        model_dir, args, checkpoints.reached_step(model_dir) if step is None else step
+    )
 
 
 def check_run_config(path: str, args: argparse.Namespace) -> None:
@@ -490,20 +568,26 @@ def check_run_config(path: str, args: argparse.Namespace) -> None:
     for statement in _parse_statements(_read(path), path):
         line = statement.location.line_num if hasattr(statement, "location") else "?"
         if isinstance(statement, config_parser.ImportStatement):
-            if not any(statement.module == m or statement.module.startswith(m + ".")
-                       for m in PROJECT_MODULES):
+            if not any(
+                statement.module == m or statement.module.startswith(m + ".")
+                for m in PROJECT_MODULES
+            ):
                 raise GinConfigError(
                     f"{path}, line {line}: refusing `{statement.format()}`: a run directory's "
                     f"config may import only the project's modules ({', '.join(PROJECT_MODULES)}); "
-                    f"parsing it would run {statement.module}")
+                    f"parsing it would run {statement.module}"
+                )
         elif isinstance(statement, config_parser.IncludeStatement):
-            raise GinConfigError(f"{path}, line {line}: refusing `include {statement.filename!r}`: "
-                                 "a run directory's config must be self-contained")
+            raise GinConfigError(
+                f"{path}, line {line}: refusing `include {statement.filename!r}`: "
+                "a run directory's config must be self-contained"
+            )
     refuse_untrusted_modules(path, import_bindings(_read(path), path), args)
 
 
-def refuse_untrusted_modules(origin: str, found: Iterable[tuple[str, int | None, Any]],
-                             args: argparse.Namespace) -> None:
+def refuse_untrusted_modules(
+    origin: str, found: Iterable[tuple[str, int | None, Any]], args: argparse.Namespace
+) -> None:
     """Refuses the first of ``found`` (``(binding, line, module)``, read from ``origin``, a
     run's file) that is neither the project's own module nor one the command line names.
 
@@ -518,20 +602,26 @@ def refuse_untrusted_modules(origin: str, found: Iterable[tuple[str, int | None,
         raise UntrustedCodeError(
             f"{where}: refusing {binding} = {module!r}: a run's config may name only the "
             "project's modules or those given on the command line (importing it would run its "
-            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}")
+            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}"
+        )
 
 
 def _is_project_module(module: Any) -> bool:
-    return isinstance(module, str) and any(module == m or module.startswith(m + ".")
-                                           for m in PROJECT_MODULES)
+    return isinstance(module, str) and any(
+        module == m or module.startswith(m + ".") for m in PROJECT_MODULES
+    )
 
 
 def _same_module(module: Any, trusted: Iterable[Any]) -> bool:
     """``module`` is one of ``trusted`` (a ``.py`` file: the same file, however written)."""
     for other in trusted:
-        if module == other or (isinstance(module, str) and isinstance(other, str)
-                               and module.endswith(".py") and other.endswith(".py")
-                               and os.path.abspath(module) == os.path.abspath(other)):
+        if module == other or (
+            isinstance(module, str)
+            and isinstance(other, str)
+            and module.endswith(".py")
+            and other.endswith(".py")
+            and os.path.abspath(module) == os.path.abspath(other)
+        ):
             return True
     return False
 
@@ -552,8 +642,9 @@ def import_bindings(text: str, origin: str) -> list[tuple[str, int, Any]]:
     reference to ``%MIXTURE_OR_TASK_MODULE`` the text does not define is left to the file
     or flag that does; one to any other undefined macro is listed as the reference itself
     (``'%X'``), a value no import binding of the project's configs has."""
-    statements = [s for s in _parse_statements(text, origin)
-                  if isinstance(s, config_parser.BindingStatement)]
+    statements = [
+        s for s in _parse_statements(text, origin) if isinstance(s, config_parser.BindingStatement)
+    ]
     macros = {name: s.value for s in statements if (name := _macro_name(s))}
     found = []
     for statement in statements:
@@ -562,8 +653,12 @@ def import_bindings(text: str, origin: str) -> list[tuple[str, int, Any]]:
         if macro not in IMPORT_MACROS and parameter not in IMPORT_PARAMETERS:
             continue
         value, seen = statement.value, set()
-        while (isinstance(value, str) and value.startswith("%") and value[1:] in macros
-               and value not in seen):
+        while (
+            isinstance(value, str)
+            and value.startswith("%")
+            and value[1:] in macros
+            and value not in seen
+        ):
             seen.add(value)
             value = macros[value[1:]]
         if isinstance(value, str) and value[1:] in IMPORT_MACROS and value not in seen:
@@ -595,10 +690,10 @@ def in_run_directory(path: str) -> bool:
     """``path`` lies in a run directory (beside ``checkpoints/`` or a ``LOCK``) or an export
     (beside ``model.safetensors``): its config is the run's, not the user's."""
     folder = storage.parent(path)
-    return any(storage.exists(storage.join(folder, name))
-               for name in ("checkpoints", "LOCK", "model.safetensors"))
-
-
+    return any(
+        storage.exists(storage.join(folder, name))
+        for name in ("checkpoints", "LOCK", "model.safetensors")
+    )
 
 
 def new_form_config(path: str) -> str:
@@ -620,8 +715,12 @@ def new_form_config(path: str) -> str:
     atexit.register(shutil.rmtree, folder, True)
     copy = os.path.join(folder, "config.gin")
     storage.write_text(copy, translated)
-    print(f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form "
-          f"from {copy}", file=sys.stderr, flush=True)
+    print(
+        f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form "
+        f"from {copy}",
+        file=sys.stderr,
+        flush=True,
+    )
     for warning in warnings:
         print(f"[moe-jax] warning: {path}: {warning}", file=sys.stderr, flush=True)
     return copy
@@ -642,6 +741,7 @@ def _macros_resolved(bindings: dict[str, object]) -> dict[str, object]:
     """``bindings`` (of :func:`config_bindings`) with each value that is a macro of the same
     config (``"%NAME"``) replaced by the macro's value, so that ``k = %K`` with ``K = 2``
     equals ``k = 2`` (a config translated from ``MoeLayer.*`` binds literals)."""
+
     def value(v: object, depth: int = 0) -> object:
         if isinstance(v, str) and v.startswith("%") and v[1:] in bindings and depth < 10:
             return value(bindings[v[1:]], depth + 1)
@@ -657,13 +757,20 @@ def config_changes(saved: str, current: str) -> list[str]:
     Bindings in only one of the two are not compared: an operative config lists only the
     configurables the run called, which differs between a fresh start and a resumption.
     """
-    before, after = (_macros_resolved(config_bindings(saved, "saved config.gin")),
-                     _macros_resolved(config_bindings(current, "operative config")))
-    return [f"{name}: {before[name]!r} -> {after[name]!r}" for name in sorted(set(before) & set(after))
-            if before[name] != after[name] and not RESUMABLE_CHANGES.match(name.rsplit("/", 1)[-1])]
+    before, after = (
+        _macros_resolved(config_bindings(saved, "saved config.gin")),
+        _macros_resolved(config_bindings(current, "operative config")),
+    )
+    return [
+        f"{name}: {before[name]!r} -> {after[name]!r}"
+        for name in sorted(set(before) & set(after))
+        if before[name] != after[name] and not RESUMABLE_CHANGES.match(name.rsplit("/", 1)[-1])
+    ]
 
 
-def record_run_config(model_dir: str, operative: str, step: int, *, allow_change: bool = False) -> str:
+def record_run_config(
+    model_dir: str, operative: str, step: int, *, allow_change: bool = False
+) -> str:
     """Keeps the run's gin config: writes ``MODEL_DIR/config.gin`` on the first start; on a
     resumption (at ``step``) compares ``operative`` with the run's config as last accepted
     (:func:`recorded_run_config`). No recorded config is ever overwritten, so a plain resume
@@ -688,11 +795,16 @@ def record_run_config(model_dir: str, operative: str, step: int, *, allow_change
         raise ConfigChangedError(
             f"MODEL_DIR={model_dir} was trained with another gin config ({recorded}); resuming at "
             f"step {step} would change {len(changes)} binding(s) (pass --allow_config_change to "
-            "resume with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes))
+            "resume with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes)
+        )
     kept = storage.join(model_dir, f"config.step-{step}.gin")
-    storage.write_text(kept, f"# resumed at step {step} with --allow_config_change; changed from "
-                       f"{storage.basename(recorded)}:\n"
-                       + "".join(f"#   {line}\n" for line in changes) + operative)
+    storage.write_text(
+        kept,
+        f"# resumed at step {step} with --allow_config_change; changed from "
+        f"{storage.basename(recorded)}:\n"
+        + "".join(f"#   {line}\n" for line in changes)
+        + operative,
+    )
     return kept
 
 
@@ -700,7 +812,9 @@ def recorded_run_config(model_dir: str, step: int | None = None) -> str:
     """The run's gin config as of ``step``: the newest ``config.step-N.gin`` (written when a
     resumption at step N changed the config with ``--allow_config_change``) with N <= ``step``
     (any N when ``step`` is None), else ``config.gin``."""
-    accepted = {int(m.group(1)): name for name in storage.listdir(model_dir)
-                if (m := _ACCEPTED_CONFIG.fullmatch(name))
-                and (step is None or int(m.group(1)) <= step)}
+    accepted = {
+        int(m.group(1)): name
+        for name in storage.listdir(model_dir)
+        if (m := _ACCEPTED_CONFIG.fullmatch(name)) and (step is None or int(m.group(1)) <= step)
+    }
     return storage.join(model_dir, accepted[max(accepted)] if accepted else "config.gin")

@@ -60,10 +60,18 @@ PREDICTIONS_FILE = "predictions.jsonl"
 
 
 @gin.configurable(module="infer_script", denylist=["inputs"])
-def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: Any = gin.REQUIRED,
-          task_feature_lengths: Mapping[str, int] = gin.REQUIRED, decode_method: str = "greedy",
-          temperature: float = 1.0, max_decode_length: int | None = None,
-          seed: int = 0, output_dir: str | None = None) -> list[str]:
+def infer(
+    inputs: Sequence[str],
+    checkpoint_path: str | None = None,
+    *,
+    model: Any = gin.REQUIRED,
+    task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+    decode_method: str = "greedy",
+    temperature: float = 1.0,
+    max_decode_length: int | None = None,
+    seed: int = 0,
+    output_dir: str | None = None,
+) -> list[str]:
     """Decodes each input text with the checkpoint's parameters and state collections
     (e.g. the bias router's ``router_bias``); returns the output texts.
 
@@ -82,15 +90,25 @@ def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: A
     batch_multiple = int(np.prod([ctx.mesh.shape[a] for a in ctx.batch_axes]))
     enc = encode_inputs(inputs, vocabulary, task_feature_lengths["inputs"], batch_multiple)
     dec_len = max_decode_length or task_feature_lengths["targets"]
-    input_shapes = {"encoder_input_tokens": enc.shape, "decoder_input_tokens": (enc.shape[0], dec_len)}
+    input_shapes = {
+        "encoder_input_tokens": enc.shape,
+        "decoder_input_tokens": (enc.shape[0], dec_len),
+    }
     restored = setup.restore_model(checkpoint_path, model, input_shapes, ctx)
     batch_sharding = NamedSharding(ctx.mesh, PartitionSpec(ctx.batch_axes))
     batch = {"encoder_input_tokens": jax.device_put(enc, batch_sharding)}
 
     @jax.jit
     def predict(params, collections, batch, rng):
-        return model.predict_batch(params, batch, rng, decode_method=decode_method, temperature=temperature,
-                                   max_decode_length=dec_len, state=collections)
+        return model.predict_batch(
+            params,
+            batch,
+            rng,
+            decode_method=decode_method,
+            temperature=temperature,
+            max_decode_length=dec_len,
+            state=collections,
+        )
 
     with partitioning.activate(ctx.mesh, ctx.rules):
         tokens = predict(restored.params, restored.collections, batch, jax.random.PRNGKey(seed))
@@ -105,8 +123,13 @@ def infer(inputs: Sequence[str], checkpoint_path: str | None = None, *, model: A
 
 def write_predictions(path: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
     """``{"input", "output"}`` JSON lines (written whole; local or ``gs://``)."""
-    storage.write_text(path, "".join(json.dumps({"input": text, "output": out}) + "\n"
-                                     for text, out in zip(inputs, outputs, strict=True)))
+    storage.write_text(
+        path,
+        "".join(
+            json.dumps({"input": text, "output": out}) + "\n"
+            for text, out in zip(inputs, outputs, strict=True)
+        ),
+    )
 
 
 def read_input_lines(path: str) -> list[str]:
@@ -119,26 +142,35 @@ def read_input_lines(path: str) -> list[str]:
         with open(path, encoding="utf-8") as f:
             return [line.rstrip("\n") for line in f if line.strip()]
     except UnicodeDecodeError as err:
-        raise errors.InputFileError(f"--input_file={path}: not UTF-8 text (byte {err.start}: "
-                                    f"{err.reason})") from None
+        raise errors.InputFileError(
+            f"--input_file={path}: not UTF-8 text (byte {err.start}: {err.reason})"
+        ) from None
     except OSError as err:
         raise errors.InputFileError(f"--input_file={path}: {err.strerror or err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = setup.build_parser("moe-jax infer", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=storage.normalize, default=None, metavar="DIR[/STEP]",
-                        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP (or gin CHECKPOINT_PATH)")
+    parser.add_argument(
+        "--checkpoint",
+        type=storage.normalize,
+        default=None,
+        metavar="DIR[/STEP]",
+        help="a MODEL_DIR (latest step) or MODEL_DIR/STEP (or gin CHECKPOINT_PATH)",
+    )
     parser.add_argument("--input", action="append", default=[], help="input text (repeatable)")
     parser.add_argument("--input_file", default=None, help="one input per line")
-    parser.add_argument("--output_file", type=storage.normalize, default=None, help="JSON lines {input, output}")
+    parser.add_argument(
+        "--output_file", type=storage.normalize, default=None, help="JSON lines {input, output}"
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     inputs = list(args.input) + (read_input_lines(args.input_file) if args.input_file else [])
     if not inputs:
         parser.error("give at least one --input or an --input_file")
     distributed.initialize(args)
     args.gin_file = gin_utils.run_gin_files(
-        args, gin_utils.first_checkpoint(args), ["runs/infer.gin"], command="moe-jax infer")
+        args, gin_utils.first_checkpoint(args), ["runs/infer.gin"], command="moe-jax infer"
+    )
     gin_utils.parse_gin(args)
     outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
     if jax.process_index() == 0:

@@ -37,15 +37,19 @@ def learning_rate_schedule(
     if decay not in DECAYS:
         raise ValueError(f"learning_rate_schedule.decay={decay!r}; expected one of {DECAYS}")
     if decay in ("cosine", "linear") and not total_steps:
-        raise ValueError(f"learning_rate_schedule.decay={decay!r} needs total_steps "
-                         "(bind learning_rate_schedule.total_steps = %TRAIN_STEPS)")
+        raise ValueError(
+            f"learning_rate_schedule.decay={decay!r} needs total_steps "
+            "(bind learning_rate_schedule.total_steps = %TRAIN_STEPS)"
+        )
     warmup_steps = max(int(warmup_steps), 0)
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         warm = base_learning_rate * jnp.minimum(1.0, (step + 1.0) / max(warmup_steps, 1))
         if decay == "rsqrt":
-            after = base_learning_rate * jnp.sqrt(max(warmup_steps, 1) / jnp.maximum(step + 1.0, 1.0))
+            after = base_learning_rate * jnp.sqrt(
+                max(warmup_steps, 1) / jnp.maximum(step + 1.0, 1.0)
+            )
         elif decay == "constant":
             after = jnp.asarray(base_learning_rate, jnp.float32)
         else:

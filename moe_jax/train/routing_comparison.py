@@ -40,10 +40,16 @@ def routing_quantities(record: dict[str, Any]) -> dict[str, float]:
     the MoE quantities of a dense model)."""
     dropped = [v for k, v in record.items() if _DROPPED.match(k)]
     loads = [np.asarray(v, np.float64) for k, v in record.items() if _LOAD.match(k)]
-    max_load = max((float(l.max() / (l.sum() / l.size)) for l in loads if l.sum() > 0), default=float("nan"))
-    return {"accuracy": float(record["accuracy"]), "cross_entropy": float(record["cross_entropy"]),
-            "dropped_fraction": float(np.mean(dropped)) if dropped else float("nan"), "max_load": max_load,
-            "step": int(record["step"])}
+    max_load = max(
+        (float(l.max() / (l.sum() / l.size)) for l in loads if l.sum() > 0), default=float("nan")
+    )
+    return {
+        "accuracy": float(record["accuracy"]),
+        "cross_entropy": float(record["cross_entropy"]),
+        "dropped_fraction": float(np.mean(dropped)) if dropped else float("nan"),
+        "max_load": max_load,
+        "step": int(record["step"]),
+    }
 
 
 def compare(family: sweep.Family, root: str) -> dict[str, dict[str, Any]]:
@@ -53,25 +59,36 @@ def compare(family: sweep.Family, root: str) -> dict[str, dict[str, Any]]:
         record = last_eval(spec.model_dir(root))
         if record is not None:
             rows.setdefault(spec.group, []).append(routing_quantities(record))
-    return {group: {**{q: float(np.mean([r[q] for r in runs])) for q in QUANTITIES},
-                    "seeds": len(runs), "step": min(r["step"] for r in runs)}
-            for group, runs in rows.items()}
+    return {
+        group: {
+            **{q: float(np.mean([r[q] for r in runs])) for q in QUANTITIES},
+            "seeds": len(runs),
+            "step": min(r["step"] for r in runs),
+        }
+        for group, runs in rows.items()
+    }
 
 
 def format_table(table: dict[str, dict[str, Any]]) -> str:
-    lines = [f"{'run':<24} {'step':>5} {'accuracy':>9} {'x-entropy':>10} {'dropped':>8} {'max load':>9}"]
+    lines = [
+        f"{'run':<24} {'step':>5} {'accuracy':>9} {'x-entropy':>10} {'dropped':>8} {'max load':>9}"
+    ]
     for group, row in table.items():
-        lines.append(f"{group:<24} {row['step']:>5} {row['accuracy']:>9.4f} {row['cross_entropy']:>10.4f} "
-                     f"{row['dropped_fraction']:>8.3f} {row['max_load']:>9.2f}")
+        lines.append(
+            f"{group:<24} {row['step']:>5} {row['accuracy']:>9.4f} {row['cross_entropy']:>10.4f} "
+            f"{row['dropped_fraction']:>8.3f} {row['max_load']:>9.2f}"
+        )
     return "\n".join(lines)
 
 
 # Axis labels (with units) per quantity; the zoomed ones are drawn as points, not bars, so
 # that no bar starts anywhere but at zero.
-AXIS_LABELS = {"accuracy": "eval token accuracy (fraction of targets)",
-               "cross_entropy": "eval cross-entropy (nats per target token)",
-               "dropped_fraction": "dropped assignments (fraction, mean of MoE layers)",
-               "max_load": "max load (busiest expert / balanced share; 1 = balanced)"}
+AXIS_LABELS = {
+    "accuracy": "eval token accuracy (fraction of targets)",
+    "cross_entropy": "eval cross-entropy (nats per target token)",
+    "dropped_fraction": "dropped assignments (fraction, mean of MoE layers)",
+    "max_load": "max load (busiest expert / balanced share; 1 = balanced)",
+}
 ZOOMED = ("accuracy", "cross_entropy")
 
 
@@ -83,37 +100,63 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
 
     plt = plotting.pyplot()
     names = list(table)
-    colors = ["tab:gray" if "dense" in n else "tab:orange" if "frozen" in n else "tab:blue" for n in names]
-    fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(4.2 * len(QUANTITIES), 0.35 * len(names) + 2.0),
-                             sharey=True)
+    colors = [
+        "tab:gray" if "dense" in n else "tab:orange" if "frozen" in n else "tab:blue" for n in names
+    ]
+    fig, axes = plt.subplots(
+        1, len(QUANTITIES), figsize=(4.2 * len(QUANTITIES), 0.35 * len(names) + 2.0), sharey=True
+    )
     y = np.arange(len(names))
     for ax, quantity in zip(axes, QUANTITIES):
         values = np.asarray([table[n][quantity] for n in names], float)
         finite = np.isfinite(values)
         if quantity in ZOOMED:
-            ax.scatter(values[finite], y[finite], c=[c for c, f in zip(colors, finite) if f], s=40, zorder=3)
-            ax.hlines(y[finite], values[finite].min(), values[finite], colors="lightgray", lw=1, zorder=2)
+            ax.scatter(
+                values[finite],
+                y[finite],
+                c=[c for c, f in zip(colors, finite) if f],
+                s=40,
+                zorder=3,
+            )
+            ax.hlines(
+                y[finite], values[finite].min(), values[finite], colors="lightgray", lw=1, zorder=2
+            )
         else:
             ax.barh(y[finite], values[finite], color=[c for c, f in zip(colors, finite) if f])
             ax.set_xlim(left=0)
         for row in y[~finite]:
-            ax.text(0.02, row, "n/a (no routing)", transform=ax.get_yaxis_transform(), va="center",
-                    fontsize=7, color="gray")
+            ax.text(
+                0.02,
+                row,
+                "n/a (no routing)",
+                transform=ax.get_yaxis_transform(),
+                va="center",
+                fontsize=7,
+                color="gray",
+            )
         ax.set_xlabel(AXIS_LABELS[quantity], fontsize=8)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(y, names)
     axes[0].invert_yaxis()
-    fig.suptitle(f"{title}: last eval per run (blue learned router, orange frozen, gray dense)", fontsize=10)
+    fig.suptitle(
+        f"{title}: last eval per run (blue learned router, orange frozen, gray dense)", fontsize=10
+    )
     return plotting.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.train.routing_comparison", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_jax.train.routing_comparison", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("family")
     parser.add_argument("--root", type=storage.normalize, required=True)
     parser.add_argument("--out", type=storage.normalize, required=True)
-    parser.add_argument("--table", default=None, metavar="JSON",
-                        help="redraw the plot from a <family>_routing.json written before (no runs needed)")
+    parser.add_argument(
+        "--table",
+        default=None,
+        metavar="JSON",
+        help="redraw the plot from a <family>_routing.json written before (no runs needed)",
+    )
     args = parser.parse_args(argv)
     try:
         family = sweep.load_family(args.family)
@@ -122,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.table:
         with open(args.table) as f:
-            print("wrote", plot(json.load(f), family.name, os.path.join(args.out, f"{family.name}_routing.png")))
+            print(
+                "wrote",
+                plot(
+                    json.load(f), family.name, os.path.join(args.out, f"{family.name}_routing.png")
+                ),
+            )
         return 0
     table = compare(family, args.root)
     if not table:

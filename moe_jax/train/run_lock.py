@@ -55,9 +55,12 @@ class RunLock:
         self.model_dir = storage.normalize(model_dir)
         self.path = storage.join(self.model_dir, LOCK_FILE)
         self.lease_sec = lease_seconds() if lease_sec is None else lease_sec
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "lease_sec": self.lease_sec}
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "lease_sec": self.lease_sec,
+        }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.took_over: dict[str, Any] | None = None  # the dead holder replaced, if any
@@ -69,12 +72,17 @@ class RunLock:
             try:
                 created = self._create()
             except NotImplementedError as err:
-                print(f"[moe-jax] warning: no run lock is held for {self.model_dir} ({err}): make sure "
-                      "one trainer writes it", file=sys.stderr, flush=True)
+                print(
+                    f"[moe-jax] warning: no run lock is held for {self.model_dir} ({err}): make sure "
+                    "one trainer writes it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return self
             if created:
-                self._thread = threading.Thread(target=self._heartbeat, daemon=True,
-                                                name="moe_jax_run_lock")
+                self._thread = threading.Thread(
+                    target=self._heartbeat, daemon=True, name="moe_jax_run_lock"
+                )
                 self._thread.start()
                 return self
             holder, age = self._read()
@@ -86,7 +94,8 @@ class RunLock:
                     f"{self.model_dir} is being written by another trainer: host "
                     f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
                     f"(heartbeat {age:.0f} s ago; its lock {self.path} expires {holder.get('lease_sec', self.lease_sec):.0f} s "
-                    "after its last heartbeat). Stop it, or use another MODEL_DIR.")
+                    "after its last heartbeat). Stop it, or use another MODEL_DIR."
+                )
             self._remove_stale(holder, reason)
         raise errors.RunLockedError(f"could not take the lock {self.path} (contended)")
 
@@ -185,15 +194,26 @@ def hold(model_dir: str) -> Iterator[RunLock | None]:
             error = err
         if lock is not None and lock.took_over:
             old = lock.took_over
-            holder = (f"host {old.get('host')} PID {old.get('pid')} (since {old.get('since')})"
-                      if old.get("host") else "no holder")
-            print(f"[moe-jax] took over the lock of {model_dir} from {holder}: {old['reason']}",
-                  file=sys.stderr, flush=True)
+            holder = (
+                f"host {old.get('host')} PID {old.get('pid')} (since {old.get('since')})"
+                if old.get("host")
+                else "no holder"
+            )
+            print(
+                f"[moe-jax] took over the lock of {model_dir} from {holder}: {old['reason']}",
+                file=sys.stderr,
+                flush=True,
+            )
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        if bool(multihost_utils.broadcast_one_to_all(np.array(error is not None))) and error is None:
-            error = errors.RunLockedError(f"{model_dir} is locked by another trainer (see process 0)")
+        if (
+            bool(multihost_utils.broadcast_one_to_all(np.array(error is not None)))
+            and error is None
+        ):
+            error = errors.RunLockedError(
+                f"{model_dir} is locked by another trainer (see process 0)"
+            )
     if error is not None:
         raise error
     try:

@@ -54,14 +54,18 @@ class DatasetConfig:
         from moe_jax.data import tasks
 
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-            raise errors.ConfigError(f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}; "
-                                     "expected a positive integer")
+            raise errors.ConfigError(
+                f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}; "
+                "expected a positive integer"
+            )
         tasks.import_task_module(self.module)
 
     def input_shapes(self) -> dict[str, tuple[int, int]]:
         """Model input shapes of one global batch."""
-        return {"encoder_input_tokens": (self.batch_size, self.task_feature_lengths["inputs"]),
-                "decoder_input_tokens": (self.batch_size, self.task_feature_lengths["targets"])}
+        return {
+            "encoder_input_tokens": (self.batch_size, self.task_feature_lengths["inputs"]),
+            "decoder_input_tokens": (self.batch_size, self.task_feature_lengths["targets"]),
+        }
 
 
 @dataclasses.dataclass
@@ -74,8 +78,9 @@ class RunContext:
 
 
 @gin.configurable(denylist=["devices"])
-def run_context(batch_axes: tuple[str, ...] = ("data", "expert"),
-                devices: Sequence[jax.Device] | None = None) -> RunContext:
+def run_context(
+    batch_axes: tuple[str, ...] = ("data", "expert"), devices: Sequence[jax.Device] | None = None
+) -> RunContext:
     """The mesh (``make_mesh`` gin bindings) over ``devices`` (default: all global devices)
     and the logical axis rules."""
     mesh = partitioning.make_mesh(devices=devices)
@@ -96,10 +101,18 @@ def eval_batches(cfg: DatasetConfig, num_batches: int):
     if shorter, so every process runs the same number of steps)."""
     from moe_jax.data import pipeline
 
-    ds = pipeline.get_dataset(cfg.mixture_or_task_name, dict(cfg.task_feature_lengths), cfg.split,
-                              cfg.batch_size // jax.process_count(), shuffle=cfg.shuffle,
-                              seed=cfg.seed, shard_info=pipeline.host_shard_info(), pack=cfg.pack,
-                              num_epochs=None, use_cached=cfg.use_cached)
+    ds = pipeline.get_dataset(
+        cfg.mixture_or_task_name,
+        dict(cfg.task_feature_lengths),
+        cfg.split,
+        cfg.batch_size // jax.process_count(),
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        shard_info=pipeline.host_shard_info(),
+        pack=cfg.pack,
+        num_epochs=None,
+        use_cached=cfg.use_cached,
+    )
     return ds.take(num_batches).as_numpy_iterator()
 
 
@@ -117,7 +130,9 @@ def abstract_variables(model, input_shapes) -> dict[str, Any]:
     (``models.model.STATE_COLLECTIONS``, e.g. ``router_bias``) only where the model has them."""
     import flax.linen as nn
 
-    return nn.unbox(jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes)))
+    return nn.unbox(
+        jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes))
+    )
 
 
 def abstract_params(model, input_shapes) -> Any:
@@ -155,7 +170,9 @@ class RestoredModel:
         return jax.tree.map(lambda a: a.sharding, self.collections)
 
 
-def restore_model(path: str, model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext) -> RestoredModel:
+def restore_model(
+    path: str, model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext
+) -> RestoredModel:
     """The parameters and state collections of the checkpoint at ``path`` (``MODEL_DIR``,
     ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``) on ``ctx.mesh``, whatever mesh
     saved them: the restore of `moe-jax eval`, `infer` and `analyze` (through
@@ -170,10 +187,15 @@ def restore_model(path: str, model, input_shapes: Mapping[str, tuple[int, int]],
 
     abstract = abstract_variables(model, input_shapes)
     params_target = train_state.abstract_with_shardings(
-        abstract.pop("params"), train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules))
+        abstract.pop("params"),
+        train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules),
+    )
     collections_target = train_state.abstract_with_shardings(
-        abstract, collections_shardings(model, input_shapes, ctx))
-    params, collections, step, meta = checkpoints.restore_from(path, params_target, collections_target)
+        abstract, collections_shardings(model, input_shapes, ctx)
+    )
+    params, collections, step, meta = checkpoints.restore_from(
+        path, params_target, collections_target
+    )
     return RestoredModel(params=params, collections=collections, step=step, meta=meta)
 
 
@@ -203,8 +225,9 @@ class TrainSetup:
             return jax.jit(self._init_fn, out_shardings=self.shardings)()
 
 
-def abstract_batch(ctx: RunContext, input_shapes: Mapping[str, tuple[int, int]],
-                   pack: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(
+    ctx: RunContext, input_shapes: Mapping[str, tuple[int, int]], pack: bool = True
+) -> dict[str, jax.ShapeDtypeStruct]:
     """One global batch as ``ShapeDtypeStruct`` s sharded over ``ctx``'s batch axes: the
     ``int32[batch, length]`` features of an encoder-decoder batch (with segment ids and
     positions when ``pack``), as the data pipeline yields them."""
@@ -212,17 +235,34 @@ def abstract_batch(ctx: RunContext, input_shapes: Mapping[str, tuple[int, int]],
 
     sharding = NamedSharding(ctx.mesh, PartitionSpec(ctx.batch_axes))
     enc, dec = input_shapes["encoder_input_tokens"], input_shapes["decoder_input_tokens"]
-    features = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-                "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+    features = {
+        "encoder_input_tokens": enc,
+        "decoder_input_tokens": dec,
+        "decoder_target_tokens": dec,
+        "decoder_loss_weights": dec,
+    }
     if pack:
-        features |= {"encoder_segment_ids": enc, "encoder_positions": enc,
-                     "decoder_segment_ids": dec, "decoder_positions": dec}
-    return {name: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
-            for name, shape in features.items()}
+        features |= {
+            "encoder_segment_ids": enc,
+            "encoder_positions": enc,
+            "decoder_segment_ids": dec,
+            "decoder_positions": dec,
+        }
+    return {
+        name: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+        for name, shape in features.items()
+    }
 
 
-def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunContext, *,
-                      seed: int = 0, accum_steps: int = 1, skip_nonfinite: bool = False) -> TrainSetup:
+def build_train_setup(
+    model,
+    input_shapes: dict[str, tuple[int, int]],
+    ctx: RunContext,
+    *,
+    seed: int = 0,
+    accum_steps: int = 1,
+    skip_nonfinite: bool = False,
+) -> TrainSetup:
     """The optimizer, the abstract sharded state and the jitted steps of ``model`` on
     ``ctx.mesh`` for batches of ``input_shapes``."""
     from moe_jax.train import train_state, train_step
@@ -231,17 +271,35 @@ def build_train_setup(model, input_shapes: dict[str, tuple[int, int]], ctx: RunC
     init_fn = lambda: train_state.init_train_state(model, tx, input_shapes, seed)  # noqa: E731
     abstract = jax.eval_shape(init_fn)
     shardings = train_state.state_shardings(
-        abstract, train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules), ctx.mesh,
-        collections_shardings(model, input_shapes, ctx))
+        abstract,
+        train_state.param_shardings(model, input_shapes, ctx.mesh, ctx.rules),
+        ctx.mesh,
+        collections_shardings(model, input_shapes, ctx),
+    )
     return TrainSetup(
-        ctx=ctx, input_shapes=dict(input_shapes), tx=tx, learning_rate_fn=lr_fn,
-        abstract_state=train_state.abstract_with_shardings(abstract, shardings), shardings=shardings,
-        train_step=train_step.jit_train_step(model, tx, lr_fn, shardings, ctx.mesh, ctx.rules, ctx.batch_axes,
-                                             accum_steps=accum_steps, skip_nonfinite=skip_nonfinite,
-                                             bias_mode=freeze.bias_mode()),
-        eval_step=train_step.jit_eval_step(model, shardings.params, ctx.mesh, ctx.rules, ctx.batch_axes,
-                                           shardings.collections),
-        _init_fn=init_fn)
+        ctx=ctx,
+        input_shapes=dict(input_shapes),
+        tx=tx,
+        learning_rate_fn=lr_fn,
+        abstract_state=train_state.abstract_with_shardings(abstract, shardings),
+        shardings=shardings,
+        train_step=train_step.jit_train_step(
+            model,
+            tx,
+            lr_fn,
+            shardings,
+            ctx.mesh,
+            ctx.rules,
+            ctx.batch_axes,
+            accum_steps=accum_steps,
+            skip_nonfinite=skip_nonfinite,
+            bias_mode=freeze.bias_mode(),
+        ),
+        eval_step=train_step.jit_eval_step(
+            model, shardings.params, ctx.mesh, ctx.rules, ctx.batch_axes, shardings.collections
+        ),
+        _init_fn=init_fn,
+    )
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -68,7 +68,9 @@ from moe_jax import storage
 from moe_jax.errors import UserError
 from moe_jax.train import summaries
 
-FAMILY_KEYS = frozenset({"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"})
+FAMILY_KEYS = frozenset(
+    {"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"}
+)
 RUN_KEYS = frozenset({"gin_files", "bindings"})
 
 
@@ -91,12 +93,12 @@ class FamilyError(UserError, ValueError):
 class RunSpec:
     """One training run of a family."""
 
-    run: str                          # the family's run name, e.g. "learned"
+    run: str  # the family's run name, e.g. "learned"
     axes: tuple[tuple[str, Any], ...]  # ((axis, value), ...) in family order
     seed: int
     gin_files: tuple[str, ...]
     bindings: tuple[tuple[str, Any], ...]
-    gin_flags: tuple[str, ...] = ()    # ``--gin.NAME=VALUE`` of the command line, as given
+    gin_flags: tuple[str, ...] = ()  # ``--gin.NAME=VALUE`` of the command line, as given
 
     @property
     def group(self) -> str:
@@ -149,15 +151,27 @@ def apply_sets(raw: dict[str, Any], sets: Sequence[tuple[str, Any]], path: str) 
         where = f"--set {key}"
         parts = SET_ALIASES.get(key, key).split(".", 1)
         top = parts[0]
-        _require(top in FAMILY_KEYS, path, f"{where}: no family key {top!r}; keys: {sorted(FAMILY_KEYS)}, "
-                 f"or {sorted(SET_ALIASES)}")
+        _require(
+            top in FAMILY_KEYS,
+            path,
+            f"{where}: no family key {top!r}; keys: {sorted(FAMILY_KEYS)}, "
+            f"or {sorted(SET_ALIASES)}",
+        )
         if top in _TABLES and len(parts) == 2:
             raw.setdefault(top, {})[parts[1]] = value
         elif top == "runs" and len(parts) == 2:
             run, _, rest = parts[1].partition(".")
-            _require(run in raw.get("runs", {}), path, f"{where}: no run {run!r}; runs: {sorted(raw.get('runs', {}))}")
+            _require(
+                run in raw.get("runs", {}),
+                path,
+                f"{where}: no run {run!r}; runs: {sorted(raw.get('runs', {}))}",
+            )
             field, _, name = rest.partition(".")
-            _require(field in RUN_KEYS, path, f"{where}: expected runs.{run}.gin_files or runs.{run}.bindings.NAME")
+            _require(
+                field in RUN_KEYS,
+                path,
+                f"{where}: expected runs.{run}.gin_files or runs.{run}.bindings.NAME",
+            )
             if field == "bindings" and name:
                 raw["runs"][run].setdefault("bindings", {})[name] = value
             else:
@@ -168,7 +182,9 @@ def apply_sets(raw: dict[str, Any], sets: Sequence[tuple[str, Any]], path: str) 
     return raw
 
 
-def load_family(path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequence[str] = ()) -> Family:
+def load_family(
+    path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequence[str] = ()
+) -> Family:
     """Parse and validate a family file, with the command line's ``--set`` changes and
     ``--gin.NAME=VALUE`` flags for every run; errors name the file and the offending key."""
     try:
@@ -182,8 +198,11 @@ def load_family(path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequ
     _require(not unknown, path, f"unknown key(s) {unknown}; allowed: {sorted(FAMILY_KEYS)}")
     name = raw.get("name", os.path.splitext(os.path.basename(path))[0])
     seeds = raw.get("seeds", [0])
-    _require(isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
-             path, f"'seeds' must be a non-empty list of integers, got {seeds!r}")
+    _require(
+        isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
+        path,
+        f"'seeds' must be a non-empty list of integers, got {seeds!r}",
+    )
     runs = raw.get("runs", {})
     _require(isinstance(runs, dict) and runs, path, "needs at least one [runs.<name>] table")
     axes = raw.get("axes", {})
@@ -195,16 +214,32 @@ def load_family(path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequ
     for run_name, run in runs.items():
         _require(isinstance(run, dict), path, f"runs.{run_name} must be a table")
         unknown = sorted(set(run) - RUN_KEYS)
-        _require(not unknown, path, f"runs.{run_name}: unknown key(s) {unknown}; allowed: {sorted(RUN_KEYS)}")
+        _require(
+            not unknown,
+            path,
+            f"runs.{run_name}: unknown key(s) {unknown}; allowed: {sorted(RUN_KEYS)}",
+        )
         _require(bool(run.get("gin_files")), path, f"runs.{run_name}.gin_files is missing or empty")
         for point in itertools.product(*axes.values()):
             axis_values = tuple(zip(axes, point))
             bindings = {**common_bindings, **run.get("bindings", {}), **dict(axis_values)}
             for seed in seeds:
-                specs.append(RunSpec(run_name, axis_values, seed, (*run["gin_files"], *common_files),
-                                     tuple(bindings.items()), tuple(gin_flags)))
-    return Family(name, raw.get("metric", "accuracy"),
-                  tuple((k, tuple(v)) for k, v in axes.items()), tuple(specs))
+                specs.append(
+                    RunSpec(
+                        run_name,
+                        axis_values,
+                        seed,
+                        (*run["gin_files"], *common_files),
+                        tuple(bindings.items()),
+                        tuple(gin_flags),
+                    )
+                )
+    return Family(
+        name,
+        raw.get("metric", "accuracy"),
+        tuple((k, tuple(v)) for k, v in axes.items()),
+        tuple(specs),
+    )
 
 
 # ---------------------------------------------------------------------------------- run
@@ -217,7 +252,9 @@ def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSp
     local = storage.is_local(log_path)
     start = time.time()
     with open(log_path, "ab") if local else tempfile.TemporaryFile() as log:
-        rc = subprocess.call([*executable, *spec.command(root)[2:]], stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.call(
+            [*executable, *spec.command(root)[2:]], stdout=log, stderr=subprocess.STDOUT
+        )
         if not local:  # an object store cannot append: the log is uploaded when the run ends
             log.seek(0)
             earlier = storage.read_bytes(log_path) if storage.exists(log_path) else b""
@@ -227,21 +264,32 @@ def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSp
     return spec, rc, time.time() - start
 
 
-def run_family(family: Family, root: str, parallel: int = 1,
-               executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train")) -> int:
+def run_family(
+    family: Family,
+    root: str,
+    parallel: int = 1,
+    executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train"),
+) -> int:
     """Train every run of ``family`` not yet marked DONE; returns the number that failed."""
     todo = [s for s in family.runs if not storage.exists(storage.join(s.model_dir(root), "DONE"))]
     todo.sort(key=lambda s: s.seed)  # whole seeds first: a cut-short sweep still compares runs
-    print(f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
-          f"{len(todo)} to run, {parallel} at a time", flush=True)
+    print(
+        f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
+        f"{len(todo)} to run, {parallel} at a time",
+        flush=True,
+    )
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         futures = [pool.submit(_execute, s, root, executable) for s in todo]
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
             spec, rc, seconds = future.result()
-            status = "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.model_dir(root)}/log.txt)"
-            print(f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in {seconds / 60:.1f} min",
-                  flush=True)
+            status = (
+                "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.model_dir(root)}/log.txt)"
+            )
+            print(
+                f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in {seconds / 60:.1f} min",
+                flush=True,
+            )
             failed += rc != 0
     return failed
 
@@ -251,13 +299,21 @@ def run_family(family: Family, root: str, parallel: int = 1,
 
 def read_eval_curve(model_dir: str, metric: str) -> dict[int, float]:
     """``{step: value}`` of ``metric`` over the eval records of ``model_dir/metrics.jsonl``."""
-    return {int(record["step"]): float(record[metric])  # a resumed run's later record wins
-            for record in summaries.read_metrics(model_dir, "eval") if metric in record}
+    return {
+        int(record["step"]): float(record[metric])  # a resumed run's later record wins
+        for record in summaries.read_metrics(model_dir, "eval")
+        if metric in record
+    }
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:
-    return {"mean": float(values.mean()), "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
-            "min": float(values.min()), "max": float(values.max()), "n": int(len(values))}
+    return {
+        "mean": float(values.mean()),
+        "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "n": len(values),
+    }
 
 
 def summarize(family: Family, root: str) -> dict[str, Any]:
@@ -266,7 +322,9 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
     groups: dict[str, dict[str, Any]] = {}
     for spec in family.runs:
         curve = read_eval_curve(spec.model_dir(root), family.metric)
-        group = groups.setdefault(spec.group, {"run": spec.run, "axes": dict(spec.axes), "seeds": {}})
+        group = groups.setdefault(
+            spec.group, {"run": spec.run, "axes": dict(spec.axes), "seeds": {}}
+        )
         if curve:
             group["seeds"][spec.seed] = curve
     for name, group in groups.items():
@@ -277,7 +335,10 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
         steps = sorted(set.intersection(*(set(c) for c in curves.values())))
         values = np.array([[c[s] for s in steps] for c in curves.values()])  # [seeds, steps]
         group["steps"] = steps
-        group["curve"] = {k: [_stats(values[:, j])[k] for j in range(len(steps))] for k in ("mean", "min", "max", "std")}
+        group["curve"] = {
+            k: [_stats(values[:, j])[k] for j in range(len(steps))]
+            for k in ("mean", "min", "max", "std")
+        }
         group["final_step"] = steps[-1] if steps else None
         group["final"] = {str(seed): c[steps[-1]] for seed, c in curves.items()} if steps else {}
         group["final_stats"] = _stats(values[:, -1]) if steps else None
@@ -290,15 +351,24 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
         if not seeds:
             continue
         diff = np.array([a["final"][s] - b["final"][s] for s in seeds])
-        gaps.append({"a": a_name, "b": b_name, "per_seed": dict(zip(seeds, diff.tolist())),
-                     "a_higher": int((diff > 0).sum()), **_stats(diff)})
+        gaps.append(
+            {
+                "a": a_name,
+                "b": b_name,
+                "per_seed": dict(zip(seeds, diff.tolist())),
+                "a_higher": int((diff > 0).sum()),
+                **_stats(diff),
+            }
+        )
     return {"family": family.name, "metric": family.metric, "groups": groups, "gaps": gaps}
 
 
 # Units of the eval metrics a family plots.
-METRIC_LABELS = {"accuracy": "eval token accuracy (fraction of targets)",
-                 "cross_entropy": "eval cross-entropy (nats per target token)",
-                 "loss": "eval loss (nats per target token, with auxiliary losses)"}
+METRIC_LABELS = {
+    "accuracy": "eval token accuracy (fraction of targets)",
+    "cross_entropy": "eval cross-entropy (nats per target token)",
+    "loss": "eval loss (nats per target token, with auxiliary losses)",
+}
 
 
 def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]:
@@ -322,24 +392,48 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
                 continue
             n = g["final_stats"]["n"]
             style = styles[g["run"]]
-            ax.plot(g["steps"], g["curve"]["mean"], ms=3, label=f"{g['run']} ({n} seed{'s' * (n != 1)})", **style)
+            ax.plot(
+                g["steps"],
+                g["curve"]["mean"],
+                ms=3,
+                label=f"{g['run']} ({n} seed{'s' * (n != 1)})",
+                **style,
+            )
             if n > 1:
-                ax.fill_between(g["steps"], g["curve"]["min"], g["curve"]["max"], color=style["color"], alpha=0.15)
-        ax.set(xlabel="training step", ylabel=ylabel,
-               title=(", ".join(f"{k}={v}" for k, v in point) or summary["family"]) + note)
+                ax.fill_between(
+                    g["steps"],
+                    g["curve"]["min"],
+                    g["curve"]["max"],
+                    color=style["color"],
+                    alpha=0.15,
+                )
+        ax.set(
+            xlabel="training step",
+            ylabel=ylabel,
+            title=(", ".join(f"{k}={v}" for k, v in point) or summary["family"]) + note,
+        )
         ax.grid(alpha=0.3)
     several = any(g["final_stats"]["n"] > 1 for g in groups.values())
     plotting.legend_outside(axs[0, -1], title="run (band: seed range)" if several else "run")
-    written.append(plotting.save(fig, storage.join(out, f"{summary['family']}_curves.png"), dpi=120))
+    written.append(
+        plotting.save(fig, storage.join(out, f"{summary['family']}_curves.png"), dpi=120)
+    )
     for axis, values in family.axes:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for run in dict.fromkeys(g["run"] for g in groups.values()):
             xs, ys, lo, hi = [], [], [], []
             for value in values:
-                match = [g for g in groups.values() if g["run"] == run and g["axes"].get(axis) == value]
+                match = [
+                    g for g in groups.values() if g["run"] == run and g["axes"].get(axis) == value
+                ]
                 if match:
                     s = match[0]["final_stats"]
-                    xs.append(value), ys.append(s["mean"]), lo.append(s["mean"] - s["min"]), hi.append(s["max"] - s["mean"])
+                    (
+                        xs.append(value),
+                        ys.append(s["mean"]),
+                        lo.append(s["mean"] - s["min"]),
+                        hi.append(s["max"] - s["mean"]),
+                    )
             ax.errorbar(xs, ys, yerr=[lo, hi], capsize=3, label=run, **styles[run])
         ax.set(xlabel=axis, ylabel=f"final {ylabel}", title=summary["family"] + note)
         if all(isinstance(v, (int, float)) and v > 0 for v in values):
@@ -347,25 +441,33 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
             ax.set_xticks(values, [str(v) for v in values])
         ax.grid(alpha=0.3)
         plotting.legend_outside(ax, title="run (bars: seed range)" if several else "run")
-        written.append(plotting.save(fig, storage.join(out, f"{summary['family']}_vs_{axis}.png"), dpi=120))
+        written.append(
+            plotting.save(fig, storage.join(out, f"{summary['family']}_vs_{axis}.png"), dpi=120)
+        )
     return written
 
 
 def format_table(summary: dict[str, Any]) -> str:
     """Final values and paired gaps as text (what ``collect`` prints)."""
     metric = summary["metric"]
-    lines = [f"{'run':<32} {'step':>7} {'mean ' + metric:>16} {'std':>8} {'min':>8} {'max':>8} seeds"]
+    lines = [
+        f"{'run':<32} {'step':>7} {'mean ' + metric:>16} {'std':>8} {'min':>8} {'max':>8} seeds"
+    ]
     for name, g in summary["groups"].items():
         if g.get("missing"):
             lines.append(f"{name:<32} (no eval records yet)")
             continue
         s = g["final_stats"]
-        lines.append(f"{name:<32} {g['final_step']:>7} {s['mean']:>16.4f} {s['std']:>8.4f} "
-                     f"{s['min']:>8.4f} {s['max']:>8.4f} {s['n']}")
+        lines.append(
+            f"{name:<32} {g['final_step']:>7} {s['mean']:>16.4f} {s['std']:>8.4f} "
+            f"{s['min']:>8.4f} {s['max']:>8.4f} {s['n']}"
+        )
     for gap in summary["gaps"]:
-        lines.append(f"gap {gap['a']} - {gap['b']}: {gap['mean']:+.4f} ± {gap['std']:.4f} "
-                     f"(min {gap['min']:+.4f}, max {gap['max']:+.4f}; {gap['a']} higher in "
-                     f"{gap['a_higher']}/{gap['n']} seeds)")
+        lines.append(
+            f"gap {gap['a']} - {gap['b']}: {gap['mean']:+.4f} ± {gap['std']:.4f} "
+            f"(min {gap['min']:+.4f}, max {gap['max']:+.4f}; {gap['a']} higher in "
+            f"{gap['a_higher']}/{gap['n']} seeds)"
+        )
     return "\n".join(lines)
 
 
@@ -377,26 +479,55 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     run = sub.add_parser("run", help="train every run of a family")
     collect = sub.add_parser("collect", help="gather eval curves into JSON and PNG plots")
-    replot = sub.add_parser("plot", help="redraw the PNGs of a JSON that `collect` wrote (no runs needed)")
+    replot = sub.add_parser(
+        "plot", help="redraw the PNGs of a JSON that `collect` wrote (no runs needed)"
+    )
     replot.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
     replot.add_argument("summary", help="the <family>[_<metric>].json that collect wrote")
-    replot.add_argument("--out", type=storage.normalize, help="where the PNGs go (default: the JSON's folder)")
-    replot.add_argument("--set", type=_set_flag, action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                        help="as for collect")
+    replot.add_argument(
+        "--out", type=storage.normalize, help="where the PNGs go (default: the JSON's folder)"
+    )
+    replot.add_argument(
+        "--set",
+        type=_set_flag,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="sets",
+        help="as for collect",
+    )
     for p in (run, collect):
         p.add_argument("family", help="family file, e.g. configs/fig5_cpu.toml")
-        p.add_argument("--root", type=storage.normalize, required=True, help="parent of the runs' MODEL_DIRs")
-        p.add_argument("--set", type=_set_flag, action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                       help="change the family as loaded: seeds=[0], steps=20 (bindings.TRAIN_STEPS), "
-                            "bindings.NAME=VALUE, axes.NAME=[...], runs.RUN.bindings.NAME=VALUE (repeatable)")
+        p.add_argument(
+            "--root", type=storage.normalize, required=True, help="parent of the runs' MODEL_DIRs"
+        )
+        p.add_argument(
+            "--set",
+            type=_set_flag,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            dest="sets",
+            help="change the family as loaded: seeds=[0], steps=20 (bindings.TRAIN_STEPS), "
+            "bindings.NAME=VALUE, axes.NAME=[...], runs.RUN.bindings.NAME=VALUE (repeatable)",
+        )
     run.add_argument("--parallel", type=int, default=1, help="trainings at a time (default 1)")
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    run.add_argument("--only", default=None, metavar="RUN[,RUN]",
-                     help="only these runs of the family (e.g. the source of an upcycled run first)")
+    run.add_argument(
+        "--only",
+        default=None,
+        metavar="RUN[,RUN]",
+        help="only these runs of the family (e.g. the source of an upcycled run first)",
+    )
     run.epilog = "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after the family's"
-    collect.add_argument("--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)")
-    collect.add_argument("--metric", help="eval metric to collect (default: the family's, else accuracy); "
-                         "outputs are named <family>_<metric> when given")
+    collect.add_argument(
+        "--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)"
+    )
+    collect.add_argument(
+        "--metric",
+        help="eval metric to collect (default: the family's, else accuracy); "
+        "outputs are named <family>_<metric> when given",
+    )
     return parser
 
 
@@ -419,8 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     gin_flags = [flag for flag in rest if flag.startswith("--gin.") and "=" in flag]
     unknown = [flag for flag in rest if flag not in gin_flags]
     if unknown or (gin_flags and args.action != "run"):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or gin_flags)}"
-                     + (" (--gin.NAME=VALUE is a flag of `sweep run`)" if gin_flags and not unknown else ""))
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown or gin_flags)}"
+            + (" (--gin.NAME=VALUE is a flag of `sweep run`)" if gin_flags and not unknown else "")
+        )
     family = load_family(args.family, args.sets, gin_flags)
     if args.action == "run":
         if args.only:
@@ -428,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
             unknown = sorted(set(names) - {s.run for s in family.runs})
             if unknown:
                 raise FamilyError(f"--only={args.only}: no run {unknown} in {args.family}")
-            family = dataclasses.replace(family, runs=tuple(s for s in family.runs if s.run in names))
+            family = dataclasses.replace(
+                family, runs=tuple(s for s in family.runs if s.run in names)
+            )
         if args.dry_run:
             import shlex
 
@@ -439,11 +574,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "plot":
         with open(args.summary) as f:
             summary = json.load(f)
-        for png in plot_summary(summary, family, args.out or os.path.dirname(os.path.abspath(args.summary))):
+        for png in plot_summary(
+            summary, family, args.out or os.path.dirname(os.path.abspath(args.summary))
+        ):
             print("wrote", png)
         return 0
     if args.metric:
-        family = dataclasses.replace(family, name=f"{family.name}_{args.metric}", metric=args.metric)
+        family = dataclasses.replace(
+            family, name=f"{family.name}_{args.metric}", metric=args.metric
+        )
     out = args.out or args.root
     summary = summarize(family, args.root)
     if all(g.get("missing") for g in summary["groups"].values()):

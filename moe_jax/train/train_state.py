@@ -42,8 +42,9 @@ class TrainState:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
 
-def init_train_state(model, tx: optax.GradientTransformation, input_shapes: dict[str, tuple],
-                     seed: int) -> TrainState:
+def init_train_state(
+    model, tx: optax.GradientTransformation, input_shapes: dict[str, tuple], seed: int
+) -> TrainState:
     """A fresh state: parameters from ``model.get_initial_variables(PRNGKey(seed), ...)``.
 
     Run under ``jax.jit`` with ``out_shardings`` from :func:`state_shardings` so that each
@@ -52,8 +53,13 @@ def init_train_state(model, tx: optax.GradientTransformation, input_shapes: dict
     init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
     variables = nn.unbox(model.get_initial_variables(init_key, input_shapes))
     params = variables.pop("params")
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=run_key, collections=variables)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=run_key,
+        collections=variables,
+    )
 
 
 def param_shardings(model, input_shapes: dict[str, tuple], mesh: Mesh, rules) -> PyTree:
@@ -61,17 +67,25 @@ def param_shardings(model, input_shapes: dict[str, tuple], mesh: Mesh, rules) ->
     return partitioning.tree_shardings(model.param_logical_axes(input_shapes), mesh, rules)
 
 
-def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: Mesh,
-                    collections_sharding: PyTree | None = None) -> TrainState:
+def state_shardings(
+    abstract_state: TrainState,
+    params_sharding: PyTree,
+    mesh: Mesh,
+    collections_sharding: PyTree | None = None,
+) -> TrainState:
     """Shardings for a whole state: parameters by their rules; an optimizer-state leaf whose
     tree path ends with a parameter's path and has its shape (Adam's moments) follows that
     parameter; other leaves (Adafactor's factored moments, counts), step and rng are
     replicated; state collections by their rules (``collections_sharding``; replicated
     when None)."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    by_path = {path: (leaf.shape, sharding) for (path, leaf), sharding in zip(
-        jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
-        jax.tree.leaves(params_sharding))}
+    by_path = {
+        path: (leaf.shape, sharding)
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
+            jax.tree.leaves(params_sharding),
+        )
+    }
 
     def follow_param(path, leaf):
         for start in range(len(path)):
@@ -83,8 +97,13 @@ def state_shardings(abstract_state: TrainState, params_sharding: PyTree, mesh: M
     opt_shardings = jax.tree_util.tree_map_with_path(follow_param, abstract_state.opt_state)
     if collections_sharding is None:
         collections_sharding = jax.tree.map(lambda _: replicated, abstract_state.collections)
-    return TrainState(step=replicated, params=params_sharding, opt_state=opt_shardings,
-                      rng=replicated, collections=collections_sharding)
+    return TrainState(
+        step=replicated,
+        params=params_sharding,
+        opt_state=opt_shardings,
+        rng=replicated,
+        collections=collections_sharding,
+    )
 
 
 def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
@@ -95,8 +114,9 @@ def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
         (e.g. 3 experts on an ``expert`` axis of 2), instead of JAX's sharding text.
     """
     jax.tree_util.tree_map_with_path(_check_divides, abstract, shardings)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, shardings)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
 
 
 def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
@@ -108,9 +128,13 @@ def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         parts = math.prod(sharding.mesh.shape[axis] for axis in axes)
         if parts > 1 and size % parts:
-            hint = ("make the number of experts (NUM_EXPERTS) a multiple of the expert axis, or "
-                    "change the mesh (partitioning.make_mesh.mesh_shape)" if "expert" in axes
-                    else "change the mesh (partitioning.make_mesh.mesh_shape) or that size")
+            hint = (
+                "make the number of experts (NUM_EXPERTS) a multiple of the expert axis, or "
+                "change the mesh (partitioning.make_mesh.mesh_shape)"
+                if "expert" in axes
+                else "change the mesh (partitioning.make_mesh.mesh_shape) or that size"
+            )
             raise errors.ConfigError(
                 f"{name} {list(shape)}: dimension {dim} ({size}) is split over mesh axis "
-                f"{'x'.join(axes)} of size {parts}, which does not divide it; {hint}")
+                f"{'x'.join(axes)} of size {parts}, which does not divide it; {hint}"
+            )

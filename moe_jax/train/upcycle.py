@@ -45,9 +45,18 @@ def _keeps_every_token(config: MoeConfig) -> bool:
     if cap.dropless:
         return True
     tokens = cap.group_size
-    return all(capacity.expert_capacity(tokens, config.routed_experts, config.choices_per_token, factor,
-                                        cap.min_expert_capacity, cap.capacity_rule) >= tokens
-               for factor in (cap.train_capacity_factor, cap.eval_capacity_factor))
+    return all(
+        capacity.expert_capacity(
+            tokens,
+            config.routed_experts,
+            config.choices_per_token,
+            factor,
+            cap.min_expert_capacity,
+            cap.capacity_rule,
+        )
+        >= tokens
+        for factor in (cap.train_capacity_factor, cap.eval_capacity_factor)
+    )
 
 
 def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str]:
@@ -61,20 +70,33 @@ def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str
             f"CapacityConfig.dropless=False with train/eval capacity factors {cap.train_capacity_factor:g} / "
             f"{cap.eval_capacity_factor:g}: an expert takes at most its capacity of a group's tokens and "
             "the others skip the layer (all experts are the same MLP, so the router's choices are uneven); "
-            "--gin.CapacityConfig.dropless=True keeps every token")
+            "--gin.CapacityConfig.dropless=True keeps every token"
+        )
     partial_gates = config.choices_per_token < config.routed_experts
     if config.router_type == "expert_choice":
-        causes.append("ExpertChoiceRouterConfig: experts pick tokens, so a token may get none or several experts")
-    elif (isinstance(router, TopKRouterConfig) and router.score_function == "softmax"
-          and not router.renormalize_gates and partial_gates):
-        causes.append("TopKRouterConfig.renormalize_gates=False: a token's top-k softmax gates sum to less "
-                      "than 1 (include routers/renormalized.gin)")
+        causes.append(
+            "ExpertChoiceRouterConfig: experts pick tokens, so a token may get none or several experts"
+        )
+    elif (
+        isinstance(router, TopKRouterConfig)
+        and router.score_function == "softmax"
+        and not router.renormalize_gates
+        and partial_gates
+    ):
+        causes.append(
+            "TopKRouterConfig.renormalize_gates=False: a token's top-k softmax gates sum to less "
+            "than 1 (include routers/renormalized.gin)"
+        )
     elif config.router_type == "noisy_top_k" and partial_gates:
-        causes.append("NoisyTopKRouterConfig: a token's top-k softmax gates sum to less than 1 (this router "
-                      "does not renormalise them; TopKRouterConfig.renormalize_gates does)")
+        causes.append(
+            "NoisyTopKRouterConfig: a token's top-k softmax gates sum to less than 1 (this router "
+            "does not renormalise them; TopKRouterConfig.renormalize_gates does)"
+        )
     if config.num_shared_experts:
-        causes.append(f"MoeConfig.num_shared_experts={config.num_shared_experts}: shared experts start from "
-                      "the MoE initialisation and add to the copied MLP")
+        causes.append(
+            f"MoeConfig.num_shared_experts={config.num_shared_experts}: shared experts start from "
+            "the MoE initialisation and add to the copied MLP"
+        )
     if noise_std:
         causes.append(f"--noise_std={noise_std:g} perturbs the experts")
     return causes
@@ -93,8 +115,11 @@ def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]
     token-choice layer would drop tokens and ``keep_capacity`` is False; returns whether it
     did and the model's MoE configs as then configured."""
     configs = moe_configs()
-    if (keep_capacity or all(_keeps_every_token(c) for c in configs)
-            or any(c.router_type == "expert_choice" for c in configs)):
+    if (
+        keep_capacity
+        or all(_keeps_every_token(c) for c in configs)
+        or any(c.router_type == "expert_choice" for c in configs)
+    ):
         return False, configs
     gin.bind_parameter("CapacityConfig.dropless", True)
     return True, moe_configs()
@@ -122,7 +147,10 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
             node = node.setdefault(key, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
     params, _, step, _ = checkpoints.restore_from(f"{model_dir}/{step}", target)
-    flat = {checkpoints.path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat = {
+        checkpoints.path_name(p): leaf
+        for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     return flat, step
 
 
@@ -133,7 +161,9 @@ def _train_argument(name: str) -> Any:
     return value.scoped_configurable_fn() if hasattr(value, "scoped_configurable_fn") else value
 
 
-def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False) -> dict[str, Any]:
+def upcycle(
+    checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False
+) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
     from moe_jax.moe.upcycle import upcycle_params
     from moe_jax.train import checkpoints, evaluate, setup
@@ -144,27 +174,46 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
     dataset_cfg = _train_argument("train_dataset_cfg")
     seed = int(_train_argument("random_seed"))
     if not model.module.config.has_moe:
-        raise ValueError("upcycle: the gin files describe a model without MoE layers "
-                         "(T5Config.num_sparse_*_layers = 0)")
+        raise ValueError(
+            "upcycle: the gin files describe a model without MoE layers "
+            "(T5Config.num_sparse_*_layers = 0)"
+        )
     granularities = {c.expert_granularity for c in moe_configs()}
     if len(granularities) > 1:
-        raise ValueError(f"upcycle: the encoder's and the decoder's MoeConfig.expert_granularity differ "
-                         f"({sorted(granularities)}); upcycling takes one")
+        raise ValueError(
+            f"upcycle: the encoder's and the decoder's MoeConfig.expert_granularity differ "
+            f"({sorted(granularities)}); upcycling takes one"
+        )
     dense, dense_step = _dense_params(checkpoint)
     run = setup.build_train_setup(model, dataset_cfg.input_shapes(), setup.run_context(), seed=seed)
     state, shardings = run.init_state(), run.shardings
-    params = upcycle_params(dense, jax.device_get(state.params), granularity=granularities.pop(),
-                            noise_std=noise_std, rng=jax.random.PRNGKey(seed))
+    params = upcycle_params(
+        dense,
+        jax.device_get(state.params),
+        granularity=granularities.pop(),
+        noise_std=noise_std,
+        rng=jax.random.PRNGKey(seed),
+    )
     params = jax.device_put(params, shardings.params)
     with jax.set_mesh(run.ctx.mesh):
         opt_state = jax.jit(run.tx.init, out_shardings=shardings.opt_state)(params)
     step = 0 if reset_step else dense_step
-    state = state.replace(step=jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), shardings.step),
-                          params=params, opt_state=opt_state)
+    state = state.replace(
+        step=jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), shardings.step),
+        params=params,
+        opt_state=opt_state,
+    )
     ckpt = checkpoints.Checkpointer(out, async_save=False)
     try:
-        ckpt.save(state, {"data_iterators": [], "random_seed": seed,
-                          "upcycled_from": f"{checkpoint} step {dense_step}"}, force=True)
+        ckpt.save(
+            state,
+            {
+                "data_iterators": [],
+                "random_seed": seed,
+                "upcycled_from": f"{checkpoint} step {dense_step}",
+            },
+            force=True,
+        )
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
@@ -174,42 +223,83 @@ def upcycle(checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bo
         eval_cfg = _train_argument("train_eval_dataset_cfg")
         if eval_cfg is not None:
             evaluate.record_eval_settings(out, _train_argument("eval_steps"), eval_cfg)
-    return {"out": out, "step": step, "dense_step": dense_step, "num_params": model.num_params(params)}
+    return {
+        "out": out,
+        "step": step,
+        "dense_step": dense_step,
+        "num_params": model.num_params(params),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     from moe_jax.train import setup
 
     parser = setup.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=storage.normalize, required=True, metavar="DENSE_DIR[/STEP]",
-                        help="the dense run (MODEL_DIR, latest step) or MODEL_DIR/STEP; only read")
-    parser.add_argument("--out", type=storage.normalize, required=True, metavar="MOE_DIR", help="new MoE run directory (must be empty)")
-    parser.add_argument("--noise_std", type=float, default=0.0,
-                        help="expert noise, as a fraction of each dense weight's std (default 0: exact copies)")
-    parser.add_argument("--reset_step", action="store_true", help="start the MoE run at step 0 (default: the dense step)")
-    parser.add_argument("--keep_capacity", action="store_true",
-                        help="keep the gin files' capacity factors (tokens beyond an expert's capacity are "
-                             "dropped, so the step-0 model is not the dense one); default: a layer that "
-                             "would drop tokens is written dropless (CapacityConfig.dropless = True)")
+    parser.add_argument(
+        "--checkpoint",
+        type=storage.normalize,
+        required=True,
+        metavar="DENSE_DIR[/STEP]",
+        help="the dense run (MODEL_DIR, latest step) or MODEL_DIR/STEP; only read",
+    )
+    parser.add_argument(
+        "--out",
+        type=storage.normalize,
+        required=True,
+        metavar="MOE_DIR",
+        help="new MoE run directory (must be empty)",
+    )
+    parser.add_argument(
+        "--noise_std",
+        type=float,
+        default=0.0,
+        help="expert noise, as a fraction of each dense weight's std (default 0: exact copies)",
+    )
+    parser.add_argument(
+        "--reset_step",
+        action="store_true",
+        help="start the MoE run at step 0 (default: the dense step)",
+    )
+    parser.add_argument(
+        "--keep_capacity",
+        action="store_true",
+        help="keep the gin files' capacity factors (tokens beyond an expert's capacity are "
+        "dropped, so the step-0 model is not the dense one); default: a layer that "
+        "would drop tokens is written dropless (CapacityConfig.dropless = True)",
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     args.gin_dot_bindings.append(f"MODEL_DIR = {args.out!r}")
     try:
         gin_utils.parse_gin(args, finalize=False)
         made_dropless, configs = make_dropless_if_needed(args.keep_capacity)
         gin.finalize()
-        result = upcycle(args.checkpoint, args.out, noise_std=args.noise_std, reset_step=args.reset_step)
+        result = upcycle(
+            args.checkpoint, args.out, noise_std=args.noise_std, reset_step=args.reset_step
+        )
     except (gin_utils.GinConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"moe-jax upcycle: error: {err}", file=sys.stderr)
         return 1
     if made_dropless:
-        factors = ", ".join(f"{c.capacity.train_capacity_factor:g} / {c.capacity.eval_capacity_factor:g}"
-                            for c in configs)
-        print(f"[moe-jax] upcycle: {args.out}/config.gin binds CapacityConfig.dropless = True (the gin files' "
-              f"capacity factors {factors} would drop tokens), so the step-0 model is the dense one and "
-              "training continues dropless; --keep_capacity keeps the capacity factors", file=sys.stderr)
-    for cause in dict.fromkeys(c for config in configs for c in step_zero_differences(config, args.noise_std)):
-        print(f"[moe-jax] upcycle: warning: the upcycled model differs from the dense one at step 0: {cause}",
-              file=sys.stderr)
-    print(f"[moe-jax] upcycled {args.checkpoint} (step {result['dense_step']}) into {result['out']} at step "
-          f"{result['step']}: {result['num_params']:,} parameters", file=sys.stderr)
+        factors = ", ".join(
+            f"{c.capacity.train_capacity_factor:g} / {c.capacity.eval_capacity_factor:g}"
+            for c in configs
+        )
+        print(
+            f"[moe-jax] upcycle: {args.out}/config.gin binds CapacityConfig.dropless = True (the gin files' "
+            f"capacity factors {factors} would drop tokens), so the step-0 model is the dense one and "
+            "training continues dropless; --keep_capacity keeps the capacity factors",
+            file=sys.stderr,
+        )
+    for cause in dict.fromkeys(
+        c for config in configs for c in step_zero_differences(config, args.noise_std)
+    ):
+        print(
+            f"[moe-jax] upcycle: warning: the upcycled model differs from the dense one at step 0: {cause}",
+            file=sys.stderr,
+        )
+    print(
+        f"[moe-jax] upcycled {args.checkpoint} (step {result['dense_step']}) into {result['out']} at step "
+        f"{result['step']}: {result['num_params']:,} parameters",
+        file=sys.stderr,
+    )
     return 0

@@ -4,9 +4,9 @@ writes, and the compile report's MoE choices."""
 
 from __future__ import annotations
 
+import gin
 import pytest
 
-import gin
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import legacy_gin
 from moe_jax.train import aot, export, gin_utils, setup

@@ -21,8 +21,10 @@ def gin_model(*files: str, bindings: tuple[str, ...] = ()):
     """The MODEL of the gin files (its ``T5Config`` and MoE config built from them)."""
     gin.clear_config()
     gin.add_config_file_search_path(str(REPO))
-    gin.parse_config_files_and_bindings([str(REPO / "gin" / "models" / f) for f in files],
-                                        ["EncoderDecoderModel.vocabulary = 32128", *bindings])
+    gin.parse_config_files_and_bindings(
+        [str(REPO / "gin" / "models" / f) for f in files],
+        ["EncoderDecoderModel.vocabulary = 32128", *bindings],
+    )
     try:
         yield gin.query_parameter("%MODEL").scoped_configurable_fn()
     finally:
@@ -56,15 +58,18 @@ def test_paper_sizes_have_the_formula_parameter_counts(size, d, d_ff):
     # MoE: 3 sparse layers per stack; each swaps one gated MLP for 32 of them plus a router.
     experts, sparse_layers = 32, 6
     assert _param_count("t5_moe.gin", size) == dense + sparse_layers * (
-        (experts - 1) * 3 * d * d_ff + d * experts)
+        (experts - 1) * 3 * d * d_ff + d * experts
+    )
     # FLOP-matched dense: the same 6 layers get a 2 x d_ff dense MLP.
     assert _param_count("t5_dense_flop_matched.gin", size) == dense + sparse_layers * 3 * d * d_ff
 
 
 def test_flop_matched_baseline_matches_the_moe_flops_up_to_the_router():
     shapes = {"encoder_input_tokens": (1, 512), "decoder_input_tokens": (1, 114)}
-    dense, matched, moe = (_flops_per_token(shapes, f, "size_d32.gin")
-                           for f in ("t5_dense.gin", "t5_dense_flop_matched.gin", "t5_moe.gin"))
+    dense, matched, moe = (
+        _flops_per_token(shapes, f, "size_d32.gin")
+        for f in ("t5_dense.gin", "t5_dense_flop_matched.gin", "t5_moe.gin")
+    )
     # The routers (d_model x E per token, 3 sparse layers per stack, x3 for training)
     # are the only difference between the MoE model and its FLOP-matched baseline.
     router = 3 * 2 * 32 * 32 * 3
@@ -86,11 +91,16 @@ def test_fine_grained_scales_the_capacity_factors_of_a_router_file_read_before_i
     they once bound the layer's factors directly and the fine-grained runs kept 1.25 / 2.0."""
     from moe_jax.moe import MoeConfig
 
-    files = [str(REPO / "gin" / d / f) for d, f in
-             (("models", "t5_moe.gin"), ("routers", router), ("routers", "fine_grained.gin"))]
+    files = [
+        str(REPO / "gin" / d / f)
+        for d, f in (("models", "t5_moe.gin"), ("routers", router), ("routers", "fine_grained.gin"))
+    ]
     gin.add_config_file_search_path(str(REPO))
     try:
-        for parsed, expected in ((files, (5.0, 8.0)), (files[:2], (1.25, 2.0))):  # router alone: its own
+        for parsed, expected in (
+            (files, (5.0, 8.0)),
+            (files[:2], (1.25, 2.0)),
+        ):  # router alone: its own
             gin.clear_config()
             gin.parse_config_files_and_bindings(parsed, [], finalize_config=False)
             capacity = MoeConfig().capacity

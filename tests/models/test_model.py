@@ -19,7 +19,7 @@ from tests.models.conftest import random_batch, tiny_config
 SHAPES = {"encoder_input_tokens": (2, 8), "decoder_input_tokens": (2, 6)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dense(**kwargs):
     model = EncoderDecoderModel(EncoderDecoder(tiny_config()), **kwargs)
     return model, model.get_initial_variables(jax.random.key(0), SHAPES)["params"]
@@ -29,11 +29,20 @@ def _dense(**kwargs):
 def moe_gin():
     """Tiny MoE bindings (4 experts, top-2), live while the test traces the network."""
     gin.clear_config()
-    gin.parse_config("\n".join([
-        "MoeConfig.num_experts = 4", "TopKRouterConfig.num_selected_experts = 2", "MoeConfig.d_ff = 32",
-        "MoeConfig.activation = 'gated_gelu'", "CapacityConfig.group_size = 16",
-        "CapacityConfig.train_capacity_factor = 1.0", "CapacityConfig.eval_capacity_factor = 8.0",
-        "CapacityConfig.min_expert_capacity = 1"]))
+    gin.parse_config(
+        "\n".join(
+            [
+                "MoeConfig.num_experts = 4",
+                "TopKRouterConfig.num_selected_experts = 2",
+                "MoeConfig.d_ff = 32",
+                "MoeConfig.activation = 'gated_gelu'",
+                "CapacityConfig.group_size = 16",
+                "CapacityConfig.train_capacity_factor = 1.0",
+                "CapacityConfig.eval_capacity_factor = 8.0",
+                "CapacityConfig.min_expert_capacity = 1",
+            ]
+        )
+    )
     yield
     gin.clear_config()
 
@@ -47,8 +56,8 @@ def test_cross_entropy_with_smoothing_and_z_loss_matches_numpy():
     soft = np.full((2, 3, 5), 0.1 / 4)
     np.put_along_axis(soft, targets[..., None], 0.9, axis=-1)
     expected_ce = -(soft * (logits - log_z[..., None])).sum(-1) + (soft * np.log(soft)).sum(-1)
-    np.testing.assert_allclose(z, 1e-2 * log_z ** 2, rtol=1e-5)
-    np.testing.assert_allclose(loss, expected_ce + 1e-2 * log_z ** 2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, 1e-2 * log_z**2, rtol=1e-5)
+    np.testing.assert_allclose(loss, expected_ce + 1e-2 * log_z**2, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_normalization_and_weights():
@@ -74,9 +83,13 @@ def test_accuracy_is_the_weighted_argmax_hit_rate():
     model, params = _dense()
     batch = random_batch(3)
     _, metrics = model.loss_fn(params, batch, None)
-    logits = model.module.apply({"params": params}, batch["encoder_input_tokens"],
-                                batch["decoder_input_tokens"], batch["decoder_target_tokens"],
-                                enable_dropout=False)
+    logits = model.module.apply(
+        {"params": params},
+        batch["encoder_input_tokens"],
+        batch["decoder_input_tokens"],
+        batch["decoder_target_tokens"],
+        enable_dropout=False,
+    )
     hits = np.asarray(jnp.argmax(logits, -1)) == batch["decoder_target_tokens"]
     np.testing.assert_allclose(metrics["accuracy"], hits.mean(), rtol=1e-6)
 
@@ -87,29 +100,45 @@ def _teacher_forced_step_logits(model, params, batch):
     enc = batch["encoder_input_tokens"]
     encoded = encode(enc, method=EncoderDecoder.encode)
     length = batch["decoder_input_tokens"].shape[1]
-    kwargs = dict(enable_dropout=False, decode=True, max_decode_length=length,
-                  method=EncoderDecoder.decode, mutable=["cache"])
+    kwargs = dict(
+        enable_dropout=False,
+        decode=True,
+        max_decode_length=length,
+        method=EncoderDecoder.decode,
+        mutable=["cache"],
+    )
     _, state = encode(encoded, enc, jnp.ones_like(batch["decoder_input_tokens"]), **kwargs)
-    step = jax.jit(lambda cache, tokens: model.module.apply(
-        {"params": params, "cache": cache}, encoded, enc, tokens, **kwargs))
+    step = jax.jit(
+        lambda cache, tokens: model.module.apply(
+            {"params": params, "cache": cache}, encoded, enc, tokens, **kwargs
+        )
+    )
     cache, steps = state["cache"], []
     for i in range(length):
-        logits, state = step(cache, batch["decoder_input_tokens"][:, i:i + 1])
+        logits, state = step(cache, batch["decoder_input_tokens"][:, i : i + 1])
         cache = state["cache"]
         steps.append(logits[:, 0])
     return np.stack(steps, axis=1)
 
 
 def _full_logits(model, params, batch):
-    return model.module.apply({"params": params}, batch["encoder_input_tokens"],
-                              batch["decoder_input_tokens"], enable_dropout=False)
+    return model.module.apply(
+        {"params": params},
+        batch["encoder_input_tokens"],
+        batch["decoder_input_tokens"],
+        enable_dropout=False,
+    )
 
 
 def test_kv_cache_decoding_equals_the_full_forward():
     model, params = _dense()
     batch = random_batch(4)
-    np.testing.assert_allclose(_teacher_forced_step_logits(model, params, batch),
-                               _full_logits(model, params, batch), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        _teacher_forced_step_logits(model, params, batch),
+        _full_logits(model, params, batch),
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
 def test_greedy_predict_equals_argmax_of_repeated_full_forwards():
@@ -120,7 +149,9 @@ def test_greedy_predict_equals_argmax_of_repeated_full_forwards():
     done = np.zeros(2, bool)
     for i in range(6):
         inputs = np.concatenate([np.zeros((2, 1), np.int32), tokens[:, :-1]], 1)
-        step = np.argmax(_full_logits(model, params, dict(batch, decoder_input_tokens=inputs))[:, i], -1)
+        step = np.argmax(
+            _full_logits(model, params, dict(batch, decoder_input_tokens=inputs))[:, i], -1
+        )
         tokens[:, i] = np.where(done, 0, step)
         done |= tokens[:, i] == model.eos_id
     np.testing.assert_array_equal(predicted, tokens)
@@ -129,10 +160,14 @@ def test_greedy_predict_equals_argmax_of_repeated_full_forwards():
 def test_temperature_sampling():
     model, params = _dense()
     batch = random_batch(6, batch=4)
-    sample = jax.jit(functools.partial(model.predict_batch, decode_method="sample", max_decode_length=8),
-                     static_argnames="temperature")
+    sample = jax.jit(
+        functools.partial(model.predict_batch, decode_method="sample", max_decode_length=8),
+        static_argnames="temperature",
+    )
     greedy = model.predict_batch(params, batch, max_decode_length=8)
-    np.testing.assert_array_equal(sample(params, batch, jax.random.key(0), temperature=1e-4), greedy)
+    np.testing.assert_array_equal(
+        sample(params, batch, jax.random.key(0), temperature=1e-4), greedy
+    )
     hot = [np.asarray(sample(params, batch, jax.random.key(s), temperature=5.0)) for s in (1, 2)]
     assert hot[0].shape == (4, 8) and not np.array_equal(hot[0], hot[1])
     assert hot[0].max() < 64
@@ -168,7 +203,12 @@ def test_moe_model_adds_aux_losses_and_reports_routing_per_layer(moe_gin):
     assert float(jnp.abs(moe_grads["router"]["weights"]["w"].value).sum()) > 0
     assert float(jnp.abs(moe_grads["expert"]["wi_0"].value).sum()) > 0
     # KV-cache decoding through the MoE decoder layer equals the full forward (no drops at eval)
-    np.testing.assert_allclose(_teacher_forced_step_logits(model, params, batch),
-                               _full_logits(model, params, batch), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        _teacher_forced_step_logits(model, params, batch),
+        _full_logits(model, params, batch),
+        atol=1e-4,
+        rtol=1e-4,
+    )
     assert model.flops_per_token(SHAPES) > EncoderDecoderModel(
-        EncoderDecoder(tiny_config())).flops_per_token(SHAPES)
+        EncoderDecoder(tiny_config())
+    ).flops_per_token(SHAPES)

@@ -24,16 +24,29 @@ SHAPES = {"encoder_input_tokens": (4, 8), "decoder_input_tokens": (4, 6)}
 def moe_bindings():
     """A tiny MoE layer in layer 1 of each stack (4 experts, top-2, expert dropout)."""
     gin.clear_config()
-    gin.parse_config("\n".join([
-        "MoeConfig.num_experts = 4", "MoeConfig.d_ff = 32", "MoeConfig.activation = 'gated_gelu'",
-        "CapacityConfig.group_size = 8", "MoeConfig.expert_dropout_rate = 0.1"]))
+    gin.parse_config(
+        "\n".join(
+            [
+                "MoeConfig.num_experts = 4",
+                "MoeConfig.d_ff = 32",
+                "MoeConfig.activation = 'gated_gelu'",
+                "CapacityConfig.group_size = 8",
+                "MoeConfig.expert_dropout_rate = 0.1",
+            ]
+        )
+    )
     yield
     gin.clear_config()
 
 
 def _model(policy: str, **overrides) -> EncoderDecoderModel:
-    config = tiny_config(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
-                         dropout_rate=0.1, remat_policy=policy, **overrides)
+    config = tiny_config(
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+        dropout_rate=0.1,
+        remat_policy=policy,
+        **overrides,
+    )
     return EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)
 
 
@@ -41,7 +54,7 @@ def _grad_fn(model):
     return jax.jit(jax.value_and_grad(model.loss_fn, has_aux=True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference():
     model = _model("none")
     params = nn.unbox(model.get_initial_variables(jax.random.key(0), SHAPES)["params"])
@@ -49,8 +62,14 @@ def _reference():
     return params, batch, _grad_fn(model)(params, batch, jax.random.key(3))
 
 
-@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "minimal",
-                                    pytest.param("dots", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param("full", marks=pytest.mark.slow),
+        "minimal",
+        pytest.param("dots", marks=pytest.mark.slow),
+    ],
+)
 def test_remat_gives_the_same_loss_metrics_and_gradients(policy):
     params, batch, ((ref_loss, ref_metrics), ref_grads) = _reference()
     model = _model(policy)
@@ -59,10 +78,12 @@ def test_remat_gives_the_same_loss_metrics_and_gradients(policy):
     assert jax.tree.structure(fresh) == jax.tree.structure(params)
     (loss, metrics), grads = _grad_fn(model)(params, batch, jax.random.key(3))  # dropout on
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 metrics, ref_metrics)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
-                 grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), metrics, ref_metrics
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, ref_grads
+    )
 
 
 def test_each_policy_keeps_less_for_the_backward_pass():

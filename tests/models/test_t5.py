@@ -23,14 +23,22 @@ def _init(config: T5Config, enc_len: int = 8, dec_len: int = 6):
 
 
 def _logits(model, params, batch, **kwargs):
-    keys = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
-            "encoder_segment_ids", "decoder_segment_ids")
-    return model.module.apply({"params": params}, *(batch.get(k) for k in keys),
-                              enable_dropout=False, **kwargs)
+    keys = (
+        "encoder_input_tokens",
+        "decoder_input_tokens",
+        "decoder_target_tokens",
+        "encoder_segment_ids",
+        "decoder_segment_ids",
+    )
+    return model.module.apply(
+        {"params": params}, *(batch.get(k) for k in keys), enable_dropout=False, **kwargs
+    )
 
 
-@pytest.mark.parametrize("layout,expected", [
-    ("mixed", (3, 7, 11)), ("bottom", (0, 1, 2)), ("top", (9, 10, 11)), ("middle", (5, 6, 7))])
+@pytest.mark.parametrize(
+    "layout,expected",
+    [("mixed", (3, 7, 11)), ("bottom", (0, 1, 2)), ("top", (9, 10, 11)), ("middle", (5, 6, 7))],
+)
 def test_sparse_layouts_of_t5x(layout, expected):
     assert sparse_layer_indices(12, 3, layout) == expected
 
@@ -59,25 +67,46 @@ def test_t5_base_parameter_count_matches_t5_v1_1_base():
     config = T5Config(vocab_size=32128, emb_dim=768, num_heads=12, head_dim=64, mlp_dim=2048)
     model = EncoderDecoderModel(EncoderDecoder(config))
     shapes = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
-    params = jax.eval_shape(functools.partial(model.get_initial_variables, input_shapes=shapes),
-                            jax.random.key(0))["params"]
+    params = jax.eval_shape(
+        functools.partial(model.get_initial_variables, input_shapes=shapes), jax.random.key(0)
+    )["params"]
     # T5 v1.1 base (untied, 32128 vocab) has 247,577,856 parameters.
     assert model.num_params(params) == 247_577_856
     assert model.num_params(params) == _t5_formula(32128, 768, 12, 64, 2048, 12, 12)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(logits_via_embedding=True), dict(mlp_activations=("relu",)),
-    dict(num_heads=3, head_dim=16, num_sparse_decoder_layers=1, sparse_layer_type="dense",
-         flop_matched_mlp_dim=128)])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(logits_via_embedding=True),
+        dict(mlp_activations=("relu",)),
+        dict(
+            num_heads=3,
+            head_dim=16,
+            num_sparse_decoder_layers=1,
+            sparse_layer_type="dense",
+            flop_matched_mlp_dim=128,
+        ),
+    ],
+)
 def test_variants_parameter_counts(overrides):
     config = tiny_config(**overrides)
     model = EncoderDecoderModel(EncoderDecoder(config))
     shapes = {"encoder_input_tokens": (1, 4), "decoder_input_tokens": (1, 4)}
-    params = jax.eval_shape(functools.partial(model.get_initial_variables, input_shapes=shapes),
-                            jax.random.key(0))["params"]
-    expected = _t5_formula(64, 32, config.num_heads, config.head_dim, 64, 2, 2,
-                           tied=config.logits_via_embedding, n_in=len(config.mlp_activations))
+    params = jax.eval_shape(
+        functools.partial(model.get_initial_variables, input_shapes=shapes), jax.random.key(0)
+    )["params"]
+    expected = _t5_formula(
+        64,
+        32,
+        config.num_heads,
+        config.head_dim,
+        64,
+        2,
+        2,
+        tied=config.logits_via_embedding,
+        n_in=len(config.mlp_activations),
+    )
     if config.sparse_layer_type == "dense" and config.num_sparse_decoder_layers:
         expected += 3 * 32 * (128 - 64)  # one decoder layer with the wider FLOP-matched MLP
         assert params["decoder"]["layers_1"]["ffn"]["mlp"]["wo"].value.shape == (128, 32)
@@ -87,13 +116,17 @@ def test_variants_parameter_counts(overrides):
 
 def test_every_parameter_has_known_logical_axes():
     model, _ = _init(tiny_config())
-    specs = model.param_logical_axes({"encoder_input_tokens": (2, 8), "decoder_input_tokens": (2, 6)})
+    specs = model.param_logical_axes(
+        {"encoder_input_tokens": (2, 8), "decoder_input_tokens": (2, 6)}
+    )
     from moe_jax.partitioning import KNOWN_LOGICAL_AXES
+
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     assert leaves and all(isinstance(s, jax.sharding.PartitionSpec) for s in leaves)
     assert all(name in KNOWN_LOGICAL_AXES for s in leaves for name in s)
-    assert specs["encoder"]["layers_0"]["self_attention"]["attention"]["query"] == \
-        jax.sharding.PartitionSpec("embed", "heads", "kv")
+    assert specs["encoder"]["layers_0"]["self_attention"]["attention"][
+        "query"
+    ] == jax.sharding.PartitionSpec("embed", "heads", "kv")
 
 
 def test_decoder_is_causal_and_encoder_is_bidirectional(batch):
@@ -104,11 +137,14 @@ def test_decoder_is_causal_and_encoder_is_bidirectional(batch):
     out = _logits(model, params, changed)
     np.testing.assert_allclose(out[:, :4], base[:, :4], atol=1e-5)
     assert not np.allclose(out[:, 4:], base[:, 4:], atol=1e-3)
-    encode = functools.partial(model.module.apply, {"params": params}, enable_dropout=False,
-                               method=EncoderDecoder.encode)
+    encode = functools.partial(
+        model.module.apply, {"params": params}, enable_dropout=False, method=EncoderDecoder.encode
+    )
     enc_changed = batch["encoder_input_tokens"].copy()
     enc_changed[:, -1] = (enc_changed[:, -1] + 5) % 60 + 2
-    assert not np.allclose(encode(enc_changed)[:, 0], encode(batch["encoder_input_tokens"])[:, 0], atol=1e-3)
+    assert not np.allclose(
+        encode(enc_changed)[:, 0], encode(batch["encoder_input_tokens"])[:, 0], atol=1e-3
+    )
 
 
 def test_packed_segments_do_not_attend_across():
@@ -121,10 +157,13 @@ def test_packed_segments_do_not_attend_across():
     out = _logits(model, params, packed)
 
     def alone(x):
-        padded = {k: np.zeros((1, 10 if k == "encoder_input_tokens" else 8), v.dtype) for k, v in x.items()}
+        padded = {
+            k: np.zeros((1, 10 if k == "encoder_input_tokens" else 8), v.dtype)
+            for k, v in x.items()
+        }
         for k, v in x.items():
-            padded[k][:, :v.shape[1]] = v
-        return _logits(model, params, padded)[:, :x["decoder_target_tokens"].shape[1]]
+            padded[k][:, : v.shape[1]] = v
+        return _logits(model, params, padded)[:, : x["decoder_target_tokens"].shape[1]]
 
     np.testing.assert_allclose(out[:, :3], alone(a), atol=1e-5)
     np.testing.assert_allclose(out[:, 3:], alone(b), atol=1e-5)

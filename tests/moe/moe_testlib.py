@@ -30,8 +30,11 @@ def init_params(layer: MoeLayer, x: jax.Array, **kwargs) -> dict:
 def apply(layer: MoeLayer, params: dict, x: jax.Array, **kwargs):
     """Jitted apply; returns (outputs, sown collections)."""
     static, dynamic = _split(kwargs)
-    fn = jax.jit(lambda p, x, kw: layer.apply({"params": p}, x, mutable=["aux_loss", "moe_metrics"],
-                                              **kw, **static))
+    fn = jax.jit(
+        lambda p, x, kw: layer.apply(
+            {"params": p}, x, mutable=["aux_loss", "moe_metrics"], **kw, **static
+        )
+    )
     return fn(params, x, dynamic)
 
 
@@ -39,10 +42,9 @@ def metric(state: dict, name: str) -> jax.Array:
     return state["moe_metrics"][name][0]
 
 
-
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
     """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``, for
     XLA:CPU, which cannot compile the primitive (its lowering is only compile-tested, for TPU).
     Slice ``i`` (``len(input_offsets) / axis size`` per destination) is cut out of
@@ -51,11 +53,16 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     example in jax's docstring."""
     rows = jnp.arange(operand.shape[0])
     take = input_offsets[:, None] + rows
-    chunks = jnp.where((rows < send_sizes[:, None]).reshape(take.shape + (1,) * (operand.ndim - 1)),
-                       operand[jnp.clip(take, 0, operand.shape[0] - 1)], 0)  # [slices, n, ...]
+    chunks = jnp.where(
+        (rows < send_sizes[:, None]).reshape(take.shape + (1,) * (operand.ndim - 1)),
+        operand[jnp.clip(take, 0, operand.shape[0] - 1)],
+        0,
+    )  # [slices, n, ...]
     received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
     starts = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    put = jnp.where(rows < recv_sizes[:, None], starts[:, None] + rows, output.shape[0])  # past the end: dropped
+    put = jnp.where(
+        rows < recv_sizes[:, None], starts[:, None] + rows, output.shape[0]
+    )  # past the end: dropped
     return output.at[put.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
@@ -66,8 +73,15 @@ def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding
     params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
 
     def step(p, x):
-        loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, deterministic=False,  # noqa: E731
-                                                mutable=["aux_loss"])[0].astype(jnp.float32) ** 2)
+        loss = lambda p, x: jnp.sum(
+            layer.apply(
+                {"params": p},
+                x,
+                deterministic=False,
+                mutable=["aux_loss"],
+            )[0].astype(jnp.float32)
+            ** 2
+        )
         return jax.grad(loss, argnums=(0, 1))(p, x)
 
     with jax.set_mesh(mesh):
@@ -84,4 +98,6 @@ def moe_layer(**fields) -> MoeLayer:
 
 def relayer(layer: MoeLayer, **fields) -> MoeLayer:
     """``layer`` with some of those flat fields changed."""
-    return layer.clone(config=legacy_gin.config_from_fields(**{**legacy_gin.legacy_fields(layer.config), **fields}))
+    return layer.clone(
+        config=legacy_gin.config_from_fields(**{**legacy_gin.legacy_fields(layer.config), **fields})
+    )

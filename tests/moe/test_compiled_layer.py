@@ -7,13 +7,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from tests.moe.moe_testlib import compile_fwd_bwd, moe_layer
 
 from moe_jax import hardware, hlo_costs
-from moe_jax.moe import MoeLayer
 from moe_jax.moe.dispatch import choice_major_combine, sort_token_choice
 from moe_jax.moe.routers import TokenChoiceRouting, top_k
+from tests.moe.moe_testlib import compile_fwd_bwd, moe_layer
 
 
 def test_top_k_equals_lax_top_k_with_a_scatter_free_gradient():
@@ -57,9 +55,16 @@ def test_hlo_costs_count_an_async_copy_once_and_only_device_memory():
 """
     ops = hlo_costs.parse(hlo)
     megabytes = {op.name: op.bytes / 2**20 for op in ops}
-    assert megabytes == {"copy-start": 2, "copy-done": 2, "copy-start.1": 2, "copy-done.1": 0, "negate": 2}
-    assert {op.name: op.alternate_memory_bytes / 2**20 for op in ops if op.alternate_memory_bytes} == {
-        "copy-done.1": 2, "negate": 2}
+    assert megabytes == {
+        "copy-start": 2,
+        "copy-done": 2,
+        "copy-start.1": 2,
+        "copy-done.1": 0,
+        "negate": 2,
+    }
+    assert {
+        op.name: op.alternate_memory_bytes / 2**20 for op in ops if op.alternate_memory_bytes
+    } == {"copy-done.1": 2, "negate": 2}
     assert hlo_costs.shape_bytes("bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}") == 2**21
 
 
@@ -78,7 +83,9 @@ def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
     # a ragged all-to-all sends at most its first operand (the second is the receive buffer);
     # GPU's async all-to-all-start counts, with the matmul scheduled before its done
     assert [(c.kind, c.bytes, c.overlapped_ops) for c in found] == [
-        ("ragged-all-to-all", 64 * 128 * 2, 0), ("all-to-all", 256 * 128 * 2, 1)]
+        ("ragged-all-to-all", 64 * 128 * 2, 0),
+        ("all-to-all", 256 * 128 * 2, 1),
+    ]
 
 
 # Bound for the layer below on v5p: cost_analysis() bytes over the bytes of one read of every
@@ -114,10 +121,18 @@ def test_choice_major_combine_equals_token_major():
         y, _ = sort_token_choice(x, routing, experts, capacity, jnp.tanh, choice_major)
         return jnp.sum(jnp.sin(y)), y
 
-    (_, y_ref), g_ref = jax.value_and_grad(lambda *a: run(False, *a), argnums=(0, 1), has_aux=True)(x, weights)
-    (_, y), g = jax.value_and_grad(lambda *a: run(True, *a), argnums=(0, 1), has_aux=True)(x, weights)
+    (_, y_ref), g_ref = jax.value_and_grad(lambda *a: run(False, *a), argnums=(0, 1), has_aux=True)(
+        x, weights
+    )
+    (_, y), g = jax.value_and_grad(lambda *a: run(True, *a), argnums=(0, 1), has_aux=True)(
+        x, weights
+    )
     np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-7)
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert float(jnp.max(jnp.abs(g[0]))) > 0
-    assert choice_major_combine("tpu") and choice_major_combine("gpu") and not choice_major_combine("cpu")
+    assert (
+        choice_major_combine("tpu")
+        and choice_major_combine("gpu")
+        and not choice_major_combine("cpu")
+    )

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import gin
 import pytest
 
-import gin
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import config as moe_config
 from moe_jax.moe import legacy_gin

@@ -6,26 +6,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer, relayer
 
 from moe_jax.moe.capacity import expert_capacity, group_layout
 from moe_jax.moe.dispatch import dispatch_combine
 from moe_jax.moe.routers import TokenChoiceRouting
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer, relayer
 
 
 def _loss_and_grads(layer, params, x):
     def loss(p, x):
         y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),  # top-2 with drops at eval capacity 2.0 x 16 / 4
-    dict(eval_capacity_factor=0.5, batch_prioritized_routing=True),
-    dict(router_type="expert_choice"),
-    dict(dropless=True),  # sort -> ragged_dot, einsum -> capacity = group
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # top-2 with drops at eval capacity 2.0 x 16 / 4
+        dict(eval_capacity_factor=0.5, batch_prioritized_routing=True),
+        dict(router_type="expert_choice"),
+        dict(dropless=True),  # sort -> ragged_dot, einsum -> capacity = group
+    ],
+)
 def test_sort_dispatch_equals_einsum_reference(overrides):
     x = make_inputs()
     ref_layer = moe_layer(**dict(SMALL, dispatch="einsum", **overrides))
@@ -39,18 +43,24 @@ def test_sort_dispatch_equals_einsum_reference(overrides):
 
 
 @pytest.mark.parametrize("impl", ["einsum", "sort"])
-@pytest.mark.parametrize("capacity_order,kept", [
-    ("choice_major", [[True, False], [True, False]]),  # both first choices, then no room
-    ("token_major", [[True, True], [False, False]]),  # token 0's two choices fill both experts
-])
+@pytest.mark.parametrize(
+    "capacity_order,kept",
+    [
+        ("choice_major", [[True, False], [True, False]]),  # both first choices, then no room
+        ("token_major", [[True, True], [False, False]]),  # token 0's two choices fill both experts
+    ],
+)
 def test_capacity_order_decides_which_assignments_fit(impl, capacity_order, kept):
     """Two tokens, two experts of capacity 1: token 0 picks (0, 1), token 1 picks (1, 0)."""
-    routing = TokenChoiceRouting(expert_index=jnp.array([[[0, 1], [1, 0]]], jnp.int32),
-                                 combine_weights=jnp.full((1, 2, 2), 0.5),
-                                 priority=jnp.array([[0, 1]], jnp.int32))
+    routing = TokenChoiceRouting(
+        expert_index=jnp.array([[[0, 1], [1, 0]]], jnp.int32),
+        combine_weights=jnp.full((1, 2, 2), 0.5),
+        priority=jnp.array([[0, 1]], jnp.int32),
+    )
     x = jnp.array([[[1.0], [10.0]]])
-    y, got = dispatch_combine(impl, x, routing, 2, 1, lambda buffers: buffers,
-                              capacity_order=capacity_order)
+    y, got = dispatch_combine(
+        impl, x, routing, 2, 1, lambda buffers: buffers, capacity_order=capacity_order
+    )
     np.testing.assert_array_equal(got[0], kept)
     np.testing.assert_allclose(y[0, :, 0], 0.5 * np.sum(kept, axis=1) * np.array([1.0, 10.0]))
 

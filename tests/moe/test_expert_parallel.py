@@ -8,27 +8,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import make_inputs, moe_layer
 
 from moe_jax import partitioning
+from tests.moe.moe_testlib import make_inputs, moe_layer
 
-LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
-             eval_capacity_factor=1.0, dispatch="sort")
+LAYER = dict(
+    num_experts=8,
+    num_selected_experts=2,
+    d_ff=16,
+    group_size=8,
+    min_expert_capacity=1,
+    eval_capacity_factor=1.0,
+    dispatch="sort",
+)
 
 
 def _value_and_grad(layer):
     def loss(p, x):
         y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-@pytest.mark.parametrize("shape", [
-    (2, 4, 1),
-    pytest.param((1, 8, 1), marks=pytest.mark.slow),
-    pytest.param((2, 2, 2), marks=pytest.mark.slow),
-    pytest.param((8, 1, 1), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 4, 1),
+        pytest.param((1, 8, 1), marks=pytest.mark.slow),
+        pytest.param((2, 2, 2), marks=pytest.mark.slow),
+        pytest.param((8, 1, 1), marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("dispatch", ["sort", pytest.param("einsum", marks=pytest.mark.slow)])
 def test_sharded_run_equals_single_device(shape, dispatch):
     assert len(jax.devices()) == 8

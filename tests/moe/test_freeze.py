@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
 
 from moe_jax.moe import freeze
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
 
 
 def _train(mode: str, steps: int = 3):
@@ -25,6 +25,7 @@ def _train(mode: str, steps: int = 3):
         def loss(p):
             y, aux = layer.apply({"params": p}, x, mutable=["aux_loss"])
             return jnp.mean((y - 1.0) ** 2) + sum(jax.tree.leaves(aux))
+
         grads = jax.grad(loss)(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, grads
@@ -44,7 +45,10 @@ def test_frozen_router_stays_bit_identical_while_experts_move():
 
 def test_learned_router_moves():
     start, end, _ = _train("learned")
-    assert float(jnp.max(jnp.abs(end["router"]["weights"]["w"] - start["router"]["weights"]["w"]))) > 1e-4
+    assert (
+        float(jnp.max(jnp.abs(end["router"]["weights"]["w"] - start["router"]["weights"]["w"])))
+        > 1e-4
+    )
 
 
 def test_router_mode_from_gin_and_bad_mode_named():
@@ -59,7 +63,9 @@ def test_router_mode_from_gin_and_bad_mode_named():
 
 
 def test_is_router_param():
-    paths = jax.tree_util.tree_flatten_with_path({"moe": {"router": {"weights": {"w": 0}}, "expert": {"wi": 0}}})[0]
+    paths = jax.tree_util.tree_flatten_with_path(
+        {"moe": {"router": {"weights": {"w": 0}}, "expert": {"wi": 0}}}
+    )[0]
     assert [freeze.is_router_param(p) for p, _ in paths] == [False, True]
     assert freeze.is_router_param("decoder/layers_1/moe/router/weights/w")
 

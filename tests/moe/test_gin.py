@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import make_inputs
 
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import MoeConfig, MoeLayer, freeze
 from moe_jax.moe.layer import ROUTING_COLLECTION
 from moe_jax.moe.selection import BIAS_COLLECTION
+from tests.moe.moe_testlib import make_inputs
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
 IDS = jnp.arange(32).reshape(4, 8)
@@ -32,13 +32,18 @@ def _layer(path: pathlib.Path) -> tuple[MoeLayer, dict[str, str]]:
         gin.add_config_file_search_path(str(GIN_DIR.parents[1]))  # files that include others
         gin.parse_config_file(str(path))
         modes = {"router": freeze.router_mode(), "bias": freeze.bias_mode()}
-        for name, value in (("MoeConfig.num_experts", 4), ("MoeConfig.d_ff", 16),
-                            ("CapacityConfig.group_size", 16), ("CapacityConfig.min_expert_capacity", 16)):
+        for name, value in (
+            ("MoeConfig.num_experts", 4),
+            ("MoeConfig.d_ff", 16),
+            ("CapacityConfig.group_size", 16),
+            ("CapacityConfig.min_expert_capacity", 16),
+        ):
             gin.bind_parameter(name, value)
         # the decoder's MoE config of a model with these bindings (the encoder's unless the
         # file gives the decoder its own)
-        modes["decoder"] = T5Config(num_encoder_layers=2, num_decoder_layers=2,
-                                    num_sparse_encoder_layers=1).moe_config("decoder")
+        modes["decoder"] = T5Config(
+            num_encoder_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1
+        ).moe_config("decoder")
         return MoeLayer(MoeConfig()), modes
     finally:
         gin.clear_config()
@@ -47,9 +52,14 @@ def _layer(path: pathlib.Path) -> tuple[MoeLayer, dict[str, str]]:
 def _apply(layer: MoeLayer, variables, x, *, train: bool = False, seed: int = 0, ids=IDS):
     """``(y, mutated collections)`` with the per-token routing sown."""
     collections = [c for c in variables if c != "params"]
-    return layer.apply(variables, x, token_ids=ids, deterministic=not train,
-                       rngs={"dropout": jax.random.PRNGKey(seed)},
-                       mutable=["aux_loss", "moe_metrics", ROUTING_COLLECTION, *collections])
+    return layer.apply(
+        variables,
+        x,
+        token_ids=ids,
+        deterministic=not train,
+        rngs={"dropout": jax.random.PRNGKey(seed)},
+        mutable=["aux_loss", "moe_metrics", ROUTING_COLLECTION, *collections],
+    )
 
 
 def _routing(state) -> np.ndarray:
@@ -58,14 +68,17 @@ def _routing(state) -> np.ndarray:
 
 def _with(variables, name: str, fn):
     """``variables`` with every parameter whose path holds ``name`` replaced by ``fn(leaf)``."""
+
     def replace(path, leaf):
         return fn(leaf) if name in jax.tree_util.keystr(path) else leaf
+
     return {**variables, "params": jax.tree_util.tree_map_with_path(replace, variables["params"])}
 
 
 def experts_per_token(expected: int):
     def check(layer, variables, x):
         assert _routing(_apply(layer, variables, x)[1]).shape[-1] == expected
+
     return check
 
 
@@ -74,7 +87,11 @@ def gates_sum_to_one(layer, variables, x):
     does not depend on the router when the gates sum to 1."""
     same = _with(variables, "expert", lambda w: jnp.broadcast_to(w[:1], w.shape))
     y1 = _apply(layer, same, x)[0]
-    y2 = _apply(layer, _with(same, "router", lambda w: w + jax.random.normal(jax.random.PRNGKey(7), w.shape)), x)[0]
+    y2 = _apply(
+        layer,
+        _with(same, "router", lambda w: w + jax.random.normal(jax.random.PRNGKey(7), w.shape)),
+        x,
+    )[0]
     np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
 
 
@@ -87,15 +104,21 @@ def gates_do_not_sum_to_one(layer, variables, x):
 
 def routes_by_token_id(layer, variables, x):
     other = make_inputs(seed=5)
-    assert np.array_equal(_routing(_apply(layer, variables, x)[1]), _routing(_apply(layer, variables, other)[1]))
-    assert not np.array_equal(_routing(_apply(layer, variables, x)[1]),
-                              _routing(_apply(layer, variables, x, ids=IDS + 1)[1]))
+    assert np.array_equal(
+        _routing(_apply(layer, variables, x)[1]), _routing(_apply(layer, variables, other)[1])
+    )
+    assert not np.array_equal(
+        _routing(_apply(layer, variables, x)[1]),
+        _routing(_apply(layer, variables, x, ids=IDS + 1)[1]),
+    )
 
 
 def noise_only_in_training(layer, variables, x):
     a, b = (_routing(_apply(layer, variables, x, train=True, seed=s)[1]) for s in (0, 1))
     assert not np.array_equal(a, b)
-    assert np.array_equal(_routing(_apply(layer, variables, x)[1]), _routing(_apply(layer, variables, x, seed=1)[1]))
+    assert np.array_equal(
+        _routing(_apply(layer, variables, x)[1]), _routing(_apply(layer, variables, x, seed=1)[1])
+    )
 
 
 def each_expert_takes_its_capacity(layer, variables, x):
@@ -105,29 +128,42 @@ def each_expert_takes_its_capacity(layer, variables, x):
 
 
 def shared_expert_adds_to_the_output(layer, variables, x):
-    assert any("shared_expert" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(variables["params"]))
+    assert any(
+        "shared_expert" in jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(variables["params"])
+    )
     y = _apply(layer, variables, x)[0]
-    assert not np.allclose(y, _apply(layer, _with(variables, "shared_expert", jnp.zeros_like), x)[0])
+    assert not np.allclose(
+        y, _apply(layer, _with(variables, "shared_expert", jnp.zeros_like), x)[0]
+    )
 
 
 def bias_moves_in_training(layer, variables, x):
     before = variables[BIAS_COLLECTION]
     after = _apply(layer, variables, x, train=True)[1][BIAS_COLLECTION]
-    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+    )
 
 
 def expert_count(count: int):
     def check(layer, variables, x):
-        shapes = [leaf.shape[0] for p, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
-                  if "'expert'" in jax.tree_util.keystr(p)]
+        shapes = [
+            leaf.shape[0]
+            for p, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
+            if "'expert'" in jax.tree_util.keystr(p)
+        ]
         assert shapes and set(shapes) == {count}
+
     return check
 
 
 def modes(**expected: str):
     """The freeze modes the file sets (``router``: learned / frozen; ``bias``: updated / frozen)."""
+
     def check(layer, variables, x, actual=None):
         assert {k: actual[k] for k in expected} == expected
+
     check.wants_mode = True
     return check
 
@@ -160,7 +196,11 @@ CHECKS = {
     "shared_experts.gin": [experts_per_token(1), shared_expert_adds_to_the_output],
     "aux_free_bias.gin": [bias_moves_in_training],
     "group_limited.gin": [experts_per_token(2)],
-    "deepseek_v3.gin": [experts_per_token(2), shared_expert_adds_to_the_output, bias_moves_in_training],
+    "deepseek_v3.gin": [
+        experts_per_token(2),
+        shared_expert_adds_to_the_output,
+        bias_moves_in_training,
+    ],
     "learned.gin": [modes(router="learned", bias="updated")],
     "frozen.gin": [modes(router="frozen", bias="updated")],
     "frozen_bias.gin": [modes(router="learned", bias="frozen")],

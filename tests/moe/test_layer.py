@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
 
 from moe_jax import partitioning
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -36,9 +36,12 @@ def test_parameters_paths_and_logical_axes():
     layer = moe_layer(**dict(SMALL, activation="gated_gelu"))
     boxed = layer.init(jax.random.PRNGKey(0), make_inputs())["params"]
     specs = nn.get_partition_spec(boxed)
-    flat = {"/".join(str(k.key) for k in path): spec
-            for path, spec in jax.tree_util.tree_flatten_with_path(
-                specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))[0]}
+    flat = {
+        "/".join(str(k.key) for k in path): spec
+        for path, spec in jax.tree_util.tree_flatten_with_path(
+            specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)
+        )[0]
+    }
     assert flat == {
         "router/weights/w": jax.sharding.PartitionSpec("embed", "unmodeled"),
         "expert/wi_0": jax.sharding.PartitionSpec("expert", "embed", "expert_mlp"),
@@ -55,18 +58,33 @@ def test_parameters_paths_and_logical_axes():
 
 
 def test_aux_losses_are_weighted_and_metrics_are_sown():
-    layer = moe_layer(**dict(SMALL, load_balancing_loss_weight=0.5, router_z_loss_weight=0.25,
-                            importance_loss_weight=0.0))
+    layer = moe_layer(
+        **dict(
+            SMALL,
+            load_balancing_loss_weight=0.5,
+            router_z_loss_weight=0.25,
+            importance_loss_weight=0.0,
+        )
+    )
     x = make_inputs()
     params = init_params(layer, x)
     _, state = apply(layer, params, x)
     aux = state["aux_loss"]
     assert set(aux) == {"load_balancing_loss", "router_z_loss"}  # weight 0 -> not sown
-    np.testing.assert_allclose(aux["load_balancing_loss"][0], 0.5 * metric(state, "load_balancing_loss"))
+    np.testing.assert_allclose(
+        aux["load_balancing_loss"][0], 0.5 * metric(state, "load_balancing_loss")
+    )
     np.testing.assert_allclose(aux["router_z_loss"][0], 0.25 * metric(state, "router_z_loss"))
-    assert set(state["moe_metrics"]) >= {"expert_load", "dropped_fraction", "router_confidence",
-                                         "router_entropy", "max_router_logit", "importance_loss",
-                                         "load_loss", "entropy_loss"}
+    assert set(state["moe_metrics"]) >= {
+        "expert_load",
+        "dropped_fraction",
+        "router_confidence",
+        "router_entropy",
+        "max_router_logit",
+        "importance_loss",
+        "load_loss",
+        "entropy_loss",
+    }
     assert metric(state, "expert_load").shape == (4,)
     assert 1 / 4 <= float(metric(state, "router_confidence")) <= 1.0
 
@@ -108,8 +126,9 @@ def test_dropped_tokens_get_zero_output():
 
 
 def test_expert_dropout_only_in_training():
-    layer = moe_layer(**dict(SMALL, expert_dropout_rate=0.5, eval_capacity_factor=2.0,
-                            train_capacity_factor=2.0))
+    layer = moe_layer(
+        **dict(SMALL, expert_dropout_rate=0.5, eval_capacity_factor=2.0, train_capacity_factor=2.0)
+    )
     x = make_inputs()
     params = init_params(layer, x)
     y_eval, _ = apply(layer, params, x)
@@ -128,22 +147,25 @@ def test_activations_run_and_differ(activation):
     assert bool(jnp.all(jnp.isfinite(y))) and float(jnp.std(y)) > 0
 
 
-@pytest.mark.parametrize("overrides,option", [
-    (dict(router_type="nope"), "router_type"),
-    (dict(num_selected_experts=5), "num_selected_experts"),
-    (dict(train_capacity_factor=0.0), "train_capacity_factor"),
-    (dict(eval_capacity_factor=-1.0), "eval_capacity_factor"),
-    (dict(min_expert_capacity=0, eval_capacity_factor=0.01), "capacity"),
-    (dict(dispatch="fast"), "dispatch"),
-    (dict(activation="swish"), "activation"),
-    (dict(capacity_rule="gshard"), "capacity_rule"),
-    (dict(router_type="expert_choice", causal=True), "accept_causal_leak"),
-    (dict(batch_prioritized_routing=True, causal=True), "accept_causal_leak"),
-    (dict(capacity_order="choice_major", causal=True), "accept_causal_leak"),
-    (dict(capacity_order="by_token"), "capacity_order"),
-    (dict(router_type="hash"), "token_ids"),
-    (dict(router_type="expert_choice", dropless=True), "dropless"),
-])
+@pytest.mark.parametrize(
+    "overrides,option",
+    [
+        (dict(router_type="nope"), "router_type"),
+        (dict(num_selected_experts=5), "num_selected_experts"),
+        (dict(train_capacity_factor=0.0), "train_capacity_factor"),
+        (dict(eval_capacity_factor=-1.0), "eval_capacity_factor"),
+        (dict(min_expert_capacity=0, eval_capacity_factor=0.01), "capacity"),
+        (dict(dispatch="fast"), "dispatch"),
+        (dict(activation="swish"), "activation"),
+        (dict(capacity_rule="gshard"), "capacity_rule"),
+        (dict(router_type="expert_choice", causal=True), "accept_causal_leak"),
+        (dict(batch_prioritized_routing=True, causal=True), "accept_causal_leak"),
+        (dict(capacity_order="choice_major", causal=True), "accept_causal_leak"),
+        (dict(capacity_order="by_token"), "capacity_order"),
+        (dict(router_type="hash"), "token_ids"),
+        (dict(router_type="expert_choice", dropless=True), "dropless"),
+    ],
+)
 def test_bad_options_are_refused_by_name(overrides, option):
     with pytest.raises(ValueError, match=option):  # building the config, or tracing the layer
         moe_layer(**dict(SMALL, **overrides)).init(jax.random.PRNGKey(0), make_inputs())
@@ -151,8 +173,10 @@ def test_bad_options_are_refused_by_name(overrides, option):
 
 # Futures of make_inputs(): only the last token of sequence 0 differs (zeroed, scaled, redrawn).
 def _futures(x: jax.Array) -> list[jax.Array]:
-    return [x.at[0, -1].set(v) for v in (jnp.zeros_like(x[0, -1]), -50.0 * x[0, -1],
-                                         *make_inputs(1, 4, seed=7)[0])]
+    return [
+        x.at[0, -1].set(v)
+        for v in (jnp.zeros_like(x[0, -1]), -50.0 * x[0, -1], *make_inputs(1, 4, seed=7)[0])
+    ]
 
 
 def _earlier_outputs_change(**options) -> list[bool]:
@@ -170,17 +194,29 @@ def test_causal_leak_can_be_accepted_explicitly():
     """Accepted, expert choice lets a later token change earlier tokens' outputs (it takes
     or frees their expert slots); so does top-2 with capacity granted choice-major (T5X's
     order: a later token's first choice evicts an earlier token's second choice)."""
-    assert any(_earlier_outputs_change(router_type="expert_choice", causal=True, accept_causal_leak=True))
-    assert any(_earlier_outputs_change(causal=True, capacity_order="choice_major", accept_causal_leak=True))
+    assert any(
+        _earlier_outputs_change(router_type="expert_choice", causal=True, accept_causal_leak=True)
+    )
+    assert any(
+        _earlier_outputs_change(causal=True, capacity_order="choice_major", accept_causal_leak=True)
+    )
 
 
 @pytest.mark.parametrize("dispatch", ["einsum", "sort"])
-@pytest.mark.parametrize("options", [
-    dict(),  # top-2 with capacity: token-major capacity by default in a causal layer
-    dict(num_selected_experts=1),
-    dict(dropless=True),
-    dict(router_type="hierarchical", num_expert_groups=2, num_selected_groups=2, num_selected_experts=1),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # top-2 with capacity: token-major capacity by default in a causal layer
+        dict(num_selected_experts=1),
+        dict(dropless=True),
+        dict(
+            router_type="hierarchical",
+            num_expert_groups=2,
+            num_selected_groups=2,
+            num_selected_experts=1,
+        ),
+    ],
+)
 def test_causal_layers_never_read_later_tokens(dispatch, options):
     """Earlier outputs are bit-identical whatever the last token is; the same futures do
     change them under choice-major capacity (the first case), so the check can fail."""
@@ -198,7 +234,10 @@ def test_encoder_keeps_t5x_choice_major_capacity():
     def outputs(**options) -> np.ndarray:
         return np.asarray(apply(moe_layer(**dict(tight, **options)), params, x)[0])
 
-    choice_major, token_major = outputs(capacity_order="choice_major"), outputs(capacity_order="token_major")
+    choice_major, token_major = (
+        outputs(capacity_order="choice_major"),
+        outputs(capacity_order="token_major"),
+    )
     assert not np.array_equal(choice_major, token_major)
     np.testing.assert_array_equal(outputs(), choice_major)
     np.testing.assert_array_equal(outputs(causal=True), token_major)

@@ -3,24 +3,26 @@ platform of the mesh's devices, not ``jax.default_backend()`` (CPU in these test
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
 
 from moe_jax import hardware
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.dispatch import layer_choices, target_platform
+from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
 
 AXES = ("data", "expert", "model")
 
 
 def _abstract_mesh(platform: str | None) -> AbstractMesh:
-    device = None if platform is None else AbstractDevice(device_kind=f"{platform} chip", num_cores=1,
-                                                          platform=platform)
+    device = (
+        None
+        if platform is None
+        else AbstractDevice(device_kind=f"{platform} chip", num_cores=1, platform=platform)
+    )
     return AbstractMesh((1, 1, 1), AXES, axis_types=(AxisType.Auto,) * 3, abstract_device=device)
 
 
@@ -81,7 +83,12 @@ def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
     x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
     params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)  # abstract: no mesh needed
     with jax.set_mesh(mesh):
-        hlo = jax.jit(lambda p, x: layer.apply(p, x, mutable=["aux_loss"])[0]).lower(params, x).compile().as_text()
+        hlo = (
+            jax.jit(lambda p, x: layer.apply(p, x, mutable=["aux_loss"])[0])
+            .lower(params, x)
+            .compile()
+            .as_text()
+        )
     assert jax.default_backend() == "cpu"
     dispatch, loop = layer_choices("tpu", layer.dtype)
     assert ("while(" in hlo) == loop

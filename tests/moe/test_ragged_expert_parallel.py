@@ -14,28 +14,51 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from tests.moe.moe_testlib import compile_fwd_bwd, emulated_ragged_all_to_all, make_inputs, moe_layer
 
 from moe_jax import hardware, hlo_costs, partitioning
 from moe_jax.moe import layer as layer_module
 from moe_jax.moe.dispatch import ragged_exchange
+from tests.moe.moe_testlib import (
+    compile_fwd_bwd,
+    emulated_ragged_all_to_all,
+    make_inputs,
+    moe_layer,
+)
 
-LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, dropless=True, dispatch="sort")
+LAYER = dict(
+    num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, dropless=True, dispatch="sort"
+)
 
 
 def test_emulated_ragged_all_to_all_follows_the_documented_example():
     # the two-device example of jax.lax.ragged_all_to_all's docstring
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-    args = dict(operand=[[1, 2, 2], [3, 4, 0]], input_offsets=[[0, 1], [0, 1]], send_sizes=[[1, 2], [1, 1]],
-                output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
-    arrays = [jax.device_put(jnp.array(args[k], jnp.int32).reshape(-1), jax.NamedSharding(mesh, P("x"))) for k in
-              ("operand", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")]
+    args = dict(
+        operand=[[1, 2, 2], [3, 4, 0]],
+        input_offsets=[[0, 1], [0, 1]],
+        send_sizes=[[1, 2], [1, 1]],
+        output_offsets=[[0, 0], [1, 2]],
+        recv_sizes=[[1, 1], [2, 1]],
+    )
+    arrays = [
+        jax.device_put(jnp.array(args[k], jnp.int32).reshape(-1), jax.NamedSharding(mesh, P("x")))
+        for k in ("operand", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+    ]
 
     def exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
-        return emulated_ragged_all_to_all(operand, jnp.zeros(4, jnp.int32), input_offsets, send_sizes,
-                                          output_offsets, recv_sizes, axis_name="x")
+        return emulated_ragged_all_to_all(
+            operand,
+            jnp.zeros(4, jnp.int32),
+            input_offsets,
+            send_sizes,
+            output_offsets,
+            recv_sizes,
+            axis_name="x",
+        )
 
-    result = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))(*arrays)
+    result = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))(
+        *arrays
+    )
     np.testing.assert_array_equal(result.reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
@@ -49,6 +72,7 @@ def _value_and_grad(layer):
     def loss(p, x):
         y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
@@ -57,23 +81,30 @@ def _sharded_run(layer, shape, x, boxed):
     mesh = partitioning.make_mesh(shape)
     rules = partitioning.standard_logical_axis_rules()
     with partitioning.activate(mesh, rules):
-        sharded = jax.device_put(params, partitioning.tree_shardings(nn.get_partition_spec(boxed), mesh, rules))
+        sharded = jax.device_put(
+            params, partitioning.tree_shardings(nn.get_partition_spec(boxed), mesh, rules)
+        )
         fn = _value_and_grad(layer)
         jaxpr = str(fn.trace(sharded, x).jaxpr)
         return fn(sharded, x), jaxpr
 
 
-@pytest.mark.parametrize("shape", [
-    (2, 4, 1),
-    pytest.param((1, 8, 1), marks=pytest.mark.slow),
-    pytest.param((2, 2, 2), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 4, 1),
+        pytest.param((1, 8, 1), marks=pytest.mark.slow),
+        pytest.param((2, 2, 2), marks=pytest.mark.slow),
+    ],
+)
 def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch):
     layer = moe_layer(**LAYER)
     x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
-    monkeypatch.setattr(layer_module, "ragged_exchange", lambda platform: emulated_ragged_all_to_all)
+    monkeypatch.setattr(
+        layer_module, "ragged_exchange", lambda platform: emulated_ragged_all_to_all
+    )
     out, jaxpr = _sharded_run(layer, shape, x, boxed)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -97,7 +128,9 @@ def _compile_for_tpu(mesh, **options):
     """Forward + backward of the layer (E = 16, top-2, d_model 256, bfloat16, 512 tokens per
     device)."""
     layer = moe_layer(num_experts=16, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
-    return compile_fwd_bwd(layer, jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16), mesh)
+    return compile_fwd_bwd(
+        layer, jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16), mesh
+    )
 
 
 def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
@@ -108,7 +141,9 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     # half the padded buffers (4 x 4 experts x 512 tokens); at experts per device <= k they
     # are the same size (benchmarks/RESULTS.md, "Expert parallelism")
     ragged = _compile_for_tpu(mesh, dropless=True)
-    padded = _compile_for_tpu(mesh, train_capacity_factor=16.0)  # capacity = group: CPU's dropless layout
+    padded = _compile_for_tpu(
+        mesh, train_capacity_factor=16.0
+    )  # capacity = group: CPU's dropless layout
     found = hlo_costs.collectives(hlo_costs.parse(ragged.as_text()))
     kinds = [c.kind for c in found]
     assert kinds.count("ragged-all-to-all") == 4  # there and back, forward and backward
@@ -116,7 +151,12 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     # sent back; the receive buffer (4 devices x those rows, the static worst case) for the
     # outputs sent back and the forward exchange's cotangent. Only routed rows are sent.
     rows = 512 * 2 * 256 * 2
-    assert sorted(c.bytes for c in found if c.kind == "ragged-all-to-all") == [rows, rows, 4 * rows, 4 * rows]
+    assert sorted(c.bytes for c in found if c.kind == "ragged-all-to-all") == [
+        rows,
+        rows,
+        4 * rows,
+        4 * rows,
+    ]
     # what else crosses devices is sizes and offsets, and the router's gradient (no psum of rows)
     assert sum(c.bytes for c in found if c.kind != "ragged-all-to-all") < rows / 8
     padded_found = hlo_costs.collectives(hlo_costs.parse(padded.as_text()))

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer, relayer
 
 from moe_jax.moe import losses
 from moe_jax.moe.routers import NoisyTopKRouter, TopKRouter
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer, relayer
 
 
 def _route(router, x, deterministic=True, rngs=None):
@@ -50,9 +50,12 @@ def test_noisy_top_k_smooth_load_has_gradients_and_eval_is_clean():
     def load_loss(v):
         out = router.apply(v, x, mask, None, 4, False, rngs={"dropout": jax.random.PRNGKey(1)})
         return losses.load_loss(out, mask)
+
     grads = jax.grad(load_loss)(variables)
     assert float(jnp.max(jnp.abs(grads["params"]["noise"]["w"]))) > 0
-    noisy = router.apply(variables, x, mask, None, 4, False, rngs={"dropout": jax.random.PRNGKey(1)})
+    noisy = router.apply(
+        variables, x, mask, None, 4, False, rngs={"dropout": jax.random.PRNGKey(1)}
+    )
     assert noisy.smooth_load.shape == (4,)
     assert 0 < float(jnp.sum(noisy.smooth_load)) <= 2 * 32 + 1e-3
 
@@ -92,10 +95,15 @@ def test_losses_on_known_distributions():
     g, s, e = 1, 8, 4
     mask = jnp.ones((g, s))
     uniform = jnp.full((g, s, e), 1 / e)
-    assigned = jax.nn.one_hot(jnp.arange(s) % e, e)[None] + jax.nn.one_hot((jnp.arange(s) + 1) % e, e)[None]
+    assigned = (
+        jax.nn.one_hot(jnp.arange(s) % e, e)[None]
+        + jax.nn.one_hot((jnp.arange(s) + 1) % e, e)[None]
+    )
     # balanced top-2: E * sum f_i P_i = k
     np.testing.assert_allclose(losses.load_balancing_loss(uniform, assigned, mask), 2.0, rtol=1e-6)
-    np.testing.assert_allclose(losses.router_z_loss(jnp.zeros((g, s, e)), mask), np.log(e) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(
+        losses.router_z_loss(jnp.zeros((g, s, e)), mask), np.log(e) ** 2, rtol=1e-6
+    )
     np.testing.assert_allclose(losses.routing_entropy(uniform, mask), np.log(e), rtol=1e-5)
     np.testing.assert_allclose(losses.cv_squared(jnp.array([1.0, 1.0, 1.0])), 0.0, atol=1e-6)
     np.testing.assert_allclose(losses.cv_squared(jnp.array([2.0, 0.0])), 1.0, rtol=1e-6)

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
 
 from moe_jax import partitioning
 from moe_jax.models import accounting
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe.routers import TopKRouter
 from moe_jax.moe.selection import BIAS_COLLECTION
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
 
 
 def _route(router, x, variables=None, deterministic=True, mutable=False):
@@ -38,8 +38,9 @@ def test_bias_changes_selection_but_not_gate_values():
     assert bool(jnp.all(jnp.any(index == 3, axis=-1)))
     assert not bool(jnp.all(jnp.any(plain.routing.expert_index == 3, axis=-1)))
     # Gates are the unbiased probabilities of the selected experts.
-    np.testing.assert_allclose(biased.routing.combine_weights,
-                               jnp.take_along_axis(plain.probs, index, axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(
+        biased.routing.combine_weights, jnp.take_along_axis(plain.probs, index, axis=-1), rtol=1e-6
+    )
     np.testing.assert_allclose(biased.probs, plain.probs)
 
 
@@ -50,9 +51,13 @@ def test_bias_moves_toward_under_loaded_experts_and_balances_load():
 
     @jax.jit
     def train_apply(bias):
-        _, state = layer.apply({"params": variables["params"], BIAS_COLLECTION: bias}, x, deterministic=False,
-                               rngs={"dropout": jax.random.PRNGKey(0)},
-                               mutable=["moe_metrics", BIAS_COLLECTION])
+        _, state = layer.apply(
+            {"params": variables["params"], BIAS_COLLECTION: bias},
+            x,
+            deterministic=False,
+            rngs={"dropout": jax.random.PRNGKey(0)},
+            mutable=["moe_metrics", BIAS_COLLECTION],
+        )
         return nn.unbox(state[BIAS_COLLECTION]), metric(state, "expert_load")
 
     bias = nn.unbox(variables[BIAS_COLLECTION])
@@ -65,11 +70,16 @@ def test_bias_moves_toward_under_loaded_experts_and_balances_load():
     for _ in range(60):
         bias, load = train_apply(bias)
         loads.append(load)
-    assert float(jnp.max(jnp.mean(jnp.stack(loads[-10:]), axis=0))) < 0.75 * float(jnp.max(loads[0]))
+    assert float(jnp.max(jnp.mean(jnp.stack(loads[-10:]), axis=0))) < 0.75 * float(
+        jnp.max(loads[0])
+    )
     # Eval (deterministic) never updates the bias.
-    _, state = layer.apply({"params": variables["params"], BIAS_COLLECTION: bias}, x,
-                           mutable=[BIAS_COLLECTION])
-    np.testing.assert_array_equal(nn.unbox(state[BIAS_COLLECTION])["router"]["bias"], bias["router"]["bias"])
+    _, state = layer.apply(
+        {"params": variables["params"], BIAS_COLLECTION: bias}, x, mutable=[BIAS_COLLECTION]
+    )
+    np.testing.assert_array_equal(
+        nn.unbox(state[BIAS_COLLECTION])["router"]["bias"], bias["router"]["bias"]
+    )
 
 
 def test_bias_without_its_collection_is_refused_by_name():
@@ -92,16 +102,23 @@ def test_sigmoid_gates_of_selected_experts_sum_to_one():
 
 
 def test_every_token_reaches_the_shared_experts():
-    layer = moe_layer(**dict(SMALL, num_shared_experts=2, shared_expert_d_ff=8, train_capacity_factor=0.01))
+    layer = moe_layer(
+        **dict(SMALL, num_shared_experts=2, shared_expert_d_ff=8, train_capacity_factor=0.01)
+    )
     x = make_inputs()
     params = init_params(layer, x)
     assert params["shared_expert"]["wi"].shape == (8, 16) and "expert" not in str(
-        nn.get_partition_spec(layer.init(jax.random.PRNGKey(1), x)["params"])["shared_expert"])
+        nn.get_partition_spec(layer.init(jax.random.PRNGKey(1), x)["params"])["shared_expert"]
+    )
     # Capacity 1 per expert: most routed assignments are dropped; the shared MLP still
     # reaches every token.
     y, state = apply(layer, params, x, deterministic=False)
-    without_shared, _ = apply(moe_layer(**dict(SMALL, train_capacity_factor=0.01)),
-                              {k: v for k, v in params.items() if k != "shared_expert"}, x, deterministic=False)
+    without_shared, _ = apply(
+        moe_layer(**dict(SMALL, train_capacity_factor=0.01)),
+        {k: v for k, v in params.items() if k != "shared_expert"},
+        x,
+        deterministic=False,
+    )
     shared = jax.nn.relu(x @ params["shared_expert"]["wi"]) @ params["shared_expert"]["wo"]
     np.testing.assert_allclose(y - without_shared, shared, rtol=1e-5, atol=1e-6)
     assert float(metric(state, "dropped_fraction")) > 0.5
@@ -125,8 +142,17 @@ def test_no_token_reaches_more_than_m_groups():
 
 
 def _d32_config() -> T5Config:
-    return T5Config(vocab_size=256, emb_dim=32, num_heads=2, head_dim=8, mlp_dim=64, num_encoder_layers=2,
-                    num_decoder_layers=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
+    return T5Config(
+        vocab_size=256,
+        emb_dim=32,
+        num_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+    )
 
 
 def _flops(config: T5Config, layer) -> float:
@@ -155,37 +181,58 @@ def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
     assert with_shared - plain == 2 * (8 + 8) * 2 * config.emb_dim * 2 * 16
 
 
-@pytest.mark.parametrize("option,message", [
-    (dict(expert_granularity=3), "expert_granularity"),
-    (dict(num_limited_groups=2, max_groups_per_token=3), "max_groups_per_token"),
-    (dict(num_limited_groups=3, max_groups_per_token=1), "num_limited_groups"),
-    (dict(num_limited_groups=4, max_groups_per_token=1, num_selected_experts=2), "num_selected_experts"),
-    (dict(num_shared_experts=1, router_type="expert_choice"), "num_shared_experts"),
-    (dict(router_score="tanh"), "score_function"),
-    (dict(router_score="sigmoid", router_type="hash"), "router_score"),
-])
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        (dict(expert_granularity=3), "expert_granularity"),
+        (dict(num_limited_groups=2, max_groups_per_token=3), "max_groups_per_token"),
+        (dict(num_limited_groups=3, max_groups_per_token=1), "num_limited_groups"),
+        (
+            dict(num_limited_groups=4, max_groups_per_token=1, num_selected_experts=2),
+            "num_selected_experts",
+        ),
+        (dict(num_shared_experts=1, router_type="expert_choice"), "num_shared_experts"),
+        (dict(router_score="tanh"), "score_function"),
+        (dict(router_score="sigmoid", router_type="hash"), "router_score"),
+    ],
+)
 def test_bad_options_are_refused_by_name(option, message):
     with pytest.raises(ValueError, match=message):  # building the config, or tracing the layer
         layer = moe_layer(**dict(SMALL, **option))
         jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs())
 
 
-EP_LAYER = dict(num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, min_expert_capacity=1,
-                eval_capacity_factor=1.0)
+EP_LAYER = dict(
+    num_experts=8,
+    num_selected_experts=2,
+    d_ff=16,
+    group_size=8,
+    min_expert_capacity=1,
+    eval_capacity_factor=1.0,
+)
 OPTIONS = {
     "shared": dict(num_shared_experts=2),
     "fine_grained": dict(num_experts=4, expert_granularity=2),
     "sigmoid": dict(router_score="sigmoid"),
     "bias": dict(bias_update_rate=1e-3),
     "group_limited": dict(num_limited_groups=4, max_groups_per_token=2, num_selected_experts=3),
-    "all": dict(num_experts=4, expert_granularity=2, num_shared_experts=1, router_score="sigmoid",
-                bias_update_rate=1e-3, num_limited_groups=4, max_groups_per_token=2),
+    "all": dict(
+        num_experts=4,
+        expert_granularity=2,
+        num_shared_experts=1,
+        router_score="sigmoid",
+        bias_update_rate=1e-3,
+        num_limited_groups=4,
+        max_groups_per_token=2,
+    ),
 }
 
 
 @pytest.mark.parametrize("dispatch", ["sort", "einsum"])
-@pytest.mark.parametrize("option", [pytest.param(name, marks=() if name == "all" else pytest.mark.slow)
-                                    for name in OPTIONS])
+@pytest.mark.parametrize(
+    "option",
+    [pytest.param(name, marks=() if name == "all" else pytest.mark.slow) for name in OPTIONS],
+)
 def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
     assert len(jax.devices()) == 8
     layer = moe_layer(**dict(EP_LAYER, **OPTIONS[option], dispatch=dispatch))
@@ -194,7 +241,9 @@ def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
     state = {k: nn.unbox(v) for k, v in boxed.items() if k != "params"}
     if BIAS_COLLECTION in state:  # a bias that changes the selection
         bias = state[BIAS_COLLECTION]["router"]["bias"]
-        state[BIAS_COLLECTION]["router"]["bias"] = 0.3 * jnp.sin(jnp.arange(bias.shape[0], dtype=jnp.float32))
+        state[BIAS_COLLECTION]["router"]["bias"] = 0.3 * jnp.sin(
+            jnp.arange(bias.shape[0], dtype=jnp.float32)
+        )
 
     def loss(p, x):
         y, sown = layer.apply({"params": p, **state}, x, mutable=["aux_loss"])
@@ -207,6 +256,8 @@ def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
     rules = partitioning.standard_logical_axis_rules()
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         shardings = partitioning.tree_shardings(nn.get_partition_spec(boxed["params"]), mesh, rules)
-        out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(jax.device_put(params, shardings), x)
+        out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+            jax.device_put(params, shardings), x
+        )
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -20,7 +20,10 @@ from moe_jax import cli, hardware
 from moe_jax.train import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SMOKE = ["--gin_file=runs/smoke_cpu.gin", "--no_eval"]  # the train step only; one test compiles both
+SMOKE = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--no_eval",
+]  # the train step only; one test compiles both
 
 
 def compile_cli(tmp_path, *flags: str) -> tuple[int, str, dict | None]:
@@ -28,8 +31,14 @@ def compile_cli(tmp_path, *flags: str) -> tuple[int, str, dict | None]:
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)  # the test session's 8 forced CPU devices are not the target's
-    proc = subprocess.run([sys.executable, "-m", "moe_jax.cli", "compile", *flags, f"--out={out}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", "compile", *flags, f"--out={out}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     report = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, proc.stdout + proc.stderr, report
 
@@ -42,18 +51,35 @@ def test_parse_target_and_chip_table():
     assert hardware.parse_target("cpu:8").chip is None
     # Cloud TPU accelerator types: TensorCores for v4/v5p (2 per chip), chips for v5e/v6e;
     # v4 chips show as two devices to libtpu, so half the chips give the slice's device count
-    for accelerator, (chip, topology) in {"v5p-32": ("v5p", "2x2x4"), "v5p-128": ("v5p", "4x4x4"),
-                                          "v5litepod-16": ("v5e", "4x4"), "v6e-8": ("v6e", "2x4"),
-                                          "v4-32": ("v4", "2x2x2")}.items():
+    for accelerator, (chip, topology) in {
+        "v5p-32": ("v5p", "2x2x4"),
+        "v5p-128": ("v5p", "4x4x4"),
+        "v5litepod-16": ("v5e", "4x4"),
+        "v6e-8": ("v6e", "2x4"),
+        "v4-32": ("v4", "2x2x2"),
+    }.items():
         target = hardware.parse_target(f"tpu:{accelerator}")
         assert (target.chip.name, target.topology) == (chip, topology), accelerator
-    for bad, named in [("tpu:v9:2x2", "v9"), ("gpu:h100:2x2", "2x2"), ("tpu:v5e", "PLATFORM:CHIP"),
-                       ("tpu:h100:2x2", "h100"), ("cpu:0", "PLATFORM"), ("tpu:v5p-6", "tpu:v5p:TOPOLOGY")]:
+    for bad, named in [
+        ("tpu:v9:2x2", "v9"),
+        ("gpu:h100:2x2", "2x2"),
+        ("tpu:v5e", "PLATFORM:CHIP"),
+        ("tpu:h100:2x2", "h100"),
+        ("cpu:0", "PLATFORM"),
+        ("tpu:v5p-6", "tpu:v5p:TOPOLOGY"),
+    ]:
         with pytest.raises(hardware.TargetError, match=named) as err:
             hardware.parse_target(bad)
         assert "tpu:v5e:4x4" in str(err.value) and "gpu:h100:8" in str(err.value)  # known ones
     # a single chip, a 3-D v5e, sides that are not powers of two: refused with the chip's valid list
-    for bad in ("tpu:v5e:1x1", "tpu:v5e:2x2x2", "tpu:v6e:3x4", "tpu:v5p:2x2", "tpu:v4:1x1x1", "tpu:v5litepod-1"):
+    for bad in (
+        "tpu:v5e:1x1",
+        "tpu:v5e:2x2x2",
+        "tpu:v6e:3x4",
+        "tpu:v5p:2x2",
+        "tpu:v4:1x1x1",
+        "tpu:v5litepod-1",
+    ):
         chip = "v5e" if "litepod" in bad else bad.split(":")[1]
         with pytest.raises(hardware.TargetError) as err:
             hardware.parse_target(bad)
@@ -89,8 +115,13 @@ def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch
 @pytest.mark.parametrize("mesh,with_eval", [("(1,4,1)", False), ("(2,2,1)", True)])
 def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     flags = SMOKE if not with_eval else [f for f in SMOKE if f != "--no_eval"]
-    code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *flags,
-                                       f"--gin.make_mesh.mesh_shape={mesh}", f"--hlo_dir={tmp_path}")
+    code, output, report = compile_cli(
+        tmp_path,
+        "--target=tpu:v5e:2x2",
+        *flags,
+        f"--gin.make_mesh.mesh_shape={mesh}",
+        f"--hlo_dir={tmp_path}",
+    )
     assert code == 0, output
     step = report["steps"]["train"]
     # the counts are those of the kept HLO (the TPU's async forms: -start/-done pairs once)
@@ -99,7 +130,9 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     assert (tmp_path / "eval.hlo.txt").exists() == with_eval == ("eval" in report["steps"])
     if with_eval:  # the eval step: forward only, no optimizer state
         evaluation = report["steps"]["eval"]
-        assert evaluation["fits"] and evaluation["flops_per_step"] == pytest.approx(step["flops_per_step"] / 3)
+        assert evaluation["fits"] and evaluation["flops_per_step"] == pytest.approx(
+            step["flops_per_step"] / 3
+        )
         assert evaluation["bytes"]["params_and_optimizer"] < step["bytes"]["params_and_optimizer"]
     moe = step["moe_layers"]  # the MoE layers' share of the step's operations
     assert 0 < moe["indexed_bytes"] < moe["hlo_bytes"] < moe["step_hlo_bytes"] and moe["flops"] > 0
@@ -113,18 +146,28 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     # per device a quarter of the batch's [tokens, vocab + 100 x d_ff] fp32 activations
     dims = report["model_dims"]
     tokens = report["batch_size"] * sum(report["task_feature_lengths"].values())
-    bound = 2 * 3 * 4 * report["parameters"] + 4 * tokens / 4 * (dims["vocab_size"] + 100 * dims["mlp_dim"])
+    bound = 2 * 3 * 4 * report["parameters"] + 4 * tokens / 4 * (
+        dims["vocab_size"] + 100 * dims["mlp_dim"]
+    )
     assert 0 < step["bytes"]["params_and_optimizer"] < step["bytes"]["total"] < bound
     assert step["bytes"]["device_memory"] == 16 * hardware.GiB and step["fits"]
     assert "verdict: fits" in output
     # libtpu's start-up output (worker hostnames, host bounds, "Logging before InitGoogle") is hidden
-    assert not re.search(r"^(E|W)0000|TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output, re.MULTILINE), output
+    assert not re.search(
+        r"^(E|W)0000|TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output, re.MULTILINE
+    ), output
 
 
 def test_tpu_compile_refuses_a_run_too_big_for_the_chip(tmp_path):
     """(--verbose: the compiler's own output passes through; the report is the same.)"""
-    code, output, report = compile_cli(tmp_path, "--target=tpu:v5e:2x2", *SMOKE, "--verbose",
-                                       "--gin.make_mesh.mesh_shape=(1,4,1)", "--gin.BATCH_SIZE=131072")
+    code, output, report = compile_cli(
+        tmp_path,
+        "--target=tpu:v5e:2x2",
+        *SMOKE,
+        "--verbose",
+        "--gin.make_mesh.mesh_shape=(1,4,1)",
+        "--gin.BATCH_SIZE=131072",
+    )
     assert code == 1, output
     assert re.search(r"TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output), output
     assert not report["fits"] and report["steps"]["train"]["bytes"]["total"] > 16 * hardware.GiB
@@ -132,8 +175,14 @@ def test_tpu_compile_refuses_a_run_too_big_for_the_chip(tmp_path):
 
 
 def test_train_refuses_a_step_bigger_than_the_machine(tmp_path, capsys):
-    code = cli.main(["train", "--gin_file=runs/smoke_cpu.gin", f"--gin.MODEL_DIR={tmp_path}",
-                     "--gin.BATCH_SIZE=131072"])
+    code = cli.main(
+        [
+            "train",
+            "--gin_file=runs/smoke_cpu.gin",
+            f"--gin.MODEL_DIR={tmp_path}",
+            "--gin.BATCH_SIZE=131072",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1, err
     assert "available memory" in err and "--gin.BATCH_SIZE=65536" in err
@@ -143,7 +192,11 @@ def test_train_refuses_a_step_bigger_than_the_machine(tmp_path, capsys):
 def test_compiler_options_follow_the_platform():
     # GPU steps compile without Triton GEMMs (XLA 0.10.2 aborts tiling Base's attention dots);
     # CPU and TPU steps compile with XLA's defaults
-    assert hardware.compiler_options("cuda") == hardware.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert (
+        hardware.compiler_options("cuda")
+        == hardware.compiler_options("gpu")
+        == {"xla_gpu_enable_triton_gemm": False}
+    )
     assert hardware.compiler_options("cpu") == hardware.compiler_options("tpu") == {}
 
 
@@ -152,7 +205,8 @@ def test_collectives_of_a_compiled_program_match_its_shapes():
     bytes of its per-device result."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
@@ -161,10 +215,17 @@ def test_collectives_of_a_compiled_program_match_its_shapes():
 
     a = jax.ShapeDtypeStruct((4 * 8, 16), np.float32)
     b = jax.ShapeDtypeStruct((4 * 3, 5), jax.numpy.bfloat16)
-    compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x"))).lower(a, b).compile()
+    compiled = (
+        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        .lower(a, b)
+        .compile()
+    )
     found = aot.collectives(compiled.as_text())
     assert found["all-to-all"] == {"count": 1, "bytes": 8 * 16 * 4}
-    assert found["all-reduce"]["count"] == 1 and found["all-reduce"]["bytes"] in (3 * 5 * 2, 3 * 5 * 4)
+    assert found["all-reduce"]["count"] == 1 and found["all-reduce"]["bytes"] in (
+        3 * 5 * 2,
+        3 * 5 * 4,
+    )
 
 
 def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
@@ -172,13 +233,21 @@ def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
     holds operands and, for collective-permute, u32 sync flags) or with XLA's /*index=5*/
     comments in a long tuple: the same count and bytes."""
     sync = "  %a = f32[8,128]{1,0} all-to-all(f32[8,128]{1,0} %p), dimensions={0}\n"
-    pair = ("  %s = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}\n"
-            "  ROOT %d = f32[8,128]{1,0} all-to-all-done(%s)\n")
-    assert aot.collectives(pair) == aot.collectives(sync) == {"all-to-all": {"count": 1, "bytes": 4 * 8 * 128}}
+    pair = (
+        "  %s = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}\n"
+        "  ROOT %d = f32[8,128]{1,0} all-to-all-done(%s)\n"
+    )
+    assert (
+        aot.collectives(pair)
+        == aot.collectives(sync)
+        == {"all-to-all": {"count": 1, "bytes": 4 * 8 * 128}}
+    )
     permute = "  %c = bf16[48,12]{1,0} collective-permute(%w), source_target_pairs={{0,1},{1,0}}\n"
-    permute_pair = ("  %cps = (bf16[48,12]{1,0}, bf16[48,12]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) "
-                    "collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}\n"
-                    "  %cpd = bf16[48,12]{1,0} collective-permute-done(%cps)\n")
+    permute_pair = (
+        "  %cps = (bf16[48,12]{1,0}, bf16[48,12]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) "
+        "collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}\n"
+        "  %cpd = bf16[48,12]{1,0} collective-permute-done(%cps)\n"
+    )
     assert aot.collectives(permute_pair) == aot.collectives(permute)
     shapes = ["f32[32]{0}"] * 5 + ["f32[32,4]{0,1}"]
     plain = f"  %r = ({', '.join(shapes)}) all-reduce(%a), to_apply=%add\n"
@@ -192,12 +261,16 @@ def test_gemm_custom_calls_count_their_flops():
     the dot it replaces: 2 x result elements x contracted size."""
     from moe_jax import hlo_costs
 
-    dot = ("ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n  %b = bf16[32,96]{1,0} parameter(1)\n"
-           "  ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n")
-    gemm = dot.replace("ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
-                       'ROOT %d = (bf16[128,96]{1,0}, s8[4194304]{0}) custom-call(%a, %b), '
-                       'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
-                       '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
+    dot = (
+        "ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n  %b = bf16[32,96]{1,0} parameter(1)\n"
+        "  ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n"
+    )
+    gemm = dot.replace(
+        "ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "ROOT %d = (bf16[128,96]{1,0}, s8[4194304]{0}) custom-call(%a, %b), "
+        'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
+        '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}',
+    )
     flops = [hlo_costs.summary(hlo_costs.parse(text))["flops"] for text in (dot, gemm)]
     assert flops[0] == flops[1] == 2 * 128 * 96 * 32
 
@@ -214,22 +287,38 @@ def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
     assert unknown["hbm_s"] is None and known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
     assert known["step_s"] > unknown["step_s"] > 0
     line = aot.estimate_line(unknown)
-    assert "compute and collectives only" in line and "HBM" in line.split(":")[0] and "HBM 0" not in line
+    assert (
+        "compute and collectives only" in line
+        and "HBM" in line.split(":")[0]
+        and "HBM 0" not in line
+    )
     assert "only" not in aot.estimate_line(known) and "HBM " in aot.estimate_line(known)
     for text in (line, aot.estimate_line(known)):
         rate = re.search(r"([\d,]+) tokens/s", text).group(1)
-        assert "e+" not in text and float(rate.replace(",", "")) == pytest.approx(2**20 / (
-            unknown if text == line else known)["step_s"], rel=5e-3)
-    assert [aot.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == ["5,360,000", "1,190", "0.0000893", "0.500"]
-    assert [aot.quantity(v, u) for v, u in ((7.06e8, "FLOP"), (34.6e6, "B"), (None, "B"), (512, "B"))] == [
-        "706 MFLOP", "34.6 MB", "unknown", "512 B"]
+        assert "e+" not in text and float(rate.replace(",", "")) == pytest.approx(
+            2**20 / (unknown if text == line else known)["step_s"], rel=5e-3
+        )
+    assert [aot.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == [
+        "5,360,000",
+        "1,190",
+        "0.0000893",
+        "0.500",
+    ]
+    assert [
+        aot.quantity(v, u) for v, u in ((7.06e8, "FLOP"), (34.6e6, "B"), (None, "B"), (512, "B"))
+    ] == ["706 MFLOP", "34.6 MB", "unknown", "512 B"]
 
 
 @pytest.mark.slow
 def test_gpu_compile_of_the_smoke_config(tmp_path):
     """8 H100s from the bare CUDA PJRT plugin (`make compilers`; no CUDA libraries)."""
-    code, output, report = compile_cli(tmp_path, "--target=gpu:h100:8", *SMOKE,
-                                       "--gin_file=meshes/gpu_8x_h100.gin", "--gin.NUM_EXPERTS=8")
+    code, output, report = compile_cli(
+        tmp_path,
+        "--target=gpu:h100:8",
+        *SMOKE,
+        "--gin_file=meshes/gpu_8x_h100.gin",
+        "--gin.NUM_EXPERTS=8",
+    )
     assert code == 0, output
     assert report["device_kind"].startswith("NVIDIA H100") and report["devices"] == 8
     assert report["moe_layer"] == {"platform": "gpu", "dispatch": "sort", "per_expert_loop": False}

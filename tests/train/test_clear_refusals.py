@@ -42,8 +42,7 @@ def _last_line(capsys) -> str:
         ),
         (
             ["--gin.NUM_SELECTED_EXPERTS=5"],
-            "TopKRouterConfig.num_selected_experts=5 must be between 1 and "
-            "MoeConfig.num_experts=4",
+            "TopKRouterConfig.num_selected_experts=5 must be between 1 and MoeConfig.num_experts=4",
         ),
         (
             ["--gin.NUM_EXPERTS=3", "--gin.partitioning.make_mesh.mesh_shape=(4, 2, 1)"],

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
+import gin
 from safetensors.numpy import load_file
 
-import gin
 from moe_jax import cli
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import HashRouterConfig, TopKRouterConfig

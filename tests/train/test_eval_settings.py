@@ -16,8 +16,14 @@ from moe_jax.train import evaluate
 
 # The in-training evaluation reads 3 batches of 8 rows; runs/eval.gin's default (8 batches
 # of smoke_cpu.gin's EVAL_STEPS, BATCH_SIZE rows) would give other numbers.
-TRAIN = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8", "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-         "--gin.TRAIN_STEPS=2", "--gin.train_script.train.eval_period=2", "--gin.train_script.train.eval_steps=3"]
+TRAIN = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.TRAIN_STEPS=2",
+    "--gin.train_script.train.eval_period=2",
+    "--gin.train_script.train.eval_steps=3",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -50,12 +56,17 @@ def _eval(capsys, tmp_path, *flags: str) -> tuple[dict, str]:
 
 def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
     recorded = json.loads((run / evaluate.EVAL_SETTINGS_FILE).read_text())
-    assert recorded["eval_steps"] == 3 and recorded["dataset"]["task_feature_lengths"] == {"inputs": 32, "targets": 8}
+    assert recorded["eval_steps"] == 3 and recorded["dataset"]["task_feature_lengths"] == {
+        "inputs": 32,
+        "targets": 8,
+    }
     assert recorded["dataset"]["split"] == "validation"
     own = _run_eval(run)
     result, err = _eval(capsys, tmp_path, f"--checkpoint={run}")
     assert f"eval settings: the run's, from {run / evaluate.EVAL_SETTINGS_FILE}" in err
-    assert "evaluated 3 batches of 8 x {'inputs': 32, 'targets': 8} from the validation split" in err
+    assert (
+        "evaluated 3 batches of 8 x {'inputs': 32, 'targets': 8} from the validation split" in err
+    )
     assert result["step"] == own["step"] == 2
     for metric in ("cross_entropy", "accuracy", "loss"):
         assert result["metrics"][metric] == pytest.approx(own[metric], rel=1e-6), metric
@@ -85,12 +96,17 @@ def test_reading_a_checkpoint_prints_no_orbax_warning(run, capfd):
 
 def test_layer_tables_list_layers_by_depth():
     """encoder before decoder, layers_3 before layers_11 (not string order)."""
-    metrics = {f"moe/{stack}/layers_{i}/dropped_fraction": 0.1 * i
-               for stack in ("decoder", "encoder") for i in (11, 3, 7)}
+    metrics = {
+        f"moe/{stack}/layers_{i}/dropped_fraction": 0.1 * i
+        for stack in ("decoder", "encoder")
+        for i in (11, 3, 7)
+    }
     routing = evaluate.routing_by_layer(metrics)
     expected = [f"{stack}/layers_{i}" for stack in ("encoder", "decoder") for i in (3, 7, 11)]
     assert list(routing) == expected
-    table = evaluate.comparison_table({"run": {"step": 1, "metrics": {}, "routing": routing, "router_drift": {}}})
+    table = evaluate.comparison_table(
+        {"run": {"step": 1, "metrics": {}, "routing": routing, "router_drift": {}}}
+    )
     rows = [line.split(" dropped")[0] for line in table.splitlines() if " dropped" in line]
     assert rows == expected
 
@@ -98,12 +114,19 @@ def test_layer_tables_list_layers_by_depth():
 def test_gin_settings_on_request_and_when_the_run_recorded_none(run, tmp_path, capsys):
     """--eval_settings=gin: runs/eval.gin's eval steps (smoke_cpu.gin: EVAL_STEPS = 8) and the
     run's BATCH_SIZE; a run without a record falls back to them, saying so."""
-    _, err = _eval(capsys, tmp_path, f"--checkpoint={run}", "--eval_settings=gin",
-                   "--gin.eval_script.evaluate.eval_steps=2")
+    _, err = _eval(
+        capsys,
+        tmp_path,
+        f"--checkpoint={run}",
+        "--eval_settings=gin",
+        "--gin.eval_script.evaluate.eval_steps=2",
+    )
     assert "eval settings: runs/eval.gin's" in err and "evaluated 2 batches of 8 x" in err
     (run / evaluate.EVAL_SETTINGS_FILE).rename(run / "kept.json")
     try:
-        _, err = _eval(capsys, tmp_path, f"--checkpoint={run}", "--gin.eval_script.evaluate.eval_steps=2")
+        _, err = _eval(
+            capsys, tmp_path, f"--checkpoint={run}", "--gin.eval_script.evaluate.eval_steps=2"
+        )
     finally:
         (run / "kept.json").rename(run / evaluate.EVAL_SETTINGS_FILE)
     assert f"({run} recorded none)" in err

@@ -68,8 +68,11 @@ def test_gcs_damaged_checkpoint_falls_back_and_changed_config_is_refused(gcs_dir
     assert data_files
     size = fs.info(data_files[0])["size"]
     fs.pipe_file(data_files[0], os.urandom(size))  # same size, other bytes
-    with pytest.raises(checkpoints.UnreadableCheckpointError, match=r"^checkpoint step 6 is unreadable: "
-                       rf"{step_dir}/\S+: CRC32C differs"):
+    with pytest.raises(
+        checkpoints.UnreadableCheckpointError,
+        match=r"^checkpoint step 6 is unreadable: "
+        rf"{step_dir}/\S+: CRC32C differs",
+    ):
         checkpoints.restore_from(gcs_dir, None)
     resumed = run(gcs_dir, 9)
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
@@ -87,9 +90,13 @@ def test_gcs_damaged_checkpoint_falls_back_and_changed_config_is_refused(gcs_dir
     assert storage.read_text(f"{gcs_dir}/config.gin") == config  # never overwritten
 
 
-def test_gcs_lock_refuses_a_second_writer_until_the_holder_dies_or_its_lease_expires(gcs_dir, monkeypatch):
+def test_gcs_lock_refuses_a_second_writer_until_the_holder_dies_or_its_lease_expires(
+    gcs_dir, monkeypatch
+):
     first = run_lock.RunLock(gcs_dir).acquire()
-    with pytest.raises(errors.RunLockedError, match=f"{gcs_dir} is being written by another trainer"):
+    with pytest.raises(
+        errors.RunLockedError, match=f"{gcs_dir} is being written by another trainer"
+    ):
         run_lock.RunLock(gcs_dir).acquire()
     first.release()
     assert not storage.exists(f"{gcs_dir}/LOCK")
@@ -116,7 +123,9 @@ def test_gcs_second_trainer_process_is_refused_and_a_killed_holder_does_not_bloc
     reached = checkpoints.reached_step(gcs_dir)
     code, out = finish(start(gcs_dir, f"--gin.TRAIN_STEPS={reached + 1}"))
     assert code == 0, out[-2000:]
-    assert f"took over the lock of {gcs_dir} from host {socket.gethostname()} PID {first.pid}" in out
+    assert (
+        f"took over the lock of {gcs_dir} from host {socket.gethostname()} PID {first.pid}" in out
+    )
 
 
 def _cli(*argv: str) -> int:
@@ -133,13 +142,32 @@ def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
     outputs = {}
     for name, root in (("gcs", gcs_dir), ("local", local)):
         out = f"{root}/read"
-        assert _cli("eval", f"--checkpoint={root}", f"--output_dir={out}/eval", "--gin.EVAL_STEPS=2") == 0
-        assert _cli("infer", f"--checkpoint={root}", f"--output_file={out}/infer.jsonl",
-                    "--input=Hello world", "--gin.infer_script.infer.max_decode_length=4") == 0
+        assert (
+            _cli("eval", f"--checkpoint={root}", f"--output_dir={out}/eval", "--gin.EVAL_STEPS=2")
+            == 0
+        )
+        assert (
+            _cli(
+                "infer",
+                f"--checkpoint={root}",
+                f"--output_file={out}/infer.jsonl",
+                "--input=Hello world",
+                "--gin.infer_script.infer.max_decode_length=4",
+            )
+            == 0
+        )
         assert _cli("export", f"--checkpoint={root}", f"--out={out}/export") == 0
         assert _cli("import", f"--export={out}/export", f"--model_dir={out}/imported") == 0
-        assert _cli("analyze", "positions", f"--checkpoint={root}", f"--out={out}/positions",
-                    "--gin.EVAL_STEPS=1") == 0
+        assert (
+            _cli(
+                "analyze",
+                "positions",
+                f"--checkpoint={root}",
+                f"--out={out}/positions",
+                "--gin.EVAL_STEPS=1",
+            )
+            == 0
+        )
         outputs[name] = {
             "eval": _eval_numbers(f"{out}/eval"),
             "infer": storage.read_text(f"{out}/infer.jsonl"),
@@ -163,7 +191,10 @@ def _eval_numbers(folder: str) -> list[dict]:
     """The metrics and routing statistics of each evaluated checkpoint (labels and paths
     name the run's location, so they differ between the copies)."""
     results = json.loads(storage.read_text(f"{folder}/comparison.json"))
-    return [{"step": r["step"], "metrics": r["metrics"], "routing": r["routing"]} for r in results.values()]
+    return [
+        {"step": r["step"], "metrics": r["metrics"], "routing": r["routing"]}
+        for r in results.values()
+    ]
 
 
 @pytest.mark.slow
@@ -187,7 +218,9 @@ gin_files = ["runs/smoke_cpu.gin"]
     assert sweep.main(["run", str(family), "--root", gcs_dir]) == 0
     run_dir = f"{gcs_dir}/learned/seed0"
     assert storage.exists(f"{run_dir}/DONE") and storage.isdir(f"{run_dir}/checkpoints/2")
-    assert "train: 100%" in storage.read_text(f"{run_dir}/log.txt")  # the trainer's output, uploaded
+    assert "train: 100%" in storage.read_text(
+        f"{run_dir}/log.txt"
+    )  # the trainer's output, uploaded
     capsys.readouterr()
     assert sweep.main(["run", str(family), "--root", gcs_dir]) == 0
     assert "0 to run" in capsys.readouterr().out

@@ -24,8 +24,15 @@ def test_help_documents_gin_dot_flags_and_macros(command, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--gin.NAME=VALUE" in out and "--gin.TRAIN_STEPS=1000" in out
-    for macro in ("MODEL_DIR", "MIXTURE_OR_TASK_NAME", "MIXTURE_OR_TASK_MODULE", "CHECKPOINT_PATH",
-                  "EVAL_OUTPUT_DIR", "INFER_OUTPUT_DIR", "TEXT_TRAIN_FILES"):
+    for macro in (
+        "MODEL_DIR",
+        "MIXTURE_OR_TASK_NAME",
+        "MIXTURE_OR_TASK_MODULE",
+        "CHECKPOINT_PATH",
+        "EVAL_OUTPUT_DIR",
+        "INFER_OUTPUT_DIR",
+        "TEXT_TRAIN_FILES",
+    ):
         assert re.search(rf"^  {macro} ", out, re.M), macro
 
 
@@ -48,8 +55,10 @@ def test_no_search_path_errors_when_run_outside_the_repository(tmp_path, monkeyp
 
 
 def test_expert_load_plot_marks_uniform_at_k_over_e_with_integer_expert_ticks():
-    layers = {"encoder/layers_1": {"expert_load": [0.9, 0.5, 0.4, 0.2]},  # top-2 of 4: sums to 2
-              "decoder/layers_1": {"expert_load": [0.25] * 8}}            # top-2 of 8, balanced
+    layers = {
+        "encoder/layers_1": {"expert_load": [0.9, 0.5, 0.4, 0.2]},  # top-2 of 4: sums to 2
+        "decoder/layers_1": {"expert_load": [0.25] * 8},
+    }  # top-2 of 8, balanced
     fig = evaluate.expert_load_figure(layers, "run (step 1)")
     for ax, (k, experts) in zip(fig.axes, [(2.0, 4), (2.0, 8)]):
         (uniform,) = ax.get_lines()

@@ -20,9 +20,15 @@ from moe_jax.data import sources, vocab
 from moe_jax.train import checkpoints, export
 
 STEPS = 2
-TRAIN = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=data/text.gin", "--gin.BATCH_SIZE=8",
-         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", f"--gin.TRAIN_STEPS={STEPS}",
-         "--gin.train_script.train.eval_period=0", "--gin.train_script.train.log_period=1"]
+TRAIN = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin_file=data/text.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    f"--gin.TRAIN_STEPS={STEPS}",
+    "--gin.train_script.train.eval_period=0",
+    "--gin.train_script.train.log_period=1",
+]
 EVAL = ["--gin.eval_script.evaluate.eval_steps=2"]
 
 
@@ -41,7 +47,9 @@ def text_run(tmp_path_factory) -> pathlib.Path:
         shutil.copy(sources.EMBEDDED_DIR / f"{lang}.txt", root / "corpus" / lang / "udhr.txt")
     patterns = {lang: str(root / "corpus" / lang / "*.txt") for lang in ("en", "de")}
     model_dir = root / "run"
-    rc = cli.main(["train", *TRAIN, f"--gin.TEXT_TRAIN_FILES={patterns}", f"--gin.MODEL_DIR={model_dir}"])
+    rc = cli.main(
+        ["train", *TRAIN, f"--gin.TEXT_TRAIN_FILES={patterns}", f"--gin.MODEL_DIR={model_dir}"]
+    )
     gin.clear_config()
     assert rc == 0
     return model_dir
@@ -50,24 +58,37 @@ def text_run(tmp_path_factory) -> pathlib.Path:
 def _eval(capsys, *flags: str) -> tuple[dict, str]:
     assert cli.main(["eval", *EVAL, *flags]) == 0, capsys.readouterr().err
     out_dir = next(f.split("=", 1)[1] for f in flags if "OUTPUT_DIR" in f or "output_dir" in f)
-    return json.loads((pathlib.Path(out_dir) / "comparison.json").read_text()), capsys.readouterr().err
+    return json.loads(
+        (pathlib.Path(out_dir) / "comparison.json").read_text()
+    ), capsys.readouterr().err
 
 
 def test_training_on_a_folder_of_text_files(text_run):
     config = (text_run / "config.gin").read_text()
     assert "make_source.corpus = 'text'" in config and "'de': '" in config
     assert "MIXTURE_OR_TASK_NAME = 'text_span_corruption'" in config
-    losses = [json.loads(line)["loss"] for line in (text_run / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (text_run / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
     assert len(losses) == STEPS and np.all(np.isfinite(losses))
     assert (text_run / "checkpoints" / str(STEPS)).is_dir()
 
 
 @pytest.mark.slow
 def test_infer_reads_the_runs_config_and_t5x_macros(text_run, tmp_path, capsys):
-    assert cli.main(["infer", f"--gin.CHECKPOINT_PATH={text_run}",
-                     "--input=Everyone has the right to <extra_id_0>.",
-                     f"--gin.INFER_OUTPUT_DIR={tmp_path / 'i'}"]) == 0
+    assert (
+        cli.main(
+            [
+                "infer",
+                f"--gin.CHECKPOINT_PATH={text_run}",
+                "--input=Everyone has the right to <extra_id_0>.",
+                f"--gin.INFER_OUTPUT_DIR={tmp_path / 'i'}",
+            ]
+        )
+        == 0
+    )
     assert f"gin config: the run's {text_run}/config.gin" in capsys.readouterr().err
     (line,) = (tmp_path / "i" / "predictions.jsonl").read_text().splitlines()
     assert json.loads(line)["input"] == "Everyone has the right to <extra_id_0>."
@@ -77,7 +98,7 @@ def _params(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
     ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
     try:
         step = ckpt.latest_step()
-        restored = ckpt._manager.restore(step)  # noqa: SLF001 - the raw saved arrays, no target
+        restored = ckpt._manager.restore(step)
     finally:
         ckpt.close()
     flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
@@ -97,12 +118,20 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert arrays["decoder/decoder_norm/scale"].shape == (32,)
     assert set(arrays) == set(config["arrays"]) and config["step"] == STEPS
     assert config["t5_config"]["moe"]["num_experts"] == 4 and config["t5_config"]["emb_dim"] == 32
-    assert config["version"] == export.FORMAT_VERSION == 2 and config["routing"] == {"router_mode": "learned"}
+    assert config["version"] == export.FORMAT_VERSION == 2 and config["routing"] == {
+        "router_mode": "learned"
+    }
     # the initial routers, under the routers' exported names, beside the model
     initial = load_file(out / export.ROUTER_INIT_FILE)
-    assert sorted(initial) == config["router_init"]["arrays"] == sorted(n for n in arrays if "/router/" in n)
-    assert not np.array_equal(initial["encoder/layers_1/mlp/router/router_weights/w/kernel"],
-                              arrays["encoder/layers_1/mlp/router/router_weights/w/kernel"])  # trained
+    assert (
+        sorted(initial)
+        == config["router_init"]["arrays"]
+        == sorted(n for n in arrays if "/router/" in n)
+    )
+    assert not np.array_equal(
+        initial["encoder/layers_1/mlp/router/router_weights/w/kernel"],
+        arrays["encoder/layers_1/mlp/router/router_weights/w/kernel"],
+    )  # trained
 
     # self-contained: the vocabulary travels with the export, config.json names no local path
     assert (out / export.VOCAB_FILE).read_bytes() == vocab.EMBEDDED_SPM.read_bytes()
@@ -112,25 +141,32 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert cli.main(["import", f"--export={moved}", f"--model_dir={back}"]) == 0
     assert (back / export.VOCAB_FILE).read_bytes() == (moved / export.VOCAB_FILE).read_bytes()
     assert f"vocab.get_vocabulary.path = {str(back / export.VOCAB_FILE)!r}" in (
-        (back / "config.gin").read_text().splitlines())
+        (back / "config.gin").read_text().splitlines()
+    )
     original, imported = _params(text_run), _params(back)
     assert original.keys() == imported.keys()
     for name in original:
         np.testing.assert_array_equal(imported[name], original[name], err_msg=name)
-    original_init, imported_init = checkpoints.load_router_init(str(text_run)), checkpoints.load_router_init(str(back))
+    original_init, imported_init = (
+        checkpoints.load_router_init(str(text_run)),
+        checkpoints.load_router_init(str(back)),
+    )
     assert original_init and original_init.keys() == imported_init.keys()
     for name in original_init:
         np.testing.assert_array_equal(imported_init[name], original_init[name], err_msg=name)
     # eval with no gin file reads each run's config.gin; T5X's macros or the flags
-    first, err = _eval(capsys, f"--gin.CHECKPOINT_PATH={text_run}",
-                       f"--gin.EVAL_OUTPUT_DIR={tmp_path / 'e1'}")
+    first, err = _eval(
+        capsys, f"--gin.CHECKPOINT_PATH={text_run}", f"--gin.EVAL_OUTPUT_DIR={tmp_path / 'e1'}"
+    )
     assert f"gin config: the run's {text_run}/config.gin" in err
     second, err = _eval(capsys, f"--checkpoint={back}", f"--output_dir={tmp_path / 'e2'}")
     assert f"gin config: the run's {back}/config.gin" in err
     (a,), (b,) = first.values(), second.values()
     assert a["step"] == b["step"] == STEPS and np.isfinite(a["metrics"]["loss"])
     assert a["metrics"] == b["metrics"] and a["routing"] == b["routing"]
-    assert a["router_drift"] == b["router_drift"] and len(b["router_drift"]) == len(b["routing"]) > 0
+    assert (
+        a["router_drift"] == b["router_drift"] and len(b["router_drift"]) == len(b["routing"]) > 0
+    )
     assert all(v > 0 for v in b["router_drift"].values())
 
 
@@ -138,11 +174,18 @@ def test_import_into_another_shape_names_the_array_and_both_shapes(text_run, tmp
     out = tmp_path / "export"
     assert cli.main(["export", f"--checkpoint={text_run}", f"--out={out}"]) == 0
     capsys.readouterr()
-    assert cli.main(["import", f"--export={out}", f"--model_dir={tmp_path / 'x'}",
-                     "--gin.NUM_EXPERTS=8"]) == 1
+    assert (
+        cli.main(
+            ["import", f"--export={out}", f"--model_dir={tmp_path / 'x'}", "--gin.NUM_EXPERTS=8"]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
-    assert re.search(r"array '(en|de)coder/layers_1/mlp/\S+' has shape \[[^]]*\] in the export "
-                     r"but \[[^]]*8[^]]*\] in the gin config's model", err), err
+    assert re.search(
+        r"array '(en|de)coder/layers_1/mlp/\S+' has shape \[[^]]*\] in the export "
+        r"but \[[^]]*8[^]]*\] in the gin config's model",
+        err,
+    ), err
     assert not (tmp_path / "x").exists()  # refused before anything is written
 
 

@@ -23,7 +23,7 @@ def flip_bytes(path: pathlib.Path) -> None:
     """Overwrites the middle of ``path`` with other bytes of the same length (size unchanged)."""
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 64] = bytes(255 - b for b in data[middle:middle + 64])
+    data[middle : middle + 64] = bytes(255 - b for b in data[middle : middle + 64])
     path.write_bytes(bytes(data))
 
 
@@ -38,7 +38,9 @@ def test_relative_model_dir_and_checkpoint_work_from_any_working_directory(tmp_p
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    assert cli.main(["eval", "--checkpoint=../run1rel", "--output_dir=out", "--gin.EVAL_STEPS=1"]) == 0
+    assert (
+        cli.main(["eval", "--checkpoint=../run1rel", "--output_dir=out", "--gin.EVAL_STEPS=1"]) == 0
+    )
     result = json.loads((elsewhere / "out/run1rel.json").read_text())
     assert result["step"] == 9 and result["checkpoint"] == str(tmp_path / "run1rel/checkpoints/9")
 
@@ -56,8 +58,10 @@ def test_same_size_corruption_is_found_by_the_checksum(tmp_path, capsys):
     code = cli.main(["eval", f"--checkpoint={tmp_path / 'run'}", "--gin.EVAL_STEPS=1"])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == errors.EXIT_USER_ERROR
-    assert line == (f"moe-jax eval: error: checkpoint step 6 is unreadable: {target}: CRC32C differs from "
-                    f"the one recorded when saved (content changed, {size} bytes)")
+    assert line == (
+        f"moe-jax eval: error: checkpoint step 6 is unreadable: {target}: CRC32C differs from "
+        f"the one recorded when saved (content changed, {size} bytes)"
+    )
     # train: falls back to step 3 and continues exactly
     resumed = run(tmp_path / "run", 9)
     assert resumed["losses"] == {s: full["losses"][s] for s in range(4, 10)}
@@ -87,7 +91,10 @@ def test_no_silent_restart_from_step_zero_while_damaged_steps_are_set_aside(tmp_
     with pytest.raises(checkpoints.UnreadableCheckpointError, match="no readable checkpoint"):
         run(tmp_path, 9)
     assert checkpoints.set_aside_steps(str(tmp_path)) == [3, 6]
-    with pytest.raises(errors.CheckpointError, match=r"no readable checkpoint, but \S+ holds step\(s\) \[3, 6\] "
-                                                     "set aside as damaged: refusing to train again from step 0"):
+    with pytest.raises(
+        errors.CheckpointError,
+        match=r"no readable checkpoint, but \S+ holds step\(s\) \[3, 6\] "
+        "set aside as damaged: refusing to train again from step 0",
+    ):
         run(tmp_path, 9)
     assert not storage.listdir(str(tmp_path / "checkpoints"))

@@ -21,11 +21,18 @@ from moe_jax.train import checkpoints, gin_utils, setup, summaries, train
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=routers/aux_free_bias.gin", "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BIAS_UPDATE_RATE=0.01",
-        f"--gin.TRAIN_STEPS={STEPS}", "--gin.train_script.train.checkpoint_period=2",
-        "--gin.train_script.train.log_period=2", "--gin.train_script.train.eval_period=2",
-        "--gin.train_script.train.eval_steps=1"]
+TINY = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin_file=routers/aux_free_bias.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.BIAS_UPDATE_RATE=0.01",
+    f"--gin.TRAIN_STEPS={STEPS}",
+    "--gin.train_script.train.checkpoint_period=2",
+    "--gin.train_script.train.log_period=2",
+    "--gin.train_script.train.eval_period=2",
+    "--gin.train_script.train.eval_steps=1",
+]
 SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 LAYERS = ("encoder/layers_1", "decoder/layers_1")
 
@@ -39,7 +46,9 @@ def _fresh_gin():
 @pytest.fixture(scope="module")
 def bias_run(tmp_path_factory) -> pathlib.Path:
     model_dir = tmp_path_factory.mktemp("bias_run")
-    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"]))
+    gin_utils.parse_gin(
+        gin_utils.parse_flags(setup.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"])
+    )
     try:
         train.train()
     finally:
@@ -52,7 +61,9 @@ def _model():
 
 
 def _parse_run(model_dir: pathlib.Path) -> None:
-    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"]))
+    gin_utils.parse_gin(
+        gin_utils.parse_flags(setup.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"])
+    )
 
 
 def _biases(collections) -> np.ndarray:
@@ -91,36 +102,83 @@ def test_churn_probe_routes_with_the_bias(bias_run, tmp_path):
     _parse_run(bias_run)
     model, ctx = _model(), setup.run_context()
     restored = setup.restore_model(str(bias_run), model, SHAPES, ctx)
-    probe_batch = next(setup.eval_batches(gin.query_parameter("train_script.train.train_eval_dataset_cfg")
-                                          .scoped_configurable_fn(), 1))
-    probe = summaries.ChurnProbe(model, restored.params_shardings, ctx, probe_batch, str(tmp_path),
-                                 restored.collections_shardings)
+    probe_batch = next(
+        setup.eval_batches(
+            gin.query_parameter(
+                "train_script.train.train_eval_dataset_cfg"
+            ).scoped_configurable_fn(),
+            1,
+        )
+    )
+    probe = summaries.ChurnProbe(
+        model,
+        restored.params_shardings,
+        ctx,
+        probe_batch,
+        str(tmp_path),
+        restored.collections_shardings,
+    )
     assert probe(restored.params, restored.collections) == {}
-    before = dict(probe._previous)  # noqa: SLF001 - the first evaluation's top-1 choices
-    assert probe(restored.params, restored.collections) == {f"moe/{layer}/routing_churn": 0.0 for layer in LAYERS}
+    before = dict(probe._previous)
+    assert probe(restored.params, restored.collections) == {
+        f"moe/{layer}/routing_churn": 0.0 for layer in LAYERS
+    }
     pushed = jax.tree.map(lambda b: b.at[3].add(100.0), restored.collections)
     churn = probe(restored.params, pushed)
     for layer in LAYERS:
-        valid = probe._previous[layer] < 4  # noqa: SLF001 - padding is num_experts
-        np.testing.assert_array_equal(probe._previous[layer][valid], 3)  # noqa: SLF001
+        valid = probe._previous[layer] < 4
+        np.testing.assert_array_equal(probe._previous[layer][valid], 3)
         expected = float(np.mean(before[layer][valid] != 3))
         assert churn[f"moe/{layer}/routing_churn"] == pytest.approx(expected)
         assert expected > 0
 
 
 def test_infer_and_analyze_run_on_a_bias_router_checkpoint(bias_run, tmp_path, capsys):
-    assert cli.main(["infer", f"--checkpoint={bias_run}", "--input=Everyone has the right to <extra_id_0>.",
-                     f"--output_file={tmp_path / 'out.jsonl'}"]) == 0, capsys.readouterr().err
+    assert (
+        cli.main(
+            [
+                "infer",
+                f"--checkpoint={bias_run}",
+                "--input=Everyone has the right to <extra_id_0>.",
+                f"--output_file={tmp_path / 'out.jsonl'}",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     (line,) = (tmp_path / "out.jsonl").read_text().splitlines()
     assert json.loads(line)["input"] == "Everyone has the right to <extra_id_0>."
     gin.clear_config()
-    assert cli.main(["analyze", "positions", f"--checkpoint={bias_run}", f"--out={tmp_path / 'pos'}",
-                     "--gin.positions_script.analyze.num_batches=1",
-                     "--gin.positions_script.analyze.block_sizes=(4, 16)"]) == 0, capsys.readouterr().err
-    assert set(json.loads((tmp_path / "pos" / "positions.json").read_text())["layers"]) == set(LAYERS)
+    assert (
+        cli.main(
+            [
+                "analyze",
+                "positions",
+                f"--checkpoint={bias_run}",
+                f"--out={tmp_path / 'pos'}",
+                "--gin.positions_script.analyze.num_batches=1",
+                "--gin.positions_script.analyze.block_sizes=(4, 16)",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
+    assert set(json.loads((tmp_path / "pos" / "positions.json").read_text())["layers"]) == set(
+        LAYERS
+    )
     gin.clear_config()
-    assert cli.main(["analyze", "languages", f"--checkpoint={bias_run}", f"--out={tmp_path / 'lang'}",
-                     "--gin.languages_script.analyze.max_examples_per_label=2",
-                     "--gin.languages_script.analyze.batch_size=8"]) == 0, capsys.readouterr().err
+    assert (
+        cli.main(
+            [
+                "analyze",
+                "languages",
+                f"--checkpoint={bias_run}",
+                f"--out={tmp_path / 'lang'}",
+                "--gin.languages_script.analyze.max_examples_per_label=2",
+                "--gin.languages_script.analyze.batch_size=8",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     report = json.loads((tmp_path / "lang" / "languages.json").read_text())
-    assert report["checkpoints"][0]["step"] == STEPS and set(report["checkpoints"][0]["layers"]) == set(LAYERS)
+    assert report["checkpoints"][0]["step"] == STEPS and set(
+        report["checkpoints"][0]["layers"]
+    ) == set(LAYERS)

@@ -11,16 +11,27 @@ import pytest
 
 from moe_jax.train import checkpoints, evaluate, gin_utils, setup, train, train_state
 
-TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin_file=routers/aux_free_bias.gin", "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BIAS_UPDATE_RATE=0.01",
-        "--gin.train_script.train.checkpoint_period=2", "--gin.train_script.train.log_period=1",
-        "--gin.train_script.train.eval_period=2", "--gin.train_script.train.eval_steps=1"]
+TINY = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin_file=routers/aux_free_bias.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.BIAS_UPDATE_RATE=0.01",
+    "--gin.train_script.train.checkpoint_period=2",
+    "--gin.train_script.train.log_period=1",
+    "--gin.train_script.train.eval_period=2",
+    "--gin.train_script.train.eval_steps=1",
+]
 SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 
 
 def _run(model_dir, steps: int, *flags: str) -> dict:
-    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [
-        *TINY, f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags]))
+    gin_utils.parse_gin(
+        gin_utils.parse_flags(
+            setup.build_parser("t", "t"),
+            [*TINY, f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags],
+        )
+    )
     return train.train()
 
 
@@ -59,5 +70,7 @@ def test_bias_is_trained_by_the_step_and_survives_a_checkpoint_round_trip(tmp_pa
 def test_frozen_bias_mode_keeps_the_bias_and_eval_reads_it(tmp_path):
     _run(tmp_path, 2, "--gin_file=routers/frozen.gin", "--gin_file=routers/frozen_bias.gin")
     np.testing.assert_array_equal(np.concatenate(_biases(_restore(tmp_path))), 0.0)
-    results = evaluate.evaluate([str(tmp_path)], str(tmp_path / "eval"))  # `moe-jax eval` restores the bias
+    results = evaluate.evaluate(
+        [str(tmp_path)], str(tmp_path / "eval")
+    )  # `moe-jax eval` restores the bias
     assert np.isfinite(next(iter(results.values()))["metrics"]["loss"])

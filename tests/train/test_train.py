@@ -13,10 +13,15 @@ import pytest
 
 from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
 
-TINY = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-        "--gin.train_script.train.checkpoint_period=3", "--gin.train_script.train.log_period=2",
-        "--gin.train_script.train.eval_period=0", "--gin.train_script.train.async_checkpointing=True"]
+TINY = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.train_script.train.checkpoint_period=3",
+    "--gin.train_script.train.log_period=2",
+    "--gin.train_script.train.eval_period=0",
+    "--gin.train_script.train.async_checkpointing=True",
+]
 
 
 def parse(*flags: str):
@@ -47,7 +52,10 @@ def test_interrupted_run_continues_exactly(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     run(tmp_path, 1)
-    with pytest.raises(checkpoints.CheckpointMismatchError, match=r"other shapes \(\d+\): decoder/final_norm/scale: checkpoint \[32\] vs model \[16\]"):
+    with pytest.raises(
+        checkpoints.CheckpointMismatchError,
+        match=r"other shapes \(\d+\): decoder/final_norm/scale: checkpoint \[32\] vs model \[16\]",
+    ):
         run(tmp_path, 2, "--gin.EMBED_DIM=16")
     with pytest.raises(checkpoints.CheckpointMismatchError, match="not the checkpoint"):
         run(tmp_path, 2, "--gin.NUM_ENCODER_LAYERS=3")
@@ -64,7 +72,9 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
     ckpt = checkpoints.Checkpointer(str(tmp_path), read_only=True)
     restored = []
     for shape in [(8, 1, 1), (2, 4, 1), (1, 1, 1)]:
-        mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
+        mesh = partitioning.make_mesh(
+            mesh_shape=shape, devices=jax.devices()[: int(np.prod(shape))]
+        )
         sharding = train_state.param_shardings(model, shapes, mesh, rules)
         target = train_state.abstract_with_shardings(setup.abstract_params(model, shapes), sharding)
         params, _, meta = ckpt.restore_params(1, target)
@@ -78,14 +88,22 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
 @pytest.mark.slow
 def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     huge_lr = "--gin.learning_rate_schedule.base_learning_rate=1e30"
-    with pytest.raises(train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"):
+    with pytest.raises(
+        train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"
+    ):
         run(tmp_path / "stop", 8, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0")
     # skip: a step whose loss is non-finite leaves parameters (and optimizer state) as they were
     skip_dir = tmp_path / "skip"
-    result = run(skip_dir, 4, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0",
-                 "--gin.train_script.train.on_nonfinite='skip'",
-                 "--gin.train_script.train.checkpoint_period=1", "--gin.train_script.train.keep_checkpoints=None",
-                 "--gin.train_script.train.log_period=1")
+    result = run(
+        skip_dir,
+        4,
+        huge_lr,
+        "--gin.learning_rate_schedule.warmup_steps=0",
+        "--gin.train_script.train.on_nonfinite='skip'",
+        "--gin.train_script.train.checkpoint_period=1",
+        "--gin.train_script.train.keep_checkpoints=None",
+        "--gin.train_script.train.log_period=1",
+    )
     records = [json.loads(line) for line in (skip_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = {r["step"]: r["skipped"] for r in records}
     assert result["step"] == 4 and skipped == {1: 0, 2: 1, 3: 1, 4: 1}
@@ -93,13 +111,22 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     ckpt = checkpoints.Checkpointer(str(skip_dir), read_only=True)
     saved = {}
     for s in (1, 2, 3, 4):
-        out = ckpt._manager.restore(s, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
-            params=checkpoints.ocp.args.StandardRestore(), train=checkpoints.ocp.args.StandardRestore()))
+        out = ckpt._manager.restore(
+            s,
+            args=checkpoints.ocp.args.Composite(
+                params=checkpoints.ocp.args.StandardRestore(),
+                train=checkpoints.ocp.args.StandardRestore(),
+            ),
+        )
         saved[s] = {item: jax.tree.map(np.asarray, out[item]) for item in ("params", "train")}
     ckpt.close()
     for s in (2, 3, 4):
         jax.tree.map(np.testing.assert_array_equal, saved[1]["params"], saved[s]["params"])
-        jax.tree.map(np.testing.assert_array_equal, saved[1]["train"]["opt_state"], saved[s]["train"]["opt_state"])
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            saved[1]["train"]["opt_state"],
+            saved[s]["train"]["opt_state"],
+        )
 
 
 @pytest.mark.parametrize("sync_every_step", [False, True])
@@ -122,10 +149,16 @@ def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatc
         return run_setup
 
     monkeypatch.setattr(setup, "build_train_setup", nan_at_step_5)
-    with pytest.raises(train.NonFiniteLossError,
-                       match=r"loss is nan at step 5; last good checkpoint: .*checkpoints/3\."):
-        run(tmp_path, 8, "--gin.train_script.train.log_period=100",
-            f"--gin.train_script.train.sync_every_step={sync_every_step}")
+    with pytest.raises(
+        train.NonFiniteLossError,
+        match=r"loss is nan at step 5; last good checkpoint: .*checkpoints/3\.",
+    ):
+        run(
+            tmp_path,
+            8,
+            "--gin.train_script.train.log_period=100",
+            f"--gin.train_script.train.sync_every_step={sync_every_step}",
+        )
     assert checkpoints.Checkpointer(str(tmp_path), read_only=True).latest_step() == 3
 
 
@@ -141,11 +174,17 @@ def test_gin_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.gin"
     bad.write_text("include 'gin/runs/smoke_cpu.gin'\n\ntrain_script.train.chekpoint_period = 3\n")
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
-        gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={bad}"]))
+        gin_utils.parse_gin(
+            gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={bad}"])
+        )
     undefined = tmp_path / "macro.gin"
-    undefined.write_text("include 'gin/runs/smoke_cpu.gin'\ntrain_script.train.total_steps = %TRAIN_STEPZ\n")
+    undefined.write_text(
+        "include 'gin/runs/smoke_cpu.gin'\ntrain_script.train.total_steps = %TRAIN_STEPZ\n"
+    )
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
-        gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={undefined}"]))
+        gin_utils.parse_gin(
+            gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={undefined}"])
+        )
     with pytest.raises(gin_utils.GinConfigError, match="TRAIN_STEP .*not used"):
         parse("--gin.TRAIN_STEP=10")
 
@@ -153,7 +192,9 @@ def test_gin_errors_name_file_and_line(tmp_path):
 def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
     from moe_jax import cli
 
-    assert cli.main(["train", *TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
+    assert (
+        cli.main(["train", *TINY, "--gin.MODEL_DIR=" + str(tmp_path), "--gin.TRAIN_STEPZ=3"]) == 1
+    )
     err = capsys.readouterr().err
     assert err.startswith("moe-jax train: error: gin: macro TRAIN_STEPZ") and "Traceback" not in err
 

@@ -19,17 +19,24 @@ SHAPES = {"encoder_input_tokens": (4, 16), "decoder_input_tokens": (4, 8)}
 @pytest.fixture
 def smoke_gin():
     """The smoke config's tiny MoE model (gin stays live: MoE layers read it when traced)."""
+
     def parse(*flags: str) -> None:
-        args = gin_utils.parse_flags(setup.build_parser("test", "test"),
-                                     ["--gin_file=runs/smoke_cpu.gin", "--gin.MODEL_DIR=/tmp/unused", *flags])
+        args = gin_utils.parse_flags(
+            setup.build_parser("test", "test"),
+            ["--gin_file=runs/smoke_cpu.gin", "--gin.MODEL_DIR=/tmp/unused", *flags],
+        )
         gin_utils.parse_gin(args)
+
     yield parse
     gin.clear_config()
 
 
 def _step(model, tx, schedule, state, batch, accum_steps):
-    fn = jax.jit(lambda s, b: train_step.train_step(s, b, model=model, tx=tx, learning_rate_fn=schedule,
-                                                    accum_steps=accum_steps))
+    fn = jax.jit(
+        lambda s, b: train_step.train_step(
+            s, b, model=model, tx=tx, learning_rate_fn=schedule, accum_steps=accum_steps
+        )
+    )
     return fn(state, jax.tree.map(jnp.asarray, batch))
 
 
@@ -48,7 +55,10 @@ def test_accumulated_microbatches_equal_one_step_on_the_same_examples(smoke_gin)
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     # and the step really moved the parameters
-    moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(state.params))]
+    moved = [
+        np.abs(a - b).max()
+        for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(state.params))
+    ]
     assert max(moved) > 1e-4
 
 
@@ -58,7 +68,9 @@ def test_uneven_microbatches_are_refused_by_name(smoke_gin):
     tx, schedule = optimizers.create_optimizer(name="sgd", learning_rate=0.1)
     state = train_state.init_train_state(model, tx, SHAPES, seed=0)
     with pytest.raises(ValueError, match="accum_steps=3"):
-        _step(model, tx, schedule, state, random_batch(batch=4, enc_len=16, dec_len=8, vocab=500), 3)
+        _step(
+            model, tx, schedule, state, random_batch(batch=4, enc_len=16, dec_len=8, vocab=500), 3
+        )
 
 
 @pytest.mark.slow
@@ -67,8 +79,12 @@ def test_adafactor_with_bfloat16_activations_fits_a_batch_and_keeps_float32_para
     model = EncoderDecoderModel()
     tx, schedule = optimizers.create_optimizer(name="adafactor", learning_rate=1e-2)
     state = train_state.init_train_state(model, tx, SHAPES, seed=0)
-    batch = jax.tree.map(jnp.asarray, random_batch(seed=2, batch=4, enc_len=16, dec_len=8, vocab=500))
-    step = jax.jit(lambda s, b: train_step.train_step(s, b, model=model, tx=tx, learning_rate_fn=schedule))
+    batch = jax.tree.map(
+        jnp.asarray, random_batch(seed=2, batch=4, enc_len=16, dec_len=8, vocab=500)
+    )
+    step = jax.jit(
+        lambda s, b: train_step.train_step(s, b, model=model, tx=tx, learning_rate_fn=schedule)
+    )
     losses = []
     for _ in range(30):
         state, metrics = step(state, batch)
