@@ -79,15 +79,13 @@ def describe_params(params: Any) -> str:
     flat = jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]
     specs = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     rows, groups = [], {}
-    for (path, leaf), spec in zip(flat, specs):
+    for (path, leaf), spec in zip(flat, specs, strict=True):
         name = _path_name(path)
         count = int(np.prod(leaf.shape))
         groups[_group(name)] = groups.get(_group(name), 0) + count
-        rows.append(
-            f"  {name:<70} {tuple(leaf.shape)!s:<20} {tuple(spec)!s:<36} {count:>12,}"
-        )
+        rows.append(f"  {name:<70} {tuple(leaf.shape)!s:<20} {tuple(spec)!s:<36} {count:>12,}")
     total = sum(groups.values())
-    lines = ["Parameters:"] + rows + ["By group:"]
+    lines = ["Parameters:", *rows, "By group:"]
     lines += [
         f"  {g:<20} {c:>14,}  ({100.0 * c / max(total, 1):5.1f}%)"
         for g, c in sorted(groups.items())

@@ -139,7 +139,7 @@ class EncoderDecoderModel:
             {"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False
         )
         return {
-            name: variables[name] for name in ("params",) + STATE_COLLECTIONS if name in variables
+            name: variables[name] for name in ("params", *STATE_COLLECTIONS) if name in variables
         }
 
     def param_logical_axes(self, input_shapes: InputShapes) -> Any:

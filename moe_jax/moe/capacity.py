@@ -44,12 +44,12 @@ def to_groups(x: jax.Array, groups: int, tokens_per_group: int) -> jax.Array:
     """``[num_tokens, ...]`` -> ``[groups, tokens_per_group, ...]``, zero-padded."""
     pad = groups * tokens_per_group - x.shape[0]
     x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((groups, tokens_per_group) + x.shape[1:])
+    return x.reshape((groups, tokens_per_group, *x.shape[1:]))
 
 
 def from_groups(x: jax.Array, num_tokens: int) -> jax.Array:
     """``[groups, tokens_per_group, ...]`` -> ``[num_tokens, ...]`` (drops the padding)."""
-    return x.reshape((-1,) + x.shape[2:])[:num_tokens]
+    return x.reshape((-1, *x.shape[2:]))[:num_tokens]
 
 
 def expert_capacity(

@@ -131,7 +131,7 @@ def check_capacity_order(capacity_order: str) -> None:
     if capacity_order not in CAPACITY_ORDERS:
         raise ValueError(
             f"CapacityConfig.capacity_order={capacity_order!r} is unknown; "
-            f"choose one of {CAPACITY_ORDERS + ('auto',)}"
+            f"choose one of {(*CAPACITY_ORDERS, 'auto')}"
         )
 
 
@@ -327,7 +327,7 @@ def dispatch_combine(
     """
     if impl not in DISPATCH_IMPLS:
         raise ValueError(
-            f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of {DISPATCH_IMPLS + ('auto',)}"
+            f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of {(*DISPATCH_IMPLS, 'auto')}"
         )
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice

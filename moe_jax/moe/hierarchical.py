@@ -178,7 +178,7 @@ class HierarchicalRouter(nn.Module):
         lead = x.shape[:-1]
         primary = RouterWeights(n_groups, self.init_stddev, name="primary")(x)  # [g, s, G]
         secondary = RouterWeights(self.num_experts, self.init_stddev, name="secondary")(x)
-        secondary = secondary.reshape(lead + (n_groups, per_group))  # [g, s, G, b]
+        secondary = secondary.reshape((*lead, n_groups, per_group))  # [g, s, G, b]
 
         group_index, group_gates, primary_prob = self._gate(
             primary, "primary", k1, deterministic, x
@@ -192,10 +192,8 @@ class HierarchicalRouter(nn.Module):
             inner_index, group_index[..., None], axis=-2
         )  # [g, s, k1, k2]
         chosen_gates = jnp.take_along_axis(inner_gates, group_index[..., None], axis=-2)
-        expert_index = (group_index[..., None] * per_group + chosen_inner).reshape(
-            lead + (k1 * k2,)
-        )
-        gates = (group_gates[..., None] * chosen_gates).reshape(lead + (k1 * k2,))
+        expert_index = (group_index[..., None] * per_group + chosen_inner).reshape((*lead, k1 * k2))
+        gates = (group_gates[..., None] * chosen_gates).reshape((*lead, k1 * k2))
         gates, order = top_k(gates, k1 * k2)  # descending final gate: capacity order
         expert_index = jnp.take_along_axis(expert_index, order, axis=-1)
 
@@ -214,7 +212,7 @@ class HierarchicalRouter(nn.Module):
 
         probs = (
             jax.nn.softmax(primary, axis=-1)[..., None] * jax.nn.softmax(secondary, axis=-1)
-        ).reshape(lead + (self.num_experts,))
+        ).reshape((*lead, self.num_experts))
         return _token_choice(
             secondary.reshape(probs.shape),
             probs,

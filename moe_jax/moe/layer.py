@@ -124,7 +124,7 @@ class MoeLayer(nn.Module):
         )
 
         def grouped(a: Array) -> Array:
-            return cap.to_groups(a.reshape((num_tokens,) + a.shape[2:]), groups, tokens_per_group)
+            return cap.to_groups(a.reshape((num_tokens, *a.shape[2:])), groups, tokens_per_group)
 
         x = nn.with_logical_constraint(
             grouped(inputs.astype(self.dtype)), ("expert_group", "length", "embed")

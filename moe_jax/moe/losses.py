@@ -70,7 +70,7 @@ def hierarchical_z_loss(
     each secondary gate's (``secondary_logits [..., G * b]``, group ``i`` in columns
     ``i * b ... (i + 1) * b - 1``)."""
     num_groups = primary_logits.shape[-1]
-    inner = secondary_logits.reshape(secondary_logits.shape[:-1] + (num_groups, -1))
+    inner = secondary_logits.reshape((*secondary_logits.shape[:-1], num_groups, -1))
     per_group = jnp.mean(jnp.square(jax.nn.logsumexp(inner, axis=-1)), axis=-1)
     return router_z_loss(primary_logits, padding_mask) + _token_mean(per_group, padding_mask)
 

@@ -357,7 +357,7 @@ class HashRouter(nn.Module):
         base = ((mixed >> 16) % jnp.uint32(self.num_experts)).astype(jnp.int32)
         expert_index = (base[..., None] + jnp.arange(k, dtype=jnp.int32)) % self.num_experts
         gates = jnp.full(expert_index.shape, 1.0 / k, jnp.float32)
-        logits = jnp.zeros(x.shape[:-1] + (self.num_experts,), jnp.float32)
+        logits = jnp.zeros((*x.shape[:-1], self.num_experts), jnp.float32)
         probs = _dense(expert_index, gates, self.num_experts)
         return _token_choice(logits, probs, expert_index, gates, padding_mask, False)
 

@@ -89,7 +89,7 @@ def tie_router_columns(kernel: jax.Array, granularity: int) -> jax.Array:
     """``[..., m * E]`` -> the same shape with every column of virtual group ``e`` (columns
     ``e * m .. e * m + m - 1``) equal to column ``e * m``."""
     m = granularity
-    groups = kernel.reshape(kernel.shape[:-1] + (kernel.shape[-1] // m, m))
+    groups = kernel.reshape((*kernel.shape[:-1], kernel.shape[-1] // m, m))
     return jnp.broadcast_to(groups[..., :1], groups.shape).reshape(kernel.shape)
 
 

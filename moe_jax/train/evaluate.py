@@ -177,7 +177,7 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
     if not loads:
         return None
     fig, axes = plt.subplots(len(loads), 1, figsize=(7, 1.9 * len(loads) + 0.7), squeeze=False)
-    for ax, (name, load) in zip(axes[:, 0], loads.items()):
+    for ax, (name, load) in zip(axes[:, 0], loads.items(), strict=True):
         k = float(load.sum())  # experts chosen per token
         ax.bar(np.arange(load.size), load, color="tab:blue", label="fraction of tokens")
         ax.axhline(
@@ -232,9 +232,13 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         add(f"{layer} drift", [r["router_drift"].get(layer, "-") for r in results.values()])
     width = max(len(name) for name, _ in rows)
     cols = [max(len(label), *(len(v[i]) for _, v in rows)) for i, label in enumerate(labels)]
-    lines = [" " * width + "  " + "  ".join(label.rjust(c) for label, c in zip(labels, cols))]
+    lines = [
+        " " * width
+        + "  "
+        + "  ".join(label.rjust(c) for label, c in zip(labels, cols, strict=True))
+    ]
     lines += [
-        name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(values, cols))
+        name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(values, cols, strict=True))
         for name, values in rows
     ]
     lines += [
@@ -274,7 +278,9 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
             results.get(f"{c}:learned", results.get(c, {})).get("metrics", {}).get("cross_entropy")
             for c, _ in members
         ]
-        change = "-" if None in learned else stat([e - b for e, b in zip(entropy, learned)])
+        change = (
+            "-" if None in learned else stat([e - b for e, b in zip(entropy, learned, strict=True)])
+        )
         dead = [
             float(sum(s.get("dead_experts", 0) for s in r["routing"].values())) for _, r in members
         ]
@@ -322,7 +328,7 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     styles = plotting.run_styles(checkpoints_seen)
     routers = list(dict.fromkeys(r["router"] for r in results.values()))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric in zip(axes, ("accuracy", "cross_entropy")):
+    for ax, metric in zip(axes, ("accuracy", "cross_entropy"), strict=True):
         for label in checkpoints_seen:
             values = {
                 r["router"]: r["metrics"].get(metric, np.nan)
@@ -394,7 +400,7 @@ def evaluate(
         or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
     )
     results = {}
-    for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths):
+    for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths, strict=True):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
         restored = setup.restore_model(path, model, input_shapes, ctx)
         step = restored.step

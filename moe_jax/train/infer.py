@@ -41,7 +41,7 @@ def encode_inputs(texts: Sequence[str], vocabulary, length: int, batch_multiple:
     rows = -(-len(texts) // batch_multiple) * batch_multiple
     tokens = np.zeros((rows, length), np.int32)
     for i, text in enumerate(texts):
-        ids = list(vocabulary.encode(text))[: length - 1] + [vocabulary.eos_id]
+        ids = [*list(vocabulary.encode(text))[: length - 1], vocabulary.eos_id]
         tokens[i, : len(ids)] = ids
     return tokens
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     gin_utils.parse_gin(args)
     outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
     if jax.process_index() == 0:
-        for text, out in zip(inputs, outputs):
+        for text, out in zip(inputs, outputs, strict=True):
             print(f"{text} -> {out}")
         if args.output_file:
             write_predictions(args.output_file, inputs, outputs)

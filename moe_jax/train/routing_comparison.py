@@ -107,14 +107,14 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
         1, len(QUANTITIES), figsize=(4.2 * len(QUANTITIES), 0.35 * len(names) + 2.0), sharey=True
     )
     y = np.arange(len(names))
-    for ax, quantity in zip(axes, QUANTITIES):
+    for ax, quantity in zip(axes, QUANTITIES, strict=True):
         values = np.asarray([table[n][quantity] for n in names], float)
         finite = np.isfinite(values)
         if quantity in ZOOMED:
             ax.scatter(
                 values[finite],
                 y[finite],
-                c=[c for c, f in zip(colors, finite) if f],
+                c=[c for c, f in zip(colors, finite, strict=True) if f],
                 s=40,
                 zorder=3,
             )
@@ -122,7 +122,11 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
                 y[finite], values[finite].min(), values[finite], colors="lightgray", lw=1, zorder=2
             )
         else:
-            ax.barh(y[finite], values[finite], color=[c for c, f in zip(colors, finite) if f])
+            ax.barh(
+                y[finite],
+                values[finite],
+                color=[c for c, f in zip(colors, finite, strict=True) if f],
+            )
             ax.set_xlim(left=0)
         for row in y[~finite]:
             ax.text(

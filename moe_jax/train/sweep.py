@@ -221,7 +221,7 @@ def load_family(
         )
         _require(bool(run.get("gin_files")), path, f"runs.{run_name}.gin_files is missing or empty")
         for point in itertools.product(*axes.values()):
-            axis_values = tuple(zip(axes, point))
+            axis_values = tuple(zip(axes, point, strict=True))
             bindings = {**common_bindings, **run.get("bindings", {}), **dict(axis_values)}
             for seed in seeds:
                 specs.append(
@@ -355,7 +355,7 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
             {
                 "a": a_name,
                 "b": b_name,
-                "per_seed": dict(zip(seeds, diff.tolist())),
+                "per_seed": dict(zip(seeds, diff.tolist(), strict=True)),
                 "a_higher": int((diff > 0).sum()),
                 **_stats(diff),
             }
@@ -386,7 +386,7 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
     styles = plotting.run_styles(list(dict.fromkeys(g["run"] for g in groups.values())))
     points = sorted({tuple(g["axes"].items()) for g in groups.values()})
     fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points) + 2.2, 4), squeeze=False)
-    for ax, point in zip(axs[0], points):
+    for ax, point in zip(axs[0], points, strict=True):
         for name, g in groups.items():
             if tuple(g["axes"].items()) != point:
                 continue

@@ -84,6 +84,7 @@ def state_shardings(
         for (path, leaf), sharding in zip(
             jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
             jax.tree.leaves(params_sharding),
+            strict=True,
         )
     }
 
@@ -124,7 +125,7 @@ def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
     if not isinstance(sharding, NamedSharding):
         return
     name, shape = jax.tree_util.keystr(path, simple=True, separator="/"), tuple(leaf.shape)
-    for dim, (size, axes) in enumerate(zip(shape, sharding.spec)):
+    for dim, (size, axes) in enumerate(zip(shape, sharding.spec, strict=False)):
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         parts = math.prod(sharding.mesh.shape[axis] for axis in axes)
         if parts > 1 and size % parts:

@@ -63,7 +63,7 @@ def emulated_ragged_all_to_all(
     put = jnp.where(
         rows < recv_sizes[:, None], starts[:, None] + rows, output.shape[0]
     )  # past the end: dropped
-    return output.at[put.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
+    return output.at[put.reshape(-1)].set(received.reshape((-1, *operand.shape[1:])), mode="drop")
 
 
 def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding.Mesh):

@@ -128,7 +128,7 @@ def test_choice_major_combine_equals_token_major():
         x, weights
     )
     np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-7)
-    for a, b in zip(g, g_ref):
+    for a, b in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert float(jnp.max(jnp.abs(g[0]))) > 0
     assert (

@@ -37,7 +37,7 @@ def test_sort_dispatch_equals_einsum_reference(overrides):
     (_, y_ref), g_ref = _loss_and_grads(ref_layer, params, x)
     (_, y), g = _loss_and_grads(relayer(ref_layer, dispatch="sort"), params, x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert float(jnp.max(jnp.abs(g[1]))) > 0
 
@@ -88,5 +88,5 @@ def test_per_expert_loop_equals_batched_expert_matmuls():
     (_, y_ref), g_ref = _loss_and_grads(layer, params, x)
     (_, y), g = _loss_and_grads(relayer(layer, per_expert_loop=True), params, x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

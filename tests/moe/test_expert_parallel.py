@@ -56,7 +56,7 @@ def test_sharded_run_equals_single_device(shape, dispatch):
         fn = _value_and_grad(layer)
         out = fn(sharded, x)
         hlo = fn.lower(sharded, x).compile().as_text()
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     ep = shape[1]
     assert ("all-to-all" in hlo) == (ep > 1)

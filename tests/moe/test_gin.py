@@ -142,7 +142,8 @@ def bias_moves_in_training(layer, variables, x):
     before = variables[BIAS_COLLECTION]
     after = _apply(layer, variables, x, train=True)[1][BIAS_COLLECTION]
     assert any(
-        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
     )
 
 

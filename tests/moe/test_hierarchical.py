@@ -74,7 +74,9 @@ def test_one_group_equals_flat_top_k(overrides):
                 m_h[name][0], m_f[name][0], rtol=1e-5, atol=1e-7, err_msg=name
             )
         np.testing.assert_allclose(g_h[1], g_f[1], rtol=1e-5, atol=1e-7)
-        for a, b in zip(jax.tree.leaves(g_h[0]["expert"]), jax.tree.leaves(g_f[0]["expert"])):
+        for a, b in zip(
+            jax.tree.leaves(g_h[0]["expert"]), jax.tree.leaves(g_f[0]["expert"]), strict=True
+        ):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(
             g_h[0]["router"]["secondary"]["w"],
@@ -127,13 +129,13 @@ def test_chosen_experts_lie_in_chosen_groups_and_gates_are_products(num_groups, 
             groups = np.argsort(-p[g, s])[:k1]
             pg = p[g, s, groups] / (p[g, s, groups].sum() if renorm else 1.0)
             expected = {}
-            for group, gate in zip(groups, pg):
+            for group, gate in zip(groups, pg, strict=True):
                 inner = np.argsort(-q[g, s, group])[:k2]
                 qi = q[g, s, group, inner] / (q[g, s, group, inner].sum() if renorm else 1.0)
-                for i, gi in zip(inner, qi):
+                for i, gi in zip(inner, qi, strict=True):
                     expected[group * b + i] = gate * gi
             assert set(index[g, s]) == set(expected)  # every chosen expert is in a chosen group
-            for e, gate in zip(index[g, s], gates[g, s]):
+            for e, gate in zip(index[g, s], gates[g, s], strict=True):
                 np.testing.assert_allclose(gate, expected[e], rtol=1e-5)
             assert np.all(np.diff(gates[g, s]) <= 0)  # choices in descending final gate
     # The hierarchical router probability is the product distribution; it sums to 1.
@@ -300,7 +302,7 @@ def test_expert_parallel_equals_single_device():
         fn = jax.jit(value_and_grad)
         out = fn(sharded, x)
         hlo = fn.lower(sharded, x).compile().as_text()
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert "all-to-all" in hlo
 

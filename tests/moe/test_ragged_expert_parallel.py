@@ -106,7 +106,7 @@ def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch
         layer_module, "ragged_exchange", lambda platform: emulated_ragged_all_to_all
     )
     out, jaxpr = _sharded_run(layer, shape, x, boxed)
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert float(jnp.max(jnp.abs(out[1][0]["expert"]["wi"]))) > 0
     # rows, not [groups, experts, capacity, d_model] buffers, go to the grouped matmul
@@ -119,7 +119,7 @@ def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
     out, jaxpr = _sharded_run(layer, (2, 4, 1), x, boxed)
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert "all_to_all" in jaxpr and "ragged_dot" not in jaxpr
 

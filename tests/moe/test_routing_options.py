@@ -259,5 +259,5 @@ def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
         out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
             jax.device_put(params, shardings), x
         )
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -60,7 +60,7 @@ def test_expert_load_plot_marks_uniform_at_k_over_e_with_integer_expert_ticks():
         "decoder/layers_1": {"expert_load": [0.25] * 8},
     }  # top-2 of 8, balanced
     fig = evaluate.expert_load_figure(layers, "run (step 1)")
-    for ax, (k, experts) in zip(fig.axes, [(2.0, 4), (2.0, 8)]):
+    for ax, (k, experts) in zip(fig.axes, [(2.0, 4), (2.0, 8)], strict=True):
         (uniform,) = ax.get_lines()
         np.testing.assert_allclose(uniform.get_ydata(), k / experts)
         labels = [t.get_text() for t in ax.get_legend().get_texts()]

@@ -83,7 +83,9 @@ def test_restore_model_gives_the_trained_bias(bias_run):
     assert restored.step == STEPS
     np.testing.assert_array_equal(_biases(restored.collections), _biases(state.collections))
     assert np.any(_biases(restored.collections) != 0)  # four updates of 0.01 moved it
-    for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
+    for got, want in zip(
+        jax.tree.leaves(restored.params), jax.tree.leaves(state.params), strict=True
+    ):
         np.testing.assert_array_equal(got, want)
 
 

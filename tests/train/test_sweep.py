@@ -149,7 +149,7 @@ gin_files = ["b.gin"]
     for spec in family.runs:
         values = rng.uniform(0.2, 0.6, size=3)
         steps = [100, 200, 300] if spec.seed != 2 else [100, 200, 300, 400]  # seed 2 ran further
-        curve = dict(zip(steps, [*values, 0.9][: len(steps)]))
+        curve = dict(zip(steps, [*values, 0.9][: len(steps)], strict=True))
         write_eval_records(spec.model_dir(root), curve)
         finals[(spec.group, spec.seed)] = curve[300]
     # a resumed run re-evaluates step 300: the later record wins

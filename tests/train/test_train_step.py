@@ -52,12 +52,12 @@ def test_accumulated_microbatches_equal_one_step_on_the_same_examples(smoke_gin)
     two, m_two = _step(model, tx, schedule, state, doubled, accum_steps=2)
     np.testing.assert_allclose(m_two["loss"], m_one["loss"], rtol=1e-5)
     assert int(m_two["num_tokens"]) == 2 * int(m_one["num_tokens"])
-    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     # and the step really moved the parameters
     moved = [
         np.abs(a - b).max()
-        for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(state.params))
+        for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(state.params), strict=True)
     ]
     assert max(moved) > 1e-4
 
