@@ -202,8 +202,8 @@ class EncoderDecoderModel:
         )
         metrics: dict[str, jax.Array] = {"cross_entropy": total - z_term, "z_loss": z_term}
         aux_total = jnp.zeros((), jnp.float32)
-        for path, value in _collection_by_path(state.get(AUX_LOSS_COLLECTION, {})).items():
-            value = jnp.sum(value)
+        for path, loss in _collection_by_path(state.get(AUX_LOSS_COLLECTION, {})).items():
+            value = jnp.sum(loss)
             aux_total = aux_total + value
             metrics[path[-1]] = metrics.get(path[-1], 0.0) + value
         for path, value in _collection_by_path(state.get(MOE_METRICS_COLLECTION, {})).items():

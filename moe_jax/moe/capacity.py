@@ -67,7 +67,9 @@ def expert_capacity(
         )
     scale = num_selected_experts if rule == "k_scaled" else 1
     capacity = max(
-        int(round(capacity_factor * scale * tokens_per_group / num_experts)), min_expert_capacity
+        # capacity_factor may be a numpy scalar, whose round() is not a Python int
+        int(round(capacity_factor * scale * tokens_per_group / num_experts)),  # noqa: RUF046
+        min_expert_capacity,
     )
     if capacity < 1:
         raise ValueError(

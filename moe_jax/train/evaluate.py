@@ -311,7 +311,8 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
         name = "_".join(pathlib.Path(model_dir).parts[-2:]) if clash else short[model_dir]
         labels.append(name if step is None else f"{name}@{step}")
     unique: list[str] = []
-    for name in labels:
+    for label in labels:
+        name = label
         while name in unique:
             name += "'"
         unique.append(name)

@@ -50,9 +50,8 @@ def decode_outputs(tokens: np.ndarray, vocabulary) -> list[str]:
     """Token rows -> text, each cut at its first EOS."""
     out = []
     for row in np.asarray(tokens).tolist():
-        if vocabulary.eos_id in row:
-            row = row[: row.index(vocabulary.eos_id)]
-        out.append(vocabulary.decode([t for t in row if t > 0]))
+        ids = row[: row.index(vocabulary.eos_id)] if vocabulary.eos_id in row else row
+        out.append(vocabulary.decode([t for t in ids if t > 0]))
     return out
 
 

@@ -41,7 +41,8 @@ def routing_quantities(record: dict[str, Any]) -> dict[str, float]:
     dropped = [v for k, v in record.items() if _DROPPED.match(k)]
     loads = [np.asarray(v, np.float64) for k, v in record.items() if _LOAD.match(k)]
     max_load = max(
-        (float(l.max() / (l.sum() / l.size)) for l in loads if l.sum() > 0), default=float("nan")
+        (float(load.max() / (load.sum() / load.size)) for load in loads if load.sum() > 0),
+        default=float("nan"),
     )
     return {
         "accuracy": float(record["accuracy"]),

@@ -327,7 +327,7 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
         )
         if curve:
             group["seeds"][spec.seed] = curve
-    for name, group in groups.items():
+    for group in groups.values():
         curves = group.pop("seeds")
         if not curves:
             group.update(missing=True)
@@ -387,7 +387,7 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
     points = sorted({tuple(g["axes"].items()) for g in groups.values()})
     fig, axs = plt.subplots(1, len(points), figsize=(5 * len(points) + 2.2, 4), squeeze=False)
     for ax, point in zip(axs[0], points, strict=True):
-        for name, g in groups.items():
+        for g in groups.values():
             if tuple(g["axes"].items()) != point:
                 continue
             n = g["final_stats"]["n"]

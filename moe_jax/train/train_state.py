@@ -125,8 +125,8 @@ def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
     if not isinstance(sharding, NamedSharding):
         return
     name, shape = jax.tree_util.keystr(path, simple=True, separator="/"), tuple(leaf.shape)
-    for dim, (size, axes) in enumerate(zip(shape, sharding.spec, strict=False)):
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    for dim, (size, entry) in enumerate(zip(shape, sharding.spec, strict=False)):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         parts = math.prod(sharding.mesh.shape[axis] for axis in axes)
         if parts > 1 and size % parts:
             hint = (

@@ -160,7 +160,7 @@ def jit_eval_step(
     fn = eval_fn or model.eval_fn
     jitted = _under_mesh(
         jax.jit(
-            lambda params, batch, collections: fn(params, batch, collections),
+            fn,
             in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
             out_shardings=NamedSharding(mesh, PartitionSpec()),
             compiler_options=_compiler_options(mesh),

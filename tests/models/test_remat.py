@@ -102,6 +102,6 @@ def test_each_policy_keeps_less_for_the_backward_pass():
 
 
 def test_unknown_policy_is_named():
-    with pytest.raises(ValueError, match="remat_policy='some'.*'minimal'"):
+    with pytest.raises(ValueError, match=r"remat_policy='some'.*'minimal'"):
         tiny_config(remat_policy="some")
     assert set(REMAT_POLICIES) == {"none", "full", "minimal", "dots"}

@@ -73,15 +73,10 @@ def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding
     params = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)["params"])
 
     def step(p, x):
-        loss = lambda p, x: jnp.sum(
-            layer.apply(
-                {"params": p},
-                x,
-                deterministic=False,
-                mutable=["aux_loss"],
-            )[0].astype(jnp.float32)
-            ** 2
-        )
+        def loss(p, x):
+            out = layer.apply({"params": p}, x, deterministic=False, mutable=["aux_loss"])[0]
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
         return jax.grad(loss, argnums=(0, 1))(p, x)
 
     with jax.set_mesh(mesh):

@@ -79,7 +79,7 @@ def test_every_option_of_a_router_config_reaches_its_router_module(router):
 
 def test_construction_refuses_what_the_layer_refused_naming_the_option():
     with pytest.raises(
-        ValueError, match="CapacityConfig.dropless=True needs a token-choice router"
+        ValueError, match=r"CapacityConfig.dropless=True needs a token-choice router"
     ):
         MoeConfig(
             num_experts=4,
@@ -88,16 +88,16 @@ def test_construction_refuses_what_the_layer_refused_naming_the_option():
             capacity=CapacityConfig(dropless=True),
         )
     with pytest.raises(
-        ValueError, match="num_selected_experts=5 must be between 1 and MoeConfig.num_experts=4"
+        ValueError, match=r"num_selected_experts=5 must be between 1 and MoeConfig.num_experts=4"
     ):
         MoeConfig(num_experts=4, d_ff=8, router=TopKRouterConfig(num_selected_experts=5))
-    with pytest.raises(ValueError, match="TopKRouterConfig.score_function='tanh'"):
+    with pytest.raises(ValueError, match=r"TopKRouterConfig.score_function='tanh'"):
         TopKRouterConfig(score_function="tanh")
-    with pytest.raises(ValueError, match="MoeConfig.router=.* is not a router config"):
+    with pytest.raises(ValueError, match=r"MoeConfig.router=.* is not a router config"):
         MoeConfig(router=CapacityConfig())
     # a decoder whose router reads later tokens is refused when the model's config is built
     with pytest.raises(
-        ValueError, match="NoisyTopKRouterConfig.batch_prioritized_routing=True .* the decoder"
+        ValueError, match=r"NoisyTopKRouterConfig.batch_prioritized_routing=True .* the decoder"
     ):
         T5Config(
             num_sparse_decoder_layers=1,

@@ -66,6 +66,8 @@ def test_sharded_run_equals_single_device(shape, dispatch):
 
 def test_experts_not_divisible_by_expert_axis_refused():
     layer = moe_layer(**dict(LAYER, num_experts=6))
-    with jax.set_mesh(partitioning.make_mesh((2, 4, 1))):
-        with pytest.raises(ValueError, match="num_experts"):
-            jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs(8, 8, 8))
+    with (
+        jax.set_mesh(partitioning.make_mesh((2, 4, 1))),
+        pytest.raises(ValueError, match="num_experts"),
+    ):
+        jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs(8, 8, 8))

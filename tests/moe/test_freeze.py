@@ -58,7 +58,7 @@ def test_router_mode_from_gin_and_bad_mode_named():
         assert freeze.router_mode() == "frozen"
     finally:
         gin.clear_config()
-    with pytest.raises(ValueError, match="router_mode.mode"):
+    with pytest.raises(ValueError, match=r"router_mode.mode"):
         freeze.router_mode("sometimes")
 
 

@@ -86,13 +86,13 @@ def test_bias_without_its_collection_is_refused_by_name():
     layer = moe_layer(**dict(SMALL, bias_update_rate=0.01))
     x = make_inputs()
     params = init_params(layer, x)
-    with pytest.raises(ValueError, match="bias_update_rate.*router_bias"):
+    with pytest.raises(ValueError, match=r"bias_update_rate.*router_bias"):
         apply(layer, params, x)
 
 
 def test_sigmoid_gates_of_selected_experts_sum_to_one():
     x = make_inputs(2, 16, 8)
-    out, variables = _route(TopKRouter(8, 3, score_function="sigmoid"), x)
+    out, _ = _route(TopKRouter(8, 3, score_function="sigmoid"), x)
     gates = out.routing.combine_weights
     np.testing.assert_allclose(jnp.sum(gates, axis=-1), 1.0, rtol=1e-6)
     scores = jax.nn.sigmoid(out.logits)

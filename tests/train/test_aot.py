@@ -38,6 +38,7 @@ def compile_cli(tmp_path, *flags: str) -> tuple[int, str, dict | None]:
         capture_output=True,
         text=True,
         timeout=900,
+        check=False,
     )
     report = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, proc.stdout + proc.stderr, report

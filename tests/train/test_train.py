@@ -185,7 +185,7 @@ def test_gin_errors_name_file_and_line(tmp_path):
         gin_utils.parse_gin(
             gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={undefined}"])
         )
-    with pytest.raises(gin_utils.GinConfigError, match="TRAIN_STEP .*not used"):
+    with pytest.raises(gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used"):
         parse("--gin.TRAIN_STEP=10")
 
 
