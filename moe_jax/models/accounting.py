@@ -99,9 +99,9 @@ def forward_flops_per_example(config: T5Config, encoder_length: int, decoder_len
 
     Counts every projection, the attention scores and weighted sums (full, not halved for
     causality), the dense MLPs, the logits, and for MoE layers the router plus the
-    ``num_selected_experts`` experts each token uses and the shared experts (active experts only: capacity
-    padding and dispatch/combine einsums are not counted). Norms, softmax and
-    element-wise work are ignored. Each stack's MoE layers have the shape of its MoE config
+    ``num_selected_experts`` experts each token uses and the shared experts (active experts only:
+    capacity padding and dispatch/combine einsums are not counted). Norms, softmax and element-wise
+    work are ignored. Each stack's MoE layers have the shape of its MoE config
     (``T5Config.moe_config``).
     """
     d, hk, V = config.emb_dim, config.num_heads * config.head_dim, config.vocab_size

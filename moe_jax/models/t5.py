@@ -278,7 +278,8 @@ class AttentionBlock(nn.Module):
         deterministic: bool,
         decode: bool = False,
     ) -> jnp.ndarray:
-        """``x [batch, q_len, d_model]``, ``kv [batch, k_len, d_model]`` -> ``[batch, q_len, d_model]``."""
+        """``x [batch, q_len, d_model]``, ``kv [batch, k_len, d_model]`` -> ``[batch, q_len,
+        d_model]``."""
         cfg = self.config
         y = RMSNorm(dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="pre_norm")(x)
         y = MultiHeadDotProductAttention(
@@ -384,7 +385,8 @@ class DecoderLayer(nn.Module):
         deterministic: bool,
         decode: bool = False,
     ) -> jnp.ndarray:
-        """``x [batch, Ld, d_model]``, ``encoded [batch, Le, d_model]`` -> ``[batch, Ld, d_model]``."""
+        """``x [batch, Ld, d_model]``, ``encoded [batch, Le, d_model]`` -> ``[batch, Ld,
+        d_model]``."""
         x = AttentionBlock(self.config, name="self_attention")(
             x, None, self_mask, bias, deterministic=deterministic, decode=decode
         )

@@ -327,7 +327,8 @@ def dispatch_combine(
     """
     if impl not in DISPATCH_IMPLS:
         raise ValueError(
-            f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of {(*DISPATCH_IMPLS, 'auto')}"
+            f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of "
+            f"{(*DISPATCH_IMPLS, 'auto')}"
         )
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice

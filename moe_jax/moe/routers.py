@@ -100,7 +100,8 @@ class RouterWeights(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        """``[groups, tokens_per_group, d_model]`` -> float32 ``[groups, tokens_per_group, experts]``."""
+        """``[groups, tokens_per_group, d_model]`` -> float32 ``[groups, tokens_per_group,
+        experts]``."""
         init = nn.with_logical_partitioning(
             nn.initializers.normal(self.init_stddev), ("embed", "unmodeled")
         )

@@ -30,15 +30,14 @@ When the upcycled model's outputs equal the dense model's at step 0 (to float ro
 no token is dropped (``dropless``, or capacity for every assignment), no shared experts, no
 noise (``noise_std = 0``), and for each token the gates of its selected experts holding
 segment ``j`` sum to ``1/m`` for every ``j`` (all experts of a segment index are equal at
-step 0; with ``m = 1``: the selected gates sum to 1). That holds for a router that selects by the tied scores with
-gates summing to 1 (``top_k`` with ``MoeLayer.renormalize_gates=True`` or sigmoid scores,
-``noisy_top_k`` in eval, the bias router, whose bias starts at 0: whole virtual groups are
-selected), and for ``hash`` (``m k`` consecutive experts, gates ``1/(m k)``: each segment
-index ``k`` times); with ``m = 1``, also for ``random`` with renormalised gates. It does
-not hold for ``random`` with ``m > 1`` (its own untied matrix picks segments unevenly),
-for ``expert_choice`` (each expert picks tokens; a token's segments need not all
-be picked), nor for group-limited routing whose limited groups split a virtual group
-(``m`` must divide the experts per limited group).
+step 0; with ``m = 1``: the selected gates sum to 1). That holds for a router that selects by the
+tied scores with gates summing to 1 (``top_k`` with ``MoeLayer.renormalize_gates=True`` or sigmoid
+scores, ``noisy_top_k`` in eval, the bias router, whose bias starts at 0: whole virtual groups are
+selected), and for ``hash`` (``m k`` consecutive experts, gates ``1/(m k)``: each segment index
+``k`` times); with ``m = 1``, also for ``random`` with renormalised gates. It does not hold for
+``random`` with ``m > 1`` (its own untied matrix picks segments unevenly), for ``expert_choice``
+(each expert picks tokens; a token's segments need not all be picked), nor for group-limited routing
+whose limited groups split a virtual group (``m`` must divide the experts per limited group).
 """
 
 from __future__ import annotations
@@ -147,8 +146,8 @@ def upcycle_params(
             what = (
                 f"each expert must have the dense MLP's shape {tuple(leaf.shape[1:])}"
                 if m == 1
-                else f"with MoeLayer.expert_granularity={m} each expert must be 1/{m} of the dense MLP's "
-                f"hidden units, {tuple(leaf.shape[1:])}, and the experts a multiple of {m}"
+                else f"with MoeLayer.expert_granularity={m} each expert must be 1/{m} of the dense "
+                f"MLP's hidden units, {tuple(leaf.shape[1:])}, and the experts a multiple of {m}"
             )
             raise UpcycleShapeError(
                 f"upcycle: parameter {name}: dense {source} {tuple(value.shape)} vs "

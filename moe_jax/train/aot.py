@@ -399,9 +399,10 @@ def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[s
             activation_dtype=model.module.config.dtype,
         )
         raise DoesNotFitError(
-            f"the train step needs {_gib(b['total'])} per device ({_gib(b['params_and_optimizer'])} "
-            f"parameters + optimizer, {_gib(b['temporaries'])} temporaries; batch {cfg.batch_size} x "
-            f"{dict(cfg.task_feature_lengths)}) but each of the {len(devices)} devices has "
+            f"the train step needs {_gib(b['total'])} per device "
+            f"({_gib(b['params_and_optimizer'])} "
+            f"parameters + optimizer, {_gib(b['temporaries'])} temporaries; batch {cfg.batch_size} "
+            f"x {dict(cfg.task_feature_lengths)}) but each of the {len(devices)} devices has "
             f"{_gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice)
         )
     return step
@@ -499,7 +500,8 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{report['batch_size']} x {report['task_feature_lengths']}; activations "
         f"{report['activation_dtype']}",
         f"MoE layer for {report['moe_layer']['platform']}: dispatch="
-        f"{report['moe_layer']['dispatch']!r}, per_expert_loop={report['moe_layer']['per_expert_loop']}",
+        f"{report['moe_layer']['dispatch']!r}, "
+        f"per_expert_loop={report['moe_layer']['per_expert_loop']}",
     ]
     for name, step in report["steps"].items():
         b, est = step["bytes"], step["estimate"]
@@ -515,10 +517,12 @@ def format_report(report: Mapping[str, Any]) -> str:
         )
         lines += [
             f"{name} step (compiled in {step['compile_s']:.1f} s), per device:",
-            f"  params + optimizer {_gib(b['params_and_optimizer'])}, arguments {_gib(b['arguments'])}, "
+            f"  params + optimizer {_gib(b['params_and_optimizer'])}, arguments "
+            f"{_gib(b['arguments'])}, "
             f"temporaries {_gib(b['temporaries'])}",
             f"  total {_gib(b['total'])} of {_gib(b['device_memory'])} "
-            f"({100 * b['total'] / b['device_memory']:.0f}%): {'fits' if step['fits'] else 'DOES NOT FIT'}",
+            f"({100 * b['total'] / b['device_memory']:.0f}%): "
+            f"{'fits' if step['fits'] else 'DOES NOT FIT'}",
             f"  collectives: {coll}",
             f"  {quantity(step['flops_per_step'], 'FLOP')} per step (model); HLO per device: "
             + (
@@ -536,7 +540,8 @@ def format_report(report: Mapping[str, Any]) -> str:
                 f"  MoE layers: {quantity(moe['hlo_bytes'], 'B')} of the step's "
                 f"{quantity(moe['step_hlo_bytes'], 'B')} of HLO operand/result bytes "
                 f"({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; gathers/scatters/sorts "
-                f"{quantity(moe['indexed_bytes'], 'B')}), {quantity(moe['flops'], 'FLOP')} of matmuls"
+                f"{quantity(moe['indexed_bytes'], 'B')}), {quantity(moe['flops'], 'FLOP')} of "
+                f"matmuls"
             )
     if report["fits"]:
         lines.append("verdict: fits")
@@ -587,8 +592,8 @@ def estimate_line(est: Mapping[str, Any]) -> str:
         "estimate"
         if not left_out
         else (
-            f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time unknown: "
-            "a lower bound on the step time, an upper bound on tokens/s)"
+            f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time "
+            "unknown: a lower bound on the step time, an upper bound on tokens/s)"
         )
     )
     rate = "unknown" if est["tokens_per_s"] is None else f"{plain(est['tokens_per_s'])} tokens/s"

@@ -30,8 +30,9 @@ each family's seeds per router (``seed_table``).
 ``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
 ``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``;
-files ``<label>_<router>.json``, no ``:`` in file names) and ``routers.png``, accuracy and cross-entropy per router. Routing telemetry per layer
-(dead experts, per-shard imbalance, gate margin) is in the table and the JSON.
+files ``<label>_<router>.json``, no ``:`` in file names) and ``routers.png``, accuracy and
+cross-entropy per router. Routing telemetry per layer (dead experts, per-shard imbalance, gate
+margin) is in the table and the JSON.
 
 A checkpoint trained from another model config than the gin files describe is refused
 with the mismatching parameter names (evaluate each with its own gin files).
@@ -90,7 +91,8 @@ def describe_eval_settings(eval_steps: int, cfg: setup.DatasetConfig) -> str:
     """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
     mc4_span_corruption``."""
     return (
-        f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x {dict(cfg.task_feature_lengths)} from the "
+        f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x "
+        f"{dict(cfg.task_feature_lengths)} from the "
         f"{cfg.split} split of {cfg.mixture_or_task_name}"
     )
 
@@ -266,8 +268,8 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
         return f"{np.mean(values):.4f} +- {np.std(values, ddof=1):.4f}"
 
     lines = [
-        "| run | router | seeds | cross-entropy | vs learned router | accuracy | dead experts (all layers) "
-        "| dropped (mean of layers) |",
+        "| run | router | seeds | cross-entropy | vs learned router | accuracy | dead experts (all "
+        "layers) | dropped (mean of layers) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (family, router), members in groups.items():
@@ -290,7 +292,8 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
         ]
         lines.append(
             f"| {family} | {router} | {len(members)} | {stat(entropy)} | {change} | "
-            f"{stat([r['metrics']['accuracy'] for _, r in members])} | {stat(dead)} | {stat(dropped)} |"
+            f"{stat([r['metrics']['accuracy'] for _, r in members])} | {stat(dead)} | "
+            f"{stat(dropped)} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -451,9 +454,10 @@ def evaluate(
             }
             if routing and not results[label]["router_drift"]:
                 results[label]["router_drift_missing"] = (
-                    f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the routers' "
-                    f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when the "
-                    f"export has {export.ROUTER_INIT_FILE})"
+                    f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the "
+                    f"routers' "
+                    f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when "
+                    f"the export has {export.ROUTER_INIT_FILE})"
                 )
             if jax.process_index() == 0:
                 storage.write_text(

@@ -17,8 +17,8 @@ An export directory holds:
   routers drifted from initialisation (`moe-jax eval`) and can be evaluated with them
   (`moe-jax analyze`'s ``init`` router). Not part of the model.
 * ``config.json``: the architecture (``T5Config``, with the encoder's and the decoder's
-  ``MoeConfig``), the router mode (learned/frozen), the vocabulary, the source checkpoint and step, and for every array
-  its shape, dtype and moe-jax parameter name.
+  ``MoeConfig``), the router mode (learned/frozen), the vocabulary, the source checkpoint and step,
+  and for every array its shape, dtype and moe-jax parameter name.
 * ``config.gin``: the run's gin config (its ``MODEL_DIR/config.gin``), so that `import`
   rebuilds the same model without any gin file.
 * ``vocabulary.model`` (SentencePiece vocabularies): a copy of the model file the run
@@ -29,8 +29,8 @@ An export directory holds:
 (parameters as exported, a fresh optimizer state) and the run's ``config.gin``, so that
 `eval`, `infer`, `analyze` and `train` (fine-tuning) use it like any run, and
 ``MODEL_DIR/router_init.npz`` from ``router_init.safetensors``. The round trip gives
-bit-identical parameters and initial routers. Gin: ``runs/export.gin`` (the model of both commands) is
-added to the run's config; ``--gin_file`` / ``--gin.NAME=VALUE`` override as elsewhere.
+bit-identical parameters and initial routers. Gin: ``runs/export.gin`` (the model of both commands)
+is added to the run's config; ``--gin_file`` / ``--gin.NAME=VALUE`` override as elsewhere.
 
 Neither writes over another run: ``--out`` / ``--model_dir`` must be new or empty
 (``--overwrite``: a non-empty one), and never a run directory (``checkpoints/`` or a
@@ -539,7 +539,8 @@ def export_main(argv: list[str] | None = None) -> int:
     result = _export(args)
     print(
         f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
-        f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to {args.out}",
+        f"({result['num_parameters']:,} parameters in {len(result['arrays'])} arrays) to "
+        f"{args.out}",
         file=sys.stderr,
         flush=True,
     )

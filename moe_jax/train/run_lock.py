@@ -3,12 +3,12 @@
 `moe-jax train` holds the lock while it runs (process 0 of a multi-process run holds it
 for all). The file is JSON naming the holder: ``{"host", "pid", "since", "lease_sec"}``;
 the holder refreshes it (its modification time is the heartbeat) every ``lease_sec / 4``
-seconds: locally by touching it, on GCS by rewriting the object. A second trainer is refused with :class:`~moe_jax.errors.RunLockedError` naming
-the holder, unless the holder is dead: a process on this host that no longer exists
-(kill -9), or an empty file (a writer stopped between creating and writing it; the
-project's own locks are created whole), is taken over at once; a holder on another host (or one that stopped
-heartbeating) once its heartbeat is older than ``lease_sec`` (default 120 s,
-``MOE_JAX_LOCK_LEASE_SEC``). A clean exit removes the file.
+seconds: locally by touching it, on GCS by rewriting the object. A second trainer is refused with
+:class:`~moe_jax.errors.RunLockedError` naming the holder, unless the holder is dead: a process on
+this host that no longer exists (kill -9), or an empty file (a writer stopped between creating and
+writing it; the project's own locks are created whole), is taken over at once; a holder on another
+host (or one that stopped heartbeating) once its heartbeat is older than ``lease_sec`` (default 120
+s, ``MOE_JAX_LOCK_LEASE_SEC``). A clean exit removes the file.
 
 Creation is atomic (:func:`moe_jax.storage.create_exclusive`): ``os.link`` of a finished
 temporary file on local and NFS-like file systems, an upload with ``ifGenerationMatch=0``
@@ -73,8 +73,8 @@ class RunLock:
                 created = self._create()
             except NotImplementedError as err:
                 print(
-                    f"[moe-jax] warning: no run lock is held for {self.model_dir} ({err}): make sure "
-                    "one trainer writes it",
+                    f"[moe-jax] warning: no run lock is held for {self.model_dir} ({err}): make "
+                    "sure one trainer writes it",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -93,7 +93,8 @@ class RunLock:
                 raise errors.RunLockedError(
                     f"{self.model_dir} is being written by another trainer: host "
                     f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
-                    f"(heartbeat {age:.0f} s ago; its lock {self.path} expires {holder.get('lease_sec', self.lease_sec):.0f} s "
+                    f"(heartbeat {age:.0f} s ago; its lock {self.path} expires "
+                    f"{holder.get('lease_sec', self.lease_sec):.0f} s "
                     "after its last heartbeat). Stop it, or use another MODEL_DIR."
                 )
             self._remove_stale(holder, reason)

@@ -287,7 +287,8 @@ def run_family(
                 "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.model_dir(root)}/log.txt)"
             )
             print(
-                f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in {seconds / 60:.1f} min",
+                f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in "
+                f"{seconds / 60:.1f} min",
                 flush=True,
             )
             failed += rc != 0
@@ -519,7 +520,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN[,RUN]",
         help="only these runs of the family (e.g. the source of an upcycled run first)",
     )
-    run.epilog = "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after the family's"
+    run.epilog = (
+        "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after "
+        "the family's"
+    )
     collect.add_argument(
         "--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)"
     )

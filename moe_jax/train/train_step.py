@@ -2,8 +2,9 @@
 
 ``train_step(state, batch)``: forward + backward (over ``accum_steps`` microbatches),
 optimizer update, the model's state collections as updated by the forward pass (averaged
-over microbatches; kept as they were where ``freeze.bias_mode`` freezes them), and, when ``skip_nonfinite``, the update is dropped for a step whose
-loss or gradients are not finite. Jitted with the state donated (:func:`jit_train_step`).
+over microbatches; kept as they were where ``freeze.bias_mode`` freezes them), and, when
+``skip_nonfinite``, the update is dropped for a step whose loss or gradients are not finite. Jitted
+with the state donated (:func:`jit_train_step`).
 
 Batches are dicts of ``int32[batch, length]`` arrays (``encoder_input_tokens``,
 ``decoder_input_tokens``, ``decoder_target_tokens``, ``decoder_loss_weights``, ...), sharded

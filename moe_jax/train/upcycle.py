@@ -67,15 +67,18 @@ def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str
     cap, router = config.capacity, config.router
     if not _keeps_every_token(config):
         causes.append(
-            f"CapacityConfig.dropless=False with train/eval capacity factors {cap.train_capacity_factor:g} / "
-            f"{cap.eval_capacity_factor:g}: an expert takes at most its capacity of a group's tokens and "
-            "the others skip the layer (all experts are the same MLP, so the router's choices are uneven); "
-            "--gin.CapacityConfig.dropless=True keeps every token"
+            f"CapacityConfig.dropless=False with train/eval capacity factors "
+            f"{cap.train_capacity_factor:g} / "
+            f"{cap.eval_capacity_factor:g}: an expert takes at most its capacity of a group's "
+            f"tokens and "
+            "the others skip the layer (all experts are the same MLP, so the router's choices are "
+            "uneven); --gin.CapacityConfig.dropless=True keeps every token"
         )
     partial_gates = config.choices_per_token < config.routed_experts
     if config.router_type == "expert_choice":
         causes.append(
-            "ExpertChoiceRouterConfig: experts pick tokens, so a token may get none or several experts"
+            "ExpertChoiceRouterConfig: experts pick tokens, so a token may get none or several "
+            "experts"
         )
     elif (
         isinstance(router, TopKRouterConfig)
@@ -285,21 +288,23 @@ def main(argv: list[str] | None = None) -> int:
             for c in configs
         )
         print(
-            f"[moe-jax] upcycle: {args.out}/config.gin binds CapacityConfig.dropless = True (the gin files' "
-            f"capacity factors {factors} would drop tokens), so the step-0 model is the dense one and "
-            "training continues dropless; --keep_capacity keeps the capacity factors",
+            f"[moe-jax] upcycle: {args.out}/config.gin binds CapacityConfig.dropless = True (the "
+            f"gin files' "
+            f"capacity factors {factors} would drop tokens), so the step-0 model is the dense one "
+            "and training continues dropless; --keep_capacity keeps the capacity factors",
             file=sys.stderr,
         )
     for cause in dict.fromkeys(
         c for config in configs for c in step_zero_differences(config, args.noise_std)
     ):
         print(
-            f"[moe-jax] upcycle: warning: the upcycled model differs from the dense one at step 0: {cause}",
+            f"[moe-jax] upcycle: warning: the upcycled model differs from the dense one at step 0: "
+            f"{cause}",
             file=sys.stderr,
         )
     print(
-        f"[moe-jax] upcycled {args.checkpoint} (step {result['dense_step']}) into {result['out']} at step "
-        f"{result['step']}: {result['num_params']:,} parameters",
+        f"[moe-jax] upcycled {args.checkpoint} (step {result['dense_step']}) into {result['out']} "
+        f"at step {result['step']}: {result['num_params']:,} parameters",
         file=sys.stderr,
     )
     return 0

@@ -52,7 +52,7 @@ def test_hlo_costs_count_an_async_copy_once_and_only_device_memory():
   %copy-done.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start.1)
   ROOT %negate = bf16[1024,1024]{1,0} negate(%copy-done.1)
 }
-"""
+"""  # noqa: E501 -- verbatim compiler HLO lines
     ops = hlo_costs.parse(hlo)
     megabytes = {op.name: op.bytes / 2**20 for op in ops}
     assert megabytes == {
@@ -78,7 +78,7 @@ def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
   %matmul = f32[64,64]{1,0} dot(%rows, %rows), lhs_contracting_dims={1}, rhs_contracting_dims={1}
   ROOT %done = bf16[256,128]{1,0} all-to-all-done(%start)
 }
-"""
+"""  # noqa: E501 -- verbatim compiler HLO lines
     found = hlo_costs.collectives(hlo_costs.parse(hlo))
     # a ragged all-to-all sends at most its first operand (the second is the receive buffer);
     # GPU's async all-to-all-start counts, with the matmul scheduled before its done

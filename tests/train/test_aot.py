@@ -153,7 +153,8 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     assert 0 < step["bytes"]["params_and_optimizer"] < step["bytes"]["total"] < bound
     assert step["bytes"]["device_memory"] == 16 * hardware.GiB and step["fits"]
     assert "verdict: fits" in output
-    # libtpu's start-up output (worker hostnames, host bounds, "Logging before InitGoogle") is hidden
+    # libtpu's start-up output (worker hostnames, host bounds, "Logging before InitGoogle") is
+    # hidden
     assert not re.search(
         r"^(E|W)0000|TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output, re.MULTILINE
     ), output
@@ -263,11 +264,14 @@ def test_gemm_custom_calls_count_their_flops():
     from moe_jax import hlo_costs
 
     dot = (
-        "ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n  %b = bf16[32,96]{1,0} parameter(1)\n"
-        "  ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n"
+        "ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n  %b = bf16[32,96]{1,0} "
+        "parameter(1)\n"
+        "  ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}\n}\n"
     )
     gemm = dot.replace(
-        "ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "ROOT %d = bf16[128,96]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}",
         "ROOT %d = (bf16[128,96]{1,0}, s8[4194304]{0}) custom-call(%a, %b), "
         'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
         '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}',
@@ -280,7 +284,10 @@ def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
     """Without the compiler's byte count (GPU executables compiled without a GPU) the
     estimate is labelled compute-and-collectives-only and shows no HBM term; with it, all
     three terms. Rates and sizes are plain numbers with unit prefixes, never 'e+'."""
-    hlo = "ENTRY %main {\n  ROOT %a = f32[1024,1024]{1,0} all-reduce(f32[1024,1024]{1,0} %p), to_apply=%add\n}\n"
+    hlo = (
+        "ENTRY %main {\n  ROOT %a = f32[1024,1024]{1,0} all-reduce(f32[1024,1024]{1,0} %p), "
+        "to_apply=%add\n}\n"
+    )
     facts = hardware.device_facts([None] * 8, hardware.CHIPS["h100"], 8)
     args = {"flops_per_step": 6.4e15, "tokens_per_step": 2**20, "num_devices": 8}
     unknown = aot.hlo_analysis(hlo, facts, bytes_accessed=None, **args)["estimate"]

@@ -257,7 +257,8 @@ def test_bad_upcycle_input_is_one_line_naming_the_option(tmp_path, capsys):
     cases = [
         ([f"--out={tmp_path / 'full'}"], "--out="),
         ([f"--out={tmp_path / 'a'}", "--gin.MLP_DIM=32"], "wi_0: dense"),
-        # granularity 2 of an MoE d_ff of 128: experts of 64 hidden units, but 1/2 of the dense 64 is 32
+        # granularity 2 of an MoE d_ff of 128: experts of 64 hidden units, but 1/2 of the dense 64
+        # is 32
         (
             [
                 f"--out={tmp_path / 'b'}",
