@@ -21,6 +21,7 @@ output by a factor the trained network never saw, which measures the scale, not 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -146,8 +147,9 @@ def _with_choices(out: RouterOutput, expert_index: jax.Array, weights: jax.Array
     """``out`` routing each token to ``expert_index [g, t, k]`` with gates ``weights``."""
     num_experts = out.probs.shape[-1]
     one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [g, t, k, E]
-    routing = TokenChoiceRouting(expert_index, weights, out.routing.priority)
-    return out.replace(
+    routing = TokenChoiceRouting(expert_index, weights, _token_choice(out).priority)
+    return dataclasses.replace(
+        out,
         routing=routing,
         assigned=jnp.sum(one_hot, axis=-2),
         gates=jnp.einsum("gtk,gtke->gte", weights, one_hot),
@@ -184,7 +186,7 @@ def hash_routing(seed: int = 0) -> Interceptor:
             seed=seed,
             parent=None,
         ).apply({}, x, mask, token_ids, capacity, deterministic)
-        return _with_choices(out, hashed.routing.expert_index, learned.combine_weights)
+        return _with_choices(out, _token_choice(hashed).expert_index, learned.combine_weights)
 
     return intercept
 

@@ -78,7 +78,8 @@ def describe_params(params: Any) -> str:
     logical = nn.get_partition_spec(params)
     flat = jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]
     specs = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    rows, groups = [], {}
+    rows: list[str] = []
+    groups: dict[str, int] = {}
     for (path, leaf), spec in zip(flat, specs, strict=True):
         name = _path_name(path)
         count = int(np.prod(leaf.shape))

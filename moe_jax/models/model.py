@@ -47,7 +47,7 @@ def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         names = tuple(_key_name(k) for k in path if not isinstance(k, jax.tree_util.SequenceKey))
         out.setdefault(names, []).append(jnp.asarray(leaf, jnp.float32))
-    return {k: sum(v) / len(v) for k, v in out.items()}
+    return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
 
 
 @gin.configurable
@@ -285,7 +285,7 @@ class EncoderDecoderModel:
             method=EncoderDecoder.encode,
         )
         batch_size = enc_tokens.shape[0]
-        decode_kwargs = dict(
+        decode_kwargs: dict[str, Any] = dict(
             enable_dropout=False,
             decode=True,
             max_decode_length=max_decode_length,

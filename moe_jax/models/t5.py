@@ -330,6 +330,7 @@ class FeedForwardBlock(nn.Module):
             )
         else:
             width = cfg.flop_matched_mlp_dim if self.sparse else cfg.mlp_dim
+            assert width is not None  # T5Config refuses a dense sparse layer without its width
             y = MlpBlock(
                 intermediate_dim=width,
                 activations=cfg.mlp_activations,

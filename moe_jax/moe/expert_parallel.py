@@ -58,6 +58,8 @@ def token_axes(mesh: AbstractMesh | None, data_axis: str, expert_axis: str) -> t
 
 def group_shards(mesh: AbstractMesh | None, data_axis: str, expert_axis: str) -> int:
     """Number of devices the groups are split over; the group count is a multiple of it."""
+    if mesh is None:
+        return 1
     size = 1
     for axis in token_axes(mesh, data_axis, expert_axis):
         size *= mesh.shape[axis]

@@ -66,7 +66,10 @@ def record_eval_settings(model_dir: str, eval_steps: int, dataset_cfg: setup.Dat
     of dataset_cfg}}``, what a run's in-training evaluation reads, for ``moe-jax eval`` to
     reproduce; returns its path."""
     path = storage.join(model_dir, EVAL_SETTINGS_FILE)
-    settings = {"eval_steps": int(eval_steps), "dataset": dataclasses.asdict(dataset_cfg)}
+    settings: dict[str, Any] = {
+        "eval_steps": int(eval_steps),
+        "dataset": dataclasses.asdict(dataset_cfg),
+    }
     settings["dataset"]["task_feature_lengths"] = dict(settings["dataset"]["task_feature_lengths"])
     storage.write_text(path, json.dumps(settings, indent=1) + "\n")
     return path
@@ -558,7 +561,7 @@ def apply_eval_settings(args, checkpoint: str | None) -> None:
 
     model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
     recorded = read_eval_settings(model_dir) if model_dir and args.eval_settings == "run" else None
-    if recorded is not None:
+    if recorded is not None and model_dir:
         path = storage.join(model_dir, EVAL_SETTINGS_FILE)
         gin_utils.refuse_untrusted_modules(  # the task module, imported like the config's
             path, [(f"{_EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))], args

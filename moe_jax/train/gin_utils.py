@@ -377,7 +377,7 @@ def _statements(text: str, origin: str) -> Iterable[tuple[str, int, str]]:
 
 
 def _check_macros(files: Sequence[str], bindings: Sequence[str]) -> None:
-    lines = []
+    lines: list[tuple[str, int, str]] = []
     for path in files:
         lines += _statements(_read(path), f"file {path!r}")
     binding_lines = [s for b in bindings for s in _statements(b, f"binding {b.strip()!r}")]

@@ -199,15 +199,17 @@ def load_family(
     name = raw.get("name", os.path.splitext(os.path.basename(path))[0])
     seeds = raw.get("seeds", [0])
     _require(
-        isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
+        isinstance(seeds, list) and bool(seeds) and all(isinstance(s, int) for s in seeds),
         path,
         f"'seeds' must be a non-empty list of integers, got {seeds!r}",
     )
     runs = raw.get("runs", {})
-    _require(isinstance(runs, dict) and runs, path, "needs at least one [runs.<name>] table")
+    _require(isinstance(runs, dict) and bool(runs), path, "needs at least one [runs.<name>] table")
     axes = raw.get("axes", {})
     for axis, values in axes.items():
-        _require(isinstance(values, list) and values, path, f"axes.{axis} must be a non-empty list")
+        _require(
+            isinstance(values, list) and bool(values), path, f"axes.{axis} must be a non-empty list"
+        )
     common_files = raw.get("gin_files", [])
     common_bindings = raw.get("bindings", {})
     specs = []
@@ -429,12 +431,10 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
                 ]
                 if match:
                     s = match[0]["final_stats"]
-                    (
-                        xs.append(value),
-                        ys.append(s["mean"]),
-                        lo.append(s["mean"] - s["min"]),
-                        hi.append(s["max"] - s["mean"]),
-                    )
+                    xs.append(value)
+                    ys.append(s["mean"])
+                    lo.append(s["mean"] - s["min"])
+                    hi.append(s["max"] - s["mean"])
             ax.errorbar(xs, ys, yerr=[lo, hi], capsize=3, label=run, **styles[run])
         ax.set(xlabel=axis, ylabel=f"final {ylabel}", title=summary["family"] + note)
         if all(isinstance(v, (int, float)) and v > 0 for v in values):

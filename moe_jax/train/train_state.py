@@ -11,6 +11,7 @@ train step's forward pass updates and the optimizer never sees. Dropout keys are
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -62,7 +63,7 @@ def init_train_state(
     )
 
 
-def param_shardings(model, input_shapes: dict[str, tuple], mesh: Mesh, rules) -> PyTree:
+def param_shardings(model, input_shapes: Mapping[str, tuple], mesh: Mesh, rules) -> PyTree:
     """``NamedSharding`` of every parameter from the model's logical axis names."""
     return partitioning.tree_shardings(model.param_logical_axes(input_shapes), mesh, rules)
 

@@ -13,6 +13,7 @@ over the mesh's batch axes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -85,7 +86,8 @@ def train_step(
             metrics["num_tokens"] = num_tokens  # a count: summed, not averaged
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new_state = state.replace(
+    new_state = dataclasses.replace(
+        state,
         step=state.step + 1,
         params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,
@@ -97,7 +99,7 @@ def train_step(
         new_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             new_state,
-            state.replace(step=state.step + 1),
+            dataclasses.replace(state, step=state.step + 1),
         )
     skipped = (~finite if skip_nonfinite else jnp.zeros((), bool)).astype(jnp.int32)
     metrics = {
