@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -186,7 +186,8 @@ def hash_routing(seed: int = 0) -> Interceptor:
             seed=seed,
             parent=None,
         ).apply({}, x, mask, token_ids, capacity, deterministic)
-        return _with_choices(out, _token_choice(hashed).expert_index, learned.combine_weights)
+        hashed_choice = _token_choice(cast(RouterOutput, hashed))  # apply without mutable
+        return _with_choices(out, hashed_choice.expert_index, learned.combine_weights)
 
     return intercept
 

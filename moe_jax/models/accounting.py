@@ -112,6 +112,7 @@ def forward_flops_per_example(config: T5Config, encoder_length: int, decoder_len
         if not sparse:
             return (n_in + 1) * d * config.mlp_dim
         if config.sparse_layer_type == "dense":
+            assert config.flop_matched_mlp_dim  # T5Config refuses a dense sparse layer without it
             return (n_in + 1) * d * config.flop_matched_mlp_dim
         moe = moe_shape(config.moe_config(stack))
         expert = (moe.num_input_matrices + 1) * d * moe.expert_mlp_dim

@@ -76,6 +76,7 @@ def dot_product_attention(
         logits = jnp.where(mask, logits, jnp.asarray(-1e10, logits.dtype))
     weights = jax.nn.softmax(logits).astype(dtype)
     if not deterministic and dropout_rate > 0.0:
+        assert dropout_rng is not None, "dropout needs dropout_rng"
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = weights * keep.astype(dtype) / jnp.asarray(1.0 - dropout_rate, dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, jnp.asarray(value, dtype))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import gin
@@ -175,7 +175,7 @@ class EncoderDecoderModel:
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
         state = dict(state or {})
         updated = list(state) if enable_dropout else []
-        return self.module.apply(
+        out = self.module.apply(
             {"params": params, **state},
             *(batch.get(k) for k in FEATURES[:3]),
             *(batch.get(k) for k in FEATURES[4:]),
@@ -183,6 +183,7 @@ class EncoderDecoderModel:
             rngs=rngs,
             mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, *updated],
         )
+        return cast(tuple[jax.Array, dict[str, Any]], out)  # with mutable: (output, collections)
 
     def _loss_and_metrics(
         self, logits: jax.Array, state: Mapping[str, Any], batch: Batch

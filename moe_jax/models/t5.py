@@ -523,10 +523,12 @@ class Decoder(nn.Module):
 
 def encoder_mask(tokens: jnp.ndarray, segment_ids: jnp.ndarray | None) -> jnp.ndarray:
     """Encoder self-attention mask ``[batch, 1, Le, Le]``: non-padding, same segment."""
-    return combine_masks(
+    mask = combine_masks(
         make_attention_mask(tokens > 0, tokens > 0),
         None if segment_ids is None else make_attention_mask(segment_ids, segment_ids, jnp.equal),
     )
+    assert mask is not None  # the padding mask is always there
+    return mask
 
 
 def decoder_masks(
@@ -560,6 +562,7 @@ def decoder_masks(
         if decoder_segment_ids is None or encoder_segment_ids is None
         else make_attention_mask(decoder_segment_ids, encoder_segment_ids, jnp.equal),
     )
+    assert self_mask is not None and cross_mask is not None  # the first masks are always there
     return self_mask, cross_mask
 
 

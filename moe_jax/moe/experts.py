@@ -8,6 +8,7 @@ set of experts or, inside ``shard_map``, on one device's slice of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -54,7 +55,8 @@ class Experts(nn.Module):
         weights["wo"] = self.param(
             "wo", init_out, (self.num_experts, self.d_ff, d_model), jnp.float32
         )
-        return {k: v.astype(self.dtype) for k, v in weights.items()}
+        # self.param returns the unboxed array of a logically partitioned init
+        return {k: cast(jax.Array, v).astype(self.dtype) for k, v in weights.items()}
 
 
 def activate(

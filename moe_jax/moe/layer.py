@@ -283,6 +283,7 @@ class MoeLayer(nn.Module):
             untaken = (jnp.sum(router_output.assigned, axis=-1) == 0).astype(jnp.float32)
             dropped = jnp.sum(untaken * mask) / jnp.maximum(jnp.sum(mask), 1.0)
         else:
+            assert not isinstance(router_output.routing, ExpertChoiceRouting)
             routed = router_output.routing.expert_index < self.config.routed_experts
             dropped = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1)
         weights = self.config.losses.weights()

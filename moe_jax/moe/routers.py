@@ -271,6 +271,7 @@ class TopKRouter(nn.Module):
             and not self.is_initializing()
             and self.is_mutable_collection(selection.BIAS_COLLECTION)
         ):
+            assert isinstance(output.routing, TokenChoiceRouting)
             load = selection.expert_counts(output.routing.expert_index, self.num_experts)
             bias.value = selection.bias_update(bias.value, load, self.bias_update_rate)
         return output
@@ -387,6 +388,7 @@ class RandomRouter(nn.Module):
         deterministic: bool,
     ) -> RouterOutput:
         del token_ids, capacity, deterministic
+        assert self.scope is not None  # bound: the module is being applied
         salt = zlib.crc32("/".join(self.scope.path).encode())
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), salt)
         w = self.init_stddev * jax.random.normal(key, (x.shape[-1], self.num_experts), jnp.float32)

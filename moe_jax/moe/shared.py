@@ -9,7 +9,7 @@ the dense feed-forward block (``mlp`` over ``model``), never over ``expert``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -44,12 +44,16 @@ class SharedExperts(nn.Module):
         d_model, width = x.shape[-1], self.num_shared * self.d_ff
         names_in = ("wi_0", "wi_1") if self.activation == "gated_gelu" else ("wi",)
         init_in = nn.with_logical_partitioning(_KERNEL_INIT, ("embed", "mlp"))
+        # self.param returns the unboxed array of a logically partitioned init
         weights = {
-            n: self.param(n, init_in, (d_model, width), jnp.float32).astype(self.dtype)
+            n: cast(jax.Array, self.param(n, init_in, (d_model, width), jnp.float32)).astype(
+                self.dtype
+            )
             for n in names_in
         }
         init_out = nn.with_logical_partitioning(_KERNEL_INIT, ("mlp", "embed"))
-        weights["wo"] = self.param("wo", init_out, (width, d_model), jnp.float32).astype(self.dtype)
+        wo = cast(jax.Array, self.param("wo", init_out, (width, d_model), jnp.float32))
+        weights["wo"] = wo.astype(self.dtype)
         h = activate(weights, lambda w: jnp.einsum("bld,dm->blm", x, w), self.activation)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         use_dropout = self.dropout_rate > 0.0 and not deterministic

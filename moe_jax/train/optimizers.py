@@ -53,6 +53,7 @@ def learning_rate_schedule(
         elif decay == "constant":
             after = jnp.asarray(base_learning_rate, jnp.float32)
         else:
+            assert total_steps  # refused above for cosine and linear
             frac = jnp.clip((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0, 1.0)
             shape = 0.5 * (1.0 + jnp.cos(jnp.pi * frac)) if decay == "cosine" else 1.0 - frac
             after = final_learning_rate + (base_learning_rate - final_learning_rate) * shape

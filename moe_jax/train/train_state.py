@@ -100,10 +100,10 @@ def state_shardings(
     if collections_sharding is None:
         collections_sharding = jax.tree.map(lambda _: replicated, abstract_state.collections)
     return TrainState(
-        step=replicated,
+        step=replicated,  # type: ignore[arg-type]  # the state's tree of shardings
         params=params_sharding,
         opt_state=opt_shardings,
-        rng=replicated,
+        rng=replicated,  # type: ignore[arg-type]  # the state's tree of shardings
         collections=collections_sharding,
     )
 

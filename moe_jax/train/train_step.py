@@ -175,7 +175,8 @@ def jit_eval_step(
     def step(params, batch, collections=None):
         return jitted(params, batch, collections or {})
 
-    step.lower = lambda params, batch, collections=None: jitted.lower(
+    # a function attribute, like jax.jit's own .lower
+    step.lower = lambda params, batch, collections=None: jitted.lower(  # type: ignore[attr-defined]
         params, batch, collections or {}
     )
     return step
@@ -199,5 +200,5 @@ def _under_mesh(fn, mesh: Mesh, rules: partitioning.LogicalRules):
         with partitioning.activate(mesh, rules):
             return fn.lower(*args)
 
-    wrapped.lower = lower
+    wrapped.lower = lower  # type: ignore[attr-defined]  # a function attribute, like jax.jit's
     return wrapped
