@@ -518,8 +518,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines += [
             f"{name} step (compiled in {step['compile_s']:.1f} s), per device:",
             f"  params + optimizer {_gib(b['params_and_optimizer'])}, arguments "
-            f"{_gib(b['arguments'])}, "
-            f"temporaries {_gib(b['temporaries'])}",
+            f"{_gib(b['arguments'])}, temporaries {_gib(b['temporaries'])}",
             f"  total {_gib(b['total'])} of {_gib(b['device_memory'])} "
             f"({100 * b['total'] / b['device_memory']:.0f}%): "
             f"{'fits' if step['fits'] else 'DOES NOT FIT'}",

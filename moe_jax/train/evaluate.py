@@ -458,9 +458,8 @@ def evaluate(
             if routing and not results[label]["router_drift"]:
                 results[label]["router_drift_missing"] = (
                     f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the "
-                    f"routers' "
-                    f"initial weights: `moe-jax train` writes it at step 0, `moe-jax import` when "
-                    f"the export has {export.ROUTER_INIT_FILE})"
+                    "routers' initial weights: `moe-jax train` writes it at step 0, `moe-jax "
+                    f"import` when the export has {export.ROUTER_INIT_FILE})"
                 )
             if jax.process_index() == 0:
                 storage.write_text(

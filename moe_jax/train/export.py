@@ -213,9 +213,8 @@ def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where:
         expected = export_shape(exported, leaf.shape)
         if array.shape != expected:
             raise ExportError(
-                f"{where}: array {exported!r} has shape {list(array.shape)} in the "
-                f"export but {list(expected)} in the gin config's model "
-                f"(moe-jax parameter {name})"
+                f"{where}: array {exported!r} has shape {list(array.shape)} in the export but "
+                f"{list(expected)} in the gin config's model (moe-jax parameter {name})"
             )
         leaves.append(array.reshape(leaf.shape).astype(leaf.dtype, copy=False))
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)

@@ -67,12 +67,11 @@ def step_zero_differences(config: MoeConfig, noise_std: float = 0.0) -> list[str
     cap, router = config.capacity, config.router
     if not _keeps_every_token(config):
         causes.append(
-            f"CapacityConfig.dropless=False with train/eval capacity factors "
-            f"{cap.train_capacity_factor:g} / "
-            f"{cap.eval_capacity_factor:g}: an expert takes at most its capacity of a group's "
-            f"tokens and "
-            "the others skip the layer (all experts are the same MLP, so the router's choices are "
-            "uneven); --gin.CapacityConfig.dropless=True keeps every token"
+            "CapacityConfig.dropless=False with train/eval capacity factors "
+            f"{cap.train_capacity_factor:g} / {cap.eval_capacity_factor:g}: an expert takes at "
+            "most its capacity of a group's tokens and the others skip the layer (all experts "
+            "are the same MLP, so the router's choices are uneven); "
+            "--gin.CapacityConfig.dropless=True keeps every token"
         )
     partial_gates = config.choices_per_token < config.routed_experts
     if config.router_type == "expert_choice":
