@@ -20,6 +20,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Collection, Iterator
 
 # subcommand -> (module path, one-line help)
@@ -124,15 +125,38 @@ def _raise_terminated(signum: int, frame) -> None:
     raise errors.Interrupted(signum)
 
 
+def _redeliver_interrupts(previous):
+    """``sys.unraisablehook`` that delivers again the signal of an interrupt raised where
+    Python can only report it (a garbage-collection callback, a finalizer: "Exception
+    ignored in ..."), so that it still stops the command."""
+
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, KeyboardInterrupt):  # sent again once the hook has returned
+            signum = getattr(value, "signum", signal.SIGINT)
+            timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 @contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
     """SIGTERM raises :class:`moe_jax.errors.Interrupted` in the main thread for the block
-    (as Ctrl-C raises ``KeyboardInterrupt``) instead of ending the process silently."""
+    (as Ctrl-C raises ``KeyboardInterrupt``) instead of ending the process silently; an
+    interrupt that lands in a garbage-collection callback is delivered again."""
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_hook = sys.unraisablehook
+    hook = sys.unraisablehook = _redeliver_interrupts(previous_hook)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if sys.unraisablehook is hook:  # hooks installed inside the block chain to it
+            sys.unraisablehook = previous_hook
 
 
 def run_command(name: str, module_main, argv: list[str]) -> int:

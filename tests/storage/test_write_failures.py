@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -74,6 +75,18 @@ def _sigterm_self(argv: list[str]) -> int:
     raise AssertionError("SIGTERM did not stop the command")
 
 
+class _Finalizer:
+    def __del__(self) -> None:
+        raise errors.Interrupted(signal.SIGTERM)  # as a signal landing in a GC callback
+
+
+def _sigterm_in_a_finalizer(argv: list[str]) -> int:
+    _Finalizer()  # Python can only report its finalizer's exception ("Exception ignored")
+    for _ in range(1000):  # the signal delivered again stops the command here
+        time.sleep(0.001)
+    raise AssertionError("the interrupt was lost")
+
+
 def _ctrl_c(argv: list[str]) -> int:
     raise KeyboardInterrupt
 
@@ -94,6 +107,11 @@ def _train_like(argv: list[str]) -> int:
         ),
         (
             _sigterm_self,
+            errors.EXIT_PREEMPTED,
+            f"moe-jax x: stopped by SIGTERM: {cli.INTERRUPTED_DETAIL}",
+        ),
+        (
+            _sigterm_in_a_finalizer,
             errors.EXIT_PREEMPTED,
             f"moe-jax x: stopped by SIGTERM: {cli.INTERRUPTED_DETAIL}",
         ),
