@@ -31,9 +31,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("moe_jax.train.infer", "decode from a checkpoint"),
     "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
     "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
-    "compile": ("moe_jax.train.aot", "compile a run for a TPU/GPU/CPU target: memory, fit, step time"),
+    "compile": (
+        "moe_jax.train.aot",
+        "compile a run for a TPU/GPU/CPU target: memory, fit, step time",
+    ),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
-    "upcycle": ("moe_jax.train.upcycle", "an MoE run from a dense run's checkpoint (sparse upcycling)"),
+    "upcycle": (
+        "moe_jax.train.upcycle",
+        "an MoE run from a dense run's checkpoint (sparse upcycling)",
+    ),
     "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
     "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),
 }
@@ -48,8 +54,9 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def split_command(argv: list[str], known: Collection[str], prog: str, usage: str,
-                  what: str = "command") -> tuple[str, list[str]] | int:
+def split_command(
+    argv: list[str], known: Collection[str], prog: str, usage: str, what: str = "command"
+) -> tuple[str, list[str]] | int:
     """``(name, rest)`` of a ``prog <name> [options]`` command line, or an exit code once
     ``usage`` is printed: 0 for no name or help, 2 for a name not in ``known``."""
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -72,8 +79,14 @@ NO_TENSORFLOW = frozenset({"synthetic", "sweep"})  # commands that never import 
 # Library errors that, reaching a command's top, mean bad input rather than a bug: gin's
 # and seqio's configuration checks raise ValueError; a missing or unreadable file the user
 # named raises one of these OSErrors (its message names the file).
-EXPECTED_LIBRARY_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                           PermissionError, UnicodeDecodeError)
+EXPECTED_LIBRARY_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    UnicodeDecodeError,
+)
 
 
 def quiet_startup(command: str, argv: list[str]) -> None:
@@ -106,8 +119,11 @@ def error_message(err: BaseException) -> str:
     message (without gin's "In call to configurable" context lines), else its first line."""
     from moe_jax import errors
 
-    lines = [line for line in str(err).rstrip().splitlines()
-             if not line.lstrip().startswith("In call to configurable")]
+    lines = [
+        line
+        for line in str(err).rstrip().splitlines()
+        if not line.lstrip().startswith("In call to configurable")
+    ]
     text = "\n".join(lines)
     if isinstance(err, errors.UserError) or (isinstance(err, ValueError) and len(text) < 1000):
         return text
@@ -182,7 +198,9 @@ def run_command(name: str, module_main, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    picked = split_command(list(sys.argv[1:] if argv is None else argv), SUBCOMMANDS, "moe-jax", _usage())
+    picked = split_command(
+        list(sys.argv[1:] if argv is None else argv), SUBCOMMANDS, "moe-jax", _usage()
+    )
     if isinstance(picked, int):
         return picked
     name, rest = picked
@@ -198,7 +216,10 @@ def _start(name: str, rest: list[str]) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name is not None and module_name.startswith(err.name):
-            print(f"moe-jax: command {name!r} is not built yet ({module_name} missing)", file=sys.stderr)
+            print(
+                f"moe-jax: command {name!r} is not built yet ({module_name} missing)",
+                file=sys.stderr,
+            )
             return 2
         raise
     return getattr(module, function or "main")(rest)

@@ -138,7 +138,7 @@ class TrainIterator:
         mixture_or_task_name: str,
         task_feature_lengths: Mapping[str, int],
         batch_size: int,
-        seed: int,
+        seed: int | None,
         shard_info: seqio.ShardInfo | None = None,
         split: str = "train",
         pack: bool = True,

@@ -64,8 +64,18 @@ PyTree = Any
 INTEGRITY_FILE = "moe_jax_files.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
 # Causes of a failed write, as the OS words them (found inside library error messages).
-_WRITE_CAUSES = tuple(os.strerror(code) for code in (
-    errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EIO))
+_WRITE_CAUSES = tuple(
+    os.strerror(code)
+    for code in (
+        errno.ENOSPC,
+        errno.EFBIG,
+        errno.EDQUOT,
+        errno.EACCES,
+        errno.EROFS,
+        errno.EPERM,
+        errno.EIO,
+    )
+)
 _FILE_IN_MESSAGE = re.compile(r'(?:local file|file) "([^"]+)"')
 
 
@@ -101,29 +111,45 @@ class CheckpointReadError(UnreadableCheckpointError):
 
 def param_shapes(params: PyTree) -> dict[str, list[int]]:
     """``{"encoder/layers_0/attention/query/kernel": [32, 768], ...}`` for a parameter tree."""
-    return {path_name(path): list(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {
+        path_name(path): list(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
 
 
 def path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def check_compatible(saved: dict[str, list[int]], expected: dict[str, list[int]], where: str) -> None:
+def check_compatible(
+    saved: dict[str, list[int]], expected: dict[str, list[int]], where: str
+) -> None:
     """Raises :class:`CheckpointMismatchError` naming missing, unexpected and reshaped
     parameters when a checkpoint's parameters differ from the configured model's."""
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
-    reshaped = sorted(f"{k}: checkpoint {saved[k]} vs model {expected[k]}"
-                      for k in set(saved) & set(expected) if list(saved[k]) != list(expected[k]))
+    reshaped = sorted(
+        f"{k}: checkpoint {saved[k]} vs model {expected[k]}"
+        for k in set(saved) & set(expected)
+        if list(saved[k]) != list(expected[k])
+    )
     if missing or extra or reshaped:
+
         def show(title, names):
-            return f"\n  {title} ({len(names)}): " + ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") if names else ""
+            return (
+                f"\n  {title} ({len(names)}): "
+                + ", ".join(names[:12])
+                + (" ..." if len(names) > 12 else "")
+                if names
+                else ""
+            )
+
         raise CheckpointMismatchError(
             f"checkpoint {where} was saved from another model config:"
             + show("parameters in the model but not the checkpoint", missing)
             + show("parameters in the checkpoint but not the model", extra)
-            + show("parameters with other shapes", reshaped))
+            + show("parameters with other shapes", reshaped)
+        )
 
 
 def ensure_writable(model_dir: str) -> None:
@@ -135,13 +161,19 @@ def ensure_writable(model_dir: str) -> None:
         storage.write_text(probe, "ok")
         storage.remove(probe)
     except OSError as err:
-        raise UnwritableModelDirError(f"MODEL_DIR={model_dir!r} is not writable ({err.strerror or err})") from None
+        raise UnwritableModelDirError(
+            f"MODEL_DIR={model_dir!r} is not writable ({err.strerror or err})"
+        ) from None
 
 
 def reached_step(model_dir: str) -> int | None:
     """The newest checkpoint step of ``MODEL_DIR`` (None: none), read from the directory
     names without creating anything."""
-    steps = [int(name) for name in storage.listdir(storage.join(model_dir, "checkpoints")) if name.isdigit()]
+    steps = [
+        int(name)
+        for name in storage.listdir(storage.join(model_dir, "checkpoints"))
+        if name.isdigit()
+    ]
     return max(steps, default=None)
 
 
@@ -200,7 +232,8 @@ class _OrbaxErrorFilter(logging.Filter):
         if record.levelno < logging.ERROR or os.environ.get("MOE_JAX_TRACEBACK"):
             return True
         return _ORBAX_SOURCE not in record.pathname and not (
-            record.name == "asyncio" and _mentions_orbax(record))
+            record.name == "asyncio" and _mentions_orbax(record)
+        )
 
 
 def _mentions_orbax(record: logging.LogRecord) -> bool:
@@ -231,12 +264,14 @@ def _quiet_closed_loop_hook(previous):
     def hook(unraisable):
         value = unraisable.exc_value
         code = getattr(unraisable.object, "cr_code", None)
-        if not keep and ((type(value) is RuntimeError and str(value) == "Event loop is closed")
-                         or _ORBAX_SOURCE in getattr(code, "co_filename", "")):
+        if not keep and (
+            (type(value) is RuntimeError and str(value) == "Event loop is closed")
+            or _ORBAX_SOURCE in getattr(code, "co_filename", "")
+        ):
             return
         previous(unraisable)
 
-    hook.moe_jax_quiet = True
+    hook.moe_jax_quiet = True  # type: ignore[attr-defined]  # marker: installed once
     return hook
 
 
@@ -256,18 +291,30 @@ class Checkpointer:
     looks the same.
     """
 
-    def __init__(self, model_dir: str, *, save_period: int | None = None, keep: int | None = None,
-                 async_save: bool = True, read_only: bool = False,
-                 remove_partial_saves: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        save_period: int | None = None,
+        keep: int | None = None,
+        async_save: bool = True,
+        read_only: bool = False,
+        remove_partial_saves: bool = False,
+    ):
         _install_quiet_hooks()
         self.model_dir = model_dir = storage.normalize(model_dir)
         self.directory = storage.join(model_dir, "checkpoints")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                save_interval_steps=0 if read_only else save_period or 1, max_to_keep=keep,
-                create=not read_only, enable_async_checkpointing=async_save, read_only=read_only,
-                cleanup_tmp_directories=remove_partial_saves and not read_only))
+                save_interval_steps=0 if read_only else save_period or 1,
+                max_to_keep=keep,
+                create=not read_only,
+                enable_async_checkpointing=async_save,
+                read_only=read_only,
+                cleanup_tmp_directories=remove_partial_saves and not read_only,
+            ),
+        )
         self._pending: int | None = None  # a step being written in the background
         self._failed = False  # a save failed (reported once; partial directories removed)
         self.last_good: int | None = self._manager.latest_step()
@@ -293,8 +340,10 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         train = _train_item(state)
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
-            meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}))
+            params=ocp.args.StandardSave(state.params),
+            train=ocp.args.StandardSave(train),
+            meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}),
+        )
         saved = False
         with self._write_errors(step):
             saved = self._manager.save(step, force=force, args=args)  # waits for the previous save
@@ -331,7 +380,8 @@ class Checkpointer:
             raise errors.WriteFailedError(
                 f"cannot write checkpoint step {failed} to MODEL_DIR={self.model_dir}: "
                 f"{_write_cause(err)}; last good checkpoint: {self.name(self.last_good)}",
-                names_last_good=True) from err
+                names_last_good=True,
+            ) from err
 
     def _finished(self) -> None:
         """After a save completed: record its integrity, advance ``last_good``."""
@@ -364,7 +414,9 @@ class Checkpointer:
 
     def read_meta(self, step: int, verified: bool = False) -> dict[str, Any]:
         with self._read_errors(step, verified):
-            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            return self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
 
     @contextlib.contextmanager
     def _read_errors(self, step: int, verified: bool):
@@ -378,9 +430,12 @@ class Checkpointer:
         except Exception as err:
             cause = _read_cause(err, self.step_dir(step))
             if verified or _outside_cause(err):
-                raise CheckpointReadError(f"cannot read checkpoint step {step} ({self.step_dir(step)}): "
-                                          f"{cause}", step) from err
-            raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {cause}", step) from err
+                raise CheckpointReadError(
+                    f"cannot read checkpoint step {step} ({self.step_dir(step)}): {cause}", step
+                ) from err
+            raise UnreadableCheckpointError(
+                f"checkpoint step {step} is unreadable: {cause}", step
+            ) from err
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state at ``step`` laid out as ``target`` (``ShapeDtypeStruct`` leaves with the
@@ -394,15 +449,25 @@ class Checkpointer:
         meta = self.read_meta(step, verified)
         check_compatible(meta["params"], param_shapes(target.params), self.step_dir(step))
         with self._read_errors(step, verified):
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(target.params),
-                train=ocp.args.StandardRestore(_train_item(target))))
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target.params),
+                    train=ocp.args.StandardRestore(_train_item(target)),
+                ),
+            )
         train = out["train"]
-        return TrainState(step=train["step"], params=out["params"], opt_state=train["opt_state"],
-                          rng=train["rng"], collections=train.get("collections", {})), meta
+        return TrainState(
+            step=train["step"],
+            params=out["params"],
+            opt_state=train["opt_state"],
+            rng=train["rng"],
+            collections=train.get("collections", {}),
+        ), meta
 
-    def restore_params(self, step: int, target: PyTree, collections: PyTree | None = None
-                       ) -> tuple[PyTree, PyTree, dict[str, Any]]:
+    def restore_params(
+        self, step: int, target: PyTree, collections: PyTree | None = None
+    ) -> tuple[PyTree, PyTree, dict[str, Any]]:
         """What a forward pass needs at ``step`` (eval, infer, analyze), without the
         optimizer state: ``(params, collections, meta)``, the parameters laid out as
         ``target`` and the non-parameter state collections (``TrainState.collections``,
@@ -415,15 +480,21 @@ class Checkpointer:
           UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
           CheckpointMismatchError: the checkpoint is another model config's.
         """
-        verified = check_integrity(self.step_dir(step), step,
-                                   items=("params", "meta") + (("train",) if collections else ()))
+        verified = check_integrity(
+            self.step_dir(step),
+            step,
+            items=("params", "meta") + (("train",) if collections else ()),
+        )
         meta = self.read_meta(step, verified)
         check_compatible(meta["params"], param_shapes(target), self.step_dir(step))
         args = {"params": ocp.args.StandardRestore(target)}
         if collections:
             item = {"collections": collections}
             args["train"] = ocp.args.PyTreeRestore(
-                item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)
+                item,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True,
+            )
         with self._read_errors(step, verified):
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         return out["params"], (out["train"]["collections"] if collections else {}), meta
@@ -453,8 +524,9 @@ class Checkpointer:
             self._remove_partial()
 
 
-def restore_latest_readable(ckpt: Checkpointer, target: TrainState,
-                            warn: Callable[[str], None]) -> tuple[TrainState, dict[str, Any], int] | None:
+def restore_latest_readable(
+    ckpt: Checkpointer, target: TrainState, warn: Callable[[str], None]
+) -> tuple[TrainState, dict[str, Any], int] | None:
     """The newest readable checkpoint of ``ckpt`` (state, metadata, step), or None when
     there is none. Each damaged newer step is moved aside with a warning that names it and
     the step used instead.
@@ -473,12 +545,16 @@ def restore_latest_readable(ckpt: Checkpointer, target: TrainState,
                 raise
             moved = ckpt.move_aside(step)
             older = [s for s in steps if s < step]
-            warn(f"warning: {err}; moved it to {moved}; "
-                 + (f"resuming from step {max(older)} instead" if older else "no older checkpoint"))
+            warn(
+                f"warning: {err}; moved it to {moved}; "
+                + (f"resuming from step {max(older)} instead" if older else "no older checkpoint")
+            )
             if not older:
                 raise UnreadableCheckpointError(
                     f"no readable checkpoint in {ckpt.directory} (unreadable ones moved to "
-                    f"{storage.join(ckpt.model_dir, UNREADABLE_DIR)}); {err}", step) from None
+                    f"{storage.join(ckpt.model_dir, UNREADABLE_DIR)}); {err}",
+                    step,
+                ) from None
     return None
 
 
@@ -486,7 +562,11 @@ def write_integrity(step_dir: str) -> None:
     """Writes ``step_dir/INTEGRITY_FILE``: ``{"files": {path: {"size", "crc32c"}}}`` of every
     file of a finished step (nothing when the step was removed meanwhile by keep-K)."""
     try:
-        files = {rel: entry for rel, entry in storage.file_info(step_dir).items() if rel != INTEGRITY_FILE}
+        files = {
+            rel: entry
+            for rel, entry in storage.file_info(step_dir).items()
+            if rel != INTEGRITY_FILE
+        }
         if files:
             storage.write_text(storage.join(step_dir, INTEGRITY_FILE), json.dumps({"files": files}))
     except FileNotFoundError:
@@ -511,20 +591,32 @@ def check_integrity(step_dir: str, step: int, items: tuple[str, ...] | None = No
         recorded = json.loads(storage.read_text(record_path))["files"]
     except (OSError, ValueError, KeyError) as err:
         raise UnreadableCheckpointError(
-            f"checkpoint step {step} is unreadable: {record_path}: {errors.one_line(err)}", step) from None
-    wanted = {rel: entry if isinstance(entry, dict) else {"size": entry} for rel, entry in recorded.items()
-              if items is None or rel.split("/", 1)[0] in items}
+            f"checkpoint step {step} is unreadable: {record_path}: {errors.one_line(err)}", step
+        ) from None
+    wanted = {
+        rel: entry if isinstance(entry, dict) else {"size": entry}
+        for rel, entry in recorded.items()
+        if items is None or rel.split("/", 1)[0] in items
+    }
     actual = storage.file_info(step_dir, checksums=False)
     for rel, entry in sorted(wanted.items()):
         path = storage.join(step_dir, rel)
         size = actual.get(rel, {}).get("size")
         if size != entry["size"]:
-            cause = "missing" if size is None else f"{size} bytes, {entry['size']} when saved (truncated)"
+            cause = (
+                "missing"
+                if size is None
+                else f"{size} bytes, {entry['size']} when saved (truncated)"
+            )
         elif "crc32c" in entry and storage.crc32c_file(path) != entry["crc32c"]:
-            cause = f"CRC32C differs from the one recorded when saved (content changed, {size} bytes)"
+            cause = (
+                f"CRC32C differs from the one recorded when saved (content changed, {size} bytes)"
+            )
         else:
             continue
-        raise UnreadableCheckpointError(f"checkpoint step {step} is unreadable: {path}: {cause}", step)
+        raise UnreadableCheckpointError(
+            f"checkpoint step {step} is unreadable: {path}: {cause}", step
+        )
     return bool(wanted) and all("crc32c" in entry for entry in wanted.values())
 
 
@@ -535,8 +627,11 @@ def _outside_cause(err: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, (PermissionError, ImportError, ConnectionError, TimeoutError)):
             return True
-        if re.search(r"Permission denied|PERMISSION_DENIED|should be absolute|UNAVAILABLE|"
-                     r"DEADLINE_EXCEEDED|UNAUTHENTICATED", str(seen)):
+        if re.search(
+            r"Permission denied|PERMISSION_DENIED|should be absolute|UNAVAILABLE|"
+            r"DEADLINE_EXCEEDED|UNAUTHENTICATED",
+            str(seen),
+        ):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -549,7 +644,7 @@ def _read_cause(err: BaseException, step_dir: str) -> str:
     files = list(re.finditer(r'local file "([^"]+)": ', text))
     if not files:
         return f"{step_dir}: {errors.one_line(err, 200)}"
-    cause = text[files[-1].end():].split(" [tensorstore_spec", 1)[0].splitlines()[0]
+    cause = text[files[-1].end() :].split(" [tensorstore_spec", 1)[0].splitlines()[0]
     return f"{files[-1].group(1)}: {cause[:200]}"
 
 
@@ -568,8 +663,9 @@ def _write_cause(err: BaseException) -> str:
     return errors.one_line(err)
 
 
-def restore_from(path: str, target: PyTree, collections: PyTree | None = None
-                 ) -> tuple[PyTree, PyTree, int, dict[str, Any]]:
+def restore_from(
+    path: str, target: PyTree, collections: PyTree | None = None
+) -> tuple[PyTree, PyTree, int, dict[str, Any]]:
     """The one restore path of every command that reads a checkpoint without resuming it
     (eval, infer, analyze, export, upcycle; ``moe_jax.train.setup.restore_model`` builds the
     targets): ``(params, collections, step, meta)`` of the checkpoint at ``path``, laid out as
@@ -589,8 +685,10 @@ def restore_from(path: str, target: PyTree, collections: PyTree | None = None
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None or step not in ckpt.all_steps():
-            raise MissingCheckpointError(f"no checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
-                                    f"at {path!r} (steps in {directory}: {ckpt.all_steps()})")
+            raise MissingCheckpointError(
+                f"no checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
+                f"at {path!r} (steps in {directory}: {ckpt.all_steps()})"
+            )
         params, restored_collections, meta = ckpt.restore_params(step, target, collections)
     finally:
         ckpt.close()
@@ -606,7 +704,7 @@ def gather_from_processes(obj: Any) -> list[Any]:
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     length = int(np.max(multihost_utils.process_allgather(np.array([data.size], np.int32))))
     padded = np.zeros(length, np.uint8)
-    padded[:data.size] = data
+    padded[: data.size] = data
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in np.asarray(rows)]
 
@@ -616,16 +714,24 @@ ROUTER_INIT_FILE = "router_init.npz"
 
 def router_params(params: PyTree) -> dict[str, jax.Array]:
     """The leaves whose path names a router, by name."""
-    return {path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-            if "router" in path_name(path)}
+    return {
+        path_name(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if "router" in path_name(path)
+    }
 
 
 def save_router_init(model_dir: str, params: PyTree) -> None:
     """Writes the routers' initial weights (once, by process 0) for drift measurements."""
     from jax.experimental import multihost_utils
 
-    write_router_init(model_dir, {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-                                  for k, v in router_params(params).items()})
+    write_router_init(
+        model_dir,
+        {
+            k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+            for k, v in router_params(params).items()
+        },
+    )
 
 
 def write_router_init(model_dir: str, routers: dict[str, np.ndarray]) -> None:
@@ -639,4 +745,3 @@ def write_router_init(model_dir: str, routers: dict[str, np.ndarray]) -> None:
 def load_router_init(model_dir: str) -> dict[str, np.ndarray] | None:
     path = storage.join(model_dir, ROUTER_INIT_FILE)
     return storage.load_npz(path) if storage.exists(path) else None
-

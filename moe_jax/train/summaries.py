@@ -50,8 +50,8 @@ def peak_flops_per_device(override: float | None = None) -> float:
 def scalarize(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Splits fetched metrics into scalars and arrays (per-layer routing statistics)."""
     scalars, arrays = {}, {}
-    for name, value in metrics.items():
-        value = np.asarray(value)
+    for name, fetched in metrics.items():
+        value = np.asarray(fetched)
         if value.ndim == 0:
             scalars[name] = float(value)
         else:
@@ -94,7 +94,7 @@ def shard_imbalance(expert_load: np.ndarray, num_shards: int) -> np.ndarray:
     load = np.asarray(expert_load, np.float64)
     if load.shape[-1] % num_shards:
         raise ValueError(f"{load.shape[-1]} experts do not split over {num_shards} shards")
-    per_shard = load.reshape(load.shape[:-1] + (num_shards, -1)).sum(-1)
+    per_shard = load.reshape((*load.shape[:-1], num_shards, -1)).sum(-1)
     return per_shard.max(-1) / np.maximum(per_shard.mean(-1), 1e-12)
 
 
@@ -116,7 +116,11 @@ def routing_telemetry(metrics: dict[str, Any], expert_shards: int = 1) -> dict[s
 def routing_churn(previous: np.ndarray, current: np.ndarray, valid: np.ndarray) -> float:
     """Fraction of the ``valid`` tokens whose top-1 expert differs: ``[n, length]`` x3."""
     valid = np.asarray(valid, bool)
-    return float(np.mean(np.asarray(previous)[valid] != np.asarray(current)[valid])) if valid.any() else 0.0
+    return (
+        float(np.mean(np.asarray(previous)[valid] != np.asarray(current)[valid]))
+        if valid.any()
+        else 0.0
+    )
 
 
 class ChurnProbe:
@@ -126,19 +130,30 @@ class ChurnProbe:
 
     FILE = "routing_probe.npz"
 
-    def __init__(self, model: Any, params_shardings: Any, ctx: Any, probe_batch: dict[str, np.ndarray],
-                 model_dir: str, collections_shardings: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        params_shardings: Any,
+        ctx: Any,
+        probe_batch: dict[str, np.ndarray],
+        model_dir: str,
+        collections_shardings: Any = None,
+    ):
         """``probe_batch``: this process's share of the probe batch (numpy);
         ``collections_shardings``: of the model's state collections (None: it has none)."""
         from moe_jax.analysis import routing
         from moe_jax.train import setup
 
-        self._fn = routing.routing_fn(model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings)
+        self._fn = routing.routing_fn(
+            model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings
+        )
         self._batch = setup.global_batch(probe_batch, ctx)
         self._path = storage.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
         if storage.exists(self._path):
-            self._previous = {k.replace("|", "/"): v for k, v in storage.load_npz(self._path).items()}
+            self._previous = {
+                k.replace("|", "/"): v for k, v in storage.load_npz(self._path).items()
+            }
 
     def __call__(self, params: Any, collections: Any = None) -> dict[str, float]:
         """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation);
@@ -151,10 +166,13 @@ class ChurnProbe:
             return {}
         layers = routing.collect_routing(self._fn, params, [self._batch], collections)
         top1 = {name: layer.expert_index[..., 0] for name, layer in layers.items()}
-        churn = {f"moe/{name}/routing_churn": routing_churn(self._previous[name], choice,
-                                                            layers[name].valid)
-                 for name, choice in top1.items()
-                 if name in self._previous and self._previous[name].shape == choice.shape}
+        churn = {
+            f"moe/{name}/routing_churn": routing_churn(
+                self._previous[name], choice, layers[name].valid
+            )
+            for name, choice in top1.items()
+            if name in self._previous and self._previous[name].shape == choice.shape
+        }
         self._previous = top1
         if jax.process_index() == 0:
             storage.save_npz(self._path, {k.replace("/", "|"): v for k, v in top1.items()})
@@ -172,7 +190,9 @@ class MetricsWriter:
         self.expert_shards = expert_shards
         self.enabled = jax.process_index() == 0
         self._events: dict[str, EventWriter] = {}
-        self._jsonl = storage.AppendFile(storage.join(model_dir, METRICS_FILE)) if self.enabled else None
+        self._jsonl = (
+            storage.AppendFile(storage.join(model_dir, METRICS_FILE)) if self.enabled else None
+        )
 
     def write(self, split: str, step: int, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -183,7 +203,12 @@ class MetricsWriter:
         self._events[split].write_scalars(step, scalars)
         if arrays:
             self._events[split].write_histograms(step, {k: v for k, v in arrays.items() if v.size})
-        record = {"step": step, "split": split, **scalars, **{k: v.tolist() for k, v in arrays.items()}}
+        record = {
+            "step": step,
+            "split": split,
+            **scalars,
+            **{k: v.tolist() for k, v in arrays.items()},
+        }
         self._jsonl.append((json.dumps(record) + "\n").encode())  # one write per whole line
 
     def flush(self) -> None:
@@ -223,7 +248,9 @@ class EventWriter:
     so that it lives on a local disk or an object store alike."""
 
     def __init__(self, folder: str):
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.v2"
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.v2"
+        )
         self.path = storage.join(folder, name)
         self._file = storage.AppendFile(self.path)
         self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -237,7 +264,9 @@ class EventWriter:
     def write_histograms(self, step: int, arrays: dict[str, np.ndarray]) -> None:
         summary = summary_pb2.Summary()
         for tag, value in arrays.items():
-            summary.value.extend(histogram_summary.histogram_pb(tag, np.asarray(value, np.float64)).value)
+            summary.value.extend(
+                histogram_summary.histogram_pb(tag, np.asarray(value, np.float64)).value
+            )
         self._write(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def _write(self, event: event_pb2.Event) -> None:
@@ -265,9 +294,12 @@ class ThroughputMeter:
     def rates(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         steps_per_sec = self._steps / elapsed
-        out = {"steps_per_sec": steps_per_sec, "step_time_sec": 1 / max(steps_per_sec, 1e-9),
-               "tokens_per_sec": steps_per_sec * self.tokens_per_step,
-               "mfu": steps_per_sec * self.flops_per_step / self.peak_flops_total}
+        out = {
+            "steps_per_sec": steps_per_sec,
+            "step_time_sec": 1 / max(steps_per_sec, 1e-9),
+            "tokens_per_sec": steps_per_sec * self.tokens_per_step,
+            "mfu": steps_per_sec * self.flops_per_step / self.peak_flops_total,
+        }
         self._start, self._steps = time.perf_counter(), 0
         return out
 
@@ -276,8 +308,15 @@ def progress_bar(start: int, total: int, desc: str = "train"):
     """A tqdm bar with ETA on process 0 (disabled elsewhere)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True,
-                disable=jax.process_index() != 0, mininterval=1.0)
+    return tqdm(
+        total=total,
+        initial=start,
+        desc=desc,
+        unit="step",
+        dynamic_ncols=True,
+        disable=jax.process_index() != 0,
+        mininterval=1.0,
+    )
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -297,8 +336,12 @@ def drop_records_after(model_dir: str, step: int) -> None:
                 record = json.loads(line)
             except ValueError:
                 if line.strip():
-                    print(f"[moe-jax] warning: {path}, line {number}: not a whole JSON record "
-                          "(a write cut short); dropped", file=sys.stderr, flush=True)
+                    print(
+                        f"[moe-jax] warning: {path}, line {number}: not a whole JSON record "
+                        "(a write cut short); dropped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
             if record.get("step", 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
@@ -328,7 +371,12 @@ def pack_records(records: list[bytes]) -> bytes:
     out = bytearray()
     for record in records:
         header = struct.pack("<Q", len(record))
-        out += header + struct.pack("<I", _masked(header)) + record + struct.pack("<I", _masked(record))
+        out += (
+            header
+            + struct.pack("<I", _masked(header))
+            + record
+            + struct.pack("<I", _masked(record))
+        )
     return bytes(out)
 
 
@@ -337,13 +385,13 @@ def unpack_records(data: bytes) -> list[bytes]:
     killed mid-record) ends the list."""
     records, pos = [], 0
     while pos + 12 <= len(data):
-        header = data[pos:pos + 8]
+        header = data[pos : pos + 8]
         (length,) = struct.unpack("<Q", header)
         end = pos + 12 + length + 4
-        if struct.unpack("<I", data[pos + 8:pos + 12])[0] != _masked(header) or end > len(data):
+        if struct.unpack("<I", data[pos + 8 : pos + 12])[0] != _masked(header) or end > len(data):
             break
-        record = data[pos + 12:pos + 12 + length]
-        if struct.unpack("<I", data[end - 4:end])[0] != _masked(record):
+        record = data[pos + 12 : pos + 12 + length]
+        if struct.unpack("<I", data[end - 4 : end])[0] != _masked(record):
             break
         records.append(record)
         pos = end

@@ -10,9 +10,9 @@ the step it just dispatched), log, save every ``checkpoint_period`` steps (async
 evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
 loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM or
 Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
-second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a non-finite loss stops with its
-step and the last good checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops that
-step's update).
+second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a
+non-finite loss stops with its step and the last good checkpoint (or, with
+``train.on_nonfinite = 'skip'``, drops that step's update).
 
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
@@ -56,12 +56,20 @@ def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_
     if state is not None:
         return pipeline.TrainIterator.restore(state)
     if cfg.batch_size % jax.process_count():
-        raise ValueError(f"DatasetConfig.batch_size={cfg.batch_size} is not divisible by the "
-                         f"{jax.process_count()} processes")
+        raise ValueError(
+            f"DatasetConfig.batch_size={cfg.batch_size} is not divisible by the "
+            f"{jax.process_count()} processes"
+        )
     return pipeline.TrainIterator(
-        cfg.mixture_or_task_name, dict(cfg.task_feature_lengths),
-        batch_size=cfg.batch_size // jax.process_count(), seed=cfg.seed, split=cfg.split,
-        pack=cfg.pack, use_cached=cfg.use_cached, start_step=start_step)
+        cfg.mixture_or_task_name,
+        dict(cfg.task_feature_lengths),
+        batch_size=cfg.batch_size // jax.process_count(),
+        seed=cfg.seed,
+        split=cfg.split,
+        pack=cfg.pack,
+        use_cached=cfg.use_cached,
+        start_step=start_step,
+    )
 
 
 @gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
@@ -131,15 +139,26 @@ def train(
     checkpoints.ensure_writable(model_dir)
     try:
         with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
-            return _train(model=model, train_dataset_cfg=train_dataset_cfg,
-                          train_eval_dataset_cfg=train_eval_dataset_cfg, model_dir=model_dir,
-                          total_steps=total_steps, random_seed=random_seed,
-                          checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
-                          async_checkpointing=async_checkpointing, log_period=log_period,
-                          eval_period=eval_period, eval_steps=eval_steps, accum_steps=accum_steps,
-                          on_nonfinite=on_nonfinite, sync_every_step=sync_every_step,
-                          routing_churn=routing_churn, stop_after_steps=stop_after_steps,
-                          allow_config_change=allow_config_change)
+            return _train(
+                model=model,
+                train_dataset_cfg=train_dataset_cfg,
+                train_eval_dataset_cfg=train_eval_dataset_cfg,
+                model_dir=model_dir,
+                total_steps=total_steps,
+                random_seed=random_seed,
+                checkpoint_period=checkpoint_period,
+                keep_checkpoints=keep_checkpoints,
+                async_checkpointing=async_checkpointing,
+                log_period=log_period,
+                eval_period=eval_period,
+                eval_steps=eval_steps,
+                accum_steps=accum_steps,
+                on_nonfinite=on_nonfinite,
+                sync_every_step=sync_every_step,
+                routing_churn=routing_churn,
+                stop_after_steps=stop_after_steps,
+                allow_config_change=allow_config_change,
+            )
     except Exception:
         # refused before writing anything (vocabulary, experts, mesh): no empty MODEL_DIR left
         if created and jax.process_index() == 0 and not storage.listdir(model_dir):
@@ -156,16 +175,21 @@ def _naming_last_checkpoint(model_dir: str) -> Iterator[None]:
     except errors.WriteFailedError as err:
         if err.names_last_good:
             raise
-        raise errors.WriteFailedError(f"{err}; last good checkpoint: {_last_checkpoint(model_dir)}",
-                                      names_last_good=True) from err
+        raise errors.WriteFailedError(
+            f"{err}; last good checkpoint: {_last_checkpoint(model_dir)}", names_last_good=True
+        ) from err
     except KeyboardInterrupt as err:
         if isinstance(err, errors.Interrupted) and err.detail:
             raise
         latest = _last_checkpoint(model_dir)
-        then = ("no checkpoint yet: the same command starts the run again" if latest == "none yet"
-                else f"last checkpoint: {latest}; the same command resumes from it")
-        raise errors.Interrupted(getattr(err, "signum", signal.SIGINT),
-                                 f"nothing saved at this stop; {then}") from None
+        then = (
+            "no checkpoint yet: the same command starts the run again"
+            if latest == "none yet"
+            else f"last checkpoint: {latest}; the same command resumes from it"
+        )
+        raise errors.Interrupted(
+            getattr(err, "signum", signal.SIGINT), f"nothing saved at this stop; {then}"
+        ) from None
 
 
 def _last_checkpoint(model_dir: str) -> str:
@@ -178,29 +202,60 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
     """Refuses a ``TRAIN_STEPS`` that is not a positive integer or is below the step the
     run already reached (before anything is written)."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
-        raise errors.ConfigError(f"TRAIN_STEPS (train_script.train.total_steps) = {total_steps!r}; "
-                                 "expected a positive integer")
+        raise errors.ConfigError(
+            f"TRAIN_STEPS (train_script.train.total_steps) = {total_steps!r}; "
+            "expected a positive integer"
+        )
     if reached is not None and total_steps < reached:
         raise errors.ConfigError(
-            f"TRAIN_STEPS={total_steps} is below step {reached}, which MODEL_DIR={model_dir} already "
-            f"reached; pass TRAIN_STEPS >= {reached} to continue it, or another MODEL_DIR")
+            f"TRAIN_STEPS={total_steps} is below step {reached}, which MODEL_DIR={model_dir} "
+            f"already reached; pass TRAIN_STEPS >= {reached} to continue it, or another MODEL_DIR"
+        )
 
 
-def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total_steps, random_seed,
-           checkpoint_period, keep_checkpoints, async_checkpointing, log_period, eval_period,
-           eval_steps, accum_steps, on_nonfinite, sync_every_step, routing_churn, stop_after_steps,
-           allow_config_change):
+def _train(
+    *,
+    model,
+    train_dataset_cfg,
+    train_eval_dataset_cfg,
+    model_dir,
+    total_steps,
+    random_seed,
+    checkpoint_period,
+    keep_checkpoints,
+    async_checkpointing,
+    log_period,
+    eval_period,
+    eval_steps,
+    accum_steps,
+    on_nonfinite,
+    sync_every_step,
+    routing_churn,
+    stop_after_steps,
+    allow_config_change,
+):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
     from moe_jax.train import aot, evaluate, summaries
 
     model.check_vocabulary()
     ctx = setup.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
-    run = setup.build_train_setup(model, input_shapes, ctx, seed=random_seed, accum_steps=accum_steps,
-                                  skip_nonfinite=on_nonfinite == "skip")
+    run = setup.build_train_setup(
+        model,
+        input_shapes,
+        ctx,
+        seed=random_seed,
+        accum_steps=accum_steps,
+        skip_nonfinite=on_nonfinite == "skip",
+    )
     aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
-    ckpt = checkpoints.Checkpointer(model_dir, save_period=checkpoint_period, keep=keep_checkpoints,
-                                    async_save=async_checkpointing, remove_partial_saves=True)
+    ckpt = checkpoints.Checkpointer(
+        model_dir,
+        save_period=checkpoint_period,
+        keep=keep_checkpoints,
+        async_save=async_checkpointing,
+        remove_partial_saves=True,
+    )
     set_aside = checkpoints.set_aside_steps(model_dir)  # at earlier starts
     restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
     _check_set_aside(model_dir, set_aside, fresh=restored is None)
@@ -217,14 +272,21 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
         else:  # another process count: same position, this run's sharding of the stream
             iterator = make_iterator(train_dataset_cfg, start_step=latest)
         _log(f"restored {ckpt.directory}/{latest}")
-    _agree(lambda: gin_utils.record_run_config(model_dir, gin_utils.operative_config(), latest or 0,
-                                               allow_change=allow_config_change))
+    _agree(
+        lambda: gin_utils.record_run_config(
+            model_dir, gin_utils.operative_config(), latest or 0, allow_change=allow_config_change
+        )
+    )
     if jax.process_index() == 0:
         summaries.drop_records_after(model_dir, latest or 0)
-        if train_eval_dataset_cfg is not None:  # for `moe-jax eval` to reproduce this run's evaluation
+        if (
+            train_eval_dataset_cfg is not None
+        ):  # for `moe-jax eval` to reproduce this run's evaluation
             evaluate.record_eval_settings(model_dir, eval_steps, train_eval_dataset_cfg)
-    _log(f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
-         f"{jax.process_count()} process(es), {jax.device_count()} devices")
+    _log(
+        f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
+        f"{jax.process_count()} process(es), {jax.device_count()} devices"
+    )
 
     step_fn = run.train_step
     eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
@@ -233,12 +295,18 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
     churn = None
     if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
         probe_batch = next(setup.eval_batches(train_eval_dataset_cfg, 1))
-        churn = summaries.ChurnProbe(model, run.shardings.params, ctx, probe_batch, model_dir,
-                                     run.shardings.collections)
-    tokens_per_step = int(np.prod(input_shapes["decoder_input_tokens"]) +
-                          np.prod(input_shapes["encoder_input_tokens"]))
-    meter = summaries.ThroughputMeter(model.flops_per_step(input_shapes), tokens_per_step,
-                                      summaries.peak_flops_per_device() * jax.device_count())
+        churn = summaries.ChurnProbe(
+            model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
+        )
+    tokens_per_step = int(
+        np.prod(input_shapes["decoder_input_tokens"])
+        + np.prod(input_shapes["encoder_input_tokens"])
+    )
+    meter = summaries.ThroughputMeter(
+        model.flops_per_step(input_shapes),
+        tokens_per_step,
+        summaries.peak_flops_per_device() * jax.device_count(),
+    )
     preemption = distributed.PreemptionWatcher()
 
     step = int(jax.device_get(state.step))
@@ -257,20 +325,21 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
             raise NonFiniteLossError(
                 f"loss is {loss} at step {checked_step}; last good checkpoint: "
                 f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
-                "train.on_nonfinite='skip' to skip such steps instead.")
+                "train.on_nonfinite='skip' to skip such steps instead."
+            )
         return loss
 
     unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
     try:
         batch = setup.global_batch(next(iterator), ctx)
         while step < end:
-            state, metrics = step_fn(state, batch)            # async dispatch; state donated
-            data_state = iterator.get_state()                 # position after this step's batch
+            state, metrics = step_fn(state, batch)  # async dispatch; state donated
+            data_state = iterator.get_state()  # position after this step's batch
             if step + 1 < end:
-                batch = setup.global_batch(next(iterator), ctx)     # overlaps the device's step
+                batch = setup.global_batch(next(iterator), ctx)  # overlaps the device's step
             if sync_every_step:
                 metrics = jax.device_get(metrics)
-            ckpt.check_for_errors()                           # a failed background save stops here
+            ckpt.check_for_errors()  # a failed background save stops here
             step += 1
             meter.tick()
             bar.update(1)
@@ -283,28 +352,38 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
             eval_now = bool(eval_fn) and step % eval_period == 0
             if not (sync_every_step or log_now or save_now or eval_now):
                 continue
-            loss = check_loss(*unchecked)                     # waits for this step
+            loss = check_loss(*unchecked)  # waits for this step
             unchecked = None
             if log_now:
                 rates = meter.rates()
                 writer.write("train", step, {**jax.device_get(metrics), **rates})
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
             if save_now:
-                meta = {"data_iterators": checkpoints.gather_from_processes(data_state),
-                        "random_seed": random_seed}
+                meta = {
+                    "data_iterators": checkpoints.gather_from_processes(data_state),
+                    "random_seed": random_seed,
+                }
                 if ckpt.save(state, meta, force=True):
                     last_saved = step
                 writer.flush()
             if preempted:
                 break
             if eval_now:
-                eval_metrics = evaluate.run_eval(eval_fn, state.params, train_eval_dataset_cfg,
-                                                 ctx, eval_steps, state.collections)
+                eval_metrics = evaluate.run_eval(
+                    eval_fn,
+                    state.params,
+                    train_eval_dataset_cfg,
+                    ctx,
+                    eval_steps,
+                    state.collections,
+                )
                 if churn:
                     eval_metrics.update(churn(state.params, state.collections))
                 writer.write("eval", step, eval_metrics)
-                bar.write(f"step {step}: eval loss {eval_metrics['loss']:.4f} "
-                          f"accuracy {eval_metrics['accuracy']:.4f}")
+                bar.write(
+                    f"step {step}: eval loss {eval_metrics['loss']:.4f} "
+                    f"accuracy {eval_metrics['accuracy']:.4f}"
+                )
     finally:
         iterator.close()
         bar.close()
@@ -313,8 +392,15 @@ def _train(*, model, train_dataset_cfg, train_eval_dataset_cfg, model_dir, total
         writer.close()
         preemption.close()
     elapsed = time.perf_counter() - start_time
-    return {"step": step, "losses": losses, "preempted": preempted, "signal": preemption.signum,
-            "model_dir": model_dir, "last_checkpoint": ckpt.name(last_saved), "wall_sec": elapsed}
+    return {
+        "step": step,
+        "losses": losses,
+        "preempted": preempted,
+        "signal": preemption.signum,
+        "model_dir": model_dir,
+        "last_checkpoint": ckpt.name(last_saved),
+        "wall_sec": elapsed,
+    }
 
 
 def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
@@ -327,7 +413,8 @@ def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
         raise errors.CheckpointError(
             f"MODEL_DIR={model_dir} has no readable checkpoint, but {folder} holds step(s) {aside} "
             "set aside as damaged: refusing to train again from step 0. Inspect them; delete that "
-            "folder to start afresh.")
+            "folder to start afresh."
+        )
     _log(f"warning: {folder} holds step(s) {aside} set aside as damaged (delete it once inspected)")
 
 
@@ -359,16 +446,23 @@ def main(argv: list[str] | None = None) -> int:
     """Exit code 0; expected errors and interrupts are raised for :func:`moe_jax.cli.main`
     to report (codes in :mod:`moe_jax.errors`)."""
     parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
-    parser.add_argument("--allow_config_change", action="store_true",
-                        help="resume although the gin config differs from the run's (config.gin "
-                             "or the newest config.step-N.gin); the new one is kept as "
-                             "MODEL_DIR/config.step-N.gin and later resumes compare with it")
+    parser.add_argument(
+        "--allow_config_change",
+        action="store_true",
+        help="resume although the gin config differs from the run's (config.gin "
+        "or the newest config.step-N.gin); the new one is kept as "
+        "MODEL_DIR/config.step-N.gin and later resumes compare with it",
+    )
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)
     result = train(allow_config_change=args.allow_config_change)
     if result["preempted"]:
-        raise errors.Interrupted(result["signal"], (
-            f"at step {result['step']}: saved {result['last_checkpoint']}; "
-            "the same command resumes from it"))
+        raise errors.Interrupted(
+            result["signal"],
+            (
+                f"at step {result['step']}: saved {result['last_checkpoint']}; "
+                "the same command resumes from it"
+            ),
+        )
     return 0

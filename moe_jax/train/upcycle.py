@@ -137,6 +137,8 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
     ckpt = checkpoints.Checkpointer(model_dir, read_only=True)
     try:
         step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"upcycle: --checkpoint={path!r} holds no finished checkpoint")
         shapes = ckpt.read_meta(step)["params"]
     finally:
         ckpt.close()

@@ -49,10 +49,22 @@ def start(model_dir, *flags: str, file_size_limit: int | None = None) -> subproc
     process_env = env(1)
     if file_size_limit is not None:  # JAX's compilation cache writes would meet the limit first
         process_env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-    return subprocess.Popen([sys.executable, "-m", "moe_jax.cli", "train", *FLAGS,
-                             f"--gin.MODEL_DIR={model_dir}", *flags],
-                            env=process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, preexec_fn=limit)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.cli",
+            "train",
+            *FLAGS,
+            f"--gin.MODEL_DIR={model_dir}",
+            *flags,
+        ],
+        env=process_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=limit,  # noqa: PLW1509 -- sets RLIMIT_FSIZE only, before exec
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +103,10 @@ def losses(model_dir) -> dict[int, float]:
 
 def params_at(model_dir, step: int) -> list[np.ndarray]:
     ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
-    out = ckpt._manager.restore(step, args=checkpoints.ocp.args.Composite(  # noqa: SLF001
-        params=checkpoints.ocp.args.StandardRestore()))["params"]
+    out = ckpt._manager.restore(
+        step,
+        args=checkpoints.ocp.args.Composite(params=checkpoints.ocp.args.StandardRestore()),
+    )["params"]
     ckpt.close()
     return [np.asarray(x) for x in jax.tree.leaves(out)]
 
@@ -114,11 +128,13 @@ def test_full_disk_stops_with_one_line_then_resume_continues(tmp_path, reference
     assert code == errors.EXIT_WRITE_FAILED, out[-3000:]
     lines = error_lines(out)
     assert len(lines) == 1, out[-3000:]
-    assert lines[0].startswith(f"moe-jax train: error: cannot write checkpoint step 6 to "
-                               f"MODEL_DIR={run}: File too large ({run}/checkpoints/6."), lines
+    assert lines[0].startswith(
+        f"moe-jax train: error: cannot write checkpoint step 6 to "
+        f"MODEL_DIR={run}: File too large ({run}/checkpoints/6."
+    ), lines
     assert lines[0].endswith(f"; last good checkpoint: {run}/checkpoints/3")
     assert_quiet(out)
-    assert sorted(os.listdir(run / "checkpoints")) == ["1", "3"]   # partial step 6 removed
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "3"]  # partial step 6 removed
     assert not (run / "LOCK").exists()
     assert_resumes_exactly(run, reference, 3)
 
@@ -130,18 +146,21 @@ def test_full_disk_at_metrics_keeps_whole_lines_then_resume_continues(tmp_path, 
     # 9 lines of ~2.2 kB: the line of step 12 crosses 25,000 bytes, before its checkpoint
     code, out = finish(start(run, "--gin.TRAIN_STEPS=12", PERIOD, file_size_limit=25_000))
     assert code == errors.EXIT_WRITE_FAILED, out[-3000:]
-    assert error_lines(out) == [f"moe-jax train: error: cannot write {run}/metrics.jsonl: File too "
-                                f"large; last good checkpoint: {run}/checkpoints/9"], out[-3000:]
+    assert error_lines(out) == [
+        f"moe-jax train: error: cannot write {run}/metrics.jsonl: File too "
+        f"large; last good checkpoint: {run}/checkpoints/9"
+    ], out[-3000:]
     assert_quiet(out)
-    text = (run / "metrics.jsonl").read_text()                       # whole lines, steps 1-11
+    text = (run / "metrics.jsonl").read_text()  # whole lines, steps 1-11
     assert text.endswith("\n")
     assert [json.loads(line)["step"] for line in text.splitlines()] == list(range(1, 12))
     assert_resumes_exactly(run, reference, 9)
 
 
 def test_ctrl_c_saves_at_the_end_of_the_step_then_resume_continues(tmp_path):
-    proc = start(tmp_path, "--gin.TRAIN_STEPS=500",
-                 "--gin.train_script.train.checkpoint_period=1000")
+    proc = start(
+        tmp_path, "--gin.TRAIN_STEPS=500", "--gin.train_script.train.checkpoint_period=1000"
+    )
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(signal.SIGINT)
     code, out = finish(proc)
@@ -149,12 +168,13 @@ def test_ctrl_c_saves_at_the_end_of_the_step_then_resume_continues(tmp_path):
     saved = checkpoints.reached_step(str(tmp_path))
     assert stop_lines(out) == [
         f"moe-jax train: stopped by Ctrl-C (SIGINT): at step {saved}: saved "
-        f"{tmp_path}/checkpoints/{saved}; the same command resumes from it"], out[-2000:]
+        f"{tmp_path}/checkpoints/{saved}; the same command resumes from it"
+    ], out[-2000:]
     assert_quiet(out)
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={saved + 2}"))
     assert code == 0, out[-2000:]
     assert f"restored {tmp_path}/checkpoints/{saved}" in out
-    assert list(losses(tmp_path)) == list(range(1, saved + 3))        # each step once
+    assert list(losses(tmp_path)) == list(range(1, saved + 3))  # each step once
 
 
 def test_ctrl_c_twice_during_saves_stops_at_once_then_resume_continues(tmp_path):
@@ -171,25 +191,37 @@ def test_ctrl_c_twice_during_saves_stops_at_once_then_resume_continues(tmp_path)
     then = f"{tmp_path}/checkpoints/{latest}; the same command resumes from it"
     assert stop_lines(out) in (  # stopped at once, or the first stop's save finished first
         [f"{stopped}: nothing saved at this stop; last checkpoint: {then}"],
-        [f"{stopped}: at step {latest}: saved {then}"]), out[-2000:]
+        [f"{stopped}: at step {latest}: saved {then}"],
+    ), out[-2000:]
     assert_quiet(out)
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={latest + 2}"))
     assert code == 0, out[-2000:]
     assert f"restored {tmp_path}/checkpoints/{latest}" in out
-    assert list(losses(tmp_path)) == list(range(1, latest + 3))       # each step once
+    assert list(losses(tmp_path)) == list(range(1, latest + 3))  # each step once
     assert not [name for name in os.listdir(tmp_path / "checkpoints") if not name.isdigit()]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_eval_ends_with_one_line(tmp_path, reference, signum):
-    proc = subprocess.Popen([sys.executable, "-m", "moe_jax.cli", "eval",
-                             f"--checkpoint={reference}", "--eval_steps=100000",
-                             f"--output_dir={tmp_path}"],
-                            env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.cli",
+            "eval",
+            f"--checkpoint={reference}",
+            "--eval_steps=100000",
+            f"--output_dir={tmp_path}",
+        ],
+        env=env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = ""
     while "eval settings:" not in seen and proc.poll() is None:  # printed before evaluating
         seen += proc.stdout.readline()
-    time.sleep(5)                                 # restoring, compiling or evaluating
+    time.sleep(5)  # restoring, compiling or evaluating
     proc.send_signal(signum)
     code, out = finish(proc)
     out = seen + out
@@ -206,14 +238,20 @@ def test_second_trainer_is_refused_and_a_killed_holder_does_not_block(tmp_path):
     code, out = finish(start(tmp_path, "--gin.TRAIN_STEPS=500"))
     assert code == 1, out[-2000:]
     lines = error_lines(out)
-    assert len(lines) == 1 and f"is being written by another trainer: host {os.uname().nodename}, " \
-                               f"PID {first.pid}, since " in lines[0], out[-2000:]
+    assert (
+        len(lines) == 1
+        and f"is being written by another trainer: host {os.uname().nodename}, "
+        f"PID {first.pid}, since "
+        in lines[0]
+    ), out[-2000:]
     first.send_signal(signal.SIGKILL)
     finish(first)
     reached = checkpoints.reached_step(str(tmp_path))
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={reached + 1}"))
     assert code == 0, out[-2000:]
-    assert f"took over the lock of {tmp_path} from host {os.uname().nodename} PID {first.pid}" in out
+    assert (
+        f"took over the lock of {tmp_path} from host {os.uname().nodename} PID {first.pid}" in out
+    )
     assert f"PID {first.pid} no longer runs on this host" in out
 
 
@@ -235,19 +273,24 @@ def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path, store, requ
         reached = max(losses(run), default=0)
         if reached + 1 > steps - 1:
             break
-        target = rng.randint(reached + 1, min(steps - 1, reached + max(1, (steps - 1 - reached) // (kills - kill))))
+        target = rng.randint(
+            reached + 1, min(steps - 1, reached + max(1, (steps - 1 - reached) // (kills - kill)))
+        )
         proc = start(run, *flags)
         wait_for_step(proc, run, target, timeout=600)
         time.sleep(rng.uniform(0, 0.5))
         proc.send_signal(signal.SIGKILL)
         finish(proc)
         survived += 1
-        print(f"kill {kill + 1}: SIGKILL after step >= {target}; checkpoints "
-              f"{checkpoints.Checkpointer(str(run), read_only=True).all_steps()}", flush=True)
+        print(
+            f"kill {kill + 1}: SIGKILL after step >= {target}; checkpoints "
+            f"{checkpoints.Checkpointer(str(run), read_only=True).all_steps()}",
+            flush=True,
+        )
     assert survived == kills
     code, out = finish(start(run, *flags), timeout=900)
     assert code == 0, out[-2000:]
-    assert losses(run) == losses(tmp_path / "clean")             # every step once, bit-identical
-    for a, b in zip(params_at(run, steps), params_at(tmp_path / "clean", steps)):
+    assert losses(run) == losses(tmp_path / "clean")  # every step once, bit-identical
+    for a, b in zip(params_at(run, steps), params_at(tmp_path / "clean", steps), strict=True):
         np.testing.assert_array_equal(a, b)
     print(f"chaos: survived {survived} SIGKILLs (seed {seed}); losses and final parameters exact")

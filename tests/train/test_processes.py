@@ -21,9 +21,13 @@ from moe_jax.train import checkpoints, summaries
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--gin_file=runs/smoke_cpu.gin", "--gin.BATCH_SIZE=8",
-         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-         "--gin.train_script.train.log_period=1", "--gin.train_script.train.eval_period=0"]
+FLAGS = [
+    "--gin_file=runs/smoke_cpu.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.train_script.train.log_period=1",
+    "--gin.train_script.train.eval_period=0",
+]
 
 
 def env(devices: int) -> dict[str, str]:
@@ -33,9 +37,13 @@ def env(devices: int) -> dict[str, str]:
 
 
 def start(model_dir, *flags: str, devices: int = 1) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moe_jax.train", *FLAGS,
-                             f"--gin.MODEL_DIR={model_dir}", *flags],
-                            env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "moe_jax.train", *FLAGS, f"--gin.MODEL_DIR={model_dir}", *flags],
+        env=env(devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def logged_steps(model_dir) -> list[int]:
@@ -59,12 +67,14 @@ def finish(proc, timeout: float = 300) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         out = proc.communicate()[0]
-        raise AssertionError(f"process hung:\n{out[-3000:]}")
+        raise AssertionError(f"process hung:\n{out[-3000:]}") from None
     return proc.returncode, out
 
 
 def test_sigterm_saves_then_resume_continues(tmp_path):
-    proc = start(tmp_path, "--gin.TRAIN_STEPS=500", "--gin.train_script.train.checkpoint_period=1000")
+    proc = start(
+        tmp_path, "--gin.TRAIN_STEPS=500", "--gin.train_script.train.checkpoint_period=1000"
+    )
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(signal.SIGTERM)
     code, out = finish(proc)
@@ -73,7 +83,8 @@ def test_sigterm_saves_then_resume_continues(tmp_path):
     assert saved and saved[-1] >= 3, saved
     assert [line for line in out.splitlines() if line.startswith("moe-jax train:")] == [
         f"moe-jax train: stopped by SIGTERM: at step {saved[-1]}: saved {tmp_path}/checkpoints/"
-        f"{saved[-1]}; the same command resumes from it"], out[-2000:]
+        f"{saved[-1]}; the same command resumes from it"
+    ], out[-2000:]
     assert "Traceback" not in out
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={saved[-1] + 2}"))
     assert code == 0, out[-2000:]
@@ -101,10 +112,20 @@ def free_port() -> int:
 
 def two_processes(model_dir, steps: int, heartbeat: int = 10) -> list[subprocess.Popen]:
     port = free_port()
-    return [start(model_dir, f"--gin.TRAIN_STEPS={steps}", "--gin.train_script.train.checkpoint_period=2",
-                  f"--coordinator_address=127.0.0.1:{port}", "--process_count=2",
-                  f"--process_index={i}", f"--heartbeat_timeout={heartbeat}",
-                  "--initialization_timeout=120", devices=4) for i in range(2)]
+    return [
+        start(
+            model_dir,
+            f"--gin.TRAIN_STEPS={steps}",
+            "--gin.train_script.train.checkpoint_period=2",
+            f"--coordinator_address=127.0.0.1:{port}",
+            "--process_count=2",
+            f"--process_index={i}",
+            f"--heartbeat_timeout={heartbeat}",
+            "--initialization_timeout=120",
+            devices=4,
+        )
+        for i in range(2)
+    ]
 
 
 def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
@@ -120,8 +141,12 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
     from moe_jax import partitioning
     from moe_jax.train import gin_utils, setup, train_state
 
-    gin_utils.parse_gin(gin_utils.parse_flags(setup.build_parser("t", "t"), [
-        *FLAGS, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=3"]))
+    gin_utils.parse_gin(
+        gin_utils.parse_flags(
+            setup.build_parser("t", "t"),
+            [*FLAGS, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=3"],
+        )
+    )
     from moe_jax.models.model import EncoderDecoderModel
 
     model = EncoderDecoderModel()
@@ -129,9 +154,13 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
     rules = partitioning.standard_logical_axis_rules()
     restored = []
     for shape in [(2, 4, 1), (1, 1, 1)]:
-        mesh = partitioning.make_mesh(mesh_shape=shape, devices=jax.devices()[:int(np.prod(shape))])
+        mesh = partitioning.make_mesh(
+            mesh_shape=shape, devices=jax.devices()[: int(np.prod(shape))]
+        )
         target = train_state.abstract_with_shardings(
-            setup.abstract_params(model, shapes), train_state.param_shardings(model, shapes, mesh, rules))
+            setup.abstract_params(model, shapes),
+            train_state.param_shardings(model, shapes, mesh, rules),
+        )
         restored.append(jax.tree.map(np.asarray, ckpt.restore_params(3, target)[0]))
     jax.tree.map(np.testing.assert_array_equal, *restored)
     init = checkpoints.load_router_init(str(tmp_path))
@@ -151,9 +180,21 @@ def test_one_process_dying_makes_the_other_exit(tmp_path):
 
 
 def _export(model_dir, out, *flags: str, devices: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moe_jax.cli", "export", f"--checkpoint={model_dir}",
-                             f"--out={out}", *flags], env=env(devices),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.cli",
+            "export",
+            f"--checkpoint={model_dir}",
+            f"--out={out}",
+            *flags,
+        ],
+        env=env(devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_two_processes_export_what_one_process_exports(tmp_path):
@@ -167,9 +208,19 @@ def test_two_processes_export_what_one_process_exports(tmp_path):
     code, out = finish(start(run, "--gin.TRAIN_STEPS=1", "--gin.NUM_EXPERTS=8"))
     assert code == 0, out[-3000:]
     port = free_port()
-    procs = [_export(run, tmp_path / f"two_{i}", "--gin.partitioning.make_mesh.mesh_shape=(1, 8, 1)",
-                     f"--coordinator_address=127.0.0.1:{port}", "--process_count=2", f"--process_index={i}",
-                     "--initialization_timeout=120", devices=4) for i in range(2)]
+    procs = [
+        _export(
+            run,
+            tmp_path / f"two_{i}",
+            "--gin.partitioning.make_mesh.mesh_shape=(1, 8, 1)",
+            f"--coordinator_address=127.0.0.1:{port}",
+            "--process_count=2",
+            f"--process_index={i}",
+            "--initialization_timeout=120",
+            devices=4,
+        )
+        for i in range(2)
+    ]
     for proc in procs:
         code, out = finish(proc)
         assert code == 0, out[-3000:]
@@ -182,5 +233,10 @@ def test_two_processes_export_what_one_process_exports(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             np.testing.assert_array_equal(b[key], a[key], err_msg=key)
-    assert load_file(one / export.WEIGHTS_FILE)["encoder/layers_1/mlp/expert/wi_0/kernel"].shape[0] == 8
-    assert json.loads((one / export.CONFIG_JSON).read_text()) == json.loads((two / export.CONFIG_JSON).read_text())
+    assert (
+        load_file(one / export.WEIGHTS_FILE)["encoder/layers_1/mlp/expert/wi_0/kernel"].shape[0]
+        == 8
+    )
+    assert json.loads((one / export.CONFIG_JSON).read_text()) == json.loads(
+        (two / export.CONFIG_JSON).read_text()
+    )
