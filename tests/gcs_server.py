@@ -34,12 +34,17 @@ BUCKET = "moe-jax-test"
 
 
 def configure_environment() -> int:
-    """Chooses the port and sets the clients' variables (once per process; subprocesses
-    inherit them). Returns the port."""
-    if "MOE_JAX_TEST_GCS_PORT" not in os.environ:
+    """Chooses the port and sets the clients' variables (once per test process; the
+    subprocesses a test starts inherit them). Returns the port.
+
+    Each pytest-xdist worker serves its own port: workers inherit the controller's
+    environment, so a port chosen there (or by another worker) is not taken over."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if os.environ.get("MOE_JAX_TEST_GCS_WORKER") != worker:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MOE_JAX_TEST_GCS_PORT"] = str(sock.getsockname()[1])
+        os.environ["MOE_JAX_TEST_GCS_WORKER"] = worker
     port = int(os.environ["MOE_JAX_TEST_GCS_PORT"])
     url = f"http://127.0.0.1:{port}"
     os.environ.update(
