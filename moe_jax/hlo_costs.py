@@ -17,7 +17,40 @@ operations the device runs, so that the largest contributors can be named:
   inside each instruction;
 * flags for operations that ``cost_analysis()`` is known to over-count
   (``sparse_core_offload``: an instruction run asynchronously on a TPU SparseCore, counted
-  by the TPU cost model as gigabytes for a scatter of kilobytes; see benchmarks/RESULTS.md).
+  by the TPU cost model as gigabytes for a scatter of kilobytes; see benchmarks/RESULTS.md);
+* the collectives of the schedule (``collectives``, ``collective_totals``), the one count of
+  collective bytes that ``moe-jax compile``'s report (``moe_jax.train.aot``) and the
+  benchmarks use.
+
+Collective bytes: per device, the size of the larger of the collective's data buffers, the
+message size that NCCL's and XLA's bandwidth formulas take (the time on a link is this size
+times a factor of the algorithm and the device count, ``(n-1)/n`` for a ring all-gather or
+reduce-scatter, ``2(n-1)/n`` for a ring all-reduce; the roofline estimate divides it by the
+link bandwidth, factor 1):
+
+* ``all-reduce``, ``all-to-all``, ``collective-permute``, ``reduce-scatter``: the operands
+  (for all-reduce, all-to-all and collective-permute as large as the result; for
+  reduce-scatter the whole array before it is scattered, ``n`` x the result);
+* ``all-gather``: the result (``n`` x the operand: what every device ends up holding);
+* ``ragged-all-to-all``: its first operand, the rows it may send (the second is the receive
+  buffer, sized for the worst case and only written; the rest are offsets and sizes): an
+  upper bound on what it moves, and the tight one when every row is routed.
+
+Arrays in any memory space count (a TPU collective may read or write VMEM, ``S(1)``), not the
+``u32`` sync flags of an asynchronous start's tuple, which are no operand or result of the
+collective. An asynchronous pair (``all-to-all-start`` / ``-done``, XLA:GPU's ``async-start``
+wrapping a collective) counts once; an instruction in a loop body counts once (no trip
+count).
+
+Why text: XLA prints the optimised module as text for every backend (``compiled.as_text()``,
+what ``moe-jax compile --hlo_dir`` keeps and ``benchmarks/compile_table.py recount``
+re-reads). A structured reader was tried with jax 0.10.2: jaxlib's ``HloModule`` objects
+(``compiled.runtime_executable().hlo_modules()``) give instructions' names, opcodes and
+operands but no shapes, so bytes still come from text; their serialized ``HloModuleProto``
+parses with TensorFlow's ``hlo_pb2`` (shapes, layouts, schedule: checked for CPU and TPU
+executables, not for GPU), but that costs a TensorFlow import (seconds, about 800 MB) in
+``moe-jax compile``, reads a proto schema from another XLA build than jaxlib's, and cannot
+re-read kept HLO text.
 """
 
 from __future__ import annotations
@@ -40,10 +73,21 @@ DTYPE_BYTES = {
     "s64": 8,
     "u64": 8,
     "f64": 8,
+    "c64": 8,
+    "c128": 16,
     "f8e4m3fn": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e4m3": 1,
     "f8e5m2": 1,
+    "f8e5m2fnuz": 1,
+    "f8e3m4": 1,
+    "f8e8m0fnu": 1,
     "s4": 0.5,
     "u4": 0.5,
+    "f4e2m1fn": 0.5,
+    "s2": 0.25,
+    "u2": 0.25,
 }
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
@@ -58,6 +102,16 @@ _NOT_WORK = (
     "partition-id",
     "replica-id",
 )
+COLLECTIVES = (
+    "all-to-all",
+    "ragged-all-to-all",
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+)
+
+
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__triton_gemm")
 
 
@@ -97,6 +151,9 @@ class Op:
         another memory space (TPU VMEM), which ``operand_bytes`` / ``output_bytes`` leave out.
       element_counts: element counts of its result's and operands' (first) array shapes
         (``categorize`` finds the operations that move whole weights by them).
+      collective: the collective it performs, starts or completes (one of ``COLLECTIVES``;
+        "" for none): its own opcode less ``-start`` / ``-done``, or what an ``async-start``
+        (and its ``-done``) or a fusion wraps; never a loop or call that holds one.
     """
 
     name: str
@@ -113,6 +170,7 @@ class Op:
     element_counts: frozenset[int] = frozenset()
     operand_alternate_bytes: float = 0.0
     output_alternate_bytes: float = 0.0
+    collective: str = ""
 
     @property
     def bytes(self) -> float:
@@ -155,6 +213,23 @@ class _Line:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+
+
+def _collective(line: _Line, lines: dict[str, _Line], computations: dict[str, list[_Line]]) -> str:
+    """``Op.collective`` of ``line``; ``lines``: its computation's instructions by name."""
+    kind = re.sub(r"-(start|update|done)$", "", line.opcode)
+    if kind in COLLECTIVES:
+        return kind
+    if line.opcode in ("async-update", "async-done"):  # completes what its start wraps
+        start = lines.get(line.operands[0]) if line.operands else None
+        return "" if start is None else _collective(start, lines, computations)
+    if line.opcode in ("async-start", "fusion"):
+        for called in _CALLED.findall(line.attributes):
+            for inner in computations.get(called, []):
+                kind = re.sub(r"-(start|update|done)$", "", inner.opcode)
+                if kind in COLLECTIVES:
+                    return kind
+    return ""
 
 
 def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
@@ -239,6 +314,7 @@ def parse(hlo_text: str) -> list[Op]:
 
     scheduled, ops = [entry], []
     for computation in scheduled:
+        lines = {line.name: line for line in computations[computation]}
         for line in computations[computation]:
             called = _CALLED.findall(line.attributes)
             if line.opcode in ("while", "call", "conditional", "async-start", "call-start"):
@@ -288,6 +364,7 @@ def parse(hlo_text: str) -> list[Op]:
                     element_counts=counts,
                     operand_alternate_bytes=sum(sizes) - sum(device_sizes),
                     output_alternate_bytes=output_all - output_device,
+                    collective=_collective(line, lines, computations),
                 )
             )
     return ops
@@ -319,16 +396,6 @@ def summary_of(ops: list[Op], source_contains: str) -> dict[str, float]:
     return summary([op for op in ops if source_contains in op.source])
 
 
-COLLECTIVES = (
-    "all-to-all",
-    "ragged-all-to-all",
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-)
-
-
 CATEGORIES = (
     "matmuls",
     "gather / scatter / sort",
@@ -344,24 +411,23 @@ def categorize(op: Op, weight_sizes: frozenset[int]) -> str:
     operation, ``INDEXED_KINDS``), ``whole weights`` (no matmul, but it reads or writes an
     array with as many elements as a parameter, ``weight_sizes``: the float32-to-bfloat16
     casts of the weights and the writes and conversions of their gradients),
-    ``collectives``, else ``other`` (element-wise work, reductions, copies)."""
+    ``collectives`` (``Op.collective``), else ``other`` (element-wise work, reductions, copies)."""
     if op.flops > 0:
         return CATEGORIES[0]
     if op.kinds & INDEXED_KINDS:
         return CATEGORIES[1]
     if op.element_counts & weight_sizes:
         return CATEGORIES[2]
-    if any(c in kind for kind in op.kinds for c in COLLECTIVES):
+    if op.collective:
         return CATEGORIES[3]
     return CATEGORIES[4]
 
 
 @dataclasses.dataclass
 class Collective:
-    """One collective of the schedule: its kind, the bytes it sends (its operands; for a
-    ``ragged-all-to-all`` its first operand, the rows it may send: the second is the receive
-    buffer, only written, the rest offsets and sizes), and the work the schedule places between
-    its start and its done (0 ops when it is synchronous)."""
+    """One collective of the schedule: its kind, the bytes it moves per device (the module
+    docstring's definition), and the work the schedule places between its start and its done
+    (0 ops when it is synchronous)."""
 
     kind: str
     bytes: float
@@ -369,36 +435,54 @@ class Collective:
     overlapped_flops: float
 
 
+def _done(ops: list[Op], i: int) -> int:
+    """Index of the ``-done`` completing the asynchronous start ``ops[i]`` (through any
+    ``-update``), or ``i`` for a synchronous collective."""
+    if not ops[i].opcode.endswith("-start"):
+        return i
+    chain = {ops[i].name}
+    for j in range(i + 1, len(ops)):
+        if chain.intersection(ops[j].operands):
+            if ops[j].opcode.endswith("-done"):
+                return j
+            if ops[j].opcode.endswith("-update"):
+                chain.add(ops[j].name)
+    return i
+
+
 def collectives(ops: list[Op]) -> list[Collective]:
-    """The collectives of ``ops`` (``parse`` order = the entry schedule) and their overlap."""
+    """The collectives of ``ops`` (``parse`` order = the entry schedule, then loop bodies),
+    each once, with its bytes and its overlap with other work."""
     found = []
     for i, op in enumerate(ops):
-        # "<kind>-start": the GPU's asynchronous form
-        kind = next((c for c in COLLECTIVES if c in op.kinds or f"{c}-start" in op.kinds), None)
-        if kind is None or op.opcode.endswith("-done"):
+        if not op.collective or op.opcode.endswith(("-update", "-done")):
             continue
-        done = i
-        if op.opcode.endswith("-start"):
-            done = next(
-                (
-                    j
-                    for j in range(i + 1, len(ops))
-                    if op.name in ops[j].operands and ops[j].opcode.endswith("-done")
-                ),
-                i,
-            )
+        done = _done(ops, i)
+        if op.collective == "all-gather":  # the result: the done's, for an async pair
+            sent = ops[done].output_bytes + ops[done].output_alternate_bytes
+        elif op.collective == "ragged-all-to-all":
+            sent = op.operand_sizes[0] if op.operand_sizes else 0.0
+        else:
+            sent = sum(op.operand_sizes)
         between = [o for o in ops[i + 1 : done] if o.flops > 0 or o.cycles > 0]
-        sent = (
-            op.operand_sizes[0]
-            if kind == "ragged-all-to-all" and op.operand_sizes
-            else sum(op.operand_sizes)
-        )
         found.append(
             Collective(
-                kind=kind,
+                kind=op.collective,
                 bytes=sent,
                 overlapped_ops=len(between),
                 overlapped_flops=sum(o.flops for o in between),
             )
         )
     return found
+
+
+def collective_totals(ops: list[Op]) -> dict[str, dict[str, int]]:
+    """``{kind: {"count": n, "bytes": b}}`` of the ``collectives`` of ``ops``, in
+    ``COLLECTIVES`` order, kinds without any left out (bytes as whole bytes, per device)."""
+    found = collectives(ops)
+    totals = {}
+    for kind in COLLECTIVES:
+        of_kind = [c for c in found if c.kind == kind]
+        if of_kind:
+            totals[kind] = {"count": len(of_kind), "bytes": round(sum(c.bytes for c in of_kind))}
+    return totals

@@ -6,13 +6,14 @@ Ahead of time (hence the module name): nothing runs, no device is needed.
         --gin_file=gin/meshes/v4_32.gin [--out=report.json] [--hlo_dir=DIR]
 
 Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
-model, optimizer with frozen-router masking, shardings, donation: ``setup.build_train_setup``)
-over the target's devices from abstract shapes, compiles both (no device, data or
-vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
-the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
-step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
-target. Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps
-each compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
+model, optimizer with frozen-router masking, shardings, donation:
+``setup.build_train_setup``) over the target's devices from abstract shapes, compiles both
+(no device, data or vocabulary file needed), and prints per device: parameter + optimizer
+bytes, temporaries, the total against the chip's HBM, the collectives of the HLO by kind
+(count, and bytes moved as ``moe_jax.hlo_costs`` defines them), FLOPs and bytes per step,
+a roofline estimate of step time and tokens/s, and the MoE layer's choices for the target.
+Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps each
+compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
 collective counts are read from. What a compiler does not report is printed as unknown,
 never as zero: GPU executables compiled without a GPU have no cost analysis, so their
 estimate covers compute and collectives only and says so. The compilers' own start-up
@@ -32,41 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from moe_jax import hardware
+from moe_jax import hardware, hlo_costs
 from moe_jax.errors import UserError
 from moe_jax.train import setup
-
-COLLECTIVES = (
-    "all-to-all",
-    "ragged-all-to-all",
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-)
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-_HLO_OP = re.compile(
-    r"=\s*(?P<shape>\(*[a-z0-9]+\[[^=]*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-done)?\("
-)
-_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_HLO_COMMENT = re.compile(r"/\*.*?\*/")
-
 
 MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
 
@@ -74,25 +43,6 @@ MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer
 class DoesNotFitError(UserError, ValueError):
     """The step needs more memory per device than the devices have; the message gives the
     numbers and what to change."""
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """``{kind: {"count": n, "bytes": result bytes}}`` of the collective ops of an HLO module
-    (an async pair counted once, by its ``-done``, whose shape is the result: a ``-start``'s
-    tuple also holds operands and, for collective-permute, sync flags; an op inside a loop
-    body counted once). A ``ragged-all-to-all``'s result is its receive buffer, sized for the
-    worst case (the dropless layer under expert parallelism): an upper bound on what it moves."""
-    out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
-    # long tuples carry /*index=5*/ comments, whose '=' would end the shape early
-    for match in _HLO_OP.finditer(_HLO_COMMENT.sub("", hlo_text)):
-        shapes = _SHAPE.findall(match.group("shape"))
-        kind = out[match.group("op")]
-        kind["count"] += 1
-        kind["bytes"] += sum(
-            _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-            for dtype, dims in shapes
-        )
-    return {kind: stats for kind, stats in out.items() if stats["count"]}
 
 
 def per_device_bytes(abstract_tree: Any) -> int:
@@ -160,7 +110,9 @@ def hlo_analysis(
     tokens_per_step: int,
     num_devices: int,
 ) -> dict[str, Any]:
-    """What the compiled HLO text gives: its ``collectives``, the ``moe_layers``' share and
+    """What the compiled HLO text gives (read once by ``hlo_costs.parse``): its
+    ``collectives`` by kind (``hlo_costs.collective_totals``: count and bytes moved per
+    device, as defined there), the ``moe_layers``' share and
     the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
     collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
     the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak.
@@ -168,7 +120,8 @@ def hlo_analysis(
     ``bytes_accessed`` None (no cost analysis) or a chip without an HBM bandwidth (CPU):
     ``hbm_s`` is None and the estimate covers compute and collectives only (``covers``
     says which terms it holds; ``step_s`` and ``tokens_per_s`` are then bounds)."""
-    coll = collectives(hlo_text)
+    ops = hlo_costs.parse(hlo_text)
+    coll = hlo_costs.collective_totals(ops)
     compute_s = flops_per_step / num_devices / facts.peak_flops
     hbm_s = (
         bytes_accessed / facts.hbm_bandwidth
@@ -188,7 +141,7 @@ def hlo_analysis(
     )
     return {
         "collectives": coll,
-        "moe_layers": moe_layer_costs(hlo_text),
+        "moe_layers": moe_layer_costs(ops),
         "estimate": {
             "compute_s": compute_s,
             "hbm_s": hbm_s,
@@ -200,15 +153,12 @@ def hlo_analysis(
     }
 
 
-def moe_layer_costs(hlo_text: str) -> dict[str, float]:
-    """The MoE layers' share of a compiled step, from its scheduled operations
-    (``hlo_costs``: one read of each operand, one write of each result): ``hlo_bytes`` of the
-    operations whose JAX source lies in a MoE layer (module path ``.../ffn/moe/...``, forward
-    and backward) against the step's ``step_hlo_bytes``, the part of them that gathers,
-    scatters or sorts (``indexed_bytes``) and their matmul ``flops``."""
-    from moe_jax import hlo_costs
-
-    ops = hlo_costs.parse(hlo_text)
+def moe_layer_costs(ops: list[hlo_costs.Op]) -> dict[str, float]:
+    """The MoE layers' share of a compiled step, from its scheduled operations ``ops``
+    (``hlo_costs.parse``: one read of each operand, one write of each result): ``hlo_bytes``
+    of the operations whose JAX source lies in a MoE layer (module path ``.../ffn/moe/...``,
+    forward and backward) against the step's ``step_hlo_bytes``, the part of them that
+    gathers, scatters or sorts (``indexed_bytes``) and their matmul ``flops``."""
     step, moe = hlo_costs.summary(ops), hlo_costs.summary_of(ops, MOE_SOURCE)
     return {
         "hlo_bytes": moe["bytes"],
