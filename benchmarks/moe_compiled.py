@@ -191,6 +191,22 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
     )
 
 
+def all_to_all_traffic(ops: list[hlo_costs.Op]) -> dict[str, float]:
+    """The all-to-alls, plain and ragged, of a compiled step (``hlo_costs.collectives``, the
+    count and bytes of ``moe-jax compile``'s report): ``count``, ``ragged`` (how many of them
+    are ragged), ``bytes`` moved per device, ``async`` (how many have work scheduled between
+    their start and done), ``ops_between`` and ``flops_between`` (that work)."""
+    found = [c for c in hlo_costs.collectives(ops) if c.kind in ("all-to-all", "ragged-all-to-all")]
+    return {
+        "count": len(found),
+        "ragged": sum(c.kind == "ragged-all-to-all" for c in found),
+        "bytes": sum(c.bytes for c in found),
+        "async": sum(c.overlapped_ops > 0 for c in found),
+        "ops_between": sum(c.overlapped_ops for c in found),
+        "flops_between": sum(c.overlapped_flops for c in found),
+    }
+
+
 def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str]) -> None:
     """All-to-all traffic and overlap of the layer under expert parallelism over every
     device of the target (mesh (1, N, 1)), N x 8 x 512 tokens (4096 per device, one group),
@@ -199,8 +215,9 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
     ``dropless=True`` (on TPU: rows by ``ragged_all_to_all`` into ``ragged_dot``; elsewhere the
     same buffers as the row before, ``dispatch.ragged_exchange``).
 
-    ``MiB sent``: the operands of the all-to-alls, for a ragged all-to-all its first
-    operand (the rows it may send: the routed rows leave, the rest of the buffer does not).
+    ``MiB sent``: the bytes of the all-to-alls (``all_to_all_traffic``: their operands, for a
+    ragged all-to-all its first operand, the rows it may send: the routed rows leave, the
+    rest of the buffer does not; the definition of ``moe_jax.hlo_costs``).
     """
     n = devices.size
     mesh = jax.sharding.Mesh(devices.reshape(1, n, 1), ("data", "expert", "model"))
@@ -225,17 +242,11 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
         apply, params, x = moe_step(experts, dispatch, **options)
         x = jax.ShapeDtypeStruct((n * TOKENS[0], *x.shape[1:]), x.dtype)
         row = compile_row(dispatch, apply, params, x, mesh)
-        found = [
-            c
-            for c in hlo_costs.collectives(row.ops)
-            if c.kind in ("all-to-all", "ragged-all-to-all")
-        ]
-        ragged = sum(c.kind == "ragged-all-to-all" for c in found)
+        a2a = all_to_all_traffic(row.ops)
         print(
-            f"| {label} | {len(found)} ({ragged}) | {sum(c.bytes for c in found) / MIB:.1f} | "
-            f"{sum(c.overlapped_ops > 0 for c in found)} of {len(found)} "
-            f"({sum(c.overlapped_ops for c in found)} ops) | "
-            f"{sum(c.overlapped_flops for c in found) / 1e9:.1f} | {row.flops / 1e9:.1f} | "
+            f"| {label} | {a2a['count']} ({a2a['ragged']}) | {a2a['bytes'] / MIB:.1f} | "
+            f"{a2a['async']} of {a2a['count']} ({a2a['ops_between']} ops) | "
+            f"{a2a['flops_between'] / 1e9:.1f} | {row.flops / 1e9:.1f} | "
             f"{row.hlo_bytes / GIB:.3f} | {row.temp_bytes / MIB:.1f} |",
             flush=True,
         )

@@ -153,7 +153,8 @@ class Op:
         (``categorize`` finds the operations that move whole weights by them).
       collective: the collective it performs, starts or completes (one of ``COLLECTIVES``;
         "" for none): its own opcode less ``-start`` / ``-done``, or what an ``async-start``
-        (and its ``-done``) or a fusion wraps; never a loop or call that holds one.
+        (and its ``-done``) or a fusion wraps; never a loop or call that holds one, nor the
+        instruction inside what an ``async-start`` wraps (the start and done stand for it).
     """
 
     name: str
@@ -312,13 +313,16 @@ def parse(hlo_text: str) -> list[Op]:
                     kinds, flops, sparse = kinds | k, flops + f, sparse or s
         return kinds, flops, sparse
 
-    scheduled, ops = [entry], []
+    # wrapped: what an async-start runs (its collective is the start's and done's, once)
+    scheduled, wrapped, ops = [entry], set(), []
     for computation in scheduled:
         lines = {line.name: line for line in computations[computation]}
         for line in computations[computation]:
             called = _CALLED.findall(line.attributes)
             if line.opcode in ("while", "call", "conditional", "async-start", "call-start"):
                 scheduled.extend(c for c in called if c not in scheduled)
+            if line.opcode == "async-start":
+                wrapped.update(called)
             if line.opcode in _NOT_WORK:
                 continue
             kinds, flops, sparse = {line.opcode}, 0.0, "sparsecore" in line.attributes
@@ -364,7 +368,9 @@ def parse(hlo_text: str) -> list[Op]:
                     element_counts=counts,
                     operand_alternate_bytes=sum(sizes) - sum(device_sizes),
                     output_alternate_bytes=output_all - output_device,
-                    collective=_collective(line, lines, computations),
+                    collective=""
+                    if computation in wrapped
+                    else _collective(line, lines, computations),
                 )
             )
     return ops

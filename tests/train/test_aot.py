@@ -16,10 +16,13 @@ import sys
 
 import pytest
 
-from moe_jax import cli, hardware
+from moe_jax import cli, hardware, hlo_costs
 from moe_jax.train import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import moe_compiled  # noqa: E402  (benchmarks/ is not a package)
+
 SMOKE = [
     "--gin_file=runs/smoke_cpu.gin",
     "--no_eval",
@@ -127,7 +130,8 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     step = report["steps"]["train"]
     # the counts are those of the kept HLO (the TPU's async forms: -start/-done pairs once)
     hlo = (tmp_path / "train.hlo.txt").read_text()
-    assert step["collectives"] == aot.collectives(hlo) and "all-to-all" in hlo
+    assert step["collectives"] == hlo_costs.collective_totals(hlo_costs.parse(hlo))
+    assert "all-to-all" in hlo
     assert (tmp_path / "eval.hlo.txt").exists() == with_eval == ("eval" in report["steps"])
     if with_eval:  # the eval step: forward only, no optimizer state
         evaluation = report["steps"]["eval"]
@@ -203,8 +207,9 @@ def test_compiler_options_follow_the_platform():
 
 
 def test_collectives_of_a_compiled_program_match_its_shapes():
-    """An all-to-all and a psum compiled over 4 CPU devices: each counted once, with the
-    bytes of its per-device result."""
+    """An all-to-all, a psum, an all-gather and a psum-scatter compiled over 4 CPU devices:
+    each counted once, with the bytes moved per device that hlo_costs defines (operands; the
+    result for the all-gather), in `moe-jax compile`'s report as in the benchmark's table."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -212,50 +217,97 @@ def test_collectives_of_a_compiled_program_match_its_shapes():
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
-    def step(a, b):
-        return jax.lax.all_to_all(a, "x", 0, 0, tiled=True), jax.lax.psum(b, "x")
+    def step(a, b, c, d):
+        return (
+            jax.lax.all_to_all(a, "x", 0, 0, tiled=True),
+            jax.lax.psum(b, "x"),
+            jax.lax.all_gather(c, "x", tiled=True),
+            jax.lax.psum_scatter(d, "x", tiled=True),
+        )
 
-    a = jax.ShapeDtypeStruct((4 * 8, 16), np.float32)
-    b = jax.ShapeDtypeStruct((4 * 3, 5), jax.numpy.bfloat16)
-    compiled = (
-        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-        .lower(a, b)
-        .compile()
+    shapes = [(4 * 8, 16, np.float32), (4 * 3, 5, jax.numpy.bfloat16)]
+    shapes += [(4 * 2, 6, np.float32), (4 * 16, 3, np.float32)]
+    args = [jax.ShapeDtypeStruct((rows, cols), dtype) for rows, cols, dtype in shapes]
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    compiled = jax.jit(sharded).lower(*args).compile()
+    facts = hardware.device_facts([None] * 4, hardware.CHIPS["h100"], 4)
+    report = aot.analyze(
+        compiled, facts, state_bytes=0, flops_per_step=1e9, tokens_per_step=1, num_devices=4
     )
-    found = aot.collectives(compiled.as_text())
-    assert found["all-to-all"] == {"count": 1, "bytes": 8 * 16 * 4}
+    found = report["collectives"]
+    assert found["all-to-all"] == {"count": 1, "bytes": 8 * 16 * 4}  # per device: [8, 16]
     assert found["all-reduce"]["count"] == 1 and found["all-reduce"]["bytes"] in (
         3 * 5 * 2,
-        3 * 5 * 4,
+        3 * 5 * 4,  # XLA:CPU reduces bfloat16 in float32
     )
+    assert found["all-gather"] == {"count": 1, "bytes": 4 * 2 * 6 * 4}  # the gathered [8, 6]
+    assert found["reduce-scatter"] == {"count": 1, "bytes": 16 * 3 * 4}  # the whole [16, 3]
+    assert report["estimate"]["collectives_s"] == pytest.approx(
+        sum(c["bytes"] for c in found.values()) / facts.interconnect_bandwidth
+    )
+    # the benchmark's all-to-all columns read the same executable the same way
+    traffic = moe_compiled.all_to_all_traffic(hlo_costs.parse(compiled.as_text()))
+    assert {"count": traffic["count"], "bytes": traffic["bytes"]} == found["all-to-all"]
 
 
 def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
     """The same collective written sync, as an async -start/-done pair (whose start tuple
-    holds operands and, for collective-permute, u32 sync flags) or with XLA's /*index=5*/
-    comments in a long tuple: the same count and bytes."""
-    sync = "  %a = f32[8,128]{1,0} all-to-all(f32[8,128]{1,0} %p), dimensions={0}\n"
-    pair = (
-        "  %s = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}\n"
-        "  ROOT %d = f32[8,128]{1,0} all-to-all-done(%s)\n"
-    )
-    assert (
-        aot.collectives(pair)
-        == aot.collectives(sync)
-        == {"all-to-all": {"count": 1, "bytes": 4 * 8 * 128}}
-    )
+    holds operands and, for collective-permute, u32 sync flags), as XLA:GPU's async-start
+    wrapping it, or with XLA's /*index=5*/ comments in a long tuple: the same count and
+    bytes; a loop holding a collective is no collective itself."""
+
+    def totals(*lines: str, called: str = "") -> dict:
+        """The totals of ``lines`` in an entry computation after ``called`` computations."""
+        params = (
+            "  %p = f32[8,128]{1,0} parameter(0)\n  %w = bf16[48,12]{1,0} parameter(1)\n"
+            "  %g = f32[2,128]{1,0} parameter(2)\n"
+        )
+        entry = "ENTRY %main {\n" + params + "".join(lines) + "}\n"
+        return hlo_costs.collective_totals(hlo_costs.parse(called + entry))
+
+    sync = "  %a = f32[8,128]{1,0} all-to-all(%p), dimensions={0}\n"
+    pair = [
+        "  %s = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-to-all-start(%p), dimensions={0}\n",
+        "  ROOT %d = f32[8,128]{1,0} all-to-all-done(%s)\n",
+    ]
+    assert totals(*pair) == totals(sync) == {"all-to-all": {"count": 1, "bytes": 4 * 8 * 128}}
     permute = "  %c = bf16[48,12]{1,0} collective-permute(%w), source_target_pairs={{0,1},{1,0}}\n"
-    permute_pair = (
+    permute_pair = [
         "  %cps = (bf16[48,12]{1,0}, bf16[48,12]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) "
-        "collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}\n"
-        "  %cpd = bf16[48,12]{1,0} collective-permute-done(%cps)\n"
+        "collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}\n",
+        "  %cpd = bf16[48,12]{1,0} collective-permute-done(%cps)\n",
+    ]
+    assert (
+        totals(*permute_pair)
+        == totals(permute)
+        == {"collective-permute": {"count": 1, "bytes": 2 * 48 * 12}}
     )
-    assert aot.collectives(permute_pair) == aot.collectives(permute)
+    gather = "  %ag = f32[8,128]{1,0} all-gather(%g), dimensions={0}\n"
+    wrapped = (
+        "%wrapped {\n  %q = f32[2,128]{1,0} parameter(0)\n"
+        "  ROOT %i = f32[8,128]{1,0} all-gather(%q), dimensions={0}\n}\n"
+    )
+    async_gather = [
+        "  %as = ((f32[2,128]{1,0}), f32[8,128]{1,0}, s32[]) async-start(%g), calls=%wrapped\n",
+        "  %ad = f32[8,128]{1,0} async-done(%as)\n",
+    ]
+    gathered = {"all-gather": {"count": 1, "bytes": 4 * 8 * 128}}  # the result
+    assert totals(gather) == totals(*async_gather, called=wrapped) == gathered
     shapes = ["f32[32]{0}"] * 5 + ["f32[32,4]{0,1}"]
-    plain = f"  %r = ({', '.join(shapes)}) all-reduce(%a), to_apply=%add\n"
-    commented = plain.replace(", f32[32,4]", ", /*index=5*/f32[32,4]")
-    assert aot.collectives(commented) == aot.collectives(plain)
-    assert aot.collectives(plain)["all-reduce"]["bytes"] == 4 * (5 * 32 + 128)
+    operands = "".join(f"  %o{i} = {t} parameter({i})\n" for i, t in enumerate(shapes))
+    plain = (
+        f"  %r = ({', '.join(shapes)}) all-reduce(%o0, %o1, %o2, %o3, %o4, %o5), to_apply=%add\n"
+    )
+    commented = plain.replace(", %o5", ", /*index=5*/%o5")
+    reduced = {"all-reduce": {"count": 1, "bytes": 4 * (5 * 32 + 128)}}
+    assert totals(operands, commented) == totals(operands, plain) == reduced
+    loop = (
+        "%body {\n  %t = f32[8,128]{1,0} parameter(0)\n"
+        "  ROOT %b = f32[8,128]{1,0} all-to-all(%t), dimensions={0}\n}\n"
+        "%cond {\n  %t = f32[8,128]{1,0} parameter(0)\n  ROOT %k = pred[] constant(true)\n}\n"
+    )
+    while_line = "  %l = f32[8,128]{1,0} while(%p), condition=%cond, body=%body\n"
+    assert totals(while_line, called=loop) == totals(sync)  # the body's, not the loop's too
 
 
 def test_gemm_custom_calls_count_their_flops():
