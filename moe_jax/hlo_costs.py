@@ -142,7 +142,7 @@ class Op:
       name / opcode: as in the HLO (``fusion.15``, ``fusion``).
       source: the JAX ``op_name`` of its metadata (which part of the program it came from).
       operand_bytes / output_bytes: bytes of its operands / results in device memory as
-        laid out (``operand_sizes``: each operand's, in any memory space).
+        laid out.
       cycles: the TPU compiler's estimate (0 where the backend gives none).
       flops: dense matmul FLOPs of the dots / convolutions / GEMM calls in it.
       kinds: opcodes inside it (its fused computation's, for a fusion).
@@ -155,6 +155,12 @@ class Op:
         "" for none): its own opcode less ``-start`` / ``-done``, or what an ``async-start``
         (and its ``-done``) or a fusion wraps; never a loop or call that holds one, nor the
         instruction inside what an ``async-start`` wraps (the start and done stand for it).
+      collective_bytes: the bytes the collective moves per device (the module docstring's
+        definition; 0 for a ``-done``), from the collective instruction itself (inside the
+        fusion or async computation that wraps it).
+      collective_chain: for one piece of an XLA:TPU asynchronous collective split over a
+        chain of fusions (start, continuation fusions, done; each holds the collective and
+        carries its ``chain_id``), the chain's key; "" otherwise.
     """
 
     name: str
@@ -167,11 +173,12 @@ class Op:
     kinds: frozenset[str] = frozenset()
     sparse_core_offload: bool = False
     operands: tuple[str, ...] = ()
-    operand_sizes: tuple[float, ...] = ()
     element_counts: frozenset[int] = frozenset()
     operand_alternate_bytes: float = 0.0
     output_alternate_bytes: float = 0.0
     collective: str = ""
+    collective_bytes: float = 0.0
+    collective_chain: str = ""
 
     @property
     def bytes(self) -> float:
@@ -216,21 +223,51 @@ class _Line:
     attributes: str
 
 
-def _collective(line: _Line, lines: dict[str, _Line], computations: dict[str, list[_Line]]) -> str:
-    """``Op.collective`` of ``line``; ``lines``: its computation's instructions by name."""
-    kind = re.sub(r"-(start|update|done)$", "", line.opcode)
-    if kind in COLLECTIVES:
-        return kind
+_SUFFIX = re.compile(r"-(start|update|done)$")
+
+
+def _collective(
+    line: _Line,
+    computation: str,
+    computations: dict[str, list[_Line]],
+    types: dict[str, dict[str, str]],
+) -> tuple[str, float, str]:
+    """``(Op.collective, Op.collective_bytes, Op.collective_chain)`` of ``line``, an
+    instruction of ``computation``; ``types``: result types by computation and name."""
+    kind = _SUFFIX.sub("", line.opcode)
+    lines = computations[computation]
     if line.opcode in ("async-update", "async-done"):  # completes what its start wraps
-        start = lines.get(line.operands[0]) if line.operands else None
-        return "" if start is None else _collective(start, lines, computations)
+        start = next((x for x in lines if line.operands and x.name == line.operands[0]), None)
+        found = (
+            ("", 0.0, "") if start is None else _collective(start, computation, computations, types)
+        )
+        return found[0], 0.0, ""
+    if kind in COLLECTIVES:
+        if line.opcode.endswith(("-update", "-done")):
+            return kind, 0.0, ""
+        result = line.result_type
+        if line.opcode.endswith("-start"):  # an async pair: the result is the done's
+            done = (x for x in lines if x.opcode == f"{kind}-done" and line.name in x.operands)
+            result = next(done, line).result_type
+        sizes = [shape_bytes(types[computation].get(o, "")) for o in line.operands]
+        moved = (
+            shape_bytes(result)
+            if kind == "all-gather"
+            else sizes[0]
+            if kind == "ragged-all-to-all" and sizes
+            else sum(sizes)
+        )
+        chain = re.search(r'chain_id="(\d+)"', line.attributes)
+        channel = re.search(r"channel_id=(\d+)", line.attributes)
+        key = f"{kind}:{channel and channel.group(1)}:{chain.group(1)}" if chain else ""
+        return kind, moved, key
     if line.opcode in ("async-start", "fusion"):
         for called in _CALLED.findall(line.attributes):
             for inner in computations.get(called, []):
-                kind = re.sub(r"-(start|update|done)$", "", inner.opcode)
-                if kind in COLLECTIVES:
-                    return kind
-    return ""
+                found = _collective(inner, called, computations, types)
+                if found[0]:
+                    return found
+    return "", 0.0, ""
 
 
 def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
@@ -316,7 +353,6 @@ def parse(hlo_text: str) -> list[Op]:
     # wrapped: what an async-start runs (its collective is the start's and done's, once)
     scheduled, wrapped, ops = [entry], set(), []
     for computation in scheduled:
-        lines = {line.name: line for line in computations[computation]}
         for line in computations[computation]:
             called = _CALLED.findall(line.attributes)
             if line.opcode in ("while", "call", "conditional", "async-start", "call-start"):
@@ -340,7 +376,13 @@ def parse(hlo_text: str) -> list[Op]:
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
             source = re.search(r'op_name="([^"]*)"', line.attributes)
             operand_types = [types[computation].get(o, "") for o in line.operands]
-            # every memory space (collectives' sizes)
+            kind, moved, chain = (
+                ("", 0.0, "")
+                if computation in wrapped
+                else _collective(line, computation, computations, types)
+            )
+            collective = {"collective": kind, "collective_bytes": moved, "collective_chain": chain}
+            # in every memory space, and in device memory only
             sizes = tuple(shape_bytes(t) for t in operand_types)
             device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
             output_all, output_device = (
@@ -356,7 +398,6 @@ def parse(hlo_text: str) -> list[Op]:
                     opcode=line.opcode,
                     source=source.group(1) if source else "",
                     operand_bytes=sum(device_sizes),
-                    operand_sizes=sizes,
                     output_bytes=output_device,
                     cycles=int(cycles.group(1))
                     if cycles and int(cycles.group(1)) < _MAX_CYCLES
@@ -368,9 +409,7 @@ def parse(hlo_text: str) -> list[Op]:
                     element_counts=counts,
                     operand_alternate_bytes=sum(sizes) - sum(device_sizes),
                     output_alternate_bytes=output_all - output_device,
-                    collective=""
-                    if computation in wrapped
-                    else _collective(line, lines, computations),
+                    **collective,
                 )
             )
     return ops
@@ -458,23 +497,26 @@ def _done(ops: list[Op], i: int) -> int:
 
 def collectives(ops: list[Op]) -> list[Collective]:
     """The collectives of ``ops`` (``parse`` order = the entry schedule, then loop bodies),
-    each once, with its bytes and its overlap with other work."""
-    found = []
+    each once (an async pair by its start, a TPU chain by its first piece), with its bytes
+    and the work scheduled between its start and its done (or its chain's last piece)."""
+    found, chains = [], set()
     for i, op in enumerate(ops):
         if not op.collective or op.opcode.endswith(("-update", "-done")):
             continue
-        done = _done(ops, i)
-        if op.collective == "all-gather":  # the result: the done's, for an async pair
-            sent = ops[done].output_bytes + ops[done].output_alternate_bytes
-        elif op.collective == "ragged-all-to-all":
-            sent = op.operand_sizes[0] if op.operand_sizes else 0.0
+        if op.collective_chain:
+            if op.collective_chain in chains:
+                continue
+            chains.add(op.collective_chain)
+            done = max(
+                j for j in range(i, len(ops)) if ops[j].collective_chain == op.collective_chain
+            )
         else:
-            sent = sum(op.operand_sizes)
+            done = _done(ops, i)
         between = [o for o in ops[i + 1 : done] if o.flops > 0 or o.cycles > 0]
         found.append(
             Collective(
                 kind=op.collective,
-                bytes=sent,
+                bytes=op.collective_bytes,
                 overlapped_ops=len(between),
                 overlapped_flops=sum(o.flops for o in between),
             )
