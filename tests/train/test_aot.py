@@ -253,8 +253,9 @@ def test_collectives_of_a_compiled_program_match_its_shapes():
 def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
     """The same collective written sync, as an async -start/-done pair (whose start tuple
     holds operands and, for collective-permute, u32 sync flags), as XLA:GPU's async-start
-    wrapping it, or with XLA's /*index=5*/ comments in a long tuple: the same count and
-    bytes; a loop holding a collective is no collective itself."""
+    wrapping it, as XLA:TPU's chain of fusions (start, continuation, done: each holds the
+    all-gather with the chain's chain_id) or with XLA's /*index=5*/ comments in a long
+    tuple: the same count and bytes; a loop holding a collective is no collective itself."""
 
     def totals(*lines: str, called: str = "") -> dict:
         """The totals of ``lines`` in an entry computation after ``called`` computations."""
@@ -293,6 +294,22 @@ def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
     ]
     gathered = {"all-gather": {"count": 1, "bytes": 4 * 8 * 128}}  # the result
     assert totals(gather) == totals(*async_gather, called=wrapped) == gathered
+    piece = (
+        "%{0} {{\n  %q = f32[2,128]{{1,0}} parameter(0)\n  ROOT %i = f32[8,128]{{1,0}} "
+        'all-gather(%q), channel_id=7, dimensions={{0}}, frontend_attributes={{chain_id="3"}}\n}}\n'
+    )
+    chain = [
+        "  %c0 = (f32[2,128]{1,0}, f32[8,128]{1,0}, u32[]{:S(2)}) fusion(%g), calls=%start\n",
+        "  %mm = f32[2,2]{1,0} dot(%g, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}\n",
+        "  %c1 = (f32[2,128]{1,0}, f32[8,128]{1,0}, u32[]{:S(2)}) fusion(%c0), calls=%more\n",
+        "  %c2 = f32[8,128]{1,0} fusion(%c1), calls=%done\n",
+    ]
+    fused = "".join(piece.format(name) for name in ("start", "more", "done"))
+    assert totals(*chain, called=fused) == gathered
+    ops = hlo_costs.parse(
+        fused + "ENTRY %main {\n  %g = f32[2,128]{1,0} parameter(0)\n" + "".join(chain) + "}\n"
+    )
+    assert [c.overlapped_ops for c in hlo_costs.collectives(ops)] == [1]  # the dot
     shapes = ["f32[32]{0}"] * 5 + ["f32[32,4]{0,1}"]
     operands = "".join(f"  %o{i} = {t} parameter({i})\n" for i, t in enumerate(shapes))
     plain = (
