@@ -226,30 +226,33 @@ class _Line:
 _SUFFIX = re.compile(r"-(start|update|done)$")
 
 
-def _collective(
-    line: _Line,
-    computation: str,
-    computations: dict[str, list[_Line]],
-    types: dict[str, dict[str, str]],
-) -> tuple[str, float, str]:
+@dataclasses.dataclass(frozen=True)
+class _Module:
+    """The computations of a module (``_Line`` s by computation, and by name in each) and,
+    in each, the instruction that consumes each async start or update first."""
+
+    computations: dict[str, list[_Line]]
+    by_name: dict[str, dict[str, _Line]]
+    consumer: dict[str, dict[str, _Line]]
+
+
+def _collective(line: _Line, computation: str, module: _Module) -> tuple[str, float, str]:
     """``(Op.collective, Op.collective_bytes, Op.collective_chain)`` of ``line``, an
-    instruction of ``computation``; ``types``: result types by computation and name."""
+    instruction of ``computation``."""
     kind = _SUFFIX.sub("", line.opcode)
-    lines = computations[computation]
     if line.opcode in ("async-update", "async-done"):  # completes what its start wraps
-        start = next((x for x in lines if line.operands and x.name == line.operands[0]), None)
-        found = (
-            ("", 0.0, "") if start is None else _collective(start, computation, computations, types)
-        )
+        start = module.by_name[computation].get(line.operands[0]) if line.operands else None
+        found = ("", 0.0, "") if start is None else _collective(start, computation, module)
         return found[0], 0.0, ""
     if kind in COLLECTIVES:
         if line.opcode.endswith(("-update", "-done")):
             return kind, 0.0, ""
         result = line.result_type
         if line.opcode.endswith("-start"):  # an async pair: the result is the done's
-            done = (x for x in lines if x.opcode == f"{kind}-done" and line.name in x.operands)
-            result = next(done, line).result_type
-        sizes = [shape_bytes(types[computation].get(o, "")) for o in line.operands]
+            done = module.consumer[computation].get(line.name)
+            result = line.result_type if done is None else done.result_type
+        types = module.by_name[computation]
+        sizes = [shape_bytes(types[o].result_type) if o in types else 0.0 for o in line.operands]
         moved = (
             shape_bytes(result)
             if kind == "all-gather"
@@ -263,8 +266,8 @@ def _collective(
         return kind, moved, key
     if line.opcode in ("async-start", "fusion"):
         for called in _CALLED.findall(line.attributes):
-            for inner in computations.get(called, []):
-                found = _collective(inner, called, computations, types)
+            for inner in module.computations.get(called, []):
+                found = _collective(inner, called, module)
                 if found[0]:
                     return found
     return "", 0.0, ""
@@ -350,6 +353,18 @@ def parse(hlo_text: str) -> list[Op]:
                     kinds, flops, sparse = kinds | k, flops + f, sparse or s
         return kinds, flops, sparse
 
+    module = _Module(
+        computations,
+        {c: {line.name: line for line in lines} for c, lines in computations.items()},
+        {
+            c: {
+                line.operands[0]: line
+                for line in reversed(lines)
+                if line.opcode.endswith(("-update", "-done")) and line.operands
+            }
+            for c, lines in computations.items()
+        },
+    )
     # wrapped: what an async-start runs (its collective is the start's and done's, once)
     scheduled, wrapped, ops = [entry], set(), []
     for computation in scheduled:
@@ -377,11 +392,8 @@ def parse(hlo_text: str) -> list[Op]:
             source = re.search(r'op_name="([^"]*)"', line.attributes)
             operand_types = [types[computation].get(o, "") for o in line.operands]
             kind, moved, chain = (
-                ("", 0.0, "")
-                if computation in wrapped
-                else _collective(line, computation, computations, types)
+                ("", 0.0, "") if computation in wrapped else _collective(line, computation, module)
             )
-            collective = {"collective": kind, "collective_bytes": moved, "collective_chain": chain}
             # in every memory space, and in device memory only
             sizes = tuple(shape_bytes(t) for t in operand_types)
             device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
@@ -409,7 +421,9 @@ def parse(hlo_text: str) -> list[Op]:
                     element_counts=counts,
                     operand_alternate_bytes=sum(sizes) - sum(device_sizes),
                     output_alternate_bytes=output_all - output_device,
-                    **collective,
+                    collective=kind,
+                    collective_bytes=moved,
+                    collective_chain=chain,
                 )
             )
     return ops
