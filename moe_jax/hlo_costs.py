@@ -18,9 +18,8 @@ operations the device runs, so that the largest contributors can be named:
 * flags for operations that ``cost_analysis()`` is known to over-count
   (``sparse_core_offload``: an instruction run asynchronously on a TPU SparseCore, counted
   by the TPU cost model as gigabytes for a scatter of kilobytes; see benchmarks/RESULTS.md);
-* the collectives of the schedule (``collectives``, ``collective_totals``), the one count of
-  collective bytes that ``moe-jax compile``'s report (``moe_jax.train.aot``) and the
-  benchmarks use.
+* the collectives of the schedule (``collectives``, ``collective_totals``): the one count of
+  collectives and their bytes that ``moe-jax compile``'s report and the benchmarks use.
 
 Collective bytes: per device, the size of the larger of the collective's data buffers, the
 message size that NCCL's and XLA's bandwidth formulas take (the time on a link is this size
@@ -38,9 +37,14 @@ link bandwidth, factor 1):
 
 Arrays in any memory space count (a TPU collective may read or write VMEM, ``S(1)``), not the
 ``u32`` sync flags of an asynchronous start's tuple, which are no operand or result of the
-collective. An asynchronous pair (``all-to-all-start`` / ``-done``, XLA:GPU's ``async-start``
-wrapping a collective) counts once; an instruction in a loop body counts once (no trip
-count).
+collective; the bytes are those of the collective instruction itself, not of the fusion or
+async computation that wraps it. Each collective counts once: an asynchronous pair
+(``all-to-all-start`` / ``-done``, XLA:GPU's ``async-start`` wrapping a collective), and
+an XLA:TPU asynchronous collective split over a chain of fusions (the start, continuation
+fusions that run other work while it progresses, the done: each holds the collective
+instruction, all with the same ``chain_id``), which counts at its first piece with the
+work scheduled up to its last as overlap. An instruction in a loop body counts once (no
+trip count), a loop or call holding a collective is not one.
 
 Why text: XLA prints the optimised module as text for every backend (``compiled.as_text()``,
 what ``moe-jax compile --hlo_dir`` keeps and ``benchmarks/compile_table.py recount``
