@@ -73,7 +73,9 @@ def _compile_table() -> str:
         "all-to-all's first operand). Measured on the smoke config with FSDP compiled for "
         "`tpu:v5e:2x2`, mesh (2, 2, 1): 156 all-gathers, 3.24 MB per device before, 74 and "
         "0.75 MB now; its all-to-alls, all-reduces and collective-permutes are unchanged. "
-        "On GPU a reduce-scatter now counts its operand, n times its result. "
+        "On GPU a reduce-scatter now counts its operand, n times its result: the same "
+        "config on `gpu:h100:8` has 2 reduce-scatters, 75 kB before and 602 kB now, its "
+        "other collectives unchanged. "
         "`compile_table.py run --force --hlo_dir DIR` recompiles them."
     )
 
