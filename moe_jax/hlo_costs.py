@@ -518,6 +518,7 @@ def collectives(ops: list[Op]) -> list[Collective]:
     each once (an async pair by its start, a TPU chain by its first piece), with its bytes
     and the work scheduled between its start and its done (or its chain's last piece)."""
     found, chains = [], set()
+    last = {op.collective_chain: j for j, op in enumerate(ops) if op.collective_chain}
     for i, op in enumerate(ops):
         if not op.collective or op.opcode.endswith(("-update", "-done")):
             continue
@@ -525,9 +526,7 @@ def collectives(ops: list[Op]) -> list[Collective]:
             if op.collective_chain in chains:
                 continue
             chains.add(op.collective_chain)
-            done = max(
-                j for j in range(i, len(ops)) if ops[j].collective_chain == op.collective_chain
-            )
+            done = last[op.collective_chain]
         else:
             done = _done(ops, i)
         between = [o for o in ops[i + 1 : done] if o.flops > 0 or o.cycles > 0]
