@@ -41,14 +41,15 @@ def main(argv: list[str]) -> int:
     ).strip()
     import jax
 
-    from moe_jax.train import gin_utils, setup, train
+    from moe_jax.commands import train
+    from moe_jax.runtime import builders, gin_utils
 
     windows: dict[str, list[dict]] = {name: [] for name in LOOPS}
     for round_index in range(args.rounds):
         for name, sync in LOOPS.items():
             model_dir = tempfile.mkdtemp(prefix="moe_jax_bench_")
             flags = gin_utils.parse_flags(
-                setup.build_parser("bench", "bench"),
+                builders.build_parser("bench", "bench"),
                 [
                     "--gin_file=runs/smoke_cpu.gin",
                     f"--gin.MODEL_DIR={model_dir}",

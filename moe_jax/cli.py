@@ -9,7 +9,7 @@ This is the one place that turns the project's expected errors (:mod:`moe_jax.er
 into one line ``moe-jax <command>: error: ...`` and an exit code, for every command, and
 Ctrl-C (SIGINT) or SIGTERM into one line ``moe-jax <command>: stopped by ...: <what was
 saved, how to resume>`` and exit code 130 / 143 (`train` saves a checkpoint first, see
-:class:`moe_jax.train.distributed.PreemptionWatcher`).
+:class:`moe_jax.runtime.distributed.PreemptionWatcher`).
 """
 
 from __future__ import annotations
@@ -26,22 +26,22 @@ from collections.abc import Collection, Iterator
 # subcommand -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synthetic": ("moe_jax.synthetic.cli", "regenerate the paper's synthetic experiments"),
-    "train": ("moe_jax.train.train", "T5X-style gin-configured training"),
-    "eval": ("moe_jax.train.evaluate", "evaluate one or more checkpoints"),
-    "infer": ("moe_jax.train.infer", "decode from a checkpoint"),
-    "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
-    "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
+    "train": ("moe_jax.commands.train", "T5X-style gin-configured training"),
+    "eval": ("moe_jax.commands.evaluate", "evaluate one or more checkpoints"),
+    "infer": ("moe_jax.commands.infer", "decode from a checkpoint"),
+    "analyze": ("moe_jax.commands.analyze", "routing analyses over a checkpoint"),
+    "sweep": ("moe_jax.experiments.sweep", "expand an experiment family into runs; collect plots"),
     "compile": (
-        "moe_jax.train.aot",
+        "moe_jax.runtime.aot",
         "compile a run for a TPU/GPU/CPU target: memory, fit, step time",
     ),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
     "upcycle": (
-        "moe_jax.train.upcycle",
+        "moe_jax.commands.upcycle",
         "an MoE run from a dense run's checkpoint (sparse upcycling)",
     ),
-    "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
-    "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),
+    "export": ("moe_jax.commands.export:export_main", "write a checkpoint as safetensors + JSON"),
+    "import": ("moe_jax.commands.export:import_main", "read an export into a new run directory"),
 }
 
 

@@ -35,8 +35,8 @@ from moe_jax import storage
 from moe_jax.moe.config import TopKRouterConfig
 from moe_jax.moe.layer import ROUTERS
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
+from moe_jax.runtime import checkpoints
 from moe_jax.synthetic.routers import shuffle_columns
-from moe_jax.train import checkpoints
 
 ROUTER_VARIANTS = ("learned", "init", "random", "hash", "uniform", "shuffled")
 Interceptor = Callable[..., Any]

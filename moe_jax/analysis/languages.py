@@ -42,10 +42,11 @@ import jax
 import numpy as np
 
 from moe_jax import storage
-from moe_jax.analysis import counterfactual, routing
+from moe_jax.analysis import counterfactual
 from moe_jax.analysis.positions import mutual_information_bits
+from moe_jax.experiments.sweep import seed_family
+from moe_jax.runtime import routing
 from moe_jax.synthetic import metrics as synthetic_metrics
-from moe_jax.train.sweep import seed_family
 
 # ------------------------------------------------------------------------------ statistics
 
@@ -138,7 +139,7 @@ def analyze_layer(
 def router_kernels(params: Any) -> dict[str, np.ndarray]:
     """``{"encoder/layers_3": w [d_model, experts]}``: each MoE layer's single router kernel
     (layers whose router has several kernels, e.g. noisy top-k, are left out)."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     kernels: dict[str, list[np.ndarray]] = {}
     for name, leaf in checkpoints.router_params(params).items():
@@ -190,7 +191,7 @@ def global_batches(
 ) -> Iterator[dict[str, jax.Array]]:
     """``features`` in global batches of ``batch_size`` rows, the last padded with empty
     rows (never routed); each process feeds its contiguous share of every batch."""
-    from moe_jax.train import setup
+    from moe_jax.runtime import builders
 
     n = len(next(iter(features.values())))
     per_process = batch_size // jax.process_count()
@@ -203,7 +204,7 @@ def global_batches(
             batch[name] = block[
                 jax.process_index() * per_process : (jax.process_index() + 1) * per_process
             ]
-        yield setup.global_batch(batch, ctx)
+        yield builders.global_batch(batch, ctx)
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -212,7 +213,7 @@ def global_batches(
 def expand_checkpoints(paths: Sequence[str], all_steps: bool) -> list[str]:
     """``paths``, or with ``all_steps`` every saved step of each path's ``MODEL_DIR``
     (``MODEL_DIR/checkpoints/STEP``, ascending)."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     if not all_steps:
         return list(paths)
@@ -311,11 +312,11 @@ def analyze(
     """
     from moe_jax.analysis import plots
     from moe_jax.data import labels as data_labels
-    from moe_jax.train import checkpoints, setup
+    from moe_jax.runtime import builders, checkpoints
 
     groups = data_labels.label_groups(mixture_or_task_name)
     paths = expand_checkpoints(checkpoint_paths, all_steps)
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     features, row_labels = labelled_examples(
         groups, task_feature_lengths, split, max_examples_per_label, seed
     )
@@ -326,7 +327,7 @@ def analyze(
     fn = None
     results = []
     for path in paths:
-        restored = setup.restore_model(path, model, input_shapes, ctx)
+        restored = builders.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
             fn = routing.routing_fn(

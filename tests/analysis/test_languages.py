@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moe_jax.analysis import languages
-from moe_jax.train import summaries
+from moe_jax.runtime import summaries
 
 
 def _rows(labels_per_row: list[int], length: int = 6):

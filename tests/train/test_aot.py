@@ -1,4 +1,4 @@
-"""`moe-jax compile` (moe_jax/train/aot.py), target parsing and the chip table
+"""`moe-jax compile` (moe_jax/runtime/aot.py), target parsing and the chip table
 (moe_jax/hardware.py), and `train`'s up-front memory check.
 
 The TPU compiles run in a subprocess (the compiler pins JAX to describe, never open, the
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from moe_jax import cli, hardware
-from moe_jax.train import aot
+from moe_jax.runtime import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [

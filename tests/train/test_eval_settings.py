@@ -12,7 +12,7 @@ import gin
 import pytest
 
 from moe_jax import cli
-from moe_jax.train import evaluate
+from moe_jax.commands import evaluate
 
 # The in-training evaluation reads 3 batches of 8 rows; runs/eval.gin's default (8 batches
 # of smoke_cpu.gin's EVAL_STEPS, BATCH_SIZE rows) would give other numbers.
@@ -81,7 +81,7 @@ def test_reading_a_checkpoint_prints_no_orbax_warning(run, capfd):
     stderr) is dropped."""
     import logging
 
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     handler = logging.StreamHandler()  # what absl's handler does outside pytest
     logging.getLogger("absl").addHandler(handler)

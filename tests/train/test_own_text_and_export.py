@@ -16,8 +16,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from moe_jax import cli
+from moe_jax.commands import export
 from moe_jax.data import sources, vocab
-from moe_jax.train import checkpoints, export
+from moe_jax.runtime import checkpoints
 
 STEPS = 2
 TRAIN = [

@@ -1,6 +1,6 @@
 """The routing comparison table and plot of a sweep family (configs/routing_cpu*.toml).
 
-    python -m moe_jax.train.routing_comparison configs/routing_cpu_budget.toml \\
+    python -m moe_jax.experiments.routing_comparison configs/routing_cpu_budget.toml \\
         --root=/tmp/routing_cpu --out=docs/img/routing
 
 For every run of the family: its last eval record's accuracy and cross-entropy, the
@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from moe_jax import storage
-from moe_jax.train import summaries, sweep
+from moe_jax.experiments import sweep
+from moe_jax.runtime import summaries
 
 QUANTITIES = ("accuracy", "cross_entropy", "dropped_fraction", "max_load")
 _DROPPED = re.compile(r"^moe/(.+)/dropped_fraction$")
@@ -151,7 +152,7 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_jax.train.routing_comparison", description=__doc__.splitlines()[0]
+        prog="python -m moe_jax.experiments.routing_comparison", description=__doc__.splitlines()[0]
     )
     parser.add_argument("family")
     parser.add_argument("--root", type=storage.normalize, required=True)

@@ -6,7 +6,7 @@ Ahead of time (hence the module name): nothing runs, no device is needed.
         --gin_file=gin/meshes/v4_32.gin [--out=report.json] [--hlo_dir=DIR]
 
 Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
-model, optimizer with frozen-router masking, shardings, donation: ``setup.build_train_setup``)
+model, optimizer with frozen-router masking, shardings, donation: ``builders.build_train_setup``)
 over the target's devices from abstract shapes, compiles both (no device, data or
 vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
 the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
@@ -34,7 +34,7 @@ import numpy as np
 
 from moe_jax import hardware
 from moe_jax.errors import UserError
-from moe_jax.train import setup
+from moe_jax.runtime import builders
 
 COLLECTIVES = (
     "all-to-all",
@@ -345,13 +345,13 @@ def _tokens(shapes: Mapping[str, tuple[int, int]]) -> int:
 
 
 def compile_train(
-    run: setup.TrainSetup, cfg: setup.DatasetConfig, model, facts: hardware.DeviceFacts
+    run: builders.TrainSetup, cfg: builders.DatasetConfig, model, facts: hardware.DeviceFacts
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
     shapes = cfg.input_shapes()
     return compile_step(
         run.train_step,
-        (run.abstract_state, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+        (run.abstract_state, builders.abstract_batch(run.ctx, shapes, cfg.pack)),
         facts,
         state_bytes=per_device_bytes(run.abstract_state),
         flops_per_step=model.flops_per_step(shapes),
@@ -361,7 +361,7 @@ def compile_train(
 
 
 def compile_eval(
-    run: setup.TrainSetup, cfg: setup.DatasetConfig, model, facts: hardware.DeviceFacts
+    run: builders.TrainSetup, cfg: builders.DatasetConfig, model, facts: hardware.DeviceFacts
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s eval step on batches of ``cfg`` (forward FLOPs:
     a third of training's)."""
@@ -369,7 +369,11 @@ def compile_eval(
     params = run.abstract_state.params
     return compile_step(
         run.eval_step,
-        (params, setup.abstract_batch(run.ctx, shapes, cfg.pack), run.abstract_state.collections),
+        (
+            params,
+            builders.abstract_batch(run.ctx, shapes, cfg.pack),
+            run.abstract_state.collections,
+        ),
         facts,
         state_bytes=per_device_bytes(params),
         flops_per_step=model.flops_per_step(shapes) / 3,
@@ -378,7 +382,7 @@ def compile_eval(
     )
 
 
-def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[str, Any]:
+def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> dict[str, Any]:
     """Compiles ``run``'s train step for the devices of its mesh (what ``train`` is about to
     run; the jitted step then reuses this compilation) and raises :class:`DoesNotFitError`
     with the numbers and what to change when it needs more memory than they have (on
@@ -423,8 +427,8 @@ def compile_run(
     args = train_bindings()
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
-    ctx = setup.run_context(devices=devices)
-    run = setup.build_train_setup(
+    ctx = builders.run_context(devices=devices)
+    run = builders.build_train_setup(
         model,
         cfg.input_shapes(),
         ctx,
@@ -604,7 +608,7 @@ def parse_gin_for_compile(args) -> None:
     ``TRAIN_STEPS``) given placeholders where the gin files leave them required."""
     import gin
 
-    from moe_jax.train import gin_utils
+    from moe_jax.runtime import gin_utils
 
     gin_utils.parse_gin(args, finalize=False)
     for macro, placeholder in (("MODEL_DIR", "/tmp/moe_jax_compile"), ("TRAIN_STEPS", 1)):
@@ -617,9 +621,9 @@ def parse_gin_for_compile(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import gin_utils
+    from moe_jax.runtime import gin_utils
 
-    parser = setup.build_parser("moe-jax compile", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax compile", __doc__.splitlines()[0])
     parser.add_argument(
         "--target",
         required=True,

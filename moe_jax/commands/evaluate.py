@@ -54,14 +54,17 @@ import jax
 import numpy as np
 
 from moe_jax import storage
-from moe_jax.train import distributed, gin_utils, setup, sweep
+from moe_jax.experiments import sweep
+from moe_jax.runtime import builders, distributed, gin_utils
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
 EVAL_SETTINGS_FILE = "eval_settings.json"
 _EVAL_SCOPE = "eval/utils.DatasetConfig"  # the dataset of eval_script.evaluate (runs/eval.gin)
 
 
-def record_eval_settings(model_dir: str, eval_steps: int, dataset_cfg: setup.DatasetConfig) -> str:
+def record_eval_settings(
+    model_dir: str, eval_steps: int, dataset_cfg: builders.DatasetConfig
+) -> str:
     """Writes ``MODEL_DIR/eval_settings.json``: ``{"eval_steps": n, "dataset": {the fields
     of dataset_cfg}}``, what a run's in-training evaluation reads, for ``moe-jax eval`` to
     reproduce; returns its path."""
@@ -90,7 +93,7 @@ def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
     ]
 
 
-def describe_eval_settings(eval_steps: int, cfg: setup.DatasetConfig) -> str:
+def describe_eval_settings(eval_steps: int, cfg: builders.DatasetConfig) -> str:
     """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
     mc4_span_corruption``."""
     return (
@@ -108,8 +111,8 @@ def run_eval(
     non-parameter state (e.g. MoE balancing biases), if any."""
     totals: dict[str, np.ndarray] = {}
     count = 0
-    for local in setup.eval_batches(dataset_cfg, eval_steps):
-        metrics = jax.device_get(eval_fn(params, setup.global_batch(local, ctx), collections))
+    for local in builders.eval_batches(dataset_cfg, eval_steps):
+        metrics = jax.device_get(eval_fn(params, builders.global_batch(local, ctx), collections))
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
         count += 1
@@ -126,7 +129,7 @@ def run_eval(
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``,
     encoder layers first, each stack by depth (``layers_3`` before ``layers_11``)."""
-    from moe_jax.analysis.routing import layer_order
+    from moe_jax.runtime.routing import layer_order
 
     layers: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
@@ -140,7 +143,7 @@ def router_drift(
 ) -> dict[str, float]:
     """Per MoE layer, ``||W - W0|| / ||W0||`` over that layer's router parameters
     (0 for a frozen router); empty when the run kept no initial router weights."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     if not initial:
         return {}
@@ -206,7 +209,7 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     """The side-by-side table: one column per checkpoint, one row per statistic (MoE
     layers in :func:`routing_by_layer`'s order)."""
-    from moe_jax.analysis.routing import layer_order
+    from moe_jax.runtime.routing import layer_order
 
     rows: list[tuple[str, list[str]]] = []
 
@@ -305,7 +308,7 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
     """Short unique labels: the run directory's name, with ``@STEP`` when a step is given;
     runs of the same name (``learned/seed0``, ``frozen/seed0``) get their parent's name
     too (``learned_seed0``)."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     split = [checkpoints.split_checkpoint_path(os.path.normpath(p)) for p in paths]
     short = {d: pathlib.Path(d).name for d, _ in split}
@@ -388,7 +391,8 @@ def evaluate(
     and ``"router_drift_missing"`` (why there is no drift) for a run without initial routers.
     """
     from moe_jax.analysis import counterfactual
-    from moe_jax.train import checkpoints, export, summaries, train_step
+    from moe_jax.commands import export
+    from moe_jax.runtime import checkpoints, summaries, train_step
 
     if not checkpoint_paths:
         raise ValueError(
@@ -398,7 +402,7 @@ def evaluate(
         checkpoint_paths = [checkpoint_paths]
 
     names = counterfactual.check_variants(list(routers))
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
     eval_fns: dict[str | None, Any] = {}
@@ -409,7 +413,7 @@ def evaluate(
     results = {}
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths, strict=True):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
-        restored = setup.restore_model(path, model, input_shapes, ctx)
+        restored = builders.restore_model(path, model, input_shapes, ctx)
         step = restored.step
         for name in names:
             params, interceptor = counterfactual.variant(
@@ -493,7 +497,7 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = setup.build_parser("moe-jax eval", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax eval", __doc__.splitlines()[0])
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,
@@ -556,7 +560,7 @@ def apply_eval_settings(args, checkpoint: str | None) -> None:
     """Adds to ``args``' gin bindings the eval settings ``--eval_settings`` / ``--eval_steps``
     ask for (the recorded ones before the command line's own bindings, which win) and says
     on stderr which they are."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
     recorded = read_eval_settings(model_dir) if model_dir and args.eval_settings == "run" else None

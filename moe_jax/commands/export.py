@@ -55,7 +55,7 @@ import numpy as np
 from moe_jax import storage
 from moe_jax.errors import UserError
 from moe_jax.moe import freeze
-from moe_jax.train import distributed, gin_utils
+from moe_jax.runtime import distributed, gin_utils
 
 WEIGHTS_FILE = "model.safetensors"
 ROUTER_INIT_FILE = "router_init.safetensors"
@@ -160,7 +160,7 @@ def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _flat(params) -> dict[str, Any]:
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     return {
         checkpoints.path_name(path): leaf
@@ -268,11 +268,11 @@ def export_checkpoint(
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
 
-    from moe_jax.train import checkpoints, setup, train_state
+    from moe_jax.runtime import builders, checkpoints, train_state
 
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     target = train_state.abstract_with_shardings(
-        setup.abstract_params(model, _PROBE_SHAPES),
+        builders.abstract_params(model, _PROBE_SHAPES),
         train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules),
     )
     try:
@@ -357,7 +357,7 @@ def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
     """
     from safetensors import SafetensorError
 
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     path = storage.join(export_dir, ROUTER_INIT_FILE)
     if not storage.exists(path):
@@ -409,11 +409,11 @@ def import_export(
     Raises:
       ExportError: the export is unreadable or does not fit the gin config's model.
     """
-    from moe_jax.train import checkpoints, setup, train_state
+    from moe_jax.runtime import builders, checkpoints, train_state
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
-    run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
+    run = builders.build_train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
     host_params = params_from_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )
@@ -470,7 +470,7 @@ def with_vocabulary_path(config_text: str, path: str) -> str:
 
 def holds_run(directory: str) -> bool:
     """``directory`` is a run directory: it holds ``checkpoints/`` or a trainer's ``LOCK``."""
-    from moe_jax.train import run_lock
+    from moe_jax.runtime import run_lock
 
     return any(
         storage.exists(storage.join(directory, name))
@@ -514,9 +514,11 @@ def _export(args) -> dict[str, Any]:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
+    from moe_jax.runtime import builders
 
-    parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
+    parser = builders.build_parser(
+        "moe-jax export", "write a checkpoint as safetensors + JSON config"
+    )
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,
@@ -548,7 +550,7 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def _source_run(export_dir: str) -> str | None:
     """The run directory an export was written from (its ``config.json``), if it says."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     path = storage.join(export_dir, CONFIG_JSON)
     with contextlib.suppress(OSError, ValueError):  # read_export names what is wrong
@@ -590,9 +592,9 @@ def _import(args) -> int:
 
 
 def import_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
+    from moe_jax.runtime import builders
 
-    parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
+    parser = builders.build_parser("moe-jax import", "read an export into a new run directory")
     parser.add_argument(
         "--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory"
     )

@@ -66,7 +66,7 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.errors import UserError
-from moe_jax.train import summaries
+from moe_jax.runtime import summaries
 
 FAMILY_KEYS = frozenset(
     {"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"}

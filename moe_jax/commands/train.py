@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from moe_jax import errors, storage
-from moe_jax.train import checkpoints, distributed, gin_utils, run_lock, setup
+from moe_jax.runtime import builders, checkpoints, distributed, gin_utils, run_lock
 
 
 class NonFiniteLossError(errors.UserError, FloatingPointError):
@@ -47,7 +47,7 @@ class NonFiniteLossError(errors.UserError, FloatingPointError):
     exit_code = errors.EXIT_NONFINITE
 
 
-def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
+def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
     """This process's resumable stream of training batches (``[batch / processes, length]``
     numpy arrays); ``state`` (from ``get_state()``) continues a saved position exactly,
     ``start_step`` skips that many batches of a fresh stream."""
@@ -76,8 +76,8 @@ def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_
 def train(
     *,
     model: Any = gin.REQUIRED,
-    train_dataset_cfg: setup.DatasetConfig = gin.REQUIRED,
-    train_eval_dataset_cfg: setup.DatasetConfig | None = None,
+    train_dataset_cfg: builders.DatasetConfig = gin.REQUIRED,
+    train_eval_dataset_cfg: builders.DatasetConfig | None = None,
     model_dir: str = gin.REQUIRED,
     total_steps: int = gin.REQUIRED,
     random_seed: int = 0,
@@ -235,12 +235,13 @@ def _train(
     allow_config_change,
 ):
     """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
-    from moe_jax.train import aot, evaluate, summaries
+    from moe_jax.commands import evaluate
+    from moe_jax.runtime import aot, summaries
 
     model.check_vocabulary()
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     input_shapes = train_dataset_cfg.input_shapes()
-    run = setup.build_train_setup(
+    run = builders.build_train_setup(
         model,
         input_shapes,
         ctx,
@@ -294,7 +295,7 @@ def _train(
     writer = summaries.MetricsWriter(model_dir, expert_shards)
     churn = None
     if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
-        probe_batch = next(setup.eval_batches(train_eval_dataset_cfg, 1))
+        probe_batch = next(builders.eval_batches(train_eval_dataset_cfg, 1))
         churn = summaries.ChurnProbe(
             model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
         )
@@ -331,12 +332,12 @@ def _train(
 
     unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
     try:
-        batch = setup.global_batch(next(iterator), ctx)
+        batch = builders.global_batch(next(iterator), ctx)
         while step < end:
             state, metrics = step_fn(state, batch)  # async dispatch; state donated
             data_state = iterator.get_state()  # position after this step's batch
             if step + 1 < end:
-                batch = setup.global_batch(next(iterator), ctx)  # overlaps the device's step
+                batch = builders.global_batch(next(iterator), ctx)  # overlaps the device's step
             if sync_every_step:
                 metrics = jax.device_get(metrics)
             ckpt.check_for_errors()  # a failed background save stops here
@@ -445,7 +446,7 @@ def _log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit code 0; expected errors and interrupts are raised for :func:`moe_jax.cli.main`
     to report (codes in :mod:`moe_jax.errors`)."""
-    parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax train", __doc__.splitlines()[0])
     parser.add_argument(
         "--allow_config_change",
         action="store_true",

@@ -1,6 +1,6 @@
 """Per-token routing of a trained checkpoint on a dataset.
 
-Checkpoints are restored with :func:`moe_jax.train.setup.restore_model` (parameters and
+Checkpoints are restored with :func:`moe_jax.runtime.builders.restore_model` (parameters and
 state collections, as `moe-jax eval` does); :func:`collect_routing` runs batches through the
 network with the MoE layers' opt-in ``routing`` collection mutable and returns, for each MoE
 layer (``"encoder/layers_3"``, ``"decoder/layers_7"``, ...), every token's expert choices,

@@ -57,7 +57,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moe_jax import errors, storage
-from moe_jax.train.train_state import TrainState
+from moe_jax.runtime.train_state import TrainState
 
 PyTree = Any
 
@@ -667,7 +667,7 @@ def restore_from(
     path: str, target: PyTree, collections: PyTree | None = None
 ) -> tuple[PyTree, PyTree, int, dict[str, Any]]:
     """The one restore path of every command that reads a checkpoint without resuming it
-    (eval, infer, analyze, export, upcycle; ``moe_jax.train.setup.restore_model`` builds the
+    (eval, infer, analyze, export, upcycle; ``moe_jax.runtime.builders.restore_model`` builds the
     targets): ``(params, collections, step, meta)`` of the checkpoint at ``path``, laid out as
     ``target`` / ``collections`` (see :meth:`Checkpointer.restore_params`). ``path`` is
     ``MODEL_DIR`` (latest step), ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``.

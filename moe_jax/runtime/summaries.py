@@ -141,13 +141,12 @@ class ChurnProbe:
     ):
         """``probe_batch``: this process's share of the probe batch (numpy);
         ``collections_shardings``: of the model's state collections (None: it has none)."""
-        from moe_jax.analysis import routing
-        from moe_jax.train import setup
+        from moe_jax.runtime import builders, routing
 
         self._fn = routing.routing_fn(
             model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings
         )
-        self._batch = setup.global_batch(probe_batch, ctx)
+        self._batch = builders.global_batch(probe_batch, ctx)
         self._path = storage.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
         if storage.exists(self._path):
@@ -159,8 +158,7 @@ class ChurnProbe:
         """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation);
         ``collections``: the state collections (e.g. ``router_bias``, which moves the
         selection, so churn counts its changes too)."""
-        from moe_jax.analysis import routing
-        from moe_jax.train import checkpoints
+        from moe_jax.runtime import checkpoints, routing
 
         if not checkpoints.router_params(params):  # a dense model: nothing routes
             return {}

@@ -35,7 +35,7 @@ import jax
 from moe_jax import storage
 from moe_jax.moe import capacity
 from moe_jax.moe.config import MoeConfig, TopKRouterConfig
-from moe_jax.train import gin_utils
+from moe_jax.runtime import gin_utils
 
 
 def _keeps_every_token(config: MoeConfig) -> bool:
@@ -129,7 +129,7 @@ def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]
 
 def _dense_params(path: str) -> tuple[dict[str, Any], int]:
     """``({"encoder/layers_0/...": array}, step)`` of the dense checkpoint at ``path``."""
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     model_dir, step = checkpoints.split_checkpoint_path(path)
     if not storage.isdir(storage.join(model_dir, "checkpoints")):
@@ -169,8 +169,9 @@ def upcycle(
     checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False
 ) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
+    from moe_jax.commands import evaluate
     from moe_jax.moe.upcycle import upcycle_params
-    from moe_jax.train import checkpoints, evaluate, setup
+    from moe_jax.runtime import builders, checkpoints
 
     if storage.listdir(out):
         raise FileExistsError(f"upcycle: --out={out!r} is not empty; give a new directory")
@@ -189,7 +190,9 @@ def upcycle(
             f"({sorted(granularities)}); upcycling takes one"
         )
     dense, dense_step = _dense_params(checkpoint)
-    run = setup.build_train_setup(model, dataset_cfg.input_shapes(), setup.run_context(), seed=seed)
+    run = builders.build_train_setup(
+        model, dataset_cfg.input_shapes(), builders.run_context(), seed=seed
+    )
     state, shardings = run.init_state(), run.shardings
     params = upcycle_params(
         dense,
@@ -236,9 +239,9 @@ def upcycle(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
+    from moe_jax.runtime import builders
 
-    parser = setup.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,
