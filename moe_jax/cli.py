@@ -21,7 +21,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
+
+from moe_jax import errors
+from moe_jax.commands.subcommands import split_command
 
 # subcommand -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -32,7 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("moe_jax.commands.analyze", "routing analyses over a checkpoint"),
     "sweep": ("moe_jax.experiments.sweep", "expand an experiment family into runs; collect plots"),
     "compile": (
-        "moe_jax.runtime.aot",
+        "moe_jax.commands.compile",
         "compile a run for a TPU/GPU/CPU target: memory, fit, step time",
     ),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
@@ -52,20 +55,6 @@ def _usage() -> str:
     lines.append("")
     lines.append("`moe-jax <command> --help` for the options of one command.")
     return "\n".join(lines)
-
-
-def split_command(
-    argv: list[str], known: Collection[str], prog: str, usage: str, what: str = "command"
-) -> tuple[str, list[str]] | int:
-    """``(name, rest)`` of a ``prog <name> [options]`` command line, or an exit code once
-    ``usage`` is printed: 0 for no name or help, 2 for a name not in ``known``."""
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage)
-        return 0
-    if argv[0] not in known:
-        print(f"{prog}: unknown {what} {argv[0]!r}\n\n{usage}", file=sys.stderr)
-        return 2
-    return argv[0], argv[1:]
 
 
 # TensorFlow (the data pipeline's) prints C++ log lines at import (the oneDNN notice, "Could
@@ -117,7 +106,6 @@ def quiet_startup(command: str, argv: list[str]) -> None:
 def error_message(err: BaseException) -> str:
     """What the user sees of an expected error: a UserError's or a short ValueError's own
     message (without gin's "In call to configurable" context lines), else its first line."""
-    from moe_jax import errors
 
     lines = [
         line
@@ -136,7 +124,6 @@ INTERRUPTED_DETAIL = "not finished (files it wrote are whole); run the same comm
 
 
 def _raise_terminated(signum: int, frame) -> None:
-    from moe_jax import errors
 
     raise errors.Interrupted(signum)
 
@@ -179,7 +166,6 @@ def run_command(name: str, module_main, argv: list[str]) -> int:
     """``module_main(argv)``'s exit code; an expected error becomes one line on stderr and
     its exit code, an interrupt one line and 130 / 143 (``MOE_JAX_TRACEBACK=1`` re-raises
     either for the traceback)."""
-    from moe_jax import errors
 
     try:
         return int(module_main(argv) or 0)

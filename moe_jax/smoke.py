@@ -12,10 +12,11 @@ import sys
 import tempfile
 import time
 
+from moe_jax.commands import evaluate, train
+from moe_jax.runtime import builders, gin_utils
+
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.commands import evaluate, train
-    from moe_jax.runtime import builders, gin_utils
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = builders.build_parser("moe-jax smoke", __doc__.splitlines()[0])

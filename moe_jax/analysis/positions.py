@@ -41,7 +41,7 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.analysis import plots
-from moe_jax.runtime import routing
+from moe_jax.runtime import builders, checkpoints, routing
 
 RIDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # times the number of tokens
 
@@ -428,7 +428,6 @@ def analyze(
     Returns the JSON's content: ``{"checkpoint", "step", "dataset", "settings", "layers":
     {"encoder/layers_3": analyze_layer(...), ...}, "files"}``.
     """
-    from moe_jax.runtime import builders, checkpoints
 
     ctx = builders.run_context()
     restored = builders.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 
 from moe_jax import storage
-from moe_jax.cli import split_command
-from moe_jax.runtime import distributed, gin_utils
+from moe_jax.commands.subcommands import split_command
+from moe_jax.runtime import builders, distributed, gin_utils
 
 # analysis -> (module with ``analyze(checkpoint_path, out_dir)``, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
@@ -52,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     import gin
-
-    from moe_jax.runtime import builders
 
     picked = split_command(
         list(sys.argv[1:] if argv is None else argv),

@@ -30,6 +30,7 @@ def vocabulary_of(model):
     """The model's seqio vocabulary (or the project's default one)."""
     if hasattr(model.vocabulary, "encode"):
         return model.vocabulary
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import vocab
 
     return vocab.get_vocabulary()

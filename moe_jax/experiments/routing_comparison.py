@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import plotting, storage
 from moe_jax.experiments import sweep
 from moe_jax.runtime import summaries
 
@@ -98,7 +98,6 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
     """One panel per quantity, one row per run (blue learned, orange frozen, gray dense):
     accuracy and cross-entropy as points on a zoomed axis, dropped fraction and max load as
     bars from zero; a run without the quantity (a dense model has no routing) says so."""
-    from moe_jax import plotting
 
     plt = plotting.pyplot()
     names = list(table)

@@ -14,6 +14,8 @@ Modules, one job each:
   summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry
   routing        per-token routing of every MoE layer of a restored model (the layer's opt-in
                  ``routing`` collection)
+  evaluation     mean eval metrics over a dataset; the run's recorded eval settings
+  run_names      how the seeds of a run family are named (``<family>/seed<N>``)
   aot            ahead-of-time compile for a TPU/GPU/CPU target: memory, fit, step time
 
 Nothing here imports TensorFlow/seqio at import time.

@@ -13,8 +13,7 @@ import gin
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.commands import evaluate
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, evaluation, gin_utils
 
 STEPS = 2
 TRAIN = [
@@ -154,7 +153,7 @@ def test_recorded_eval_settings_naming_a_module_are_refused(run_and_export, tmp_
     run, _ = run_and_export
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    settings = copy / evaluate.EVAL_SETTINGS_FILE
+    settings = copy / evaluation.EVAL_SETTINGS_FILE
     settings.write_text(settings.read_text().replace('"module": null', '"module": "eviltasks"'))
     assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 1
     line = _last_line(capsys)
