@@ -206,7 +206,8 @@ def train(
         expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
         writer = summaries.MetricsWriter(model_dir, expert_shards)
         churn = None
-        if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
+        if eval_fn and routing_churn and train_eval_dataset_cfg is not None:
+            # the first eval batch is the fixed probe batch
             probe_batch = next(builders.eval_batches(train_eval_dataset_cfg, 1))
             churn = summaries.ChurnProbe(
                 model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections

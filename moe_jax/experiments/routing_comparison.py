@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from typing import Any
@@ -158,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=storage.normalize, required=True)
     parser.add_argument(
         "--table",
+        type=storage.normalize,
         default=None,
         metavar="JSON",
         help="redraw the plot from a <family>_routing.json written before (no runs needed)",
@@ -169,22 +169,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"routing_comparison: {err}", file=sys.stderr)
         return 2
     if args.table:
-        with open(args.table) as f:
-            print(
-                "wrote",
-                plot(
-                    json.load(f), family.name, os.path.join(args.out, f"{family.name}_routing.png")
-                ),
-            )
+        table = json.loads(storage.read_text(args.table))
+        print(
+            "wrote", plot(table, family.name, storage.join(args.out, f"{family.name}_routing.png"))
+        )
         return 0
     table = compare(family, args.root)
     if not table:
         print(f"routing_comparison: no eval records under {args.root}", file=sys.stderr)
         return 1
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{family.name}_routing.json"), "w") as f:
-        json.dump(table, f, indent=1)
-    png = plot(table, family.name, os.path.join(args.out, f"{family.name}_routing.png"))
+    storage.makedirs(args.out)
+    storage.write_text(
+        storage.join(args.out, f"{family.name}_routing.json"), json.dumps(table, indent=1)
+    )
+    png = plot(table, family.name, storage.join(args.out, f"{family.name}_routing.png"))
     print(format_table(table))
     print("wrote", png)
     return 0
