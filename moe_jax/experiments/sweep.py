@@ -508,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="only these runs of the family (e.g. the source of an upcycled run first)",
     )
     run.epilog = (
-        "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after "
-        "the family's"
+        "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train after "
+        "the family's own bindings, so it wins over them."
     )
     collect.add_argument(
         "--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)"
