@@ -37,7 +37,7 @@ KNOWN_LOGICAL_AXES: frozenset[str] = frozenset(
         "abspos_buckets",
         "expert",
         "expert_mlp",
-        "expert_group",
+        "routing_group",
         "unmodeled",
         "layers",
         "stack",
@@ -79,7 +79,7 @@ def standard_logical_axis_rules(
     rules += [
         ("batch", batch_axes),
         ("expert", "expert" if expert_parallel else None),
-        ("expert_group", batch_axes),
+        ("routing_group", batch_axes),
         ("vocab", model),
         ("mlp", model),
         ("expert_mlp", model),

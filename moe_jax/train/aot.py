@@ -259,17 +259,20 @@ def _gin_value(name: str, default: Any) -> Any:
         return default
 
 
-def layer_choices(platform: str, dtype: Any, moe: Any = None) -> dict[str, Any]:
-    """The MoE layer's dispatch / per_expert_loop when compiled for ``platform`` devices with
-    ``dtype`` activations, as the layer of config ``moe`` (a ``MoeConfig``; None: the
-    defaults) resolves them (``ExecutionConfig.resolve``)."""
-    from moe_jax.moe.config import ExecutionConfig
+def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any] | None:
+    """The execution plan (``moe.execution.resolve_plan``) of the MoE layers of ``config``
+    (a ``T5Config``) compiled for ``target`` (the step's mesh, or a platform name) with
+    ``dtype`` activations: the encoder's plan (``ExecutionPlan.to_dict``), with the decoder's
+    under ``decoder`` when ``T5Config.decoder_moe`` differs from ``moe``; None without MoE
+    layers."""
+    from moe_jax.moe.execution import resolve_plan
 
-    execution = (
-        moe.execution if moe is not None else ExecutionConfig(dispatch="auto", per_expert_loop=None)
-    )
-    dispatch, per_expert_loop = execution.resolve(platform, dtype)
-    return {"platform": platform, "dispatch": dispatch, "per_expert_loop": per_expert_loop}
+    if not config.has_moe or config.moe is None:
+        return None
+    report = resolve_plan(config.moe, target, dtype).to_dict()
+    if config.decoder_moe is not None and config.decoder_moe != config.moe:
+        report["decoder"] = resolve_plan(config.decoder_moe, target, dtype).to_dict()
+    return report
 
 
 def train_bindings() -> dict[str, Any]:
@@ -452,7 +455,7 @@ def compile_run(
             )
         },
         "moe_layer": layer_choices(
-            devices[0].platform, model.module.config.dtype, model.module.config.moe
+            ctx.mesh.abstract_mesh, model.module.config.dtype, model.module.config
         ),
         "steps": {},
     }
