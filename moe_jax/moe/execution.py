@@ -68,9 +68,7 @@ class ExecutionPlan:
         return {**dataclasses.asdict(self), "dispatch": self.dispatch}
 
 
-def resolve_plan(
-    config: MoeConfig, target: AbstractMesh | str | None, dtype: Any
-) -> ExecutionPlan:
+def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: Any) -> ExecutionPlan:
     """The plan of a layer of ``config`` with activations of ``dtype``, compiled for
     ``target``: a mesh (its devices' platform; expert parallelism when its ``expert``
     axis has size > 1), a platform name (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``; no
@@ -127,22 +125,18 @@ def resolve_plan(
         loop = platform == "cpu" or (platform == "tpu" and jnp.dtype(dtype) == jnp.float32)
     ragged_exchange = expert_parallel and platform == "tpu"
     ragged = (
-        config.capacity.dropless
-        and dispatch == "sort"
-        and (ragged_exchange or not expert_parallel)
+        config.capacity.dropless and dispatch == "sort" and (ragged_exchange or not expert_parallel)
     )
-    token_choice = not isinstance(config.router, ExpertChoiceRouterConfig)
-    if not expert_parallel:
-        exchange = "local"
-    else:
-        exchange = "ragged_all_to_all" if ragged else "all_to_all"
+    exchange = "ragged_all_to_all" if ragged else "all_to_all"
+    sort_token_choice = dispatch == "sort" and not isinstance(
+        config.router, ExpertChoiceRouterConfig
+    )
     return ExecutionPlan(
         platform=platform,
         implementation="ragged" if ragged else dispatch,
         per_expert_loop=loop and not ragged,
-        choice_major_combine=dispatch == "sort" and not ragged and token_choice
-        and platform != "cpu",
-        exchange=exchange,
+        choice_major_combine=sort_token_choice and not ragged and platform != "cpu",
+        exchange=exchange if expert_parallel else "local",
     )
 
 
