@@ -259,18 +259,18 @@ def _gin_value(name: str, default: Any) -> Any:
         return default
 
 
-def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any] | None:
+def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any]:
     """The execution plan (``moe.execution.resolve_plan``) of the MoE layers of ``config``
-    (a ``T5Config``) compiled for ``target`` (the step's mesh, or a platform name) with
-    ``dtype`` activations: the encoder's plan (``ExecutionPlan.to_dict``), with the decoder's
-    under ``decoder`` when ``T5Config.decoder_moe`` differs from ``moe``; None without MoE
-    layers."""
+    (a ``T5Config``; a model without ``moe`` gets the default ``MoeConfig``'s) compiled for
+    ``target`` (the step's mesh, or a platform name) with ``dtype`` activations: the
+    encoder's plan (``ExecutionPlan.to_dict``), with the decoder's under ``decoder`` when
+    ``T5Config.decoder_moe`` differs from ``moe``."""
+    from moe_jax.moe.config import MoeConfig
     from moe_jax.moe.execution import resolve_plan
 
-    if not config.has_moe or config.moe is None:
-        return None
-    report = resolve_plan(config.moe, target, dtype).to_dict()
-    if config.decoder_moe is not None and config.decoder_moe != config.moe:
+    moe = config.moe if config.moe is not None else MoeConfig()
+    report = resolve_plan(moe, target, dtype).to_dict()
+    if config.decoder_moe is not None and config.decoder_moe != moe:
         report["decoder"] = resolve_plan(config.decoder_moe, target, dtype).to_dict()
     return report
 
