@@ -156,7 +156,7 @@ def recount(hlo_dir: str) -> None:
     """Re-analyses the kept HLO of every report that has one (see the module docstring)."""
     sys.path.insert(0, str(REPO))
     from moe_jax import hardware
-    from moe_jax.train import aot
+    from moe_jax.runtime import aot
 
     for run, target in pairs():
         path, hlo = (

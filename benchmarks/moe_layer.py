@@ -53,7 +53,14 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.hardware import measured_matmul_flops
-from moe_jax.moe import MoeLayer, legacy_gin
+from moe_jax.moe import (
+    AuxLossConfig,
+    CapacityConfig,
+    ExecutionConfig,
+    MoeConfig,
+    MoeLayer,
+    TopKRouterConfig,
+)
 from moe_jax.moe.capacity import expert_capacity, group_layout
 
 TOKENS = (8, 512)
@@ -116,28 +123,32 @@ def _grad_fn(apply, out_shape, loss: str):
     return jax.jit(step(objective, argnums=(0, 1), has_aux=True))
 
 
-def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **options) -> tuple:
-    """Fwd+bwd of a training-mode MoeLayer (``options``: extra settings, by the flat names of
-    ``legacy_gin.config_from_fields``); a balancing bias is passed in, updated and returned,
-    as in a train step."""
-    layer = MoeLayer(
-        legacy_gin.config_from_fields(
-            **{
-                **dict(
-                    num_experts=experts,
-                    num_selected_experts=2,
-                    d_ff=d_ff,
-                    dispatch=dispatch,
-                    train_capacity_factor=1.25,
-                    capacity_rule="t5x",
-                    group_size=4096,
-                    load_balancing_loss_weight=0.0,
-                    router_z_loss_weight=0.0,
-                ),
-                **options,
-            }
-        )
+def layer_config(experts: int, d_ff: int, dispatch: str, **parts: dict) -> MoeConfig:
+    """Top-2 over ``experts`` experts (T5X capacity rule, factor 1.25, groups of 4096, no
+    auxiliary losses), with ``parts`` changed: ``model={...}`` (``MoeConfig`` fields),
+    ``router``, ``capacity``, ``execution`` ({field: value} of those parts)."""
+    config = MoeConfig(
+        num_experts=experts,
+        d_ff=d_ff,
+        router=TopKRouterConfig(num_selected_experts=2),
+        capacity=CapacityConfig(train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096),
+        execution=ExecutionConfig(dispatch=dispatch),
+        losses=AuxLossConfig(load_balancing_loss_weight=0.0, router_z_loss_weight=0.0),
     )
+    changed = {
+        part: dataclasses.replace(getattr(config, part), **fields)
+        for part, fields in parts.items()
+        if part != "model"
+    }
+    return dataclasses.replace(config, **parts.get("model", {}), **changed)
+
+
+def moe_run(
+    d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **parts: dict
+) -> tuple:
+    """Fwd+bwd of a training-mode MoeLayer configured by :func:`layer_config`; a balancing
+    bias is passed in, updated and returned, as in a train step."""
+    layer = MoeLayer(layer_config(experts, d_ff, dispatch, **parts))
     x = jax.random.normal(jax.random.PRNGKey(0), (*TOKENS, d_model))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
     state = {k: v for k, v in variables.items() if k == "router_bias"}
@@ -155,25 +166,28 @@ def moe_run(d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **o
     return grad, (variables["params"], x)
 
 
-# name: (MoeLayer options, useful FLOPs relative to plain top-2 at T5-Base / E = 8: what the
-# option adds to the expert matmuls on the filled capacity slots).
+# name: (the parts of layer_config changed, useful FLOPs relative to plain top-2 at T5-Base /
+# E = 8: what the option adds to the expert matmuls on the filled capacity slots).
 def _options(d_model: int, d_ff: int, slots: int, tokens: int) -> dict[str, tuple[dict, float]]:
     base = useful_flops(slots, d_model, d_ff)
     router = 3 * 2 * tokens * d_model  # fwd + bwd FLOPs of one router column
     return {
         "top-2 (plain)": ({}, 1.0),
         "shared expert (1 x d_ff) + top-2": (
-            dict(num_shared_experts=1),
+            dict(model=dict(num_shared_experts=1)),
             1.0 + useful_flops(tokens, d_model, d_ff) / base,
         ),
-        "balancing bias (u = 1e-3)": (dict(bias_update_rate=1e-3), 1.0),
-        "sigmoid scores": (dict(router_score="sigmoid"), 1.0),
+        "balancing bias (u = 1e-3)": (dict(router=dict(bias_update_rate=1e-3)), 1.0),
+        "sigmoid scores": (dict(router=dict(score_function="sigmoid")), 1.0),
         # capacity factor x m keeps the slots' FLOPs (the T5X rule does not scale with k)
         "fine-grained m = 4 (32 x d_ff/4, top-8)": (
-            dict(expert_granularity=4, train_capacity_factor=5.0),
+            dict(model=dict(expert_granularity=4), capacity=dict(train_capacity_factor=5.0)),
             1.0 + 24 * router / base,
         ),
-        "group-limited G = 4, M = 2": (dict(num_limited_groups=4, max_groups_per_token=2), 1.0),
+        "group-limited G = 4, M = 2": (
+            dict(router=dict(num_limited_groups=4, max_groups_per_token=2)),
+            1.0,
+        ),
     }
 
 
@@ -192,7 +206,9 @@ def options_table(reps: int, loss: str) -> None:
     # matmuls (cost_analysis does not multiply a lax.map body by its trip count).
     costs = {}
     for name, (kw, _) in options.items():
-        fn, fn_args = moe_run(d_model, d_ff, 8, "sort", loss, **kw, per_expert_loop=False)
+        fn, fn_args = moe_run(
+            d_model, d_ff, 8, "sort", loss, **kw, execution=dict(per_expert_loop=False)
+        )
         cost = fn.lower(*fn_args).compile().cost_analysis()
         costs[name] = (cost.get("flops", float("nan")), cost.get("bytes accessed", float("nan")))
     plain, (plain_flops, plain_bytes) = results["top-2 (plain)"].ms, costs["top-2 (plain)"]
@@ -217,7 +233,9 @@ def orders_table(reps: int, loss: str) -> None:
     print("| --- | --- | --- | --- | --- |")
     for shape, (d_model, d_ff) in SHAPES.items():
         runs = {
-            (impl, order): moe_run(d_model, d_ff, 8, impl, loss, capacity_order=order)
+            (impl, order): moe_run(
+                d_model, d_ff, 8, impl, loss, capacity=dict(capacity_order=order)
+            )
             for impl in ("einsum", "sort")
             for order in ("choice_major", "token_major")
         }

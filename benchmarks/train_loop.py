@@ -15,7 +15,6 @@ steps/s, tokens/s (encoder + decoder positions) and MFU, and the ratio of steps/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,11 +22,6 @@ import tempfile
 import numpy as np
 
 LOOPS = {"every step (before)": True, "one step late": False}  # sync_every_step
-
-
-def _windows(model_dir: str) -> list[dict]:
-    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if '"split": "train"' in line][1:]
 
 
 def main(argv: list[str]) -> int:
@@ -41,14 +35,15 @@ def main(argv: list[str]) -> int:
     ).strip()
     import jax
 
-    from moe_jax.train import gin_utils, setup, train
+    from moe_jax.commands import train
+    from moe_jax.runtime import builders, gin_utils, summaries
 
     windows: dict[str, list[dict]] = {name: [] for name in LOOPS}
     for round_index in range(args.rounds):
         for name, sync in LOOPS.items():
             model_dir = tempfile.mkdtemp(prefix="moe_jax_bench_")
             flags = gin_utils.parse_flags(
-                setup.build_parser("bench", "bench"),
+                builders.build_parser("bench", "bench"),
                 [
                     "--gin_file=runs/smoke_cpu.gin",
                     f"--gin.MODEL_DIR={model_dir}",
@@ -62,8 +57,10 @@ def main(argv: list[str]) -> int:
             )
             gin_utils.parse_gin(flags)
             train.train()
-            windows[name] += _windows(model_dir)
-            rate = np.median([w["steps_per_sec"] for w in _windows(model_dir)])
+            windows[name] += summaries.read_metrics(model_dir, "train")[1:]
+            rate = np.median(
+                [w["steps_per_sec"] for w in summaries.read_metrics(model_dir, "train")[1:]]
+            )
             print(f"round {round_index + 1}: {name}: {rate:.2f} steps/s", file=sys.stderr)
 
     print(

@@ -26,4 +26,4 @@ done
 for metric in accuracy cross_entropy; do
   "${MOE[@]}" sweep collect "$FAMILY" --root="$ROOT" --out="$ROOT/results" --metric="$metric"
 done
-"$PY" -m moe_jax.train.routing_comparison "$FAMILY" --root="$ROOT" --out="$ROOT/results"
+"$PY" -m moe_jax.experiments.routing_comparison "$FAMILY" --root="$ROOT" --out="$ROOT/results"

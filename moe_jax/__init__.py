@@ -1,11 +1,24 @@
 """moe-jax: routing in Mixture-of-Experts models, in JAX/Flax.
 
-Subpackages (each one job):
-  synthetic  pure-JAX synthetic routing laboratory (the paper's Sections 2-4, Appendices C-F)
-  moe        the Flax MoE layer: routers, dispatch, experts, auxiliary losses
-  models     the T5 MoE encoder-decoder
+Packages, from the bottom up; a module imports only from its own layer or those below it,
+and no modules import each other in a loop (``tests/core/test_layout.py`` checks both):
+
+  errors, storage, hardware, partitioning, param_paths, plotting, hlo_costs
+             expected errors; run-directory files (local or gs://); chip facts and compile
+             targets; meshes and logical axis rules; parameter names; the matplotlib
+             set-up; costs read from compiled HLO
+  moe        the Flax MoE layer and its typed configuration: routers, dispatch, experts,
+             expert parallelism, auxiliary losses, router freezing, upcycling
   data       seqio tasks, span corruption, vocabularies, embedded corpus
-  train      train / eval / infer binaries, checkpoints, multi-host
+  synthetic  pure-JAX synthetic routing laboratory (the paper's Sections 2-4, Appendices C-F)
+  models     the T5 MoE encoder-decoder
+  runtime    the training runtime: gin flags, builders, train step, checkpoints, run lock,
+             metrics, evaluation, ahead-of-time compile
+  analysis   routing analyses over checkpoints (positions, languages, counterfactual routers)
+  commands   the `moe-jax` binaries (train, eval, infer, compile, export / import, upcycle,
+             analyze)
+  experiments  tooling over many runs: sweeps and routing comparisons
+  cli, smoke the `moe-jax` entry point and the README's main job
 """
 
 __version__ = "0.1.0"

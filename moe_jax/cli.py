@@ -9,7 +9,7 @@ This is the one place that turns the project's expected errors (:mod:`moe_jax.er
 into one line ``moe-jax <command>: error: ...`` and an exit code, for every command, and
 Ctrl-C (SIGINT) or SIGTERM into one line ``moe-jax <command>: stopped by ...: <what was
 saved, how to resume>`` and exit code 130 / 143 (`train` saves a checkpoint first, see
-:class:`moe_jax.train.distributed.PreemptionWatcher`).
+:class:`moe_jax.runtime.distributed.PreemptionWatcher`).
 """
 
 from __future__ import annotations
@@ -21,27 +21,30 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
+
+from moe_jax import errors
+from moe_jax.commands.subcommands import split_command
 
 # subcommand -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synthetic": ("moe_jax.synthetic.cli", "regenerate the paper's synthetic experiments"),
-    "train": ("moe_jax.train.train", "T5X-style gin-configured training"),
-    "eval": ("moe_jax.train.evaluate", "evaluate one or more checkpoints"),
-    "infer": ("moe_jax.train.infer", "decode from a checkpoint"),
-    "analyze": ("moe_jax.analysis.cli", "routing analyses over a checkpoint"),
-    "sweep": ("moe_jax.train.sweep", "expand an experiment family into runs; collect plots"),
+    "train": ("moe_jax.commands.train", "T5X-style gin-configured training"),
+    "eval": ("moe_jax.commands.evaluate", "evaluate one or more checkpoints"),
+    "infer": ("moe_jax.commands.infer", "decode from a checkpoint"),
+    "analyze": ("moe_jax.commands.analyze", "routing analyses over a checkpoint"),
+    "sweep": ("moe_jax.experiments.sweep", "expand an experiment family into runs; collect plots"),
     "compile": (
-        "moe_jax.train.aot",
+        "moe_jax.commands.compile",
         "compile a run for a TPU/GPU/CPU target: memory, fit, step time",
     ),
     "smoke": ("moe_jax.smoke", "the README's main job on embedded defaults"),
     "upcycle": (
-        "moe_jax.train.upcycle",
+        "moe_jax.commands.upcycle",
         "an MoE run from a dense run's checkpoint (sparse upcycling)",
     ),
-    "export": ("moe_jax.train.export:export_main", "write a checkpoint as safetensors + JSON"),
-    "import": ("moe_jax.train.export:import_main", "read an export into a new run directory"),
+    "export": ("moe_jax.commands.export:export_main", "write a checkpoint as safetensors + JSON"),
+    "import": ("moe_jax.commands.export:import_main", "read an export into a new run directory"),
 }
 
 
@@ -52,20 +55,6 @@ def _usage() -> str:
     lines.append("")
     lines.append("`moe-jax <command> --help` for the options of one command.")
     return "\n".join(lines)
-
-
-def split_command(
-    argv: list[str], known: Collection[str], prog: str, usage: str, what: str = "command"
-) -> tuple[str, list[str]] | int:
-    """``(name, rest)`` of a ``prog <name> [options]`` command line, or an exit code once
-    ``usage`` is printed: 0 for no name or help, 2 for a name not in ``known``."""
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage)
-        return 0
-    if argv[0] not in known:
-        print(f"{prog}: unknown {what} {argv[0]!r}\n\n{usage}", file=sys.stderr)
-        return 2
-    return argv[0], argv[1:]
 
 
 # TensorFlow (the data pipeline's) prints C++ log lines at import (the oneDNN notice, "Could
@@ -117,7 +106,6 @@ def quiet_startup(command: str, argv: list[str]) -> None:
 def error_message(err: BaseException) -> str:
     """What the user sees of an expected error: a UserError's or a short ValueError's own
     message (without gin's "In call to configurable" context lines), else its first line."""
-    from moe_jax import errors
 
     lines = [
         line
@@ -136,7 +124,6 @@ INTERRUPTED_DETAIL = "not finished (files it wrote are whole); run the same comm
 
 
 def _raise_terminated(signum: int, frame) -> None:
-    from moe_jax import errors
 
     raise errors.Interrupted(signum)
 
@@ -179,7 +166,6 @@ def run_command(name: str, module_main, argv: list[str]) -> int:
     """``module_main(argv)``'s exit code; an expected error becomes one line on stderr and
     its exit code, an interrupt one line and 130 / 143 (``MOE_JAX_TRACEBACK=1`` re-raises
     either for the traceback)."""
-    from moe_jax import errors
 
     try:
         return int(module_main(argv) or 0)

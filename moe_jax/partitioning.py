@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_jax import param_paths
+
 MESH_AXES: tuple[str, str, str] = ("data", "expert", "model")
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -228,7 +230,7 @@ def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: Logical
     )[0]
     shapes = jax.tree.leaves(shape_tree)
     for (path, spec), leaf in zip(specs, shapes, strict=True):
-        validate_logical_axes(tuple(spec), where=jax.tree_util.keystr(path))
+        validate_logical_axes(tuple(spec), where=param_paths.path_name(path))
         mesh_spec = (
             NamedSharding(mesh, PartitionSpec()).spec
             if not spec
@@ -241,7 +243,7 @@ def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: Logical
             size = int(np.prod([mesh.shape[a] for a in axes]))
             if leaf.shape[dim] % size:
                 raise ValueError(
-                    f"{jax.tree_util.keystr(path)}: dimension {dim} ({logical!r}) has size "
+                    f"{param_paths.path_name(path)}: dimension {dim} ({logical!r}) has size "
                     f"{leaf.shape[dim]}, not divisible by mesh axes {axes} of size {size}"
                 )
 

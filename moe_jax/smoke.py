@@ -12,12 +12,14 @@ import sys
 import tempfile
 import time
 
+from moe_jax.commands import evaluate, train
+from moe_jax.runtime import builders, gin_utils
+
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import evaluate, gin_utils, setup, train
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = setup.build_parser("moe-jax smoke", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax smoke", __doc__.splitlines()[0])
     args = gin_utils.parse_flags(parser, ["--gin_file=runs/smoke_cpu.gin", *argv])
     if not any(b.replace(" ", "").startswith("MODEL_DIR=") for b in args.gin_dot_bindings):
         args.gin_dot_bindings.append(f"MODEL_DIR = {tempfile.mkdtemp(prefix='moe_jax_smoke_')!r}")

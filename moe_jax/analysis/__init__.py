@@ -1,15 +1,12 @@
-"""Routing analyses over trained checkpoints (`moe-jax analyze <analysis>`).
+"""Routing analyses over trained checkpoints (`moe-jax analyze <analysis>`, `moe-jax eval
+--router=NAME`), built on :mod:`moe_jax.runtime` (its ``routing`` module collects each MoE
+layer's per-token routing).
 
-  ``routing.py``    restore a checkpoint, run the eval data through it, collect each MoE
-                    layer's per-token routing (the layer's opt-in ``routing`` collection)
-  ``positions.py``  positional routing statistics (Bershatsky & Oseledets): activation
-                    rate by position, correlation length of expert sequences, position probes
-  ``languages.py``  languages (or any labelled groups) as latent clusters: mutual
-                    information between label and expert, sparsity per cluster
-                    (``moe-jax analyze languages``)
-  ``counterfactual.py``  the same weights evaluated with the routers replaced
-                    (``moe-jax eval --router=NAME``)
-  ``plots.py``      the PNGs of those statistics
-  ``cli.py``        argument parsing and dispatch
+  positions       positional routing statistics (Bershatsky & Oseledets): activation rate
+                  by position, correlation length of expert sequences, position probes
+  languages       languages (or any labelled groups) as latent clusters: mutual information
+                  between label and expert, sparsity per cluster
+  counterfactual  the same weights evaluated with the routers replaced
+  plots           the PNGs of those statistics
 See docs/analysis.md.
 """

@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import param_paths, storage
 from moe_jax.moe.config import TopKRouterConfig
 from moe_jax.moe.layer import ROUTERS
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
+from moe_jax.runtime import checkpoints
 from moe_jax.synthetic.routers import shuffle_columns
-from moe_jax.train import checkpoints
 
 ROUTER_VARIANTS = ("learned", "init", "random", "hash", "uniform", "shuffled")
 Interceptor = Callable[..., Any]
@@ -53,12 +53,12 @@ def check_variants(names: list[str]) -> list[str]:
 
 
 def _map_routers(params: Any, fn: Callable[[str, jax.Array], jax.Array]) -> Any:
-    """``params`` with every router leaf ``x`` (by :func:`checkpoints.router_params` name)
+    """``params`` with every router leaf ``x`` (:func:`moe_jax.param_paths.is_router_param`)
     replaced by ``fn(name, x)``; all other leaves are the same objects."""
 
     def visit(path, leaf):
-        name = checkpoints.path_name(path)
-        return fn(name, leaf) if "router" in name else leaf
+        name = param_paths.path_name(path)
+        return fn(name, leaf) if param_paths.is_router_param(name) else leaf
 
     return jax.tree_util.tree_map_with_path(visit, params)
 

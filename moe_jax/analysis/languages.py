@@ -41,11 +41,11 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import storage
-from moe_jax.analysis import counterfactual, routing
+from moe_jax import param_paths, storage
+from moe_jax.analysis import counterfactual, plots
 from moe_jax.analysis.positions import mutual_information_bits
+from moe_jax.runtime import builders, checkpoints, routing, run_names
 from moe_jax.synthetic import metrics as synthetic_metrics
-from moe_jax.train.sweep import seed_family
 
 # ------------------------------------------------------------------------------ statistics
 
@@ -138,10 +138,9 @@ def analyze_layer(
 def router_kernels(params: Any) -> dict[str, np.ndarray]:
     """``{"encoder/layers_3": w [d_model, experts]}``: each MoE layer's single router kernel
     (layers whose router has several kernels, e.g. noisy top-k, are left out)."""
-    from moe_jax.train import checkpoints
 
     kernels: dict[str, list[np.ndarray]] = {}
-    for name, leaf in checkpoints.router_params(params).items():
+    for name, leaf in param_paths.router_params(params).items():
         if name.endswith("/w") and np.ndim(leaf) == 2:
             parts = name.split("/router/")[0].split("/")
             layer = "/".join(p for p in parts if p not in routing._SKIPPED_PATH_PARTS)
@@ -161,6 +160,7 @@ def labelled_examples(
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The first ``max_examples_per_label`` unpacked examples of each label's task:
     (features ``{name: int32 [n, length]}``, ``int [n]`` label index in ``groups`` order)."""
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import pipeline
 
     rows: dict[str, list[np.ndarray]] = {}
@@ -190,7 +190,6 @@ def global_batches(
 ) -> Iterator[dict[str, jax.Array]]:
     """``features`` in global batches of ``batch_size`` rows, the last padded with empty
     rows (never routed); each process feeds its contiguous share of every batch."""
-    from moe_jax.train import setup
 
     n = len(next(iter(features.values())))
     per_process = batch_size // jax.process_count()
@@ -203,7 +202,7 @@ def global_batches(
             batch[name] = block[
                 jax.process_index() * per_process : (jax.process_index() + 1) * per_process
             ]
-        yield setup.global_batch(batch, ctx)
+        yield builders.global_batch(batch, ctx)
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -212,7 +211,6 @@ def global_batches(
 def expand_checkpoints(paths: Sequence[str], all_steps: bool) -> list[str]:
     """``paths``, or with ``all_steps`` every saved step of each path's ``MODEL_DIR``
     (``MODEL_DIR/checkpoints/STEP``, ascending)."""
-    from moe_jax.train import checkpoints
 
     if not all_steps:
         return list(paths)
@@ -226,21 +224,16 @@ def expand_checkpoints(paths: Sequence[str], all_steps: bool) -> list[str]:
     return out
 
 
-def run_family(run: str) -> str:
-    """``learned/seed0`` -> ``learned``: a run without its seed directory (else the run)."""
-    return seed_family(run) or run
-
-
 SEED_STATISTICS = ("bits", "shuffled_label_bits", "sparsity")
 
 
 def seed_summary(checkpoints: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per run family (``run_family``) and step held by two or more of its seeds: for each
+    """Per run family (``run_names.family_of``) and step held by two or more of its seeds: for each
     layer, the mean and standard deviation (ddof 1) over the seeds of ``SEED_STATISTICS``
     (``{"bits": [mean, std], ...}``), sorted by family and step."""
     groups: dict[tuple[str, int], list[Mapping[str, Any]]] = defaultdict(list)
     for result in checkpoints:
-        groups[(run_family(result["run"]), result["step"])].append(result)
+        groups[(run_names.family_of(result["run"]), result["step"])].append(result)
     summary = []
     for (family, step), results in sorted(groups.items()):
         if len(results) < 2:
@@ -309,13 +302,12 @@ def analyze(
     Raises:
       moe_jax.data.labels.NoLabelsError: the run's corpus or task has no labels.
     """
-    from moe_jax.analysis import plots
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import labels as data_labels
-    from moe_jax.train import checkpoints, setup
 
     groups = data_labels.label_groups(mixture_or_task_name)
     paths = expand_checkpoints(checkpoint_paths, all_steps)
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     features, row_labels = labelled_examples(
         groups, task_feature_lengths, split, max_examples_per_label, seed
     )
@@ -326,7 +318,7 @@ def analyze(
     fn = None
     results = []
     for path in paths:
-        restored = setup.restore_model(path, model, input_shapes, ctx)
+        restored = builders.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
             fn = routing.routing_fn(

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from moe_jax import plotting, storage
+from moe_jax.runtime import run_names
 
 
 def _pyplot():
@@ -166,13 +167,12 @@ def language_curves(
 ) -> None:
     """Per MoE layer: I(language; top-1 expert) (solid) with its shuffled-label floor
     (dotted), and sparsity per language (solid) with the shuffled router (dashed), vs step,
-    one colour per run family (``languages.run_family``: its seeds as thin lines and, from
+    one colour per run family (``run_names.family_of``: its seeds as thin lines and, from
     ``seed_summary``, their mean in bold)."""
-    from moe_jax.analysis.languages import run_family
 
     plt = _pyplot()
     runs = list(dict.fromkeys(c["run"] for c in checkpoints))
-    families = list(dict.fromkeys(run_family(run) for run in runs))
+    families = list(dict.fromkeys(run_names.family_of(run) for run in runs))
     means = {
         f: sorted((s for s in seed_summary or [] if s["family"] == f), key=lambda s: s["step"])
         for f in families
@@ -181,7 +181,7 @@ def language_curves(
     fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6.2), squeeze=False)
     colours = plt.get_cmap("tab10")
     for run in runs:
-        family = run_family(run)
+        family = run_names.family_of(run)
         colour, thin = colours(families.index(family)), bool(means[family])
         points = sorted((c for c in checkpoints if c["run"] == run), key=lambda c: c["step"])
         steps = [c["step"] for c in points]

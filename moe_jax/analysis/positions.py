@@ -1,7 +1,7 @@
 """Positional routing analysis (Bershatsky & Oseledets, "On the spatial structure of
 Mixture-of-Experts in Transformers"): does the router use token positions?
 
-Per MoE layer, from the per-token routing of :mod:`moe_jax.analysis.routing`:
+Per MoE layer, from the per-token routing of :mod:`moe_jax.runtime.routing`:
 
 1. **Activation rate by position** ``r[p, e]``: the fraction of tokens at position ``p``
    that chose expert ``e`` among their ``k`` (rows sum to ``k``; the top-1 version to 1),
@@ -40,7 +40,8 @@ import jax
 import numpy as np
 
 from moe_jax import storage
-from moe_jax.analysis import plots, routing
+from moe_jax.analysis import plots
+from moe_jax.runtime import builders, checkpoints, routing
 
 RIDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # times the number of tokens
 
@@ -427,10 +428,9 @@ def analyze(
     Returns the JSON's content: ``{"checkpoint", "step", "dataset", "settings", "layers":
     {"encoder/layers_3": analyze_layer(...), ...}, "files"}``.
     """
-    from moe_jax.train import checkpoints, setup
 
-    ctx = setup.run_context()
-    restored = setup.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
+    ctx = builders.run_context()
+    restored = builders.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
     step = restored.step
     fn = routing.routing_fn(
         model,
@@ -440,7 +440,9 @@ def analyze(
         ctx.batch_axes,
         restored.collections_shardings,
     )
-    batches = (setup.global_batch(b, ctx) for b in setup.eval_batches(dataset_cfg, num_batches))
+    batches = (
+        builders.global_batch(b, ctx) for b in builders.eval_batches(dataset_cfg, num_batches)
+    )
     layers = routing.collect_routing(fn, restored.params, batches, restored.collections)
     settings: dict[str, Any] = dict(
         num_batches=num_batches,

@@ -7,6 +7,7 @@ Modules (one job each; see docs/data.md):
   span_corruption  the T5/mT5 span-corruption objective as a seqio preprocessor
   tasks            registers the seqio tasks (importing it is enough; idempotent)
   pipeline         get_dataset, the resumable TrainIterator, to_global_batch
+  labels           known latent clusters of a corpus (languages): label -> its own task
 
 Importing this package does not import TensorFlow or seqio; import the submodules.
 """

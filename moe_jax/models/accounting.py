@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from moe_jax import param_paths
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe.config import MoeConfig
 
@@ -47,10 +48,6 @@ def moe_shape(config: MoeConfig) -> MoeShape:
     )
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def num_params(params: Any) -> int:
     """Total number of parameters (boxed ``nn.Partitioned`` or plain arrays)."""
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params))))
@@ -81,7 +78,7 @@ def describe_params(params: Any) -> str:
     rows: list[str] = []
     groups: dict[str, int] = {}
     for (path, leaf), spec in zip(flat, specs, strict=True):
-        name = _path_name(path)
+        name = param_paths.path_name(path)
         count = int(np.prod(leaf.shape))
         groups[_group(name)] = groups.get(_group(name), 0) + count
         rows.append(f"  {name:<70} {tuple(leaf.shape)!s:<20} {tuple(spec)!s:<36} {count:>12,}")

@@ -12,6 +12,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from moe_jax import param_paths
 from moe_jax.models import accounting, decoding, losses
 from moe_jax.models.t5 import EncoderDecoder
 
@@ -37,15 +38,11 @@ MOE_METRICS_COLLECTION = "moe_metrics"
 STATE_COLLECTIONS = ("router_bias",)
 
 
-def _key_name(key: Any) -> str:
-    return str(getattr(key, "key", getattr(key, "idx", key)))
-
-
 def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
     """Flattens a sown collection to ``{module path + name: value}`` (sown tuples averaged)."""
     out: dict[tuple[str, ...], list[jax.Array]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = tuple(_key_name(k) for k in path if not isinstance(k, jax.tree_util.SequenceKey))
+        names = tuple(param_paths.path_name(path, skip_indices=True).split("/"))
         out.setdefault(names, []).append(jnp.asarray(leaf, jnp.float32))
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
 

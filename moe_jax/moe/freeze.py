@@ -16,6 +16,7 @@ import gin
 import jax
 import optax
 
+from moe_jax import param_paths
 from moe_jax.moe.selection import BIAS_COLLECTION
 
 ROUTER_MODES: tuple[str, ...] = ("learned", "frozen")
@@ -23,24 +24,10 @@ BIAS_MODES: tuple[str, ...] = ("updated", "frozen")
 _ROUTER, _OTHER = "router", "other"
 
 
-def _key_name(key: Any) -> str | None:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return None
-
-
-def is_router_param(path: tuple[Any, ...] | str) -> bool:
-    """True for a parameter of a router: ``path`` is a ``jax.tree_util`` key path or a
-    ``/``-joined string; any element named ``router`` marks it."""
-    names = path.split("/") if isinstance(path, str) else [_key_name(k) for k in path]
-    return "router" in names
-
-
 def router_labels(params: Any) -> Any:
     """The pytree of ``"router"`` / ``"other"`` labels of ``params``."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, _: _ROUTER if is_router_param(p) else _OTHER, params
+        lambda p, _: _ROUTER if param_paths.is_router_param(p) else _OTHER, params
     )
 
 
@@ -102,8 +89,12 @@ def data_initialized_router(
     """
 
     def replace(path, leaf):
-        name = "/".join(n for n in (_key_name(k) for k in path) if n is not None)
-        if not (is_router_param(path) and name.endswith("weights/w") and path_contains in name):
+        name = param_paths.path_name(path)
+        if not (
+            param_paths.is_router_param(path)
+            and name.endswith("weights/w")
+            and path_contains in name
+        ):
             return leaf
         d_model, experts = leaf.shape
         if samples.shape[-1] != d_model or samples.shape[0] < experts:
@@ -124,7 +115,6 @@ __all__ = [
     "apply_router_mode",
     "bias_mode",
     "data_initialized_router",
-    "is_router_param",
     "router_labels",
     "router_mode",
     "updated_collections",

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.moe.freeze import is_router_param
+from moe_jax import param_paths
 
 PyTree = Any
 EXPERT_PATH, SHARED_PATH, DENSE_PATH = "/moe/expert/", "/moe/shared_expert/", "/mlp/"
@@ -58,10 +58,6 @@ OUTPUT_KERNEL = "wo"  # [mlp, embed]; the input kernels wi / wi_0 / wi_1 are [em
 
 class UpcycleShapeError(ValueError):
     """A dense parameter does not fit the MoE config; the message names it and both shapes."""
-
-
-def _name(path: tuple[Any, ...]) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def dense_source(name: str) -> str | None:
@@ -114,8 +110,8 @@ def upcycle_params(
     m = granularity
 
     def take(path, leaf):
-        name = _name(path)
-        if is_router_param(path):
+        name = param_paths.path_name(path)
+        if param_paths.is_router_param(path):
             return tie_router_columns(leaf, m) if m > 1 else leaf
         source = dense_source(name)
         if source is None:

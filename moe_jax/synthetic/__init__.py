@@ -9,7 +9,9 @@ Modules, one job each:
   models      the soft MoE (top-1 at evaluation) and the dense baselines
   train       one training loop (optax, vmapped over runs, chunked lax.scan + tqdm)
   metrics     normalised loss, per-cluster sparsity, spurious ratio, norm uniformity, purity
-  experiments one module per CLI experiment; `cli` dispatches `moe-jax synthetic <name>`
+  experiments one module per CLI experiment
+  cli         `moe-jax synthetic <name>`: runs one experiment (or the suite) into a folder
+  report      `moe-jax synthetic report`: the fidelity table against the paper's numbers
 
 Nothing here imports TensorFlow except the `cifar100` experiment, lazily.
 """

@@ -21,7 +21,8 @@ import sys
 import time
 from typing import Any
 
-from moe_jax import errors
+from moe_jax import errors, plotting
+from moe_jax.synthetic import report as fidelity
 from moe_jax.synthetic.experiments import EXPERIMENTS, SUITE, load
 from moe_jax.synthetic.experiments.common import PRESETS, TRAINING_KEYS, console_table
 
@@ -130,7 +131,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def report(args: argparse.Namespace) -> int:
-    from moe_jax.synthetic import report as fidelity
 
     if args.results is None:
         raise errors.ConfigError("report: --results DIR is required")
@@ -153,7 +153,6 @@ def report(args: argparse.Namespace) -> int:
 def replot(args: argparse.Namespace) -> int:
     """``moe-jax synthetic plot --results DIR [--out DIR]``: redraws ``<name>.png`` from each
     ``<name>.json`` in DIR whose experiment can plot from its JSON alone (no training)."""
-    from moe_jax import plotting
 
     if args.results is None or not pathlib.Path(args.results).is_dir():
         raise errors.ConfigError("plot: --results DIR (a folder of <experiment>.json) is required")

@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from moe_jax import plotting
+from moe_jax.synthetic.experiments import common
+
 Result = dict[str, Any]
 VERDICTS = ("magnitude within 2x", "direction reproduced", "not reproduced")
 FLOAT32_EXACT = 1e-5  # "exactly 0" for a float32 computation
@@ -733,9 +736,6 @@ def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     axis, the 2x band shaded), a point coloured by verdict joined to 1 (the paper's value);
     the title says how many of the table's rows are shown and why the others are not."""
     from matplotlib.patches import Patch
-
-    from moe_jax import plotting
-    from moe_jax.synthetic.experiments import common
 
     absent = [r for r in table if r.get("absent")]
     no_paper = [r for r in table if not r.get("absent") and r["paper"] in (None, 0.0)]

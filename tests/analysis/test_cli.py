@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moe_jax import cli as moe_jax_cli
-from moe_jax.analysis import cli
+from moe_jax.commands import analyze
 
 LAYERS = ["encoder/layers_1", "decoder/layers_1"]  # size_tiny: one sparse layer per stack
 
@@ -16,7 +16,7 @@ LAYERS = ["encoder/layers_1", "decoder/layers_1"]  # size_tiny: one sparse layer
 @pytest.fixture(scope="module")
 def analysis(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("positions")
-    rc = cli.main(
+    rc = analyze.main(
         [
             "positions",
             f"--checkpoint={tiny_run}/checkpoints/1",
@@ -89,5 +89,5 @@ def test_bad_checkpoint_path_is_named(tmp_path, tiny_run, capsys):
 
 
 def test_unknown_analysis_is_refused(capsys):
-    assert cli.main(["nonsense"]) == 2
+    assert analyze.main(["nonsense"]) == 2
     assert "unknown analysis 'nonsense'" in capsys.readouterr().err

@@ -116,7 +116,7 @@ def test_seed_table_averages_a_familys_seeds_per_router():
     """``FAMILY_seedN:ROUTER`` results: mean and sample std over the seeds, the change from
     the same seed's learned router, dead experts summed over layers; a family with one seed
     gets no row."""
-    from moe_jax.train.evaluate import seed_table
+    from moe_jax.commands.evaluate import seed_table
 
     def result(entropy, dead):
         routing = {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moe_jax.analysis import languages
-from moe_jax.train import summaries
+from moe_jax.runtime import run_names, summaries
 
 
 def _rows(labels_per_row: list[int], length: int = 6):
@@ -104,9 +104,9 @@ def test_seed_summary_groups_a_familys_seeds_at_shared_steps(tmp_path):
         result("frozen/seed0", 100, 0.1),
         result("dense_run", 100, 0.0),
     ]
-    assert languages.run_family("learned/seed12") == "learned"
-    assert languages.run_family("dense_run") == "dense_run"
-    assert languages.run_family("sweep/seeds") == "sweep/seeds"
+    assert run_names.family_of("learned/seed12") == "learned"
+    assert run_names.family_of("dense_run") == "dense_run"
+    assert run_names.family_of("sweep/seeds") == "sweep/seeds"
     summary = languages.seed_summary(checkpoints)
     assert [(s["family"], s["step"], len(s["seeds"])) for s in summary] == [("learned", 100, 3)]
     mean, std = summary[0]["layers"]["decoder/layers_3"]["bits"]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moe_jax import cli as moe_cli
+from moe_jax.commands import evaluate
 from moe_jax.data import sources
-from moe_jax.train import evaluate
 from tests.analysis.conftest import TINY
 
 LAYERS = ["encoder/layers_1", "decoder/layers_1"]

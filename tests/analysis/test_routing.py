@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.analysis import routing
 from moe_jax.analysis.positions import sequence_ids
+from moe_jax.runtime import routing
 
 
 def test_unpacked_rows_are_one_sequence_with_column_positions():

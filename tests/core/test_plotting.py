@@ -8,8 +8,8 @@ import json
 import pathlib
 
 from moe_jax import plotting
+from moe_jax.experiments import routing_comparison, sweep
 from moe_jax.synthetic.experiments import load
-from moe_jax.train import routing_comparison, sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

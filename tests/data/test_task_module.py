@@ -8,7 +8,7 @@ import gin
 import pytest
 
 from moe_jax.data import pipeline, tasks, vocab
-from moe_jax.train import setup
+from moe_jax.runtime import builders
 from tests.data.span_lib import original_tokens
 
 LENGTHS = {"inputs": 64, "targets": 16}
@@ -45,7 +45,7 @@ def test_a_py_file_registers_the_task_when_the_dataset_config_is_built(tmp_path)
     path.write_text(MODULE.replace("__NAME__", "my_file_task"))
     with pytest.raises(ValueError, match="MIXTURE_OR_TASK_MODULE"):
         pipeline.get_provider("my_file_task")  # unknown before the module is imported
-    setup.DatasetConfig("my_file_task", LENGTHS, module=str(path))
+    builders.DatasetConfig("my_file_task", LENGTHS, module=str(path))
     assert _first_text("my_file_task") == TEXT
 
 
@@ -59,7 +59,7 @@ def test_a_module_on_the_path_through_gin(tmp_path, monkeypatch):
         train/utils.DatasetConfig.module = %MIXTURE_OR_TASK_MODULE
     """)
     with gin.config_scope("train"):
-        cfg = setup.DatasetConfig()
+        cfg = builders.DatasetConfig()
     assert cfg.module == "lab_tasks" and _first_text(cfg.mixture_or_task_name) == TEXT
 
 

@@ -10,7 +10,7 @@ import gin
 import jax
 import pytest
 
-from moe_jax.train import gin_utils
+from moe_jax.runtime import gin_utils
 
 
 def _parse(*files: str, bindings: tuple[str, ...] = ()) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from moe_jax import param_paths
 from moe_jax.moe import freeze
 from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
 
@@ -66,8 +67,8 @@ def test_is_router_param():
     paths = jax.tree_util.tree_flatten_with_path(
         {"moe": {"router": {"weights": {"w": 0}}, "expert": {"wi": 0}}}
     )[0]
-    assert [freeze.is_router_param(p) for p, _ in paths] == [False, True]
-    assert freeze.is_router_param("decoder/layers_1/moe/router/weights/w")
+    assert [param_paths.is_router_param(p) for p, _ in paths] == [False, True]
+    assert param_paths.is_router_param("decoder/layers_1/moe/router/weights/w")
 
 
 def test_data_initialised_router_uses_sampled_tokens():

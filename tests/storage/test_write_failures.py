@@ -15,7 +15,7 @@ import time
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.train import summaries
+from moe_jax.runtime import summaries
 
 WRITER = textwrap.dedent("""
     import json, resource, sys

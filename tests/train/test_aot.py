@@ -1,4 +1,4 @@
-"""`moe-jax compile` (moe_jax/train/aot.py), target parsing and the chip table
+"""`moe-jax compile` (moe_jax/runtime/aot.py), target parsing and the chip table
 (moe_jax/hardware.py), and `train`'s up-front memory check.
 
 The TPU compiles run in a subprocess (the compiler pins JAX to describe, never open, the
@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from moe_jax import cli, hardware
-from moe_jax.train import aot
+from moe_jax.commands import compile as compile_command
+from moe_jax.runtime import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [
@@ -103,13 +104,15 @@ def test_parse_target_and_chip_table():
 
 
 def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch, capsys):
-    assert aot.main(["--target=tpu:v7x:2x2", *SMOKE]) == 1
+    assert compile_command.main(["--target=tpu:v7x:2x2", *SMOKE]) == 1
     assert "v7x" in capsys.readouterr().err
-    assert aot.main(["--target=cpu:4", *SMOKE, "--gin.make_mesh.mesh_shape=(1,3,1)"]) == 1
+    assert (
+        compile_command.main(["--target=cpu:4", *SMOKE, "--gin.make_mesh.mesh_shape=(1,3,1)"]) == 1
+    )
     err = capsys.readouterr().err
     assert "mesh_shape=(1, 3, 1)" in err and "4" in err and "Traceback" not in err
     monkeypatch.setenv("MOE_JAX_COMPILERS", str(tmp_path))  # nothing installed there
-    assert aot.main(["--target=gpu:h100:8", *SMOKE]) == 1
+    assert compile_command.main(["--target=gpu:h100:8", *SMOKE]) == 1
     assert "compile-gpu" in capsys.readouterr().err
 
 
@@ -301,26 +304,28 @@ def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
     known = aot.hlo_analysis(hlo, facts, bytes_accessed=4e12, **args)["estimate"]
     assert unknown["hbm_s"] is None and known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
     assert known["step_s"] > unknown["step_s"] > 0
-    line = aot.estimate_line(unknown)
+    line = compile_command.estimate_line(unknown)
     assert (
         "compute and collectives only" in line
         and "HBM" in line.split(":")[0]
         and "HBM 0" not in line
     )
-    assert "only" not in aot.estimate_line(known) and "HBM " in aot.estimate_line(known)
-    for text in (line, aot.estimate_line(known)):
+    known_line = compile_command.estimate_line(known)
+    assert "only" not in known_line and "HBM " in known_line
+    for text in (line, compile_command.estimate_line(known)):
         rate = re.search(r"([\d,]+) tokens/s", text).group(1)
         assert "e+" not in text and float(rate.replace(",", "")) == pytest.approx(
             2**20 / (unknown if text == line else known)["step_s"], rel=5e-3
         )
-    assert [aot.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == [
+    assert [compile_command.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == [
         "5,360,000",
         "1,190",
         "0.0000893",
         "0.500",
     ]
     assert [
-        aot.quantity(v, u) for v, u in ((7.06e8, "FLOP"), (34.6e6, "B"), (None, "B"), (512, "B"))
+        compile_command.quantity(v, u)
+        for v, u in ((7.06e8, "FLOP"), (34.6e6, "B"), (None, "B"), (512, "B"))
     ] == ["706 MFLOP", "34.6 MB", "unknown", "512 B"]
 
 

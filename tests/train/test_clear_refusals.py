@@ -9,7 +9,7 @@ import gin
 import pytest
 
 from moe_jax import cli, storage
-from moe_jax.train import run_lock
+from moe_jax.runtime import run_lock
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",

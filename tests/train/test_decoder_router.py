@@ -10,9 +10,9 @@ import gin
 from safetensors.numpy import load_file
 
 from moe_jax import cli
+from moe_jax.commands import export
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import HashRouterConfig, TopKRouterConfig
-from moe_jax.train import export
 
 TRAIN = [
     "--gin_file=runs/smoke_cpu.gin",

@@ -12,7 +12,8 @@ import gin
 import pytest
 
 from moe_jax import cli
-from moe_jax.train import evaluate
+from moe_jax.commands import evaluate
+from moe_jax.runtime import evaluation
 
 # The in-training evaluation reads 3 batches of 8 rows; runs/eval.gin's default (8 batches
 # of smoke_cpu.gin's EVAL_STEPS, BATCH_SIZE rows) would give other numbers.
@@ -55,7 +56,7 @@ def _eval(capsys, tmp_path, *flags: str) -> tuple[dict, str]:
 
 
 def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
-    recorded = json.loads((run / evaluate.EVAL_SETTINGS_FILE).read_text())
+    recorded = json.loads((run / evaluation.EVAL_SETTINGS_FILE).read_text())
     assert recorded["eval_steps"] == 3 and recorded["dataset"]["task_feature_lengths"] == {
         "inputs": 32,
         "targets": 8,
@@ -63,7 +64,7 @@ def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
     assert recorded["dataset"]["split"] == "validation"
     own = _run_eval(run)
     result, err = _eval(capsys, tmp_path, f"--checkpoint={run}")
-    assert f"eval settings: the run's, from {run / evaluate.EVAL_SETTINGS_FILE}" in err
+    assert f"eval settings: the run's, from {run / evaluation.EVAL_SETTINGS_FILE}" in err
     assert (
         "evaluated 3 batches of 8 x {'inputs': 32, 'targets': 8} from the validation split" in err
     )
@@ -81,7 +82,7 @@ def test_reading_a_checkpoint_prints_no_orbax_warning(run, capfd):
     stderr) is dropped."""
     import logging
 
-    from moe_jax.train import checkpoints
+    from moe_jax.runtime import checkpoints
 
     handler = logging.StreamHandler()  # what absl's handler does outside pytest
     logging.getLogger("absl").addHandler(handler)
@@ -122,11 +123,11 @@ def test_gin_settings_on_request_and_when_the_run_recorded_none(run, tmp_path, c
         "--gin.eval_script.evaluate.eval_steps=2",
     )
     assert "eval settings: runs/eval.gin's" in err and "evaluated 2 batches of 8 x" in err
-    (run / evaluate.EVAL_SETTINGS_FILE).rename(run / "kept.json")
+    (run / evaluation.EVAL_SETTINGS_FILE).rename(run / "kept.json")
     try:
         _, err = _eval(
             capsys, tmp_path, f"--checkpoint={run}", "--gin.eval_script.evaluate.eval_steps=2"
         )
     finally:
-        (run / "kept.json").rename(run / evaluate.EVAL_SETTINGS_FILE)
+        (run / "kept.json").rename(run / evaluation.EVAL_SETTINGS_FILE)
     assert f"({run} recorded none)" in err

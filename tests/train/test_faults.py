@@ -15,7 +15,8 @@ import time
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.train import checkpoints, gin_utils, run_lock, setup, train
+from moe_jax.commands import train
+from moe_jax.runtime import builders, checkpoints, gin_utils, run_lock
 from tests.train.test_train import parse, run
 
 
@@ -125,7 +126,7 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
 
 
 def _flags(*argv: str):
-    return gin_utils.parse_flags(setup.build_parser("t", "t"), list(argv))
+    return gin_utils.parse_flags(builders.build_parser("t", "t"), list(argv))
 
 
 def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.train import checkpoints, summaries
+from moe_jax.runtime import checkpoints, summaries
 from tests.train.test_processes import FLAGS, env, finish, wait_for_step
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from moe_jax import cli, errors, storage
-from moe_jax.train import checkpoints, export, gin_utils, run_lock, summaries
+from moe_jax.commands import export
+from moe_jax.runtime import checkpoints, gin_utils, run_lock, summaries
 from tests.train.test_faults_processes import error_lines, losses, params_at
 from tests.train.test_processes import finish, start, wait_for_step
 from tests.train.test_train import run
@@ -199,7 +200,7 @@ def _eval_numbers(folder: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_gcs_sweep_runs_marks_and_collects_a_family_on_a_bucket(tmp_path, gcs_dir, capsys):
-    from moe_jax.train import sweep
+    from moe_jax.experiments import sweep
 
     family = tmp_path / "tiny.toml"
     family.write_text("""

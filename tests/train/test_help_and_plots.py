@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from moe_jax import cli
-from moe_jax.train import evaluate, gin_utils, setup
+from moe_jax.commands import evaluate
+from moe_jax.runtime import builders, gin_utils
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -44,7 +45,7 @@ def test_every_macro_in_the_help_is_defined_where_it_says():
 
 def test_no_search_path_errors_when_run_outside_the_repository(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
-    args = gin_utils.parse_flags(setup.build_parser("t", "t"), ["--gin_file=runs/smoke_cpu.gin"])
+    args = gin_utils.parse_flags(builders.build_parser("t", "t"), ["--gin_file=runs/smoke_cpu.gin"])
     try:
         with caplog.at_level(logging.INFO):
             gin_utils.parse_gin(args)

@@ -10,14 +10,14 @@ import re
 import shutil
 
 import gin
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from moe_jax import cli
+from moe_jax import cli, param_paths
+from moe_jax.commands import export
 from moe_jax.data import sources, vocab
-from moe_jax.train import checkpoints, export
+from moe_jax.runtime import checkpoints
 
 STEPS = 2
 TRAIN = [
@@ -101,8 +101,10 @@ def _params(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
         restored = ckpt._manager.restore(step)
     finally:
         ckpt.close()
-    flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
-    return {checkpoints.path_name(path): np.asarray(leaf) for path, leaf in flat}
+    return {
+        name: np.asarray(leaf)
+        for name, leaf in param_paths.named_leaves(restored["params"]).items()
+    }
 
 
 def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_path, capsys):

@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 from moe_jax import cli, errors, storage
-from moe_jax.train import checkpoints
+from moe_jax.runtime import checkpoints
 from tests.train.test_train import run
 
 

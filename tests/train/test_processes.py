@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, summaries
+from moe_jax import param_paths
+from moe_jax.runtime import checkpoints, summaries
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,15 @@ def env(devices: int) -> dict[str, str]:
 
 def start(model_dir, *flags: str, devices: int = 1) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "moe_jax.train", *FLAGS, f"--gin.MODEL_DIR={model_dir}", *flags],
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.cli",
+            "train",
+            *FLAGS,
+            f"--gin.MODEL_DIR={model_dir}",
+            *flags,
+        ],
         env=env(devices),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -139,11 +148,11 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
     assert [s["shard_index"] for s in meta["data_iterators"]] == [0, 1]
     # restore in this single process, on 8 devices and on 1: the same parameters
     from moe_jax import partitioning
-    from moe_jax.train import gin_utils, setup, train_state
+    from moe_jax.runtime import builders, gin_utils, train_state
 
     gin_utils.parse_gin(
         gin_utils.parse_flags(
-            setup.build_parser("t", "t"),
+            builders.build_parser("t", "t"),
             [*FLAGS, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=3"],
         )
     )
@@ -158,13 +167,13 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
             mesh_shape=shape, devices=jax.devices()[: int(np.prod(shape))]
         )
         target = train_state.abstract_with_shardings(
-            setup.abstract_params(model, shapes),
+            builders.abstract_params(model, shapes),
             train_state.param_shardings(model, shapes, mesh, rules),
         )
         restored.append(jax.tree.map(np.asarray, ckpt.restore_params(3, target)[0]))
     jax.tree.map(np.testing.assert_array_equal, *restored)
     init = checkpoints.load_router_init(str(tmp_path))
-    trained = checkpoints.router_params(restored[0])
+    trained = param_paths.router_params(restored[0])
     assert init and any(not np.array_equal(init[k], trained[k]) for k in init)
 
 
@@ -202,7 +211,7 @@ def test_two_processes_export_what_one_process_exports(tmp_path):
     half of every expert kernel, the export gathers them, and process 0 alone writes."""
     from safetensors.numpy import load_file
 
-    from moe_jax.train import export
+    from moe_jax.commands import export
 
     run = tmp_path / "run"
     code, out = finish(start(run, "--gin.TRAIN_STEPS=1", "--gin.NUM_EXPERTS=8"))

@@ -1,5 +1,5 @@
 """Every command that reads a checkpoint restores its state collections through one path
-(``setup.restore_model``): on a tiny run of the auxiliary-loss-free bias router
+(``builders.restore_model``): on a tiny run of the auxiliary-loss-free bias router
 (routers/aux_free_bias.gin), `moe-jax infer` and `moe-jax analyze` run, the restored bias is
 the trained one, and the routing-churn probe measures churn and reads the bias."""
 
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from moe_jax import cli
-from moe_jax.train import checkpoints, gin_utils, setup, summaries, train
+from moe_jax.commands import train
+from moe_jax.runtime import builders, checkpoints, gin_utils, summaries
 
 # A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
 # bias itself is in test_state_collections.py, which runs with `make test`.
@@ -47,7 +48,9 @@ def _fresh_gin():
 def bias_run(tmp_path_factory) -> pathlib.Path:
     model_dir = tmp_path_factory.mktemp("bias_run")
     gin_utils.parse_gin(
-        gin_utils.parse_flags(setup.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"])
+        gin_utils.parse_flags(
+            builders.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"]
+        )
     )
     try:
         train.train()
@@ -62,7 +65,9 @@ def _model():
 
 def _parse_run(model_dir: pathlib.Path) -> None:
     gin_utils.parse_gin(
-        gin_utils.parse_flags(setup.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"])
+        gin_utils.parse_flags(
+            builders.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"]
+        )
     )
 
 
@@ -72,9 +77,9 @@ def _biases(collections) -> np.ndarray:
 
 def test_restore_model_gives_the_trained_bias(bias_run):
     _parse_run(bias_run)
-    model, ctx = _model(), setup.run_context()
-    restored = setup.restore_model(str(bias_run), model, SHAPES, ctx)
-    full = setup.build_train_setup(model, SHAPES, ctx).abstract_state
+    model, ctx = _model(), builders.run_context()
+    restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
+    full = builders.build_train_setup(model, SHAPES, ctx).abstract_state
     ckpt = checkpoints.Checkpointer(str(bias_run), read_only=True)
     try:
         state = ckpt.restore(STEPS, full)[0]
@@ -102,10 +107,10 @@ def test_churn_probe_routes_with_the_bias(bias_run, tmp_path):
     """The same parameters with a bias of +100 on expert 3: every token's first choice
     becomes expert 3, so the churn is exactly the share of tokens whose choice was not 3."""
     _parse_run(bias_run)
-    model, ctx = _model(), setup.run_context()
-    restored = setup.restore_model(str(bias_run), model, SHAPES, ctx)
+    model, ctx = _model(), builders.run_context()
+    restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
     probe_batch = next(
-        setup.eval_batches(
+        builders.eval_batches(
             gin.query_parameter(
                 "train_script.train.train_eval_dataset_cfg"
             ).scoped_configurable_fn(),

@@ -13,7 +13,7 @@ import gin
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.train import evaluate, gin_utils, setup
+from moe_jax.runtime import builders, evaluation, gin_utils
 
 STEPS = 2
 TRAIN = [
@@ -139,7 +139,7 @@ def test_a_run_config_naming_a_module_is_refused_by_every_command(
 def test_the_same_module_on_the_command_line_is_trusted(poisoned, tmp_path, capsys):
     run, export_dir, payload = poisoned
     trust = f"--gin.MIXTURE_OR_TASK_MODULE={payload}"
-    args = gin_utils.parse_flags(setup.build_parser("t", "t"), [trust])
+    args = gin_utils.parse_flags(builders.build_parser("t", "t"), [trust])
     for source in (run, export_dir):  # the one gate every command's reading goes through
         assert gin_utils.run_config_file(str(source), args) == str(source / "config.gin")
     assert not payload.with_suffix(".ran").exists()
@@ -153,7 +153,7 @@ def test_recorded_eval_settings_naming_a_module_are_refused(run_and_export, tmp_
     run, _ = run_and_export
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    settings = copy / evaluate.EVAL_SETTINGS_FILE
+    settings = copy / evaluation.EVAL_SETTINGS_FILE
     settings.write_text(settings.read_text().replace('"module": null', '"module": "eviltasks"'))
     assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 1
     line = _last_line(capsys)
@@ -260,7 +260,7 @@ def test_commands_read_the_config_a_checkpoint_was_trained_with(tmp_path):
         (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
     (tmp_path / "config.gin").write_text("A = 1\n")
     (tmp_path / "config.step-3.gin").write_text("# resumed at step 3\nA = 2\n")
-    args = gin_utils.parse_flags(setup.build_parser("t", "t"), [])
+    args = gin_utils.parse_flags(builders.build_parser("t", "t"), [])
     read = {
         checkpoint: gin_utils.checkpoint_config(str(tmp_path / checkpoint), args)
         for checkpoint in ("checkpoints/1", "checkpoints/3", "5", "")

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, evaluate, gin_utils, setup, train, train_state
+from moe_jax.commands import evaluate, train
+from moe_jax.runtime import builders, checkpoints, gin_utils, train_state
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -28,7 +29,7 @@ SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 def _run(model_dir, steps: int, *flags: str) -> dict:
     gin_utils.parse_gin(
         gin_utils.parse_flags(
-            setup.build_parser("t", "t"),
+            builders.build_parser("t", "t"),
             [*TINY, f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags],
         )
     )
@@ -37,7 +38,7 @@ def _run(model_dir, steps: int, *flags: str) -> dict:
 
 def _restore(model_dir) -> train_state.TrainState:
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    target = setup.build_train_setup(model, SHAPES, setup.run_context()).abstract_state
+    target = builders.build_train_setup(model, SHAPES, builders.run_context()).abstract_state
     ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
     try:
         return ckpt.restore(ckpt.latest_step(), target)[0]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_jax import cli
-from moe_jax.train import sweep
+from moe_jax.experiments import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.train import checkpoints, gin_utils, setup, train, train_state
+from moe_jax.commands import train
+from moe_jax.runtime import builders, checkpoints, gin_utils, train_state
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -25,7 +26,7 @@ TINY = [
 
 
 def parse(*flags: str):
-    args = gin_utils.parse_flags(setup.build_parser("test", "test"), [*TINY, *flags])
+    args = gin_utils.parse_flags(builders.build_parser("test", "test"), [*TINY, *flags])
     gin_utils.parse_gin(args)
 
 
@@ -76,7 +77,9 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
             mesh_shape=shape, devices=jax.devices()[: int(np.prod(shape))]
         )
         sharding = train_state.param_shardings(model, shapes, mesh, rules)
-        target = train_state.abstract_with_shardings(setup.abstract_params(model, shapes), sharding)
+        target = train_state.abstract_with_shardings(
+            builders.abstract_params(model, shapes), sharding
+        )
         params, _, meta = ckpt.restore_params(1, target)
         assert meta["step"] == 1
         assert jax.tree.leaves(params)[0].sharding.mesh.shape == mesh.shape
@@ -134,7 +137,7 @@ def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatc
     """The loss turns NaN on the device at step 5 (no log, no save there): the lagged check
     reads it while step 6 runs and stops before step 6's save, naming step 5 and the
     checkpoint of step 3; the step-by-step loop (``sync_every_step``) says the same."""
-    build = setup.build_train_setup
+    build = builders.build_train_setup
 
     def nan_at_step_5(*args, **kwargs):
         run_setup = build(*args, **kwargs)
@@ -148,7 +151,7 @@ def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatc
         run_setup.train_step = step
         return run_setup
 
-    monkeypatch.setattr(setup, "build_train_setup", nan_at_step_5)
+    monkeypatch.setattr(builders, "build_train_setup", nan_at_step_5)
     with pytest.raises(
         train.NonFiniteLossError,
         match=r"loss is nan at step 5; last good checkpoint: .*checkpoints/3\.",
@@ -175,7 +178,7 @@ def test_gin_errors_name_file_and_line(tmp_path):
     bad.write_text("include 'gin/runs/smoke_cpu.gin'\n\ntrain_script.train.chekpoint_period = 3\n")
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
         gin_utils.parse_gin(
-            gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={bad}"])
+            gin_utils.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={bad}"])
         )
     undefined = tmp_path / "macro.gin"
     undefined.write_text(
@@ -183,7 +186,7 @@ def test_gin_errors_name_file_and_line(tmp_path):
     )
     with pytest.raises(gin_utils.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
         gin_utils.parse_gin(
-            gin_utils.parse_flags(setup.build_parser("t", "t"), [f"--gin_file={undefined}"])
+            gin_utils.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={undefined}"])
         )
     with pytest.raises(gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used"):
         parse("--gin.TRAIN_STEP=10")

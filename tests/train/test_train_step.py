@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_jax.models.model import EncoderDecoderModel
-from moe_jax.train import gin_utils, optimizers, setup, train_state, train_step
+from moe_jax.runtime import builders, gin_utils, optimizers, train_state, train_step
 from tests.models.conftest import random_batch
 
 SHAPES = {"encoder_input_tokens": (4, 16), "decoder_input_tokens": (4, 8)}
@@ -22,7 +22,7 @@ def smoke_gin():
 
     def parse(*flags: str) -> None:
         args = gin_utils.parse_flags(
-            setup.build_parser("test", "test"),
+            builders.build_parser("test", "test"),
             ["--gin_file=runs/smoke_cpu.gin", "--gin.MODEL_DIR=/tmp/unused", *flags],
         )
         gin_utils.parse_gin(args)
@@ -99,10 +99,12 @@ def _two_steps_on_mesh(fsdp: bool):
     two steps on one batch and both steps' losses."""
     with gin.unlock_config():
         gin.bind_parameter("standard_logical_axis_rules.fsdp", fsdp)
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     shapes = {"encoder_input_tokens": (8, 16), "decoder_input_tokens": (8, 8)}
-    run = setup.build_train_setup(EncoderDecoderModel(), shapes, ctx, seed=0)
-    batch = setup.global_batch(random_batch(seed=3, batch=8, enc_len=16, dec_len=8, vocab=500), ctx)
+    run = builders.build_train_setup(EncoderDecoderModel(), shapes, ctx, seed=0)
+    batch = builders.global_batch(
+        random_batch(seed=3, batch=8, enc_len=16, dec_len=8, vocab=500), ctx
+    )
     state = run.init_state()
     losses = []
     for _ in range(2):

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from moe_jax import plotting
 from moe_jax.synthetic.data import Batch
 from moe_jax.synthetic.train import TrainConfig, stack_datasets
 
@@ -229,7 +230,6 @@ def console_table(result: dict[str, Any]) -> str:
 
 def figure(ncols: int, width: float = 4.0):
     """A row of ``ncols`` matplotlib axes (``moe_jax.plotting``'s set-up)."""
-    from moe_jax import plotting
 
     fig, axes = plotting.pyplot().subplots(1, ncols, figsize=(width * ncols, 3.2), squeeze=False)
     return fig, list(axes[0])
@@ -252,7 +252,6 @@ def write_outputs(
             writer.writerows(rows)
     else:
         paths.pop("csv")
-    from moe_jax import plotting
 
     plotting.save(fig, paths["png"], dpi=80, fixed_size=True)
     return paths

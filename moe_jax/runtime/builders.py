@@ -26,7 +26,7 @@ import numpy as np
 
 from moe_jax import errors, partitioning
 from moe_jax.moe import freeze
-from moe_jax.train import distributed, gin_utils
+from moe_jax.runtime import checkpoints, distributed, gin_utils, optimizers, train_state, train_step
 
 
 @gin.configurable(module="utils")
@@ -51,6 +51,7 @@ class DatasetConfig:
     module: str | None = None
 
     def __post_init__(self) -> None:
+        # deferred on purpose: TensorFlow/seqio load only when data is read
         from moe_jax.data import tasks
 
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -91,6 +92,7 @@ def run_context(
 
 def global_batch(local_batch: dict[str, np.ndarray], ctx: RunContext) -> dict[str, jax.Array]:
     """This process's ``[batch / processes, length]`` arrays as global arrays on ``ctx.mesh``."""
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import pipeline
 
     return pipeline.to_global_batch(local_batch, ctx.mesh, batch_axes=ctx.batch_axes)
@@ -99,6 +101,7 @@ def global_batch(local_batch: dict[str, np.ndarray], ctx: RunContext) -> dict[st
 def eval_batches(cfg: DatasetConfig, num_batches: int):
     """The first ``num_batches`` batches of ``cfg``'s split, unshuffled (the split repeats
     if shorter, so every process runs the same number of steps)."""
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import pipeline
 
     ds = pipeline.get_dataset(
@@ -118,7 +121,6 @@ def eval_batches(cfg: DatasetConfig, num_batches: int):
 
 def build_optimizer(model_params_abstract):
     """The gin optimizer, with router updates zeroed when the router mode is ``frozen``."""
-    from moe_jax.train import optimizers
 
     tx, schedule = optimizers.create_optimizer()
     return freeze.apply_router_mode(tx, model_params_abstract), schedule
@@ -176,14 +178,13 @@ def restore_model(
     """The parameters and state collections of the checkpoint at ``path`` (``MODEL_DIR``,
     ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``) on ``ctx.mesh``, whatever mesh
     saved them: the restore of `moe-jax eval`, `infer` and `analyze` (through
-    :func:`moe_jax.train.checkpoints.restore_from`; the optimizer state is not read).
+    :func:`moe_jax.runtime.checkpoints.restore_from`; the optimizer state is not read).
 
     Raises:
-      moe_jax.train.checkpoints.MissingCheckpointError: naming the path.
-      moe_jax.train.checkpoints.CheckpointMismatchError: naming the mismatching parameters.
-      moe_jax.train.checkpoints.UnreadableCheckpointError: naming the file.
+      moe_jax.runtime.checkpoints.MissingCheckpointError: naming the path.
+      moe_jax.runtime.checkpoints.CheckpointMismatchError: naming the mismatching parameters.
+      moe_jax.runtime.checkpoints.UnreadableCheckpointError: naming the file.
     """
-    from moe_jax.train import checkpoints, train_state
 
     abstract = abstract_variables(model, input_shapes)
     params_target = train_state.abstract_with_shardings(
@@ -265,7 +266,6 @@ def build_train_setup(
 ) -> TrainSetup:
     """The optimizer, the abstract sharded state and the jitted steps of ``model`` on
     ``ctx.mesh`` for batches of ``input_shapes``."""
-    from moe_jax.train import train_state, train_step
 
     tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
     init_fn = lambda: train_state.init_train_state(model, tx, input_shapes, seed)  # noqa: E731

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax import hardware, partitioning
 from moe_jax.moe import freeze
-from moe_jax.train.train_state import TrainState
+from moe_jax.runtime.train_state import TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, Any]

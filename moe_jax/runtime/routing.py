@@ -1,6 +1,6 @@
 """Per-token routing of a trained checkpoint on a dataset.
 
-Checkpoints are restored with :func:`moe_jax.train.setup.restore_model` (parameters and
+Checkpoints are restored with :func:`moe_jax.runtime.builders.restore_model` (parameters and
 state collections, as `moe-jax eval` does); :func:`collect_routing` runs batches through the
 network with the MoE layers' opt-in ``routing`` collection mutable and returns, for each MoE
 layer (``"encoder/layers_3"``, ``"decoder/layers_7"``, ...), every token's expert choices,
@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import partitioning
+from moe_jax import param_paths, partitioning
+from moe_jax.models.model import FEATURES
 from moe_jax.moe.layer import ROUTING_COLLECTION
 
 _SKIPPED_PATH_PARTS = ("ffn", "moe")
@@ -69,9 +70,7 @@ def _positions_and_segments(
 
 def _layer_name(path) -> tuple[str, str]:
     """(layer name without the ffn/moe parts, sown variable name) of a collection path."""
-    names = [
-        str(getattr(k, "key", k)) for k in path if not isinstance(k, jax.tree_util.SequenceKey)
-    ]
+    names = param_paths.path_name(path, skip_indices=True).split("/")
     return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
 
 
@@ -89,8 +88,6 @@ def routing_fn(
     every process. ``collections``: the model's non-parameter state collections (e.g. the
     bias router's ``router_bias``, laid out as ``collections_shardings``), read, not updated."""
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from moe_jax.models.model import FEATURES
 
     def fn(params, batch, collections):
         args = [batch.get(k) for k in FEATURES[:3]] + [batch.get(k) for k in FEATURES[4:]]

@@ -1,6 +1,6 @@
 """The routing comparison table and plot of a sweep family (configs/routing_cpu*.toml).
 
-    python -m moe_jax.train.routing_comparison configs/routing_cpu_budget.toml \\
+    python -m moe_jax.experiments.routing_comparison configs/routing_cpu_budget.toml \\
         --root=/tmp/routing_cpu --out=docs/img/routing
 
 For every run of the family: its last eval record's accuracy and cross-entropy, the
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from typing import Any
 
 import numpy as np
 
-from moe_jax import storage
-from moe_jax.train import summaries, sweep
+from moe_jax import plotting, storage
+from moe_jax.experiments import sweep
+from moe_jax.runtime import summaries
 
 QUANTITIES = ("accuracy", "cross_entropy", "dropped_fraction", "max_load")
 _DROPPED = re.compile(r"^moe/(.+)/dropped_fraction$")
@@ -97,7 +97,6 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
     """One panel per quantity, one row per run (blue learned, orange frozen, gray dense):
     accuracy and cross-entropy as points on a zoomed axis, dropped fraction and max load as
     bars from zero; a run without the quantity (a dense model has no routing) says so."""
-    from moe_jax import plotting
 
     plt = plotting.pyplot()
     names = list(table)
@@ -151,13 +150,14 @@ def plot(table: dict[str, dict[str, Any]], title: str, path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_jax.train.routing_comparison", description=__doc__.splitlines()[0]
+        prog="python -m moe_jax.experiments.routing_comparison", description=__doc__.splitlines()[0]
     )
     parser.add_argument("family")
     parser.add_argument("--root", type=storage.normalize, required=True)
     parser.add_argument("--out", type=storage.normalize, required=True)
     parser.add_argument(
         "--table",
+        type=storage.normalize,
         default=None,
         metavar="JSON",
         help="redraw the plot from a <family>_routing.json written before (no runs needed)",
@@ -169,22 +169,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"routing_comparison: {err}", file=sys.stderr)
         return 2
     if args.table:
-        with open(args.table) as f:
-            print(
-                "wrote",
-                plot(
-                    json.load(f), family.name, os.path.join(args.out, f"{family.name}_routing.png")
-                ),
-            )
+        table = json.loads(storage.read_text(args.table))
+        print(
+            "wrote", plot(table, family.name, storage.join(args.out, f"{family.name}_routing.png"))
+        )
         return 0
     table = compare(family, args.root)
     if not table:
         print(f"routing_comparison: no eval records under {args.root}", file=sys.stderr)
         return 1
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{family.name}_routing.json"), "w") as f:
-        json.dump(table, f, indent=1)
-    png = plot(table, family.name, os.path.join(args.out, f"{family.name}_routing.png"))
+    storage.makedirs(args.out)
+    storage.write_text(
+        storage.join(args.out, f"{family.name}_routing.json"), json.dumps(table, indent=1)
+    )
+    png = plot(table, family.name, storage.join(args.out, f"{family.name}_routing.png"))
     print(format_table(table))
     print("wrote", png)
     return 0

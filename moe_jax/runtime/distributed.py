@@ -1,4 +1,4 @@
-"""Multi-host start-up and preemption notices.
+"""Multi-host start-up, decisions taken by process 0, and preemption notices.
 
 :func:`initialize` calls ``jax.distributed.initialize`` when the run is multi-process:
   * TPU pods and SLURM/Open MPI clusters: JAX detects its peers itself
@@ -19,9 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from moe_jax import errors
 
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +105,31 @@ def initialize(args: argparse.Namespace) -> None:
         heartbeat_timeout_seconds=args.heartbeat_timeout,
         shutdown_timeout_seconds=min(args.heartbeat_timeout, 60),
     )
+
+
+T = TypeVar("T")
+
+
+def process_zero_decides(
+    decide: Callable[[], T], elsewhere: Callable[[], errors.UserError]
+) -> T | None:
+    """Runs ``decide`` on process 0 only (a check of the run directory, taking its lock) and
+    returns its result there (None on the other processes). When it raises an expected error
+    (:class:`~moe_jax.errors.UserError`), every process raises, so that none is left waiting
+    in a collective: process 0 that error, the others ``elsewhere()``."""
+    result, error = None, None
+    if jax.process_index() == 0:
+        try:
+            result = decide()
+        except errors.UserError as err:
+            error = err
+    if jax.process_count() > 1:
+        failed = bool(multihost_utils.broadcast_one_to_all(np.array(error is not None)))
+        if failed and error is None:
+            raise elsewhere()
+    if error is not None:
+        raise error
+    return result
 
 
 class PreemptionWatcher:

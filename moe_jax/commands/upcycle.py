@@ -32,10 +32,11 @@ from typing import Any
 import gin
 import jax
 
-from moe_jax import storage
+from moe_jax import param_paths, storage
 from moe_jax.moe import capacity
 from moe_jax.moe.config import MoeConfig, TopKRouterConfig
-from moe_jax.train import gin_utils
+from moe_jax.moe.upcycle import upcycle_params
+from moe_jax.runtime import builders, checkpoints, evaluation, gin_utils
 
 
 def _keeps_every_token(config: MoeConfig) -> bool:
@@ -129,7 +130,6 @@ def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]
 
 def _dense_params(path: str) -> tuple[dict[str, Any], int]:
     """``({"encoder/layers_0/...": array}, step)`` of the dense checkpoint at ``path``."""
-    from moe_jax.train import checkpoints
 
     model_dir, step = checkpoints.split_checkpoint_path(path)
     if not storage.isdir(storage.join(model_dir, "checkpoints")):
@@ -151,10 +151,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
             node = node.setdefault(key, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
     params, _, step, _ = checkpoints.restore_from(f"{model_dir}/{step}", target)
-    flat = {
-        checkpoints.path_name(p): leaf
-        for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
+    flat = param_paths.named_leaves(params)
     return flat, step
 
 
@@ -169,8 +166,6 @@ def upcycle(
     checkpoint: str, out: str, *, noise_std: float = 0.0, reset_step: bool = False
 ) -> dict[str, Any]:
     """Writes the upcycled MoE run to ``out`` (gin already parsed); returns its summary."""
-    from moe_jax.moe.upcycle import upcycle_params
-    from moe_jax.train import checkpoints, evaluate, setup
 
     if storage.listdir(out):
         raise FileExistsError(f"upcycle: --out={out!r} is not empty; give a new directory")
@@ -189,7 +184,9 @@ def upcycle(
             f"({sorted(granularities)}); upcycling takes one"
         )
     dense, dense_step = _dense_params(checkpoint)
-    run = setup.build_train_setup(model, dataset_cfg.input_shapes(), setup.run_context(), seed=seed)
+    run = builders.build_train_setup(
+        model, dataset_cfg.input_shapes(), builders.run_context(), seed=seed
+    )
     state, shardings = run.init_state(), run.shardings
     params = upcycle_params(
         dense,
@@ -226,7 +223,7 @@ def upcycle(
         storage.write_text(storage.join(out, "config.gin"), gin.config_str())
         eval_cfg = _train_argument("train_eval_dataset_cfg")
         if eval_cfg is not None:
-            evaluate.record_eval_settings(out, _train_argument("eval_steps"), eval_cfg)
+            evaluation.record_eval_settings(out, _train_argument("eval_steps"), eval_cfg)
     return {
         "out": out,
         "step": step,
@@ -236,9 +233,8 @@ def upcycle(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
 
-    parser = setup.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax upcycle", __doc__.splitlines()[0])
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,

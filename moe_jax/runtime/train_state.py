@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax import errors, partitioning
+from moe_jax import errors, param_paths, partitioning
 
 PyTree = Any
 
@@ -125,7 +125,7 @@ def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
     """Refuses a ``sharding`` that splits a dimension of ``leaf`` into unequal parts."""
     if not isinstance(sharding, NamedSharding):
         return
-    name, shape = jax.tree_util.keystr(path, simple=True, separator="/"), tuple(leaf.shape)
+    name, shape = param_paths.path_name(path), tuple(leaf.shape)
     for dim, (size, entry) in enumerate(zip(shape, sharding.spec, strict=False)):
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         parts = math.prod(sharding.mesh.shape[axis] for axis in axes)

@@ -23,13 +23,14 @@ import jax
 import numpy as np
 
 from moe_jax import errors, partitioning, storage
-from moe_jax.train import distributed, gin_utils, setup
+from moe_jax.runtime import builders, distributed, gin_utils
 
 
 def vocabulary_of(model):
     """The model's seqio vocabulary (or the project's default one)."""
     if hasattr(model.vocabulary, "encode"):
         return model.vocabulary
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import vocab
 
     return vocab.get_vocabulary()
@@ -84,7 +85,7 @@ def infer(
         raise ValueError("no checkpoint: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
     if decode_method not in ("greedy", "sample"):
         raise ValueError(f"infer.decode_method={decode_method!r}; expected 'greedy' or 'sample'")
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     vocabulary = vocabulary_of(model)
     batch_multiple = int(np.prod([ctx.mesh.shape[a] for a in ctx.batch_axes]))
     enc = encode_inputs(inputs, vocabulary, task_feature_lengths["inputs"], batch_multiple)
@@ -93,7 +94,7 @@ def infer(
         "encoder_input_tokens": enc.shape,
         "decoder_input_tokens": (enc.shape[0], dec_len),
     }
-    restored = setup.restore_model(checkpoint_path, model, input_shapes, ctx)
+    restored = builders.restore_model(checkpoint_path, model, input_shapes, ctx)
     batch_sharding = NamedSharding(ctx.mesh, PartitionSpec(ctx.batch_axes))
     batch = {"encoder_input_tokens": jax.device_put(enc, batch_sharding)}
 
@@ -149,7 +150,7 @@ def read_input_lines(path: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = setup.build_parser("moe-jax infer", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax infer", __doc__.splitlines()[0])
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,

@@ -53,7 +53,6 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -64,25 +63,14 @@ from typing import Any
 
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import plotting, storage
 from moe_jax.errors import UserError
-from moe_jax.train import summaries
+from moe_jax.runtime import summaries
 
 FAMILY_KEYS = frozenset(
     {"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"}
 )
 RUN_KEYS = frozenset({"gin_files", "bindings"})
-
-
-_SEED_NAME = re.compile(r"(?:(?P<family>.+)[/_])?seed\d+")
-
-
-def seed_family(name: str) -> str | None:
-    """The family of a run named by its seed directory (``learned/seed0``, or the label
-    ``learned_seed0`` that `moe-jax eval` gives it) -> ``learned`` (``""`` for a bare
-    ``seed0``); None when ``name`` does not end in a seed."""
-    match = _SEED_NAME.fullmatch(name)
-    return None if match is None else match.group("family") or ""
 
 
 class FamilyError(UserError, ValueError):
@@ -378,7 +366,6 @@ def plot_summary(summary: dict[str, Any], family: Family, out: str) -> list[str]
     """Write the curve plot and, for families with axes, the final-vs-axis plots: one
     distinct colour / line style per run, legends beside the axes, runs without eval
     records named in the title."""
-    from moe_jax import plotting
 
     plt = plotting.pyplot()
     metric, written = summary["metric"], []
@@ -521,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="only these runs of the family (e.g. the source of an upcycled run first)",
     )
     run.epilog = (
-        "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train, after "
-        "the family's"
+        "--gin.NAME=VALUE (repeatable): a gin binding passed to every run's train after "
+        "the family's own bindings, so it wins over them."
     )
     collect.add_argument(
         "--out", type=storage.normalize, help="where the JSON and PNGs go (default: ROOT)"

@@ -1,40 +1,33 @@
-"""`moe-jax compile`: compile a run for its TPU, GPU or CPU target before launching it.
+"""Ahead-of-time compile of a run for a TPU, GPU or CPU target: nothing runs, no device is
+needed.
 
-Ahead of time (hence the module name): nothing runs, no device is needed.
-
-    moe-jax compile --target=tpu:v5p:2x2x4 --gin_file=gin/experiments/base_learned.gin \\
-        --gin_file=gin/meshes/v4_32.gin [--out=report.json] [--hlo_dir=DIR]
-
-Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
-model, optimizer with frozen-router masking, shardings, donation: ``setup.build_train_setup``)
-over the target's devices from abstract shapes, compiles both (no device, data or
-vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
-the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
-step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
-target. Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps
-each compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
-collective counts are read from. What a compiler does not report is printed as unknown,
-never as zero: GPU executables compiled without a GPU have no cost analysis, so their
-estimate covers compute and collectives only and says so. The compilers' own start-up
-output (libtpu's host and worker warnings, CUDA's) is hidden unless ``--verbose``.
+:func:`compile_run` builds the run's exact train and eval steps (same model, optimizer with
+frozen-router masking, shardings, donation: ``builders.build_train_setup``) over the
+target's devices from abstract shapes, compiles both, and reports per device: parameter +
+optimizer bytes, temporaries, the total against the chip's HBM, the collectives of the HLO
+by kind, FLOPs and bytes per step, a roofline estimate of step time and tokens/s, and the
+MoE layers' choices for the target. What a compiler does not report is left as None
+(unknown), never zero: GPU executables compiled without a GPU have no cost analysis.
+:func:`check_fits` is `moe-jax train`'s check before its first step. The command is
+:mod:`moe_jax.commands.compile`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import re
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from moe_jax import hardware
+from moe_jax import hardware, hlo_costs
 from moe_jax.errors import UserError
-from moe_jax.train import setup
+from moe_jax.moe.config import MoeConfig
+from moe_jax.moe.execution import resolve_plan
+from moe_jax.runtime import builders
 
 COLLECTIVES = (
     "all-to-all",
@@ -206,7 +199,6 @@ def moe_layer_costs(hlo_text: str) -> dict[str, float]:
     operations whose JAX source lies in a MoE layer (module path ``.../ffn/moe/...``, forward
     and backward) against the step's ``step_hlo_bytes``, the part of them that gathers,
     scatters or sorts (``indexed_bytes``) and their matmul ``flops``."""
-    from moe_jax import hlo_costs
 
     ops = hlo_costs.parse(hlo_text)
     step, moe = hlo_costs.summary(ops), hlo_costs.summary_of(ops, MOE_SOURCE)
@@ -265,9 +257,6 @@ def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any]:
     ``target`` (the step's mesh, or a platform name) with ``dtype`` activations: the
     encoder's plan (``ExecutionPlan.to_dict``), with the decoder's under ``decoder`` when
     ``T5Config.decoder_moe`` differs from ``moe``."""
-    from moe_jax.moe.config import MoeConfig
-    from moe_jax.moe.execution import resolve_plan
-
     moe = config.moe if config.moe is not None else MoeConfig()
     report = resolve_plan(moe, target, dtype).to_dict()
     if config.decoder_moe is not None and config.decoder_moe != moe:
@@ -348,13 +337,13 @@ def _tokens(shapes: Mapping[str, tuple[int, int]]) -> int:
 
 
 def compile_train(
-    run: setup.TrainSetup, cfg: setup.DatasetConfig, model, facts: hardware.DeviceFacts
+    run: builders.TrainSetup, cfg: builders.DatasetConfig, model, facts: hardware.DeviceFacts
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
     shapes = cfg.input_shapes()
     return compile_step(
         run.train_step,
-        (run.abstract_state, setup.abstract_batch(run.ctx, shapes, cfg.pack)),
+        (run.abstract_state, builders.abstract_batch(run.ctx, shapes, cfg.pack)),
         facts,
         state_bytes=per_device_bytes(run.abstract_state),
         flops_per_step=model.flops_per_step(shapes),
@@ -364,7 +353,7 @@ def compile_train(
 
 
 def compile_eval(
-    run: setup.TrainSetup, cfg: setup.DatasetConfig, model, facts: hardware.DeviceFacts
+    run: builders.TrainSetup, cfg: builders.DatasetConfig, model, facts: hardware.DeviceFacts
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s eval step on batches of ``cfg`` (forward FLOPs:
     a third of training's)."""
@@ -372,7 +361,11 @@ def compile_eval(
     params = run.abstract_state.params
     return compile_step(
         run.eval_step,
-        (params, setup.abstract_batch(run.ctx, shapes, cfg.pack), run.abstract_state.collections),
+        (
+            params,
+            builders.abstract_batch(run.ctx, shapes, cfg.pack),
+            run.abstract_state.collections,
+        ),
         facts,
         state_bytes=per_device_bytes(params),
         flops_per_step=model.flops_per_step(shapes) / 3,
@@ -381,7 +374,7 @@ def compile_eval(
     )
 
 
-def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[str, Any]:
+def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> dict[str, Any]:
     """Compiles ``run``'s train step for the devices of its mesh (what ``train`` is about to
     run; the jitted step then reuses this compilation) and raises :class:`DoesNotFitError`
     with the numbers and what to change when it needs more memory than they have (on
@@ -402,11 +395,11 @@ def check_fits(run: setup.TrainSetup, cfg: setup.DatasetConfig, model) -> dict[s
             activation_dtype=model.module.config.dtype,
         )
         raise DoesNotFitError(
-            f"the train step needs {_gib(b['total'])} per device "
-            f"({_gib(b['params_and_optimizer'])} "
-            f"parameters + optimizer, {_gib(b['temporaries'])} temporaries; batch {cfg.batch_size} "
+            f"the train step needs {gib(b['total'])} per device "
+            f"({gib(b['params_and_optimizer'])} "
+            f"parameters + optimizer, {gib(b['temporaries'])} temporaries; batch {cfg.batch_size} "
             f"x {dict(cfg.task_feature_lengths)}) but each of the {len(devices)} devices has "
-            f"{_gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice)
+            f"{gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice)
         )
     return step
 
@@ -421,13 +414,13 @@ def compile_run(
     progress=print,
 ) -> dict[str, Any]:
     """Compiles the gin-configured run's train (and eval) step for ``devices``; the report
-    that :func:`format_report` prints and ``--out`` writes. ``hlo_dir``: where to write each
-    compiled step's HLO text (``<step>.hlo.txt``)."""
+    that :func:`moe_jax.commands.compile.format_report` prints and ``--out`` writes.
+    ``hlo_dir``: where to write each compiled step's HLO text (``<step>.hlo.txt``)."""
     args = train_bindings()
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
-    ctx = setup.run_context(devices=devices)
-    run = setup.build_train_setup(
+    ctx = builders.run_context(devices=devices)
+    run = builders.build_train_setup(
         model,
         cfg.input_shapes(),
         ctx,
@@ -491,178 +484,6 @@ def _leaves(tree):
     return jax.tree.leaves(tree)
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """``n`` bytes as ``1.23 GiB``."""
     return f"{n / hardware.GiB:.2f} GiB"
-
-
-def format_report(report: Mapping[str, Any]) -> str:
-    """The printed report: one block per step, then the verdict."""
-    lines = [
-        f"target {report['target']}: {report['devices']} x {report['device_kind']}, mesh "
-        f"{report['mesh_shape']}; {report['parameters']:,} parameters; batch "
-        f"{report['batch_size']} x {report['task_feature_lengths']}; activations "
-        f"{report['activation_dtype']}",
-        f"MoE layer for {report['moe_layer']['platform']}: dispatch="
-        f"{report['moe_layer']['dispatch']!r}, "
-        f"per_expert_loop={report['moe_layer']['per_expert_loop']}",
-    ]
-    for name, step in report["steps"].items():
-        b, est = step["bytes"], step["estimate"]
-        if est is None:  # the compiler refused it for lack of memory
-            lines += [
-                f"{name} step, per device: params + optimizer {_gib(b['params_and_optimizer'])}, "
-                f"temporaries {_gib(b['temporaries'])}: DOES NOT FIT {_gib(b['device_memory'])}",
-                f"  compiler: {step['compiler_error']}",
-            ]
-            continue
-        coll = (
-            ", ".join(f"{c['count']} {kind}" for kind, c in step["collectives"].items()) or "none"
-        )
-        lines += [
-            f"{name} step (compiled in {step['compile_s']:.1f} s), per device:",
-            f"  params + optimizer {_gib(b['params_and_optimizer'])}, arguments "
-            f"{_gib(b['arguments'])}, temporaries {_gib(b['temporaries'])}",
-            f"  total {_gib(b['total'])} of {_gib(b['device_memory'])} "
-            f"({100 * b['total'] / b['device_memory']:.0f}%): "
-            f"{'fits' if step['fits'] else 'DOES NOT FIT'}",
-            f"  collectives: {coll}",
-            f"  {quantity(step['flops_per_step'], 'FLOP')} per step (model); HLO per device: "
-            + (
-                f"{quantity(step['hlo_flops_per_device'], 'FLOP')}, "
-                f"{quantity(step['hlo_bytes_accessed_per_device'], 'B')} accessed"
-                if step["hlo_flops_per_device"] is not None
-                or step["hlo_bytes_accessed_per_device"] is not None
-                else "FLOPs and bytes accessed unknown (the compiler gave no cost analysis)"
-            ),
-            estimate_line(est),
-        ]
-        moe = step["moe_layers"]
-        if moe["hlo_bytes"]:
-            lines.append(
-                f"  MoE layers: {quantity(moe['hlo_bytes'], 'B')} of the step's "
-                f"{quantity(moe['step_hlo_bytes'], 'B')} of HLO operand/result bytes "
-                f"({100 * moe['hlo_bytes'] / moe['step_hlo_bytes']:.0f}%; gathers/scatters/sorts "
-                f"{quantity(moe['indexed_bytes'], 'B')}), {quantity(moe['flops'], 'FLOP')} of "
-                f"matmuls"
-            )
-    if report["fits"]:
-        lines.append("verdict: fits")
-    else:
-        lines.append("verdict: DOES NOT FIT. Change one of:")
-        lines += [f"  - {a}" for a in report["advice"]]
-    return "\n".join(lines)
-
-
-_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-
-
-def quantity(value: float | None, unit: str, missing: str = "unknown") -> str:
-    """``value`` with a decimal prefix and 3 significant digits (``7.06e8, "FLOP"`` ->
-    ``706 MFLOP``; ``0.0346e9, "B"`` -> ``34.6 MB``); ``missing`` when None."""
-    if value is None:
-        return missing
-    scale, prefix = next(((s, p) for s, p in _PREFIXES if abs(value) >= s), (1.0, ""))
-    return f"{plain(value / scale)} {prefix}{unit}"
-
-
-def plain(value: float) -> str:
-    """``value`` to 3 significant digits without an exponent (5355860 -> ``5,360,000``,
-    1190.4 -> ``1,190``, 8.93e-05 -> ``0.0000893``)."""
-    if value == 0:
-        return "0"
-    if abs(value) >= 100:
-        return f"{float(f'{value:.3g}'):,.0f}"
-    return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
-
-
-def estimate_line(est: Mapping[str, Any]) -> str:
-    """The roofline line of a step: milliseconds per step, its terms, and tokens/s in plain
-    units, saying which terms it leaves out (then both numbers are bounds)."""
-    terms = [f"compute {plain(est['compute_s'] * 1e3)}"]
-    terms += [f"HBM {plain(est['hbm_s'] * 1e3)}"] if est["hbm_s"] is not None else []
-    terms += (
-        [f"collectives {plain(est['collectives_s'] * 1e3)}"]
-        if est["collectives_s"] is not None
-        else []
-    )
-    left_out = [
-        name
-        for name, key in (("HBM", "hbm_s"), ("collectives", "collectives_s"))
-        if est[key] is None
-    ]
-    label = (
-        "estimate"
-        if not left_out
-        else (
-            f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time "
-            "unknown: a lower bound on the step time, an upper bound on tokens/s)"
-        )
-    )
-    rate = "unknown" if est["tokens_per_s"] is None else f"{plain(est['tokens_per_s'])} tokens/s"
-    return f"  {label}: {plain(est['step_s'] * 1e3)} ms/step ({', '.join(terms)} ms), {rate}"
-
-
-def parse_gin_for_compile(args) -> None:
-    """``gin_utils.parse_gin``, with the run-only macros a compile does not need (``MODEL_DIR``,
-    ``TRAIN_STEPS``) given placeholders where the gin files leave them required."""
-    import gin
-
-    from moe_jax.train import gin_utils
-
-    gin_utils.parse_gin(args, finalize=False)
-    for macro, placeholder in (("MODEL_DIR", "/tmp/moe_jax_compile"), ("TRAIN_STEPS", 1)):
-        if str(_gin_value(f"{macro}/macro.value", None)) == "%gin.REQUIRED":
-            gin.bind_parameter(f"{macro}/macro.value", placeholder)
-    try:
-        gin.finalize()
-    except ValueError as err:
-        raise gin_utils.GinConfigError(f"gin: {err}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import gin_utils
-
-    parser = setup.build_parser("moe-jax compile", __doc__.splitlines()[0])
-    parser.add_argument(
-        "--target",
-        required=True,
-        metavar="PLATFORM:CHIP:TOPOLOGY",
-        help="tpu:v5e:4x4, tpu:v5p:2x2x4, gpu:h100:8, cpu:8, ...",
-    )
-    parser.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
-    parser.add_argument("--no_eval", action="store_true", help="compile the train step only")
-    parser.add_argument(
-        "--hlo_dir",
-        default=None,
-        metavar="DIR",
-        help="write each compiled step's HLO text to DIR/<step>.hlo.txt",
-    )
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show the compilers' own start-up output and logs (libtpu, CUDA, XLA)",
-    )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    hint = ""
-    try:
-        target = hardware.parse_target(args.target)
-        hint = "" if args.verbose else " (--verbose shows the compiler's own output)"
-        with hardware.native_output_hidden(not args.verbose) as messages:
-            devices = hardware.target_devices(target)
-            parse_gin_for_compile(args)
-            report = compile_run(
-                devices,
-                hardware.device_facts(devices, target.chip, target.num_chips),
-                target=target.spec,
-                eval_step=not args.no_eval,
-                hlo_dir=args.hlo_dir,
-                progress=lambda m: print(m, file=messages, flush=True),
-            )
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
-        print(f"moe-jax compile: error: {err}{hint}", file=sys.stderr)
-        return 1
-    print(format_report(report), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0 if report["fits"] else 1

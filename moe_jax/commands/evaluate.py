@@ -14,11 +14,11 @@ parameters are restored onto the current mesh (whatever mesh saved them) and eva
 ``eval_steps`` batches of the eval split with the eval capacity factor. The eval settings
 (batches, batch size, feature lengths, task, split) are by default the ones the first
 run's in-training evaluation used, which ``moe-jax train`` records in
-``MODEL_DIR/eval_settings.json`` (:func:`record_eval_settings`), so that re-evaluating a
-checkpoint reproduces the numbers the run printed; ``--eval_steps=N`` changes the count,
-``--eval_settings=gin`` takes ``runs/eval.gin``'s and the gin flags' instead, and a
-``--gin.eval_script.evaluate.eval_steps`` binding wins over the record. The lines
-``eval settings: ...`` say which were used. Results, per
+``MODEL_DIR/eval_settings.json`` (:func:`moe_jax.runtime.evaluation.record_eval_settings`),
+so that re-evaluating a checkpoint reproduces the numbers the run printed; ``--eval_steps=N``
+changes the count, ``--eval_settings=gin`` takes ``runs/eval.gin``'s and the gin flags'
+instead, and a ``--gin.eval_script.evaluate.eval_steps`` binding wins over the record. The
+lines ``eval settings: ...`` say which were used. Results, per
 checkpoint: loss, token accuracy and per-MoE-layer routing statistics (expert load
 histogram, dropped fraction, router entropy, router weight drift from initialisation
 ``||W - W0|| / ||W0||``), written as ``<label>.json`` and ``<label>_expert_load.png`` in
@@ -53,80 +53,26 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import storage
-from moe_jax.train import distributed, gin_utils, setup, sweep
+from moe_jax import param_paths, plotting, storage
+from moe_jax.analysis import counterfactual
+from moe_jax.runtime import (
+    builders,
+    checkpoints,
+    distributed,
+    evaluation,
+    gin_utils,
+    run_names,
+    summaries,
+    train_step,
+)
+from moe_jax.runtime.routing import layer_order
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
-EVAL_SETTINGS_FILE = "eval_settings.json"
-_EVAL_SCOPE = "eval/utils.DatasetConfig"  # the dataset of eval_script.evaluate (runs/eval.gin)
-
-
-def record_eval_settings(model_dir: str, eval_steps: int, dataset_cfg: setup.DatasetConfig) -> str:
-    """Writes ``MODEL_DIR/eval_settings.json``: ``{"eval_steps": n, "dataset": {the fields
-    of dataset_cfg}}``, what a run's in-training evaluation reads, for ``moe-jax eval`` to
-    reproduce; returns its path."""
-    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
-    settings: dict[str, Any] = {
-        "eval_steps": int(eval_steps),
-        "dataset": dataclasses.asdict(dataset_cfg),
-    }
-    settings["dataset"]["task_feature_lengths"] = dict(settings["dataset"]["task_feature_lengths"])
-    storage.write_text(path, json.dumps(settings, indent=1) + "\n")
-    return path
-
-
-def read_eval_settings(model_dir: str) -> dict[str, Any] | None:
-    """The run's recorded eval settings (:func:`record_eval_settings`), or None when it has
-    none (a run trained before they were recorded, an imported one)."""
-    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
-    return json.loads(storage.read_text(path)) if storage.exists(path) else None
-
-
-def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
-    """Gin bindings giving ``eval_script.evaluate`` the recorded ``settings``."""
-    return [
-        f"eval_script.evaluate.eval_steps = {settings['eval_steps']!r}",
-        *(f"{_EVAL_SCOPE}.{name} = {value!r}" for name, value in settings["dataset"].items()),
-    ]
-
-
-def describe_eval_settings(eval_steps: int, cfg: setup.DatasetConfig) -> str:
-    """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
-    mc4_span_corruption``."""
-    return (
-        f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x "
-        f"{dict(cfg.task_feature_lengths)} from the "
-        f"{cfg.split} split of {cfg.mixture_or_task_name}"
-    )
-
-
-def run_eval(
-    eval_fn, params, dataset_cfg, ctx, eval_steps: int, collections=None
-) -> dict[str, Any]:
-    """Mean of ``eval_fn(params, batch, collections)`` metrics over the first ``eval_steps``
-    batches of ``dataset_cfg`` (``num_tokens`` summed); ``collections``: the model's
-    non-parameter state (e.g. MoE balancing biases), if any."""
-    totals: dict[str, np.ndarray] = {}
-    count = 0
-    for local in setup.eval_batches(dataset_cfg, eval_steps):
-        metrics = jax.device_get(eval_fn(params, setup.global_batch(local, ctx), collections))
-        for name, value in metrics.items():
-            totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
-        count += 1
-    if not count:
-        raise ValueError(
-            f"the {dataset_cfg.split!r} split of {dataset_cfg.mixture_or_task_name!r} "
-            "gave no batches"
-        )
-    return {
-        name: (value / count if name != "num_tokens" else value) for name, value in totals.items()
-    }
 
 
 def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"encoder/layers_3": {"expert_load": [...], "dropped_fraction": x, ...}, ...}``,
     encoder layers first, each stack by depth (``layers_3`` before ``layers_11``)."""
-    from moe_jax.analysis.routing import layer_order
 
     layers: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
@@ -140,12 +86,11 @@ def router_drift(
 ) -> dict[str, float]:
     """Per MoE layer, ``||W - W0|| / ||W0||`` over that layer's router parameters
     (0 for a frozen router); empty when the run kept no initial router weights."""
-    from moe_jax.train import checkpoints
 
     if not initial:
         return {}
     current = {
-        k: np.asarray(jax.device_get(v)) for k, v in checkpoints.router_params(params).items()
+        k: np.asarray(jax.device_get(v)) for k, v in param_paths.router_params(params).items()
     }
     drift = {}
     for layer in layers:
@@ -159,7 +104,6 @@ def router_drift(
 
 def plot_expert_load(layers: dict[str, dict[str, Any]], title: str, path: str) -> None:
     """Writes :func:`expert_load_figure` to ``path`` (nothing when no layer has a load)."""
-    from moe_jax import plotting
 
     fig = expert_load_figure(layers, title)
     if fig is not None:
@@ -170,7 +114,6 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
     """One bar chart per MoE layer of the fraction of tokens routed to each expert, with
     the uniform load as a dashed line. A token counts once per chosen expert, so top-k
     loads sum to k and the uniform load is k/E; experts are labelled by integer index."""
-    from moe_jax import plotting
 
     plt = plotting.pyplot()
 
@@ -206,7 +149,6 @@ def expert_load_figure(layers: dict[str, dict[str, Any]], title: str):
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     """The side-by-side table: one column per checkpoint, one row per statistic (MoE
     layers in :func:`routing_by_layer`'s order)."""
-    from moe_jax.analysis.routing import layer_order
 
     rows: list[tuple[str, list[str]]] = []
 
@@ -263,7 +205,7 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
     groups: dict[tuple[str, str], list[tuple[str, dict[str, Any]]]] = {}
     for label, result in results.items():
         checkpoint, _, router = label.partition(":")
-        family = sweep.seed_family(checkpoint)
+        family = run_names.seed_family(checkpoint)
         if family is not None:
             groups.setdefault((family, router or "learned"), []).append((checkpoint, result))
 
@@ -305,7 +247,6 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
     """Short unique labels: the run directory's name, with ``@STEP`` when a step is given;
     runs of the same name (``learned/seed0``, ``frozen/seed0``) get their parent's name
     too (``learned_seed0``)."""
-    from moe_jax.train import checkpoints
 
     split = [checkpoints.split_checkpoint_path(os.path.normpath(p)) for p in paths]
     short = {d: pathlib.Path(d).name for d, _ in split}
@@ -328,7 +269,6 @@ def checkpoint_labels(paths: Sequence[str]) -> list[str]:
 def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     """Accuracy and cross-entropy per router (x) for each checkpoint (one line each, its
     own colour and line style; legend beside the axes)."""
-    from moe_jax import plotting
 
     plt = plotting.pyplot()
     checkpoints_seen = list(dict.fromkeys(r["label"] for r in results.values()))
@@ -387,8 +327,6 @@ def evaluate(
     Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``
     and ``"router_drift_missing"`` (why there is no drift) for a run without initial routers.
     """
-    from moe_jax.analysis import counterfactual
-    from moe_jax.train import checkpoints, export, summaries, train_step
 
     if not checkpoint_paths:
         raise ValueError(
@@ -398,7 +336,7 @@ def evaluate(
         checkpoint_paths = [checkpoint_paths]
 
     names = counterfactual.check_variants(list(routers))
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
     eval_fns: dict[str | None, Any] = {}
@@ -409,7 +347,7 @@ def evaluate(
     results = {}
     for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths, strict=True):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
-        restored = setup.restore_model(path, model, input_shapes, ctx)
+        restored = builders.restore_model(path, model, input_shapes, ctx)
         step = restored.step
         for name in names:
             params, interceptor = counterfactual.variant(
@@ -429,7 +367,9 @@ def evaluate(
                     else None,
                 )
             metrics = summaries.routing_telemetry(
-                run_eval(eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections),
+                evaluation.run_eval(
+                    eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections
+                ),
                 expert_shards,
             )
             routing = routing_by_layer(metrics)
@@ -459,7 +399,7 @@ def evaluate(
                 results[label]["router_drift_missing"] = (
                     f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the "
                     "routers' initial weights: `moe-jax train` writes it at step 0, `moe-jax "
-                    f"import` when the export has {export.ROUTER_INIT_FILE})"
+                    "import` when the export holds them)"
                 )
             if jax.process_index() == 0:
                 storage.write_text(
@@ -474,7 +414,8 @@ def evaluate(
     table = comparison_table(results)
     if jax.process_index() == 0:
         print(
-            f"[moe-jax eval] evaluated {describe_eval_settings(eval_steps, dataset_cfg)}",
+            "[moe-jax eval] evaluated "
+            + evaluation.describe_eval_settings(eval_steps, dataset_cfg),
             file=sys.stderr,
         )
         print(table, flush=True)
@@ -493,7 +434,7 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = setup.build_parser("moe-jax eval", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax eval", __doc__.splitlines()[0])
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,
@@ -556,16 +497,21 @@ def apply_eval_settings(args, checkpoint: str | None) -> None:
     """Adds to ``args``' gin bindings the eval settings ``--eval_settings`` / ``--eval_steps``
     ask for (the recorded ones before the command line's own bindings, which win) and says
     on stderr which they are."""
-    from moe_jax.train import checkpoints
 
     model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
-    recorded = read_eval_settings(model_dir) if model_dir and args.eval_settings == "run" else None
+    recorded = (
+        evaluation.read_eval_settings(model_dir)
+        if model_dir and args.eval_settings == "run"
+        else None
+    )
     if recorded is not None and model_dir:
-        path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+        path = storage.join(model_dir, evaluation.EVAL_SETTINGS_FILE)
         gin_utils.refuse_untrusted_modules(  # the task module, imported like the config's
-            path, [(f"{_EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))], args
+            path,
+            [(f"{evaluation.EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))],
+            args,
         )
-        args.gin_dot_bindings[:0] = eval_settings_bindings(recorded)
+        args.gin_dot_bindings[:0] = evaluation.eval_settings_bindings(recorded)
         source = f"the run's, from {path} (--eval_settings=gin: runs/eval.gin's)"
     elif args.eval_settings == "run" and model_dir:
         source = f"runs/eval.gin's and the gin flags' ({model_dir} recorded none)"

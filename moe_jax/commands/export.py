@@ -52,10 +52,10 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import param_paths, storage
 from moe_jax.errors import UserError
 from moe_jax.moe import freeze
-from moe_jax.train import distributed, gin_utils
+from moe_jax.runtime import builders, checkpoints, distributed, gin_utils, run_lock, train_state
 
 WEIGHTS_FILE = "model.safetensors"
 ROUTER_INIT_FILE = "router_init.safetensors"
@@ -159,15 +159,6 @@ def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], shape[1] * shape[2])
 
 
-def _flat(params) -> dict[str, Any]:
-    from moe_jax.train import checkpoints
-
-    return {
-        checkpoints.path_name(path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-
-
 def arrays_for_export(params) -> dict[str, np.ndarray]:
     """``{exported name: host array in T5X layout}`` of a parameter tree (or of a flat
     ``{moe-jax name: array}`` dict). Arrays sharded over several processes are gathered
@@ -179,7 +170,7 @@ def arrays_for_export(params) -> dict[str, np.ndarray]:
             return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return np.asarray(jax.device_get(leaf))
 
-    flat = _flat(params)
+    flat = param_paths.named_leaves(params)
     mapping = name_map(list(flat))
     return {
         mapping[name]: host(leaf).reshape(export_shape(mapping[name], leaf.shape))
@@ -195,7 +186,7 @@ def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where:
       ExportError: naming missing or extra arrays, or an array whose shape differs from the
         one the gin config's model expects (both shapes named).
     """
-    flat = _flat(abstract_params)
+    flat = param_paths.named_leaves(abstract_params)
     mapping = name_map(list(flat))
     missing = sorted(mapping[n] for n in flat if mapping[n] not in arrays)
     extra = sorted(set(arrays) - set(mapping.values()))
@@ -268,11 +259,9 @@ def export_checkpoint(
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
 
-    from moe_jax.train import checkpoints, setup, train_state
-
-    ctx = setup.run_context()
+    ctx = builders.run_context()
     target = train_state.abstract_with_shardings(
-        setup.abstract_params(model, _PROBE_SHAPES),
+        builders.abstract_params(model, _PROBE_SHAPES),
         train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules),
     )
     try:
@@ -285,7 +274,7 @@ def export_checkpoint(
             f"cannot read the checkpoint at {checkpoint_path!r}: {type(err).__name__}: {first}"
         ) from err
     arrays = arrays_for_export(params)
-    names = {v: k for k, v in name_map(list(_flat(params))).items()}
+    names = {v: k for k, v in name_map(list(param_paths.named_leaves(params))).items()}
     initial = checkpoints.load_router_init(checkpoints.split_checkpoint_path(checkpoint_path)[0])
     router_init = arrays_for_export(initial) if initial else {}
     config = {
@@ -357,8 +346,6 @@ def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
     """
     from safetensors import SafetensorError
 
-    from moe_jax.train import checkpoints
-
     path = storage.join(export_dir, ROUTER_INIT_FILE)
     if not storage.exists(path):
         return {}
@@ -366,7 +353,7 @@ def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
         arrays = safetensors_arrays(path)
     except (SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {path}: {err}") from None
-    return params_from_export(arrays, checkpoints.router_params(abstract_params), path)
+    return params_from_export(arrays, param_paths.router_params(abstract_params), path)
 
 
 def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -409,11 +396,10 @@ def import_export(
     Raises:
       ExportError: the export is unreadable or does not fit the gin config's model.
     """
-    from moe_jax.train import checkpoints, setup, train_state
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
-    run = setup.build_train_setup(model, _PROBE_SHAPES, setup.run_context(), seed=random_seed)
+    run = builders.build_train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
     host_params = params_from_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )
@@ -470,7 +456,6 @@ def with_vocabulary_path(config_text: str, path: str) -> str:
 
 def holds_run(directory: str) -> bool:
     """``directory`` is a run directory: it holds ``checkpoints/`` or a trainer's ``LOCK``."""
-    from moe_jax.train import run_lock
 
     return any(
         storage.exists(storage.join(directory, name))
@@ -514,9 +499,10 @@ def _export(args) -> dict[str, Any]:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
 
-    parser = setup.build_parser("moe-jax export", "write a checkpoint as safetensors + JSON config")
+    parser = builders.build_parser(
+        "moe-jax export", "write a checkpoint as safetensors + JSON config"
+    )
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,
@@ -548,7 +534,6 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def _source_run(export_dir: str) -> str | None:
     """The run directory an export was written from (its ``config.json``), if it says."""
-    from moe_jax.train import checkpoints
 
     path = storage.join(export_dir, CONFIG_JSON)
     with contextlib.suppress(OSError, ValueError):  # read_export names what is wrong
@@ -590,9 +575,8 @@ def _import(args) -> int:
 
 
 def import_main(argv: list[str] | None = None) -> int:
-    from moe_jax.train import setup
 
-    parser = setup.build_parser("moe-jax import", "read an export into a new run directory")
+    parser = builders.build_parser("moe-jax import", "read an export into a new run directory")
     parser.add_argument(
         "--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory"
     )

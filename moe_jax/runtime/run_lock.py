@@ -28,10 +28,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import jax
-import numpy as np
-
 from moe_jax import errors, storage
+from moe_jax.runtime import distributed
 
 LOCK_FILE = "LOCK"
 DEFAULT_LEASE_SEC = 120.0
@@ -187,13 +185,10 @@ class RunLock:
 def hold(model_dir: str) -> Iterator[RunLock | None]:
     """Holds ``model_dir``'s lock on process 0 for the ``with`` block; every process raises
     :class:`~moe_jax.errors.RunLockedError` when process 0 could not take it."""
-    lock, error = None, None
-    if jax.process_index() == 0:
-        try:
-            lock = RunLock(model_dir).acquire()
-        except errors.RunLockedError as err:
-            error = err
-        if lock is not None and lock.took_over:
+
+    def take() -> RunLock:
+        lock = RunLock(model_dir).acquire()
+        if lock.took_over:
             old = lock.took_over
             holder = (
                 f"host {old.get('host')} PID {old.get('pid')} (since {old.get('since')})"
@@ -205,18 +200,12 @@ def hold(model_dir: str) -> Iterator[RunLock | None]:
                 file=sys.stderr,
                 flush=True,
             )
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+        return lock
 
-        if (
-            bool(multihost_utils.broadcast_one_to_all(np.array(error is not None)))
-            and error is None
-        ):
-            error = errors.RunLockedError(
-                f"{model_dir} is locked by another trainer (see process 0)"
-            )
-    if error is not None:
-        raise error
+    lock = distributed.process_zero_decides(
+        take,
+        lambda: errors.RunLockedError(f"{model_dir} is locked by another trainer (see process 0)"),
+    )
     try:
         yield lock
     finally:

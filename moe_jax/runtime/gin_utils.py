@@ -45,6 +45,7 @@ from gin import config_parser
 
 from moe_jax import errors, storage
 from moe_jax.moe import legacy_gin
+from moe_jax.runtime import checkpoints
 
 REPO_GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
 
@@ -57,12 +58,12 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.models.model",
     "moe_jax.data.tasks",
     "moe_jax.data.pipeline",
-    "moe_jax.train.optimizers",
-    "moe_jax.train.summaries",
-    "moe_jax.train.train",
-    "moe_jax.train.evaluate",
-    "moe_jax.train.infer",
-    "moe_jax.train.export",
+    "moe_jax.runtime.optimizers",
+    "moe_jax.runtime.summaries",
+    "moe_jax.commands.train",
+    "moe_jax.commands.evaluate",
+    "moe_jax.commands.infer",
+    "moe_jax.commands.export",
 )
 
 _SEARCH_PATHS_ADDED: set[str] = set()
@@ -463,7 +464,6 @@ def run_gin_files(
         when the run has no config.gin and no gin file was given.
       ValueError: neither a checkpoint nor a gin file was given.
     """
-    from moe_jax.train import checkpoints
 
     roots = search_paths([])
     defaults = [_resolve(f, roots) for f in defaults]
@@ -499,6 +499,15 @@ def run_gin_files(
         flush=True,
     )
     return files
+
+
+def bound_value(name: str, default: Any) -> Any:
+    """The value gin binds to ``name`` (``scope/configurable.parameter`` or
+    ``MACRO/macro.value``), or ``default`` where nothing binds it."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
 
 
 def operative_config() -> str:
@@ -546,7 +555,6 @@ def run_config_file(
 def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
     """:func:`run_config_file` of the run ``checkpoint`` (``MODEL_DIR[/STEP]``) belongs to, as
     of its step (the latest when none is given)."""
-    from moe_jax.train import checkpoints
 
     model_dir, step = checkpoints.split_checkpoint_path(checkpoint)
     return run_config_file(

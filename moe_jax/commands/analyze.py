@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 
 from moe_jax import storage
-from moe_jax.cli import split_command
-from moe_jax.train import distributed, gin_utils
+from moe_jax.commands.subcommands import split_command
+from moe_jax.runtime import builders, distributed, gin_utils
 
 # analysis -> (module with ``analyze(checkpoint_path, out_dir)``, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
@@ -53,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import gin
 
-    from moe_jax.train import setup
-
     picked = split_command(
         list(sys.argv[1:] if argv is None else argv),
         ANALYSES,
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     analysis, rest = picked
     with gin.unlock_config():  # its gin configurables register on import (a config may be locked)
         module = importlib.import_module(ANALYSES[analysis][0])
-    parser = setup.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
+    parser = builders.build_parser(f"moe-jax analyze {analysis}", ANALYSES[analysis][1])
     parser.add_argument(
         "--checkpoint",
         type=storage.normalize,

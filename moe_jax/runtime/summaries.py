@@ -34,7 +34,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.histogram import summary_v2 as histogram_summary
 from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
-from moe_jax import hardware, storage
+from moe_jax import hardware, param_paths, storage
+from moe_jax.runtime import builders, routing
 
 
 @gin.configurable
@@ -141,13 +142,11 @@ class ChurnProbe:
     ):
         """``probe_batch``: this process's share of the probe batch (numpy);
         ``collections_shardings``: of the model's state collections (None: it has none)."""
-        from moe_jax.analysis import routing
-        from moe_jax.train import setup
 
         self._fn = routing.routing_fn(
             model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings
         )
-        self._batch = setup.global_batch(probe_batch, ctx)
+        self._batch = builders.global_batch(probe_batch, ctx)
         self._path = storage.join(model_dir, self.FILE)
         self._previous: dict[str, np.ndarray] = {}
         if storage.exists(self._path):
@@ -159,10 +158,8 @@ class ChurnProbe:
         """``{"moe/<layer>/routing_churn": fraction}`` (empty at the first evaluation);
         ``collections``: the state collections (e.g. ``router_bias``, which moves the
         selection, so churn counts its changes too)."""
-        from moe_jax.analysis import routing
-        from moe_jax.train import checkpoints
 
-        if not checkpoints.router_params(params):  # a dense model: nothing routes
+        if not param_paths.router_params(params):  # a dense model: nothing routes
             return {}
         layers = routing.collect_routing(self._fn, params, [self._batch], collections)
         top1 = {name: layer.expert_index[..., 0] for name, layer in layers.items()}

@@ -38,7 +38,16 @@ import jax
 import numpy as np
 
 from moe_jax import errors, storage
-from moe_jax.train import checkpoints, distributed, gin_utils, run_lock, setup
+from moe_jax.runtime import (
+    aot,
+    builders,
+    checkpoints,
+    distributed,
+    evaluation,
+    gin_utils,
+    run_lock,
+    summaries,
+)
 
 
 class NonFiniteLossError(errors.UserError, FloatingPointError):
@@ -47,10 +56,11 @@ class NonFiniteLossError(errors.UserError, FloatingPointError):
     exit_code = errors.EXIT_NONFINITE
 
 
-def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
+def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, start_step: int = 0):
     """This process's resumable stream of training batches (``[batch / processes, length]``
     numpy arrays); ``state`` (from ``get_state()``) continues a saved position exactly,
     ``start_step`` skips that many batches of a fresh stream."""
+    # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import pipeline
 
     if state is not None:
@@ -76,8 +86,8 @@ def make_iterator(cfg: setup.DatasetConfig, *, state: dict | None = None, start_
 def train(
     *,
     model: Any = gin.REQUIRED,
-    train_dataset_cfg: setup.DatasetConfig = gin.REQUIRED,
-    train_eval_dataset_cfg: setup.DatasetConfig | None = None,
+    train_dataset_cfg: builders.DatasetConfig = gin.REQUIRED,
+    train_eval_dataset_cfg: builders.DatasetConfig | None = None,
     model_dir: str = gin.REQUIRED,
     total_steps: int = gin.REQUIRED,
     random_seed: int = 0,
@@ -135,32 +145,189 @@ def train(
         raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
     model_dir = storage.normalize(model_dir)
     _check_total_steps(total_steps, checkpoints.reached_step(model_dir), model_dir)
+    with _holding(model_dir):
+        model.check_vocabulary()
+        ctx = builders.run_context()
+        input_shapes = train_dataset_cfg.input_shapes()
+        run = builders.build_train_setup(
+            model,
+            input_shapes,
+            ctx,
+            seed=random_seed,
+            accum_steps=accum_steps,
+            skip_nonfinite=on_nonfinite == "skip",
+        )
+        aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
+        ckpt = checkpoints.Checkpointer(
+            model_dir,
+            save_period=checkpoint_period,
+            keep=keep_checkpoints,
+            async_save=async_checkpointing,
+            remove_partial_saves=True,
+        )
+        set_aside = checkpoints.set_aside_steps(model_dir)  # at earlier starts
+        restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
+        _check_set_aside(model_dir, set_aside, fresh=restored is None)
+        if restored is None:
+            latest = None
+            state = run.init_state()
+            iterator = make_iterator(train_dataset_cfg)
+            checkpoints.save_router_init(model_dir, state.params)
+        else:
+            state, meta, latest = restored
+            saved = meta["data_iterators"]
+            if len(saved) == jax.process_count():
+                iterator = make_iterator(train_dataset_cfg, state=saved[jax.process_index()])
+            else:  # another process count: same position, this run's sharding of the stream
+                iterator = make_iterator(train_dataset_cfg, start_step=latest)
+            _log(f"restored {ckpt.directory}/{latest}")
+        distributed.process_zero_decides(
+            lambda: gin_utils.record_run_config(
+                model_dir,
+                gin_utils.operative_config(),
+                latest or 0,
+                allow_change=allow_config_change,
+            ),
+            lambda: errors.UserError("refused on process 0 (see its message)"),
+        )
+        if jax.process_index() == 0:
+            summaries.drop_records_after(model_dir, latest or 0)
+            if (
+                train_eval_dataset_cfg is not None
+            ):  # for `moe-jax eval` to reproduce this run's evaluation
+                evaluation.record_eval_settings(model_dir, eval_steps, train_eval_dataset_cfg)
+        _log(
+            f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
+            f"{jax.process_count()} process(es), {jax.device_count()} devices"
+        )
+
+        step_fn = run.train_step
+        eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
+        expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
+        writer = summaries.MetricsWriter(model_dir, expert_shards)
+        churn = None
+        if eval_fn and routing_churn and train_eval_dataset_cfg is not None:
+            # the first eval batch is the fixed probe batch
+            probe_batch = next(builders.eval_batches(train_eval_dataset_cfg, 1))
+            churn = summaries.ChurnProbe(
+                model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
+            )
+        tokens_per_step = int(
+            np.prod(input_shapes["decoder_input_tokens"])
+            + np.prod(input_shapes["encoder_input_tokens"])
+        )
+        meter = summaries.ThroughputMeter(
+            model.flops_per_step(input_shapes),
+            tokens_per_step,
+            summaries.peak_flops_per_device() * jax.device_count(),
+        )
+        preemption = distributed.PreemptionWatcher()
+
+        step = int(jax.device_get(state.step))
+        end = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
+        last_saved = latest
+        losses: dict[int, float] = {}
+        preempted = False
+        bar = summaries.progress_bar(step, total_steps)
+        start_time = time.perf_counter()
+
+        def check_loss(checked_step: int, step_metrics) -> float:
+            """Fetches one step's loss (a scalar) and stops on NaN/Inf when asked to."""
+            loss = float(step_metrics["loss"])
+            losses[checked_step] = loss
+            if not np.isfinite(loss) and on_nonfinite == "stop":
+                raise NonFiniteLossError(
+                    f"loss is {loss} at step {checked_step}; last good checkpoint: "
+                    f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
+                    "train.on_nonfinite='skip' to skip such steps instead."
+                )
+            return loss
+
+        unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
+        try:
+            batch = builders.global_batch(next(iterator), ctx)
+            while step < end:
+                state, metrics = step_fn(state, batch)  # async dispatch; state donated
+                data_state = iterator.get_state()  # position after this step's batch
+                if step + 1 < end:
+                    batch = builders.global_batch(next(iterator), ctx)  # overlaps the device's step
+                if sync_every_step:
+                    metrics = jax.device_get(metrics)
+                ckpt.check_for_errors()  # a failed background save stops here
+                step += 1
+                meter.tick()
+                bar.update(1)
+                if unchecked is not None:  # the previous step: done, or queued just before this one
+                    check_loss(*unchecked)
+                unchecked = (step, metrics)
+                preempted = preemption.reached(step)
+                log_now = step % log_period == 0 or step == end
+                save_now = ckpt.should_save(step) or step == end or preempted
+                eval_now = bool(eval_fn) and step % eval_period == 0
+                if not (sync_every_step or log_now or save_now or eval_now):
+                    continue
+                loss = check_loss(*unchecked)  # waits for this step
+                unchecked = None
+                if log_now:
+                    rates = meter.rates()
+                    writer.write("train", step, {**jax.device_get(metrics), **rates})
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+                if save_now:
+                    meta = {
+                        "data_iterators": checkpoints.gather_from_processes(data_state),
+                        "random_seed": random_seed,
+                    }
+                    if ckpt.save(state, meta, force=True):
+                        last_saved = step
+                    writer.flush()
+                if preempted:
+                    break
+                if eval_now:
+                    eval_metrics = evaluation.run_eval(
+                        eval_fn,
+                        state.params,
+                        train_eval_dataset_cfg,
+                        ctx,
+                        eval_steps,
+                        state.collections,
+                    )
+                    if churn:
+                        eval_metrics.update(churn(state.params, state.collections))
+                    writer.write("eval", step, eval_metrics)
+                    bar.write(
+                        f"step {step}: eval loss {eval_metrics['loss']:.4f} "
+                        f"accuracy {eval_metrics['accuracy']:.4f}"
+                    )
+        finally:
+            iterator.close()
+            bar.close()
+            ckpt.wait_until_finished()
+            ckpt.close()
+            writer.close()
+            preemption.close()
+        elapsed = time.perf_counter() - start_time
+        return {
+            "step": step,
+            "losses": losses,
+            "preempted": preempted,
+            "signal": preemption.signum,
+            "model_dir": model_dir,
+            "last_checkpoint": ckpt.name(last_saved),
+            "wall_sec": elapsed,
+        }
+
+
+@contextlib.contextmanager
+def _holding(model_dir: str) -> Iterator[None]:
+    """Holds ``model_dir``'s lock for the block. A failed write or an interrupt that stopped
+    it without saving names the last checkpoint; a run refused before it wrote anything
+    (vocabulary, experts, mesh) leaves no empty ``MODEL_DIR`` behind."""
     created = not storage.exists(model_dir)
     checkpoints.ensure_writable(model_dir)
     try:
         with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
-            return _train(
-                model=model,
-                train_dataset_cfg=train_dataset_cfg,
-                train_eval_dataset_cfg=train_eval_dataset_cfg,
-                model_dir=model_dir,
-                total_steps=total_steps,
-                random_seed=random_seed,
-                checkpoint_period=checkpoint_period,
-                keep_checkpoints=keep_checkpoints,
-                async_checkpointing=async_checkpointing,
-                log_period=log_period,
-                eval_period=eval_period,
-                eval_steps=eval_steps,
-                accum_steps=accum_steps,
-                on_nonfinite=on_nonfinite,
-                sync_every_step=sync_every_step,
-                routing_churn=routing_churn,
-                stop_after_steps=stop_after_steps,
-                allow_config_change=allow_config_change,
-            )
+            yield
     except Exception:
-        # refused before writing anything (vocabulary, experts, mesh): no empty MODEL_DIR left
         if created and jax.process_index() == 0 and not storage.listdir(model_dir):
             storage.rmtree(model_dir)
         raise
@@ -213,196 +380,6 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
         )
 
 
-def _train(
-    *,
-    model,
-    train_dataset_cfg,
-    train_eval_dataset_cfg,
-    model_dir,
-    total_steps,
-    random_seed,
-    checkpoint_period,
-    keep_checkpoints,
-    async_checkpointing,
-    log_period,
-    eval_period,
-    eval_steps,
-    accum_steps,
-    on_nonfinite,
-    sync_every_step,
-    routing_churn,
-    stop_after_steps,
-    allow_config_change,
-):
-    """:func:`train`'s body, once the arguments are checked and ``MODEL_DIR`` is locked."""
-    from moe_jax.train import aot, evaluate, summaries
-
-    model.check_vocabulary()
-    ctx = setup.run_context()
-    input_shapes = train_dataset_cfg.input_shapes()
-    run = setup.build_train_setup(
-        model,
-        input_shapes,
-        ctx,
-        seed=random_seed,
-        accum_steps=accum_steps,
-        skip_nonfinite=on_nonfinite == "skip",
-    )
-    aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
-    ckpt = checkpoints.Checkpointer(
-        model_dir,
-        save_period=checkpoint_period,
-        keep=keep_checkpoints,
-        async_save=async_checkpointing,
-        remove_partial_saves=True,
-    )
-    set_aside = checkpoints.set_aside_steps(model_dir)  # at earlier starts
-    restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
-    _check_set_aside(model_dir, set_aside, fresh=restored is None)
-    if restored is None:
-        latest = None
-        state = run.init_state()
-        iterator = make_iterator(train_dataset_cfg)
-        checkpoints.save_router_init(model_dir, state.params)
-    else:
-        state, meta, latest = restored
-        saved = meta["data_iterators"]
-        if len(saved) == jax.process_count():
-            iterator = make_iterator(train_dataset_cfg, state=saved[jax.process_index()])
-        else:  # another process count: same position, this run's sharding of the stream
-            iterator = make_iterator(train_dataset_cfg, start_step=latest)
-        _log(f"restored {ckpt.directory}/{latest}")
-    _agree(
-        lambda: gin_utils.record_run_config(
-            model_dir, gin_utils.operative_config(), latest or 0, allow_change=allow_config_change
-        )
-    )
-    if jax.process_index() == 0:
-        summaries.drop_records_after(model_dir, latest or 0)
-        if (
-            train_eval_dataset_cfg is not None
-        ):  # for `moe-jax eval` to reproduce this run's evaluation
-            evaluate.record_eval_settings(model_dir, eval_steps, train_eval_dataset_cfg)
-    _log(
-        f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
-        f"{jax.process_count()} process(es), {jax.device_count()} devices"
-    )
-
-    step_fn = run.train_step
-    eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
-    expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
-    writer = summaries.MetricsWriter(model_dir, expert_shards)
-    churn = None
-    if eval_fn and routing_churn:  # the first eval batch is the fixed probe batch
-        probe_batch = next(setup.eval_batches(train_eval_dataset_cfg, 1))
-        churn = summaries.ChurnProbe(
-            model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
-        )
-    tokens_per_step = int(
-        np.prod(input_shapes["decoder_input_tokens"])
-        + np.prod(input_shapes["encoder_input_tokens"])
-    )
-    meter = summaries.ThroughputMeter(
-        model.flops_per_step(input_shapes),
-        tokens_per_step,
-        summaries.peak_flops_per_device() * jax.device_count(),
-    )
-    preemption = distributed.PreemptionWatcher()
-
-    step = int(jax.device_get(state.step))
-    end = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
-    last_saved = latest
-    losses: dict[int, float] = {}
-    preempted = False
-    bar = summaries.progress_bar(step, total_steps)
-    start_time = time.perf_counter()
-
-    def check_loss(checked_step: int, step_metrics) -> float:
-        """Fetches one step's loss (a scalar) and stops on NaN/Inf when asked to."""
-        loss = float(step_metrics["loss"])
-        losses[checked_step] = loss
-        if not np.isfinite(loss) and on_nonfinite == "stop":
-            raise NonFiniteLossError(
-                f"loss is {loss} at step {checked_step}; last good checkpoint: "
-                f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
-                "train.on_nonfinite='skip' to skip such steps instead."
-            )
-        return loss
-
-    unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
-    try:
-        batch = setup.global_batch(next(iterator), ctx)
-        while step < end:
-            state, metrics = step_fn(state, batch)  # async dispatch; state donated
-            data_state = iterator.get_state()  # position after this step's batch
-            if step + 1 < end:
-                batch = setup.global_batch(next(iterator), ctx)  # overlaps the device's step
-            if sync_every_step:
-                metrics = jax.device_get(metrics)
-            ckpt.check_for_errors()  # a failed background save stops here
-            step += 1
-            meter.tick()
-            bar.update(1)
-            if unchecked is not None:  # the previous step: done, or queued just before this one
-                check_loss(*unchecked)
-            unchecked = (step, metrics)
-            preempted = preemption.reached(step)
-            log_now = step % log_period == 0 or step == end
-            save_now = ckpt.should_save(step) or step == end or preempted
-            eval_now = bool(eval_fn) and step % eval_period == 0
-            if not (sync_every_step or log_now or save_now or eval_now):
-                continue
-            loss = check_loss(*unchecked)  # waits for this step
-            unchecked = None
-            if log_now:
-                rates = meter.rates()
-                writer.write("train", step, {**jax.device_get(metrics), **rates})
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
-            if save_now:
-                meta = {
-                    "data_iterators": checkpoints.gather_from_processes(data_state),
-                    "random_seed": random_seed,
-                }
-                if ckpt.save(state, meta, force=True):
-                    last_saved = step
-                writer.flush()
-            if preempted:
-                break
-            if eval_now:
-                eval_metrics = evaluate.run_eval(
-                    eval_fn,
-                    state.params,
-                    train_eval_dataset_cfg,
-                    ctx,
-                    eval_steps,
-                    state.collections,
-                )
-                if churn:
-                    eval_metrics.update(churn(state.params, state.collections))
-                writer.write("eval", step, eval_metrics)
-                bar.write(
-                    f"step {step}: eval loss {eval_metrics['loss']:.4f} "
-                    f"accuracy {eval_metrics['accuracy']:.4f}"
-                )
-    finally:
-        iterator.close()
-        bar.close()
-        ckpt.wait_until_finished()
-        ckpt.close()
-        writer.close()
-        preemption.close()
-    elapsed = time.perf_counter() - start_time
-    return {
-        "step": step,
-        "losses": losses,
-        "preempted": preempted,
-        "signal": preemption.signum,
-        "model_dir": model_dir,
-        "last_checkpoint": ckpt.name(last_saved),
-        "wall_sec": elapsed,
-    }
-
-
 def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
     """Names the damaged checkpoints set aside at earlier starts (at every start until they
     are deleted), and refuses to train from step 0 while they are there."""
@@ -418,25 +395,6 @@ def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
     _log(f"warning: {folder} holds step(s) {aside} set aside as damaged (delete it once inspected)")
 
 
-def _agree(check) -> None:
-    """Runs ``check`` (which may raise an expected error) on process 0; every process
-    raises the same error, so none is left waiting in a collective."""
-    error = None
-    if jax.process_index() == 0:
-        try:
-            check()
-        except errors.UserError as err:
-            error = err
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        failed = bool(multihost_utils.broadcast_one_to_all(np.array(error is not None)))
-        if failed and error is None:
-            raise errors.UserError("refused on process 0 (see its message)")
-    if error is not None:
-        raise error
-
-
 def _log(message: str) -> None:
     if jax.process_index() == 0:
         print(f"[moe-jax] {message}", file=sys.stderr, flush=True)
@@ -445,7 +403,7 @@ def _log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit code 0; expected errors and interrupts are raised for :func:`moe_jax.cli.main`
     to report (codes in :mod:`moe_jax.errors`)."""
-    parser = setup.build_parser("moe-jax train", __doc__.splitlines()[0])
+    parser = builders.build_parser("moe-jax train", __doc__.splitlines()[0])
     parser.add_argument(
         "--allow_config_change",
         action="store_true",

@@ -56,8 +56,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moe_jax import errors, storage
-from moe_jax.train.train_state import TrainState
+from moe_jax import errors, param_paths, storage
+from moe_jax.runtime.train_state import TrainState
 
 PyTree = Any
 
@@ -111,14 +111,7 @@ class CheckpointReadError(UnreadableCheckpointError):
 
 def param_shapes(params: PyTree) -> dict[str, list[int]]:
     """``{"encoder/layers_0/attention/query/kernel": [32, 768], ...}`` for a parameter tree."""
-    return {
-        path_name(path): list(leaf.shape)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-
-
-def path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return {name: list(leaf.shape) for name, leaf in param_paths.named_leaves(params).items()}
 
 
 def check_compatible(
@@ -667,7 +660,7 @@ def restore_from(
     path: str, target: PyTree, collections: PyTree | None = None
 ) -> tuple[PyTree, PyTree, int, dict[str, Any]]:
     """The one restore path of every command that reads a checkpoint without resuming it
-    (eval, infer, analyze, export, upcycle; ``moe_jax.train.setup.restore_model`` builds the
+    (eval, infer, analyze, export, upcycle; ``moe_jax.runtime.builders.restore_model`` builds the
     targets): ``(params, collections, step, meta)`` of the checkpoint at ``path``, laid out as
     ``target`` / ``collections`` (see :meth:`Checkpointer.restore_params`). ``path`` is
     ``MODEL_DIR`` (latest step), ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``.
@@ -712,15 +705,6 @@ def gather_from_processes(obj: Any) -> list[Any]:
 ROUTER_INIT_FILE = "router_init.npz"
 
 
-def router_params(params: PyTree) -> dict[str, jax.Array]:
-    """The leaves whose path names a router, by name."""
-    return {
-        path_name(path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-        if "router" in path_name(path)
-    }
-
-
 def save_router_init(model_dir: str, params: PyTree) -> None:
     """Writes the routers' initial weights (once, by process 0) for drift measurements."""
     from jax.experimental import multihost_utils
@@ -729,7 +713,7 @@ def save_router_init(model_dir: str, params: PyTree) -> None:
         model_dir,
         {
             k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-            for k, v in router_params(params).items()
+            for k, v in param_paths.router_params(params).items()
         },
     )
 

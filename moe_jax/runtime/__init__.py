@@ -1,0 +1,22 @@
+"""The training runtime: what the commands (`moe_jax.commands`) are built from.
+
+Modules, one job each:
+  gin_utils      command-line flags and gin parsing (files, `--gin.NAME=value`, bindings), the
+                 run's recorded config and the gate that refuses code from a run directory
+  distributed    `jax.distributed` start-up from flags/environment; preemption notices
+  optimizers     optax optimizers and learning-rate schedules from gin
+  train_state    the train state pytree (step, params, optimizer state, RNG)
+  builders       what every command builds the same way: mesh and rules, optimizer, sharded
+                 state layout, jitted steps, dataset configs, a restored model
+  train_step     the jitted train and eval steps
+  checkpoints    orbax checkpoint manager: async saves, restore onto any mesh, config checks
+  run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
+  summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry
+  routing        per-token routing of every MoE layer of a restored model (the layer's opt-in
+                 ``routing`` collection)
+  evaluation     mean eval metrics over a dataset; the run's recorded eval settings
+  run_names      how the seeds of a run family are named (``<family>/seed<N>``)
+  aot            ahead-of-time compile for a TPU/GPU/CPU target: memory, fit, step time
+
+Nothing here imports TensorFlow/seqio at import time.
+"""
