@@ -213,7 +213,7 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
     per dispatch, then dropless two ways: ``sort`` with capacity = the group (fixed buffers:
     what ``dropless=True`` compiles to on CPU, and did everywhere before the ragged path) and
     ``dropless=True`` (on TPU: rows by ``ragged_all_to_all`` into ``ragged_dot``; elsewhere the
-    same buffers as the row before, ``dispatch.ragged_exchange``).
+    same buffers as the row before: ``execution.resolve_plan``).
 
     ``MiB sent``: the bytes of the all-to-alls (``all_to_all_traffic``: their operands, for a
     ragged all-to-all its first operand, the rows it may send: the routed rows leave, the

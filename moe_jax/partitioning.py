@@ -39,7 +39,7 @@ KNOWN_LOGICAL_AXES: frozenset[str] = frozenset(
         "abspos_buckets",
         "expert",
         "expert_mlp",
-        "expert_group",
+        "routing_group",
         "unmodeled",
         "layers",
         "stack",
@@ -81,7 +81,7 @@ def standard_logical_axis_rules(
     rules += [
         ("batch", batch_axes),
         ("expert", "expert" if expert_parallel else None),
-        ("expert_group", batch_axes),
+        ("routing_group", batch_axes),
         ("vocab", model),
         ("mlp", model),
         ("expert_mlp", model),

@@ -5,13 +5,16 @@ Modules, one job each:
   config           MoeConfig and its parts: one config per router, capacity, execution,
                    auxiliary losses (frozen, gin-configurable, validated)
   layer            MoeLayer: route, dispatch, run the experts, combine
+  execution        the execution plan: how the layer runs on the target platform (all
+                   platform policy: implementation, loop, combine order, exchange)
   routers          token-choice and expert-choice routers and their routing decisions
   selection        top-k selection options of token-choice routers (DeepSeek-V3)
   hierarchical     two-level (hierarchical) routers
   capacity         routing groups and expert capacity
   dispatch         dispatch to expert buffers and combine back (einsum, sort, ragged)
-  expert_parallel  experts split over the expert mesh axis; the all-to-all exchange
-  experts          the experts' weights and feed-forward computation
+  expert_parallel  the exchange interface: local, or experts split over the expert mesh
+                   axis (all-to-all of padded buffers, ragged all-to-all of rows)
+  experts          the experts' weights (ExpertWeights) and feed-forward computation
   shared           shared experts every token uses
   losses           auxiliary routing losses and routing statistics
   freeze           learned vs frozen routers (optimizer side); data-initialised routers

@@ -26,7 +26,7 @@ import flax.linen as nn
 import gin
 
 from moe_jax.moe.capacity import CAPACITY_RULES
-from moe_jax.moe.dispatch import CAPACITY_ORDERS, DISPATCH_IMPLS, layer_choices
+from moe_jax.moe.dispatch import CAPACITY_ORDERS, DISPATCH_IMPLS
 from moe_jax.moe.experts import check_activation
 from moe_jax.moe.hierarchical import (
     HierarchicalRouter,
@@ -333,8 +333,9 @@ class ExecutionConfig:
 
     Attributes:
       dispatch: ``einsum`` (reference), ``sort`` or ``auto`` (per the platform compiled
-        for, see ``dispatch.layer_choices``).
+        for, see ``execution.resolve_plan``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``); None = per platform.
+        The layer runs the ``execution.ExecutionPlan`` that ``resolve_plan`` makes of these.
       data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
     """
 
@@ -350,17 +351,6 @@ class ExecutionConfig:
                 f"ExecutionConfig.dispatch={self.dispatch!r} is unknown; "
                 f"choose one of {(*DISPATCH_IMPLS, 'auto')}"
             )
-
-    def resolve(self, platform: str, dtype: Any) -> tuple[str, bool]:
-        """(dispatch implementation, per-expert loop) when compiled for ``platform``
-        devices with ``dtype`` activations: the config's, or the platform's choice
-        (``dispatch.layer_choices``) where it says ``auto`` / None. The layer and
-        `moe-jax compile`'s report both call this."""
-        auto_impl, auto_loop = layer_choices(platform, dtype)
-        return (
-            auto_impl if self.dispatch == "auto" else self.dispatch,
-            auto_loop if self.per_expert_loop is None else self.per_expert_loop,
-        )
 
 
 @gin.configurable

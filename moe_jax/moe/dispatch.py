@@ -8,9 +8,12 @@ Two implementations with identical results (up to float summation order):
   as ``tokens_per_group * experts * capacity * d_model``.
 * ``sort``: assignments sorted by (expert, priority); each buffer slot gathers its token
   and each token gathers its expert outputs back. The default on every platform
-  (``layer_choices``). Cost ``O(assignments * d_model)`` plus
+  (``execution.resolve_plan``). Cost ``O(assignments * d_model)`` plus
   a sort. In dropless mode it feeds a grouped matmul (``jax.lax.ragged_dot``) instead of
-  fixed-capacity buffers (under expert parallelism on TPU only: ``ragged_exchange``).
+  fixed-capacity buffers (``ragged_token_choice``; under expert parallelism on TPU only).
+
+Which one runs, and how, is the layer's ``execution.ExecutionPlan``; this module holds
+only the algorithms.
 
 Capacity is granted in the same order by both, one of ``CAPACITY_ORDERS`` over the
 tokens ranked by ``TokenChoiceRouting.priority``:
@@ -37,7 +40,6 @@ the same shape; under expert parallelism it contains the all-to-all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,80 +52,6 @@ RaggedFn = Callable[[Array, Array], Array]
 
 DISPATCH_IMPLS: tuple[str, ...] = ("einsum", "sort")
 CAPACITY_ORDERS: tuple[str, ...] = ("choice_major", "token_major")
-
-
-# Platform names as ``jax.Device.platform`` / ``AbstractMesh.abstract_device.platform``
-# report them, mapped to the backend family whose choices apply.
-_PLATFORM_FAMILY = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
-
-
-def layer_choices(platform: str, dtype: Any) -> tuple[str, bool]:
-    """``(dispatch, per_expert_loop)`` that ``MoeLayer(dispatch='auto', per_expert_loop=None)``
-    uses when compiled for devices of ``platform`` (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``)
-    with activations of ``dtype``.
-
-    From the compiled executables (benchmarks/RESULTS.md, "MoE layer"; "MoE layer on TPU
-    and GPU targets"):
-
-    * CPU: ``sort`` with one plain matmul per expert (measured: 2.3-2.7x faster than
-      ``einsum``; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
-    * TPU: ``sort``, batched expert matmuls. At the T5-Base shape the one-hot ``einsum``
-      does 2.7x the FLOPs and moves more bytes (roofline 2.46x vs 2.98x the dense FFN on v5p
-      at E = 8). The batched expert matmuls run expert-major (``experts.expert_ffn``): the
-      group-major form made libtpu 0.0.42 abort (``Check failed: ReshapeIsBitcast`` in
-      TpuCopyNormalizer) on the backward pass of float32 activations under expert
-      parallelism. With float32 activations over a mesh with both data and expert axes
-      (smoke config, mesh (2, 2, 1)) libtpu still aborts there, so float32 on TPU runs one
-      matmul per expert (the accelerator configs are bfloat16; ``tests/train/test_aot.py``
-      compiles the float32 case).
-    * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
-    """
-    family = _family(platform)
-    float32_on_tpu = family == "tpu" and jnp.dtype(dtype) == jnp.float32
-    return "sort", family == "cpu" or float32_on_tpu
-
-
-def choice_major_combine(platform: str) -> bool:
-    """Whether the ``sort`` combine gathers choice-major on ``platform``: yes on TPU and
-    GPU (for v5p the TPU compiler estimates 0.44x the cycles of the token-major gather fused
-    into the weighted sum, fwd+bwd); no on CPU (there the choice-major step measured 1.15x slower).
-    benchmarks/RESULTS.md, "MoE layer on TPU and GPU targets"."""
-    return _family(platform) != "cpu"
-
-
-def ragged_exchange(platform: str) -> Callable[..., Array] | None:
-    """The ragged all-to-all the dropless ``sort`` path exchanges rows with under expert
-    parallelism on ``platform`` (``expert_parallel.ragged_comm``), or None: fixed buffers of
-    capacity = tokens per group (benchmarks/RESULTS.md, "Expert parallelism"):
-
-    * TPU: ``jax.lax.ragged_all_to_all``. Only routed rows cross the interconnect, and the
-      forward and input-gradient grouped matmuls are Mosaic kernels over the filled rows.
-      At E = 32 over 4 v5p chips: 0.41x the padded layout's temporaries, 0.45x its HLO bytes.
-    * GPU: None. XLA:GPU lowers ``ragged_dot`` to one dense matmul per local expert over the
-      whole receive buffer: min(k, experts per device) x the padded layout's FLOPs (8 x H100,
-      E = 32: 2.0x the FLOPs, 1.5x the temporaries), which outweighs the smaller exchange.
-    * CPU: None. XLA:CPU (jaxlib 0.10.2) cannot compile it ("HLO opcode
-      `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
-    """
-    return jax.lax.ragged_all_to_all if _family(platform) == "tpu" else None
-
-
-def _family(platform: str) -> str:
-    """``cpu``, ``tpu`` or ``gpu``: the backend family of a device platform name."""
-    family = _PLATFORM_FAMILY.get(platform)
-    if family is None:
-        raise ValueError(
-            f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}"
-        )
-    return family
-
-
-def target_platform(mesh: jax.sharding.AbstractMesh | None) -> str:
-    """Platform of the devices a step is being compiled for: the platform of ``mesh``'s
-    devices (the mesh set with ``jax.set_mesh``, which carries it even when compiling for a
-    TPU from a CPU host), else the default backend (no mesh: the step runs on it)."""
-    device = None if mesh is None else mesh.abstract_device
-    return jax.default_backend() if device is None else device.platform
 
 
 def check_capacity_order(capacity_order: str) -> None:
@@ -231,7 +159,7 @@ def sort_token_choice(
 
     ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
     (k gathers of ``tokens`` rows) rather than ``[groups, tokens, k, d_model]``; same result.
-    See ``choice_major_combine``.
+    See ``ExecutionPlan.choice_major_combine``.
     """
     groups, tokens, k = routing.expert_index.shape
     n = tokens * k

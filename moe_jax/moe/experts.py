@@ -1,6 +1,6 @@
 """Expert feed-forward networks: weights with a leading ``expert`` logical axis.
 
-The weights live in a Flax module (``Experts``, the layer's ``expert`` submodule); the
+The weights live in a Flax module (``ExpertWeights``, the layer's ``expert`` submodule); the
 computation is a pure function (``expert_ffn``) so that the same code runs on the full
 set of experts or, inside ``shard_map``, on one device's slice of them.
 """
@@ -29,8 +29,9 @@ def check_activation(activation: str) -> None:
         )
 
 
-class Experts(nn.Module):
-    """Parameters of ``num_experts`` MLPs.
+class ExpertWeights(nn.Module):
+    """Creates and returns the parameters of ``num_experts`` MLPs (it computes nothing:
+    ``expert_ffn`` / ``ragged_expert_ffn`` apply them).
 
     Returns a dict of weights: ``wi`` (or ``wi_0``/``wi_1`` for gated GELU)
     ``[expert, embed, expert_mlp]`` and ``wo`` ``[expert, expert_mlp, embed]``.
@@ -86,7 +87,7 @@ def expert_ffn(
     """Applies expert ``e`` to ``x[:, e]``.
 
     Args:
-      weights: from ``Experts`` (possibly one device's slice of experts / of ``expert_mlp``).
+      weights: from ``ExpertWeights`` (possibly one device's slice of experts / of ``expert_mlp``).
       x: ``[groups, experts, capacity, d_model]`` expert buffers.
       dropout_rng: when given, dropout at ``dropout_rate`` on the hidden activations.
       per_expert_loop: one plain matmul per expert inside ``lax.map`` instead of one

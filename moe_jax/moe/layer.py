@@ -22,14 +22,9 @@ from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
 from moe_jax.moe.config import HIERARCHICAL_ROUTER_TYPES, MoeConfig
-from moe_jax.moe.dispatch import (
-    choice_major_combine,
-    dispatch_combine,
-    ragged_exchange,
-    ragged_token_choice,
-    target_platform,
-)
-from moe_jax.moe.experts import Experts, expert_ffn, ragged_expert_ffn
+from moe_jax.moe.dispatch import dispatch_combine, ragged_token_choice
+from moe_jax.moe.execution import resolve_plan
+from moe_jax.moe.experts import ExpertWeights, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS
 from moe_jax.moe.routers import ROUTERS as _FLAT_ROUTERS
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
@@ -127,7 +122,7 @@ class MoeLayer(nn.Module):
             return cap.to_groups(a.reshape((num_tokens, *a.shape[2:])), groups, tokens_per_group)
 
         x = nn.with_logical_constraint(
-            grouped(inputs.astype(self.dtype)), ("expert_group", "length", "embed")
+            grouped(inputs.astype(self.dtype)), ("routing_group", "length", "embed")
         )
         mask = grouped(
             jnp.ones((batch, length), jnp.float32)
@@ -149,10 +144,12 @@ class MoeLayer(nn.Module):
 
         router_output = self._router(mesh)(x, mask, ids, capacity, deterministic)
         self._sow_routing(router_output, x, num_tokens, (batch, length))
-        weights = Experts(
+        weights = ExpertWeights(
             cfg.routed_experts, cfg.expert_d_ff, cfg.activation, self.dtype, name="expert"
         )(d_model)
-        y, kept = self._experts(x, router_output, weights, capacity, mesh, deterministic)
+        y, kept = self._dispatch_run_combine(
+            x, router_output, weights, capacity, mesh, deterministic
+        )
         self._sow_losses_and_metrics(router_output, mask, kept)
         y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model)
         if cfg.num_shared_experts:
@@ -167,7 +164,7 @@ class MoeLayer(nn.Module):
         y = y.astype(inputs.dtype)
         return nn.with_logical_constraint(y, ("batch", "length", "embed"))
 
-    def _experts(
+    def _dispatch_run_combine(
         self,
         x: Array,
         router_output: RouterOutput,
@@ -176,79 +173,70 @@ class MoeLayer(nn.Module):
         mesh,
         deterministic: bool,
     ) -> tuple[Array, Array | None]:
-        """Dispatch, expert MLPs, combine: ``[groups, tokens_per_group, d_model]`` -> same,
-        plus the kept-assignment mask (token choice)."""
-        platform = target_platform(mesh)
+        """Dispatch, expert MLPs, combine, as ``execution.resolve_plan`` plans them for the
+        mesh's devices: ``[groups, tokens_per_group, d_model]`` -> same, plus the
+        kept-assignment mask (token choice)."""
         cfg, axes = self.config, self.config.execution
-        impl, per_expert_loop = axes.resolve(platform, self.dtype)
+        plan = resolve_plan(cfg, mesh, self.dtype)
         use_dropout = cfg.expert_dropout_rate > 0 and not deterministic
         rng = self.make_rng("dropout") if use_dropout else jax.random.PRNGKey(0)
         routing = router_output.routing
-        expert_parallel = ep.axis_size(mesh, axes.expert_axis) > 1
 
-        def run_experts(w: dict[str, Array], buffers: Array, key: Array) -> Array:
-            return expert_ffn(
-                w,
-                buffers,
-                cfg.activation,
-                cfg.expert_dropout_rate,
-                key if use_dropout else None,
-                per_expert_loop,
-            )
+        def local_fn(x, routing, w, key, exchange: ep.Exchange) -> tuple[Array, ...]:
+            """This device's groups and (through ``exchange``) experts."""
+            if plan.implementation == "ragged":
 
-        # Dropless sort: a grouped matmul, its rows exchanged by a ragged all-to-all under
-        # expert parallelism where that pays (TPU; padded buffers elsewhere: ragged_exchange).
-        exchange = ragged_exchange(platform) if expert_parallel else None
-        ragged = (
-            cfg.capacity.dropless
-            and impl == "sort"
-            and (exchange is not None or not expert_parallel)
-        )
+                def ffn(rows: Array, sizes: Array) -> Array:
+                    return ragged_expert_ffn(
+                        w,
+                        rows,
+                        sizes,
+                        cfg.activation,
+                        cfg.expert_dropout_rate,
+                        key if use_dropout else None,
+                    )
 
-        def ragged_local_fn(x, routing, w, key, comm):
-            def ffn(rows: Array, sizes: Array) -> Array:
-                return ragged_expert_ffn(
+                tokens = x.shape[0] * x.shape[1]  # a token sends each expert at most one row
+                return ragged_token_choice(
+                    x,
+                    routing,
+                    cfg.routed_experts,
+                    lambda rows, sizes: exchange.rows(rows, sizes, ffn, tokens),
+                )
+
+            def run_experts(buffers: Array) -> Array:
+                return expert_ffn(
                     w,
-                    rows,
-                    sizes,
+                    buffers,
                     cfg.activation,
                     cfg.expert_dropout_rate,
                     key if use_dropout else None,
+                    plan.per_expert_loop,
                 )
 
-            tokens = x.shape[0] * x.shape[1]  # a token sends each expert at most one row
-            return ragged_token_choice(
-                x, routing, cfg.routed_experts, lambda rows, sizes: comm(rows, sizes, ffn, tokens)
-            )
-
-        def local_fn(x, routing, w, key, comm):
             y, kept = dispatch_combine(
-                impl,
+                plan.implementation,
                 x,
                 routing,
                 cfg.routed_experts,
                 capacity,
-                lambda buffers: comm(buffers, lambda b: run_experts(w, b, key)),
-                choice_major_combine(platform),
+                lambda buffers: exchange.buffers(buffers, run_experts),
+                plan.choice_major_combine,
                 self.resolved_capacity_order,
             )
             return (y,) if kept is None else (y, kept)
 
         num_outputs = 1 if isinstance(routing, ExpertChoiceRouting) else 2
-        fn = ragged_local_fn if ragged else local_fn
-        if expert_parallel:
+        if plan.exchange == "local":
+            outputs = local_fn(x, routing, weights, rng, ep.LocalExchange())
+        else:
             outputs = ep.expert_parallel(
-                fn,
+                local_fn,
                 mesh,
                 data_axis=axes.data_axis,
                 expert_axis=axes.expert_axis,
                 model_axis=axes.model_axis,
-                exchange=exchange if ragged else None,
             )(x, routing, weights, rng, num_outputs)
-        else:
-            outputs = fn(
-                x, routing, weights, rng, ep.local_ragged_comm if ragged else ep.local_comm
-            )
         return outputs[0], (outputs[1] if num_outputs == 2 else None)
 
     def _sow_routing(

@@ -26,7 +26,8 @@ import numpy as np
 
 from moe_jax import hardware, hlo_costs
 from moe_jax.errors import UserError
-from moe_jax.moe.config import ExecutionConfig
+from moe_jax.moe.config import MoeConfig
+from moe_jax.moe.execution import resolve_plan
 from moe_jax.runtime import builders
 
 MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
@@ -201,16 +202,17 @@ def _gin_value(name: str, default: Any) -> Any:
         return default
 
 
-def layer_choices(platform: str, dtype: Any, moe: Any = None) -> dict[str, Any]:
-    """The MoE layer's dispatch / per_expert_loop when compiled for ``platform`` devices with
-    ``dtype`` activations, as the layer of config ``moe`` (a ``MoeConfig``; None: the
-    defaults) resolves them (``ExecutionConfig.resolve``)."""
-
-    execution = (
-        moe.execution if moe is not None else ExecutionConfig(dispatch="auto", per_expert_loop=None)
-    )
-    dispatch, per_expert_loop = execution.resolve(platform, dtype)
-    return {"platform": platform, "dispatch": dispatch, "per_expert_loop": per_expert_loop}
+def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any]:
+    """The execution plan (``moe.execution.resolve_plan``) of the MoE layers of ``config``
+    (a ``T5Config``; a model without ``moe`` gets the default ``MoeConfig``'s) compiled for
+    ``target`` (the step's mesh, or a platform name) with ``dtype`` activations: the
+    encoder's plan (``ExecutionPlan.to_dict``), with the decoder's under ``decoder`` when
+    ``T5Config.decoder_moe`` differs from ``moe``."""
+    moe = config.moe if config.moe is not None else MoeConfig()
+    report = resolve_plan(moe, target, dtype).to_dict()
+    if config.decoder_moe is not None and config.decoder_moe != moe:
+        report["decoder"] = resolve_plan(config.decoder_moe, target, dtype).to_dict()
+    return report
 
 
 def train_bindings() -> dict[str, Any]:
@@ -397,7 +399,7 @@ def compile_run(
             )
         },
         "moe_layer": layer_choices(
-            devices[0].platform, model.module.config.dtype, model.module.config.moe
+            ctx.mesh.abstract_mesh, model.module.config.dtype, model.module.config
         ),
         "steps": {},
     }

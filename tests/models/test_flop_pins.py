@@ -4,12 +4,14 @@ writes, and the compile report's MoE choices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gin
 import pytest
 
 from moe_jax.commands import export
 from moe_jax.models.t5 import T5Config
-from moe_jax.moe import legacy_gin
+from moe_jax.moe import ExecutionConfig, legacy_gin
 from moe_jax.runtime import aot, builders, gin_utils
 
 SHAPES = {"encoder_input_tokens": (8, 64), "decoder_input_tokens": (8, 16)}
@@ -110,13 +112,39 @@ def test_export_config_and_compile_choices_pinned():
         k: v for k, v in legacy_gin.legacy_fields(moe).items() if k in SMOKE_ROUTING
     } == SMOKE_ROUTING
     config = model.module.config
-    assert aot.layer_choices("cpu", "float32", config.moe) == {
+    assert aot.layer_choices("cpu", "float32", config) == {
         "platform": "cpu",
         "dispatch": "sort",
         "per_expert_loop": True,
+        "implementation": "sort",
+        "choice_major_combine": False,
+        "exchange": "local",
     }
-    assert aot.layer_choices("tpu", "bfloat16", config.moe) == {
+    tpu = aot.layer_choices("tpu", "bfloat16", config)
+    assert tpu == {
         "platform": "tpu",
         "dispatch": "sort",
         "per_expert_loop": False,
+        "implementation": "sort",
+        "choice_major_combine": True,
+        "exchange": "local",
     }
+    # a decoder config of its own: its plan under "decoder", the encoder's keys unchanged
+    decoder_moe = dataclasses.replace(
+        config.moe, execution=ExecutionConfig(dispatch="einsum", per_expert_loop=True)
+    )
+    assert aot.layer_choices(
+        "tpu", "bfloat16", dataclasses.replace(config, decoder_moe=decoder_moe)
+    ) == {
+        **tpu,
+        "decoder": {
+            "platform": "tpu",
+            "dispatch": "einsum",
+            "per_expert_loop": True,
+            "implementation": "einsum",
+            "choice_major_combine": False,
+            "exchange": "local",
+        },
+    }
+    same = dataclasses.replace(config, decoder_moe=config.moe)
+    assert aot.layer_choices("tpu", "bfloat16", same) == tpu

@@ -1,10 +1,11 @@
 """Dropless under expert parallelism: rows exchanged by a ragged all-to-all into a grouped
-matmul (``expert_parallel.ragged_comm``) on TPU, padded buffers on CPU and GPU.
+matmul (``ExpertParallelExchange.rows``) on TPU, padded buffers on CPU and GPU
+(``execution.resolve_plan``; tests/moe/test_execution_plan.py).
 
 XLA:CPU cannot compile ``ragged-all-to-all``, so on the 8 forced CPU devices the layer's
-ragged path runs with ``emulated_ragged_all_to_all`` (the primitive's documented semantics
-from a dense all-to-all, checked here on jax's own example) in its place; the primitive
-itself is compiled for a TPU topology."""
+ragged path runs under the TPU plan with ``emulated_ragged_all_to_all`` (the primitive's
+documented semantics from a dense all-to-all, checked here on jax's own example) in its
+place; the primitive itself is compiled for a TPU topology."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import hardware, hlo_costs, partitioning
+from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import layer as layer_module
-from moe_jax.moe.dispatch import ragged_exchange
+from moe_jax.moe.execution import resolve_plan
 from tests.moe.moe_testlib import (
     compile_fwd_bwd,
     emulated_ragged_all_to_all,
@@ -62,10 +64,12 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
     np.testing.assert_array_equal(result.reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-def test_ragged_exchange_per_platform():
-    assert ragged_exchange("tpu") is jax.lax.ragged_all_to_all
-    assert ragged_exchange("cpu") is None  # XLA:CPU: no ragged-all-to-all
-    assert ragged_exchange("gpu") is ragged_exchange("cuda") is None  # XLA:GPU: dense ragged_dot
+def _tpu(mesh: jax.sharding.AbstractMesh) -> jax.sharding.AbstractMesh:
+    """``mesh`` with TPU devices named in place of its own."""
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=1, platform="tpu")
+    return jax.sharding.AbstractMesh(
+        mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types, abstract_device=device
+    )
 
 
 def _value_and_grad(layer):
@@ -102,8 +106,14 @@ def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch
     x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
+    # the TPU plan (rows exchanged) for the CPU mesh, with the exchange XLA:CPU can compile
     monkeypatch.setattr(
-        layer_module, "ragged_exchange", lambda platform: emulated_ragged_all_to_all
+        layer_module,
+        "resolve_plan",
+        lambda config, mesh, dtype: resolve_plan(config, _tpu(mesh), dtype),
+    )
+    monkeypatch.setattr(
+        ep.ExpertParallelExchange, "ragged_all_to_all", staticmethod(emulated_ragged_all_to_all)
     )
     out, jaxpr = _sharded_run(layer, shape, x, boxed)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):

@@ -148,7 +148,14 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     assert report["devices"] == 4 and report["device_kind"].startswith("TPU v5")
     # float32 activations over data and expert axes: the batched expert matmuls made libtpu
     # 0.0.42 abort (ReshapeIsBitcast) over (2,2,1); on TPU float32 runs one matmul per expert
-    assert report["moe_layer"] == {"platform": "tpu", "dispatch": "sort", "per_expert_loop": True}
+    assert report["moe_layer"] == {
+        "platform": "tpu",
+        "dispatch": "sort",
+        "per_expert_loop": True,
+        "implementation": "sort",
+        "choice_major_combine": True,
+        "exchange": "all_to_all",  # the mesh's expert axis
+    }
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
     # per device a quarter of the batch's [tokens, vocab + 100 x d_ff] fp32 activations
@@ -403,7 +410,14 @@ def test_gpu_compile_of_the_smoke_config(tmp_path):
     )
     assert code == 0, output
     assert report["device_kind"].startswith("NVIDIA H100") and report["devices"] == 8
-    assert report["moe_layer"] == {"platform": "gpu", "dispatch": "sort", "per_expert_loop": False}
+    assert report["moe_layer"] == {
+        "platform": "gpu",
+        "dispatch": "sort",
+        "per_expert_loop": False,
+        "implementation": "sort",
+        "choice_major_combine": True,
+        "exchange": "all_to_all",
+    }
     step = report["steps"]["train"]
     assert step["collectives"]["all-to-all"]["count"] >= 2
     assert 0 < step["bytes"]["total"] < step["bytes"]["device_memory"]

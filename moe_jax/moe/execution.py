@@ -1,0 +1,158 @@
+"""The MoE layer's execution plan: how its expert path runs on the devices it is compiled for.
+
+:func:`resolve_plan` is the one place that holds the platform policy. ``MoeLayer`` traces
+exactly the :class:`ExecutionPlan` it returns, and ``moe-jax compile`` reports the same
+plan, so the report says what the compiled step does. Every choice gives the same results
+(up to float summation order); only speed and memory differ.
+
+The platform is the one of the devices the step is compiled for: the mesh set with
+``jax.set_mesh`` carries it (``AbstractMesh.abstract_device``), also when a step for a TPU
+slice is compiled on a CPU host. Only without a mesh (or with a mesh that names no
+devices) is it the platform of the process's default device, where such a step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from moe_jax.moe.config import ExpertChoiceRouterConfig, MoeConfig
+from moe_jax.moe.expert_parallel import axis_size
+
+# How the tokens reach the experts (``ExecutionPlan.implementation``).
+IMPLEMENTATIONS: tuple[str, ...] = ("einsum", "sort", "ragged")
+# How expert inputs and outputs cross devices (``ExecutionPlan.exchange``).
+EXCHANGES: tuple[str, ...] = ("local", "all_to_all", "ragged_all_to_all")
+
+# Platform names as ``jax.Device.platform`` / ``AbstractMesh.abstract_device.platform``
+# report them, mapped to the backend family whose choices apply.
+_PLATFORM_FAMILY = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    """What one ``MoeLayer`` traces; fields that do not apply are False.
+
+    Attributes:
+      platform: ``cpu``, ``tpu`` or ``gpu``: the family of the target devices.
+      implementation: ``einsum`` (one-hot dispatch / combine, the reference), ``sort``
+        (sorted gathers into fixed-capacity buffers) or ``ragged`` (dropless: the sorted
+        rows into one grouped matmul, ``jax.lax.ragged_dot``).
+      per_expert_loop: the buffered expert matmuls run one expert at a time (``lax.map``)
+        rather than batched over experts.
+      choice_major_combine: the ``sort`` combine of token-choice routing gathers expert
+        outputs as ``[groups, k, tokens, d_model]`` (else ``[groups, tokens, k, d_model]``).
+      exchange: ``local`` (no expert parallelism), ``all_to_all`` (padded buffers
+        ``[groups, experts, capacity, d_model]`` all-to-all'd over the ``expert`` mesh
+        axis) or ``ragged_all_to_all`` (only the routed rows cross it).
+    """
+
+    platform: str
+    implementation: str
+    per_expert_loop: bool
+    choice_major_combine: bool
+    exchange: str
+
+    @property
+    def dispatch(self) -> str:
+        """``einsum`` or ``sort``: the ``ExecutionConfig.dispatch`` this plan runs
+        (``ragged`` is the ``sort`` dispatch's dropless form)."""
+        return "einsum" if self.implementation == "einsum" else "sort"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field, and ``dispatch``."""
+        return {**dataclasses.asdict(self), "dispatch": self.dispatch}
+
+
+def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: Any) -> ExecutionPlan:
+    """The plan of a layer of ``config`` with activations of ``dtype``, compiled for
+    ``target``: a mesh (its devices' platform; expert parallelism when its ``expert``
+    axis has size > 1), a platform name (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``; no
+    expert parallelism) or None (no mesh: the default device's platform).
+
+    ``ExecutionConfig.dispatch='auto'`` and ``per_expert_loop=None`` are settled per
+    platform, from the compiled executables (benchmarks/RESULTS.md, "MoE layer"; "MoE
+    layer on TPU and GPU targets"):
+
+    * CPU: ``sort`` with one plain matmul per expert (measured: 2.3-2.7x faster than
+      ``einsum``; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
+    * TPU: ``sort``, batched expert matmuls. At the T5-Base shape the one-hot ``einsum``
+      does 2.7x the FLOPs and moves more bytes (roofline 2.46x vs 2.98x the dense FFN on v5p
+      at E = 8). The batched expert matmuls run expert-major (``experts.expert_ffn``): the
+      group-major form made libtpu 0.0.42 abort (``Check failed: ReshapeIsBitcast`` in
+      TpuCopyNormalizer) on the backward pass of float32 activations under expert
+      parallelism. With float32 activations over a mesh with both data and expert axes
+      (smoke config, mesh (2, 2, 1)) libtpu still aborts there, so float32 on TPU runs one
+      matmul per expert (the accelerator configs are bfloat16; ``tests/train/test_aot.py``
+      compiles the float32 case).
+    * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
+
+    The ``sort`` combine gathers choice-major on TPU and GPU (for v5p the TPU compiler
+    estimates 0.44x the cycles of the token-major gather fused into the weighted sum,
+    fwd+bwd), token-major on CPU (there the choice-major step measured 1.15x slower).
+
+    Dropless (``CapacityConfig.dropless``) with the ``sort`` dispatch runs ``ragged``,
+    except under expert parallelism where the ragged all-to-all does not pay; there it
+    keeps fixed buffers of capacity = tokens per group (benchmarks/RESULTS.md, "Expert
+    parallelism"):
+
+    * TPU: ``ragged_all_to_all``. Only routed rows cross the interconnect, and the forward
+      and input-gradient grouped matmuls are Mosaic kernels over the filled rows. At
+      E = 32 over 4 v5p chips: 0.41x the padded layout's temporaries, 0.45x its HLO bytes.
+    * GPU: padded. XLA:GPU lowers ``ragged_dot`` to one dense matmul per local expert over
+      the whole receive buffer: min(k, experts per device) x the padded layout's FLOPs
+      (8 x H100, E = 32: 2.0x the FLOPs, 1.5x the temporaries), which outweighs the smaller
+      exchange.
+    * CPU: padded. XLA:CPU (jaxlib 0.10.2) cannot compile it ("HLO opcode
+      `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
+
+    Raises:
+      ValueError: an unknown platform.
+    """
+    if isinstance(target, str):
+        platform, expert_parallel = _family(target), False
+    else:
+        platform = _family(target_platform(target))
+        expert_parallel = axis_size(target, config.execution.expert_axis) > 1
+    execution = config.execution
+    dispatch = "sort" if execution.dispatch == "auto" else execution.dispatch
+    loop = execution.per_expert_loop
+    if loop is None:
+        loop = platform == "cpu" or (platform == "tpu" and jnp.dtype(dtype) == jnp.float32)
+    ragged_exchange = expert_parallel and platform == "tpu"
+    ragged = (
+        config.capacity.dropless and dispatch == "sort" and (ragged_exchange or not expert_parallel)
+    )
+    exchange = "ragged_all_to_all" if ragged else "all_to_all"
+    sort_token_choice = dispatch == "sort" and not isinstance(
+        config.router, ExpertChoiceRouterConfig
+    )
+    return ExecutionPlan(
+        platform=platform,
+        implementation="ragged" if ragged else dispatch,
+        per_expert_loop=loop and not ragged,
+        choice_major_combine=sort_token_choice and not ragged and platform != "cpu",
+        exchange=exchange if expert_parallel else "local",
+    )
+
+
+def target_platform(mesh: AbstractMesh | None) -> str:
+    """Platform of the devices a step is being compiled for: the platform of ``mesh``'s
+    devices (the mesh set with ``jax.set_mesh``, which carries it even when compiling for a
+    TPU from a CPU host), else the default device's (no mesh: the step runs there)."""
+    device = None if mesh is None else mesh.abstract_device
+    return jax.devices()[0].platform if device is None else device.platform
+
+
+def _family(platform: str) -> str:
+    """``cpu``, ``tpu`` or ``gpu``: the backend family of a device platform name."""
+    family = _PLATFORM_FAMILY.get(platform)
+    if family is None:
+        raise ValueError(
+            f"unknown platform {platform!r}; expected one of {tuple(_PLATFORM_FAMILY)}"
+        )
+    return family

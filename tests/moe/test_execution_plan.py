@@ -1,0 +1,158 @@
+"""``execution.resolve_plan``: the documented choice per platform of the mesh's devices (not
+``jax.default_backend()``, CPU in these tests), and a layer that traces exactly its plan."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from moe_jax import hardware
+from moe_jax.moe import MoeLayer
+from moe_jax.moe.execution import ExecutionPlan, resolve_plan, target_platform
+from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
+
+AXES = ("data", "expert", "model")
+
+
+def _abstract_mesh(platform: str | None, shape: tuple[int, int, int] = (1, 1, 1)) -> AbstractMesh:
+    device = (
+        None
+        if platform is None
+        else AbstractDevice(device_kind=f"{platform} chip", num_cores=1, platform=platform)
+    )
+    return AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, abstract_device=device)
+
+
+def _jaxpr(layer: MoeLayer, mesh: AbstractMesh | None):
+    x = make_inputs()
+    params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)
+
+    def forward(p, x):
+        return layer.apply(p, x, mutable=["aux_loss", "moe_metrics"])[0]
+
+    if mesh is None:
+        return jax.make_jaxpr(forward)(params, x)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.make_jaxpr(forward)(params, x)
+
+
+def _primitives(layer: MoeLayer, mesh: AbstractMesh | None) -> set[str]:
+    """Top-level primitives of the traced layer (``scan`` = per-expert loop, ``scatter`` =
+    the sort dispatch's position scatter; the einsum dispatch has neither)."""
+    return {eqn.primitive.name for eqn in _jaxpr(layer, mesh).jaxpr.eqns}
+
+
+def _plan(platform, dtype="bfloat16", shape=(1, 1, 1), **fields) -> ExecutionPlan:
+    config = moe_layer(**{**SMALL, **fields}).config
+    return resolve_plan(config, _abstract_mesh(platform, shape), dtype)
+
+
+def test_resolve_plan_gives_the_documented_choice_per_platform():
+    # sort everywhere; per-expert loop on CPU, and on TPU for float32; choice-major combine
+    # on TPU and GPU; the platform comes from the mesh's devices, or is named
+    for dtype in ("bfloat16", jnp.float32):
+        assert _plan("cpu", dtype) == ExecutionPlan("cpu", "sort", True, False, "local")
+        assert _plan("gpu", dtype) == ExecutionPlan("gpu", "sort", False, True, "local")
+    assert _plan("tpu", "bfloat16") == ExecutionPlan("tpu", "sort", False, True, "local")
+    assert _plan("tpu", "float32") == ExecutionPlan("tpu", "sort", True, True, "local")
+    config = moe_layer(**SMALL).config
+    for gpu in ("gpu", "cuda", "rocm"):
+        assert resolve_plan(config, gpu, "float32") == _plan("gpu", "float32")
+    assert resolve_plan(config, None, "float32") == _plan("cpu", "float32")  # default device
+    with pytest.raises(ValueError, match="platform"):
+        resolve_plan(config, "metal", "float32")
+    # explicit options win; what a path does not use is False
+    assert _plan("cpu", dispatch="einsum") == ExecutionPlan("cpu", "einsum", True, False, "local")
+    assert _plan("tpu", dispatch="einsum").choice_major_combine is False
+    assert _plan("gpu", per_expert_loop=True).per_expert_loop is True
+    assert _plan("tpu", router_type="expert_choice").choice_major_combine is False
+    assert _plan("cpu", dropless=True) == ExecutionPlan("cpu", "ragged", False, False, "local")
+
+
+def test_resolve_plan_exchange_under_expert_parallelism():
+    ep = (2, 4, 1)
+    for platform in ("cpu", "gpu", "tpu"):
+        assert _plan(platform, shape=ep).exchange == "all_to_all"
+        assert _plan(platform, shape=(4, 1, 2)).exchange == "local"  # expert axis of size 1
+    # dropless: rows cross the expert axis on TPU; padded buffers on CPU and GPU
+    assert _plan("tpu", shape=ep, dropless=True) == ExecutionPlan(
+        "tpu", "ragged", False, False, "ragged_all_to_all"
+    )
+    for platform in ("cpu", "gpu"):
+        plan = _plan(platform, shape=ep, dropless=True)
+        assert (plan.implementation, plan.exchange) == ("sort", "all_to_all")
+    assert _plan("tpu", shape=ep, dropless=True, dispatch="einsum").exchange == "all_to_all"
+
+
+def test_target_platform_reads_the_mesh_devices():
+    assert jax.default_backend() == "cpu"
+    assert target_platform(_abstract_mesh("tpu")) == "tpu"
+    assert target_platform(_abstract_mesh("gpu")) == "gpu"
+    assert target_platform(_abstract_mesh(None)) == "cpu"  # no devices named: the default device
+    assert target_platform(None) == "cpu"
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
+@pytest.mark.parametrize("dropless", [False, True])
+def test_layer_traces_exactly_its_plan(platform, dropless):
+    # a (1, 4, 1) mesh: expert parallelism, so the exchange shows in the jaxpr too
+    layer = moe_layer(**SMALL, dropless=dropless, dtype=jnp.bfloat16)
+    mesh = _abstract_mesh(platform, (1, 4, 1))
+    plan = resolve_plan(layer.config, mesh, layer.dtype)
+    found = set(
+        re.findall(
+            r"\b(ragged_dot\w*|ragged_all_to_all|all_to_all|scan)\b", str(_jaxpr(layer, mesh))
+        )
+    )
+    assert ("ragged_dot_general" in found or "ragged_dot" in found) == (
+        plan.implementation == "ragged"
+    )
+    assert ("ragged_all_to_all" in found) == (plan.exchange == "ragged_all_to_all")
+    assert ("all_to_all" in found) == (plan.exchange == "all_to_all")
+    assert ("scan" in found) == plan.per_expert_loop
+    assert (plan.implementation == "ragged") == (dropless and platform == "tpu")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
+def test_auto_layer_traces_the_platform_choice(platform):
+    layer = moe_layer(**SMALL, dtype=jnp.bfloat16)
+    plan = resolve_plan(layer.config, _abstract_mesh(platform), layer.dtype)
+    auto = _primitives(layer, _abstract_mesh(platform))
+    explicit = _primitives(
+        relayer(layer, dispatch=plan.dispatch, per_expert_loop=plan.per_expert_loop), None
+    )
+    assert auto == explicit
+    assert ("scan" in auto) == plan.per_expert_loop
+    assert ("scatter" in auto) == (plan.dispatch == "sort")
+    if platform == "cpu":
+        dispatch, loop = "einsum", False
+    else:
+        cpu = resolve_plan(layer.config, "cpu", layer.dtype)
+        dispatch, loop = cpu.dispatch, cpu.per_expert_loop
+    assert auto != _primitives(relayer(layer, dispatch=dispatch, per_expert_loop=loop), None)
+
+
+def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
+    # the TPU compiler of `make compilers` (make test installs it): never skipped
+    devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
+    mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), AXES)
+    layer = moe_layer(**SMALL)
+    x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+    params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)  # abstract: no mesh needed
+    with jax.set_mesh(mesh):
+        hlo = (
+            jax.jit(lambda p, x: layer.apply(p, x, mutable=["aux_loss"])[0])
+            .lower(params, x)
+            .compile()
+            .as_text()
+        )
+    assert jax.default_backend() == "cpu"
+    plan = resolve_plan(layer.config, mesh.abstract_mesh, layer.dtype)
+    assert plan == ExecutionPlan("tpu", "sort", True, True, "local")
+    assert ("while(" in hlo) == plan.per_expert_loop
+    assert ("scatter(" in hlo) == (plan.dispatch == "sort")
