@@ -6,18 +6,18 @@ Ahead of time: nothing runs, no device is needed (:mod:`moe_jax.runtime.aot`).
         --gin_file=gin/meshes/v4_32.gin [--out=report.json] [--hlo_dir=DIR]
 
 Takes the flags of `moe-jax train`. Builds the run's exact train step and eval step (same
-model, optimizer with frozen-router masking, shardings, donation: ``builders.build_train_setup``)
-over the target's devices from abstract shapes, compiles both (no device, data or
-vocabulary file needed), and prints per device: parameter + optimizer bytes, temporaries,
-the total against the chip's HBM, the collectives of the HLO by kind, FLOPs and bytes per
-step, a roofline estimate of step time and tokens/s, and the MoE layer's choices for the
-target. Exits 1, naming what to change, when the run does not fit. ``--hlo_dir`` keeps
-each compiled step's optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the
-collective counts are read from. What a compiler does not report is printed as unknown,
-never as zero: GPU executables compiled without a GPU have no cost analysis, so their
-estimate covers compute and collectives only and says so. The compilers' own start-up
-output (libtpu's host and worker warnings, CUDA's) is hidden unless ``--verbose``.
-"""
+model, optimizer with frozen-router masking, shardings, donation:
+``builders.build_train_setup``) over the target's devices from abstract shapes, compiles
+both (no device, data or vocabulary file needed), and prints per device: parameter +
+optimizer bytes, temporaries, the total against the chip's HBM, the collectives of the HLO
+by kind (bytes as ``moe_jax.hlo_costs`` defines them), FLOPs and bytes per step, a roofline
+estimate of step time and tokens/s, and the MoE layer's choices for the target. Exits 1,
+naming what to change, when the run does not fit. ``--hlo_dir`` keeps each compiled step's
+optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the collective counts are read
+from. What a compiler does not report is printed as unknown, never as zero: GPU executables
+compiled without a GPU have no cost analysis, so their estimate covers compute and
+collectives only and says so. The compilers' own start-up output (libtpu's host and worker
+warnings, CUDA's) is hidden unless ``--verbose``."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from moe_jax import hardware, hlo_costs
 from moe_jax.errors import UserError
 from moe_jax.moe.config import MoeConfig
 from moe_jax.moe.execution import resolve_plan
-from moe_jax.runtime import builders
+from moe_jax.runtime import builders, gin_utils
 
 MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
 
@@ -175,13 +175,13 @@ def fit_advice(
     if step["bytes"]["temporaries"] >= step["bytes"]["params_and_optimizer"]:
         if activation_dtype == "float32":
             advice.append("--gin.ACTIVATION_DTYPE=bfloat16 (halves activations)")
-        if _gin_value("REMAT_POLICY/macro.value", "none") != "full":
+        if gin_utils.bound_value("REMAT_POLICY/macro.value", "none") != "full":
             advice.append("--gin.REMAT_POLICY=full (activations recomputed in the backward pass)")
         advice.append(
             f"a smaller per-step batch: --gin.BATCH_SIZE={max(1, batch_size // 2)} or "
             "--gin.train_script.train.accum_steps=2 (same batch in 2 microbatches)"
         )
-    if not _gin_value("standard_logical_axis_rules.fsdp", False):
+    if not gin_utils.bound_value("standard_logical_axis_rules.fsdp", False):
         advice.append(
             "--gin.standard_logical_axis_rules.fsdp=True (parameters and optimizer "
             "state sharded over the batch axes)"
@@ -191,15 +191,6 @@ def fit_advice(
         f"{tuple(mesh_shape.values())} for {tuple(mesh_shape)})"
     )
     return advice
-
-
-def _gin_value(name: str, default: Any) -> Any:
-    import gin
-
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
 
 
 def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any]:
