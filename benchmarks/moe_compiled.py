@@ -43,9 +43,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from layer_configs import ROUTING_OPTIONS, layer_config
 
 from moe_jax import hardware, hlo_costs
-from moe_jax.moe import MoeLayer, legacy_gin
+from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity
 
 TOKENS = (8, 512)
@@ -114,23 +115,13 @@ class Row:
         return None if bytes_ is None else 1e3 * max(self.flops / chip[0], bytes_ / chip[1])
 
 
-def moe_step(experts: int, dispatch: str, **layer_options):
-    """``(apply, params, x)`` of the layer; ``apply(params, x) -> (y, state)``, ``state`` the
+def moe_step(experts: int, dispatch: str, **parts: dict):
+    """``(apply, params, x)`` of the layer (``layer_config`` with ``parts``, batched expert
+    matmuls); ``apply(params, x) -> (y, state)``, ``state`` the
     updated non-parameter collections (the balancing bias), returned so that the compiled
     step keeps their update."""
-    options = dict(
-        num_experts=experts,
-        num_selected_experts=2,
-        d_ff=D_FF,
-        dispatch=dispatch,
-        per_expert_loop=False,
-        train_capacity_factor=1.25,
-        capacity_rule="t5x",
-        group_size=4096,
-    )
-    layer = MoeLayer(
-        legacy_gin.config_from_fields(**{**options, **layer_options}), dtype=jnp.bfloat16
-    )
+    parts.setdefault("execution", dict(per_expert_loop=False))
+    layer = MoeLayer(layer_config(experts, D_FF, dispatch, **parts), dtype=jnp.bfloat16)
     x = jax.ShapeDtypeStruct((*TOKENS, D_MODEL), jnp.bfloat16)
     variables = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x))
     state = {k: v for k, v in variables.items() if k not in ("params", "aux_loss", "moe_metrics")}
@@ -234,9 +225,9 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
         (
             "sort, capacity = group (padded dropless)",
             "sort",
-            {"train_capacity_factor": float(experts)},
+            {"capacity": {"train_capacity_factor": float(experts)}},
         ),
-        ("sort, dropless=True", "sort", {"dropless": True}),
+        ("sort, dropless=True", "sort", {"capacity": {"dropless": True}}),
     ]
     for label, dispatch, options in variants:
         apply, params, x = moe_step(experts, dispatch, **options)
@@ -298,19 +289,6 @@ def print_breakdown(rows: list[Row]) -> None:
                 f"| {share} | "
                 f"{dc / 1e3:.0f} / {lc / 1e3:.0f} |"
             )
-
-
-# The routing options of docs/moe.md as compiled rows (``--options``), each at the T5-Base
-# shape and E: layer options of routers/*.gin (fine-grained: granularity 4, capacity factor
-# x 4).
-ROUTING_OPTIONS = {
-    "shared expert (+1, d_ff 2048)": dict(num_shared_experts=1),
-    "balancing bias (aux-loss-free)": dict(bias_update_rate=1e-3),
-    "sigmoid scores": dict(router_score="sigmoid"),
-    "fine-grained m = 4 (4E experts of d_ff / 4, top-8)": dict(
-        expert_granularity=4, train_capacity_factor=5.0
-    ),
-}
 
 
 def main() -> None:

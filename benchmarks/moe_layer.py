@@ -51,16 +51,10 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from layer_configs import ROUTING_OPTIONS, layer_config
 
 from moe_jax.hardware import measured_matmul_flops
-from moe_jax.moe import (
-    AuxLossConfig,
-    CapacityConfig,
-    ExecutionConfig,
-    MoeConfig,
-    MoeLayer,
-    TopKRouterConfig,
-)
+from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout
 
 TOKENS = (8, 512)
@@ -123,31 +117,12 @@ def _grad_fn(apply, out_shape, loss: str):
     return jax.jit(step(objective, argnums=(0, 1), has_aux=True))
 
 
-def layer_config(experts: int, d_ff: int, dispatch: str, **parts: dict) -> MoeConfig:
-    """Top-2 over ``experts`` experts (T5X capacity rule, factor 1.25, groups of 4096, no
-    auxiliary losses), with ``parts`` changed: ``model={...}`` (``MoeConfig`` fields),
-    ``router``, ``capacity``, ``execution`` ({field: value} of those parts)."""
-    config = MoeConfig(
-        num_experts=experts,
-        d_ff=d_ff,
-        router=TopKRouterConfig(num_selected_experts=2),
-        capacity=CapacityConfig(train_capacity_factor=1.25, capacity_rule="t5x", group_size=4096),
-        execution=ExecutionConfig(dispatch=dispatch),
-        losses=AuxLossConfig(load_balancing_loss_weight=0.0, router_z_loss_weight=0.0),
-    )
-    changed = {
-        part: dataclasses.replace(getattr(config, part), **fields)
-        for part, fields in parts.items()
-        if part != "model"
-    }
-    return dataclasses.replace(config, **parts.get("model", {}), **changed)
-
-
 def moe_run(
     d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **parts: dict
 ) -> tuple:
-    """Fwd+bwd of a training-mode MoeLayer configured by :func:`layer_config`; a balancing
-    bias is passed in, updated and returned, as in a train step."""
+    """Fwd+bwd of a training-mode MoeLayer configured by ``layer_config`` (no auxiliary
+    losses); a balancing bias is passed in, updated and returned, as in a train step."""
+    parts.setdefault("losses", dict(load_balancing_loss_weight=0.0, router_z_loss_weight=0.0))
     layer = MoeLayer(layer_config(experts, d_ff, dispatch, **parts))
     x = jax.random.normal(jax.random.PRNGKey(0), (*TOKENS, d_model))
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
@@ -174,20 +149,16 @@ def _options(d_model: int, d_ff: int, slots: int, tokens: int) -> dict[str, tupl
     return {
         "top-2 (plain)": ({}, 1.0),
         "shared expert (1 x d_ff) + top-2": (
-            dict(model=dict(num_shared_experts=1)),
+            ROUTING_OPTIONS["shared expert (1 x d_ff) + top-2"],
             1.0 + useful_flops(tokens, d_model, d_ff) / base,
         ),
-        "balancing bias (u = 1e-3)": (dict(router=dict(bias_update_rate=1e-3)), 1.0),
-        "sigmoid scores": (dict(router=dict(score_function="sigmoid")), 1.0),
-        # capacity factor x m keeps the slots' FLOPs (the T5X rule does not scale with k)
+        "balancing bias (u = 1e-3)": (ROUTING_OPTIONS["balancing bias (u = 1e-3)"], 1.0),
+        "sigmoid scores": (ROUTING_OPTIONS["sigmoid scores"], 1.0),
         "fine-grained m = 4 (32 x d_ff/4, top-8)": (
-            dict(model=dict(expert_granularity=4), capacity=dict(train_capacity_factor=5.0)),
+            ROUTING_OPTIONS["fine-grained m = 4 (4E experts of d_ff / 4, top-8)"],
             1.0 + 24 * router / base,
         ),
-        "group-limited G = 4, M = 2": (
-            dict(router=dict(num_limited_groups=4, max_groups_per_token=2)),
-            1.0,
-        ),
+        "group-limited G = 4, M = 2": (ROUTING_OPTIONS["group-limited G = 4, M = 2"], 1.0),
     }
 
 
