@@ -314,7 +314,7 @@ def main() -> None:
     parser.add_argument(
         "--options",
         action="store_true",
-        help="add the routing options (shared expert, bias, sigmoid, fine-grained) as `sort` rows",
+        help="add the routing options of layer_configs.ROUTING_OPTIONS as `sort` rows",
     )
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
     parser.add_argument(
