@@ -30,6 +30,7 @@ from typing import Any
 import gin
 
 from moe_jax import hardware, storage
+from moe_jax.hlo_costs import CONTENTION_LIMIT
 from moe_jax.runtime import builders, gin_utils
 from moe_jax.runtime.aot import compile_run, gib
 
@@ -74,6 +75,7 @@ def format_report(report: Mapping[str, Any]) -> str:
                 else "FLOPs and bytes accessed unknown (the compiler gave no cost analysis)"
             ),
             estimate_line(est),
+            *contention_lines(step["contended_scatters"]),
         ]
         moe = step["moe_layers"]
         if moe["hlo_bytes"]:
@@ -90,6 +92,17 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append("verdict: DOES NOT FIT. Change one of:")
         lines += [f"  - {a}" for a in report["advice"]]
     return "\n".join(lines)
+
+
+def contention_lines(contended: list[Mapping[str, Any]]) -> list[str]:
+    """The report's lines on a step's contended scatters (``aot.hlo_analysis``): one when
+    there are none, else one naming each, with its source line."""
+    if not contended:
+        return [f"  contended scatters (> {CONTENTION_LIMIT:g} updates per element): none"]
+    return [
+        f"  CONTENDED SCATTERS: {len(contended)} add more than {CONTENTION_LIMIT:g} updates per "
+        "element they write (serialised atomic adds on a GPU: slower than the estimate says)"
+    ] + [f"    - {c['text']}" for c in contended]
 
 
 _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
@@ -116,7 +129,10 @@ def plain(value: float) -> str:
 
 def estimate_line(est: Mapping[str, Any]) -> str:
     """The roofline line of a step: milliseconds per step, its terms, and tokens/s in plain
-    units, saying which terms it leaves out (then both numbers are bounds)."""
+    units, saying which terms it leaves out (then both numbers are bounds). A roofline is a
+    lower bound on the step time even with every term: it charges each byte and FLOP at the
+    chip's peak and cannot see contention (serialised atomic adds of a scatter) or a
+    kernel's efficiency; ``benchmarks/accelerator_step.py`` measures the step on a device."""
     terms = [f"compute {plain(est['compute_s'] * 1e3)}"]
     terms += [f"HBM {plain(est['hbm_s'] * 1e3)}"] if est["hbm_s"] is not None else []
     terms += (
@@ -130,11 +146,12 @@ def estimate_line(est: Mapping[str, Any]) -> str:
         if est[key] is None
     ]
     label = (
-        "estimate"
+        "estimate (compiled, not run)"
         if not left_out
         else (
-            f"estimate of {' and '.join(est['covers'])} only ({' and '.join(left_out)} time "
-            "unknown: a lower bound on the step time, an upper bound on tokens/s)"
+            f"estimate (compiled, not run) of {' and '.join(est['covers'])} only "
+            f"({' and '.join(left_out)} time unknown: a lower bound on the step time, an upper "
+            "bound on tokens/s)"
         )
     )
     rate = "unknown" if est["tokens_per_s"] is None else f"{plain(est['tokens_per_s'])} tokens/s"

@@ -15,6 +15,7 @@ executables compiled without a GPU have no cost analysis.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import re
@@ -105,7 +106,10 @@ def hlo_analysis(
 ) -> dict[str, Any]:
     """What the compiled HLO text gives (read once by ``hlo_costs.parse``): its
     ``collectives`` by kind (``hlo_costs.collective_totals``: count and bytes moved per
-    device, as defined there), the ``moe_layers``' share and
+    device, as defined there), the ``moe_layers``' share, the ``contended_scatters``
+    (``hlo_costs.contended_scatters``: scatters adding more than
+    ``hlo_costs.CONTENTION_LIMIT`` updates per element they write, which the roofline cannot
+    see: on a GPU such a scatter's atomic adds serialise) and
     the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
     collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
     the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak.
@@ -135,6 +139,10 @@ def hlo_analysis(
     return {
         "collectives": coll,
         "moe_layers": moe_layer_costs(ops),
+        "contended_scatters": [
+            {**dataclasses.asdict(s), "contention": s.contention, "text": s.describe()}
+            for s in hlo_costs.contended_scatters(hlo_text)
+        ],
         "estimate": {
             "compute_s": compute_s,
             "hbm_s": hbm_s,
@@ -255,6 +263,7 @@ def compile_step(
                 "device_memory": facts.hbm_bytes,
             },
             "collectives": {},
+            "contended_scatters": None,
             "flops_per_step": flops_per_step,
             "hlo_flops_per_device": None,
             "hlo_bytes_accessed_per_device": None,

@@ -1,0 +1,91 @@
+"""The relative-position bias: equal to indexing the table per (query, key) pair, with a
+gradient that holds no scatter (a gather's gradient is a contended scatter-add)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import hlo_costs
+from moe_jax.models.relative_position import (
+    RelativePositionBiases,
+    relative_position_bucket,
+    toeplitz,
+)
+
+
+def _buckets(query_length: int, key_length: int, bidirectional: bool) -> np.ndarray:
+    """``[query, key]`` bucket of every pair, as T5 defines it."""
+    offsets = np.arange(key_length)[None, :] - np.arange(query_length)[:, None]
+    return relative_position_bucket(offsets, bidirectional)
+
+
+def _table_and_module(dtype=jnp.float32):
+    module = RelativePositionBiases(num_heads=3, dtype=dtype)
+    variables = nn.unbox(module.init(jax.random.key(0), 4, 4, True))
+    return module, variables["params"]["rel_embedding"]
+
+
+def test_toeplitz_lays_out_offsets_by_key_minus_query():
+    values = jnp.arange(2 * 9, dtype=jnp.float32).reshape(2, 9)  # 4 + 6 - 1 offsets
+    out = np.asarray(toeplitz(values, 4, 6))
+    q, k = np.meshgrid(np.arange(4), np.arange(6), indexing="ij")
+    np.testing.assert_array_equal(out, np.asarray(values)[:, k - q + 3])
+
+
+@pytest.mark.parametrize("lengths", [(7, 7), (5, 9), (9, 4), (1, 6), (130, 130)])
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bias_is_the_table_entry_of_each_pairs_bucket(lengths, bidirectional, dtype):
+    module, table = _table_and_module(dtype)
+    bias = module.apply({"params": {"rel_embedding": table}}, *lengths, bidirectional)
+    expected = jnp.asarray(table, dtype)[:, _buckets(*lengths, bidirectional)][None]
+    assert bias.dtype == dtype and bias.shape == (1, 3, *lengths)
+    np.testing.assert_array_equal(np.asarray(bias, np.float32), np.asarray(expected, np.float32))
+
+
+def test_gradient_sums_each_buckets_pairs_accurately():
+    module, table = _table_and_module()
+    weights = jax.random.normal(jax.random.key(1), (3, 512, 512))
+
+    def loss(t):
+        bias = module.apply({"params": {"rel_embedding": t}}, 512, 512, True)
+        return jnp.sum(bias[0] * weights)
+
+    grad = np.asarray(jax.grad(loss)(table), np.float64)
+    one_hot = np.eye(table.shape[1])[_buckets(512, 512, True)]  # [q, k, buckets]
+    expected = np.einsum("hqk,qkb->hb", np.asarray(weights, np.float64), one_hot)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def _contended(fn, *args) -> list[hlo_costs.Scatter]:
+    return hlo_costs.contended_scatters(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def test_the_guard_flags_a_gathers_gradient_and_not_the_bias():
+    """At T5's 512 positions a per-pair gather from the table (how the bias was built
+    before) has a scatter-add of 12 x 512 x 512 updates into 384 elements in its gradient:
+    ``contended_scatters`` names it with its source line. The bias has none."""
+    table = jax.random.normal(jax.random.key(0), (12, 32))
+    weights = jax.random.normal(jax.random.key(1), (12, 512, 512))
+    buckets = jnp.asarray(_buckets(512, 512, True))
+
+    def gathered(t):
+        return jnp.sum(jnp.take(t, buckets, axis=1) ** 2 * weights)
+
+    (flagged,) = _contended(jax.grad(gathered), table)
+    assert (flagged.updates, flagged.written) == (12 * 512 * 512, 12 * 32)
+    assert flagged.contention == 8192 and "scatter" in flagged.source
+    assert flagged.location == f"{__file__}:{gathered.__code__.co_firstlineno + 1}"
+    assert flagged.describe().startswith(f"{flagged.name} at {flagged.location} (")
+
+    module = RelativePositionBiases(num_heads=12)
+
+    def biased(t):
+        bias = module.apply({"params": {"rel_embedding": t}}, 512, 512, True)
+        return jnp.sum(bias[0] ** 2 * weights)
+
+    assert _contended(jax.grad(biased), table) == []
