@@ -609,7 +609,7 @@ def _source_lines(hlo_text: str) -> dict[str, str]:
     tables: dict[str, dict[str, str]] = {}
     table = None
     for text in hlo_text.splitlines():
-        if text.startswith("%") or text.startswith("ENTRY"):
+        if text.startswith(("%", "ENTRY")):
             break
         if text in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             table = tables.setdefault(text, {})

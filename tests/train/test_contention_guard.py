@@ -7,8 +7,9 @@ bias, built as a gather from its ``[12, 32]`` table, was such a scatter (8,192 u
 element at 512 positions: 94% of a T5-Base step on an H100).
 tests/models/test_relative_position.py shows the check naming that gradient's scatter.
 
-The runs are small variants of the documented ones (1+1 layers, both sparse in MoE runs, a 32k vocabulary, batch 8) at the paper's 512/114 lengths, with the documented
-heads, experts, routers and sharding rules: a scatter's updates per written element depend
+The runs are small variants of the documented ones (1+1 layers, both sparse in MoE runs,
+a 32k vocabulary, batch 8) at the paper's 512/114 lengths, with the documented heads,
+experts, routers and sharding rules: a scatter's updates per written element depend
 on those, not on depth or width. Compiled for CPU and a TPU slice here (the GPU target
 where its compiler is installed, `make compilers`); the whole matrix is `slow`.
 """
@@ -28,7 +29,9 @@ SMALL = [
     "--gin.BATCH_SIZE=8",
     "--no_eval",
 ]
-DOCUMENTED = ["fig5_learned", "fig5_frozen", "fig5_dense", "base_learned", "base_frozen", "base_dense"]
+DOCUMENTED = [
+    f"{size}_{kind}" for size in ("fig5", "base") for kind in ("learned", "frozen", "dense")
+]
 TARGETS = {"cpu": "cpu:1", "tpu": "tpu:v5e:2x2", "gpu": "gpu:h100:8"}
 QUICK = {("fig5_learned", "cpu"), ("fig5_dense", "cpu"), ("fig5_learned", "tpu")}
 
@@ -54,5 +57,6 @@ def test_no_contended_scatter_in_a_documented_train_step(tmp_path, run, platform
     assert code == 0, output
     step = report["steps"]["train"]
     assert report["task_feature_lengths"] == {"inputs": 512, "targets": 114}
-    assert step["contended_scatters"] == [], "\n".join(c["text"] for c in step["contended_scatters"])
+    contended = step["contended_scatters"]
+    assert contended == [], "\n".join(c["text"] for c in contended)
     assert "contended scatters (> 16 updates per element): none" in output
