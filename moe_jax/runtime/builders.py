@@ -24,7 +24,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors, partitioning
+from moe_jax import errors, hardware, partitioning
 from moe_jax.moe import freeze
 from moe_jax.runtime import checkpoints, distributed, gin_utils, optimizers, train_state, train_step
 
@@ -221,9 +221,15 @@ class TrainSetup:
     _init_fn: Callable[[], Any]
 
     def init_state(self):
-        """A freshly initialised state, each device materialising only its shards."""
+        """A freshly initialised state, each device materialising only its shards, from a
+        program compiled for a quick start (``hardware.init_compiler_options``)."""
+        platform = self.ctx.mesh.devices.flat[0].platform
         with partitioning.activate(self.ctx.mesh, self.ctx.rules):
-            return jax.jit(self._init_fn, out_shardings=self.shardings)()
+            return jax.jit(
+                self._init_fn,
+                out_shardings=self.shardings,
+                compiler_options=hardware.init_compiler_options(platform),
+            )()
 
 
 def abstract_batch(
