@@ -3,7 +3,7 @@
 Modules (one job each; see docs/data.md):
   vocab            gin-selected vocabulary (embedded SentencePiece, mT5 SentencePiece, bytes)
   sources          gin-selected data source (embedded UDHR corpus, TFDS c4/multilingual, text)
-  readers          the seqio sources those corpora are read with
+  readers          the seqio sources each corpus is read with (built by sources)
   preprocessors    text cleaning, token splitting, the prefix-LM objective
   span_corruption  the T5/mT5 span-corruption objective as a seqio preprocessor
   tasks            registers the seqio tasks (importing it is enough; idempotent)

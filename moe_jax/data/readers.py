@@ -1,12 +1,10 @@
 """The seqio data sources behind ``moe_jax.data.sources.make_source`` (TensorFlow-bound).
 
-:func:`build` makes the source of one corpus and group: ``seqio.FileDataSource`` over the
-embedded UDHR files, :class:`_CheckedTfdsSource` over TFDS (never generating data),
-:class:`TextFilesSource` over the user's text files. :class:`CorpusSource` is what the
-registered tasks hold: it resolves ``make_source`` when data is requested, so gin bindings
-parsed after the tasks were registered take effect. ``sources`` (the gin configurable and
-the corpus' groups) imports this module only when a source is built, so parsing a run's
-gin files does not import TensorFlow or seqio.
+One constructor per corpus, each cached per arguments: :func:`embedded_source`
+(``seqio.FileDataSource`` over the embedded UDHR files), :func:`tfds_source` (TFDS, never
+generating data), :func:`text_source` (the user's text files). ``sources`` (the gin
+configurable, its checks and the corpus' groups) imports this module only when a source is
+built, so parsing a run's gin files imports neither TensorFlow nor seqio.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ import seqio
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from moe_jax.data import sources
-
 _HASH_BUCKETS = 10_000  # held-out validation resolution: fractions in steps of 1e-4
+Groups = tuple[tuple[str, tuple[str, ...]], ...]  # sources.Groups: ((label, (pattern, ...)), ...)
+SplitFiles = tuple[tuple[str, tuple[str, ...]], ...]  # ((split, (file, ...)), ...)
 
 
 def _read_text_lines(path: tf.Tensor) -> tf.data.Dataset:
@@ -32,19 +30,10 @@ def _count_lines(paths: Sequence[str]) -> int:
     return sum(pathlib.Path(p).read_bytes().count(b"\n") for p in paths)
 
 
-def _embedded_source(language: str | None) -> seqio.DataSource:
-    available = sources.embedded_languages()
-    if language is not None and language not in available:
-        raise ValueError(
-            f"language {language!r} is not in the embedded corpus "
-            f"({sources.EMBEDDED_DIR}); available: {available}. Bind "
-            "make_source.corpus='tfds' for the other mC4 languages."
-        )
-    languages = available if language is None else (language,)
-    files = {
-        "train": [str(sources.EMBEDDED_DIR / f"{lang}.txt") for lang in languages],
-        "validation": [str(sources.EMBEDDED_DIR / f"{lang}-validation.txt") for lang in languages],
-    }
+@functools.lru_cache(maxsize=256)
+def embedded_source(split_files: SplitFiles) -> seqio.DataSource:
+    """The embedded corpus' files of each split, one document per line."""
+    files = {split: list(paths) for split, paths in split_files}
     return seqio.FileDataSource(
         read_file_fn=_read_text_lines,
         split_to_filepattern=files,
@@ -52,21 +41,12 @@ def _embedded_source(language: str | None) -> seqio.DataSource:
     )
 
 
-def _tfds_split_map(tfds_name: str, language: str | None) -> Mapping[str, str]:
-    if not tfds_name.startswith("c4/multilingual"):
-        if language not in (None, "en"):
-            raise ValueError(
-                f"make_source.tfds_name={tfds_name!r} has no per-language splits; "
-                f"language {language!r} needs c4/multilingual"
-            )
-        return {"train": "train", "validation": "validation"}
-    languages = sources.mc4_languages() if language is None else (language,)
-    if language is not None and language not in sources.mc4_languages():
-        raise ValueError(f"language {language!r} is not an mC4 language: {sources.mc4_languages()}")
-    return {
-        "train": "+".join(languages),
-        "validation": "+".join(f"{lang}-validation" for lang in languages),
-    }
+@functools.lru_cache(maxsize=256)
+def tfds_source(
+    tfds_name: str, data_dir: str | None, splits: tuple[tuple[str, str], ...]
+) -> seqio.DataSource:
+    """TFDS ``tfds_name`` in ``data_dir``, canonical splits mapped to TFDS splits."""
+    return _CheckedTfdsSource(tfds_name, data_dir, dict(splits))
 
 
 class _CheckedTfdsSource(seqio.TfdsDataSource):
@@ -163,10 +143,11 @@ class TextFilesSource(seqio.TextLineDataSource):
         return ds.map(lambda line: {"text": line}, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-def _text_source(
+@functools.lru_cache(maxsize=256)
+def text_source(
     language: str | None,
-    train: sources.Groups,
-    validation: sources.Groups,
+    train: Groups,
+    validation: Groups,
     validation_fraction: float | None,
 ) -> seqio.DataSource:
     if not train:
@@ -188,7 +169,7 @@ def _text_source(
             f"make_source.train_patterns ({labels})"
         )
 
-    def files(groups: sources.Groups, option: str) -> list[str]:
+    def files(groups: Groups, option: str) -> list[str]:
         return [
             f
             for label, patterns in groups
@@ -205,62 +186,3 @@ def _text_source(
     elif validation_fraction:
         split_files["validation"] = split_files["train"]
     return TextFilesSource(split_files, validation_fraction if not validation else None)
-
-
-@functools.lru_cache(maxsize=256)
-def build(
-    language: str | None,
-    corpus: str,
-    tfds_name: str,
-    data_dir: str | None,
-    train: sources.Groups,
-    validation: sources.Groups,
-    validation_fraction: float | None,
-) -> seqio.DataSource:
-    if corpus == "embedded":
-        return _embedded_source(language)
-    if corpus == "tfds":
-        return _CheckedTfdsSource(tfds_name, data_dir, _tfds_split_map(tfds_name, language))
-    if corpus == "text":
-        return _text_source(language, train, validation, validation_fraction)
-    raise ValueError(f"make_source.corpus={corpus!r} is not one of {sources.CORPORA}")
-
-
-class CorpusSource(seqio.DataSource):
-    """A ``seqio.DataSource`` delegating to ``make_source(language)`` at use time."""
-
-    def __init__(self, language: str | None):
-        self._language = language
-        super().__init__(splits=sources.SPLITS)
-
-    @property
-    def resolved(self) -> seqio.DataSource:
-        return sources.make_source(self._language)
-
-    @property
-    def supports_arbitrary_sharding(self) -> bool:
-        return self.resolved.supports_arbitrary_sharding
-
-    def list_shards(self, split: str) -> Sequence[str]:
-        return self.resolved.list_shards(split)
-
-    def num_input_examples(self, split: str) -> int | None:
-        return self.resolved.num_input_examples(split)
-
-    def get_dataset(
-        self,
-        split: str = "train",
-        shuffle: bool = True,
-        seed: int | None = None,
-        shard_info: seqio.ShardInfo | None = None,
-        *,
-        sequence_length: Mapping[str, int] | None = None,
-        use_cached: bool = False,
-        num_epochs: int | None = 1,
-    ) -> tf.data.Dataset:
-        return self.resolved.get_dataset(
-            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
-        )
-
-    def __repr__(self) -> str:
-        return f"CorpusSource(language={self._language!r})"

@@ -23,7 +23,7 @@ languages) with canonical splits ``train`` and ``validation``; each example is
 ``corpus_groups()`` lists the group labels of the corpus gin selects (embedded and mC4:
 language codes; text: the labels of ``train_patterns``); ``make_source(label)`` reads one.
 
-Tasks hold a ``readers.CorpusSource``, which resolves ``make_source`` when data is requested,
+Tasks hold a ``tasks.CorpusSource``, which resolves ``make_source`` when data is requested,
 so gin bindings parsed after ``moe_jax.data.tasks`` was imported take effect. This module
 imports neither TensorFlow nor seqio (``moe_jax.data.readers`` builds the sources), so gin
 files that configure the data can be parsed where only the model is needed.
@@ -62,6 +62,39 @@ def mc4_languages() -> tuple[str, ...]:
     from tensorflow_datasets.text import c4  # pylint: disable=g-import-not-at-top
 
     return tuple(c4.MC4_LANGUAGES)
+
+
+def _embedded_files(language: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """((split, (file, ...)), ...) of ``language`` (``None``: all) in the embedded corpus."""
+    available = embedded_languages()
+    if language is not None and language not in available:
+        raise ValueError(
+            f"language {language!r} is not in the embedded corpus "
+            f"({EMBEDDED_DIR}); available: {available}. Bind "
+            "make_source.corpus='tfds' for the other mC4 languages."
+        )
+    languages = available if language is None else (language,)
+    return (
+        ("train", tuple(str(EMBEDDED_DIR / f"{lang}.txt") for lang in languages)),
+        ("validation", tuple(str(EMBEDDED_DIR / f"{lang}-validation.txt") for lang in languages)),
+    )
+
+
+def _tfds_split_map(tfds_name: str, language: str | None) -> Mapping[str, str]:
+    if not tfds_name.startswith("c4/multilingual"):
+        if language not in (None, "en"):
+            raise ValueError(
+                f"make_source.tfds_name={tfds_name!r} has no per-language splits; "
+                f"language {language!r} needs c4/multilingual"
+            )
+        return {"train": "train", "validation": "validation"}
+    languages = mc4_languages() if language is None else (language,)
+    if language is not None and language not in mc4_languages():
+        raise ValueError(f"language {language!r} is not an mC4 language: {mc4_languages()}")
+    return {
+        "train": "+".join(languages),
+        "validation": "+".join(f"{lang}-validation" for lang in languages),
+    }
 
 
 Groups = tuple[tuple[str, tuple[str, ...]], ...]  # ((label, (pattern, ...)), ...), hashable
@@ -117,15 +150,16 @@ def make_source(
     # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import readers
 
-    return readers.build(
-        language,
-        corpus,
-        tfds_name,
-        data_dir,
-        _groups(train_patterns, "make_source.train_patterns"),
-        _groups(validation_patterns, "make_source.validation_patterns"),
-        validation_fraction,
-    )
+    train = _groups(train_patterns, "make_source.train_patterns")
+    validation = _groups(validation_patterns, "make_source.validation_patterns")
+    if corpus == "embedded":
+        return readers.embedded_source(_embedded_files(language))
+    if corpus == "tfds":
+        splits = _tfds_split_map(tfds_name, language)
+        return readers.tfds_source(tfds_name, data_dir, tuple(splits.items()))
+    if corpus == "text":
+        return readers.text_source(language, train, validation, validation_fraction)
+    raise ValueError(f"make_source.corpus={corpus!r} is not one of {CORPORA}")
 
 
 def make_source_settings() -> dict:

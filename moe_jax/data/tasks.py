@@ -34,12 +34,12 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import seqio
 import tensorflow as tf
 
-from moe_jax.data import preprocessors, readers, sources, span_corruption
+from moe_jax.data import preprocessors, sources, span_corruption
 from moe_jax.data.vocab import get_vocabulary
 
 OBJECTIVES = {
@@ -135,6 +135,46 @@ class GinVocabulary(seqio.Vocabulary):
         return f"GinVocabulary({self.resolved})"
 
 
+class CorpusSource(seqio.DataSource):
+    """A ``seqio.DataSource`` delegating to ``make_source(language)`` at use time."""
+
+    def __init__(self, language: str | None):
+        self._language = language
+        super().__init__(splits=sources.SPLITS)
+
+    @property
+    def resolved(self) -> seqio.DataSource:
+        return sources.make_source(self._language)
+
+    @property
+    def supports_arbitrary_sharding(self) -> bool:
+        return self.resolved.supports_arbitrary_sharding
+
+    def list_shards(self, split: str) -> Sequence[str]:
+        return self.resolved.list_shards(split)
+
+    def num_input_examples(self, split: str) -> int | None:
+        return self.resolved.num_input_examples(split)
+
+    def get_dataset(
+        self,
+        split: str = "train",
+        shuffle: bool = True,
+        seed: int | None = None,
+        shard_info: seqio.ShardInfo | None = None,
+        *,
+        sequence_length: Mapping[str, int] | None = None,
+        use_cached: bool = False,
+        num_epochs: int | None = 1,
+    ) -> tf.data.Dataset:
+        return self.resolved.get_dataset(
+            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
+        )
+
+    def __repr__(self) -> str:
+        return f"CorpusSource(language={self._language!r})"
+
+
 def output_features() -> dict[str, seqio.Feature]:
     vocabulary = GinVocabulary()
     return {
@@ -146,7 +186,7 @@ def output_features() -> dict[str, seqio.Feature]:
 def _add_task(objective: str, language: str | None, prefix: str = "mc4") -> None:
     seqio.TaskRegistry.add(
         task_name(objective, language, prefix),
-        source=readers.CorpusSource(language),
+        source=CorpusSource(language),
         preprocessors=[
             preprocessors.clean_text,
             functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),
