@@ -5,6 +5,7 @@ compile report's estimate for it; and the MoE layer's forward + backward per dis
     python benchmarks/accelerator_step.py --runs base_dense,base_learned --steps 20
     python benchmarks/accelerator_step.py --quick --out /tmp/quick.json     # tiny, CPU
     python benchmarks/accelerator_step.py --runs base_learned --profile /tmp/trace
+    benchmarks/gpu_session.sh                 # all of it in one call on a bare GPU machine
 
 Each run is the project's own train step (``builders.build_train_setup``: what
 ``moe-jax train`` runs) of a documented run's gin files, fed random token batches (no
@@ -90,6 +91,7 @@ QUICK_BINDINGS = (
 # quick run mean nothing anyway).
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 LAYERS = "moe_layer"  # the name of the MoE layer section in --runs
+MIN_RUN_S = 30.0  # --budget: a run with less time left than this is skipped, not started
 # What a bare accelerator machine lacks: none of it may be imported by a run.
 NOT_IMPORTED = ("tensorflow", "seqio", "tensorflow_datasets", "clu", "google_crc32c")
 
@@ -405,7 +407,14 @@ def main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--layer_reps", type=int, default=10, help="MoE layer timing rounds")
     parser.add_argument("--profile", default=None, metavar="DIR", help="trace one step per run")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run at most")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="seconds for all runs together (0: none); a run is given what remains, and "
+        f"one with less than {MIN_RUN_S:.0f} s left is skipped",
+    )
     parser.add_argument("--out", default=None, metavar="FILE.json")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child_out", default=None, help=argparse.SUPPRESS)
@@ -425,9 +434,14 @@ def main(argv: Sequence[str]) -> int:
         f"--layer_reps={args.layer_reps}",
     ]
     results = []
+    deadline = time.monotonic() + (args.budget or float("inf"))
     for name in chosen:
+        left = deadline - time.monotonic()
+        if left < MIN_RUN_S:
+            results.append({"run": name, "error": "skipped: the time budget was spent"})
+            continue
         print(f"[accelerator_step] {name}", file=sys.stderr, flush=True)
-        results.append(run_child(name, passed, args.timeout, args.quick))
+        results.append(run_child(name, passed, min(args.timeout, left), args.quick))
     runs = [r for r in results if r["run"] != LAYERS]
     layers = next((r for r in results if r["run"] == LAYERS), None)
     report = {
