@@ -9,8 +9,9 @@ compile report's estimate for it; and the MoE layer's forward + backward per dis
 
 Each run is the project's own train step (``builders.build_train_setup``: what
 ``moe-jax train`` runs) of a documented run's gin files, fed random token batches (no
-dataset, no seqio or TensorFlow: jax, flax, optax, orbax and gin-config suffice). Each run
-goes in a fresh process (so that peak memory is its own) and reports:
+dataset, no seqio or TensorFlow: jax, flax, optax, orbax and gin-config suffice) on the
+first device. Each run goes in a fresh process (so that peak memory is its own) and
+reports:
 
 - the phases to the first step: gin (parse, model), setup (abstract state, shardings),
   compile (``.lower().compile()`` through ``moe_jax.runtime.aot.compile_train``, the
@@ -191,7 +192,7 @@ def measure_run(
     phases["gin"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    devices = jax.devices()
+    devices = jax.devices()[:1]  # one chip: the rates below are per chip
     ctx = builders.run_context(devices=devices)
     setup = builders.build_train_setup(
         model, cfg.input_shapes(), ctx, seed=train_args.get("random_seed", 0)
