@@ -170,9 +170,17 @@ def top_kernels(trace_dir: str, limit: int = 15) -> dict[str, Any]:
 
 
 def measure_run(
-    name: str, *, quick: bool, steps: int, matmul_n: int, profile: str | None
+    name: str,
+    *,
+    quick: bool,
+    steps: int,
+    matmul_n: int,
+    profile: str | None,
+    partial: pathlib.Path,
 ) -> dict[str, Any]:
-    """Phases, step times, rates, memory and the compile report's estimate of one run."""
+    """Phases, step times, rates, memory and the compile report's estimate of one run.
+    After each phase the phases so far are written to ``partial``, which is what a run
+    stopped by its timeout leaves."""
     import jax
 
     from moe_jax import hardware
@@ -181,6 +189,11 @@ def measure_run(
 
     run = RUNS[name]
     phases: dict[str, float] = {}
+
+    def done(phase: str, seconds: float) -> None:
+        phases[phase] = seconds
+        partial.write_text(json.dumps({"phases_s": phases}))
+
     start = time.perf_counter()
     argv = [f"--gin_file={f}" for f in run.gin_files + (QUICK_GIN_FILES if quick else ())]
     bindings = run.bindings + (QUICK_BINDINGS if quick else ())
@@ -189,7 +202,7 @@ def measure_run(
     parse_gin_for_compile(args)
     train_args = aot.train_bindings()
     model, cfg = train_args["model"], train_args["train_dataset_cfg"]
-    phases["gin"] = time.perf_counter() - start
+    done("gin", time.perf_counter() - start)
 
     start = time.perf_counter()
     devices = jax.devices()[:1]  # one chip: the rates below are per chip
@@ -197,24 +210,24 @@ def measure_run(
     setup = builders.build_train_setup(
         model, cfg.input_shapes(), ctx, seed=train_args.get("random_seed", 0)
     )
-    phases["setup"] = time.perf_counter() - start
+    done("setup", time.perf_counter() - start)
 
     chip = hardware.chip_of_device_kind(devices[0].device_kind)
     facts = hardware.device_facts(devices)
     compiled, report = aot.compile_train(setup, cfg, model, facts)
     if compiled is None:
         raise RuntimeError(f"{name}: does not fit: {report.get('compiler_error')}")
-    phases["compile"] = report["compile_s"]
+    done("compile", report["compile_s"])
 
     start = time.perf_counter()
     state = jax.block_until_ready(setup.init_state())
-    phases["init_state"] = time.perf_counter() - start
+    done("init_state", time.perf_counter() - start)
 
     abstract = builders.abstract_batch(ctx, cfg.input_shapes(), cfg.pack)
     batch = random_batch(abstract, model.module.config.vocab_size)
     start = time.perf_counter()
     state, metrics = jax.block_until_ready(compiled(state, batch))
-    phases["first_step"] = time.perf_counter() - start
+    done("first_step", time.perf_counter() - start)
 
     times = []
     for _ in range(steps):
@@ -222,6 +235,7 @@ def measure_run(
         state, metrics = jax.block_until_ready(compiled(state, batch))
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    stats = devices[0].memory_stats() or {}  # before the reference matmul allocates
     kernels = None
     if profile:
         trace_dir = os.path.join(profile, name)
@@ -234,7 +248,6 @@ def measure_run(
     flops = report["flops_per_step"]
     matmul = hardware.measured_matmul_flops(matmul_n, repeats=10, dtype="bfloat16")
     peak = chip.peak_bf16_flops * len(devices) if chip else None
-    stats = devices[0].memory_stats() or {}
     estimate = report["estimate"]
     return {
         "run": name,
@@ -360,6 +373,7 @@ def child_main(name: str, out: str, args: argparse.Namespace) -> None:
             steps=args.steps,
             matmul_n=args.matmul_n or (512 if args.quick else 8192),
             profile=args.profile,
+            partial=pathlib.Path(out + ".partial"),
         )
     result["imported_of_not_needed"] = [m for m in NOT_IMPORTED if m in sys.modules]
     pathlib.Path(out).write_text(json.dumps(result, indent=1))
@@ -376,10 +390,13 @@ def run_child(name: str, argv: Sequence[str], timeout: float, quick: bool) -> di
         start = time.perf_counter()
         try:
             proc = subprocess.run(command, timeout=timeout, check=False, env=env)
+            error = None if proc.returncode == 0 else f"exit status {proc.returncode} (see log)"
         except subprocess.TimeoutExpired:
-            return {"run": name, "error": f"timed out after {timeout:.0f} s"}
-        if proc.returncode != 0 or not os.path.exists(out):
-            return {"run": name, "error": f"exit status {proc.returncode} (its stderr above)"}
+            error = f"timed out after {timeout:.0f} s"
+        if error or not os.path.exists(out):
+            partial = pathlib.Path(out + ".partial")
+            phases = json.loads(partial.read_text()) if partial.exists() else {}
+            return {"run": name, "error": error or "no result written", **phases}
         result = json.loads(pathlib.Path(out).read_text())
         result["process_s"] = time.perf_counter() - start
         return {"run": name, **result}

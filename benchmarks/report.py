@@ -134,19 +134,22 @@ def _accelerator_runs(measured: dict) -> list[str]:
     """The tables of one device's ``accelerator_step.py`` JSON."""
     phases, versus, kernels = [], [], []
     for r in measured["runs"]:
-        if "error" in r:
-            phases.append([r["run"], f"failed: {r['error']}", *["-"] * 8])
+        ph = r.get("phases_s", {})
+        done = [
+            f"{ph['gin'] + ph['setup']:.1f}" if "setup" in ph else "-",
+            *(f"{ph[k]:.1f}" if k in ph else "-" for k in ("compile", "init_state")),
+            f"{ph['first_step']:.2f}" if "first_step" in ph else "-",
+        ]
+        if "error" in r:  # the phases it finished, then why it stopped
+            phases.append([r["run"], "-", *done, f"failed: {r['error']}", "-", "-", "-"])
             continue
-        ph, step, est = r["phases_s"], r["step_s"], r["estimate"]
+        step, est = r["step_s"], r["estimate"]
         lengths = r["task_feature_lengths"]
         phases.append(
             [
                 r["run"],
                 f"{r['batch_size']} x {lengths['inputs']}/{lengths['targets']}",
-                f"{ph['gin'] + ph['setup']:.1f}",
-                f"{ph['compile']:.1f}",
-                f"{ph['init_state']:.1f}",
-                f"{ph['first_step']:.2f}",
+                *done,
                 f"{step['min'] * 1e3:.1f} / {step['median'] * 1e3:.1f}",
                 f"{r['tokens_per_s']:,.0f}",
                 _ratio(r["mfu"]["of_peak"]),

@@ -82,10 +82,17 @@ def test_the_section_renders_an_accelerator_json_and_ignores_a_cpu_one(
     (tmp_path / "cpu.json").write_text(json.dumps(quick))
     assert "Not yet measured" in report._accelerator()
     assert report.ACCELERATOR_COMMAND in report._accelerator()
-    gpu = dict(quick, quick=False, device="1 x NVIDIA H100 80GB HBM3 (gpu)")
+    stopped = {"run": "base_dense", "error": "timed out after 20 s", "phases_s": {"gin": 1.0}}
+    gpu = dict(
+        quick,
+        quick=False,
+        device="1 x NVIDIA H100 80GB HBM3 (gpu)",
+        runs=[*quick["runs"], stopped],
+    )
     (tmp_path / "h100.json").write_text(json.dumps(gpu))
     text = report._accelerator()
     assert "Device: 1 x NVIDIA H100 80GB HBM3 (gpu)" in text
     assert "| fig5_learned | estimate (compiled, not run) |" in text
     assert "| fig5_learned | measured |" in text
+    assert "| base_dense | - | - | - | - | - | failed: timed out after 20 s |" in text
     assert "| small | 8 | sort |" in text
