@@ -122,8 +122,8 @@ def _moe_vs_dense() -> str:
     )
 
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def _ratio(part: float | None) -> str:
@@ -170,7 +170,9 @@ def _accelerator_runs(measured: dict) -> list[str]:
                 "measured",
                 f"{step['median'] * 1e3:.1f} (median of {step['steps']})",
                 f"{r['tokens_per_s']:,.0f}",
-                f"{_gib(memory['peak_bytes_in_use'])} (peak in use)",
+                "unknown (the backend keeps no memory stats)"
+                if memory["peak_bytes_in_use"] is None
+                else f"{_gib(memory['peak_bytes_in_use'])} (peak in use)",
             ],
             [r["run"], "measured / estimate", f"{r['measured_over_estimate']:.1f}x", "", ""],
         ]
@@ -201,6 +203,9 @@ def _accelerator_runs(measured: dict) -> list[str]:
         "(memory per device, GiB):",
         markdown_table(["run", "", "step (ms)", "tokens/s", "memory (GiB)"], versus),
     ]
+    notes = [f"- {r['run']}: {r['note']}" for r in measured["runs"] if r.get("note")]
+    if notes:
+        tables.append("\n".join(notes))
     if kernels:
         tables += [
             "Where the time goes (one traced step; the five longest kernels by total time):",
