@@ -492,6 +492,8 @@ def summary(report: dict[str, Any]) -> str:
             f"tokens/s, MFU {peak}, {mfu['of_matmul']:.1%} of the bf16 matmul; phases "
             + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases_s"].items())
         )
+        for k in (r["profile"] or {}).get("kernels", [])[:5]:
+            lines.append(f"  {k['share']:.0%} {k['ms']:.2f} ms x{k['count']} {k['name'][:100]}")
     layers = report["layers"]
     if layers and "rows" in layers:
         for row in layers["rows"]:

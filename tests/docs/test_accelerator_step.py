@@ -3,6 +3,7 @@ benchmark cannot rot), and its section of benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
@@ -96,3 +97,28 @@ def test_the_section_renders_an_accelerator_json_and_ignores_a_cpu_one(
     assert "| fig5_learned | measured |" in text
     assert "| base_dense | - | - | - | - | - | failed: timed out after 20 s |" in text
     assert "| small | 8 | sort |" in text
+
+
+def test_top_kernels_reads_the_device_process_of_a_trace(tmp_path):
+    import accelerator_step
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "scatter", "dur": 300.0, "args": {"kernel_details": "g"}},
+        {"ph": "X", "pid": 1, "name": "gemm", "dur": 50.0},
+        {"ph": "X", "pid": 1, "name": "gemm", "dur": 50.0},
+        {"ph": "X", "pid": 2, "name": "host op", "dur": 9000.0},
+    ]
+    run_dir = tmp_path / "plugins" / "profile" / "2026_01_01"
+    run_dir.mkdir(parents=True)
+    (run_dir / "vm.trace.json.gz").write_bytes(
+        gzip.compress(json.dumps({"traceEvents": events}).encode())
+    )
+    found = accelerator_step.top_kernels(str(tmp_path))
+    assert found["device_kernel_ms"] == pytest.approx(0.4)
+    assert [(k["name"], k["count"], k["share"]) for k in found["kernels"]] == [
+        ("scatter", 1, 0.75),
+        ("gemm", 2, 0.25),
+    ]
+    assert found["kernels"][0]["kernel_details"] == "g"
