@@ -247,7 +247,7 @@ def measure_run(
     tokens = sum(b * length for b, length in shapes.values())
     flops = report["flops_per_step"]
     matmul = hardware.measured_matmul_flops(matmul_n, repeats=10, dtype="bfloat16")
-    peak = chip.peak_bf16_flops * len(devices) if chip else None
+    peak = chip.peak_bf16_flops if chip else None
     estimate = report["estimate"]
     return {
         "run": name,
@@ -272,7 +272,7 @@ def measure_run(
         "peak_flops_per_s": peak,
         "mfu": {
             "of_peak": flops / median / peak if peak else None,
-            "of_matmul": flops / median / (matmul * len(devices)),
+            "of_matmul": flops / median / matmul,
         },
         "memory": {
             "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
@@ -440,6 +440,8 @@ def main(argv: Sequence[str]) -> int:
     if args.child:
         child_main(args.child, args.child_out, args)
         return 0
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     chosen = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = sorted(set(chosen) - set(names))
     if unknown:
