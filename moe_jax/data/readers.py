@@ -150,6 +150,9 @@ def text_source(
     validation: Groups,
     validation_fraction: float | None,
 ) -> seqio.DataSource:
+    """The user's text files of group ``language`` (``None``: all groups), as
+    ``make_source``'s ``train_patterns`` / ``validation_patterns`` / ``validation_fraction``
+    describe them; a ``ValueError`` or ``FileNotFoundError`` names the option at fault."""
     if not train:
         raise ValueError(
             "make_source.corpus='text' needs make_source.train_patterns "
