@@ -11,8 +11,9 @@ Each measured section is ``benchmarks/results/<name>.json``, written by
 
 (``notes``: readings of those numbers, kept with them; a rerun leaves them out.) The
 compiled-run sections are made from ``benchmarks/compile_reports/*.json``
-(``benchmarks/compile_table.py``). The question each section answers, and which script
-answers it, is ``SECTIONS`` below.
+(``benchmarks/compile_table.py``), the accelerator section from
+``benchmarks/accelerator/*.json`` (``benchmarks/accelerator_step.py`` run on the device).
+The question each section answers, and which script answers it, is ``SECTIONS`` below.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from collections.abc import Callable
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUTPUT = HERE / "RESULTS.md"
+ACCELERATOR = HERE / "accelerator"  # accelerator_step.py's JSON, one file per device measured
+ACCELERATOR_COMMAND = (
+    "python benchmarks/accelerator_step.py --out benchmarks/accelerator/DEVICE.json"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +120,150 @@ def _moe_vs_dense() -> str:
         "2-core x86_64 CPU, bfloat16 activations with FSDP, batch 256 x 512/114, Adam. "
         "GPU estimates have no cost analysis (compute and collectives only).\n\n" + "\n".join(lines)
     )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _ratio(part: float | None) -> str:
+    return "-" if part is None else f"{part:.1%}"
+
+
+def _accelerator_runs(measured: dict) -> list[str]:
+    """The tables of one device's ``accelerator_step.py`` JSON."""
+    phases, versus, kernels = [], [], []
+    for r in measured["runs"]:
+        ph = r.get("phases_s", {})
+        done = [
+            f"{ph['gin'] + ph['setup']:.1f}" if "setup" in ph else "-",
+            *(f"{ph[k]:.1f}" if k in ph else "-" for k in ("compile", "init_state")),
+            f"{ph['first_step']:.2f}" if "first_step" in ph else "-",
+        ]
+        if "error" in r:  # the phases it finished, then why it stopped
+            phases.append([r["run"], "-", *done, f"failed: {r['error']}", "-", "-", "-"])
+            continue
+        step, est = r["step_s"], r["estimate"]
+        lengths = r["task_feature_lengths"]
+        phases.append(
+            [
+                r["run"],
+                f"{r['batch_size']} x {lengths['inputs']}/{lengths['targets']}",
+                *done,
+                f"{step['min'] * 1e3:.1f} / {step['median'] * 1e3:.1f}",
+                f"{r['tokens_per_s']:,.0f}",
+                _ratio(r["mfu"]["of_peak"]),
+                _ratio(r["mfu"]["of_matmul"]),
+            ]
+        )
+        memory = r["memory"]
+        versus += [
+            [
+                r["run"],
+                "estimate (compiled, not run)",
+                f"{est['step_s'] * 1e3:.1f} ({' + '.join(est['covers'])})",
+                f"{est['tokens_per_s']:,.0f}",
+                f"{_gib(memory['compiled_total_bytes'])} (compiled total)",
+            ],
+            [
+                r["run"],
+                "measured",
+                f"{step['median'] * 1e3:.1f} (median of {step['steps']})",
+                f"{r['tokens_per_s']:,.0f}",
+                "unknown (the backend keeps no memory stats)"
+                if memory["peak_bytes_in_use"] is None
+                else f"{_gib(memory['peak_bytes_in_use'])} (peak in use)",
+            ],
+            [r["run"], "measured / estimate", f"{r['measured_over_estimate']:.1f}x", "", ""],
+        ]
+        for k in (r.get("profile") or {}).get("kernels", [])[:5]:
+            name = k["name"] if len(k["name"]) <= 60 else k["name"][:57] + "..."
+            kernels.append(
+                [r["run"], f"`{name}`", str(k["count"]), f"{k['ms']:.2f}", f"{k['share']:.0%}"]
+            )
+    tables = [
+        "Phases to the first step (seconds), step time, tokens/s and model FLOPs per second "
+        "as a fraction of the chip's peak and of a bf16 matmul measured in the same process:",
+        markdown_table(
+            [
+                "run",
+                "batch x lengths",
+                "gin + setup",
+                "compile",
+                "init_state",
+                "first step",
+                "step min / median (ms)",
+                "tokens/s",
+                "MFU of peak",
+                "of bf16 matmul",
+            ],
+            phases,
+        ),
+        "The compile report's roofline estimate for this device beside the measurement "
+        "(memory per device, GiB):",
+        markdown_table(["run", "", "step (ms)", "tokens/s", "memory (GiB)"], versus),
+    ]
+    notes = [f"- {r['run']}: {r['note']}" for r in measured["runs"] if r.get("note")]
+    if notes:
+        tables.append("\n".join(notes))
+    if kernels:
+        tables += [
+            "Where the time goes (one traced step; the five longest kernels by total time):",
+            markdown_table(["run", "kernel", "count", "ms", "share"], kernels),
+        ]
+    layers = measured.get("layers") or {}
+    if layers.get("rows"):
+        rows = [
+            [
+                row["shape"],
+                str(row["experts"]),
+                row["impl"],
+                f"{row['ms']:.2f}",
+                f"{row['of_dense_ffn']:.0%}",
+                f"{row['useful_flops_per_s'] / 1e12:.1f}",
+                f"{row['of_matmul']:.0%}",
+            ]
+            for row in layers["rows"]
+        ]
+        tables += [
+            "The MoE layer's forward + backward per dispatch against a dense FFN of the same "
+            "useful FLOPs and a float32 2048^3 matmul, timed in the same rounds:",
+            markdown_table(
+                [
+                    "shape",
+                    "E",
+                    "impl",
+                    "ms",
+                    "of dense FFN rate",
+                    "useful TFLOP/s",
+                    "of float32 matmul",
+                ],
+                rows,
+            ),
+        ]
+    elif layers.get("error"):
+        tables.append(f"MoE layer: {layers['error']}.")
+    return tables
+
+
+def _accelerator() -> str:
+    """The accelerator section: every non-quick, non-CPU ``benchmarks/accelerator/*.json``."""
+    measured = [json.loads(p.read_text()) for p in sorted(ACCELERATOR.glob("*.json"))]
+    measured = [
+        m for m in measured if not m["quick"] and m["device"] and not m["device"].endswith("(cpu)")
+    ]
+    if not measured:
+        return (
+            f"Not yet measured. On a machine with an accelerator: `{ACCELERATOR_COMMAND}`, "
+            "then `python benchmarks/report.py` (`benchmarks/gpu_session.sh` does it all in "
+            'one call on a GPU machine without gin-config; docs/training.md, "Measured and '
+            'estimated step time").'
+        )
+    parts = []
+    for m in measured:
+        parts.append(f"Device: {m['device']}, {m['date']}. Command: `{m['command']}`.")
+        parts += _accelerator_runs(m)
+    return "\n\n".join(parts)
 
 
 SECTIONS: tuple[Section, ...] = (
@@ -234,6 +383,16 @@ SECTIONS: tuple[Section, ...] = (
         "T5-Base MoE train step against the FLOP-matched dense step, compiled",
         "Roofline step time of the whole train step on each target.",
         generate=_moe_vs_dense,
+    ),
+    Section(
+        "accelerator",
+        "Measured on an accelerator",
+        "The documented runs' train step (`builders.build_train_setup`, what `moe-jax train` "
+        "runs; random token batches) measured on the device named, next to the compile "
+        "report's roofline estimate for that device: phases to the first step, step time, "
+        "tokens/s, MFU against the chip's peak and a bf16 matmul, peak memory against the "
+        "compiled total; and the MoE layer per dispatch (`benchmarks/accelerator_step.py`).",
+        generate=_accelerator,
     ),
     Section(
         "compile_table",

@@ -6,7 +6,7 @@
 - :func:`parse_target`: ``tpu:v5e:4x4``, ``tpu:v5p:2x2x4``, ``gpu:h100:8``, ``cpu:8``, ... ->
   :class:`Target`; :func:`target_devices`: that target's devices, from the TPU or GPU
   compiler (no such device needed: ``jax.experimental.topologies``).
-- :func:`measured_matmul_flops`: the reference rate of a CPU.
+- :func:`measured_matmul_flops`: the measured matmul rate of this machine's first device.
 
 The compilers are found only when a TPU or GPU target is asked for: ``libtpu`` and the CUDA
 PJRT plugin live outside the import path (``$MOE_JAX_COMPILERS``, default
@@ -413,12 +413,13 @@ def _backends_started() -> bool:
 
 
 @functools.cache
-def measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Median FLOP/s of a jitted float32 ``[n, n] @ [n, n]`` matmul on the first local device
+def measured_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+    """Median FLOP/s of a jitted ``dtype`` ``[n, n] @ [n, n]`` matmul on the first local device
     (measured once per process and arguments)."""
     import jax
+    import jax.numpy as jnp
 
-    a = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
+    a = jax.device_put(jnp.ones((n, n), dtype), jax.local_devices()[0])
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
     times = []

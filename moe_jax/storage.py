@@ -44,7 +44,6 @@ from typing import Any
 os.environ.setdefault("EPATH_USE_TF", "false")  # before epath picks its gs:// backend (once)
 
 import fsspec
-import google_crc32c
 import numpy as np
 from etils import epath
 
@@ -258,6 +257,8 @@ def file_info(directory: PathLike, *, checksums: bool = True) -> dict[str, dict[
 
 def crc32c_file(path: PathLike) -> str:
     """The CRC32C of a file's bytes as 8 hex digits (read in 8 MiB chunks)."""
+    import google_crc32c  # deferred: only checksums need it, not every reader of this module
+
     checksum = google_crc32c.Checksum()
     with epath.Path(path).open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -266,6 +267,9 @@ def crc32c_file(path: PathLike) -> str:
 
 
 def crc32c(data: bytes) -> int:
+    """The CRC32C of ``data``."""
+    import google_crc32c  # deferred: only checksums need it, not every reader of this module
+
     return google_crc32c.value(data)
 
 

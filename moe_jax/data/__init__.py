@@ -2,12 +2,14 @@
 
 Modules (one job each; see docs/data.md):
   vocab            gin-selected vocabulary (embedded SentencePiece, mT5 SentencePiece, bytes)
-  sources          gin-selected data source (embedded UDHR corpus or TFDS c4/multilingual)
+  sources          gin-selected data source (embedded UDHR corpus, TFDS c4/multilingual, text)
+  readers          the seqio sources each corpus is read with (built by sources)
   preprocessors    text cleaning, token splitting, the prefix-LM objective
   span_corruption  the T5/mT5 span-corruption objective as a seqio preprocessor
   tasks            registers the seqio tasks (importing it is enough; idempotent)
   pipeline         get_dataset, the resumable TrainIterator, to_global_batch
   labels           known latent clusters of a corpus (languages): label -> its own task
 
-Importing this package does not import TensorFlow or seqio; import the submodules.
+Importing this package does not import TensorFlow or seqio, nor do ``vocab``, ``sources``
+and ``pipeline`` (the modules gin files configure) until data is read.
 """

@@ -10,6 +10,10 @@ global ``jax.Array`` batches.
   at step N deterministically skips N batches, so the trainer sees the batch it would have
   seen at step N.
 * ``to_global_batch``: assembles the hosts' batches into global arrays on the mesh.
+
+seqio, TensorFlow and the task registry are imported when data is read, not with this
+module, so gin files that configure ``get_dataset`` can be parsed where only the model is
+needed.
 """
 
 from __future__ import annotations
@@ -17,17 +21,18 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gin
 import jax
 import numpy as np
-import seqio
-import tensorflow as tf
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax.data import tasks
 from moe_jax.data.vocab import get_vocabulary
+
+if TYPE_CHECKING:
+    import seqio
+    import tensorflow as tf
 
 _STATE_KEYS = (
     "mixture_or_task_name",
@@ -45,12 +50,19 @@ _STATE_KEYS = (
 
 def host_shard_info() -> seqio.ShardInfo:
     """This host's shard of the data: ``jax.process_index()`` of ``jax.process_count()``."""
+    import seqio  # deferred: parsing gin needs neither seqio nor TensorFlow
+
     return seqio.ShardInfo(index=jax.process_index(), num_shards=jax.process_count())
 
 
 def get_provider(mixture_or_task_name: str) -> seqio.DatasetProviderBase:
     """The registered task or mixture (a text-corpus group task is registered on first
     use), or a ``ValueError`` naming ``MIXTURE_OR_TASK_NAME``."""
+    import seqio  # deferred: parsing gin needs neither seqio nor TensorFlow
+
+    # deferred on purpose: TensorFlow/seqio load only when data is read
+    from moe_jax.data import tasks
+
     tasks.register_group_task(mixture_or_task_name)
     try:
         return seqio.get_mixture_or_task(mixture_or_task_name)
@@ -102,6 +114,9 @@ def get_dataset(
       ``tf.data.Dataset`` of dicts ``{feature: int32 [batch_size, length]}``; incomplete
       final batches are dropped.
     """
+    import seqio  # deferred: parsing gin needs neither seqio nor TensorFlow
+    import tensorflow as tf
+
     provider = get_provider(mixture_or_task_name)
     get_vocabulary()  # a missing model file is reported here, not inside tf.data tracing
     lengths = dict(task_feature_lengths)
@@ -226,6 +241,8 @@ class TrainIterator:
     @classmethod
     def restore(cls, state: Mapping[str, Any], prefetch: int = 2) -> TrainIterator:
         """The iterator that continues ``state`` (from ``get_state()``)."""
+        import seqio  # deferred: parsing gin needs neither seqio nor TensorFlow
+
         missing = [k for k in (*_STATE_KEYS, "step") if k not in state]
         if missing:
             raise ValueError(f"iterator state lacks {missing}")

@@ -23,29 +23,30 @@ languages) with canonical splits ``train`` and ``validation``; each example is
 ``corpus_groups()`` lists the group labels of the corpus gin selects (embedded and mC4:
 language codes; text: the labels of ``train_patterns``); ``make_source(label)`` reads one.
 
-Tasks hold a ``CorpusSource``, which resolves ``make_source`` when data is requested, so
-gin bindings parsed after ``moe_jax.data.tasks`` was imported take effect.
+Tasks hold a ``tasks.CorpusSource``, which resolves ``make_source`` when data is requested,
+so gin bindings parsed after ``moe_jax.data.tasks`` was imported take effect. This module
+imports neither TensorFlow nor seqio (``moe_jax.data.readers`` builds the sources), so gin
+files that configure the data can be parsed where only the model is needed.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import pathlib
 import re
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import gin
-import seqio
-import tensorflow as tf
-import tensorflow_datasets as tfds
+
+if TYPE_CHECKING:
+    import seqio
 
 EMBEDDED_DIR = pathlib.Path(__file__).resolve().parent / "embedded" / "udhr"
 CORPORA = ("embedded", "tfds", "text")
 SPLITS = ("train", "validation")
 TEXT_GROUP = "text"  # the one group's label when train_patterns is a pattern or a list
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
-_HASH_BUCKETS = 10_000  # held-out validation resolution: fractions in steps of 1e-4
 
 # Patterns as gin binds them: one glob, a list of globs, or {label: glob or list of globs}.
 Patterns = str | Sequence[str] | Mapping[str, str | Sequence[str]]
@@ -63,15 +64,8 @@ def mc4_languages() -> tuple[str, ...]:
     return tuple(c4.MC4_LANGUAGES)
 
 
-def _read_text_lines(path: tf.Tensor) -> tf.data.Dataset:
-    return tf.data.TextLineDataset(path).map(lambda line: {"text": line})
-
-
-def _count_lines(paths: Sequence[str]) -> int:
-    return sum(pathlib.Path(p).read_bytes().count(b"\n") for p in paths)
-
-
-def _embedded_source(language: str | None) -> seqio.DataSource:
+def _embedded_files(language: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """((split, (file, ...)), ...) of ``language`` (``None``: all) in the embedded corpus."""
     available = embedded_languages()
     if language is not None and language not in available:
         raise ValueError(
@@ -80,14 +74,9 @@ def _embedded_source(language: str | None) -> seqio.DataSource:
             "make_source.corpus='tfds' for the other mC4 languages."
         )
     languages = available if language is None else (language,)
-    files = {
-        "train": [str(EMBEDDED_DIR / f"{lang}.txt") for lang in languages],
-        "validation": [str(EMBEDDED_DIR / f"{lang}-validation.txt") for lang in languages],
-    }
-    return seqio.FileDataSource(
-        read_file_fn=_read_text_lines,
-        split_to_filepattern=files,
-        num_input_examples={split: _count_lines(paths) for split, paths in files.items()},
+    return (
+        ("train", tuple(str(EMBEDDED_DIR / f"{lang}.txt") for lang in languages)),
+        ("validation", tuple(str(EMBEDDED_DIR / f"{lang}-validation.txt") for lang in languages)),
     )
 
 
@@ -108,47 +97,10 @@ def _tfds_split_map(tfds_name: str, language: str | None) -> Mapping[str, str]:
     }
 
 
-class _CheckedTfdsSource(seqio.TfdsDataSource):
-    """``TfdsDataSource`` that never generates data and names ``data_dir`` when it is absent."""
-
-    def __init__(self, tfds_name: str, data_dir: str | None, splits: Mapping[str, str]):
-        super().__init__(
-            tfds_name=tfds_name, tfds_data_dir=data_dir, splits=dict(splits), read_only=True
-        )
-        self._data_dir = data_dir
-
-    def get_dataset(
-        self,
-        split: str = "train",
-        shuffle: bool = True,
-        seed: int | None = None,
-        shard_info: seqio.ShardInfo | None = None,
-        **unused,
-    ) -> tf.data.Dataset:
-        try:
-            return super().get_dataset(
-                split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
-            )
-        except (AssertionError, FileNotFoundError, tfds.core.DatasetNotFoundError) as e:
-            where = self._data_dir or "the default TFDS data_dir (~/tensorflow_datasets)"
-            raise FileNotFoundError(
-                f"TFDS dataset {self.tfds_dataset.name!r} is not prepared in {where}: set "
-                "make_source.data_dir (gin TFDS_DATA_DIR) to the directory holding it"
-            ) from e
-
-    def num_input_examples(self, split: str) -> int | None:
-        """The split's size, or ``None`` where TFDS records none (seqio then skips its
-        in-memory caching; ``tfds.testing.mock_data`` builders have empty split info)."""
-        try:
-            return super().num_input_examples(split)
-        except KeyError:
-            return None
+Groups = tuple[tuple[str, tuple[str, ...]], ...]  # ((label, (pattern, ...)), ...), hashable
 
 
-_Groups = tuple[tuple[str, tuple[str, ...]], ...]  # ((label, (pattern, ...)), ...), hashable
-
-
-def _groups(patterns: Patterns | None, option: str) -> _Groups:
+def _groups(patterns: Patterns | None, option: str) -> Groups:
     """``patterns`` as ``((label, (pattern, ...)), ...)``; a bare pattern or list is the one
     group :data:`TEXT_GROUP`. Refuses labels that could not name a task."""
     if patterns is None:
@@ -175,123 +127,6 @@ def _groups(patterns: Patterns | None, option: str) -> _Groups:
     return tuple(groups)
 
 
-def _files(pattern: str, option: str) -> list[str]:
-    """The files ``pattern`` matches (``tf.io.gfile.glob``: local or ``gs://``), or a
-    ``FileNotFoundError`` naming the pattern and the option that set it."""
-    files = sorted(tf.io.gfile.glob(pattern))
-    if not files:
-        raise FileNotFoundError(f"{option}: the pattern {pattern!r} matches no file")
-    return files
-
-
-class TextFilesSource(seqio.TextLineDataSource):
-    """The user's text files, one document per line, as ``{"text": tf.string}`` examples.
-
-    With ``validation_fraction`` the ``train`` and ``validation`` splits read the same files
-    and keep the lines whose hash bucket (``tf.strings.to_hash_bucket_fast`` over
-    10 000 buckets) is at/above or below ``validation_fraction * 10 000``.
-    """
-
-    def __init__(
-        self, split_to_files: Mapping[str, Sequence[str]], validation_fraction: float | None
-    ):
-        super().__init__(split_to_filepattern={k: list(v) for k, v in split_to_files.items()})
-        self._validation_fraction = validation_fraction
-
-    def _check_split(self, split: str) -> None:
-        if split not in self.splits:
-            raise ValueError(
-                f"the text corpus has no {split!r} split: bind "
-                "make_source.validation_patterns or make_source.validation_fraction"
-            )
-
-    def list_shards(self, split: str) -> Sequence[str]:
-        self._check_split(split)
-        return super().list_shards(split)
-
-    def get_dataset(
-        self,
-        split: str = "train",
-        shuffle: bool = True,
-        seed: int | None = None,
-        shard_info: seqio.ShardInfo | None = None,
-        **kwargs,
-    ) -> tf.data.Dataset:
-        self._check_split(split)
-        ds = super().get_dataset(
-            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info, **kwargs
-        )
-        if self._validation_fraction:
-            cut = round(self._validation_fraction * _HASH_BUCKETS)
-            held_out = split == "validation"
-            ds = ds.filter(
-                lambda line: tf.equal(
-                    tf.strings.to_hash_bucket_fast(line, _HASH_BUCKETS) < cut, held_out
-                )
-            )
-        return ds.map(lambda line: {"text": line}, num_parallel_calls=tf.data.AUTOTUNE)
-
-
-def _text_source(
-    language: str | None, train: _Groups, validation: _Groups, validation_fraction: float | None
-) -> seqio.DataSource:
-    if not train:
-        raise ValueError(
-            "make_source.corpus='text' needs make_source.train_patterns "
-            "(gin TEXT_TRAIN_FILES): a file pattern or {label: pattern}"
-        )
-    if validation_fraction is not None and not 0 <= validation_fraction < 1:
-        raise ValueError(f"make_source.validation_fraction={validation_fraction} is not in [0, 1)")
-    labels = [label for label, _ in train]
-    if language is not None and language not in labels:
-        raise ValueError(
-            f"group {language!r} is not in the text corpus; make_source.train_patterns has {labels}"
-        )
-    unknown = [label for label, _ in validation if label not in labels]
-    if unknown:
-        raise ValueError(
-            f"make_source.validation_patterns labels {unknown} are not in "
-            f"make_source.train_patterns ({labels})"
-        )
-
-    def files(groups: _Groups, option: str) -> list[str]:
-        return [
-            f
-            for label, patterns in groups
-            if language in (None, label)
-            for p in patterns
-            for f in _files(p, f"make_source.{option}[{label!r}]")
-        ]
-
-    split_files = {"train": files(train, "train_patterns")}
-    if validation:
-        split_files["validation"] = files(validation, "validation_patterns")
-        if not split_files["validation"]:  # this group has no validation pattern
-            del split_files["validation"]
-    elif validation_fraction:
-        split_files["validation"] = split_files["train"]
-    return TextFilesSource(split_files, validation_fraction if not validation else None)
-
-
-@functools.lru_cache(maxsize=256)
-def _build(
-    language: str | None,
-    corpus: str,
-    tfds_name: str,
-    data_dir: str | None,
-    train: _Groups,
-    validation: _Groups,
-    validation_fraction: float | None,
-) -> seqio.DataSource:
-    if corpus == "embedded":
-        return _embedded_source(language)
-    if corpus == "tfds":
-        return _CheckedTfdsSource(tfds_name, data_dir, _tfds_split_map(tfds_name, language))
-    if corpus == "text":
-        return _text_source(language, train, validation, validation_fraction)
-    raise ValueError(f"make_source.corpus={corpus!r} is not one of {CORPORA}")
-
-
 @gin.configurable
 def make_source(
     language: str | None,
@@ -312,15 +147,19 @@ def make_source(
       ValueError: naming ``make_source.corpus`` / the language when they are unknown.
       FileNotFoundError: naming a text pattern that matches no file.
     """
-    return _build(
-        language,
-        corpus,
-        tfds_name,
-        data_dir,
-        _groups(train_patterns, "make_source.train_patterns"),
-        _groups(validation_patterns, "make_source.validation_patterns"),
-        validation_fraction,
-    )
+    # deferred on purpose: TensorFlow/seqio load only when data is read
+    from moe_jax.data import readers
+
+    train = _groups(train_patterns, "make_source.train_patterns")
+    validation = _groups(validation_patterns, "make_source.validation_patterns")
+    if corpus == "embedded":
+        return readers.embedded_source(_embedded_files(language))
+    if corpus == "tfds":
+        splits = _tfds_split_map(tfds_name, language)
+        return readers.tfds_source(tfds_name, data_dir, tuple(splits.items()))
+    if corpus == "text":
+        return readers.text_source(language, train, validation, validation_fraction)
+    raise ValueError(f"make_source.corpus={corpus!r} is not one of {CORPORA}")
 
 
 def make_source_settings() -> dict:
@@ -355,43 +194,3 @@ def corpus_groups() -> tuple[str, ...]:
             label for label, _ in _groups(settings["train_patterns"], "make_source.train_patterns")
         )
     raise ValueError(f"make_source.corpus={corpus!r} is not one of {CORPORA}")
-
-
-class CorpusSource(seqio.DataSource):
-    """A ``seqio.DataSource`` delegating to ``make_source(language)`` at use time."""
-
-    def __init__(self, language: str | None):
-        self._language = language
-        super().__init__(splits=SPLITS)
-
-    @property
-    def resolved(self) -> seqio.DataSource:
-        return make_source(self._language)
-
-    @property
-    def supports_arbitrary_sharding(self) -> bool:
-        return self.resolved.supports_arbitrary_sharding
-
-    def list_shards(self, split: str) -> Sequence[str]:
-        return self.resolved.list_shards(split)
-
-    def num_input_examples(self, split: str) -> int | None:
-        return self.resolved.num_input_examples(split)
-
-    def get_dataset(
-        self,
-        split: str = "train",
-        shuffle: bool = True,
-        seed: int | None = None,
-        shard_info: seqio.ShardInfo | None = None,
-        *,
-        sequence_length: Mapping[str, int] | None = None,
-        use_cached: bool = False,
-        num_epochs: int | None = 1,
-    ) -> tf.data.Dataset:
-        return self.resolved.get_dataset(
-            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
-        )
-
-    def __repr__(self) -> str:
-        return f"CorpusSource(language={self._language!r})"

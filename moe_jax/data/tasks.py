@@ -34,11 +34,13 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 
 import seqio
+import tensorflow as tf
 
 from moe_jax.data import preprocessors, sources, span_corruption
-from moe_jax.data.vocab import GinVocabulary
+from moe_jax.data.vocab import get_vocabulary
 
 OBJECTIVES = {
     "span_corruption": span_corruption.span_corruption,
@@ -59,6 +61,120 @@ def task_name(objective: str, language: str | None = None, prefix: str = "mc4") 
     return f"{prefix}_{lang}{objective}"
 
 
+class GinVocabulary(seqio.Vocabulary):
+    """A ``seqio.Vocabulary`` that delegates every call to the current ``get_vocabulary()``."""
+
+    def __init__(self) -> None:
+        super().__init__(extra_ids=0)
+
+    @property
+    def resolved(self) -> seqio.Vocabulary:
+        return get_vocabulary()
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.resolved.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.resolved.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.resolved.pad_id
+
+    @property
+    def unk_id(self) -> int | None:
+        return self.resolved.unk_id
+
+    @property
+    def extra_ids(self) -> int:
+        return self.resolved.extra_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.resolved.vocab_size
+
+    @property
+    def _base_vocab_size(self) -> int:
+        return self.resolved._base_vocab_size  # pylint: disable=protected-access
+
+    def encode(self, s: str) -> list[int]:
+        return self.resolved.encode(s)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.resolved.decode(ids)
+
+    def encode_tf(self, s: tf.Tensor) -> tf.Tensor:
+        return self.resolved.encode_tf(s)
+
+    def decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+        return self.resolved.decode_tf(ids)
+
+    # The abstract hooks of seqio.Vocabulary; the public methods above never reach them.
+    def _encode(self, s: str) -> list[int]:
+        return self.encode(s)
+
+    def _decode(self, ids: Iterable[int]) -> str:
+        return self.decode(ids)
+
+    def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
+        return self.encode_tf(s)
+
+    def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+        return self.decode_tf(ids)
+
+    def __eq__(self, other: object) -> bool:
+        other = other.resolved if isinstance(other, GinVocabulary) else other
+        return self.resolved == other
+
+    def __hash__(self) -> int:
+        return id(GinVocabulary)
+
+    def __str__(self) -> str:
+        return f"GinVocabulary({self.resolved})"
+
+
+class CorpusSource(seqio.DataSource):
+    """A ``seqio.DataSource`` delegating to ``make_source(language)`` at use time."""
+
+    def __init__(self, language: str | None):
+        self._language = language
+        super().__init__(splits=sources.SPLITS)
+
+    @property
+    def resolved(self) -> seqio.DataSource:
+        return sources.make_source(self._language)
+
+    @property
+    def supports_arbitrary_sharding(self) -> bool:
+        return self.resolved.supports_arbitrary_sharding
+
+    def list_shards(self, split: str) -> Sequence[str]:
+        return self.resolved.list_shards(split)
+
+    def num_input_examples(self, split: str) -> int | None:
+        return self.resolved.num_input_examples(split)
+
+    def get_dataset(
+        self,
+        split: str = "train",
+        shuffle: bool = True,
+        seed: int | None = None,
+        shard_info: seqio.ShardInfo | None = None,
+        *,
+        sequence_length: Mapping[str, int] | None = None,
+        use_cached: bool = False,
+        num_epochs: int | None = 1,
+    ) -> tf.data.Dataset:
+        return self.resolved.get_dataset(
+            split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
+        )
+
+    def __repr__(self) -> str:
+        return f"CorpusSource(language={self._language!r})"
+
+
 def output_features() -> dict[str, seqio.Feature]:
     vocabulary = GinVocabulary()
     return {
@@ -70,7 +186,7 @@ def output_features() -> dict[str, seqio.Feature]:
 def _add_task(objective: str, language: str | None, prefix: str = "mc4") -> None:
     seqio.TaskRegistry.add(
         task_name(objective, language, prefix),
-        source=sources.CorpusSource(language),
+        source=CorpusSource(language),
         preprocessors=[
             preprocessors.clean_text,
             functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),

@@ -10,20 +10,23 @@
 * ``kind="byte"``: ``seqio.ByteVocabulary`` (no file at all).
 
 Tasks are registered at import time, before gin files are parsed, so their features hold a
-``GinVocabulary``: a ``seqio.Vocabulary`` that resolves ``get_vocabulary()`` on each use.
+``tasks.GinVocabulary``: a ``seqio.Vocabulary`` that resolves ``get_vocabulary()`` on each
+use. This module imports seqio and TensorFlow only when a vocabulary is loaded, so gin files
+that configure it can be parsed where only the model is needed.
 """
 
 from __future__ import annotations
 
 import functools
 import pathlib
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import gin
-import seqio
-import tensorflow as tf
 
 from moe_jax.errors import InputFileError
+
+if TYPE_CHECKING:
+    import seqio
 
 EMBEDDED_SPM = pathlib.Path(__file__).resolve().parent / "embedded" / "udhr_spm.model"
 MT5_SPM = "gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model"
@@ -32,6 +35,9 @@ KINDS = ("embedded", "sentencepiece", "byte")
 
 @functools.lru_cache(maxsize=16)
 def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
+    import seqio  # deferred: parsing gin needs neither seqio nor TensorFlow
+    import tensorflow as tf
+
     if kind not in KINDS:
         raise ValueError(f"get_vocabulary.kind={kind!r} is not one of {KINDS}")
     if kind == "byte":
@@ -72,77 +78,3 @@ def get_vocabulary(
       ValueError: naming the option for an unknown ``kind`` or a missing ``path``.
     """
     return _load(kind, path, extra_ids)
-
-
-class GinVocabulary(seqio.Vocabulary):
-    """A ``seqio.Vocabulary`` that delegates every call to the current ``get_vocabulary()``."""
-
-    def __init__(self) -> None:
-        super().__init__(extra_ids=0)
-
-    @property
-    def resolved(self) -> seqio.Vocabulary:
-        return get_vocabulary()
-
-    @property
-    def bos_id(self) -> int | None:
-        return self.resolved.bos_id
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.resolved.eos_id
-
-    @property
-    def pad_id(self) -> int:
-        return self.resolved.pad_id
-
-    @property
-    def unk_id(self) -> int | None:
-        return self.resolved.unk_id
-
-    @property
-    def extra_ids(self) -> int:
-        return self.resolved.extra_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self.resolved.vocab_size
-
-    @property
-    def _base_vocab_size(self) -> int:
-        return self.resolved._base_vocab_size  # pylint: disable=protected-access
-
-    def encode(self, s: str) -> list[int]:
-        return self.resolved.encode(s)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.resolved.decode(ids)
-
-    def encode_tf(self, s: tf.Tensor) -> tf.Tensor:
-        return self.resolved.encode_tf(s)
-
-    def decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
-        return self.resolved.decode_tf(ids)
-
-    # The abstract hooks of seqio.Vocabulary; the public methods above never reach them.
-    def _encode(self, s: str) -> list[int]:
-        return self.encode(s)
-
-    def _decode(self, ids: Iterable[int]) -> str:
-        return self.decode(ids)
-
-    def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
-        return self.encode_tf(s)
-
-    def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
-        return self.decode_tf(ids)
-
-    def __eq__(self, other: object) -> bool:
-        other = other.resolved if isinstance(other, GinVocabulary) else other
-        return self.resolved == other
-
-    def __hash__(self) -> int:
-        return id(GinVocabulary)
-
-    def __str__(self) -> str:
-        return f"GinVocabulary({self.resolved})"

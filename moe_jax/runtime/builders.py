@@ -51,15 +51,16 @@ class DatasetConfig:
     module: str | None = None
 
     def __post_init__(self) -> None:
-        # deferred on purpose: TensorFlow/seqio load only when data is read
-        from moe_jax.data import tasks
-
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
             raise errors.ConfigError(
                 f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}; "
                 "expected a positive integer"
             )
-        tasks.import_task_module(self.module)
+        if self.module:
+            # deferred on purpose: TensorFlow/seqio load only when data is read
+            from moe_jax.data import tasks
+
+            tasks.import_task_module(self.module)
 
     def input_shapes(self) -> dict[str, tuple[int, int]]:
         """Model input shapes of one global batch."""

@@ -50,14 +50,16 @@ from moe_jax.runtime import checkpoints
 REPO_GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
 
 # Modules whose configurables the gin files may name. Imported before parsing so that
-# gin files need no `import` lines (T5X binaries do the same for t5x.*).
+# gin files need no `import` lines (T5X binaries do the same for t5x.*). None of them imports
+# TensorFlow or seqio: the data modules load them when data is read.
 CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.partitioning",
     "moe_jax.moe",
     "moe_jax.moe.layer",
     "moe_jax.models.model",
-    "moe_jax.data.tasks",
     "moe_jax.data.pipeline",
+    "moe_jax.data.sources",
+    "moe_jax.data.vocab",
     "moe_jax.runtime.optimizers",
     "moe_jax.runtime.summaries",
     "moe_jax.commands.train",
