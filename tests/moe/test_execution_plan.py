@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -13,7 +14,12 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from moe_jax import hardware
 from moe_jax.moe import MoeLayer
-from moe_jax.moe.execution import ExecutionPlan, resolve_plan, target_platform
+from moe_jax.moe.execution import (
+    GPU_GROUPED_MATMUL,
+    ExecutionPlan,
+    resolve_plan,
+    target_platform,
+)
 from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
 
 AXES = ("data", "expert", "model")
@@ -47,8 +53,12 @@ def _primitives(layer: MoeLayer, mesh: AbstractMesh | None) -> set[str]:
     return {eqn.primitive.name for eqn in _jaxpr(layer, mesh).jaxpr.eqns}
 
 
-def _plan(platform, dtype="bfloat16", shape=(1, 1, 1), **fields) -> ExecutionPlan:
+def _plan(
+    platform, dtype="bfloat16", shape=(1, 1, 1), grouped_matmul="auto", **fields
+) -> ExecutionPlan:
     config = moe_layer(**{**SMALL, **fields}).config
+    execution = dataclasses.replace(config.execution, grouped_matmul=grouped_matmul)
+    config = dataclasses.replace(config, execution=execution)
     return resolve_plan(config, _abstract_mesh(platform, shape), dtype)
 
 
@@ -71,7 +81,18 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     assert _plan("tpu", dispatch="einsum").choice_major_combine is False
     assert _plan("gpu", per_expert_loop=True).per_expert_loop is True
     assert _plan("tpu", router_type="expert_choice").choice_major_combine is False
-    assert _plan("cpu", dropless=True) == ExecutionPlan("cpu", "ragged", False, False, "local")
+    # dropless: a tokamax kernel on GPU, jax.lax.ragged_dot elsewhere; explicit wins
+    assert _plan("cpu", dropless=True) == ExecutionPlan(
+        "cpu", "ragged", False, False, "local", "xla"
+    )
+    assert _plan("tpu", dropless=True).grouped_matmul == "xla"
+    assert _plan("gpu", dropless=True) == ExecutionPlan(
+        "gpu", "ragged", False, False, "local", GPU_GROUPED_MATMUL
+    )
+    assert _plan("gpu", dropless=True, grouped_matmul="xla").grouped_matmul == "xla"
+    assert _plan("gpu", grouped_matmul="triton").grouped_matmul is False  # not ragged
+    with pytest.raises(ValueError, match="grouped_matmul"):
+        _plan("gpu", dropless=True, grouped_matmul="cublas")
 
 
 def test_resolve_plan_exchange_under_expert_parallelism():
@@ -81,7 +102,7 @@ def test_resolve_plan_exchange_under_expert_parallelism():
         assert _plan(platform, shape=(4, 1, 2)).exchange == "local"  # expert axis of size 1
     # dropless: rows cross the expert axis on TPU; padded buffers on CPU and GPU
     assert _plan("tpu", shape=ep, dropless=True) == ExecutionPlan(
-        "tpu", "ragged", False, False, "ragged_all_to_all"
+        "tpu", "ragged", False, False, "ragged_all_to_all", "xla"
     )
     for platform in ("cpu", "gpu"):
         plan = _plan(platform, shape=ep, dropless=True)
