@@ -40,7 +40,9 @@ class Section:
       argv: the benchmark's arguments (``benchmarks/<script> ...``) that ``run_all.py``
         runs; empty for a section generated from other files.
       compiled: True when the benchmark compiles for a TPU/GPU target (``run_all.py
-        --compiled``), False for a CPU measurement.
+        --compiled``), False for a measurement.
+      device: True when it measures the accelerator of the machine it runs on
+        (``run_all.py --device``, on that machine), False for a CPU measurement.
       generate: for a generated section, the function returning its Markdown body.
     """
 
@@ -49,6 +51,7 @@ class Section:
     what: str
     argv: tuple[str, ...] = ()
     compiled: bool = False
+    device: bool = False
     generate: Callable[[], str] | None = None
 
 
@@ -146,6 +149,28 @@ SECTIONS: tuple[Section, ...] = (
         "Forward + backward of `MoeLayer` for both dispatches beside a dense FFN of equal "
         "useful FLOPs and a 2048^3 float32 matmul timed in the same rounds.",
         ("moe_layer.py", "--reps", "10"),
+    ),
+    Section(
+        "moe_layer_accelerator",
+        "MoE layer on an accelerator: each implementation against a dense FFN (measured)",
+        "Forward + backward (`value_and_grad` of `sum(y * r)`) of `MoeLayer` at the shape of "
+        "the GPU measurements of docs/moe.md (64 x 512 tokens, d_model 768, d_ff 2048, top-2, "
+        "capacity factor 1.25, groups of 4096, bfloat16 activations, float32 parameters) for "
+        "each implementation (`einsum`, `sort`, dropless with each grouped matmul) beside a "
+        "dense ReLU FFN of the capacity layer's useful FLOPs and a bfloat16 8192^3 matmul, "
+        "timed in the same rounds on the machine's accelerator (`measure_layers`); the last "
+        "column compares outputs and gradients with the reference implementation's.",
+        (
+            "moe_layer.py",
+            "--device",
+            "--impls",
+            "einsum",
+            "sort",
+            "dropless:mosaic_gpu",
+            "dropless:triton",
+            "dropless:xla",
+        ),
+        device=True,
     ),
     Section(
         "matmul_shapes",
