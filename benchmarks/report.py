@@ -255,6 +255,16 @@ SECTIONS: tuple[Section, ...] = (
         compiled=True,
     ),
     Section(
+        "moe_compiled_sort_gpu",
+        "The `sort` dispatch compiled for an H100: bytes and indexed operations",
+        "Forward + backward of the `sort` layer (T5-Base shape, 8 x 512 tokens in one group, "
+        "bfloat16 compute, float32 parameters) compiled for one H100 from a CPU host beside a "
+        "dense FFN of equal expert-matmul FLOPs; the last column counts the gather, scatter "
+        "and sort operations of the compiled step.",
+        ("moe_compiled.py", "--target", "gpu:h100", "--dispatch", "sort", "--breakdown"),
+        compiled=True,
+    ),
+    Section(
         "moe_vs_dense_compiled",
         "T5-Base MoE train step against the FLOP-matched dense step, compiled",
         "Roofline step time of the whole train step on each target.",
