@@ -350,7 +350,7 @@ def main() -> None:
             "| floor vs dense | SparseCore ops | gathers / scatters / sorts |"
         )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    table = []
+    table, compiled = [], []
     tokens = TOKENS[0] * TOKENS[1]
     for experts in args.experts:
         capacity = expert_capacity(tokens, experts, 2, 1.25, 4, "t5x")
@@ -399,6 +399,8 @@ def main() -> None:
                     indexed_ops=row.indexed_ops(),
                 )
             )
+        compiled.append(rows)
+    for rows in compiled:  # after the table, so that its rows stay one Markdown table
         if args.ops:
             for row in rows:
                 print_ops(row, args.ops)
