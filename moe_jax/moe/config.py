@@ -339,6 +339,8 @@ class ExecutionConfig:
       grouped_matmul: the dropless path's grouped matmul, one of
         ``grouped_matmul.GROUPED_MATMULS`` (``xla``: ``jax.lax.ragged_dot``; ``triton``,
         ``mosaic_gpu``, ``mosaic_tpu``: tokamax kernels) or ``auto`` (per platform).
+      gather_gradients: the ``sort`` / dropless row moves' gradients gather through the
+        inverse map instead of scatter-adding (``permute.take_rows``); None = per platform.
         The layer runs the ``execution.ExecutionPlan`` that ``resolve_plan`` makes of these.
       data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
     """
@@ -346,6 +348,7 @@ class ExecutionConfig:
     dispatch: str = "auto"
     per_expert_loop: bool | None = None
     grouped_matmul: str = "auto"
+    gather_gradients: bool | None = None
     data_axis: str = "data"
     expert_axis: str = "expert"
     model_axis: str = "model"

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moe_jax.moe.permute import gather_rows
+from moe_jax.moe.permute import take_rows
 from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
 
 Array = jax.Array
@@ -155,12 +155,14 @@ def sort_token_choice(
     expert_fn: ExpertFn,
     choice_major: bool = False,
     capacity_order: str = "choice_major",
+    gather_gradients: bool = True,
 ) -> tuple[Array, Array]:
     """Sort/gather dispatch, same contract as ``einsum_token_choice``.
 
-    Both moves are ``permute.gather_rows``: tokens into buffer slots (whose gradient
-    gathers each token's k slots) and expert outputs back to assignments (whose gradient
-    gathers each slot's one assignment), so neither pass scatter-adds rows.
+    Both moves are ``permute.take_rows``: tokens into buffer slots and expert outputs back
+    to assignments. With ``gather_gradients`` their gradients gather (each token's k
+    slots; each slot's one assignment), else they scatter-add rows (JAX's gradient of a
+    gather); see ``ExecutionPlan.gather_gradients``.
 
     ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
     (k gathers of ``tokens`` rows) rather than ``[groups, tokens, k, d_model]``; same result.
@@ -187,26 +189,28 @@ def sort_token_choice(
     filled = (slot < counts[..., None]).reshape(groups, num_experts * capacity)
     source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(groups, num_experts * capacity)
     assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
-    buffers = gather_rows(x, assignment // k, filled, flat_slot, kept)
+    buffers = take_rows(x, assignment // k, filled, flat_slot, kept, gather_gradients)
     outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
     outputs = outputs.reshape(groups, num_experts * capacity, d_model)
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
     if choice_major:  # k gathers of `tokens` rows each: row j * tokens + t
         order = (assignment % k) * tokens + assignment // k
-        gathered = gather_rows(
+        gathered = take_rows(
             outputs,
             jnp.swapaxes(flat_slot, 1, 2).reshape(groups, n),
             jnp.swapaxes(kept, 1, 2).reshape(groups, n),
             order[..., None],
             filled[..., None],
+            gather_gradients,
         ).reshape(groups, k, tokens, d_model)
         return jnp.einsum("gks,gksd->gsd", jnp.swapaxes(weights, 1, 2), gathered), kept
-    gathered = gather_rows(
+    gathered = take_rows(
         outputs,
         flat_slot.reshape(groups, n),
         kept.reshape(groups, n),
         assignment[..., None],
         filled[..., None],
+        gather_gradients,
     ).reshape(groups, tokens, k, d_model)
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
 
@@ -230,7 +234,11 @@ def gather_expert_choice(
 
 
 def ragged_token_choice(
-    x: Array, routing: TokenChoiceRouting, num_experts: int, ragged_fn: RaggedFn
+    x: Array,
+    routing: TokenChoiceRouting,
+    num_experts: int,
+    ragged_fn: RaggedFn,
+    gather_gradients: bool = True,
 ) -> tuple[Array, Array]:
     """Dropless token choice through a grouped matmul over all groups' assignments.
 
@@ -238,7 +246,8 @@ def ragged_token_choice(
     returns ``[assignments, d_model]``; rows past ``sum(group_sizes)`` (unrouted
     assignments) are zeros going in and are ignored coming out, so a kernel may leave them
     unwritten. Both moves (tokens into sorted rows, rows back to assignments) are
-    ``permute.gather_rows``. Same contract as ``einsum_token_choice``.
+    ``permute.take_rows`` (``gather_gradients`` as in ``sort_token_choice``). Same contract
+    as ``einsum_token_choice``.
     """
     groups, tokens, k = routing.expert_index.shape
     d_model = x.shape[-1]
@@ -249,15 +258,18 @@ def ragged_token_choice(
     counts = jnp.sum(jax.nn.one_hot(expert_flat[0], num_experts, dtype=jnp.int32), axis=0)
     routed = expert_flat < num_experts  # [1, n], by assignment
     routed_sorted = jnp.arange(n)[None] < jnp.sum(counts)  # [1, n], by sorted row
-    rows = gather_rows(
+    rows = take_rows(
         x.reshape(1, groups * tokens, d_model),
         perm // k,
         routed_sorted,
         rank.reshape(1, groups * tokens, k),
         routed.reshape(1, groups * tokens, k),
+        gather_gradients,
     )
     outputs = ragged_fn(rows[0], counts)[None]
-    outputs = gather_rows(outputs, rank, routed, perm[..., None], routed_sorted[..., None])
+    outputs = take_rows(
+        outputs, rank, routed, perm[..., None], routed_sorted[..., None], gather_gradients
+    )
     kept = routing.expert_index < num_experts
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
     outputs = outputs.reshape(groups, tokens, k, d_model)
@@ -273,6 +285,7 @@ def dispatch_combine(
     expert_fn: ExpertFn,
     choice_major: bool = False,
     capacity_order: str = "choice_major",
+    gather_gradients: bool = True,
 ) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
 
@@ -284,6 +297,8 @@ def dispatch_combine(
       choice_major: layout of the ``sort`` combine gather (``sort_token_choice``).
       capacity_order: order in which token-choice assignments get buffer slots, one of
         ``CAPACITY_ORDERS`` (module docstring).
+      gather_gradients: the ``sort`` moves' gradients gather rather than scatter-add
+        (``sort_token_choice``).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` and, for token choice, the
@@ -301,5 +316,5 @@ def dispatch_combine(
     if impl == "einsum":
         return einsum_token_choice(x, routing, num_experts, capacity, expert_fn, capacity_order)
     return sort_token_choice(
-        x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order
+        x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order, gather_gradients
     )

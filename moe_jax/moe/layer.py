@@ -206,6 +206,7 @@ class MoeLayer(nn.Module):
                     routing,
                     cfg.routed_experts,
                     lambda rows, sizes: exchange.rows(rows, sizes, ffn, tokens),
+                    plan.gather_gradients,
                 )
 
             def run_experts(buffers: Array) -> Array:
@@ -227,6 +228,7 @@ class MoeLayer(nn.Module):
                 lambda buffers: exchange.buffers(buffers, run_experts),
                 plan.choice_major_combine,
                 self.resolved_capacity_order,
+                plan.gather_gradients,
             )
             return (y,) if kept is None else (y, kept)
 

@@ -5,7 +5,8 @@ tokens to expert-buffer slots and back, assignments to expert-sorted order and b
 plain gradient of a gather ``src[index]`` is a scatter-add into ``src``; XLA must assume
 that indices collide and emits an atomic (GPU) or serialised (TPU) scatter. When the
 inverse map is known, the gradient is a gather of the output cotangent through it, with
-no scatter. :func:`gather_rows` takes both maps and uses the inverse for its VJP.
+no scatter. :func:`gather_rows` takes both maps and uses the inverse for its VJP;
+:func:`take_rows` chooses between it and the plain gather (``ExecutionPlan.gather_gradients``).
 """
 
 from __future__ import annotations
@@ -62,3 +63,18 @@ def _gather_rows_bwd(residuals, cotangent):
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def take_rows(
+    src: Array,
+    index: Array,
+    valid: Array,
+    inverse: Array,
+    inverse_valid: Array,
+    gather_gradient: bool,
+) -> Array:
+    """:func:`gather_rows` (``gather_gradient``) or the same gather differentiated by JAX
+    (its gradient a scatter-add into ``src``); same arguments and result."""
+    if gather_gradient:
+        return gather_rows(src, index, valid, inverse, inverse_valid)
+    return _masked_gather(src, index, valid)

@@ -120,6 +120,7 @@ def test_export_config_and_compile_choices_pinned():
         "choice_major_combine": False,
         "exchange": "local",
         "grouped_matmul": False,
+        "gather_gradients": True,
     }
     tpu = aot.layer_choices("tpu", "bfloat16", config)
     assert tpu == {
@@ -130,6 +131,7 @@ def test_export_config_and_compile_choices_pinned():
         "choice_major_combine": True,
         "exchange": "local",
         "grouped_matmul": False,
+        "gather_gradients": False,
     }
     # a decoder config of its own: its plan under "decoder", the encoder's keys unchanged
     decoder_moe = dataclasses.replace(
@@ -147,6 +149,7 @@ def test_export_config_and_compile_choices_pinned():
             "choice_major_combine": False,
             "exchange": "local",
             "grouped_matmul": False,
+            "gather_gradients": False,
         },
     }
     same = dataclasses.replace(config, decoder_moe=config.moe)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,12 +96,25 @@ def test_per_expert_loop_equals_batched_expert_matmuls():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    yield from _equations(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _equations(inner)
+
+
+@pytest.mark.parametrize("gather_gradients", [True, False])
 @pytest.mark.parametrize("choice_major", [False, True])
-@pytest.mark.parametrize("capacity", [1, 3, 8])  # heavy drops, some, none
-def test_sort_gradients_equal_einsum_without_scatter(choice_major, capacity):
-    """Outputs and gradients (inputs, combine weights, experts) of the sort dispatch in both
-    combine layouts equal the einsum reference's, and its backward holds no scatter of rows
-    (gathers through the inverse maps instead; ``permute.gather_rows``)."""
+@pytest.mark.parametrize("capacity", [1, 8])  # heavy drops, none
+def test_sort_gradients_equal_einsum(gather_gradients, choice_major, capacity):
+    """Gradients (inputs, combine weights, experts) of the sort dispatch in both combine
+    layouts, with either gradient of its row moves, equal the einsum reference's; with
+    ``gather_gradients`` its backward holds no scatter of rows (``permute.gather_rows``)."""
     groups, tokens, experts, k, d = 2, 8, 4, 2, 3
     keys = jax.random.split(jax.random.PRNGKey(capacity), 4)
     routing = TokenChoiceRouting(
@@ -114,7 +128,14 @@ def test_sort_gradients_equal_einsum_without_scatter(choice_major, capacity):
     def loss(impl, x, weights, scale):
         r = dataclasses.replace(routing, combine_weights=weights)
         y, _ = dispatch_combine(
-            impl, x, r, experts, capacity, lambda b: jnp.tanh(b * scale[None]), choice_major
+            impl,
+            x,
+            r,
+            experts,
+            capacity,
+            lambda b: jnp.tanh(b * scale[None]),
+            choice_major,
+            gather_gradients=gather_gradients,
         )
         return jnp.sum(jnp.sin(y))
 
@@ -131,7 +152,8 @@ def test_sort_gradients_equal_einsum_without_scatter(choice_major, capacity):
     )
     scattered = [
         eqn.outvars[0].aval.ndim
-        for eqn in backward.jaxpr.eqns
+        for eqn in _equations(backward.jaxpr)
         if eqn.primitive.name.startswith("scatter")
     ]
-    assert all(ndim <= 2 for ndim in scattered), scattered  # only the int inverse permutation
+    # with gather gradients only the int inverse permutation [groups, n] is scattered
+    assert all(ndim <= 2 for ndim in scattered) == gather_gradients, scattered
