@@ -20,15 +20,16 @@ optimised HLO through ``moe_jax.hlo_costs``).
 Columns: FLOPs and bytes as ``cost_analysis()`` reports them (TPU only: the GPU client
 returns none); ``HLO bytes``: one read of every operand and one write of every result of
 each scheduled operation (what the program moves if every op streams its operands once);
-temporaries; roofline time ``max(FLOPs / peak, bytes / HBM bandwidth)`` with either
-bytes; the TPU compiler's own estimate (sum of ``estimated_cycles``); each as a ratio to
-the dense FFN. ``floor``: the dense FFN's HLO bytes plus 8 bytes (read a float32 weight,
-write its float32 gradient) per parameter the layer has beyond the dense FFN's, as a ratio
-to the dense FFN: what the layer would move with a free dispatch. ``--ops N`` lists the
-N largest operations of each compiled layer; ``--breakdown`` splits each layer's HLO bytes
-into matmuls, gathers / scatters / sorts, whole-weight casts and gradients, collectives
-and the rest, beside the dense FFN's (``hlo_costs.categorize``); ``--options`` adds the
-routing options of docs/moe.md ("Routing of current MoE models") as ``sort`` rows.
+temporaries; roofline time ``max(FLOPs / peak, bytes / HBM bandwidth)`` with either bytes;
+the TPU compiler's own estimate (sum of ``estimated_cycles``); each as a ratio to the dense
+FFN; the number of gather, scatter and sort operations. ``floor``: the dense FFN's HLO bytes
+plus 8 bytes (read a float32 weight, write its float32 gradient) per parameter the layer has
+beyond the dense FFN's, as a ratio to the dense FFN: what the layer would move with a free
+dispatch. ``--ops N`` lists the N largest operations of each compiled layer; ``--breakdown``
+splits each layer's HLO bytes into matmuls, gathers / scatters / sorts, whole-weight casts
+and gradients, collectives and the rest, beside the dense FFN's (``hlo_costs.categorize``);
+``--options`` adds the routing options of docs/moe.md ("Routing of current MoE models") as
+``sort`` rows.
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class Row:
             category = hlo_costs.categorize(op, self.weight_sizes)
             totals[category] = (totals[category][0] + op.bytes, totals[category][1] + op.cycles)
         return totals
+
+    def indexed_ops(self) -> str:
+        """``gathers / scatters / sorts``: how many operations of each kind the step holds."""
+        counts = [
+            sum(kind in op.kinds for op in self.ops) for kind in ("gather", "scatter", "sort")
+        ]
+        return " / ".join(map(str, counts))
 
     def roofline_ms(self, chip: tuple[float, float], bytes_: float | None) -> float | None:
         return None if bytes_ is None else 1e3 * max(self.flops / chip[0], bytes_ / chip[1])
@@ -339,10 +347,10 @@ def main() -> None:
         print(
             "| E | layer | GFLOP | cost-analysis GiB | HLO GiB | temp MiB "
             "| roofline ms (cost / HLO bytes) | vs dense (cost / HLO) | TPU est. cycles vs dense "
-            "| floor vs dense | SparseCore ops |"
+            "| floor vs dense | SparseCore ops | gathers / scatters / sorts |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    table = []
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    table, compiled = [], []
     tokens = TOKENS[0] * TOKENS[1]
     for experts in args.experts:
         capacity = expert_capacity(tokens, experts, 2, 1.25, 4, "t5x")
@@ -371,7 +379,7 @@ def main() -> None:
                 f"{_ratio(cost_ms, dense_cost_ms)} / {_ratio(hlo_ms, dense_hlo_ms)} | "
                 f"{_ratio(row.cycles or None, dense.cycles)} | "
                 f"{_ratio(dense.hlo_bytes + 8 * (row.params - dense.params), dense.hlo_bytes)} | "
-                f"{row.sparse_core_ops} |",
+                f"{row.sparse_core_ops} | {row.indexed_ops()} |",
                 flush=True,
             )
             table.append(
@@ -388,8 +396,11 @@ def main() -> None:
                     roofline_ms_hlo=hlo_ms,
                     tpu_cycles=row.cycles,
                     sparse_core_ops=row.sparse_core_ops,
+                    indexed_ops=row.indexed_ops(),
                 )
             )
+        compiled.append(rows)
+    for rows in compiled:  # after the table, so that its rows stay one Markdown table
         if args.ops:
             for row in rows:
                 print_ops(row, args.ops)

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import pathlib
 import resource
 import statistics
 import time
@@ -56,6 +58,7 @@ from layer_configs import ROUTING_OPTIONS, layer_config
 from moe_jax.hardware import measured_matmul_flops
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout
+from moe_jax.moe.grouped_matmul import GROUPED_MATMULS
 
 TOKENS = (8, 512)
 MATMUL_N = 2048
@@ -103,11 +106,11 @@ def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
     }
 
 
-def _grad_fn(apply, out_shape, loss: str):
+def _grad_fn(apply, out_shape, loss: str, dtype=jnp.float32):
     """Jitted fwd+bwd of ``apply(params, x) -> (y, aux)``; see the module docstring for
     ``loss``. ``aux`` (the updated balancing bias) is returned, so that XLA keeps the work
     that computes it, as a train step does."""
-    r = None if loss == "sum" else jax.random.normal(jax.random.PRNGKey(7), out_shape)
+    r = None if loss == "sum" else jax.random.normal(jax.random.PRNGKey(7), out_shape, dtype)
 
     def objective(p, x):
         y, aux = apply(p, x)
@@ -118,13 +121,22 @@ def _grad_fn(apply, out_shape, loss: str):
 
 
 def moe_run(
-    d_model: int, d_ff: int, experts: int, dispatch: str, loss: str, **parts: dict
+    d_model: int,
+    d_ff: int,
+    experts: int,
+    dispatch: str,
+    loss: str,
+    tokens: tuple[int, int] = TOKENS,
+    dtype=jnp.float32,
+    **parts: dict,
 ) -> tuple:
     """Fwd+bwd of a training-mode MoeLayer configured by ``layer_config`` (no auxiliary
-    losses); a balancing bias is passed in, updated and returned, as in a train step."""
+    losses) on ``tokens`` (batch, length) inputs of ``dtype`` (the layer computes in it;
+    parameters float32); a balancing bias is passed in, updated and returned, as in a
+    train step."""
     parts.setdefault("losses", dict(load_balancing_loss_weight=0.0, router_z_loss_weight=0.0))
-    layer = MoeLayer(layer_config(experts, d_ff, dispatch, **parts))
-    x = jax.random.normal(jax.random.PRNGKey(0), (*TOKENS, d_model))
+    layer = MoeLayer(layer_config(experts, d_ff, dispatch, **parts), dtype=dtype)
+    x = jax.random.normal(jax.random.PRNGKey(0), (*tokens, d_model), dtype)
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
     state = {k: v for k, v in variables.items() if k == "router_bias"}
 
@@ -137,7 +149,7 @@ def moe_run(
         )
         return y, {name: written[name] for name in state}
 
-    grad = _grad_fn(apply, x.shape, loss)
+    grad = _grad_fn(apply, x.shape, loss, dtype)
     return grad, (variables["params"], x)
 
 
@@ -219,15 +231,200 @@ def orders_table(reps: int, loss: str) -> None:
             )
 
 
-def dense_run(d_model: int, hidden: int, loss: str) -> tuple:
+def dense_run(
+    d_model: int, hidden: int, loss: str, tokens: int = TOKENS[0] * TOKENS[1], dtype=jnp.float32
+) -> tuple:
+    """Fwd+bwd of a dense ReLU FFN ``[tokens, d_model] -> hidden -> d_model`` computing in
+    ``dtype`` from float32 parameters (as the MoE layer does)."""
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    x = jax.random.normal(keys[0], (TOKENS[0] * TOKENS[1], d_model))
+    x = jax.random.normal(keys[0], (tokens, d_model), dtype)
     params = (
         jax.random.normal(keys[1], (d_model, hidden)) * 0.02,
         jax.random.normal(keys[2], (hidden, d_model)) * 0.02,
     )
-    grad = _grad_fn(lambda p, x: (jnp.maximum(x @ p[0], 0) @ p[1], ()), x.shape, loss)
-    return grad, (params, x)
+
+    def apply(p, x):
+        wi, wo = (w.astype(dtype) for w in p)
+        return jnp.maximum(x @ wi, 0) @ wo, ()
+
+    return _grad_fn(apply, x.shape, loss, dtype), (params, x)
+
+
+# ----------------------------------------------------------------------------- device table
+
+# Implementation name: (ExecutionConfig.dispatch, the other layer_config parts). ``dropless``
+# takes the grouped matmul ``execution.resolve_plan`` picks for the device (tokamax on GPU);
+# ``dropless:<name>`` names one of ``grouped_matmul.GROUPED_MATMULS``.
+IMPLEMENTATIONS: dict[str, tuple[str, dict]] = {
+    "einsum": ("einsum", {}),
+    "sort": ("sort", {}),
+    "dropless": ("sort", dict(capacity=dict(dropless=True))),
+    **{
+        f"dropless:{name}": (
+            "sort",
+            dict(capacity=dict(dropless=True), execution=dict(grouped_matmul=name)),
+        )
+        for name in GROUPED_MATMULS
+    },
+}
+# What each implementation's outputs and gradients are compared with, in the same run.
+REFERENCES = {
+    "sort": "einsum",
+    "dropless": "dropless:xla",
+    **{f"dropless:{n}": "dropless:xla" for n in GROUPED_MATMULS if n != "xla"},
+}
+
+
+def _max_relative_difference(a, b) -> float:
+    """Largest |a - b| over the largest |b|, across all leaves (loss, outputs, gradients)."""
+    worst = 0.0
+    for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = jnp.asarray(leaf_a, jnp.float32), jnp.asarray(leaf_b, jnp.float32)
+        scale = float(jnp.max(jnp.abs(y)))
+        if scale > 0:
+            worst = max(worst, float(jnp.max(jnp.abs(x - y))) / scale)
+    return worst
+
+
+def measure_layers(
+    num_experts: int,
+    implementations: tuple[str, ...],
+    tokens: tuple[int, int],
+    d_model: int,
+    d_ff: int,
+    dtype=jnp.bfloat16,
+    *,
+    group_size: int = 4096,
+    matmul_n: int = 8192,
+    reps: int = 20,
+    check: bool = True,
+) -> list[dict]:
+    """Times jitted fwd+bwd (``value_and_grad`` of ``sum(y * r)``) of the MoE layer in each
+    of ``implementations`` (keys of ``IMPLEMENTATIONS``) on the default device, beside a
+    dense ReLU FFN of the capacity layer's useful FLOPs and a ``[matmul_n]^3`` matmul in
+    ``dtype``, all in the same rounds (best of ``reps`` after a warm-up, one of each per
+    round). Top-2, capacity factor 1.25 (training), T5X rule, groups of ``group_size``;
+    parameters float32, activations ``dtype``.
+
+    Useful FLOPs: 3 (fwd + bwd) x 2 matmuls x 2 x rows x d_model x d_ff, with rows = the
+    capacity slots (E x capacity x groups) for ``einsum`` / ``sort`` and the dense FFN, and
+    the routed assignments (tokens x 2) for dropless.
+
+    Returns one dict per timed run (the implementations, ``dense FFN``, ``matmul``) with
+    ``device``, ``experts``, ``impl``, ``ms``, ``vs_dense`` (dense ms / ms), ``useful_tflops``,
+    ``of_matmul`` (useful rate / the matmul's rate), and with ``check``, for implementations
+    with a reference (``REFERENCES``) in the same list, ``max_rel_diff`` (outputs and
+    gradients vs the reference's, same parameters and inputs). An implementation that
+    fails to compile or run on the device gives a dict with ``error`` instead.
+    """
+    num_tokens = tokens[0] * tokens[1]
+    groups, per_group = group_layout(num_tokens, group_size)
+    capacity = expert_capacity(per_group, num_experts, 2, 1.25, 4, "t5x")
+    slots = num_experts * capacity * groups
+    rows = {
+        impl: num_tokens * 2 if impl.startswith("dropless") else slots for impl in implementations
+    }
+    group = dict(capacity=dict(group_size=group_size))
+    runs, failed = {}, {}
+    for impl in implementations:
+        dispatch, parts = IMPLEMENTATIONS[impl]
+        merged = {**parts, "capacity": {**group["capacity"], **parts.get("capacity", {})}}
+        try:  # a kernel the device lacks fails here; the others are still timed
+            runs[impl] = moe_run(
+                d_model, d_ff, num_experts, dispatch, "cotangent", tokens, dtype, **merged
+            )
+            jax.block_until_ready(runs[impl][0](*runs[impl][1]))
+        except Exception as error:
+            failed[impl] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            runs.pop(impl, None)
+    runs["dense FFN"] = dense_run(
+        d_model, d_ff * slots // num_tokens, "cotangent", num_tokens, dtype
+    )
+    a = jnp.ones((matmul_n, matmul_n), dtype)
+    runs["matmul"] = (jax.jit(lambda a: a @ a), (a,))
+    timings = timed_interleaved(runs, reps)
+    matmul_rate = 2 * matmul_n**3 / (timings["matmul"].ms * 1e-3)
+    device = jax.devices()[0].device_kind
+    results = []
+    for name, timing in timings.items():
+        useful = (
+            2 * matmul_n**3
+            if name == "matmul"
+            else useful_flops(rows.get(name, slots), d_model, d_ff)
+        )
+        rate = useful / (timing.ms * 1e-3)
+        results.append(
+            dict(
+                device=device,
+                dtype=jnp.dtype(dtype).name,
+                experts=num_experts,
+                capacity=capacity,
+                impl=name,
+                ms=timing.ms,
+                vs_dense=timings["dense FFN"].ms / timing.ms,
+                useful_tflops=rate / 1e12,
+                of_matmul=rate / matmul_rate,
+            )
+        )
+    results += [
+        dict(device=device, experts=num_experts, impl=impl, error=error)
+        for impl, error in failed.items()
+    ]
+    if check:
+        outputs = {impl: runs[impl][0](*runs[impl][1]) for impl in implementations if impl in runs}
+        for row in results:
+            reference = REFERENCES.get(row["impl"])
+            if reference in outputs:
+                row["max_rel_diff"] = _max_relative_difference(
+                    outputs[row["impl"]], outputs[reference]
+                )
+    return results
+
+
+# Sizes of the device table: the issue's H100 shape, and a tiny one for a CPU check.
+DEVICE_SIZES = dict(tokens=(64, 512), d_model=768, d_ff=2048, group_size=4096, matmul_n=8192)
+QUICK_SIZES = dict(tokens=(2, 64), d_model=32, d_ff=64, group_size=64, matmul_n=128)
+
+
+def device_table(
+    experts: tuple[int, ...], implementations: tuple[str, ...], quick: bool, reps: int
+) -> list[dict]:
+    """``measure_layers`` for each E (bfloat16 on an accelerator, float32 on CPU); prints
+    one Markdown table, returns its rows."""
+    sizes = QUICK_SIZES if quick else DEVICE_SIZES
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    print(
+        f"device {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"{jnp.dtype(dtype).name}; "
+        f"{sizes['tokens'][0]} x {sizes['tokens'][1]} tokens, d_model {sizes['d_model']}, "
+        f"d_ff {sizes['d_ff']}, groups of {sizes['group_size']}, top-2, capacity factor 1.25"
+    )
+    print(
+        "| E | impl | ms | vs dense FFN | useful TFLOP/s | of matmul rate "
+        "| max rel. diff vs reference |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for e in experts:
+        for row in measure_layers(e, implementations, dtype=dtype, reps=reps, **sizes):
+            rows.append(row)
+            if "error" in row:
+                print(f"| {e} | {row['impl']} | failed: {row['error']} | | | | |", flush=True)
+                continue
+            name = (
+                f"{jnp.dtype(dtype).name} matmul {sizes['matmul_n']}^3"
+                if row["impl"] == "matmul"
+                else row["impl"]
+            )
+            diff = row.get("max_rel_diff")
+            check = "" if diff is None else f"{diff:.1e} vs {REFERENCES[row['impl']]}"
+            print(
+                f"| {e} | {name} | {row['ms']:.3f} | {row['vs_dense']:.3f}x | "
+                f"{row['useful_tflops']:.3g} | {row['of_matmul']:.0%} | "
+                f"{check} |",
+                flush=True,
+            )
+    return rows
 
 
 def main() -> None:
@@ -257,7 +454,27 @@ def main() -> None:
         action="store_true",
         help="time the two capacity orders of each dispatch instead (E = 8, both shapes)",
     )
+    parser.add_argument(
+        "--device",
+        action="store_true",
+        help="the device table instead: each implementation at the issue's accelerator shape "
+        "(64 x 512 tokens, bfloat16) on the default device; with --quick, tiny float32 sizes",
+    )
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["einsum", "sort", "dropless", "dropless:xla"],
+        choices=sorted(IMPLEMENTATIONS),
+        help="implementations of the device table",
+    )
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--json", type=pathlib.Path, help="device table: write its rows here")
     args = parser.parse_args()
+    if args.device:
+        rows = device_table(tuple(args.experts), tuple(args.impls), args.quick, args.reps)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        return
     if args.orders:
         print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); loss: {args.loss}")
         orders_table(args.reps, args.loss)

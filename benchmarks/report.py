@@ -45,7 +45,9 @@ class Section:
       argv: the benchmark's arguments (``benchmarks/<script> ...``) that ``run_all.py``
         runs; empty for a section generated from other files.
       compiled: True when the benchmark compiles for a TPU/GPU target (``run_all.py
-        --compiled``), False for a CPU measurement.
+        --compiled``), False for a measurement.
+      device: True when it measures the accelerator of the machine it runs on
+        (``run_all.py --device``, on that machine), False for a CPU measurement.
       generate: for a generated section, the function returning its Markdown body.
     """
 
@@ -54,6 +56,7 @@ class Section:
     what: str
     argv: tuple[str, ...] = ()
     compiled: bool = False
+    device: bool = False
     generate: Callable[[], str] | None = None
 
 
@@ -297,6 +300,28 @@ SECTIONS: tuple[Section, ...] = (
         ("moe_layer.py", "--reps", "10"),
     ),
     Section(
+        "moe_layer_accelerator",
+        "MoE layer on an accelerator: each implementation against a dense FFN (measured)",
+        "Forward + backward (`value_and_grad` of `sum(y * r)`) of `MoeLayer` at the shape of "
+        "the GPU measurements of docs/moe.md (64 x 512 tokens, d_model 768, d_ff 2048, top-2, "
+        "capacity factor 1.25, groups of 4096, bfloat16 activations, float32 parameters) for "
+        "each implementation (`einsum`, `sort`, dropless with each grouped matmul) beside a "
+        "dense ReLU FFN of the capacity layer's useful FLOPs and a bfloat16 8192^3 matmul, "
+        "timed in the same rounds on the machine's accelerator (`measure_layers`); the last "
+        "column compares outputs and gradients with the reference implementation's.",
+        (
+            "moe_layer.py",
+            "--device",
+            "--impls",
+            "einsum",
+            "sort",
+            "dropless:mosaic_gpu",
+            "dropless:triton",
+            "dropless:xla",
+        ),
+        device=True,
+    ),
+    Section(
         "matmul_shapes",
         "The expert matmuls alone (CPU)",
         "Each of the six matmuls of one expert's forward + backward (640 x 768 x 2048 at "
@@ -376,6 +401,16 @@ SECTIONS: tuple[Section, ...] = (
         "Routing options compiled for H100 and v5p",
         "Each routing option's compiled FLOPs and bytes as ratios to plain top-2.",
         ("moe_compiled.py", "--target", "gpu:h100", "--options"),
+        compiled=True,
+    ),
+    Section(
+        "moe_compiled_sort_gpu",
+        "The `sort` dispatch compiled for an H100: bytes and indexed operations",
+        "Forward + backward of the `sort` layer (T5-Base shape, 8 x 512 tokens in one group, "
+        "bfloat16 compute, float32 parameters) compiled for one H100 from a CPU host beside a "
+        "dense FFN of equal expert-matmul FLOPs; the last column counts the gather, scatter "
+        "and sort operations of the compiled step.",
+        ("moe_compiled.py", "--target", "gpu:h100", "--dispatch", "sort", "--breakdown"),
         compiled=True,
     ),
     Section(

@@ -2,6 +2,7 @@
 
     python benchmarks/run_all.py                   # the CPU benchmarks (make bench)
     python benchmarks/run_all.py --compiled        # the compiled-target ones (make bench-compiled)
+    python benchmarks/run_all.py --device          # on a machine with an accelerator: its ones
     python benchmarks/run_all.py --only moe_layer_cpu
     python benchmarks/run_all.py --list
 
@@ -89,11 +90,15 @@ def run(section: report.Section) -> bool:
             flush=True,
         )
         return False
+    if section.compiled:
+        where = f"compiled on a {machine()} for the target; no chip ran it"
+    elif section.device:  # the benchmark's first line names the device it measured
+        where = f"{proc.stdout.splitlines()[0]}; host: {machine()}"
+    else:
+        where = machine()
     result = {
         "command": " ".join(command),
-        "machine": machine()
-        if not section.compiled
-        else f"compiled on a {machine()} for the target; no chip ran it",
+        "machine": where,
         "date": datetime.date.today().isoformat(),
         "tables": tables,
         "notes": [],
@@ -109,6 +114,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--compiled", action="store_true", help="the compiled-target benchmarks instead"
     )
+    parser.add_argument(
+        "--device", action="store_true", help="the benchmarks of this machine's accelerator"
+    )
     parser.add_argument("--only", nargs="+", default=(), help="section names (see --list)")
     parser.add_argument("--list", action="store_true", help="print the sections and their commands")
     args = parser.parse_args(argv)
@@ -116,7 +124,8 @@ def main(argv: list[str]) -> int:
     if args.list:
         for s in runnable:
             print(
-                f"{s.name:32s} {'compiled' if s.compiled else 'cpu':8s} "
+                f"{s.name:32s} "
+                f"{'compiled' if s.compiled else 'device' if s.device else 'cpu':8s} "
                 f"python benchmarks/{' '.join(s.argv)}"
             )
         return 0
@@ -124,7 +133,13 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"unknown section(s) {sorted(unknown)}; see --list")
     chosen = [
-        s for s in runnable if (s.name in args.only if args.only else s.compiled == args.compiled)
+        s
+        for s in runnable
+        if (
+            s.name in args.only
+            if args.only
+            else (s.compiled, s.device) == (args.compiled, args.device)
+        )
     ]
     ok = all([run(s) for s in chosen])  # noqa: C419 (every benchmark runs, not up to the first failure)
     report.OUTPUT.write_text(report.render())

@@ -28,6 +28,7 @@ import gin
 from moe_jax.moe.capacity import CAPACITY_RULES
 from moe_jax.moe.dispatch import CAPACITY_ORDERS, DISPATCH_IMPLS
 from moe_jax.moe.experts import check_activation
+from moe_jax.moe.grouped_matmul import check_grouped_matmul
 from moe_jax.moe.hierarchical import (
     HierarchicalRouter,
     NoisyHierarchicalRouter,
@@ -335,12 +336,19 @@ class ExecutionConfig:
       dispatch: ``einsum`` (reference), ``sort`` or ``auto`` (per the platform compiled
         for, see ``execution.resolve_plan``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``); None = per platform.
+      grouped_matmul: the dropless path's grouped matmul, one of
+        ``grouped_matmul.GROUPED_MATMULS`` (``xla``: ``jax.lax.ragged_dot``; ``triton``,
+        ``mosaic_gpu``, ``mosaic_tpu``: tokamax kernels) or ``auto`` (per platform).
+      gather_gradients: the ``sort`` / dropless row moves' gradients gather through the
+        inverse map instead of scatter-adding (``permute.take_rows``); None = per platform.
         The layer runs the ``execution.ExecutionPlan`` that ``resolve_plan`` makes of these.
       data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
     """
 
     dispatch: str = "auto"
     per_expert_loop: bool | None = None
+    grouped_matmul: str = "auto"
+    gather_gradients: bool | None = None
     data_axis: str = "data"
     expert_axis: str = "expert"
     model_axis: str = "model"
@@ -351,6 +359,7 @@ class ExecutionConfig:
                 f"ExecutionConfig.dispatch={self.dispatch!r} is unknown; "
                 f"choose one of {(*DISPATCH_IMPLS, 'auto')}"
             )
+        check_grouped_matmul(self.grouped_matmul)
 
 
 @gin.configurable

@@ -44,6 +44,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from moe_jax.moe.permute import take_rows
 from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
 
 Array = jax.Array
@@ -154,45 +155,71 @@ def sort_token_choice(
     expert_fn: ExpertFn,
     choice_major: bool = False,
     capacity_order: str = "choice_major",
+    gather_gradients: bool = True,
 ) -> tuple[Array, Array]:
     """Sort/gather dispatch, same contract as ``einsum_token_choice``.
+
+    Both moves are ``permute.take_rows``: tokens into buffer slots and expert outputs back
+    to assignments. With ``gather_gradients`` their gradients gather (each token's k
+    slots; each slot's one assignment), else they scatter-add rows (JAX's gradient of a
+    gather); see ``ExecutionPlan.gather_gradients``.
 
     ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
     (k gathers of ``tokens`` rows) rather than ``[groups, tokens, k, d_model]``; same result.
     See ``ExecutionPlan.choice_major_combine``.
     """
     groups, tokens, k = routing.expert_index.shape
+    d_model = x.shape[-1]
     n = tokens * k
     expert_flat = routing.expert_index.reshape(groups, n)
     key = expert_flat * n + _assignment_order(routing, capacity_order).reshape(groups, n)
     perm = jnp.argsort(key, axis=-1)  # assignments sorted by (expert, order); keys are unique
     counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=1)  # [G, E]
     starts = jnp.cumsum(counts, axis=-1) - counts
-    g = _groups_index(groups)
-    # Position of each assignment inside its expert: rank in the sorted list minus start.
-    sorted_expert = jnp.take_along_axis(expert_flat, perm, axis=-1)
+    # Rank of each assignment in the sorted list, minus its expert's start: its position.
+    rank = _inverse_permutation(perm)
     starts_or_end = jnp.concatenate([starts, jnp.full((groups, 1), n, starts.dtype)], axis=-1)
-    sorted_pos = jnp.arange(n) - jnp.take_along_axis(starts_or_end, sorted_expert, axis=-1)
-    positions = (
-        jnp.zeros((groups, n), jnp.int32).at[g, perm].set(sorted_pos).reshape(groups, tokens, k)
+    positions = (rank - jnp.take_along_axis(starts_or_end, expert_flat, axis=-1)).reshape(
+        groups, tokens, k
     )
+    kept = (positions < capacity) & (routing.expert_index < num_experts)  # [G, S, K]
+    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0)  # [G, S, K]
     # Buffer slot (e, c) holds sorted assignment starts[e] + c when c < counts[e].
     slot = jnp.arange(capacity)
-    filled = slot < counts[..., None]  # [G, E, C]
+    filled = (slot < counts[..., None]).reshape(groups, num_experts * capacity)
     source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(groups, num_experts * capacity)
-    token = jnp.take_along_axis(perm, source, axis=-1) // k
-    buffers = jnp.where(filled.reshape(groups, -1, 1), x[g, token], 0)
-    buffers = buffers.reshape(groups, num_experts, capacity, x.shape[-1])
-    outputs = expert_fn(buffers).reshape(groups, num_experts * capacity, x.shape[-1])
-    kept = (positions < capacity) & (routing.expert_index < num_experts)
-    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0)
+    assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
+    buffers = take_rows(x, assignment // k, filled, flat_slot, kept, gather_gradients)
+    outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
+    outputs = outputs.reshape(groups, num_experts * capacity, d_model)
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
-    if choice_major:  # k gathers of `tokens` rows each
-        gathered = outputs[g, jnp.swapaxes(flat_slot, 1, 2).reshape(groups, n)]
-        gathered = gathered.reshape(groups, k, tokens, x.shape[-1])
+    if choice_major:  # k gathers of `tokens` rows each: row j * tokens + t
+        order = (assignment % k) * tokens + assignment // k
+        gathered = take_rows(
+            outputs,
+            jnp.swapaxes(flat_slot, 1, 2).reshape(groups, n),
+            jnp.swapaxes(kept, 1, 2).reshape(groups, n),
+            order[..., None],
+            filled[..., None],
+            gather_gradients,
+        ).reshape(groups, k, tokens, d_model)
         return jnp.einsum("gks,gksd->gsd", jnp.swapaxes(weights, 1, 2), gathered), kept
-    gathered = outputs[g, flat_slot.reshape(groups, n)].reshape(groups, tokens, k, x.shape[-1])
+    gathered = take_rows(
+        outputs,
+        flat_slot.reshape(groups, n),
+        kept.reshape(groups, n),
+        assignment[..., None],
+        filled[..., None],
+        gather_gradients,
+    ).reshape(groups, tokens, k, d_model)
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
+
+
+def _inverse_permutation(perm: Array) -> Array:
+    """``[groups, n]`` inverse of each row's permutation ``perm [groups, n]``."""
+    groups, n = perm.shape
+    g = _groups_index(groups)
+    return jnp.zeros_like(perm).at[g, perm].set(jnp.arange(n, dtype=perm.dtype))
 
 
 def gather_expert_choice(
@@ -207,24 +234,45 @@ def gather_expert_choice(
 
 
 def ragged_token_choice(
-    x: Array, routing: TokenChoiceRouting, num_experts: int, ragged_fn: RaggedFn
+    x: Array,
+    routing: TokenChoiceRouting,
+    num_experts: int,
+    ragged_fn: RaggedFn,
+    gather_gradients: bool = True,
 ) -> tuple[Array, Array]:
     """Dropless token choice through a grouped matmul over all groups' assignments.
 
     ``ragged_fn(rows [assignments, d_model] sorted by expert, group_sizes [experts])``
-    returns ``[assignments, d_model]``. Same contract as ``einsum_token_choice``.
+    returns ``[assignments, d_model]``; rows past ``sum(group_sizes)`` (unrouted
+    assignments) are zeros going in and are ignored coming out, so a kernel may leave them
+    unwritten. Both moves (tokens into sorted rows, rows back to assignments) are
+    ``permute.take_rows`` (``gather_gradients`` as in ``sort_token_choice``). Same contract
+    as ``einsum_token_choice``.
     """
     groups, tokens, k = routing.expert_index.shape
     d_model = x.shape[-1]
-    expert_flat = routing.expert_index.reshape(-1)
-    perm = jnp.argsort(expert_flat, stable=True)
-    counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=0)
-    routed_sorted = (jnp.take(expert_flat, perm) < num_experts)[:, None]
-    rows = x.reshape(-1, d_model)[perm // k]
-    outputs = jnp.where(routed_sorted, ragged_fn(rows, counts), 0)
-    outputs = jnp.zeros_like(outputs).at[perm].set(outputs).reshape(groups, tokens, k, d_model)
+    n = groups * tokens * k
+    expert_flat = routing.expert_index.reshape(1, n)
+    perm = jnp.argsort(expert_flat, axis=-1, stable=True)  # [1, n]
+    rank = _inverse_permutation(perm)  # [1, n]
+    counts = jnp.sum(jax.nn.one_hot(expert_flat[0], num_experts, dtype=jnp.int32), axis=0)
+    routed = expert_flat < num_experts  # [1, n], by assignment
+    routed_sorted = jnp.arange(n)[None] < jnp.sum(counts)  # [1, n], by sorted row
+    rows = take_rows(
+        x.reshape(1, groups * tokens, d_model),
+        perm // k,
+        routed_sorted,
+        rank.reshape(1, groups * tokens, k),
+        routed.reshape(1, groups * tokens, k),
+        gather_gradients,
+    )
+    outputs = ragged_fn(rows[0], counts)[None]
+    outputs = take_rows(
+        outputs, rank, routed, perm[..., None], routed_sorted[..., None], gather_gradients
+    )
     kept = routing.expert_index < num_experts
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
+    outputs = outputs.reshape(groups, tokens, k, d_model)
     return jnp.einsum("gsk,gskd->gsd", weights, outputs), kept
 
 
@@ -237,6 +285,7 @@ def dispatch_combine(
     expert_fn: ExpertFn,
     choice_major: bool = False,
     capacity_order: str = "choice_major",
+    gather_gradients: bool = True,
 ) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
 
@@ -248,6 +297,8 @@ def dispatch_combine(
       choice_major: layout of the ``sort`` combine gather (``sort_token_choice``).
       capacity_order: order in which token-choice assignments get buffer slots, one of
         ``CAPACITY_ORDERS`` (module docstring).
+      gather_gradients: the ``sort`` moves' gradients gather rather than scatter-add
+        (``sort_token_choice``).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` and, for token choice, the
@@ -265,5 +316,5 @@ def dispatch_combine(
     if impl == "einsum":
         return einsum_token_choice(x, routing, num_experts, capacity, expert_fn, capacity_order)
     return sort_token_choice(
-        x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order
+        x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order, gather_gradients
     )

@@ -28,6 +28,9 @@ IMPLEMENTATIONS: tuple[str, ...] = ("einsum", "sort", "ragged")
 # How expert inputs and outputs cross devices (``ExecutionPlan.exchange``).
 EXCHANGES: tuple[str, ...] = ("local", "all_to_all", "ragged_all_to_all")
 
+# The tokamax kernel the dropless path runs on GPU targets (docs/moe.md, "Dropless on GPU").
+GPU_GROUPED_MATMUL = "mosaic_gpu"
+
 # Platform names as ``jax.Device.platform`` / ``AbstractMesh.abstract_device.platform``
 # report them, mapped to the backend family whose choices apply.
 _PLATFORM_FAMILY = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
@@ -41,7 +44,12 @@ class ExecutionPlan:
       platform: ``cpu``, ``tpu`` or ``gpu``: the family of the target devices.
       implementation: ``einsum`` (one-hot dispatch / combine, the reference), ``sort``
         (sorted gathers into fixed-capacity buffers) or ``ragged`` (dropless: the sorted
-        rows into one grouped matmul, ``jax.lax.ragged_dot``).
+        rows into one grouped matmul).
+      grouped_matmul: under ``ragged``, the grouped matmul (``grouped_matmul.GROUPED_MATMULS``:
+        ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
+      gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
+        gradients gather through the inverse map rather than scatter-add
+        (``permute.take_rows``).
       per_expert_loop: the buffered expert matmuls run one expert at a time (``lax.map``)
         rather than batched over experts.
       choice_major_combine: the ``sort`` combine of token-choice routing gathers expert
@@ -56,6 +64,8 @@ class ExecutionPlan:
     per_expert_loop: bool
     choice_major_combine: bool
     exchange: str
+    grouped_matmul: str | bool = False
+    gather_gradients: bool = False
 
     @property
     def dispatch(self) -> str:
@@ -110,6 +120,18 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     * CPU: padded. XLA:CPU (jaxlib 0.10.2) cannot compile it ("HLO opcode
       `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
 
+    The ``sort`` and ``ragged`` row moves (``ExecutionConfig.gather_gradients=None``):
+    gradients that gather through the inverse map on GPU and CPU (compiled for H100: no
+    float scatter-add left, 5.5% fewer HLO bytes at E = 8), JAX's scatter-add on TPU (the
+    v5p compiler estimates 7-15% more cycles for the gathers at E = 64 / 8);
+    benchmarks/RESULTS.md, "The `sort` dispatch compiled for an H100", and docs/moe.md.
+
+    The ``ragged`` grouped matmul (``ExecutionConfig.grouped_matmul='auto'``): on GPU
+    tokamax's ``GPU_GROUPED_MATMUL`` kernel (XLA:GPU runs ``jax.lax.ragged_dot`` as one dense
+    matmul per expert over all rows; docs/moe.md, "Dropless on GPU", has the H100
+    numbers); ``jax.lax.ragged_dot`` elsewhere (XLA:TPU already lowers it to a Mosaic
+    grouped matmul; XLA:CPU has no kernel to call).
+
     Raises:
       ValueError: an unknown platform.
     """
@@ -131,12 +153,20 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     sort_token_choice = dispatch == "sort" and not isinstance(
         config.router, ExpertChoiceRouterConfig
     )
+    gather_gradients = execution.gather_gradients
+    if gather_gradients is None:
+        gather_gradients = platform != "tpu"
+    grouped = execution.grouped_matmul
+    if grouped == "auto":
+        grouped = GPU_GROUPED_MATMUL if platform == "gpu" else "xla"
     return ExecutionPlan(
         platform=platform,
         implementation="ragged" if ragged else dispatch,
         per_expert_loop=loop and not ragged,
         choice_major_combine=sort_token_choice and not ragged and platform != "cpu",
         exchange=exchange if expert_parallel else "local",
+        grouped_matmul=grouped if ragged else False,
+        gather_gradients=gather_gradients and (sort_token_choice or ragged),
     )
 
 

@@ -14,6 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.moe.grouped_matmul import RaggedDot
+
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gated_gelu")
 
 # T5X's MLP kernel init, with fan-in over the `embed`/`mlp` axis and `expert` as a batch axis.
@@ -122,16 +124,19 @@ def ragged_expert_ffn(
     activation: str,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    ragged_dot: RaggedDot = jax.lax.ragged_dot,
 ) -> jax.Array:
     """Grouped-matmul form of ``expert_ffn`` (dropless): rows of ``x`` sorted by expert.
 
     Args:
       x: ``[assignments, d_model]``, the first ``group_sizes[0]`` rows for expert 0, etc.
-      group_sizes: ``[experts]`` int32; rows past ``sum(group_sizes)`` give zeros.
+      group_sizes: ``[experts]`` int32; rows past ``sum(group_sizes)`` are not computed.
+      ragged_dot: the grouped matmul (``grouped_matmul.ragged_dot``).
 
     Returns:
-      ``[assignments, d_model]``.
+      ``[assignments, d_model]``; rows past ``sum(group_sizes)`` undefined (zeros with
+      ``jax.lax.ragged_dot``; a kernel may leave them unwritten).
     """
-    h = activate(weights, lambda w: jax.lax.ragged_dot(x, w, group_sizes), activation)
+    h = activate(weights, lambda w: ragged_dot(x, w, group_sizes), activation)
     h = dropout(h, dropout_rate, dropout_rng)
-    return jax.lax.ragged_dot(h, weights["wo"], group_sizes)
+    return ragged_dot(h, weights["wo"], group_sizes)

@@ -25,6 +25,7 @@ from moe_jax.moe.config import HIERARCHICAL_ROUTER_TYPES, MoeConfig
 from moe_jax.moe.dispatch import dispatch_combine, ragged_token_choice
 from moe_jax.moe.execution import resolve_plan
 from moe_jax.moe.experts import ExpertWeights, expert_ffn, ragged_expert_ffn
+from moe_jax.moe.grouped_matmul import ragged_dot
 from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS
 from moe_jax.moe.routers import ROUTERS as _FLAT_ROUTERS
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
@@ -185,6 +186,8 @@ class MoeLayer(nn.Module):
         def local_fn(x, routing, w, key, exchange: ep.Exchange) -> tuple[Array, ...]:
             """This device's groups and (through ``exchange``) experts."""
             if plan.implementation == "ragged":
+                assert isinstance(plan.grouped_matmul, str)
+                grouped = ragged_dot(plan.grouped_matmul)
 
                 def ffn(rows: Array, sizes: Array) -> Array:
                     return ragged_expert_ffn(
@@ -194,6 +197,7 @@ class MoeLayer(nn.Module):
                         cfg.activation,
                         cfg.expert_dropout_rate,
                         key if use_dropout else None,
+                        grouped,
                     )
 
                 tokens = x.shape[0] * x.shape[1]  # a token sends each expert at most one row
@@ -202,6 +206,7 @@ class MoeLayer(nn.Module):
                     routing,
                     cfg.routed_experts,
                     lambda rows, sizes: exchange.rows(rows, sizes, ffn, tokens),
+                    plan.gather_gradients,
                 )
 
             def run_experts(buffers: Array) -> Array:
@@ -223,6 +228,7 @@ class MoeLayer(nn.Module):
                 lambda buffers: exchange.buffers(buffers, run_experts),
                 plan.choice_major_combine,
                 self.resolved_capacity_order,
+                plan.gather_gradients,
             )
             return (y,) if kept is None else (y, kept)
 

@@ -119,6 +119,8 @@ def test_export_config_and_compile_choices_pinned():
         "implementation": "sort",
         "choice_major_combine": False,
         "exchange": "local",
+        "grouped_matmul": False,
+        "gather_gradients": True,
     }
     tpu = aot.layer_choices("tpu", "bfloat16", config)
     assert tpu == {
@@ -128,6 +130,8 @@ def test_export_config_and_compile_choices_pinned():
         "implementation": "sort",
         "choice_major_combine": True,
         "exchange": "local",
+        "grouped_matmul": False,
+        "gather_gradients": False,
     }
     # a decoder config of its own: its plan under "decoder", the encoder's keys unchanged
     decoder_moe = dataclasses.replace(
@@ -144,6 +148,8 @@ def test_export_config_and_compile_choices_pinned():
             "implementation": "einsum",
             "choice_major_combine": False,
             "exchange": "local",
+            "grouped_matmul": False,
+            "gather_gradients": False,
         },
     }
     same = dataclasses.replace(config, decoder_moe=config.moe)

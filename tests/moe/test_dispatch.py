@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,3 +94,66 @@ def test_per_expert_loop_equals_batched_expert_matmuls():
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    yield from _equations(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _equations(inner)
+
+
+@pytest.mark.parametrize("gather_gradients", [True, False])
+@pytest.mark.parametrize("choice_major", [False, True])
+@pytest.mark.parametrize("capacity", [1, 8])  # heavy drops, none
+def test_sort_gradients_equal_einsum(gather_gradients, choice_major, capacity):
+    """Gradients (inputs, combine weights, experts) of the sort dispatch in both combine
+    layouts, with either gradient of its row moves, equal the einsum reference's; with
+    ``gather_gradients`` its backward holds no scatter of rows (``permute.gather_rows``)."""
+    groups, tokens, experts, k, d = 2, 8, 4, 2, 3
+    keys = jax.random.split(jax.random.PRNGKey(capacity), 4)
+    routing = TokenChoiceRouting(
+        expert_index=jax.random.randint(keys[0], (groups, tokens, k), 0, experts + 1),
+        combine_weights=jax.random.uniform(keys[1], (groups, tokens, k)),
+        priority=jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (groups, tokens)),
+    )
+    x = jax.random.normal(keys[2], (groups, tokens, d))
+    scale = jax.random.normal(keys[3], (experts, 1, d))
+
+    def loss(impl, x, weights, scale):
+        r = dataclasses.replace(routing, combine_weights=weights)
+        y, _ = dispatch_combine(
+            impl,
+            x,
+            r,
+            experts,
+            capacity,
+            lambda b: jnp.tanh(b * scale[None]),
+            choice_major,
+            gather_gradients=gather_gradients,
+        )
+        return jnp.sum(jnp.sin(y))
+
+    grads = {
+        impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(
+            x, routing.combine_weights, scale
+        )
+        for impl in ("einsum", "sort")
+    }
+    for a, b in zip(grads["sort"], grads["einsum"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    backward = jax.make_jaxpr(jax.grad(functools.partial(loss, "sort")))(
+        x, routing.combine_weights, scale
+    )
+    scattered = [
+        eqn.outvars[0].aval.ndim
+        for eqn in _equations(backward.jaxpr)
+        if eqn.primitive.name.startswith("scatter")
+    ]
+    # with gather gradients only the int inverse permutation [groups, n] is scattered
+    assert all(ndim <= 2 for ndim in scattered) == gather_gradients, scattered

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -13,7 +14,12 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from moe_jax import hardware
 from moe_jax.moe import MoeLayer
-from moe_jax.moe.execution import ExecutionPlan, resolve_plan, target_platform
+from moe_jax.moe.execution import (
+    GPU_GROUPED_MATMUL,
+    ExecutionPlan,
+    resolve_plan,
+    target_platform,
+)
 from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
 
 AXES = ("data", "expert", "model")
@@ -47,8 +53,19 @@ def _primitives(layer: MoeLayer, mesh: AbstractMesh | None) -> set[str]:
     return {eqn.primitive.name for eqn in _jaxpr(layer, mesh).jaxpr.eqns}
 
 
-def _plan(platform, dtype="bfloat16", shape=(1, 1, 1), **fields) -> ExecutionPlan:
+def _plan(
+    platform,
+    dtype="bfloat16",
+    shape=(1, 1, 1),
+    grouped_matmul="auto",
+    gather_gradients=None,
+    **fields,
+) -> ExecutionPlan:
     config = moe_layer(**{**SMALL, **fields}).config
+    execution = dataclasses.replace(
+        config.execution, grouped_matmul=grouped_matmul, gather_gradients=gather_gradients
+    )
+    config = dataclasses.replace(config, execution=execution)
     return resolve_plan(config, _abstract_mesh(platform, shape), dtype)
 
 
@@ -56,8 +73,9 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     # sort everywhere; per-expert loop on CPU, and on TPU for float32; choice-major combine
     # on TPU and GPU; the platform comes from the mesh's devices, or is named
     for dtype in ("bfloat16", jnp.float32):
-        assert _plan("cpu", dtype) == ExecutionPlan("cpu", "sort", True, False, "local")
-        assert _plan("gpu", dtype) == ExecutionPlan("gpu", "sort", False, True, "local")
+        cpu, gpu = _plan("cpu", dtype), _plan("gpu", dtype)
+        assert cpu == ExecutionPlan("cpu", "sort", True, False, "local", gather_gradients=True)
+        assert gpu == ExecutionPlan("gpu", "sort", False, True, "local", gather_gradients=True)
     assert _plan("tpu", "bfloat16") == ExecutionPlan("tpu", "sort", False, True, "local")
     assert _plan("tpu", "float32") == ExecutionPlan("tpu", "sort", True, True, "local")
     config = moe_layer(**SMALL).config
@@ -71,7 +89,22 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     assert _plan("tpu", dispatch="einsum").choice_major_combine is False
     assert _plan("gpu", per_expert_loop=True).per_expert_loop is True
     assert _plan("tpu", router_type="expert_choice").choice_major_combine is False
-    assert _plan("cpu", dropless=True) == ExecutionPlan("cpu", "ragged", False, False, "local")
+    # gradients of the row moves gather, except on TPU (scatter-add); einsum has no moves
+    assert _plan("tpu", gather_gradients=True).gather_gradients is True
+    assert _plan("gpu", gather_gradients=False).gather_gradients is False
+    assert _plan("gpu", dispatch="einsum", gather_gradients=True).gather_gradients is False
+    # dropless: a tokamax kernel on GPU, jax.lax.ragged_dot elsewhere; explicit wins
+    assert _plan("cpu", dropless=True) == ExecutionPlan(
+        "cpu", "ragged", False, False, "local", "xla", gather_gradients=True
+    )
+    assert _plan("tpu", dropless=True).grouped_matmul == "xla"
+    assert _plan("gpu", dropless=True) == ExecutionPlan(
+        "gpu", "ragged", False, False, "local", GPU_GROUPED_MATMUL, gather_gradients=True
+    )
+    assert _plan("gpu", dropless=True, grouped_matmul="xla").grouped_matmul == "xla"
+    assert _plan("gpu", grouped_matmul="triton").grouped_matmul is False  # not ragged
+    with pytest.raises(ValueError, match="grouped_matmul"):
+        _plan("gpu", dropless=True, grouped_matmul="cublas")
 
 
 def test_resolve_plan_exchange_under_expert_parallelism():
@@ -81,7 +114,7 @@ def test_resolve_plan_exchange_under_expert_parallelism():
         assert _plan(platform, shape=(4, 1, 2)).exchange == "local"  # expert axis of size 1
     # dropless: rows cross the expert axis on TPU; padded buffers on CPU and GPU
     assert _plan("tpu", shape=ep, dropless=True) == ExecutionPlan(
-        "tpu", "ragged", False, False, "ragged_all_to_all"
+        "tpu", "ragged", False, False, "ragged_all_to_all", "xla"
     )
     for platform in ("cpu", "gpu"):
         plan = _plan(platform, shape=ep, dropless=True)
@@ -123,9 +156,14 @@ def test_auto_layer_traces_the_platform_choice(platform):
     layer = moe_layer(**SMALL, dtype=jnp.bfloat16)
     plan = resolve_plan(layer.config, _abstract_mesh(platform), layer.dtype)
     auto = _primitives(layer, _abstract_mesh(platform))
-    explicit = _primitives(
-        relayer(layer, dispatch=plan.dispatch, per_expert_loop=plan.per_expert_loop), None
+    explicit_layer = relayer(layer, dispatch=plan.dispatch, per_expert_loop=plan.per_expert_loop)
+    execution = dataclasses.replace(
+        explicit_layer.config.execution, gather_gradients=plan.gather_gradients
     )
+    explicit_layer = explicit_layer.clone(
+        config=dataclasses.replace(explicit_layer.config, execution=execution)
+    )
+    explicit = _primitives(explicit_layer, None)
     assert auto == explicit
     assert ("scan" in auto) == plan.per_expert_loop
     assert ("scatter" in auto) == (plan.dispatch == "sort")

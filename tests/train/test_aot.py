@@ -155,6 +155,8 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
         "implementation": "sort",
         "choice_major_combine": True,
         "exchange": "all_to_all",  # the mesh's expert axis
+        "grouped_matmul": False,
+        "gather_gradients": False,
     }
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
@@ -417,6 +419,8 @@ def test_gpu_compile_of_the_smoke_config(tmp_path):
         "implementation": "sort",
         "choice_major_combine": True,
         "exchange": "all_to_all",
+        "grouped_matmul": False,
+        "gather_gradients": True,
     }
     step = report["steps"]["train"]
     assert step["collectives"]["all-to-all"]["count"] >= 2
