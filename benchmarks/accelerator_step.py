@@ -26,8 +26,8 @@ reports:
 
 ``--profile DIR`` traces one extra step per run (``jax.profiler.trace``) and adds the
 device's top kernels by time, read from the trace. The MoE layer section times each
-dispatch implementation against a dense FFN of the same useful FLOPs (``moe_layer.py``'s
-setup; :func:`layer_rows`). ``--quick`` shrinks every model (``models/size_tiny.gin``,
+implementation (einsum, sort, dropless with the platform's grouped matmul) against a dense
+FFN of the same useful FLOPs (``moe_layer.device_table``; :func:`layer_rows`). ``--quick`` shrinks every model (``models/size_tiny.gin``,
 short sequences, batch 4) so that the whole benchmark runs on a CPU in seconds: the
 structure is checked by the tests, the numbers mean nothing (on a CPU it also compiles
 with XLA's cheapest code generation). Each run's JSON lists which of the packages a bare
@@ -295,56 +295,18 @@ def measure_run(
 # ----------------------------------------------------------------------------- MoE layer
 
 
-def layer_rows(quick: bool, reps: int) -> list[dict[str, Any]]:
-    """The MoE layer's forward + backward per dispatch implementation beside a dense FFN of
-    the same useful FLOPs and a float32 2048^3 matmul, timed in the same rounds (one row
-    each): T5-Base, E = 8 and 32 (``--quick``: the small shape, E = 8).
+LAYER_IMPLEMENTATIONS = ("einsum", "sort", "dropless", "dropless:xla")
 
-    The adapter to ``benchmarks/moe_layer.py``: built from its ``moe_run``, ``dense_run``,
-    ``timed_interleaved`` and ``useful_flops``, the setup of its main table. Where that
-    module offers a function returning these rows, this is the one place to call it."""
-    import jax
-    import jax.numpy as jnp
+
+def layer_rows(quick: bool, reps: int) -> list[dict[str, Any]]:
+    """The MoE layer's forward + backward per implementation beside a dense FFN of the same
+    useful FLOPs and a matmul, timed in the same rounds: ``moe_layer.device_table`` (64 x
+    512 tokens at T5-Base width, bfloat16, E = 8 / 32 / 64; ``--quick``: its tiny float32
+    sizes, E = 8). One row per timed run, as ``moe_layer.measure_layers`` gives them."""
     import moe_layer
 
-    from moe_jax.moe.capacity import expert_capacity, group_layout
-
-    shape = "small" if quick else "t5-base"
-    d_model, d_ff = moe_layer.SHAPES[shape]
-    tokens = moe_layer.TOKENS[0] * moe_layer.TOKENS[1]
-    n = moe_layer.MATMUL_N
-    a = jnp.ones((n, n), jnp.float32)
-    rows = []
-    for experts in (8,) if quick else (8, 32):
-        groups, per_group = group_layout(tokens, 4096)
-        capacity = expert_capacity(per_group, experts, 2, 1.25, 4, "t5x")
-        useful = moe_layer.useful_flops(experts * capacity * groups, d_model, d_ff)
-        runs = {
-            impl: moe_layer.moe_run(d_model, d_ff, experts, impl, "cotangent")
-            for impl in ("einsum", "sort")
-        }
-        hidden = d_ff * experts * capacity * groups // tokens
-        runs["dense FFN"] = moe_layer.dense_run(d_model, hidden, "cotangent")
-        runs["matmul"] = (jax.jit(lambda a: a @ a), (a,))
-        timings = moe_layer.timed_interleaved(runs, reps)
-        matmul_rate = 2 * n**3 / (timings.pop("matmul").ms * 1e-3)
-        for impl, timing in timings.items():
-            rate = useful / (timing.ms * 1e-3)
-            rows.append(
-                {
-                    "shape": shape,
-                    "experts": experts,
-                    "capacity": capacity,
-                    "impl": impl,
-                    "ms": timing.ms,
-                    "useful_flops": useful,
-                    "useful_flops_per_s": rate,
-                    "of_dense_ffn": timings["dense FFN"].ms / timing.ms,
-                    "of_matmul": rate / matmul_rate,
-                    "float32_matmul_flops_per_s": matmul_rate,
-                }
-            )
-    return rows
+    experts = (8,) if quick else (8, 32, 64)
+    return moe_layer.device_table(experts, LAYER_IMPLEMENTATIONS, quick, reps)
 
 
 def measure_layers(quick: bool, reps: int) -> dict[str, Any]:
@@ -498,11 +460,7 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"  {k['share']:.0%} {k['ms']:.2f} ms x{k['count']} {k['name'][:100]}")
     layers = report["layers"]
     if layers and "rows" in layers:
-        for row in layers["rows"]:
-            lines.append(
-                f"MoE layer {row['shape']} E={row['experts']} {row['impl']}: {row['ms']:.2f} ms, "
-                f"{row['of_matmul']:.0%} of the float32 matmul rate"
-            )
+        lines.append("MoE layer: printed above by moe_layer.device_table")
     elif layers:
         lines.append(f"{LAYERS}: {layers['error']}")
     return "\n".join(lines)

@@ -8,9 +8,11 @@
 # benchmarks/accelerator_step.py), log.txt and the profiler traces; BUDGET_SECONDS (default
 # 540) bounds the benchmark's wall time: runs are measured in order of importance, each
 # with what remains of the budget, and a run that no longer fits is recorded as skipped.
-# gin-config is imported from its wheel in .cache/wheels/ when it is not installed (get it:
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 --dest .cache/wheels
-# gin-config==0.5.0` on a machine with the package index). Then, on a machine with the
+# Wheels in .whl/ are installed first, offline (get them on a machine with the package
+# index: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d .whl gin-config==0.5.0 tokamax==0.0.12 einshape pydantic
+# pydantic_core annotated-types typing-inspection qwix typeguard==2.13.3 immutabledict
+# tensorboardX`). Then, on a machine with the
 # project installed: copy accelerator.json to benchmarks/accelerator/<device>.json and run
 # `python benchmarks/report.py`.
 set -euo pipefail
@@ -22,23 +24,29 @@ mkdir -p "$out"
 python="${PYTHON:-python3}"
 start=$(date +%s)
 
-gin_path=""
-if ! "$python" -c "import gin" 2>/dev/null; then
-  # gin-config is pure Python: its wheel is importable as it is (a zip on the path)
-  gin_path=$(ls "$PWD"/.cache/wheels/gin_config-*.whl 2>/dev/null | head -n 1 || true)
-  if [[ -z "$gin_path" ]]; then
-    echo "gpu_session: gin-config is not installed and no wheel is in .cache/wheels/" >&2
-    exit 2
-  fi
+# Packages the machine lacks (gin-config; tokamax and its needs for the dropless kernel)
+# travel as wheels in .whl/ and are installed offline, for this call only.
+site=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=$(mktemp -d)
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl
 fi
-export PYTHONPATH="$PWD${gin_path:+:$gin_path}${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -z "$site" ]] && ! "$python" -c "import gin" 2>/dev/null; then
+  echo "gpu_session: gin-config is not installed and no wheel is in .whl/" >&2
+  exit 2
+fi
+export PYTHONPATH="$PWD${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
 
 {
   "$python" - <<'EOF'
 import importlib, jax
-for name in ("jax", "flax", "optax", "orbax.checkpoint", "gin", "fsspec", "etils.epath"):
-    module = importlib.import_module(name)
-    print(f"{name} {getattr(module, '__version__', '')}")
+for name in ("jax", "flax", "optax", "orbax.checkpoint", "gin", "fsspec", "etils.epath", "tokamax"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '')}")
+    except ImportError as err:
+        print(f"{name}: not importable ({err})")
 print("devices:", jax.devices())
 EOF
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
