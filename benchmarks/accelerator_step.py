@@ -30,8 +30,9 @@ implementation (einsum, sort, dropless with the platform's grouped matmul) again
 FFN of the same useful FLOPs (``moe_layer.device_table``; :func:`layer_rows`). ``--quick``
 shrinks every model (``models/size_tiny.gin``, short sequences, batch 4) so that the whole
 benchmark runs on a CPU in seconds: the structure is checked by the tests, the numbers mean
-nothing (on a CPU it also compiles with XLA's cheapest code generation). Each run's JSON lists which of the packages a bare
-accelerator machine lacks (TensorFlow, seqio, TFDS, clu, google-crc32c) it imported: none.
+nothing (on a CPU it also compiles with XLA's cheapest code generation). Each run's JSON
+lists which of the packages a bare accelerator machine lacks (TensorFlow, seqio, TFDS, clu,
+google-crc32c) it imported: none.
 """
 
 from __future__ import annotations
