@@ -374,7 +374,7 @@ def measure_layers(
         outputs = {impl: runs[impl][0](*runs[impl][1]) for impl in implementations if impl in runs}
         for row in results:
             reference = REFERENCES.get(row["impl"])
-            if reference in outputs:
+            if reference in outputs and row["impl"] in outputs:
                 row["max_rel_diff"] = _max_relative_difference(
                     outputs[row["impl"]], outputs[reference]
                 )
