@@ -121,10 +121,10 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
       `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
 
     The ``sort`` and ``ragged`` row moves (``ExecutionConfig.gather_gradients=None``):
-    gradients that gather through the inverse map on GPU and CPU (compiled for H100: no
-    float scatter-add left, 5.5% fewer HLO bytes at E = 8), JAX's scatter-add on TPU (the
-    v5p compiler estimates 7-15% more cycles for the gathers at E = 64 / 8);
-    benchmarks/RESULTS.md, "The `sort` dispatch compiled for an H100", and docs/moe.md.
+    gradients that gather through the inverse map on GPU (compiled for H100: no float
+    scatter-add left, 5.5% fewer HLO bytes at E = 8), JAX's scatter-add on TPU (the v5p
+    compiler estimates 7-15% more cycles for the gathers at E = 64 / 8) and CPU (the
+    gathers measured 1.55x slower at T5-Base, E = 8); docs/moe.md.
 
     The ``ragged`` grouped matmul (``ExecutionConfig.grouped_matmul='auto'``): on GPU
     tokamax's ``GPU_GROUPED_MATMUL`` kernel (XLA:GPU runs ``jax.lax.ragged_dot`` as one dense
@@ -155,7 +155,7 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     )
     gather_gradients = execution.gather_gradients
     if gather_gradients is None:
-        gather_gradients = platform != "tpu"
+        gather_gradients = platform == "gpu"
     grouped = execution.grouped_matmul
     if grouped == "auto":
         grouped = GPU_GROUPED_MATMUL if platform == "gpu" else "xla"
