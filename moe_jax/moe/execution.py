@@ -45,11 +45,6 @@ class ExecutionPlan:
       implementation: ``einsum`` (one-hot dispatch / combine, the reference), ``sort``
         (sorted gathers into fixed-capacity buffers) or ``ragged`` (dropless: the sorted
         rows into one grouped matmul).
-      grouped_matmul: under ``ragged``, the grouped matmul (``grouped_matmul.GROUPED_MATMULS``:
-        ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
-      gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
-        gradients gather through the inverse map rather than scatter-add
-        (``permute.take_rows``).
       per_expert_loop: the buffered expert matmuls run one expert at a time (``lax.map``)
         rather than batched over experts.
       choice_major_combine: the ``sort`` combine of token-choice routing gathers expert
@@ -57,6 +52,11 @@ class ExecutionPlan:
       exchange: ``local`` (no expert parallelism), ``all_to_all`` (padded buffers
         ``[groups, experts, capacity, d_model]`` all-to-all'd over the ``expert`` mesh
         axis) or ``ragged_all_to_all`` (only the routed rows cross it).
+      grouped_matmul: under ``ragged``, the grouped matmul (``grouped_matmul.GROUPED_MATMULS``:
+        ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
+      gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
+        gradients gather through the inverse map rather than scatter-add
+        (``permute.take_rows``).
     """
 
     platform: str
