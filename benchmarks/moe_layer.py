@@ -106,14 +106,15 @@ def timed_interleaved(runs: dict[str, tuple], reps: int) -> dict[str, Timing]:
     }
 
 
-def _grad_fn(apply, out_shape, loss: str, dtype=jnp.float32):
+def _grad_fn(apply, out_shape, loss: str):
     """Jitted fwd+bwd of ``apply(params, x) -> (y, aux)``; see the module docstring for
     ``loss``. ``aux`` (the updated balancing bias) is returned, so that XLA keeps the work
     that computes it, as a train step does."""
-    r = None if loss == "sum" else jax.random.normal(jax.random.PRNGKey(7), out_shape, dtype)
+    r = None if loss == "sum" else jax.random.normal(jax.random.PRNGKey(7), out_shape)
 
-    def objective(p, x):
+    def objective(p, x):  # the sum in float32, whatever ``dtype`` y has
         y, aux = apply(p, x)
+        y = y.astype(jnp.float32)
         return jnp.sum(y if r is None else y * r), aux
 
     step = jax.grad if loss == "sum" else jax.value_and_grad
@@ -149,7 +150,7 @@ def moe_run(
         )
         return y, {name: written[name] for name in state}
 
-    grad = _grad_fn(apply, x.shape, loss, dtype)
+    grad = _grad_fn(apply, x.shape, loss)
     return grad, (variables["params"], x)
 
 
@@ -247,7 +248,7 @@ def dense_run(
         wi, wo = (w.astype(dtype) for w in p)
         return jnp.maximum(x @ wi, 0) @ wo, ()
 
-    return _grad_fn(apply, x.shape, loss, dtype), (params, x)
+    return _grad_fn(apply, x.shape, loss), (params, x)
 
 
 # ----------------------------------------------------------------------------- device table

@@ -45,11 +45,6 @@ class ExecutionPlan:
       implementation: ``einsum`` (one-hot dispatch / combine, the reference), ``sort``
         (sorted gathers into fixed-capacity buffers) or ``ragged`` (dropless: the sorted
         rows into one grouped matmul).
-      grouped_matmul: under ``ragged``, the grouped matmul (``grouped_matmul.GROUPED_MATMULS``:
-        ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
-      gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
-        gradients gather through the inverse map rather than scatter-add
-        (``permute.take_rows``).
       per_expert_loop: the buffered expert matmuls run one expert at a time (``lax.map``)
         rather than batched over experts.
       choice_major_combine: the ``sort`` combine of token-choice routing gathers expert
@@ -57,6 +52,11 @@ class ExecutionPlan:
       exchange: ``local`` (no expert parallelism), ``all_to_all`` (padded buffers
         ``[groups, experts, capacity, d_model]`` all-to-all'd over the ``expert`` mesh
         axis) or ``ragged_all_to_all`` (only the routed rows cross it).
+      grouped_matmul: under ``ragged``, the grouped matmul (``grouped_matmul.GROUPED_MATMULS``:
+        ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
+      gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
+        gradients gather through the inverse map rather than scatter-add
+        (``permute.take_rows``).
     """
 
     platform: str
@@ -121,10 +121,10 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
       `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
 
     The ``sort`` and ``ragged`` row moves (``ExecutionConfig.gather_gradients=None``):
-    gradients that gather through the inverse map on GPU and CPU (compiled for H100: no
-    float scatter-add left, 5.5% fewer HLO bytes at E = 8), JAX's scatter-add on TPU (the
-    v5p compiler estimates 7-15% more cycles for the gathers at E = 64 / 8);
-    benchmarks/RESULTS.md, "The `sort` dispatch compiled for an H100", and docs/moe.md.
+    gradients that gather through the inverse map on GPU (compiled for H100: no float
+    scatter-add left, 5.5% fewer HLO bytes at E = 8), JAX's scatter-add on TPU (the v5p
+    compiler estimates 7-15% more cycles for the gathers at E = 64 / 8) and CPU (the
+    gathers measured 1.55x slower at T5-Base, E = 8); docs/moe.md.
 
     The ``ragged`` grouped matmul (``ExecutionConfig.grouped_matmul='auto'``): on GPU
     tokamax's ``GPU_GROUPED_MATMUL`` kernel (XLA:GPU runs ``jax.lax.ragged_dot`` as one dense
@@ -155,7 +155,7 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     )
     gather_gradients = execution.gather_gradients
     if gather_gradients is None:
-        gather_gradients = platform != "tpu"
+        gather_gradients = platform == "gpu"
     grouped = execution.grouped_matmul
     if grouped == "auto":
         grouped = GPU_GROUPED_MATMUL if platform == "gpu" else "xla"

@@ -120,7 +120,7 @@ def test_export_config_and_compile_choices_pinned():
         "choice_major_combine": False,
         "exchange": "local",
         "grouped_matmul": False,
-        "gather_gradients": True,
+        "gather_gradients": False,
     }
     tpu = aot.layer_choices("tpu", "bfloat16", config)
     assert tpu == {

@@ -74,7 +74,7 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     # on TPU and GPU; the platform comes from the mesh's devices, or is named
     for dtype in ("bfloat16", jnp.float32):
         cpu, gpu = _plan("cpu", dtype), _plan("gpu", dtype)
-        assert cpu == ExecutionPlan("cpu", "sort", True, False, "local", gather_gradients=True)
+        assert cpu == ExecutionPlan("cpu", "sort", True, False, "local")
         assert gpu == ExecutionPlan("gpu", "sort", False, True, "local", gather_gradients=True)
     assert _plan("tpu", "bfloat16") == ExecutionPlan("tpu", "sort", False, True, "local")
     assert _plan("tpu", "float32") == ExecutionPlan("tpu", "sort", True, True, "local")
@@ -89,13 +89,13 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     assert _plan("tpu", dispatch="einsum").choice_major_combine is False
     assert _plan("gpu", per_expert_loop=True).per_expert_loop is True
     assert _plan("tpu", router_type="expert_choice").choice_major_combine is False
-    # gradients of the row moves gather, except on TPU (scatter-add); einsum has no moves
+    # gradients of the row moves gather on GPU (elsewhere scatter-add); einsum has no moves
     assert _plan("tpu", gather_gradients=True).gather_gradients is True
     assert _plan("gpu", gather_gradients=False).gather_gradients is False
     assert _plan("gpu", dispatch="einsum", gather_gradients=True).gather_gradients is False
     # dropless: a tokamax kernel on GPU, jax.lax.ragged_dot elsewhere; explicit wins
     assert _plan("cpu", dropless=True) == ExecutionPlan(
-        "cpu", "ragged", False, False, "local", "xla", gather_gradients=True
+        "cpu", "ragged", False, False, "local", "xla"
     )
     assert _plan("tpu", dropless=True).grouped_matmul == "xla"
     assert _plan("gpu", dropless=True) == ExecutionPlan(
