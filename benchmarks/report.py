@@ -207,6 +207,7 @@ def _accelerator_runs(measured: dict) -> list[str]:
         markdown_table(["run", "", "step (ms)", "tokens/s", "memory (GiB)"], versus),
     ]
     notes = [f"- {r['run']}: {r['note']}" for r in measured["runs"] if r.get("note")]
+    notes += [f"- {reading}" for reading in measured.get("notes", [])]
     if notes:
         tables.append("\n".join(notes))
     if kernels:

@@ -338,7 +338,7 @@ class ExecutionConfig:
       per_expert_loop: expert matmuls one expert at a time (``lax.map``); None = per platform.
       grouped_matmul: the dropless path's grouped matmul, one of
         ``grouped_matmul.GROUPED_MATMULS`` (``xla``: ``jax.lax.ragged_dot``; ``triton``,
-        ``mosaic_gpu``, ``mosaic_tpu``: tokamax kernels) or ``auto`` (per platform).
+        ``mosaic_gpu``, ``mosaic_tpu``: tokamax kernels) or ``auto`` (``xla``).
       gather_gradients: the ``sort`` / dropless row moves' gradients gather through the
         inverse map instead of scatter-adding (``permute.take_rows``); None = per platform.
         The layer runs the ``execution.ExecutionPlan`` that ``resolve_plan`` makes of these.

@@ -3,8 +3,8 @@
 ``xla`` is ``jax.lax.ragged_dot`` (every platform; XLA:TPU lowers it to a Mosaic grouped
 matmul, XLA:GPU to one dense matmul per expert over all rows). The others are tokamax's
 Pallas kernels (``tokamax.ragged_dot``), forward and both gradients: ``triton`` and
-``mosaic_gpu`` (NVIDIA GPUs), ``mosaic_tpu``. ``execution.resolve_plan`` picks one per
-target platform (``ExecutionPlan.grouped_matmul``). tokamax (and through it Triton /
+``mosaic_gpu`` (NVIDIA GPUs), ``mosaic_tpu``, chosen by name
+(``ExecutionConfig.grouped_matmul``; ``auto`` is ``xla``, see ``execution.resolve_plan``). tokamax (and through it Triton /
 Mosaic) is imported only when a kernel is asked for, so a CPU run never pays for it.
 tokamax checks that the process's default device has the kernel's hardware, so a layer
 with a kernel compiles only where it runs (not for a GPU from a CPU host).

@@ -15,7 +15,6 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from moe_jax import hardware
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.execution import (
-    GPU_GROUPED_MATMUL,
     ExecutionPlan,
     resolve_plan,
     target_platform,
@@ -93,15 +92,15 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     assert _plan("tpu", gather_gradients=True).gather_gradients is True
     assert _plan("gpu", gather_gradients=False).gather_gradients is False
     assert _plan("gpu", dispatch="einsum", gather_gradients=True).gather_gradients is False
-    # dropless: a tokamax kernel on GPU, jax.lax.ragged_dot elsewhere; explicit wins
+    # dropless: jax.lax.ragged_dot everywhere (tokamax kernels only by name); explicit wins
     assert _plan("cpu", dropless=True) == ExecutionPlan(
         "cpu", "ragged", False, False, "local", "xla"
     )
     assert _plan("tpu", dropless=True).grouped_matmul == "xla"
     assert _plan("gpu", dropless=True) == ExecutionPlan(
-        "gpu", "ragged", False, False, "local", GPU_GROUPED_MATMUL, gather_gradients=True
+        "gpu", "ragged", False, False, "local", "xla", gather_gradients=True
     )
-    assert _plan("gpu", dropless=True, grouped_matmul="xla").grouped_matmul == "xla"
+    assert _plan("gpu", dropless=True, grouped_matmul="triton").grouped_matmul == "triton"
     assert _plan("gpu", grouped_matmul="triton").grouped_matmul is False  # not ragged
     with pytest.raises(ValueError, match="grouped_matmul"):
         _plan("gpu", dropless=True, grouped_matmul="cublas")
