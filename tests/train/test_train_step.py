@@ -136,3 +136,26 @@ def test_fsdp_shards_parameters_and_adam_state_over_the_batch_axes_with_the_same
     per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
     total = sum(x.nbytes for x in jax.tree.leaves(state.params))
     assert per_device < 0.2 * total, (per_device, total)
+
+
+def test_init_state_compiles_cheaply_and_gives_the_parameters_of_the_plain_program(smoke_gin):
+    """``init_state`` compiles its program without LLVM's optimisations
+    (``hardware.init_compiler_options``; the step's own options kept), and the parameters
+    are those of the same program compiled as usual, to rounding, on every mesh shard."""
+    from moe_jax import hardware, partitioning
+
+    smoke_gin()
+    assert hardware.init_compiler_options("cpu")["xla_backend_optimization_level"] == 0
+    gpu = hardware.init_compiler_options("cuda")
+    assert gpu.items() >= hardware.compiler_options("gpu").items()
+    assert gpu["xla_backend_optimization_level"] == 0
+    assert hardware.init_compiler_options("tpu") == hardware.compiler_options("tpu")
+
+    ctx = builders.run_context()
+    run = builders.build_train_setup(EncoderDecoderModel(), SHAPES, ctx, seed=5)
+    state = run.init_state()
+    with partitioning.activate(ctx.mesh, ctx.rules):
+        plain = jax.jit(run._init_fn, out_shardings=run.shardings)()
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(plain), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
