@@ -120,7 +120,8 @@ def table() -> str:
     missing = []
     rows = [
         "| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
-        "(train step) | TFLOP/step | est. step | MoE layers' HLO bytes | compile |",
+        "(train step) | TFLOP/step | step, estimate (compiled, not run) | MoE layers' HLO bytes | "
+        "compile |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for run, target in pairs():
