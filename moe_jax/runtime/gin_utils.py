@@ -28,6 +28,7 @@ import ast
 import atexit
 import contextlib
 import importlib
+import importlib.util
 import io
 import logging
 import os
@@ -614,10 +615,34 @@ def refuse_untrusted_modules(
         )
 
 
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
 def _is_project_module(module: Any) -> bool:
-    return isinstance(module, str) and any(
-        module == m or module.startswith(m + ".") for m in PROJECT_MODULES
+    """``module`` is a module of the installed project (:data:`PROJECT_MODULES`) as the
+    import system resolves it: a dotted name whose source lies in the installed package,
+    never a file path (``moe_jax.x.py`` names no module, whatever file the working
+    directory holds)."""
+    if not (
+        isinstance(module, str)
+        and _MODULE_NAME.fullmatch(module)
+        and any(module == m or module.startswith(m + ".") for m in PROJECT_MODULES)
+    ):
+        return False
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    roots = [_package_root(m) for m in PROJECT_MODULES]
+    return bool(spec and spec.origin) and any(
+        root and pathlib.Path(str(spec.origin)).resolve().is_relative_to(root) for root in roots
     )
+
+
+def _package_root(name: str) -> pathlib.Path | None:
+    """The folder of installed package ``name``."""
+    spec = importlib.util.find_spec(name)
+    return pathlib.Path(str(spec.origin)).resolve().parent if spec and spec.origin else None
 
 
 def _same_module(module: Any, trusted: Iterable[Any]) -> bool:

@@ -297,3 +297,46 @@ def test_a_module_on_the_path_is_refused_as_well(run_and_export, tmp_path, monke
         "--gin.MIXTURE_OR_TASK_MODULE=eviltasks"
     )
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "where, command",
+    [
+        ("settings", ["eval", "--checkpoint=.", "--eval_steps=1"]),
+        ("config", ["eval", "--checkpoint=.", "--eval_steps=1"]),
+        ("config", ["eval", "--checkpoint=.", "--eval_steps=1", "--eval_settings=gin"]),
+        ("config", ["analyze", "positions", "--checkpoint=."]),
+    ],
+    ids=["eval_settings", "config_eval", "config_eval_gin", "config_analyze"],
+)
+def test_a_project_looking_file_in_the_run_folder_never_runs(
+    run_and_export, tmp_path, monkeypatch, capsys, where, command
+):
+    """``moe_jax.payload.py`` beside the run is a file, not a module of the project: a run's
+    config or eval settings naming it is refused like any module the command line does not
+    name, from inside the run folder too."""
+    run, _ = run_and_export
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "moe_jax.payload.py").write_text("open('payload.ran', 'w').write('ran')\n")
+    if where == "settings":
+        settings = copy / evaluation.EVAL_SETTINGS_FILE
+        settings.write_text(
+            settings.read_text().replace('"module": null', '"module": "moe_jax.payload.py"')
+        )
+    else:
+        config = copy / "config.gin"
+        config.write_text(
+            config.read_text().replace(
+                "MIXTURE_OR_TASK_MODULE = None\n",
+                "MIXTURE_OR_TASK_MODULE = 'moe_jax.payload.py'\n",
+            )
+        )
+    monkeypatch.chdir(copy)
+    assert cli.main(command) == 1
+    line = _last_line(capsys)
+    assert "refusing" in line and "'moe_jax.payload.py'" in line, line
+    assert not (copy / "payload.ran").exists()
+    # a module of the installed project still passes the gate
+    assert gin_utils._is_project_module("moe_jax.data.tasks")
+    assert not gin_utils._is_project_module("moe_jax.payload.py")
