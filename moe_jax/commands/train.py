@@ -82,6 +82,44 @@ def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, sta
     )
 
 
+def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[str]:
+    """How this process's stream of ``cfg`` differs from a saved iterator state (task,
+    split, feature lengths, per-process batch size, seed, packing, cache), as
+    ``"name: saved -> now"``; empty when the saved position continues the same stream."""
+    now = {
+        "mixture_or_task_name": cfg.mixture_or_task_name,
+        "split": cfg.split,
+        "task_feature_lengths": dict(cfg.task_feature_lengths),
+        "batch_size": cfg.batch_size // jax.process_count(),
+        "seed": cfg.seed,
+        "pack": cfg.pack,
+        "use_cached": cfg.use_cached,
+    }
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+
+
+def _resumed_iterator(
+    cfg: builders.DatasetConfig, meta: dict[str, Any] | None, latest: int | None
+) -> Any:
+    """The training stream: fresh at step 0; a restored run continues its saved position
+    when the stream is the one it saved, else (another process count, or a data change
+    accepted with ``--allow_config_change``) reads ``cfg``'s stream from batch ``latest``
+    and says so."""
+    if meta is None or latest is None:
+        return make_iterator(cfg)
+    saved = meta["data_iterators"]
+    if len(saved) != jax.process_count():  # same position, this run's sharding of the stream
+        return make_iterator(cfg, start_step=latest)
+    changes = stream_changes(saved[jax.process_index()], cfg)
+    if not changes:
+        return make_iterator(cfg, state=saved[jax.process_index()])
+    _log(
+        f"the training data changed at step {latest} ({'; '.join(changes)}): reading the new "
+        f"stream from its batch {latest}"
+    )
+    return make_iterator(cfg, start_step=latest)
+
+
 @gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
 def train(
     *,
@@ -169,17 +207,12 @@ def train(
         restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
         _check_set_aside(model_dir, set_aside, fresh=restored is None)
         if restored is None:
-            latest = None
+            latest, meta = None, None
             state = run.init_state()
-            iterator = make_iterator(train_dataset_cfg)
             checkpoints.save_router_init(model_dir, state.params)
         else:
             state, meta, latest = restored
-            saved = meta["data_iterators"]
-            if len(saved) == jax.process_count():
-                iterator = make_iterator(train_dataset_cfg, state=saved[jax.process_index()])
-            else:  # another process count: same position, this run's sharding of the stream
-                iterator = make_iterator(train_dataset_cfg, start_step=latest)
+            _check_random_seed(meta, random_seed, ckpt.name(latest))
             _log(f"restored {ckpt.directory}/{latest}")
         distributed.process_zero_decides(
             lambda: gin_utils.record_run_config(
@@ -190,6 +223,7 @@ def train(
             ),
             lambda: errors.UserError("refused on process 0 (see its message)"),
         )
+        iterator = _resumed_iterator(train_dataset_cfg, meta, latest)
         if jax.process_index() == 0:
             summaries.drop_records_after(model_dir, latest or 0)
             if (
@@ -273,6 +307,7 @@ def train(
                     writer.write("train", step, {**jax.device_get(metrics), **rates})
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
                 if save_now:
+                    _check_parameters(state.params, step, ckpt.name(last_saved))
                     meta = {
                         "data_iterators": checkpoints.gather_from_processes(data_state),
                         "random_seed": random_seed,
@@ -377,6 +412,33 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
         raise errors.ConfigError(
             f"TRAIN_STEPS={total_steps} is below step {reached}, which MODEL_DIR={model_dir} "
             f"already reached; pass TRAIN_STEPS >= {reached} to continue it, or another MODEL_DIR"
+        )
+
+
+def _check_parameters(params: Any, step: int, last_saved: str) -> None:
+    """Stops before saving parameters that hold NaN or Inf (a finite loss came before the
+    update that broke them): every checkpoint of a run has finite parameters.
+
+    Raises:
+      NonFiniteLossError: naming the step, a parameter and the last good checkpoint.
+    """
+    bad = checkpoints.nonfinite_parameters(params)
+    if bad:
+        raise NonFiniteLossError(
+            f"parameters hold NaN or Inf after step {step} ({bad[0]}, {len(bad)} in all); "
+            f"not saved; last good checkpoint: {last_saved}"
+        )
+
+
+def _check_random_seed(meta: dict[str, Any], random_seed: int, checkpoint: str) -> None:
+    """Refuses another ``random_seed`` on resume: the RNG state (dropout, and the parameters
+    it initialised) comes from the checkpoint, so no resumed run can apply it."""
+    saved = meta.get("random_seed", random_seed)
+    if saved != random_seed:
+        raise errors.ConfigError(
+            f"RANDOM_SEED (train_script.train.random_seed) = {random_seed}, but {checkpoint} was "
+            f"trained with {saved}: a resumed run keeps its checkpoint's RNG state, so it cannot "
+            "apply another seed; start a new MODEL_DIR for it"
         )
 
 
