@@ -30,7 +30,7 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import gin
@@ -120,7 +120,10 @@ def _resumed_iterator(
     return make_iterator(cfg, start_step=latest)
 
 
-@gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
+@gin.configurable(
+    module="train_script",
+    denylist=["stop_after_steps", "allow_config_change", "command_line_bindings"],
+)
 def train(
     *,
     model: Any = gin.REQUIRED,
@@ -141,6 +144,7 @@ def train(
     routing_churn: bool = True,
     stop_after_steps: int | None = None,
     allow_config_change: bool = False,
+    command_line_bindings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
 
@@ -167,6 +171,8 @@ def train(
       allow_config_change: resume although the operative gin config differs from the run's
         config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
         which later resumptions compare with).
+      command_line_bindings: the command line's gin binding lines; one binding a model
+        config the built model never reads is refused (not a gin parameter).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -195,6 +201,7 @@ def train(
             accum_steps=accum_steps,
             skip_nonfinite=on_nonfinite == "skip",
         )
+        _refuse_unread_bindings(command_line_bindings)
         aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
         ckpt = checkpoints.Checkpointer(
             model_dir,
@@ -242,7 +249,9 @@ def train(
         churn = None
         if eval_fn and routing_churn and train_eval_dataset_cfg is not None:
             # the first eval batch is the fixed probe batch
-            probe_batch = next(builders.eval_batches(train_eval_dataset_cfg, 1))
+            probe_batch = builders.first_batch(
+                builders.eval_batches(train_eval_dataset_cfg, 1), train_eval_dataset_cfg
+            )
             churn = summaries.ChurnProbe(
                 model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
             )
@@ -279,7 +288,7 @@ def train(
 
         unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
         try:
-            batch = builders.global_batch(next(iterator), ctx)
+            batch = builders.global_batch(builders.first_batch(iterator, train_dataset_cfg), ctx)
             while step < end:
                 state, metrics = step_fn(state, batch)  # async dispatch; state donated
                 data_state = iterator.get_state()  # position after this step's batch
@@ -352,18 +361,40 @@ def train(
         }
 
 
+def _refuse_unread_bindings(bindings: Sequence[str]) -> None:
+    """Refuses those of ``bindings`` (the command line's) that bind a model config the built
+    model never read.
+
+    Raises:
+      ConfigError: naming them.
+    """
+    unread = gin_utils.unread_model_bindings(bindings)
+    if unread:
+        raise errors.ConfigError(
+            f"{'; '.join(unread)}: no part of the model reads "
+            f"{'this binding' if len(unread) == 1 else 'these bindings'} (a config of a router "
+            "or layer the model does not use?)"
+        )
+
+
 @contextlib.contextmanager
 def _holding(model_dir: str) -> Iterator[None]:
     """Holds ``model_dir``'s lock for the block. A failed write or an interrupt that stopped
-    it without saving names the last checkpoint; a run refused before it wrote anything
-    (vocabulary, experts, mesh) leaves no empty ``MODEL_DIR`` behind."""
+    it without saving names the last checkpoint; a run refused before its first checkpoint
+    (vocabulary, experts, mesh, data) leaves no ``MODEL_DIR`` behind when it created it."""
     created = not storage.exists(model_dir)
     checkpoints.ensure_writable(model_dir)
     try:
         with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
             yield
-    except Exception:
-        if created and jax.process_index() == 0 and not storage.listdir(model_dir):
+    except Exception as err:
+        refused = not isinstance(err, NonFiniteLossError | errors.WriteFailedError)
+        if (
+            created
+            and refused
+            and jax.process_index() == 0
+            and checkpoints.reached_step(model_dir) is None
+        ):
             storage.rmtree(model_dir)
         raise
 
@@ -476,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)
-    result = train(allow_config_change=args.allow_config_change)
+    result = train(
+        allow_config_change=args.allow_config_change,
+        command_line_bindings=args.command_line_bindings,
+    )
     if result["preempted"]:
         raise errors.Interrupted(
             result["signal"],

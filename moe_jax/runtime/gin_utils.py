@@ -511,6 +511,39 @@ def bound_value(name: str, default: Any) -> Any:
         return default
 
 
+# Modules whose configurables build the model: a command-line binding of one of them that
+# the run never called (a router config the chosen router does not read) is refused.
+MODEL_MODULES: tuple[str, ...] = ("moe_jax.moe", "moe_jax.models")
+
+
+def unread_model_bindings(bindings: Sequence[str]) -> list[str]:
+    """Those of ``bindings`` (the command line's binding lines) that bind model configurables
+    (:data:`MODEL_MODULES`) that this process never called, e.g.
+    ``NoisyTopKRouterConfig.init_stddev = 0.5`` for a top-k router. gin keeps such a binding
+    without a word (it refuses only unknown names); the run knows which configs it built."""
+    called = set(gin.config._OPERATIVE_CONFIG)  # (scope, selector) of every call
+    unread = []
+    for binding in bindings:
+        with contextlib.suppress(GinConfigError):  # parse_gin reports a bad binding
+            for key in config_bindings(binding, binding):
+                scope, _, name = key.rpartition("/")
+                found = gin.config._REGISTRY.get_match(name.rpartition(".")[0])
+                if (
+                    found is not None
+                    and _in_modules(found.wrapped.__module__, MODEL_MODULES)
+                    and not any(
+                        selector == found.selector and (not scope or scope in used.split("/"))
+                        for used, selector in called
+                    )
+                ):
+                    unread.append(binding)
+    return unread
+
+
+def _in_modules(module: str, roots: Sequence[str]) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in roots)
+
+
 def operative_config() -> str:
     """The gin config actually used (T5X writes it to ``MODEL_DIR/config.gin``)."""
     return gin.operative_config_str()
