@@ -434,6 +434,22 @@ def command_line_value(args: argparse.Namespace, name: str) -> Any:
     return value
 
 
+def user_value(args: argparse.Namespace, name: str) -> Any:
+    """The value the user gives macro ``name``: its ``--gin.NAME`` / ``--gin_bindings`` (the
+    last wins), else the last of the user's own ``--gin_file``s binding it (not a run
+    directory's); None when neither does. Where a command writes comes from here, never from
+    a run's recorded config (``EVAL_OUTPUT_DIR = '/elsewhere'`` in ``RUN/config.gin``)."""
+    value = command_line_value(args, name)
+    if value is not None:
+        return value
+    roots = search_paths(args.gin_search_paths)
+    for given in args.command_line_gin_files:
+        path = _resolve(given, roots)
+        if not in_run_directory(path):
+            value = config_bindings(_read(path), path).get(name, value)
+    return value
+
+
 def first_checkpoint(args: argparse.Namespace) -> str | None:
     """The first checkpoint a command names: ``--checkpoint`` (one or a list) or T5X's
     ``--gin.CHECKPOINT_PATH``; None when neither is given."""

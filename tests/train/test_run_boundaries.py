@@ -340,3 +340,41 @@ def test_a_project_looking_file_in_the_run_folder_never_runs(
     # a module of the installed project still passes the gate
     assert gin_utils._is_project_module("moe_jax.data.tasks")
     assert not gin_utils._is_project_module("moe_jax.payload.py")
+
+
+def test_outputs_go_where_the_command_line_says_and_never_replace_another_comparison(
+    run_and_export, tmp_path, capsys
+):
+    run, _ = run_and_export
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "comparison.txt").write_text("mine")
+    with open(copy / "config.gin", "a") as f:  # a run's config may say anything
+        f.write(f"EVAL_OUTPUT_DIR = {str(victim)!r}\nINFER_OUTPUT_DIR = {str(victim)!r}\n")
+    assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 0
+    assert cli.main(["infer", f"--checkpoint={copy}", "--input=hello"]) == 0
+    assert sorted(p.name for p in victim.iterdir()) == ["comparison.txt"]
+    assert (victim / "comparison.txt").read_text() == "mine"
+    results = copy / "eval_results"
+    first = (results / "comparison.json").read_text()
+    assert list(json.loads(first)) == ["run"]
+    # another comparison into the same folder: refused without --overwrite
+    routers = ["eval", f"--checkpoint={copy}", "--eval_steps=1", "--router=learned"]
+    assert cli.main([*routers, "--router=random"]) == 1
+    assert _last_line(capsys) == (
+        f"moe-jax eval: error: {results / 'comparison.json'} holds another comparison (run; "
+        "this one: run:learned, run:random); pass --overwrite to replace it, or another "
+        "--output_dir"
+    )
+    assert (results / "comparison.json").read_text() == first
+    assert cli.main([*routers, "--router=random", "--overwrite"]) == 0
+    assert list(json.loads((results / "comparison.json").read_text())) == [
+        "run:learned",
+        "run:random",
+    ]
+    # the command line's own EVAL_OUTPUT_DIR is where T5X users expect it
+    mine = tmp_path / "mine"
+    assert cli.main([*routers[:3], f"--gin.EVAL_OUTPUT_DIR={mine}"]) == 0
+    assert (mine / "comparison.json").exists()
