@@ -13,7 +13,7 @@ import gin
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.runtime import builders, evaluation, gin_utils
+from moe_jax.runtime import builders, evaluation, gin_utils, run_lock
 
 STEPS = 2
 TRAIN = [
@@ -378,3 +378,43 @@ def test_outputs_go_where_the_command_line_says_and_never_replace_another_compar
     mine = tmp_path / "mine"
     assert cli.main([*routers[:3], f"--gin.EVAL_OUTPUT_DIR={mine}"]) == 0
     assert (mine / "comparison.json").exists()
+
+
+def test_an_overwritten_export_keeps_nothing_of_the_old_one_and_import_reads_what_it_lists(
+    run_and_export, tmp_path
+):
+    run, export_dir = run_and_export
+    without_routers = tmp_path / "run"
+    shutil.copytree(run, without_routers)
+    (without_routers / "router_init.npz").unlink()
+    out = tmp_path / "export"
+    shutil.copytree(export_dir, out)  # an older export with initial routers
+    assert (out / "router_init.safetensors").exists()
+    assert (
+        cli.main(["export", f"--checkpoint={without_routers}", f"--out={out}", "--overwrite"]) == 0
+    )
+    assert json.loads((out / "config.json").read_text())["router_init"] is None
+    assert not (out / "router_init.safetensors").exists()
+    # a file config.json does not list is never read: no router_init.npz from a stray file
+    stray = tmp_path / "stray"
+    shutil.copytree(export_dir, stray)
+    config = json.loads((stray / "config.json").read_text())
+    (stray / "config.json").write_text(json.dumps({**config, "router_init": None}))
+    assert cli.main(["import", f"--export={stray}", f"--model_dir={tmp_path / 'back'}"]) == 0
+    assert not (tmp_path / "back" / "router_init.npz").exists()
+
+
+def test_import_into_a_run_a_trainer_holds_is_refused(run_and_export, tmp_path, capsys):
+    run, export_dir = run_and_export
+    live = tmp_path / "live"
+    shutil.copytree(run, live)
+    shutil.rmtree(live / "checkpoints" / str(STEPS))
+    own_export = tmp_path / "own_export"
+    shutil.copytree(export_dir, own_export)
+    config = json.loads((own_export / "config.json").read_text())
+    (own_export / "config.json").write_text(json.dumps({**config, "source_checkpoint": str(live)}))
+    with run_lock.RunLock(str(live)):  # a trainer of this process holds it
+        argv = ["import", f"--export={own_export}", f"--model_dir={live}", "--overwrite"]
+        assert cli.main(argv) == 1
+        assert "is being written by another trainer" in _last_line(capsys)
+    assert sorted(os.listdir(live / "checkpoints")) == ["1"]
