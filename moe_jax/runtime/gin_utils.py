@@ -682,9 +682,12 @@ def _is_project_module(module: Any) -> bool:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return False
-    roots = [_package_root(m) for m in PROJECT_MODULES]
-    return bool(spec and spec.origin) and any(
-        root and pathlib.Path(str(spec.origin)).resolve().is_relative_to(root) for root in roots
+    if spec is None or spec.origin is None:
+        return False
+    origin = pathlib.Path(spec.origin).resolve()
+    return any(
+        (root := _package_root(m)) is not None and origin.is_relative_to(root)
+        for m in PROJECT_MODULES
     )
 
 
