@@ -647,24 +647,71 @@ def refuse_untrusted_modules(
     origin: str, found: Iterable[tuple[str, int | None, Any]], args: argparse.Namespace
 ) -> None:
     """Refuses the first of ``found`` (``(binding, line, module)``, read from ``origin``, a
-    run's file) that is neither the project's own module nor one the command line names.
+    run's file) that is neither the project's own module, nor one the command line names,
+    nor a module name the user trusts once for all (:func:`trusted_modules`).
 
     Raises:
       UntrustedCodeError: naming ``origin``, the line and the binding.
     """
-    trusted = command_line_modules(args)
+    trusted = [*command_line_modules(args), *trusted_modules()]
     for binding, line, module in found:
         if module is None or _is_project_module(module) or _same_module(module, trusted):
             continue
         where = f"{origin}, line {line}" if line else origin
+        once = (
+            f", or add it to {trusted_modules_file()} to trust it in every command"
+            if _is_module_name(module)
+            else ""
+        )
         raise UntrustedCodeError(
             f"{where}: refusing {binding} = {module!r}: a run's config may name only the "
             "project's modules or those given on the command line (importing it would run its "
-            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}"
+            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}{once}"
         )
 
 
+def trusted_modules_file() -> str:
+    """The user's list of trusted task modules: ``$MOE_JAX_CONFIG_DIR/trusted_modules``
+    (default ``$XDG_CONFIG_HOME/moe_jax``, i.e. ``~/.config/moe_jax``)."""
+    config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    folder = os.environ.get("MOE_JAX_CONFIG_DIR") or os.path.join(config_home, "moe_jax")
+    return os.path.join(folder, "trusted_modules")
+
+
+def trusted_modules() -> list[str]:
+    """The module names of :func:`trusted_modules_file` (one per line, ``#`` comments): a run
+    naming one of them as its task module is read without repeating it on every command
+    line. A trusted module is a name the import system resolves, never a file path.
+
+    Raises:
+      GinConfigError: naming the file and line of an entry that is not a dotted module name.
+    """
+    path = trusted_modules_file()
+    if not os.path.isfile(path):
+        return []
+    names = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            name = line.split("#", 1)[0].strip()
+            if name and not _is_module_name(name):
+                raise GinConfigError(
+                    f"{path}, line {number}: {name!r} is not a module name (a trusted module "
+                    "is a dotted name on the Python path, never a file)"
+                )
+            names += [name] if name else []
+    return names
+
+
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _is_module_name(module: Any) -> bool:
+    """``module`` is a dotted module name, not a ``.py`` file's name or path."""
+    return (
+        isinstance(module, str)
+        and bool(_MODULE_NAME.fullmatch(module))
+        and not module.endswith(".py")
+    )
 
 
 def _is_project_module(module: Any) -> bool:
@@ -673,8 +720,7 @@ def _is_project_module(module: Any) -> bool:
     never a file path (``moe_jax.x.py`` names no module, whatever file the working
     directory holds)."""
     if not (
-        isinstance(module, str)
-        and _MODULE_NAME.fullmatch(module)
+        _is_module_name(module)
         and any(module == m or module.startswith(m + ".") for m in PROJECT_MODULES)
     ):
         return False

@@ -287,6 +287,7 @@ def test_a_module_on_the_path_is_refused_as_well(run_and_export, tmp_path, monke
             "MIXTURE_OR_TASK_MODULE = None\n", "MIXTURE_OR_TASK_MODULE = 'eviltasks'\n"
         )
     )
+    monkeypatch.setenv("MOE_JAX_CONFIG_DIR", str(tmp_path / "user"))
     assert cli.main(["analyze", "positions", f"--checkpoint={copy}"]) == 1
     line = _last_line(capsys)
     assert line.startswith(f"moe-jax analyze: error: {config}, line ")
@@ -294,9 +295,37 @@ def test_a_module_on_the_path_is_refused_as_well(run_and_export, tmp_path, monke
         ": refusing MIXTURE_OR_TASK_MODULE = 'eviltasks': a run's config may name "
         "only the project's modules or those given on the command line (importing "
         "it would run its code); to trust it, pass "
-        "--gin.MIXTURE_OR_TASK_MODULE=eviltasks"
+        f"--gin.MIXTURE_OR_TASK_MODULE=eviltasks, or add it to {tmp_path}/user/trusted_modules "
+        "to trust it in every command"
     )
     assert not marker.exists()
+
+
+def test_a_module_the_user_trusts_once_is_trusted_by_every_command(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.gin").write_text("MIXTURE_OR_TASK_MODULE = 'my_tasks'\n")
+    settings = run_dir / evaluation.EVAL_SETTINGS_FILE
+    no_flags = gin_utils.parse_flags(builders.build_parser("t", "t"), [])
+    user = tmp_path / "user"
+    monkeypatch.setenv("MOE_JAX_CONFIG_DIR", str(user))
+    with pytest.raises(gin_utils.UntrustedCodeError, match=r"add it to .*/user/trusted_modules"):
+        gin_utils.run_config_file(str(run_dir), no_flags)
+    user.mkdir()
+    (user / "trusted_modules").write_text("# my own tasks\nmy_tasks\n")
+    assert gin_utils.run_config_file(str(run_dir), no_flags) == str(run_dir / "config.gin")
+    gin_utils.refuse_untrusted_modules(str(settings), [("module", None, "my_tasks")], no_flags)
+    # a trusted module is a name, never a file: a path in the list is refused by line
+    (user / "trusted_modules").write_text("my_tasks\n/home/me/my_tasks.py\n")
+    with pytest.raises(
+        gin_utils.GinConfigError,
+        match=r"trusted_modules, line 2: '/home/me/my_tasks.py' is not a module name",
+    ):
+        gin_utils.run_config_file(str(run_dir), no_flags)
+    (run_dir / "config.gin").write_text("MIXTURE_OR_TASK_MODULE = 'my_tasks.py'\n")
+    (user / "trusted_modules").write_text("my_tasks\n")
+    with pytest.raises(gin_utils.UntrustedCodeError, match=r"'my_tasks.py'.*=my_tasks.py$"):
+        gin_utils.run_config_file(str(run_dir), no_flags)
 
 
 @pytest.mark.parametrize(
