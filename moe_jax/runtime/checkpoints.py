@@ -239,6 +239,9 @@ _ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
 _PARTIAL_SAVE = ".orbax-checkpoint-tmp"  # in the paths of a save not yet finished
 
 
+_ORBAX_NOISE = ("Given directory is read only", "Waiting for previous save to complete")
+
+
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
     writer threads) and asyncio's ERROR records about orbax's tasks and futures ("Task
@@ -247,11 +250,13 @@ class _OrbaxErrorFilter(logging.Filter):
     the path of a partial save in the exception, as TensorStore's futures carry no
     traceback):
     :class:`Checkpointer` raises each failure as one line naming the step and cause
-    instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning "Given
-    directory is read only" that every reader (``read_only=True``) would print."""
+    instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warnings
+    :data:`_ORBAX_NOISE`: "Given directory is read only", which every reader
+    (``read_only=True``) would print, and "Waiting for previous save to complete took N
+    seconds" (slow storage such as ``gs://``: the loop waits for a save on purpose)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("Given directory is read only"):
+        if str(record.msg).startswith(_ORBAX_NOISE):
             return False
         if record.levelno < logging.ERROR or os.environ.get("MOE_JAX_TRACEBACK"):
             return True
