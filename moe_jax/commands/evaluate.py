@@ -7,7 +7,9 @@
 Gin: ``runs/eval.gin``, then the first run's ``MODEL_DIR/config.gin`` when no ``--gin_file``
 is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` then the
 ``--gin_file`` files. T5X's ``--gin.CHECKPOINT_PATH`` / ``--gin.EVAL_OUTPUT_DIR`` work as
-``--checkpoint`` / ``--output_dir``.
+``--checkpoint`` / ``--output_dir`` (from the command line and its own ``--gin_file``s; a
+run's recorded ``EVAL_OUTPUT_DIR`` is never where results go). A folder holding results of
+another comparison (other checkpoints or routers) is refused without ``--overwrite``.
 
 Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on

@@ -19,8 +19,9 @@ an unreadable latest checkpoint is moved aside and the newest readable one used;
 write anywhere in ``MODEL_DIR`` (a checkpoint, ``metrics.jsonl``, TensorBoard, configs)
 stops the run (exit 74) naming the file and the last good checkpoint; a resumption whose gin
 config differs from the run's (``config.gin``, or the newest ``config.step-N.gin`` an
-accepted change wrote) is refused unless ``--allow_config_change``; a refused start leaves
-no empty ``MODEL_DIR``;
+accepted change wrote) is refused unless ``--allow_config_change``, and an accepted data
+change is applied (the stream restarts at the resumed step); parameters holding NaN/Inf are
+never saved; a start refused before its first checkpoint leaves no ``MODEL_DIR``;
 ``metrics.jsonl`` and TensorBoard records past the restored step are dropped on resume.
 """
 
