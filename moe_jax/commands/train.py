@@ -101,24 +101,24 @@ def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[s
 
 def _resumed_iterator(
     cfg: builders.DatasetConfig, meta: dict[str, Any] | None, latest: int | None
-) -> Any:
-    """The training stream: fresh at step 0; a restored run continues its saved position
-    when the stream is the one it saved, else (another process count, or a data change
-    accepted with ``--allow_config_change``) reads ``cfg``'s stream from batch ``latest``
-    and says so."""
+) -> tuple[Any, str | None]:
+    """The training stream and, when it restarts, why: fresh at step 0; a restored run
+    continues its saved position when the stream is the one it saved, else (another process
+    count, or a data change accepted with ``--allow_config_change``) reads ``cfg``'s stream
+    from batch ``latest``. Built before the run's config is recorded: building it calls the
+    data configurables, which the recorded config must hold."""
     if meta is None or latest is None:
-        return make_iterator(cfg)
+        return make_iterator(cfg), None
     saved = meta["data_iterators"]
     if len(saved) != jax.process_count():  # same position, this run's sharding of the stream
-        return make_iterator(cfg, start_step=latest)
+        return make_iterator(cfg, start_step=latest), None
     changes = stream_changes(saved[jax.process_index()], cfg)
     if not changes:
-        return make_iterator(cfg, state=saved[jax.process_index()])
-    _log(
+        return make_iterator(cfg, state=saved[jax.process_index()]), None
+    return make_iterator(cfg, start_step=latest), (
         f"the training data changed at step {latest} ({'; '.join(changes)}): reading the new "
         f"stream from its batch {latest}"
     )
-    return make_iterator(cfg, start_step=latest)
 
 
 @gin.configurable(
@@ -222,6 +222,7 @@ def train(
             state, meta, latest = restored
             _check_random_seed(meta, random_seed, ckpt.name(latest))
             _log(f"restored {ckpt.directory}/{latest}")
+        iterator, restart = _resumed_iterator(train_dataset_cfg, meta, latest)
         distributed.process_zero_decides(
             lambda: gin_utils.record_run_config(
                 model_dir,
@@ -231,7 +232,8 @@ def train(
             ),
             lambda: errors.UserError("refused on process 0 (see its message)"),
         )
-        iterator = _resumed_iterator(train_dataset_cfg, meta, latest)
+        if restart:  # said once the change is accepted
+            _log(restart)
         if jax.process_index() == 0:
             summaries.drop_records_after(model_dir, latest or 0)
             if (
