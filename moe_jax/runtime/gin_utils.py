@@ -16,9 +16,10 @@ as ``--gin.TRAIN_STEP=10`` would otherwise be silently ignored).
 
 Config files that come with a run directory (``MODEL_DIR/config.gin``, perhaps downloaded)
 are read through :func:`run_config_file`, which refuses ``import`` lines of modules outside
-the project (gin would import, i.e. run, them). :func:`config_changes` lists the bindings
-that differ between a run's saved config and the operative one (`train` refuses to resume
-with changes unless ``--allow_config_change``).
+the project (gin would import, i.e. run, them), and modules to import that neither the
+command line nor the user's list of trusted modules (:func:`trusted_modules`) names.
+:func:`config_changes` lists the bindings that differ between a run's saved config and
+the operative one (`train` refuses to resume with changes unless ``--allow_config_change``).
 """
 
 from __future__ import annotations
@@ -557,6 +558,7 @@ def unread_model_bindings(bindings: Sequence[str]) -> list[str]:
 
 
 def _in_modules(module: str, roots: Sequence[str]) -> bool:
+    """``module`` is one of ``roots`` or a submodule of one."""
     return any(module == m or module.startswith(m + ".") for m in roots)
 
 
@@ -626,10 +628,7 @@ def check_run_config(path: str, args: argparse.Namespace) -> None:
     for statement in _parse_statements(_read(path), path):
         line = statement.location.line_num if hasattr(statement, "location") else "?"
         if isinstance(statement, config_parser.ImportStatement):
-            if not any(
-                statement.module == m or statement.module.startswith(m + ".")
-                for m in PROJECT_MODULES
-            ):
+            if not _in_modules(statement.module, PROJECT_MODULES):
                 raise GinConfigError(
                     f"{path}, line {line}: refusing `{statement.format()}`: a run directory's "
                     f"config may import only the project's modules ({', '.join(PROJECT_MODULES)}); "
@@ -719,10 +718,7 @@ def _is_project_module(module: Any) -> bool:
     import system resolves it: a dotted name whose source lies in the installed package,
     never a file path (``moe_jax.x.py`` names no module, whatever file the working
     directory holds)."""
-    if not (
-        _is_module_name(module)
-        and any(module == m or module.startswith(m + ".") for m in PROJECT_MODULES)
-    ):
+    if not (_is_module_name(module) and _in_modules(module, PROJECT_MODULES)):
         return False
     try:
         spec = importlib.util.find_spec(module)
