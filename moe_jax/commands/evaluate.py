@@ -7,7 +7,9 @@
 Gin: ``runs/eval.gin``, then the first run's ``MODEL_DIR/config.gin`` when no ``--gin_file``
 is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` then the
 ``--gin_file`` files. T5X's ``--gin.CHECKPOINT_PATH`` / ``--gin.EVAL_OUTPUT_DIR`` work as
-``--checkpoint`` / ``--output_dir``.
+``--checkpoint`` / ``--output_dir`` (from the command line and its own ``--gin_file``s; a
+run's recorded ``EVAL_OUTPUT_DIR`` is never where results go). A folder holding results of
+another comparison (other checkpoints or routers) is refused without ``--overwrite``.
 
 Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on
@@ -53,7 +55,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import param_paths, plotting, storage
+from moe_jax import errors, param_paths, plotting, storage
 from moe_jax.analysis import counterfactual
 from moe_jax.runtime import (
     builders,
@@ -302,7 +304,7 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     plotting.save(fig, path, dpi=100)
 
 
-@gin.configurable(module="eval_script", denylist=["routers"])
+@gin.configurable(module="eval_script", denylist=["routers", "overwrite"])
 def evaluate(
     checkpoint_paths: str | Sequence[str] | None = None,
     output_dir: str | None = None,
@@ -312,6 +314,7 @@ def evaluate(
     dataset_cfg: Any = gin.REQUIRED,
     eval_steps: int = 20,
     router_seed: int = 0,
+    overwrite: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Evaluates each checkpoint on ``dataset_cfg`` with each of ``routers`` (default: as
     trained) and writes JSON, plots and the table.
@@ -323,6 +326,7 @@ def evaluate(
       routers: counterfactual router names (``counterfactual.ROUTER_VARIANTS``); with
         several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
       router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.
+      overwrite: replace ``output_dir``'s results of another comparison (``--overwrite``).
 
     Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``
     and ``"router_drift_missing"`` (why there is no drift) for a run without initial routers.
@@ -344,8 +348,15 @@ def evaluate(
         output_dir
         or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
     )
+    ckpt_labels = checkpoint_labels(checkpoint_paths)
+    labels = [
+        label if names == ["learned"] else f"{label}:{name}"
+        for label in ckpt_labels
+        for name in names
+    ]
+    _check_comparison(output_dir, labels, overwrite)
     results = {}
-    for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths, strict=True):
+    for ckpt_label, path in zip(ckpt_labels, checkpoint_paths, strict=True):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
         restored = builders.restore_model(path, model, input_shapes, ctx)
         step = restored.step
@@ -433,6 +444,24 @@ def evaluate(
     return results
 
 
+def _check_comparison(output_dir: str, labels: Sequence[str], overwrite: bool) -> None:
+    """Refuses to replace ``output_dir``'s results of another comparison (other checkpoints
+    or routers than ``labels``) unless ``overwrite``; the same comparison is re-evaluated.
+
+    Raises:
+      ConfigError: naming the file, what it compares and the flags that help.
+    """
+    path = storage.join(output_dir, "comparison.json")
+    if overwrite or not storage.exists(path):
+        return
+    earlier = list(json.loads(storage.read_text(path)))
+    if sorted(earlier) != sorted(labels):
+        raise errors.ConfigError(
+            f"{path} holds another comparison ({', '.join(earlier)}; this one: "
+            f"{', '.join(labels)}); pass --overwrite to replace it, or another --output_dir"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = builders.build_parser("moe-jax eval", __doc__.splitlines()[0])
     parser.add_argument(
@@ -449,7 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         type=storage.normalize,
         default=None,
         help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
-        "or gin EVAL_OUTPUT_DIR)",
+        "or gin EVAL_OUTPUT_DIR given on the command line, never a run's config's)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the output directory's results of another comparison",
     )
     parser.add_argument(
         "--router",
@@ -480,15 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     apply_eval_settings(args, first)
     gin_utils.parse_gin(args)
     evaluate(
-        **{
-            k: v
-            for k, v in (
-                ("checkpoint_paths", args.checkpoint),
-                ("output_dir", args.output_dir),
-                ("routers", args.router),
-            )
-            if v
-        }
+        output_dir=args.output_dir or gin_utils.user_value(args, "EVAL_OUTPUT_DIR"),
+        overwrite=args.overwrite,
+        **{k: v for k, v in (("checkpoint_paths", args.checkpoint), ("routers", args.router)) if v},
     )
     return 0
 

@@ -319,7 +319,23 @@ def export_checkpoint(
             storage.join(out_dir, CONFIG_GIN),
             storage.read_text(config_gin) if config_gin else gin_utils.operative_config(),
         )
+        for stale in {ROUTER_INIT_FILE, VOCAB_FILE} - set(listed_files(config)):
+            storage.remove(storage.join(out_dir, stale))  # an earlier export's, overwritten
     return config
+
+
+def listed_files(config: Mapping[str, Any]) -> list[str]:
+    """The files an export's ``config.json`` lists beside ``model.safetensors``,
+    ``config.json`` and ``config.gin``: its initial routers and vocabulary, when it has them.
+    ``import`` reads only these, whatever else the directory holds."""
+    return [
+        name
+        for name, entry in (
+            (ROUTER_INIT_FILE, config.get("router_init")),
+            (VOCAB_FILE, (config.get("vocabulary") or {}).get("file")),
+        )
+        if entry
+    ]
 
 
 def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: dict[str, str]) -> bytes:
@@ -336,9 +352,11 @@ def safetensors_arrays(path: str) -> dict[str, np.ndarray]:
     return load(storage.read_bytes(path))
 
 
-def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
+def read_router_init(
+    export_dir: str, config: Mapping[str, Any], abstract_params
+) -> dict[str, np.ndarray]:
     """``{moe-jax router parameter name: initial weights}`` from the export's
-    ``router_init.safetensors``; empty when the export has none.
+    ``router_init.safetensors``; empty when its ``config`` lists none (:func:`listed_files`).
 
     Raises:
       ExportError: the file is unreadable, or its arrays are not the routers of the gin
@@ -347,7 +365,7 @@ def read_router_init(export_dir: str, abstract_params) -> dict[str, np.ndarray]:
     from safetensors import SafetensorError
 
     path = storage.join(export_dir, ROUTER_INIT_FILE)
-    if not storage.exists(path):
+    if ROUTER_INIT_FILE not in listed_files(config):
         return {}
     try:
         arrays = safetensors_arrays(path)
@@ -364,25 +382,38 @@ def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]
     """
     from safetensors import SafetensorError
 
-    weights, config_path = (
-        storage.join(export_dir, WEIGHTS_FILE),
-        storage.join(export_dir, CONFIG_JSON),
-    )
-    for path in (weights, config_path):
-        if not storage.exists(path):
-            raise ExportError(
-                f"--export={export_dir}: {path} does not exist (not an export directory?)"
-            )
-    try:
-        config = json.loads(storage.read_text(config_path))
-        arrays = safetensors_arrays(weights)
-    except (json.JSONDecodeError, SafetensorError, OSError) as err:
-        raise ExportError(f"--export={export_dir}: cannot read {err}") from None
-    if config.get("format") != FORMAT:
+    config = read_export_config(export_dir)
+    weights = storage.join(export_dir, WEIGHTS_FILE)
+    if not storage.exists(weights):
         raise ExportError(
-            f"{config_path} is not a {FORMAT} config (format {config.get('format')!r})"
+            f"--export={export_dir}: {weights} does not exist (not an export directory?)"
         )
+    try:
+        arrays = safetensors_arrays(weights)
+    except (SafetensorError, OSError) as err:
+        raise ExportError(f"--export={export_dir}: cannot read {err}") from None
     return arrays, config
+
+
+def read_export_config(export_dir: str) -> dict[str, Any]:
+    """An export directory's ``config.json``.
+
+    Raises:
+      ExportError: naming the file when it is missing, unreadable or not an export's.
+    """
+    path = storage.join(export_dir, CONFIG_JSON)
+    if not storage.exists(path):
+        raise ExportError(
+            f"--export={export_dir}: {path} does not exist (not an export directory?)"
+        )
+    try:
+        config = json.loads(storage.read_text(path))
+    except (json.JSONDecodeError, OSError) as err:
+        raise ExportError(f"--export={export_dir}: cannot read {err}") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else None
+        raise ExportError(f"{path} is not a {FORMAT} config (format {found!r})")
+    return config
 
 
 @gin.configurable(module="export_script", denylist=["export_dir", "model_dir"])
@@ -403,7 +434,7 @@ def import_export(
     host_params = params_from_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )
-    initial_routers = read_router_init(export_dir, run.abstract_state.params)
+    initial_routers = read_router_init(export_dir, config, run.abstract_state.params)
     checkpoints.ensure_writable(model_dir)  # only once the export fits the model
     params = jax.tree.map(
         lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
@@ -559,18 +590,25 @@ def _import(args) -> int:
         args.gin_file = [exported_gin]
     args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
     exported_vocab = storage.join(args.export, VOCAB_FILE)
-    has_vocab = storage.exists(exported_vocab)
+    has_vocab = VOCAB_FILE in listed_files(read_export_config(args.export))
     if has_vocab:  # the export's copy, not the path of the machine that exported it
         args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
-    step = import_export(args.export, args.model_dir)
-    if jax.process_index() == 0 and not own_run:
-        text = config_text if config_text is not None else gin_utils.operative_config()
-        if has_vocab:
-            copy = storage.join(args.model_dir, VOCAB_FILE)
-            storage.write_bytes(copy, storage.read_bytes(exported_vocab))
-            text = with_vocabulary_path(text, copy)
-        storage.write_text(storage.join(args.model_dir, CONFIG_GIN), text)
+    created = not storage.exists(args.model_dir)
+    try:
+        with run_lock.hold(args.model_dir):  # no trainer writes the run meanwhile
+            step = import_export(args.export, args.model_dir)
+            if jax.process_index() == 0 and not own_run:
+                text = config_text if config_text is not None else gin_utils.operative_config()
+                if has_vocab:
+                    copy = storage.join(args.model_dir, VOCAB_FILE)
+                    storage.write_bytes(copy, storage.read_bytes(exported_vocab))
+                    text = with_vocabulary_path(text, copy)
+                storage.write_text(storage.join(args.model_dir, CONFIG_GIN), text)
+    except Exception:
+        if created and jax.process_index() == 0 and not storage.listdir(args.model_dir):
+            storage.rmtree(args.model_dir)  # the lock's folder, refused before any write
+        raise
     return step
 
 

@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         args, gin_utils.first_checkpoint(args), ["runs/infer.gin"], command="moe-jax infer"
     )
     gin_utils.parse_gin(args)
-    outputs = infer(inputs, **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}))
+    outputs = infer(
+        inputs,
+        output_dir=gin_utils.user_value(args, "INFER_OUTPUT_DIR"),  # never the run's config's
+        **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}),
+    )
     if jax.process_index() == 0:
         for text, out in zip(inputs, outputs, strict=True):
             print(f"{text} -> {out}")

@@ -19,8 +19,9 @@ an unreadable latest checkpoint is moved aside and the newest readable one used;
 write anywhere in ``MODEL_DIR`` (a checkpoint, ``metrics.jsonl``, TensorBoard, configs)
 stops the run (exit 74) naming the file and the last good checkpoint; a resumption whose gin
 config differs from the run's (``config.gin``, or the newest ``config.step-N.gin`` an
-accepted change wrote) is refused unless ``--allow_config_change``; a refused start leaves
-no empty ``MODEL_DIR``;
+accepted change wrote) is refused unless ``--allow_config_change``, and an accepted data
+change is applied (the stream restarts at the resumed step); parameters holding NaN/Inf are
+never saved; a start refused before its first checkpoint leaves no ``MODEL_DIR``;
 ``metrics.jsonl`` and TensorBoard records past the restored step are dropped on resume.
 """
 
@@ -30,7 +31,7 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import gin
@@ -82,7 +83,48 @@ def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, sta
     )
 
 
-@gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
+def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[str]:
+    """How this process's stream of ``cfg`` differs from a saved iterator state (task,
+    split, feature lengths, per-process batch size, seed, packing, cache), as
+    ``"name: saved -> now"``; empty when the saved position continues the same stream."""
+    now = {
+        "mixture_or_task_name": cfg.mixture_or_task_name,
+        "split": cfg.split,
+        "task_feature_lengths": dict(cfg.task_feature_lengths),
+        "batch_size": cfg.batch_size // jax.process_count(),
+        "seed": cfg.seed,
+        "pack": cfg.pack,
+        "use_cached": cfg.use_cached,
+    }
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+
+
+def _resumed_iterator(
+    cfg: builders.DatasetConfig, meta: dict[str, Any] | None, latest: int | None
+) -> tuple[Any, str | None]:
+    """The training stream and, when it restarts, why: fresh at step 0; a restored run
+    continues its saved position when the stream is the one it saved, else (another process
+    count, or a data change accepted with ``--allow_config_change``) reads ``cfg``'s stream
+    from batch ``latest``. Built before the run's config is recorded: building it calls the
+    data configurables, which the recorded config must hold."""
+    if meta is None or latest is None:
+        return make_iterator(cfg), None
+    saved = meta["data_iterators"]
+    if len(saved) != jax.process_count():  # same position, this run's sharding of the stream
+        return make_iterator(cfg, start_step=latest), None
+    changes = stream_changes(saved[jax.process_index()], cfg)
+    if not changes:
+        return make_iterator(cfg, state=saved[jax.process_index()]), None
+    return make_iterator(cfg, start_step=latest), (
+        f"the training data changed at step {latest} ({'; '.join(changes)}): reading the new "
+        f"stream from its batch {latest}"
+    )
+
+
+@gin.configurable(
+    module="train_script",
+    denylist=["stop_after_steps", "allow_config_change", "command_line_bindings"],
+)
 def train(
     *,
     model: Any = gin.REQUIRED,
@@ -103,6 +145,7 @@ def train(
     routing_churn: bool = True,
     stop_after_steps: int | None = None,
     allow_config_change: bool = False,
+    command_line_bindings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
 
@@ -129,6 +172,8 @@ def train(
       allow_config_change: resume although the operative gin config differs from the run's
         config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
         which later resumptions compare with).
+      command_line_bindings: the command line's gin binding lines; one binding a model
+        config the built model never reads is refused (not a gin parameter).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -157,6 +202,7 @@ def train(
             accum_steps=accum_steps,
             skip_nonfinite=on_nonfinite == "skip",
         )
+        _refuse_unread_bindings(command_line_bindings)
         aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
         ckpt = checkpoints.Checkpointer(
             model_dir,
@@ -169,18 +215,14 @@ def train(
         restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
         _check_set_aside(model_dir, set_aside, fresh=restored is None)
         if restored is None:
-            latest = None
+            latest, meta = None, None
             state = run.init_state()
-            iterator = make_iterator(train_dataset_cfg)
             checkpoints.save_router_init(model_dir, state.params)
         else:
             state, meta, latest = restored
-            saved = meta["data_iterators"]
-            if len(saved) == jax.process_count():
-                iterator = make_iterator(train_dataset_cfg, state=saved[jax.process_index()])
-            else:  # another process count: same position, this run's sharding of the stream
-                iterator = make_iterator(train_dataset_cfg, start_step=latest)
+            _check_random_seed(meta, random_seed, ckpt.name(latest))
             _log(f"restored {ckpt.directory}/{latest}")
+        iterator, restart = _resumed_iterator(train_dataset_cfg, meta, latest)
         distributed.process_zero_decides(
             lambda: gin_utils.record_run_config(
                 model_dir,
@@ -190,6 +232,8 @@ def train(
             ),
             lambda: errors.UserError("refused on process 0 (see its message)"),
         )
+        if restart:  # said once the change is accepted
+            _log(restart)
         if jax.process_index() == 0:
             summaries.drop_records_after(model_dir, latest or 0)
             if (
@@ -208,7 +252,9 @@ def train(
         churn = None
         if eval_fn and routing_churn and train_eval_dataset_cfg is not None:
             # the first eval batch is the fixed probe batch
-            probe_batch = next(builders.eval_batches(train_eval_dataset_cfg, 1))
+            probe_batch = builders.first_batch(
+                builders.eval_batches(train_eval_dataset_cfg, 1), train_eval_dataset_cfg
+            )
             churn = summaries.ChurnProbe(
                 model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
             )
@@ -245,7 +291,7 @@ def train(
 
         unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
         try:
-            batch = builders.global_batch(next(iterator), ctx)
+            batch = builders.global_batch(builders.first_batch(iterator, train_dataset_cfg), ctx)
             while step < end:
                 state, metrics = step_fn(state, batch)  # async dispatch; state donated
                 data_state = iterator.get_state()  # position after this step's batch
@@ -273,6 +319,7 @@ def train(
                     writer.write("train", step, {**jax.device_get(metrics), **rates})
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
                 if save_now:
+                    _check_parameters(state.params, step, ckpt.name(last_saved))
                     meta = {
                         "data_iterators": checkpoints.gather_from_processes(data_state),
                         "random_seed": random_seed,
@@ -317,18 +364,40 @@ def train(
         }
 
 
+def _refuse_unread_bindings(bindings: Sequence[str]) -> None:
+    """Refuses those of ``bindings`` (the command line's) that bind a model config the built
+    model never read.
+
+    Raises:
+      ConfigError: naming them.
+    """
+    unread = gin_utils.unread_model_bindings(bindings)
+    if unread:
+        raise errors.ConfigError(
+            f"{'; '.join(unread)}: no part of the model reads "
+            f"{'this binding' if len(unread) == 1 else 'these bindings'} (a config of a router "
+            "or layer the model does not use?)"
+        )
+
+
 @contextlib.contextmanager
 def _holding(model_dir: str) -> Iterator[None]:
     """Holds ``model_dir``'s lock for the block. A failed write or an interrupt that stopped
-    it without saving names the last checkpoint; a run refused before it wrote anything
-    (vocabulary, experts, mesh) leaves no empty ``MODEL_DIR`` behind."""
+    it without saving names the last checkpoint; a run refused before its first checkpoint
+    (vocabulary, experts, mesh, data) leaves no ``MODEL_DIR`` behind when it created it."""
     created = not storage.exists(model_dir)
     checkpoints.ensure_writable(model_dir)
     try:
         with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
             yield
-    except Exception:
-        if created and jax.process_index() == 0 and not storage.listdir(model_dir):
+    except Exception as err:
+        refused = not isinstance(err, NonFiniteLossError | errors.WriteFailedError)
+        if (
+            created
+            and refused
+            and jax.process_index() == 0
+            and checkpoints.reached_step(model_dir) is None
+        ):
             storage.rmtree(model_dir)
         raise
 
@@ -380,6 +449,33 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
         )
 
 
+def _check_parameters(params: Any, step: int, last_saved: str) -> None:
+    """Stops before saving parameters that hold NaN or Inf (a finite loss came before the
+    update that broke them): every checkpoint of a run has finite parameters.
+
+    Raises:
+      NonFiniteLossError: naming the step, a parameter and the last good checkpoint.
+    """
+    bad = checkpoints.nonfinite_parameters(params)
+    if bad:
+        raise NonFiniteLossError(
+            f"parameters hold NaN or Inf after step {step} ({bad[0]}, {len(bad)} in all); "
+            f"not saved; last good checkpoint: {last_saved}"
+        )
+
+
+def _check_random_seed(meta: dict[str, Any], random_seed: int, checkpoint: str) -> None:
+    """Refuses another ``random_seed`` on resume: the RNG state (dropout, and the parameters
+    it initialised) comes from the checkpoint, so no resumed run can apply it."""
+    saved = meta.get("random_seed", random_seed)
+    if saved != random_seed:
+        raise errors.ConfigError(
+            f"RANDOM_SEED (train_script.train.random_seed) = {random_seed}, but {checkpoint} was "
+            f"trained with {saved}: a resumed run keeps its checkpoint's RNG state, so it cannot "
+            "apply another seed; start a new MODEL_DIR for it"
+        )
+
+
 def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
     """Names the damaged checkpoints set aside at earlier starts (at every start until they
     are deleted), and refuses to train from step 0 while they are there."""
@@ -414,7 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)
-    result = train(allow_config_change=args.allow_config_change)
+    result = train(
+        allow_config_change=args.allow_config_change,
+        command_line_bindings=args.command_line_bindings,
+    )
     if result["preempted"]:
         raise errors.Interrupted(
             result["signal"],

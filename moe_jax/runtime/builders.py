@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gin
@@ -56,6 +56,7 @@ class DatasetConfig:
                 f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}; "
                 "expected a positive integer"
             )
+        _check_feature_lengths(self.task_feature_lengths)
         if self.module:
             # deferred on purpose: TensorFlow/seqio load only when data is read
             from moe_jax.data import tasks
@@ -68,6 +69,29 @@ class DatasetConfig:
             "encoder_input_tokens": (self.batch_size, self.task_feature_lengths["inputs"]),
             "decoder_input_tokens": (self.batch_size, self.task_feature_lengths["targets"]),
         }
+
+
+def _check_feature_lengths(lengths: Any) -> None:
+    """Refuses ``TASK_FEATURE_LENGTHS`` that is not ``{'inputs': I, 'targets': T}`` with
+    positive integers (extra features are allowed).
+
+    Raises:
+      ConfigError: naming the macro, the value and what is wrong.
+    """
+    problem = None
+    if not isinstance(lengths, Mapping):
+        problem = "expected a dict"
+    elif missing := [k for k in ("inputs", "targets") if k not in lengths]:
+        problem = f"no {' or '.join(repr(k) for k in missing)}"
+    elif bad := [
+        k for k, v in lengths.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0
+    ]:
+        problem = f"{', '.join(repr(k) for k in bad)}: expected a positive integer"
+    if problem:
+        raise errors.ConfigError(
+            f"TASK_FEATURE_LENGTHS (DatasetConfig.task_feature_lengths) = {lengths!r}: "
+            f"{problem}; e.g. {{'inputs': 512, 'targets': 114}}"
+        )
 
 
 @dataclasses.dataclass
@@ -118,6 +142,24 @@ def eval_batches(cfg: DatasetConfig, num_batches: int):
         use_cached=cfg.use_cached,
     )
     return ds.take(num_batches).as_numpy_iterator()
+
+
+def first_batch(
+    batches: Iterator[dict[str, np.ndarray]], cfg: DatasetConfig
+) -> dict[str, np.ndarray]:
+    """The first of ``batches`` (an endless stream of ``cfg``, or its first eval batches);
+    a stream that ends at once has no data.
+
+    Raises:
+      InputFileError: naming the task and split that hold no example.
+    """
+    try:
+        return next(batches)
+    except StopIteration:
+        raise errors.InputFileError(
+            f"MIXTURE_OR_TASK_NAME={cfg.mixture_or_task_name!r}: the {cfg.split} split holds no "
+            "example (empty files?)"
+        ) from None
 
 
 def build_optimizer(model_params_abstract):

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -112,6 +113,36 @@ class CheckpointReadError(UnreadableCheckpointError):
 def param_shapes(params: PyTree) -> dict[str, list[int]]:
     """``{"encoder/layers_0/attention/query/kernel": [32, 768], ...}`` for a parameter tree."""
     return {name: list(leaf.shape) for name, leaf in param_paths.named_leaves(params).items()}
+
+
+def nonfinite_parameters(params: PyTree) -> list[str]:
+    """Names of the floating-point parameters of ``params`` (global arrays on any mesh)
+    holding a NaN or an Inf, in tree order; one reduction per parameter, one fetch."""
+    named = {
+        name: leaf
+        for name, leaf in param_paths.named_leaves(params).items()
+        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+    }
+    finite = jax.device_get(
+        jax.jit(lambda leaves: [jnp.isfinite(x).all() for x in leaves])(list(named.values()))
+    )
+    return [name for name, ok in zip(named, finite, strict=True) if not ok]
+
+
+def check_finite(params: PyTree, step: int, step_dir: str) -> None:
+    """Refuses restored parameters holding NaN or Inf: training never saves such a step,
+    so they are damage (bytes changed where no integrity record could tell).
+
+    Raises:
+      UnreadableCheckpointError: naming the step and the first such parameter.
+    """
+    bad = nonfinite_parameters(params)
+    if bad:
+        raise UnreadableCheckpointError(
+            f"checkpoint step {step} is unreadable: {step_dir}: parameter {bad[0]} "
+            f"({len(bad)} of {len(param_paths.named_leaves(params))}) holds NaN or Inf",
+            step,
+        )
 
 
 def check_compatible(
@@ -208,6 +239,9 @@ _ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
 _PARTIAL_SAVE = ".orbax-checkpoint-tmp"  # in the paths of a save not yet finished
 
 
+_ORBAX_NOISE = ("Given directory is read only", "Waiting for previous save to complete")
+
+
 class _OrbaxErrorFilter(logging.Filter):
     """Drops orbax's ERROR log records (a failed save logs a traceback from each of its
     writer threads) and asyncio's ERROR records about orbax's tasks and futures ("Task
@@ -216,11 +250,13 @@ class _OrbaxErrorFilter(logging.Filter):
     the path of a partial save in the exception, as TensorStore's futures carry no
     traceback):
     :class:`Checkpointer` raises each failure as one line naming the step and cause
-    instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warning "Given
-    directory is read only" that every reader (``read_only=True``) would print."""
+    instead. ``MOE_JAX_TRACEBACK=1`` keeps them. Also drops orbax's warnings
+    :data:`_ORBAX_NOISE`: "Given directory is read only", which every reader
+    (``read_only=True``) would print, and "Waiting for previous save to complete took N
+    seconds" (slow storage such as ``gs://``: the loop waits for a save on purpose)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("Given directory is read only"):
+        if str(record.msg).startswith(_ORBAX_NOISE):
             return False
         if record.levelno < logging.ERROR or os.environ.get("MOE_JAX_TRACEBACK"):
             return True
@@ -449,6 +485,7 @@ class Checkpointer:
                     train=ocp.args.StandardRestore(_train_item(target)),
                 ),
             )
+        check_finite(out["params"], step, self.step_dir(step))
         train = out["train"]
         return TrainState(
             step=train["step"],
@@ -490,6 +527,7 @@ class Checkpointer:
             )
         with self._read_errors(step, verified):
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
+        check_finite(out["params"], step, self.step_dir(step))
         return out["params"], (out["train"]["collections"] if collections else {}), meta
 
     def move_aside(self, step: int) -> str:

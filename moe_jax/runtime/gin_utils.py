@@ -16,9 +16,10 @@ as ``--gin.TRAIN_STEP=10`` would otherwise be silently ignored).
 
 Config files that come with a run directory (``MODEL_DIR/config.gin``, perhaps downloaded)
 are read through :func:`run_config_file`, which refuses ``import`` lines of modules outside
-the project (gin would import, i.e. run, them). :func:`config_changes` lists the bindings
-that differ between a run's saved config and the operative one (`train` refuses to resume
-with changes unless ``--allow_config_change``).
+the project (gin would import, i.e. run, them), and modules to import that neither the
+command line nor the user's list of trusted modules (:func:`trusted_modules`) names.
+:func:`config_changes` lists the bindings that differ between a run's saved config and
+the operative one (`train` refuses to resume with changes unless ``--allow_config_change``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ast
 import atexit
 import contextlib
 import importlib
+import importlib.util
 import io
 import logging
 import os
@@ -435,6 +437,22 @@ def command_line_value(args: argparse.Namespace, name: str) -> Any:
     return value
 
 
+def user_value(args: argparse.Namespace, name: str) -> Any:
+    """The value the user gives macro ``name``: its ``--gin.NAME`` / ``--gin_bindings`` (the
+    last wins), else the last of the user's own ``--gin_file``s binding it (not a run
+    directory's); None when neither does. Where a command writes comes from here, never from
+    a run's recorded config (``EVAL_OUTPUT_DIR = '/elsewhere'`` in ``RUN/config.gin``)."""
+    value = command_line_value(args, name)
+    if value is not None:
+        return value
+    roots = search_paths(args.gin_search_paths)
+    for given in args.command_line_gin_files:
+        path = _resolve(given, roots)
+        if not in_run_directory(path):
+            value = config_bindings(_read(path), path).get(name, value)
+    return value
+
+
 def first_checkpoint(args: argparse.Namespace) -> str | None:
     """The first checkpoint a command names: ``--checkpoint`` (one or a list) or T5X's
     ``--gin.CHECKPOINT_PATH``; None when neither is given."""
@@ -512,6 +530,40 @@ def bound_value(name: str, default: Any) -> Any:
         return default
 
 
+# Modules whose configurables build the model: a command-line binding of one of them that
+# the run never called (a router config the chosen router does not read) is refused.
+MODEL_MODULES: tuple[str, ...] = ("moe_jax.moe", "moe_jax.models")
+
+
+def unread_model_bindings(bindings: Sequence[str]) -> list[str]:
+    """Those of ``bindings`` (the command line's binding lines) that bind model configurables
+    (:data:`MODEL_MODULES`) that this process never called, e.g.
+    ``NoisyTopKRouterConfig.init_stddev = 0.5`` for a top-k router. gin keeps such a binding
+    without a word (it refuses only unknown names); the run knows which configs it built."""
+    called = set(gin.config._OPERATIVE_CONFIG)  # (scope, selector) of every call
+    unread = []
+    for binding in bindings:
+        with contextlib.suppress(GinConfigError):  # parse_gin reports a bad binding
+            for key in config_bindings(binding, binding):
+                scope, _, name = key.rpartition("/")
+                found = gin.config._REGISTRY.get_match(name.rpartition(".")[0])
+                if (
+                    found is not None
+                    and _in_modules(found.wrapped.__module__, MODEL_MODULES)
+                    and not any(
+                        selector == found.selector and (not scope or scope in used.split("/"))
+                        for used, selector in called
+                    )
+                ):
+                    unread.append(binding)
+    return unread
+
+
+def _in_modules(module: str, roots: Sequence[str]) -> bool:
+    """``module`` is one of ``roots`` or a submodule of one."""
+    return any(module == m or module.startswith(m + ".") for m in roots)
+
+
 def operative_config() -> str:
     """The gin config actually used (T5X writes it to ``MODEL_DIR/config.gin``)."""
     return gin.operative_config_str()
@@ -578,10 +630,7 @@ def check_run_config(path: str, args: argparse.Namespace) -> None:
     for statement in _parse_statements(_read(path), path):
         line = statement.location.line_num if hasattr(statement, "location") else "?"
         if isinstance(statement, config_parser.ImportStatement):
-            if not any(
-                statement.module == m or statement.module.startswith(m + ".")
-                for m in PROJECT_MODULES
-            ):
+            if not _in_modules(statement.module, PROJECT_MODULES):
                 raise GinConfigError(
                     f"{path}, line {line}: refusing `{statement.format()}`: a run directory's "
                     f"config may import only the project's modules ({', '.join(PROJECT_MODULES)}); "
@@ -599,27 +648,97 @@ def refuse_untrusted_modules(
     origin: str, found: Iterable[tuple[str, int | None, Any]], args: argparse.Namespace
 ) -> None:
     """Refuses the first of ``found`` (``(binding, line, module)``, read from ``origin``, a
-    run's file) that is neither the project's own module nor one the command line names.
+    run's file) that is neither the project's own module, nor one the command line names,
+    nor a module name the user trusts once for all (:func:`trusted_modules`).
 
     Raises:
       UntrustedCodeError: naming ``origin``, the line and the binding.
     """
-    trusted = command_line_modules(args)
+    trusted = [*command_line_modules(args), *trusted_modules()]
     for binding, line, module in found:
         if module is None or _is_project_module(module) or _same_module(module, trusted):
             continue
         where = f"{origin}, line {line}" if line else origin
+        once = (
+            f", or add it to {trusted_modules_file()} to trust it in every command"
+            if _is_module_name(module)
+            else ""
+        )
         raise UntrustedCodeError(
             f"{where}: refusing {binding} = {module!r}: a run's config may name only the "
             "project's modules or those given on the command line (importing it would run its "
-            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}"
+            f"code); to trust it, pass --gin.MIXTURE_OR_TASK_MODULE={module}{once}"
         )
 
 
-def _is_project_module(module: Any) -> bool:
-    return isinstance(module, str) and any(
-        module == m or module.startswith(m + ".") for m in PROJECT_MODULES
+def trusted_modules_file() -> str:
+    """The user's list of trusted task modules: ``$MOE_JAX_CONFIG_DIR/trusted_modules``
+    (default ``$XDG_CONFIG_HOME/moe_jax``, i.e. ``~/.config/moe_jax``)."""
+    config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    folder = os.environ.get("MOE_JAX_CONFIG_DIR") or os.path.join(config_home, "moe_jax")
+    return os.path.join(folder, "trusted_modules")
+
+
+def trusted_modules() -> list[str]:
+    """The module names of :func:`trusted_modules_file` (one per line, ``#`` comments): a run
+    naming one of them as its task module is read without repeating it on every command
+    line. A trusted module is a name the import system resolves, never a file path.
+
+    Raises:
+      GinConfigError: naming the file and line of an entry that is not a dotted module name.
+    """
+    path = trusted_modules_file()
+    if not os.path.isfile(path):
+        return []
+    names = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            name = line.split("#", 1)[0].strip()
+            if name and not _is_module_name(name):
+                raise GinConfigError(
+                    f"{path}, line {number}: {name!r} is not a module name (a trusted module "
+                    "is a dotted name on the Python path, never a file)"
+                )
+            names += [name] if name else []
+    return names
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _is_module_name(module: Any) -> bool:
+    """``module`` is a dotted module name, not a ``.py`` file's name or path."""
+    return (
+        isinstance(module, str)
+        and bool(_MODULE_NAME.fullmatch(module))
+        and not module.endswith(".py")
     )
+
+
+def _is_project_module(module: Any) -> bool:
+    """``module`` is a module of the installed project (:data:`PROJECT_MODULES`) as the
+    import system resolves it: a dotted name whose source lies in the installed package,
+    never a file path (``moe_jax.x.py`` names no module, whatever file the working
+    directory holds)."""
+    if not (_is_module_name(module) and _in_modules(module, PROJECT_MODULES)):
+        return False
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    origin = pathlib.Path(spec.origin).resolve()
+    return any(
+        (root := _package_root(m)) is not None and origin.is_relative_to(root)
+        for m in PROJECT_MODULES
+    )
+
+
+def _package_root(name: str) -> pathlib.Path | None:
+    """The folder of installed package ``name``."""
+    spec = importlib.util.find_spec(name)
+    return pathlib.Path(str(spec.origin)).resolve().parent if spec and spec.origin else None
 
 
 def _same_module(module: Any, trusted: Iterable[Any]) -> bool:

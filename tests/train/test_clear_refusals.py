@@ -102,3 +102,57 @@ def test_an_empty_lock_is_taken_over_at_once(tmp_path, request, where):
     finally:
         lock.release()
     assert not storage.exists(lock_path)
+
+
+_LENGTHS = "TASK_FEATURE_LENGTHS (DatasetConfig.task_feature_lengths) = "
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--gin.TASK_FEATURE_LENGTHS={'inputs': '32', 'targets': 8}"],
+            _LENGTHS + "{'inputs': '32', 'targets': 8}: 'inputs': expected a positive integer; "
+            "e.g. {'inputs': 512, 'targets': 114}",
+        ),
+        (
+            ["--gin.TASK_FEATURE_LENGTHS=32"],
+            _LENGTHS + "32: expected a dict; e.g. {'inputs': 512, 'targets': 114}",
+        ),
+        (
+            ["--gin.TASK_FEATURE_LENGTHS={'inputs': 32}"],
+            _LENGTHS + "{'inputs': 32}: no 'targets'; e.g. {'inputs': 512, 'targets': 114}",
+        ),
+        (
+            ["--gin.NoisyTopKRouterConfig.init_stddev=0.5"],
+            "NoisyTopKRouterConfig.init_stddev = 0.5: no part of the model reads this binding "
+            "(a config of a router or layer the model does not use?)",
+        ),
+    ],
+    ids=["length_as_text", "lengths_not_a_dict", "no_targets", "unused_router_config"],
+)
+def test_bad_lengths_and_unread_bindings_are_one_line(tmp_path, capsys, flags, line):
+    model_dir = tmp_path / "new_run"
+    assert cli.main(["train", *TINY, f"--gin.MODEL_DIR={model_dir}", *flags]) == 1
+    assert _last_line(capsys) == f"moe-jax train: error: {line}"
+    assert not model_dir.exists()
+
+
+def test_data_that_yields_nothing_is_one_line_and_leaves_no_run(tmp_path, capsys):
+    model_dir = tmp_path / "new_run"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    text = ["--gin_file=data/text.gin", f"--gin.MODEL_DIR={model_dir}"]
+    for flags in (
+        ["--gin.MIXTURE_OR_TASK_NAME=no_such_task"],
+        ["--gin_file=data/text.gin", f"--gin.TEXT_TRAIN_FILES={tmp_path}/nothing/*.txt"],
+        [*text, f"--gin.TEXT_TRAIN_FILES={empty}"],
+    ):
+        assert cli.main(["train", *TINY, f"--gin.MODEL_DIR={model_dir}", *flags]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("moe-jax train: error: ") and "Traceback" not in err, err
+        assert not model_dir.exists(), flags
+    # nothing of the refused run is left to refuse a good one as a config change
+    good = tmp_path / "good.txt"
+    good.write_text("".join(f"line {i} of some text to train on.\n" for i in range(200)))
+    assert cli.main(["train", *TINY, *text, f"--gin.TEXT_TRAIN_FILES={good}"]) == 0

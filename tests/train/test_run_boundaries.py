@@ -13,7 +13,7 @@ import gin
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.runtime import builders, evaluation, gin_utils
+from moe_jax.runtime import builders, evaluation, gin_utils, run_lock
 
 STEPS = 2
 TRAIN = [
@@ -287,6 +287,7 @@ def test_a_module_on_the_path_is_refused_as_well(run_and_export, tmp_path, monke
             "MIXTURE_OR_TASK_MODULE = None\n", "MIXTURE_OR_TASK_MODULE = 'eviltasks'\n"
         )
     )
+    monkeypatch.setenv("MOE_JAX_CONFIG_DIR", str(tmp_path / "user"))
     assert cli.main(["analyze", "positions", f"--checkpoint={copy}"]) == 1
     line = _last_line(capsys)
     assert line.startswith(f"moe-jax analyze: error: {config}, line ")
@@ -294,6 +295,155 @@ def test_a_module_on_the_path_is_refused_as_well(run_and_export, tmp_path, monke
         ": refusing MIXTURE_OR_TASK_MODULE = 'eviltasks': a run's config may name "
         "only the project's modules or those given on the command line (importing "
         "it would run its code); to trust it, pass "
-        "--gin.MIXTURE_OR_TASK_MODULE=eviltasks"
+        f"--gin.MIXTURE_OR_TASK_MODULE=eviltasks, or add it to {tmp_path}/user/trusted_modules "
+        "to trust it in every command"
     )
     assert not marker.exists()
+
+
+def test_a_module_the_user_trusts_once_is_trusted_by_every_command(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.gin").write_text("MIXTURE_OR_TASK_MODULE = 'my_tasks'\n")
+    settings = run_dir / evaluation.EVAL_SETTINGS_FILE
+    no_flags = gin_utils.parse_flags(builders.build_parser("t", "t"), [])
+    user = tmp_path / "user"
+    monkeypatch.setenv("MOE_JAX_CONFIG_DIR", str(user))
+    with pytest.raises(gin_utils.UntrustedCodeError, match=r"add it to .*/user/trusted_modules"):
+        gin_utils.run_config_file(str(run_dir), no_flags)
+    user.mkdir()
+    (user / "trusted_modules").write_text("# my own tasks\nmy_tasks\n")
+    assert gin_utils.run_config_file(str(run_dir), no_flags) == str(run_dir / "config.gin")
+    gin_utils.refuse_untrusted_modules(str(settings), [("module", None, "my_tasks")], no_flags)
+    # a trusted module is a name, never a file: a path in the list is refused by line
+    (user / "trusted_modules").write_text("my_tasks\n/home/me/my_tasks.py\n")
+    with pytest.raises(
+        gin_utils.GinConfigError,
+        match=r"trusted_modules, line 2: '/home/me/my_tasks.py' is not a module name",
+    ):
+        gin_utils.run_config_file(str(run_dir), no_flags)
+    (run_dir / "config.gin").write_text("MIXTURE_OR_TASK_MODULE = 'my_tasks.py'\n")
+    (user / "trusted_modules").write_text("my_tasks\n")
+    with pytest.raises(gin_utils.UntrustedCodeError, match=r"'my_tasks.py'.*=my_tasks.py$"):
+        gin_utils.run_config_file(str(run_dir), no_flags)
+
+
+@pytest.mark.parametrize(
+    "where, command",
+    [
+        ("settings", ["eval", "--checkpoint=.", "--eval_steps=1"]),
+        ("config", ["eval", "--checkpoint=.", "--eval_steps=1"]),
+        ("config", ["eval", "--checkpoint=.", "--eval_steps=1", "--eval_settings=gin"]),
+        ("config", ["analyze", "positions", "--checkpoint=."]),
+    ],
+    ids=["eval_settings", "config_eval", "config_eval_gin", "config_analyze"],
+)
+def test_a_project_looking_file_in_the_run_folder_never_runs(
+    run_and_export, tmp_path, monkeypatch, capsys, where, command
+):
+    """``moe_jax.payload.py`` beside the run is a file, not a module of the project: a run's
+    config or eval settings naming it is refused like any module the command line does not
+    name, from inside the run folder too."""
+    run, _ = run_and_export
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "moe_jax.payload.py").write_text("open('payload.ran', 'w').write('ran')\n")
+    if where == "settings":
+        settings = copy / evaluation.EVAL_SETTINGS_FILE
+        settings.write_text(
+            settings.read_text().replace('"module": null', '"module": "moe_jax.payload.py"')
+        )
+    else:
+        config = copy / "config.gin"
+        config.write_text(
+            config.read_text().replace(
+                "MIXTURE_OR_TASK_MODULE = None\n",
+                "MIXTURE_OR_TASK_MODULE = 'moe_jax.payload.py'\n",
+            )
+        )
+    monkeypatch.chdir(copy)
+    assert cli.main(command) == 1
+    line = _last_line(capsys)
+    assert "refusing" in line and "'moe_jax.payload.py'" in line, line
+    assert not (copy / "payload.ran").exists()
+    # a module of the installed project still passes the gate
+    assert gin_utils._is_project_module("moe_jax.data.tasks")
+    assert not gin_utils._is_project_module("moe_jax.payload.py")
+
+
+def test_outputs_go_where_the_command_line_says_and_never_replace_another_comparison(
+    run_and_export, tmp_path, capsys
+):
+    run, _ = run_and_export
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "comparison.txt").write_text("mine")
+    with open(copy / "config.gin", "a") as f:  # a run's config may say anything
+        f.write(f"EVAL_OUTPUT_DIR = {str(victim)!r}\nINFER_OUTPUT_DIR = {str(victim)!r}\n")
+    assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 0
+    assert cli.main(["infer", f"--checkpoint={copy}", "--input=hello"]) == 0
+    assert sorted(p.name for p in victim.iterdir()) == ["comparison.txt"]
+    assert (victim / "comparison.txt").read_text() == "mine"
+    results = copy / "eval_results"
+    first = (results / "comparison.json").read_text()
+    assert list(json.loads(first)) == ["run"]
+    # another comparison into the same folder: refused without --overwrite
+    routers = ["eval", f"--checkpoint={copy}", "--eval_steps=1", "--router=learned"]
+    assert cli.main([*routers, "--router=random"]) == 1
+    assert _last_line(capsys) == (
+        f"moe-jax eval: error: {results / 'comparison.json'} holds another comparison (run; "
+        "this one: run:learned, run:random); pass --overwrite to replace it, or another "
+        "--output_dir"
+    )
+    assert (results / "comparison.json").read_text() == first
+    assert cli.main([*routers, "--router=random", "--overwrite"]) == 0
+    assert list(json.loads((results / "comparison.json").read_text())) == [
+        "run:learned",
+        "run:random",
+    ]
+    # the command line's own EVAL_OUTPUT_DIR is where T5X users expect it
+    mine = tmp_path / "mine"
+    assert cli.main([*routers[:3], f"--gin.EVAL_OUTPUT_DIR={mine}"]) == 0
+    assert (mine / "comparison.json").exists()
+
+
+def test_an_overwritten_export_keeps_nothing_of_the_old_one_and_import_reads_what_it_lists(
+    run_and_export, tmp_path
+):
+    run, export_dir = run_and_export
+    without_routers = tmp_path / "run"
+    shutil.copytree(run, without_routers)
+    (without_routers / "router_init.npz").unlink()
+    out = tmp_path / "export"
+    shutil.copytree(export_dir, out)  # an older export with initial routers
+    assert (out / "router_init.safetensors").exists()
+    assert (
+        cli.main(["export", f"--checkpoint={without_routers}", f"--out={out}", "--overwrite"]) == 0
+    )
+    assert json.loads((out / "config.json").read_text())["router_init"] is None
+    assert not (out / "router_init.safetensors").exists()
+    # a file config.json does not list is never read: no router_init.npz from a stray file
+    stray = tmp_path / "stray"
+    shutil.copytree(export_dir, stray)
+    config = json.loads((stray / "config.json").read_text())
+    (stray / "config.json").write_text(json.dumps({**config, "router_init": None}))
+    assert cli.main(["import", f"--export={stray}", f"--model_dir={tmp_path / 'back'}"]) == 0
+    assert not (tmp_path / "back" / "router_init.npz").exists()
+
+
+def test_import_into_a_run_a_trainer_holds_is_refused(run_and_export, tmp_path, capsys):
+    run, export_dir = run_and_export
+    live = tmp_path / "live"
+    shutil.copytree(run, live)
+    shutil.rmtree(live / "checkpoints" / str(STEPS))
+    own_export = tmp_path / "own_export"
+    shutil.copytree(export_dir, own_export)
+    config = json.loads((own_export / "config.json").read_text())
+    (own_export / "config.json").write_text(json.dumps({**config, "source_checkpoint": str(live)}))
+    with run_lock.RunLock(str(live)):  # a trainer of this process holds it
+        argv = ["import", f"--export={own_export}", f"--model_dir={live}", "--overwrite"]
+        assert cli.main(argv) == 1
+        assert "is being written by another trainer" in _last_line(capsys)
+    assert sorted(os.listdir(live / "checkpoints")) == ["1"]

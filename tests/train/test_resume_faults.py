@@ -1,0 +1,118 @@
+"""Resumption faults: a configuration change accepted on resume is the one the run trains
+on, and a damaged checkpoint without an integrity record (non-finite parameters) is set
+aside like a CRC mismatch. In-process on the tiny smoke config of tests/train/test_train.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+
+from moe_jax import cli, errors
+from moe_jax.commands import train
+from moe_jax.runtime import checkpoints
+from tests.train.test_train import parse, run
+
+
+def _train_records(model_dir: pathlib.Path) -> dict[int, dict]:
+    lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == "train"}
+
+
+def _saved_stream(model_dir: pathlib.Path, step: int) -> dict:
+    ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
+    try:
+        return ckpt.read_meta(step)["data_iterators"][0]
+    finally:
+        ckpt.close()
+
+
+def test_an_accepted_data_change_is_applied_from_the_resumed_step(tmp_path, capsys):
+    run(tmp_path, 6)
+    parse(f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=9", "--gin.BATCH_SIZE=16")
+    train.train(allow_config_change=True)
+    assert (
+        "the training data changed at step 6 (batch_size: 8 -> 16): reading the new stream "
+        "from its batch 6"
+    ) in capsys.readouterr().err
+    assert _saved_stream(tmp_path, 9)["batch_size"] == 16  # what the run recorded...
+    records = _train_records(tmp_path)
+    assert records[8]["num_tokens"] > 1.5 * records[6]["num_tokens"]  # ...is what it trained on
+    # the next resume continues the changed stream where it stopped, without a word
+    run(tmp_path, 12, "--gin.BATCH_SIZE=16")
+    assert "training data changed" not in capsys.readouterr().err
+    assert _saved_stream(tmp_path, 12) == {**_saved_stream(tmp_path, 9), "step": 12}
+
+
+def test_a_change_a_resumed_run_cannot_apply_is_refused_by_name(tmp_path):
+    run(tmp_path, 3)
+    parse(f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=6", "--gin.RANDOM_SEED=7")
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"^RANDOM_SEED \(train_script.train.random_seed\) = 7, but \S+/checkpoints/3 was "
+        r"trained with 0: a resumed run keeps its checkpoint's RNG state",
+    ):
+        train.train(allow_config_change=True)
+    assert checkpoints.reached_step(str(tmp_path)) == 3
+    assert not list(tmp_path.glob("config.step-*.gin"))
+
+
+def _flip_parameter_bytes(step_dir: pathlib.Path) -> None:
+    """Damage no integrity record can tell: the record removed, then 64 bytes of the largest
+    parameter data file set to 0xFF (a float32 NaN pattern)."""
+    (step_dir / checkpoints.INTEGRITY_FILE).unlink()
+    data = max((p for p in (step_dir / "params").rglob("*") if p.parent.name == "d"), key=_size)
+    with open(data, "r+b") as f:
+        f.seek(_size(data) // 2)
+        f.write(b"\xff" * 64)
+
+
+def _size(path: pathlib.Path) -> int:
+    return path.stat().st_size
+
+
+def test_non_finite_parameters_without_a_record_are_set_aside(tmp_path, capsys):
+    run(tmp_path, 6)  # checkpoints 3 and 6
+    _flip_parameter_bytes(tmp_path / "checkpoints/6")
+    assert cli.main(["eval", f"--checkpoint={tmp_path}", "--eval_steps=1"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("moe-jax eval: error: checkpoint step 6 is unreadable: "), line
+    assert line.endswith("holds NaN or Inf"), line
+    assert (tmp_path / "checkpoints/6").is_dir()  # eval moves nothing
+    resumed = run(tmp_path, 9)
+    assert "step 6 is unreadable" in capsys.readouterr().err
+    assert (tmp_path / checkpoints.UNREADABLE_DIR / "6").is_dir()
+    assert sorted(resumed["losses"]) == list(range(4, 10))
+    assert all(jnp.isfinite(loss) for loss in resumed["losses"].values())
+
+
+def test_parameters_broken_by_a_step_are_never_saved(tmp_path):
+    with pytest.raises(
+        train.NonFiniteLossError,
+        match=r"^parameters hold NaN or Inf after step 1 \(\S+, \d+ in all\); not saved; "
+        r"last good checkpoint: none yet",
+    ):
+        run(
+            tmp_path,
+            3,
+            "--gin.train_script.train.checkpoint_period=1",
+            "--gin.learning_rate_schedule.base_learning_rate=1e39",
+        )
+    assert checkpoints.reached_step(str(tmp_path)) is None
+
+
+def test_orbax_waiting_for_a_save_is_not_printed(tmp_path, caplog):
+    """On slow storage (gs://) orbax warns at each save that waited for the previous one;
+    the loop waits on purpose, so the run's output stays clean."""
+    checkpoints.Checkpointer(str(tmp_path), read_only=True).close()  # installs the filters
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("absl").warning(
+            "Waiting for previous save to complete took %f seconds. If this number is high, "
+            "consider checkpointing less frequently.",
+            2.5,
+        )
+        logging.getLogger("absl").warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
