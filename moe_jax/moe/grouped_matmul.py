@@ -4,8 +4,9 @@
 matmul, XLA:GPU to one dense matmul per expert over all rows). The others are tokamax's
 Pallas kernels (``tokamax.ragged_dot``), forward and both gradients: ``triton`` and
 ``mosaic_gpu`` (NVIDIA GPUs), ``mosaic_tpu``, chosen by name
-(``ExecutionConfig.grouped_matmul``; ``auto`` is ``xla``, see ``execution.resolve_plan``). tokamax (and through it Triton /
-Mosaic) is imported only when a kernel is asked for, so a CPU run never pays for it.
+(``ExecutionConfig.grouped_matmul``; ``auto`` is ``xla``, see ``execution.resolve_plan``).
+tokamax (and through it Triton / Mosaic) is imported only when a kernel is asked for, so a
+CPU run never pays for it.
 tokamax checks that the process's default device has the kernel's hardware, so a layer
 with a kernel compiles only where it runs (not for a GPU from a CPU host).
 """
