@@ -9,7 +9,10 @@ is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` 
 ``--gin_file`` files. T5X's ``--gin.CHECKPOINT_PATH`` / ``--gin.EVAL_OUTPUT_DIR`` work as
 ``--checkpoint`` / ``--output_dir``.
 
-Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
+Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``, labelled by
+the shortest suffix of its path that tells it from the others (``learned/NUM_EXPERTS-8/seed0``
+beside ``frozen/NUM_EXPERTS-8/seed0``; ``run_names.run_labels``) or by ``--label`` (one per
+checkpoint, in order); its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on
 ``eval_steps`` batches of the eval split with the eval capacity factor. The eval settings
 (batches, batch size, feature lengths, task, split) are by default the ones the first
@@ -22,10 +25,11 @@ lines ``eval settings: ...`` say which were used. Results, per
 checkpoint: loss, token accuracy and per-MoE-layer routing statistics (expert load
 histogram, dropped fraction, router entropy, router weight drift from initialisation
 ``||W - W0|| / ||W0||``), written as ``<label>.json`` and ``<label>_expert_load.png`` in
-the output directory, plus ``comparison.txt``/``comparison.json`` with the side-by-side
-table that is also printed, and, when the checkpoints are seeds of sweep families
-(``learned/seed0``, ``learned/seed1``, ...), ``comparison_seeds.md``: mean +- std over
-each family's seeds per router (``seed_table``).
+the output directory (``/`` and ``:`` of a label as ``_``), plus
+``comparison.txt``/``comparison.json`` with the side-by-side table that is also printed,
+and, when the checkpoints are seeds of sweep families (``learned/seed0``, ``learned/seed1``,
+...), ``comparison_seeds.md``: mean +- std over each family's seeds per router
+(``seed_table``).
 
 ``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
@@ -43,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import re
 import sys
 from collections.abc import Sequence
@@ -198,7 +201,7 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 
 def seed_table(results: dict[str, dict[str, Any]]) -> str:
     """Mean +- standard deviation (ddof 1) over the seeds of each run family and router,
-    for results labelled ``FAMILY_seedN[:ROUTER]`` (``checkpoint_labels`` of a sweep's
+    for results labelled ``FAMILY/seedN[:ROUTER]`` (``checkpoint_labels`` of a sweep's
     ``FAMILY/seedN`` directories): cross-entropy, its change from the same seed's ``learned``
     router (when evaluated), accuracy, dead experts summed over the MoE layers and the
     dropped fraction averaged over them. Empty when no family has two seeds."""
@@ -243,23 +246,17 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def checkpoint_labels(paths: Sequence[str]) -> list[str]:
-    """Short unique labels: the run directory's name, with ``@STEP`` when a step is given;
-    runs of the same name (``learned/seed0``, ``frozen/seed0``) get their parent's name
-    too (``learned_seed0``)."""
-
+def checkpoint_labels(paths: Sequence[str], given: Sequence[str] = ()) -> list[str]:
+    """One label per checkpoint: the user's ``given`` ones (``--label``), else the run's
+    :func:`~moe_jax.runtime.run_names.run_labels` label (``learned/seed0``), with ``@STEP``
+    when a step is given; a checkpoint named twice gets a ``'``."""
+    if given:
+        return run_names.checked_labels(given, len(paths))
     split = [checkpoints.split_checkpoint_path(os.path.normpath(p)) for p in paths]
-    short = {d: pathlib.Path(d).name for d, _ in split}
-    labels = []
-    for model_dir, step in split:
-        clash = any(
-            other != model_dir and name == short[model_dir] for other, name in short.items()
-        )
-        name = "_".join(pathlib.Path(model_dir).parts[-2:]) if clash else short[model_dir]
-        labels.append(name if step is None else f"{name}@{step}")
+    runs = run_names.run_labels([model_dir for model_dir, _ in split])
     unique: list[str] = []
-    for label in labels:
-        name = label
+    for run, (_, step) in zip(runs, split, strict=True):
+        name = run if step is None else f"{run}@{step}"
         while name in unique:
             name += "'"
         unique.append(name)
@@ -302,11 +299,12 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     plotting.save(fig, path, dpi=100)
 
 
-@gin.configurable(module="eval_script", denylist=["routers"])
+@gin.configurable(module="eval_script", denylist=["routers", "labels"])
 def evaluate(
     checkpoint_paths: str | Sequence[str] | None = None,
     output_dir: str | None = None,
     routers: Sequence[str] = (),
+    labels: Sequence[str] = (),
     *,
     model: Any = gin.REQUIRED,
     dataset_cfg: Any = gin.REQUIRED,
@@ -322,6 +320,7 @@ def evaluate(
       output_dir: from ``--output_dir`` or the gin macro ``EVAL_OUTPUT_DIR``.
       routers: counterfactual router names (``counterfactual.ROUTER_VARIANTS``); with
         several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
+      labels: one per checkpoint (``--label``); default :func:`checkpoint_labels`.
       router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.
 
     Returns ``{label: {"checkpoint", "step", "router", "metrics", "routing", "router_drift"}}``
@@ -345,7 +344,8 @@ def evaluate(
         or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
     )
     results = {}
-    for ckpt_label, path in zip(checkpoint_labels(checkpoint_paths), checkpoint_paths, strict=True):
+    ckpt_labels = checkpoint_labels(checkpoint_paths, labels)
+    for ckpt_label, path in zip(ckpt_labels, checkpoint_paths, strict=True):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
         restored = builders.restore_model(path, model, input_shapes, ctx)
         step = restored.step
@@ -374,9 +374,7 @@ def evaluate(
             )
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
-            file_label = (
-                ckpt_label if names == ["learned"] else f"{ckpt_label}_{name}"
-            )  # no ':' in file names
+            file_label = run_names.file_stem(label)
             results[label] = {
                 "checkpoint": storage.join(model_dir, "checkpoints", str(step)),
                 "step": step,
@@ -452,6 +450,14 @@ def main(argv: list[str] | None = None) -> int:
         "or gin EVAL_OUTPUT_DIR)",
     )
     parser.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the label of each --checkpoint, in order (default: the shortest path suffix "
+        "that tells the runs apart, e.g. learned/seed0)",
+    )
+    parser.add_argument(
         "--router",
         action="append",
         default=[],
@@ -486,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("checkpoint_paths", args.checkpoint),
                 ("output_dir", args.output_dir),
                 ("routers", args.router),
+                ("labels", args.label),
             )
             if v
         }

@@ -7,7 +7,7 @@ The loop: restore the latest checkpoint of ``MODEL_DIR`` (state, step, data-iter
 position, RNG) or initialise; then per step fetch this host's batch shard, run the jitted
 train step (state donated), check the *previous* step's loss (so the host never waits for
 the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
-evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
+evaluate every ``eval_period`` steps and at the last step. Steps that log, save or evaluate check their own
 loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM or
 Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
 second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a
@@ -112,7 +112,7 @@ def train(
       log_period: write the logged step's train metrics and the throughput since the last
         log every N steps.
       eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
-        (0: never).
+        and at the final step ``total_steps``, as T5X does (0: never).
       accum_steps: gradient accumulation microbatches per step.
       on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
         The loss is checked one step late, so a stop comes with the next step already
@@ -263,7 +263,7 @@ def train(
                 preempted = preemption.reached(step)
                 log_now = step % log_period == 0 or step == end
                 save_now = ckpt.should_save(step) or step == end or preempted
-                eval_now = bool(eval_fn) and step % eval_period == 0
+                eval_now = bool(eval_fn) and (step % eval_period == 0 or step == total_steps)
                 if not (sync_every_step or log_now or save_now or eval_now):
                     continue
                 loss = check_loss(*unchecked)  # waits for this step

@@ -189,12 +189,6 @@ def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     return path, None
 
 
-def run_name(checkpoint_path: str) -> str:
-    """The last two parts of a checkpoint's ``MODEL_DIR`` (e.g. ``learned/seed0``)."""
-    model_dir = split_checkpoint_path(checkpoint_path)[0]
-    return f"{storage.basename(storage.parent(model_dir))}/{storage.basename(model_dir)}"
-
-
 def _train_item(state: TrainState) -> dict[str, Any]:
     """The ``train`` item of a state (``collections`` only when the model has any, so
     checkpoints of models without them keep their layout)."""
