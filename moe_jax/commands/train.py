@@ -7,8 +7,9 @@ The loop: restore the latest checkpoint of ``MODEL_DIR`` (state, step, data-iter
 position, RNG) or initialise; then per step fetch this host's batch shard, run the jitted
 train step (state donated), check the *previous* step's loss (so the host never waits for
 the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
-evaluate every ``eval_period`` steps and at the last step. Steps that log, save or evaluate check their own
-loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM or
+evaluate every ``eval_period`` steps and at the last step. Steps that log, save or
+evaluate check their own loss first and fetch the metrics; no other step fetches more than
+its loss. SIGTERM or
 Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
 second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a
 non-finite loss stops with its step and the last good checkpoint (or, with
@@ -82,7 +83,9 @@ def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, sta
     )
 
 
-@gin.configurable(module="train_script", denylist=["stop_after_steps", "allow_config_change"])
+@gin.configurable(
+    module="train_script", denylist=["stop_after_steps", "allow_config_change", "progress"]
+)
 def train(
     *,
     model: Any = gin.REQUIRED,
@@ -103,6 +106,7 @@ def train(
     routing_churn: bool = True,
     stop_after_steps: int | None = None,
     allow_config_change: bool = False,
+    progress: str = "auto",
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
 
@@ -129,6 +133,9 @@ def train(
       allow_config_change: resume although the operative gin config differs from the run's
         config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
         which later resumptions compare with).
+      progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
+        and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
+        (``--progress``; :class:`~moe_jax.runtime.summaries.Progress`).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -157,7 +164,8 @@ def train(
             accum_steps=accum_steps,
             skip_nonfinite=on_nonfinite == "skip",
         )
-        aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
+        _log("compiling the train step (and checking that it fits)")
+        step_fn = aot.check_fits(run, train_dataset_cfg, model)  # before any state exists
         ckpt = checkpoints.Checkpointer(
             model_dir,
             save_period=checkpoint_period,
@@ -170,7 +178,9 @@ def train(
         _check_set_aside(model_dir, set_aside, fresh=restored is None)
         if restored is None:
             latest = None
+            _log("initialising the parameters and optimizer state")
             state = run.init_state()
+            _log("starting the data pipeline")
             iterator = make_iterator(train_dataset_cfg)
             checkpoints.save_router_init(model_dir, state.params)
         else:
@@ -201,7 +211,6 @@ def train(
             f"{jax.process_count()} process(es), {jax.device_count()} devices"
         )
 
-        step_fn = run.train_step
         eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
         expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
         writer = summaries.MetricsWriter(model_dir, expert_shards)
@@ -223,12 +232,12 @@ def train(
         )
         preemption = distributed.PreemptionWatcher()
 
-        step = int(jax.device_get(state.step))
+        step = first_step = int(jax.device_get(state.step))
         end = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
         last_saved = latest
         losses: dict[int, float] = {}
         preempted = False
-        bar = summaries.progress_bar(step, total_steps)
+        ticker = summaries.Progress(step, total_steps, progress)
         start_time = time.perf_counter()
 
         def check_loss(checked_step: int, step_metrics) -> float:
@@ -248,6 +257,8 @@ def train(
             batch = builders.global_batch(next(iterator), ctx)
             while step < end:
                 state, metrics = step_fn(state, batch)  # async dispatch; state donated
+                if step == first_step:  # said once, when it is done: the run is under way
+                    ticker.write(f"step {step + 1} done: loss {float(metrics['loss']):.4f}")
                 data_state = iterator.get_state()  # position after this step's batch
                 if step + 1 < end:
                     batch = builders.global_batch(next(iterator), ctx)  # overlaps the device's step
@@ -256,7 +267,7 @@ def train(
                 ckpt.check_for_errors()  # a failed background save stops here
                 step += 1
                 meter.tick()
-                bar.update(1)
+                ticker.update()
                 if unchecked is not None:  # the previous step: done, or queued just before this one
                     check_loss(*unchecked)
                 unchecked = (step, metrics)
@@ -271,7 +282,7 @@ def train(
                 if log_now:
                     rates = meter.rates()
                     writer.write("train", step, {**jax.device_get(metrics), **rates})
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+                    ticker.log(step, loss, rates["tokens_per_sec"])
                 if save_now:
                     meta = {
                         "data_iterators": checkpoints.gather_from_processes(data_state),
@@ -294,13 +305,13 @@ def train(
                     if churn:
                         eval_metrics.update(churn(state.params, state.collections))
                     writer.write("eval", step, eval_metrics)
-                    bar.write(
+                    ticker.write(
                         f"step {step}: eval loss {eval_metrics['loss']:.4f} "
                         f"accuracy {eval_metrics['accuracy']:.4f}"
                     )
         finally:
             iterator.close()
-            bar.close()
+            ticker.close()
             ckpt.wait_until_finished()
             ckpt.close()
             writer.close()
@@ -411,10 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         "or the newest config.step-N.gin); the new one is kept as "
         "MODEL_DIR/config.step-N.gin and later resumes compare with it",
     )
+    summaries.add_progress_flag(parser)
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)
-    result = train(allow_config_change=args.allow_config_change)
+    result = train(allow_config_change=args.allow_config_change, progress=args.progress)
     if result["preempted"]:
         raise errors.Interrupted(
             result["signal"],

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import pathlib
 import sys
 import time
@@ -213,10 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         raise errors.ConfigError(str(err)) from None
     seeds = [args.seed] if args.seed is not None else (args.seeds or DEFAULT_SEEDS[args.preset])
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(".cache/jax").resolve()))
     out = pathlib.Path(args.out or "results/synthetic")
     timings = {}
     for name in names:
