@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = {}
     for name in names:
         start = time.perf_counter()
-        result = load(name).run(configs[name], seeds, out)
+        result = load(name).run_preset(args.preset, configs[name], seeds, out)
         timings[name] = time.perf_counter() - start
         print(
             f"\n{name} ({args.preset}, seeds {','.join(map(str, seeds))}):\n{console_table(result)}"

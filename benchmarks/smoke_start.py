@@ -1,0 +1,76 @@
+"""Time to the smoke run's first step, with a cold and a warm compilation cache.
+
+    python benchmarks/smoke_start.py [--steps 2] [--repo DIR]
+
+Runs ``moe-jax smoke --gin.TRAIN_STEPS=N`` twice, each in a fresh process, both pointed at
+one new, empty JAX compilation cache (``JAX_COMPILATION_CACHE_DIR``): the first run
+compiles everything (cold), the second loads what the first compiled (warm), as a second
+``make smoke`` on the same machine does. Prints the seconds from the process' start to its
+first line of output, to its first finished training step (the line ``step 1 done``, or
+for a tree without it the progress bar's first update) and to its end. ``--repo``: the
+checkout to time (default: this one), e.g. an older commit unpacked with ``git archive``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FIRST_STEP = re.compile(rb"step 1 done|\| 1/\d+ \[")
+
+
+def time_smoke(repo: pathlib.Path, steps: int, cache: str) -> dict[str, float]:
+    """Seconds to the first output, the first step and the end of one smoke run."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=str(repo))
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "moe_jax.cli", "smoke", f"--gin.TRAIN_STEPS={steps}"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert child.stdout is not None
+    marks: dict[str, float] = {}
+    seen = b""
+    while chunk := os.read(child.stdout.fileno(), 4096):
+        now = time.perf_counter() - start
+        seen += chunk
+        marks.setdefault("first output", now)
+        if FIRST_STEP.search(seen):
+            marks.setdefault("first step", now)
+    if child.wait() != 0:
+        raise SystemExit(f"smoke failed:\n{seen.decode(errors='replace')[-3000:]}")
+    marks["end"] = time.perf_counter() - start
+    return marks
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="TRAIN_STEPS of the smoke run")
+    parser.add_argument("--repo", type=pathlib.Path, default=REPO, help="the checkout to time")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="smoke_start_cache_") as cache:
+        for cache_state in ("cold", "warm"):
+            marks = time_smoke(args.repo.resolve(), args.steps, cache)
+            rows.append(
+                f"| {cache_state} | {marks['first output']:.1f} | "
+                f"{marks.get('first step', float('nan')):.1f} | {marks['end']:.1f} |"
+            )
+    print(f"`moe-jax smoke --gin.TRAIN_STEPS={args.steps}`, seconds from the process start")
+    print("| compilation cache | first output (s) | first step done (s) | whole command (s) |")
+    print("| --- | --- | --- | --- |")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
