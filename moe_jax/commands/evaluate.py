@@ -35,7 +35,8 @@ and, when the checkpoints are seeds of sweep families (``learned/seed0``, ``lear
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
 ``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``;
 files ``<label>_<router>.json``, no ``:`` in file names) and ``routers.png``, accuracy and
-cross-entropy per router. Routing telemetry per layer (dead experts, per-shard imbalance, gate
+cross-entropy per router as bars from 0 (a family's seeds: their mean, error bars their
+standard deviation). Routing telemetry per layer (dead experts, per-shard imbalance, gate
 margin) is in the table and the JSON.
 
 A checkpoint trained from another model config than the gin files describe is refused
@@ -263,40 +264,78 @@ def checkpoint_labels(paths: Sequence[str], given: Sequence[str] = ()) -> list[s
     return unique
 
 
-def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
-    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each, its
-    own colour and line style; legend beside the axes)."""
+METRIC_AXES = {
+    "accuracy": "eval token accuracy (fraction)",
+    "cross_entropy": "eval cross-entropy (nats per token)",
+}
 
+
+def router_summary(
+    results: dict[str, dict[str, Any]], metric: str
+) -> dict[str, dict[str, tuple[float, float | None, int]]]:
+    """``{run family: {router: (mean, std or None, seeds)}}`` of ``metric``: the seeds of a
+    family (``run_names.family_of`` of the checkpoint label) pooled, the standard deviation
+    (ddof 1) only where there are two or more."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for r in results.values():
+        family = run_names.family_of(r["label"].split("@")[0])
+        values.setdefault(family, {}).setdefault(r["router"], []).append(
+            r["metrics"].get(metric, np.nan)
+        )
+    return {
+        family: {
+            router: (
+                float(np.mean(v)),
+                float(np.std(v, ddof=1)) if len(v) > 1 else None,
+                len(v),
+            )
+            for router, v in routers.items()
+        }
+        for family, routers in values.items()
+    }
+
+
+def routers_figure(results: dict[str, dict[str, Any]]):
+    """Accuracy and cross-entropy per router (categories on x): a bar per run family,
+    side by side, its seeds' mean with their standard deviation as an error bar where it
+    has several; the value axes start at 0 so bar heights compare."""
     plt = plotting.pyplot()
-    checkpoints_seen = list(dict.fromkeys(r["label"] for r in results.values()))
-    styles = plotting.run_styles(checkpoints_seen)
     routers = list(dict.fromkeys(r["router"] for r in results.values()))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric in zip(axes, ("accuracy", "cross_entropy"), strict=True):
-        for label in checkpoints_seen:
-            values = {
-                r["router"]: r["metrics"].get(metric, np.nan)
-                for r in results.values()
-                if r["label"] == label
-            }
-            ax.plot(
-                range(len(routers)),
-                [values.get(name, np.nan) for name in routers],
-                label=label,
-                **styles[label],
+    several = False
+    for ax, metric in zip(axes, METRIC_AXES, strict=True):
+        summary = router_summary(results, metric)
+        colours = plotting.run_styles(list(summary))
+        width = 0.8 / len(summary)
+        for i, (family, by_router) in enumerate(summary.items()):
+            stats = [by_router.get(name, (np.nan, None, 0)) for name in routers]
+            errors = [s[1] or 0.0 for s in stats]
+            seeds = max(s[2] for s in stats)
+            several |= seeds > 1
+            ax.bar(
+                np.arange(len(routers)) + (i - (len(summary) - 1) / 2) * width,
+                [s[0] for s in stats],
+                width,
+                yerr=errors if seeds > 1 else None,
+                capsize=3,
+                color=colours[family]["color"],
+                label=family if seeds == 1 else f"{family} ({seeds} seeds)",
             )
         ax.set_xticks(range(len(routers)), routers)
         ax.set_xlabel("router used at evaluation")
-        ax.set_ylabel(
-            {
-                "accuracy": "eval token accuracy (fraction)",
-                "cross_entropy": "eval cross-entropy (nats per token)",
-            }[metric]
-        )
-        ax.grid(alpha=0.3)
-    plotting.legend_outside(axes[-1], title="checkpoint")
+        ax.set_ylabel(METRIC_AXES[metric])
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
+    plotting.legend_outside(
+        axes[-1], title="run (error bars: std over seeds)" if several else "checkpoint"
+    )
     fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
-    plotting.save(fig, path, dpi=100)
+    return fig
+
+
+def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
+    """Writes :func:`routers_figure` as ``path``."""
+    plotting.save(routers_figure(results), path, dpi=100)
 
 
 @gin.configurable(module="eval_script", denylist=["routers", "labels"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe_jax import cli as moe_cli
-from moe_jax import errors
+from moe_jax import errors, plotting
 from moe_jax.commands import evaluate
 from moe_jax.data import sources
 from moe_jax.runtime import run_names
@@ -180,3 +180,29 @@ def test_labels_can_be_given_one_per_checkpoint():
     for given in (["A"], ["A", "A"], ["A", "x:y"]):
         with pytest.raises(errors.UserError):
             evaluate.checkpoint_labels(["/r/a", "/r/b"], given)
+
+
+def test_routers_plot_is_bars_from_zero_with_error_bars_over_seeds():
+    """Routers are categories: bars (no lines joining them), value axes from 0, and the
+    seeds of a family pooled into a mean with its standard deviation."""
+
+    def result(label, router, accuracy):
+        metrics = {"accuracy": accuracy, "cross_entropy": 5.0 - accuracy}
+        return {"label": label, "router": router, "metrics": metrics}
+
+    results = {
+        f"{run}/seed{s}:{router}": result(f"{run}/seed{s}", router, 0.3647 + 0.0001 * s + d)
+        for run in ("learned", "frozen")
+        for s in (0, 1)
+        for router, d in (("learned", 0.0), ("random", 0.0007))
+    }
+    summary = evaluate.router_summary(results, "accuracy")
+    mean, std, seeds = summary["learned"]["random"]
+    assert seeds == 2 and mean == pytest.approx(0.36545) and std == pytest.approx(0.0001 / 2**0.5)
+    fig = evaluate.routers_figure(results)
+    for ax in fig.axes:
+        assert ax.get_ylim()[0] == 0  # bars from zero
+        assert all(line.get_linestyle() == "None" for line in ax.lines)  # error-bar caps only
+        assert len(ax.patches) == 4  # 2 families x 2 routers
+        assert len(ax.collections) == 2  # the error bars, one set per family
+    plotting.pyplot().close(fig)
