@@ -321,7 +321,7 @@ def routers_figure(results: dict[str, dict[str, Any]]):
                 color=colours[family]["color"],
                 label=family if seeds == 1 else f"{family} ({seeds} seeds)",
             )
-        ax.set_xticks(range(len(routers)), routers)
+        ax.set_xticks(range(len(routers)), routers, rotation=20, ha="right")
         ax.set_xlabel("router used at evaluation")
         ax.set_ylabel(METRIC_AXES[metric])
         ax.set_ylim(bottom=0)
