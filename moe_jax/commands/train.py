@@ -111,8 +111,8 @@ def train(
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
 
     Args:
-      checkpoint_period: save every N steps (and at the end); keep the last
-        ``keep_checkpoints``.
+      checkpoint_period: save every N steps and at the end (only those: no step-1
+        checkpoint); keep the last ``keep_checkpoints``.
       log_period: write the logged step's train metrics and the throughput since the last
         log every N steps.
       eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
@@ -273,7 +273,7 @@ def train(
                 unchecked = (step, metrics)
                 preempted = preemption.reached(step)
                 log_now = step % log_period == 0 or step == end
-                save_now = ckpt.should_save(step) or step == end or preempted
+                save_now = step % checkpoint_period == 0 or step == end or preempted
                 eval_now = bool(eval_fn) and (step % eval_period == 0 or step == total_steps)
                 if not (sync_every_step or log_now or save_now or eval_now):
                     continue

@@ -312,9 +312,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def should_save(self, step: int) -> bool:
-        return self._manager.should_save(step)
-
     def step_dir(self, step: int) -> str:
         return storage.join(self.directory, str(step))
 

@@ -1,6 +1,7 @@
 """`moe-jax train` as a cluster runs it: a fresh process whose stderr is not a terminal,
 TRAIN_STEPS not a multiple of eval_period. It writes plain timestamped progress lines (no
-progress bar), evaluates the final step, and has left nothing in the temporary folder when
+progress bar), evaluates and saves the final step (and saves no other step off the
+checkpoint period, such as step 1), and has left nothing in the temporary folder when
 the command returns (not only once the interpreter's exit handlers have run)."""
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def test_the_final_step_is_evaluated(cluster_run):
     model_dir, _, _ = cluster_run
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "eval"] == [2, 3]
+
+
+def test_only_the_checkpoint_period_and_the_last_step_are_saved(cluster_run):
+    model_dir, _, _ = cluster_run  # checkpoint_period=3 (TINY), TRAIN_STEPS=3
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["3"]
 
 
 def test_progress_is_plain_timestamped_lines(cluster_run):
