@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 
 from moe_jax import errors
 from moe_jax.commands.subcommands import split_command
@@ -110,21 +110,17 @@ def quiet_startup(command: str, argv: list[str]) -> None:
 CACHE_SWITCH = "MOE_JAX_COMPILATION_CACHE"
 
 
-def compilation_cache_dir(environ: dict[str, str] | None = None) -> str | None:
-    """Points JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``, also for
-    the processes the command starts) at ``$XDG_CACHE_HOME/moe-jax/jax`` (default
-    ``~/.cache/moe-jax/jax``) unless the user set one; returns the folder in use, None when
-    ``MOE_JAX_COMPILATION_CACHE=0`` turned it off."""
-    environ = os.environ if environ is None else environ
+def compilation_cache_dir(environ: MutableMapping[str, str]) -> str | None:
+    """Points JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` of
+    ``environ``: this process' and those it starts) at ``$XDG_CACHE_HOME/moe-jax/jax``
+    (default ``~/.cache/moe-jax/jax``) unless the user set one; returns the folder in use,
+    None when ``MOE_JAX_COMPILATION_CACHE=0`` turned it off."""
     if environ.get(CACHE_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     if not environ.get("JAX_COMPILATION_CACHE_DIR"):
         base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, "moe-jax", "jax")
-    folder = environ["JAX_COMPILATION_CACHE_DIR"]
-    if "jax" in sys.modules:  # imported already (moe_jax.cli.main called in-process)
-        sys.modules["jax"].config.update("jax_compilation_cache_dir", folder)
-    return folder
+    return environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def error_message(err: BaseException) -> str:
@@ -223,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
 def _start(name: str, rest: list[str]) -> int:
     """Runs command ``name`` (compilation cache, quiet start-up, lazy import) with options
     ``rest``."""
-    compilation_cache_dir()
+    cache = compilation_cache_dir(os.environ)
+    if cache and "jax" in sys.modules:  # imported already (moe_jax.cli.main called in-process)
+        sys.modules["jax"].config.update("jax_compilation_cache_dir", cache)
     if name not in NO_TENSORFLOW and not {"-h", "--help"} & set(rest):
         print(f"[moe-jax] {name}: loading JAX and TensorFlow", file=sys.stderr, flush=True)
     quiet_startup(name, rest)
