@@ -9,10 +9,9 @@ train step (state donated), check the *previous* step's loss (so the host never 
 the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
 evaluate every ``eval_period`` steps and at the last step. Steps that log, save or
 evaluate check their own loss first and fetch the metrics; no other step fetches more than
-its loss. SIGTERM or
-Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
-second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a
-non-finite loss stops with its step and the last good checkpoint (or, with
+its loss. SIGTERM or Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with
+one line naming it (a second Ctrl-C stops without waiting for the step, naming the last
+finished checkpoint); a non-finite loss stops with its step and the last good checkpoint (or, with
 ``train.on_nonfinite = 'skip'``, drops that step's update).
 
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
