@@ -7,8 +7,10 @@ one new, empty JAX compilation cache (``JAX_COMPILATION_CACHE_DIR``): the first 
 compiles everything (cold), the second loads what the first compiled (warm), as a second
 ``make smoke`` on the same machine does. Prints the seconds from the process' start to its
 first line of output, to its first finished training step (the line ``step 1 done``, or
-for a tree without it the progress bar's first update) and to its end. ``--repo``: the
-checkout to time (default: this one), e.g. an older commit unpacked with ``git archive``.
+for a tree without it the progress bar's first update) and to its end, and the CPU seconds
+the process had used at its first step (``/proc``; on a loaded machine the wall times
+stretch, the CPU seconds much less). ``--repo``: the checkout to time (default: this one),
+e.g. an older commit unpacked with ``git archive``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FIRST_STEP = re.compile(rb"step 1 done|\| 1/\d+ \[")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (Linux ``/proc``)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def time_smoke(repo: pathlib.Path, steps: int, cache: str) -> dict[str, float]:
-    """Seconds to the first output, the first step and the end of one smoke run."""
+    """Seconds to the first output, the first step and the end of one smoke run, and the
+    CPU seconds used by the first step."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=str(repo))
     start = time.perf_counter()
     child = subprocess.Popen(
@@ -44,8 +53,9 @@ def time_smoke(repo: pathlib.Path, steps: int, cache: str) -> dict[str, float]:
         now = time.perf_counter() - start
         seen += chunk
         marks.setdefault("first output", now)
-        if FIRST_STEP.search(seen):
-            marks.setdefault("first step", now)
+        if "first step" not in marks and FIRST_STEP.search(seen):
+            marks["first step"] = now
+            marks["first step cpu"] = cpu_seconds(child.pid)
     if child.wait() != 0:
         raise SystemExit(f"smoke failed:\n{seen.decode(errors='replace')[-3000:]}")
     marks["end"] = time.perf_counter() - start
@@ -63,11 +73,15 @@ def main(argv: list[str]) -> int:
             marks = time_smoke(args.repo.resolve(), args.steps, cache)
             rows.append(
                 f"| {cache_state} | {marks['first output']:.1f} | "
-                f"{marks.get('first step', float('nan')):.1f} | {marks['end']:.1f} |"
+                f"{marks.get('first step', float('nan')):.1f} | "
+                f"{marks.get('first step cpu', float('nan')):.1f} | {marks['end']:.1f} |"
             )
     print(f"`moe-jax smoke --gin.TRAIN_STEPS={args.steps}`, seconds from the process start")
-    print("| compilation cache | first output (s) | first step done (s) | whole command (s) |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| compilation cache | first output (s) | first step done (s) | CPU used by then (s) "
+        "| whole command (s) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
 
