@@ -222,7 +222,8 @@ def _start(name: str, rest: list[str]) -> int:
     cache = compilation_cache_dir(os.environ)
     if cache and "jax" in sys.modules:  # imported already (moe_jax.cli.main called in-process)
         sys.modules["jax"].config.update("jax_compilation_cache_dir", cache)
-    if name not in NO_TENSORFLOW and not {"-h", "--help"} & set(rest):
+    if name not in NO_TENSORFLOW and sys.stderr.isatty() and not {"-h", "--help"} & set(rest):
+        # on a terminal, a word before the imports' seconds (logs and refusals stay as they are)
         print(f"[moe-jax] {name}: loading JAX and TensorFlow", file=sys.stderr, flush=True)
     quiet_startup(name, rest)
     module_name, _, function = SUBCOMMANDS[name][0].partition(":")
