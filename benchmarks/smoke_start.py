@@ -2,7 +2,8 @@
 
     python benchmarks/smoke_start.py [--steps 2] [--repo DIR]
 
-Runs ``moe-jax smoke --gin.TRAIN_STEPS=N`` twice, each in a fresh process, both pointed at
+Runs ``moe-jax smoke --gin.TRAIN_STEPS=N`` twice, each in a fresh process on a terminal
+(a pseudo-terminal: what ``make smoke`` in a shell shows), both pointed at
 one new, empty JAX compilation cache (``JAX_COMPILATION_CACHE_DIR``): the first run
 compiles everything (cold), the second loads what the first compiled (warm), as a second
 ``make smoke`` on the same machine does. Prints the seconds from the process' start to its
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import pty
 import re
 import subprocess
 import sys
@@ -26,6 +28,14 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIRST_STEP = re.compile(rb"step 1 done|\| 1/\d+ \[")
+
+
+def _read(fd: int) -> bytes:
+    """The next output of the terminal ``fd``; b"" once the child has closed it."""
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # EIO: no process holds the terminal any more
+        return b""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -38,24 +48,26 @@ def time_smoke(repo: pathlib.Path, steps: int, cache: str) -> dict[str, float]:
     """Seconds to the first output, the first step and the end of one smoke run, and the
     CPU seconds used by the first step."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=str(repo))
+    terminal, child_end = pty.openpty()
     start = time.perf_counter()
     child = subprocess.Popen(
         [sys.executable, "-m", "moe_jax.cli", "smoke", f"--gin.TRAIN_STEPS={steps}"],
         cwd=repo,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stdout=child_end,
+        stderr=child_end,
     )
-    assert child.stdout is not None
+    os.close(child_end)
     marks: dict[str, float] = {}
     seen = b""
-    while chunk := os.read(child.stdout.fileno(), 4096):
+    while chunk := _read(terminal):
         now = time.perf_counter() - start
         seen += chunk
         marks.setdefault("first output", now)
         if "first step" not in marks and FIRST_STEP.search(seen):
             marks["first step"] = now
             marks["first step cpu"] = cpu_seconds(child.pid)
+    os.close(terminal)
     if child.wait() != 0:
         raise SystemExit(f"smoke failed:\n{seen.decode(errors='replace')[-3000:]}")
     marks["end"] = time.perf_counter() - start
