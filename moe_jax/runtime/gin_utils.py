@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
-import difflib
 import contextlib
+import difflib
 import importlib
 import io
 import logging

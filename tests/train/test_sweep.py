@@ -3,8 +3,8 @@ curves into paired gaps and plots, and one real run of a two-run family."""
 
 from __future__ import annotations
 
-import json
 import functools
+import json
 import os
 import pathlib
 import sys
