@@ -186,7 +186,7 @@ def test_gin_errors_name_file_and_line(tmp_path):
             gin_utils.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={undefined}"])
         )
     with pytest.raises(
-        gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used.*did you mean TRAIN_STEPS\?"
+        gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used.*did you mean TRAIN_STEPS\b"
     ):
         parse("--gin.TRAIN_STEP=10")
 
