@@ -17,13 +17,16 @@ e.g. an older commit unpacked with ``git archive``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import pathlib
 import pty
 import re
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -49,6 +52,7 @@ def time_smoke(repo: pathlib.Path, steps: int, cache: str) -> dict[str, float]:
     CPU seconds used by the first step."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=str(repo))
     terminal, child_end = pty.openpty()
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 120 columns
     start = time.perf_counter()
     child = subprocess.Popen(
         [sys.executable, "-m", "moe_jax.cli", "smoke", f"--gin.TRAIN_STEPS={steps}"],
