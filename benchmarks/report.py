@@ -181,9 +181,9 @@ SECTIONS: tuple[Section, ...] = (
         "smoke_start",
         "Smoke run: time to the first step",
         "Seconds from the start of `moe-jax smoke --gin.TRAIN_STEPS=2` to its first line of "
-        "output, its first finished training step and its end, in a fresh process with an "
-        "empty JAX compilation cache (cold) and again with the cache the first run filled "
-        "(warm).",
+        "output, its first finished training step and its end, in a fresh process on a "
+        "(pseudo-)terminal with an empty JAX compilation cache (cold) and again with the "
+        "cache the first run filled (warm).",
         ("smoke_start.py", "--steps", "2"),
     ),
     Section(
