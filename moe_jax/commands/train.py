@@ -213,13 +213,10 @@ def train(
         eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
         expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
         writer = summaries.MetricsWriter(model_dir, expert_shards)
-        churn = None
-        if eval_fn and routing_churn and train_eval_dataset_cfg is not None:
-            # the first eval batch is the fixed probe batch
-            probe_batch = next(builders.eval_batches(train_eval_dataset_cfg, 1))
-            churn = summaries.ChurnProbe(
-                model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
-            )
+        churn: summaries.ChurnProbe | None = (
+            None  # built at the first evaluation, not before step 1
+        )
+        with_churn = bool(eval_fn) and routing_churn and train_eval_dataset_cfg is not None
         tokens_per_step = int(
             np.prod(input_shapes["decoder_input_tokens"])
             + np.prod(input_shapes["encoder_input_tokens"])
@@ -301,7 +298,10 @@ def train(
                         eval_steps,
                         state.collections,
                     )
-                    if churn:
+                    if with_churn:
+                        churn = churn or _churn_probe(
+                            model, run, ctx, train_eval_dataset_cfg, model_dir
+                        )
                         eval_metrics.update(churn(state.params, state.collections))
                     writer.write("eval", step, eval_metrics)
                     ticker.write(
@@ -373,6 +373,14 @@ def _last_checkpoint(model_dir: str) -> str:
     """``MODEL_DIR/checkpoints/STEP`` of the newest finished checkpoint, or ``"none yet"``."""
     step = checkpoints.reached_step(model_dir)
     return "none yet" if step is None else storage.join(model_dir, "checkpoints", str(step))
+
+
+def _churn_probe(model, run, ctx, eval_cfg, model_dir: str) -> summaries.ChurnProbe:
+    """The routing-churn probe of a run: the first eval batch is its fixed probe batch."""
+    probe_batch = next(builders.eval_batches(eval_cfg, 1))
+    return summaries.ChurnProbe(
+        model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
+    )
 
 
 def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
