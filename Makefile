@@ -8,7 +8,6 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 
 COMPILERS := $(VENV)/compilers
 # The pins of pyproject.toml's compile-tpu / compile-gpu extras (one place).

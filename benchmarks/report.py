@@ -348,6 +348,15 @@ SECTIONS: tuple[Section, ...] = (
         ("input_pipeline.py",),
     ),
     Section(
+        "smoke_start",
+        "Smoke run: time to the first step",
+        "Seconds from the start of `moe-jax smoke --gin.TRAIN_STEPS=2` to its first line of "
+        "output, its first finished training step and its end, in a fresh process on a "
+        "(pseudo-)terminal with an empty JAX compilation cache (cold) and again with the "
+        "cache the first run filled (warm).",
+        ("smoke_start.py", "--steps", "2"),
+    ),
+    Section(
         "train_loop",
         "Train loop: loss checked one step late against every step (CPU)",
         "Steps per second of `moe-jax train`'s loop on the smoke config with both loss checks, "

@@ -9,7 +9,9 @@
 # Steps (each echoed): compile the run's train step for the slice here, from this CPU
 # (`moe-jax compile --target=tpu:TYPE`, needs `make compilers`; stops before booking
 # anything when the run does not fit; $MOE_JAX names the command, --no-check skips it),
-# create the slice (or reuse it), copy this checkout to every worker,
+# create the slice (or reuse it), copy this checkout's working tree (uncommitted changes
+# and untracked files that git does not ignore included; said, with a warning when there
+# are any, also under --dry-run) to every worker,
 # install it with the TPU extra, start `moe-jax train` on all workers with the same gin
 # flags and MODEL_DIR, tail worker 0's log, delete the slice (unless --keep).
 set -euo pipefail
@@ -30,7 +32,7 @@ while [ $# -gt 0 ]; do
     --keep) keep=1; shift ;;
     --no-check) check=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
@@ -60,7 +62,7 @@ else
 fi
 
 archive=/tmp/moe-jax-$$.tar.gz
-run git -C "$here/.." archive --format=tar.gz -o "$archive" HEAD
+pack_checkout "$(cd "$here/.." && pwd)" "$archive"
 run "${gc[@]}" scp "$archive" "$tpu:~/moe-jax.tar.gz" "${where[@]}" --worker=all
 run "${gc[@]}" ssh "$tpu" "${where[@]}" --worker=all --command \
   "mkdir -p ~/moe-jax && tar -xzf ~/moe-jax.tar.gz -C ~/moe-jax && cd ~/moe-jax && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"

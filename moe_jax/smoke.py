@@ -13,19 +13,25 @@ import tempfile
 import time
 
 from moe_jax.commands import evaluate, train
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, gin_utils, scratch, summaries
+
+
+def _fresh_model_dir() -> str:
+    """A new ``<tmp>/moe_jax_smoke_*`` folder, kept after the command ends."""
+    return tempfile.mkdtemp(prefix="moe_jax_smoke_", dir=scratch.outer_tempdir())
 
 
 def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = builders.build_parser("moe-jax smoke", __doc__.splitlines()[0])
+    summaries.add_progress_flag(parser)
     args = gin_utils.parse_flags(parser, ["--gin_file=runs/smoke_cpu.gin", *argv])
     if not any(b.replace(" ", "").startswith("MODEL_DIR=") for b in args.gin_dot_bindings):
-        args.gin_dot_bindings.append(f"MODEL_DIR = {tempfile.mkdtemp(prefix='moe_jax_smoke_')!r}")
+        args.gin_dot_bindings.append(f"MODEL_DIR = {_fresh_model_dir()!r}")
     start = time.perf_counter()
     gin_utils.parse_gin(args)
-    result = train.train()
+    result = train.train(progress=args.progress)
     model_dir = result["model_dir"]
     evaluate.evaluate([model_dir])
     print(

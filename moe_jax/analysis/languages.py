@@ -317,7 +317,9 @@ def analyze(
     }
     fn = None
     results = []
-    for path in paths:
+    model_dirs = [checkpoints.split_checkpoint_path(path)[0] for path in paths]
+    run_label = dict(zip(model_dirs, run_names.run_labels(model_dirs), strict=True))
+    for path, model_dir in zip(paths, model_dirs, strict=True):
         restored = builders.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
@@ -337,7 +339,7 @@ def analyze(
         rng = np.random.default_rng(seed)
         result = {
             "checkpoint": storage.normalize(path),
-            "run": checkpoints.run_name(path),
+            "run": run_label[model_dir],
             "step": step,
             "layers": {
                 name: analyze_layer(

@@ -240,7 +240,7 @@ def write_languages(report: dict[str, Any], out_dir: str) -> list[str]:
         if result["run"] not in last or result["step"] > last[result["run"]]["step"]:
             last[result["run"]] = result
     for run, result in last.items():
-        fname = f"languages_{run.replace('/', '_')}_step{result['step']}.png"
+        fname = f"languages_{run_names.file_stem(run)}_step{result['step']}.png"
         language_heatmaps(result, report["labels"], storage.join(out_dir, fname))
         files.append(fname)
     if len(report["checkpoints"]) > len(last):

@@ -41,7 +41,7 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.analysis import plots
-from moe_jax.runtime import builders, checkpoints, routing
+from moe_jax.runtime import builders, checkpoints, routing, run_names
 
 RIDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # times the number of tokens
 
@@ -473,7 +473,7 @@ def analyze(
     }
     if jax.process_index() == 0:
         result["files"] = plots.write_all(
-            stats, out_dir, title=f"{checkpoints.run_name(model_dir)} (step {step})"
+            stats, out_dir, title=f"{run_names.run_labels([model_dir])[0]} (step {step})"
         )
         storage.write_text(storage.join(out_dir, "positions.json"), json.dumps(result, indent=1))
         print(summary_table(stats), flush=True)

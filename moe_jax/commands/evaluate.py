@@ -11,7 +11,10 @@ is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` 
 run's recorded ``EVAL_OUTPUT_DIR`` is never where results go). A folder holding results of
 another comparison (other checkpoints or routers) is refused without ``--overwrite``.
 
-Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``; its
+Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``, labelled by
+the shortest suffix of its path that tells it from the others (``learned/NUM_EXPERTS-8/seed0``
+beside ``frozen/NUM_EXPERTS-8/seed0``; ``run_names.run_labels``) or by ``--label`` (one per
+checkpoint, in order); its
 parameters are restored onto the current mesh (whatever mesh saved them) and evaluated on
 ``eval_steps`` batches of the eval split with the eval capacity factor. The eval settings
 (batches, batch size, feature lengths, task, split) are by default the ones the first
@@ -24,16 +27,18 @@ lines ``eval settings: ...`` say which were used. Results, per
 checkpoint: loss, token accuracy and per-MoE-layer routing statistics (expert load
 histogram, dropped fraction, router entropy, router weight drift from initialisation
 ``||W - W0|| / ||W0||``), written as ``<label>.json`` and ``<label>_expert_load.png`` in
-the output directory, plus ``comparison.txt``/``comparison.json`` with the side-by-side
-table that is also printed, and, when the checkpoints are seeds of sweep families
-(``learned/seed0``, ``learned/seed1``, ...), ``comparison_seeds.md``: mean +- std over
-each family's seeds per router (``seed_table``).
+the output directory (``/`` and ``:`` of a label as ``_``), plus
+``comparison.txt``/``comparison.json`` with the side-by-side table that is also printed,
+and, when the checkpoints are seeds of sweep families (``learned/seed0``, ``learned/seed1``,
+...), ``comparison_seeds.md``: mean +- std over each family's seeds per router
+(``seed_table``).
 
 ``--router=NAME`` (repeatable) evaluates every checkpoint with its routers replaced
 (moe_jax/analysis/counterfactual.py: ``learned``, ``init``, ``random``, ``hash``,
 ``uniform``, ``shuffled``): one column per checkpoint and router (``<label>:<router>``;
 files ``<label>_<router>.json``, no ``:`` in file names) and ``routers.png``, accuracy and
-cross-entropy per router. Routing telemetry per layer (dead experts, per-shard imbalance, gate
+cross-entropy per router as bars from 0 (a family's seeds: their mean, error bars their
+standard deviation). Routing telemetry per layer (dead experts, per-shard imbalance, gate
 margin) is in the table and the JSON.
 
 A checkpoint trained from another model config than the gin files describe is refused
@@ -45,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import re
 import sys
 from collections.abc import Sequence
@@ -200,7 +204,7 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 
 def seed_table(results: dict[str, dict[str, Any]]) -> str:
     """Mean +- standard deviation (ddof 1) over the seeds of each run family and router,
-    for results labelled ``FAMILY_seedN[:ROUTER]`` (``checkpoint_labels`` of a sweep's
+    for results labelled ``FAMILY/seedN[:ROUTER]`` (``checkpoint_labels`` of a sweep's
     ``FAMILY/seedN`` directories): cross-entropy, its change from the same seed's ``learned``
     router (when evaluated), accuracy, dead experts summed over the MoE layers and the
     dropped fraction averaged over them. Empty when no family has two seeds."""
@@ -245,70 +249,103 @@ def seed_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def checkpoint_labels(paths: Sequence[str]) -> list[str]:
-    """Short unique labels: the run directory's name, with ``@STEP`` when a step is given;
-    runs of the same name (``learned/seed0``, ``frozen/seed0``) get their parent's name
-    too (``learned_seed0``)."""
-
+def checkpoint_labels(paths: Sequence[str], given: Sequence[str] = ()) -> list[str]:
+    """One label per checkpoint: the user's ``given`` ones (``--label``), else the run's
+    :func:`~moe_jax.runtime.run_names.run_labels` label (``learned/seed0``), with ``@STEP``
+    when a step is given; a checkpoint named twice gets a ``'``."""
+    if given:
+        return run_names.checked_labels(given, len(paths))
     split = [checkpoints.split_checkpoint_path(os.path.normpath(p)) for p in paths]
-    short = {d: pathlib.Path(d).name for d, _ in split}
-    labels = []
-    for model_dir, step in split:
-        clash = any(
-            other != model_dir and name == short[model_dir] for other, name in short.items()
-        )
-        name = "_".join(pathlib.Path(model_dir).parts[-2:]) if clash else short[model_dir]
-        labels.append(name if step is None else f"{name}@{step}")
+    runs = run_names.run_labels([model_dir for model_dir, _ in split])
     unique: list[str] = []
-    for label in labels:
-        name = label
+    for run, (_, step) in zip(runs, split, strict=True):
+        name = run if step is None else f"{run}@{step}"
         while name in unique:
             name += "'"
         unique.append(name)
     return unique
 
 
-def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
-    """Accuracy and cross-entropy per router (x) for each checkpoint (one line each, its
-    own colour and line style; legend beside the axes)."""
+METRIC_AXES = {
+    "accuracy": "eval token accuracy (fraction)",
+    "cross_entropy": "eval cross-entropy (nats per token)",
+}
 
+
+def router_summary(
+    results: dict[str, dict[str, Any]], metric: str
+) -> dict[str, dict[str, tuple[float, float | None, int]]]:
+    """``{run family: {router: (mean, std or None, seeds)}}`` of ``metric``: the seeds of a
+    family (``run_names.family_of`` of the checkpoint label) pooled, the standard deviation
+    (ddof 1) only where there are two or more."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for r in results.values():
+        family = run_names.family_of(r["label"].split("@")[0])
+        values.setdefault(family, {}).setdefault(r["router"], []).append(
+            r["metrics"].get(metric, np.nan)
+        )
+    return {
+        family: {
+            router: (
+                float(np.mean(v)),
+                float(np.std(v, ddof=1)) if len(v) > 1 else None,
+                len(v),
+            )
+            for router, v in routers.items()
+        }
+        for family, routers in values.items()
+    }
+
+
+def routers_figure(results: dict[str, dict[str, Any]]):
+    """Accuracy and cross-entropy per router (categories on x): a bar per run family,
+    side by side, its seeds' mean with their standard deviation as an error bar where it
+    has several; the value axes start at 0 so bar heights compare."""
     plt = plotting.pyplot()
-    checkpoints_seen = list(dict.fromkeys(r["label"] for r in results.values()))
-    styles = plotting.run_styles(checkpoints_seen)
     routers = list(dict.fromkeys(r["router"] for r in results.values()))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric in zip(axes, ("accuracy", "cross_entropy"), strict=True):
-        for label in checkpoints_seen:
-            values = {
-                r["router"]: r["metrics"].get(metric, np.nan)
-                for r in results.values()
-                if r["label"] == label
-            }
-            ax.plot(
-                range(len(routers)),
-                [values.get(name, np.nan) for name in routers],
-                label=label,
-                **styles[label],
+    several = False
+    for ax, metric in zip(axes, METRIC_AXES, strict=True):
+        summary = router_summary(results, metric)
+        colours = plotting.run_styles(list(summary))
+        width = 0.8 / len(summary)
+        for i, (family, by_router) in enumerate(summary.items()):
+            stats = [by_router.get(name, (np.nan, None, 0)) for name in routers]
+            errors = [s[1] or 0.0 for s in stats]
+            seeds = max(s[2] for s in stats)
+            several |= seeds > 1
+            ax.bar(
+                np.arange(len(routers)) + (i - (len(summary) - 1) / 2) * width,
+                [s[0] for s in stats],
+                width,
+                yerr=errors if seeds > 1 else None,
+                capsize=3,
+                color=colours[family]["color"],
+                label=family if seeds == 1 else f"{family} ({seeds} seeds)",
             )
-        ax.set_xticks(range(len(routers)), routers)
+        ax.set_xticks(range(len(routers)), routers, rotation=20, ha="right")
         ax.set_xlabel("router used at evaluation")
-        ax.set_ylabel(
-            {
-                "accuracy": "eval token accuracy (fraction)",
-                "cross_entropy": "eval cross-entropy (nats per token)",
-            }[metric]
-        )
-        ax.grid(alpha=0.3)
-    plotting.legend_outside(axes[-1], title="checkpoint")
+        ax.set_ylabel(METRIC_AXES[metric])
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
+    plotting.legend_outside(
+        axes[-1], title="run (error bars: std over seeds)" if several else "checkpoint"
+    )
     fig.suptitle("the same trained weights evaluated with replaced routers", fontsize=10)
-    plotting.save(fig, path, dpi=100)
+    return fig
 
 
-@gin.configurable(module="eval_script", denylist=["routers", "overwrite"])
+def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
+    """Writes :func:`routers_figure` as ``path``."""
+    plotting.save(routers_figure(results), path, dpi=100)
+
+
+@gin.configurable(module="eval_script", denylist=["routers", "labels", "overwrite"])
 def evaluate(
     checkpoint_paths: str | Sequence[str] | None = None,
     output_dir: str | None = None,
     routers: Sequence[str] = (),
+    labels: Sequence[str] = (),
     *,
     model: Any = gin.REQUIRED,
     dataset_cfg: Any = gin.REQUIRED,
@@ -325,6 +362,7 @@ def evaluate(
       output_dir: from ``--output_dir`` or the gin macro ``EVAL_OUTPUT_DIR``.
       routers: counterfactual router names (``counterfactual.ROUTER_VARIANTS``); with
         several (or any but ``learned``), labels are ``<checkpoint label>:<router>``.
+      labels: one per checkpoint (``--label``); default :func:`checkpoint_labels`.
       router_seed: seed of the ``random``, ``shuffled`` and ``hash`` routers.
       overwrite: replace ``output_dir``'s results of another comparison (``--overwrite``).
 
@@ -348,13 +386,13 @@ def evaluate(
         output_dir
         or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
     )
-    ckpt_labels = checkpoint_labels(checkpoint_paths)
-    labels = [
+    ckpt_labels = checkpoint_labels(checkpoint_paths, labels)
+    result_labels = [
         label if names == ["learned"] else f"{label}:{name}"
         for label in ckpt_labels
         for name in names
     ]
-    _check_comparison(output_dir, labels, overwrite)
+    _check_comparison(output_dir, result_labels, overwrite)
     results = {}
     for ckpt_label, path in zip(ckpt_labels, checkpoint_paths, strict=True):
         model_dir = checkpoints.split_checkpoint_path(path)[0]
@@ -385,9 +423,7 @@ def evaluate(
             )
             routing = routing_by_layer(metrics)
             label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
-            file_label = (
-                ckpt_label if names == ["learned"] else f"{ckpt_label}_{name}"
-            )  # no ':' in file names
+            file_label = run_names.file_stem(label)
             results[label] = {
                 "checkpoint": storage.join(model_dir, "checkpoints", str(step)),
                 "step": step,
@@ -486,6 +522,14 @@ def main(argv: list[str] | None = None) -> int:
         help="replace the output directory's results of another comparison",
     )
     parser.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the label of each --checkpoint, in order (default: the shortest path suffix "
+        "that tells the runs apart, e.g. learned/seed0)",
+    )
+    parser.add_argument(
         "--router",
         action="append",
         default=[],
@@ -516,7 +560,15 @@ def main(argv: list[str] | None = None) -> int:
     evaluate(
         output_dir=args.output_dir or gin_utils.user_value(args, "EVAL_OUTPUT_DIR"),
         overwrite=args.overwrite,
-        **{k: v for k, v in (("checkpoint_paths", args.checkpoint), ("routers", args.router)) if v},
+        **{
+            k: v
+            for k, v in (
+                ("checkpoint_paths", args.checkpoint),
+                ("routers", args.router),
+                ("labels", args.label),
+            )
+            if v
+        },
     )
     return 0
 

@@ -7,11 +7,11 @@ The loop: restore the latest checkpoint of ``MODEL_DIR`` (state, step, data-iter
 position, RNG) or initialise; then per step fetch this host's batch shard, run the jitted
 train step (state donated), check the *previous* step's loss (so the host never waits for
 the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
-evaluate every ``eval_period`` steps. Steps that log, save or evaluate check their own
-loss first and fetch the metrics; no other step fetches more than its loss. SIGTERM or
-Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with one line naming it (a
-second Ctrl-C stops without waiting for the step, naming the last finished checkpoint); a
-non-finite loss stops with its step and the last good checkpoint (or, with
+evaluate every ``eval_period`` steps and at the last step. Steps that log, save or
+evaluate check their own loss first and fetch the metrics; no other step fetches more than
+its loss. SIGTERM or Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with
+one line naming it (a second Ctrl-C stops without waiting for the step, naming the last
+finished checkpoint); a non-finite loss stops with its step and the last good checkpoint (or, with
 ``train.on_nonfinite = 'skip'``, drops that step's update).
 
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
@@ -123,7 +123,7 @@ def _resumed_iterator(
 
 @gin.configurable(
     module="train_script",
-    denylist=["stop_after_steps", "allow_config_change", "command_line_bindings"],
+    denylist=["stop_after_steps", "allow_config_change", "command_line_bindings", "progress"],
 )
 def train(
     *,
@@ -146,16 +146,17 @@ def train(
     stop_after_steps: int | None = None,
     allow_config_change: bool = False,
     command_line_bindings: Sequence[str] = (),
+    progress: str = "auto",
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
 
     Args:
-      checkpoint_period: save every N steps (and at the end); keep the last
-        ``keep_checkpoints``.
+      checkpoint_period: save every N steps and at the end (only those: no step-1
+        checkpoint); keep the last ``keep_checkpoints``.
       log_period: write the logged step's train metrics and the throughput since the last
         log every N steps.
       eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
-        (0: never).
+        and at the final step ``total_steps``, as T5X does (0: never).
       accum_steps: gradient accumulation microbatches per step.
       on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
         The loss is checked one step late, so a stop comes with the next step already
@@ -174,6 +175,9 @@ def train(
         which later resumptions compare with).
       command_line_bindings: the command line's gin binding lines; one binding a model
         config the built model never reads is refused (not a gin parameter).
+      progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
+        and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
+        (``--progress``; :class:`~moe_jax.runtime.summaries.Progress`).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -203,7 +207,8 @@ def train(
             skip_nonfinite=on_nonfinite == "skip",
         )
         _refuse_unread_bindings(command_line_bindings)
-        aot.check_fits(run, train_dataset_cfg, model)  # before any state is allocated
+        _log("compiling the train step (and checking that it fits)")
+        step_fn = aot.check_fits(run, train_dataset_cfg, model)  # before any state exists
         ckpt = checkpoints.Checkpointer(
             model_dir,
             save_period=checkpoint_period,
@@ -216,12 +221,14 @@ def train(
         _check_set_aside(model_dir, set_aside, fresh=restored is None)
         if restored is None:
             latest, meta = None, None
+            _log("initialising the parameters and optimizer state")
             state = run.init_state()
             checkpoints.save_router_init(model_dir, state.params)
         else:
             state, meta, latest = restored
             _check_random_seed(meta, random_seed, ckpt.name(latest))
             _log(f"restored {ckpt.directory}/{latest}")
+        _log("starting the data pipeline")
         iterator, restart = _resumed_iterator(train_dataset_cfg, meta, latest)
         distributed.process_zero_decides(
             lambda: gin_utils.record_run_config(
@@ -245,19 +252,13 @@ def train(
             f"{jax.process_count()} process(es), {jax.device_count()} devices"
         )
 
-        step_fn = run.train_step
         eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
         expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
         writer = summaries.MetricsWriter(model_dir, expert_shards)
-        churn = None
-        if eval_fn and routing_churn and train_eval_dataset_cfg is not None:
-            # the first eval batch is the fixed probe batch
-            probe_batch = builders.first_batch(
-                builders.eval_batches(train_eval_dataset_cfg, 1), train_eval_dataset_cfg
-            )
-            churn = summaries.ChurnProbe(
-                model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
-            )
+        churn: summaries.ChurnProbe | None = (
+            None  # built at the first evaluation, not before step 1
+        )
+        with_churn = bool(eval_fn) and routing_churn and train_eval_dataset_cfg is not None
         tokens_per_step = int(
             np.prod(input_shapes["decoder_input_tokens"])
             + np.prod(input_shapes["encoder_input_tokens"])
@@ -269,12 +270,12 @@ def train(
         )
         preemption = distributed.PreemptionWatcher()
 
-        step = int(jax.device_get(state.step))
+        step = first_step = int(jax.device_get(state.step))
         end = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
         last_saved = latest
         losses: dict[int, float] = {}
         preempted = False
-        bar = summaries.progress_bar(step, total_steps)
+        ticker = summaries.Progress(step, total_steps, progress)
         start_time = time.perf_counter()
 
         def check_loss(checked_step: int, step_metrics) -> float:
@@ -294,6 +295,8 @@ def train(
             batch = builders.global_batch(builders.first_batch(iterator, train_dataset_cfg), ctx)
             while step < end:
                 state, metrics = step_fn(state, batch)  # async dispatch; state donated
+                if step == first_step:  # said once, when it is done: the run is under way
+                    ticker.write(f"step {step + 1} done: loss {float(metrics['loss']):.4f}")
                 data_state = iterator.get_state()  # position after this step's batch
                 if step + 1 < end:
                     batch = builders.global_batch(next(iterator), ctx)  # overlaps the device's step
@@ -302,14 +305,14 @@ def train(
                 ckpt.check_for_errors()  # a failed background save stops here
                 step += 1
                 meter.tick()
-                bar.update(1)
+                ticker.update()
                 if unchecked is not None:  # the previous step: done, or queued just before this one
                     check_loss(*unchecked)
                 unchecked = (step, metrics)
                 preempted = preemption.reached(step)
                 log_now = step % log_period == 0 or step == end
-                save_now = ckpt.should_save(step) or step == end or preempted
-                eval_now = bool(eval_fn) and step % eval_period == 0
+                save_now = step % checkpoint_period == 0 or step == end or preempted
+                eval_now = bool(eval_fn) and (step % eval_period == 0 or step == total_steps)
                 if not (sync_every_step or log_now or save_now or eval_now):
                     continue
                 loss = check_loss(*unchecked)  # waits for this step
@@ -317,7 +320,7 @@ def train(
                 if log_now:
                     rates = meter.rates()
                     writer.write("train", step, {**jax.device_get(metrics), **rates})
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_sec']:.0f}")
+                    ticker.log(step, loss, rates["tokens_per_sec"])
                 if save_now:
                     _check_parameters(state.params, step, ckpt.name(last_saved))
                     meta = {
@@ -338,16 +341,19 @@ def train(
                         eval_steps,
                         state.collections,
                     )
-                    if churn:
+                    if with_churn:
+                        churn = churn or _churn_probe(
+                            model, run, ctx, train_eval_dataset_cfg, model_dir
+                        )
                         eval_metrics.update(churn(state.params, state.collections))
                     writer.write("eval", step, eval_metrics)
-                    bar.write(
+                    ticker.write(
                         f"step {step}: eval loss {eval_metrics['loss']:.4f} "
                         f"accuracy {eval_metrics['accuracy']:.4f}"
                     )
         finally:
             iterator.close()
-            bar.close()
+            ticker.close()
             ckpt.wait_until_finished()
             ckpt.close()
             writer.close()
@@ -434,6 +440,14 @@ def _last_checkpoint(model_dir: str) -> str:
     return "none yet" if step is None else storage.join(model_dir, "checkpoints", str(step))
 
 
+def _churn_probe(model, run, ctx, eval_cfg, model_dir: str) -> summaries.ChurnProbe:
+    """The routing-churn probe of a run: the first eval batch is its fixed probe batch."""
+    probe_batch = next(builders.eval_batches(eval_cfg, 1))
+    return summaries.ChurnProbe(
+        model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
+    )
+
+
 def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
     """Refuses a ``TRAIN_STEPS`` that is not a positive integer or is below the step the
     run already reached (before anything is written)."""
@@ -507,12 +521,14 @@ def main(argv: list[str] | None = None) -> int:
         "or the newest config.step-N.gin); the new one is kept as "
         "MODEL_DIR/config.step-N.gin and later resumes compare with it",
     )
+    summaries.add_progress_flag(parser)
     args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)
     result = train(
         allow_config_change=args.allow_config_change,
         command_line_bindings=args.command_line_bindings,
+        progress=args.progress,
     )
     if result["preempted"]:
         raise errors.Interrupted(

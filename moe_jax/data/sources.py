@@ -173,6 +173,18 @@ def make_source_settings() -> dict:
     return settings
 
 
+def describe_corpus() -> str:
+    """The corpus gin selects, in words: ``the embedded UDHR corpus (20 languages)``,
+    ``TFDS c4/multilingual:3.1.0``, ``the text files train_patterns=...``."""
+    settings = make_source_settings()
+    corpus = settings["corpus"]
+    if corpus == "embedded":
+        return f"the embedded UDHR corpus ({len(embedded_languages())} languages)"
+    if corpus == "tfds":
+        return f"TFDS {settings['tfds_name']}"
+    return f"the text files train_patterns={settings['train_patterns']!r}"
+
+
 def is_text_corpus() -> bool:
     """Whether gin selects the user's text files (``make_source.corpus = 'text'``)."""
     return make_source_settings()["corpus"] == "text"

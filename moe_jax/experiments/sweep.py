@@ -35,10 +35,16 @@ small before booking a pod::
         --set "gin_files=['experiments/cpu_scale.gin']" --gin.BATCH_SIZE=8
 
 ``run`` starts ``--parallel`` trainings at a time, writes each one's log to
-``<MODEL_DIR>/log.txt`` and a ``DONE`` marker when it exits cleanly; runs with a marker are
-skipped, runs without one resume from their last checkpoint (the trainer's own resume).
+``<MODEL_DIR>/log.txt`` (and echoes it, each line prefixed ``[sweep <run> seed <N>]``: the
+trainers' timestamped progress lines) and a ``DONE`` marker when it exits cleanly; runs
+with a marker are skipped, runs without one resume from their last checkpoint (the
+trainer's own resume).
 ``--dry-run`` prints the commands, one per line, e.g. to hand them to ``launch/`` scripts.
-``collect`` reads each run's ``metrics.jsonl`` eval records and writes ``<name>.json``
+``run`` records the family as resolved (the file with ``--set`` applied, the ``--gin``
+flags) in ``ROOT/<name>.family.json``; ``collect`` reads the runs that record names (its own
+``--set`` applied on top; the file alone where there is none), so that a sweep run with
+``--set`` is collected without repeating it. ``collect`` reads each run's ``metrics.jsonl``
+eval records and writes ``<name>.json``
 (per-step mean/std/min/max over seeds, final values, paired per-seed gaps between runs),
 ``<name>_curves.png`` (metric vs steps per run, band = seed range) and, when the family
 has an axis, ``<name>_vs_<axis>.png`` (final metric vs axis value per run).
@@ -56,6 +62,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Sequence
@@ -170,18 +177,29 @@ def apply_sets(raw: dict[str, Any], sets: Sequence[tuple[str, Any]], path: str) 
     return raw
 
 
+def read_family_file(path: str, sets: Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """The family file's TOML with the ``--set`` changes applied; a missing or bad file is
+    a :class:`FamilyError` naming it."""
+    try:
+        with open(path, "rb") as f:
+            return apply_sets(tomllib.load(f), sets, path)
+    except FileNotFoundError:
+        raise FamilyError(f"{path}: no such family file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise FamilyError(f"{path}: not valid TOML ({err})") from None
+
+
 def load_family(
     path: str, sets: Sequence[tuple[str, Any]] = (), gin_flags: Sequence[str] = ()
 ) -> Family:
     """Parse and validate a family file, with the command line's ``--set`` changes and
     ``--gin.NAME=VALUE`` flags for every run; errors name the file and the offending key."""
-    try:
-        with open(path, "rb") as f:
-            raw = apply_sets(tomllib.load(f), sets, path)
-    except FileNotFoundError:
-        raise FamilyError(f"{path}: no such family file") from None
-    except tomllib.TOMLDecodeError as err:
-        raise FamilyError(f"{path}: not valid TOML ({err})") from None
+    return build_family(read_family_file(path, sets), path, gin_flags)
+
+
+def build_family(raw: dict[str, Any], path: str, gin_flags: Sequence[str] = ()) -> Family:
+    """The :class:`Family` of a family's TOML ``raw`` (as read from ``path``); errors name
+    ``path`` and the offending key."""
     unknown = sorted(set(raw) - FAMILY_KEYS)
     _require(not unknown, path, f"unknown key(s) {unknown}; allowed: {sorted(FAMILY_KEYS)}")
     name = raw.get("name", os.path.splitext(os.path.basename(path))[0])
@@ -235,16 +253,58 @@ def load_family(
 # ---------------------------------------------------------------------------------- run
 
 
+def family_record_path(root: str, family_name: str) -> str:
+    """``ROOT/<family>.family.json``: the family as `sweep run` resolved it."""
+    return storage.join(root, f"{family_name}.family.json")
+
+
+def record_family(root: str, raw: dict[str, Any], path: str, gin_flags: Sequence[str]) -> str:
+    """Writes the family as resolved (the file with ``--set`` applied, the ``--gin`` flags)
+    into ``root``, for ``collect`` to find the runs that ran; returns its path."""
+    record = family_record_path(root, build_family(raw, path).name)
+    storage.write_text(
+        record, json.dumps({"file": path, "family": raw, "gin_flags": list(gin_flags)}, indent=1)
+    )
+    return record
+
+
+def recorded_family(
+    root: str, path: str, sets: Sequence[tuple[str, Any]]
+) -> tuple[dict[str, Any], list[str]] | None:
+    """The family `sweep run` recorded in ``root`` (``collect``'s own ``--set`` applied on
+    top) and its ``--gin`` flags, or None when it recorded none."""
+    record = family_record_path(root, load_family(path, sets).name)
+    if not storage.exists(record):
+        return None
+    saved = json.loads(storage.read_text(record))
+    print(f"[sweep] the family as `sweep run` resolved it: {record}", file=sys.stderr)
+    return apply_sets(saved["family"], sets, path), saved["gin_flags"]
+
+
+_ECHO_LOCK = threading.Lock()
+
+
 def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSpec, int, float]:
+    """Runs one training, its output appended to ``<MODEL_DIR>/log.txt`` and echoed line by
+    line, prefixed with the run, to this process's stdout (the trainer writes plain
+    timestamped progress lines there, stdout not being a terminal)."""
     model_dir = spec.model_dir(root)
     storage.makedirs(model_dir)
     log_path = storage.join(model_dir, "log.txt")
     local = storage.is_local(log_path)
     start = time.time()
+    prefix = f"[sweep {spec.group} seed {spec.seed}] "
     with open(log_path, "ab") if local else tempfile.TemporaryFile() as log:
-        rc = subprocess.call(
-            [*executable, *spec.command(root)[2:]], stdout=log, stderr=subprocess.STDOUT
+        child = subprocess.Popen(
+            [*executable, *spec.command(root)[2:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
+        assert child.stdout is not None
+        for line in child.stdout:
+            log.write(line)
+            log.flush()
+            with _ECHO_LOCK:
+                print(prefix + line.decode(errors="replace").rstrip(), flush=True)
+        rc = child.wait()
         if not local:  # an object store cannot append: the log is uploaded when the run ends
             log.seek(0)
             earlier = storage.read_bytes(log_path) if storage.exists(log_path) else b""
@@ -545,7 +605,10 @@ def main(argv: list[str] | None = None) -> int:
             f"unrecognized arguments: {' '.join(unknown or gin_flags)}"
             + (" (--gin.NAME=VALUE is a flag of `sweep run`)" if gin_flags and not unknown else "")
         )
-    family = load_family(args.family, args.sets, gin_flags)
+    raw = read_family_file(args.family, args.sets)
+    if args.action == "collect":
+        raw, gin_flags = recorded_family(args.root, args.family, args.sets) or (raw, gin_flags)
+    family = build_family(raw, args.family, gin_flags)
     if args.action == "run":
         if args.only:
             names = args.only.split(",")
@@ -561,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             for spec in family.runs:
                 print(shlex.join(spec.command(args.root)))
             return 0
+        record_family(args.root, raw, args.family, gin_flags)
         return 1 if run_family(family, args.root, args.parallel) else 0
     if args.action == "plot":
         with open(args.summary) as f:

@@ -15,7 +15,9 @@ Modules, one job each:
   routing        per-token routing of every MoE layer of a restored model (the layer's opt-in
                  ``routing`` collection)
   evaluation     mean eval metrics over a dataset; the run's recorded eval settings
-  run_names      how the seeds of a run family are named (``<family>/seed<N>``)
+  run_names      how runs are named (``<family>/seed<N>``) and labelled (shortest distinct
+                 path suffix) in every command
+  scratch        a command's temporary files in a folder of its own, removed at its end
   aot            ahead-of-time compile for a TPU/GPU/CPU target: memory, fit, step time
 
 Nothing here imports TensorFlow/seqio at import time.

@@ -325,13 +325,14 @@ def compile_eval(
     )
 
 
-def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> dict[str, Any]:
-    """Compiles ``run``'s train step for the devices of its mesh (what ``train`` is about to
-    run; the jitted step then reuses this compilation) and raises :class:`DoesNotFitError`
-    with the numbers and what to change when it needs more memory than they have (on
-    CPU: the machine's available memory, shared by its devices). Returns the analysis."""
+def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> Any:
+    """Compiles ``run``'s train step for the devices of its mesh and raises
+    :class:`DoesNotFitError` with the numbers and what to change when it needs more memory
+    than they have (on CPU: the machine's available memory, shared by its devices).
+    Returns the compiled step, ``(state, batch) -> (state, metrics)`` with ``state``
+    donated: the executable ``train`` runs, so the step is compiled once."""
     devices = list(run.ctx.mesh.devices.flat)
-    _, step = compile_train(run, cfg, model, hardware.device_facts(devices))
+    compiled, step = compile_train(run, cfg, model, hardware.device_facts(devices))
     if not step["fits"]:
         b = step["bytes"]
         where = (
@@ -352,7 +353,7 @@ def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> 
             f"x {dict(cfg.task_feature_lengths)}) but each of the {len(devices)} devices has "
             f"{gib(b['device_memory'])} {where}; change one of: " + "; ".join(advice)
         )
-    return step
+    return compiled
 
 
 def compile_run(

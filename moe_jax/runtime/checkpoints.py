@@ -220,12 +220,6 @@ def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     return path, None
 
 
-def run_name(checkpoint_path: str) -> str:
-    """The last two parts of a checkpoint's ``MODEL_DIR`` (e.g. ``learned/seed0``)."""
-    model_dir = split_checkpoint_path(checkpoint_path)[0]
-    return f"{storage.basename(storage.parent(model_dir))}/{storage.basename(model_dir)}"
-
-
 def _train_item(state: TrainState) -> dict[str, Any]:
     """The ``train`` item of a state (``collections`` only when the model has any, so
     checkpoints of models without them keep their layout)."""
@@ -353,9 +347,6 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
-
-    def should_save(self, step: int) -> bool:
-        return self._manager.should_save(step)
 
     def step_dir(self, step: int) -> str:
         return storage.join(self.directory, str(step))

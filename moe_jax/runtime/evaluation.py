@@ -50,12 +50,14 @@ def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
 
 
 def describe_eval_settings(eval_steps: int, cfg: builders.DatasetConfig) -> str:
-    """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of
-    mc4_span_corruption``."""
+    """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of task
+    mc4_span_corruption over the embedded UDHR corpus (20 languages)``."""
+    from moe_jax.data import sources  # deferred: TensorFlow/seqio load only when data is read
+
     return (
         f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x "
-        f"{dict(cfg.task_feature_lengths)} from the "
-        f"{cfg.split} split of {cfg.mixture_or_task_name}"
+        f"{dict(cfg.task_feature_lengths)} from the {cfg.split} split of task "
+        f"{cfg.mixture_or_task_name} over {sources.describe_corpus()}"
     )
 
 

@@ -28,6 +28,7 @@ import argparse
 import ast
 import atexit
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import io
@@ -407,9 +408,11 @@ def _check_macros(files: Sequence[str], bindings: Sequence[str]) -> None:
                 )
     for origin, _, text in binding_lines:
         if (m := _MACRO_DEF.match(text)) and m.group(1).isupper() and m.group(1) not in referenced:
+            close = difflib.get_close_matches(m.group(1), sorted(referenced), n=3)
+            guess = f"did you mean {' or '.join(close)}? " if close else "typo? "
             raise GinConfigError(
-                f"gin: macro {m.group(1)} set by {origin} is not used by any gin "
-                f"file (typo?); macros used: {sorted(referenced)}"
+                f"gin: macro {m.group(1)} set by {origin} is not used by any gin file; "
+                f"{guess}macros used: {sorted(referenced)}"
             )
 
 

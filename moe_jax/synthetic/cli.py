@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import pathlib
 import sys
 import time
@@ -213,15 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         raise errors.ConfigError(str(err)) from None
     seeds = [args.seed] if args.seed is not None else (args.seeds or DEFAULT_SEEDS[args.preset])
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(".cache/jax").resolve()))
     out = pathlib.Path(args.out or "results/synthetic")
     timings = {}
     for name in names:
         start = time.perf_counter()
-        result = load(name).run(configs[name], seeds, out)
+        result = load(name).run_preset(args.preset, configs[name], seeds, out)
         timings[name] = time.perf_counter() - start
         print(
             f"\n{name} ({args.preset}, seeds {','.join(map(str, seeds))}):\n{console_table(result)}"

@@ -11,6 +11,11 @@ holds the same quantity. The table gives the paper's value, the ``quick`` preset
 * **direction reproduced**: the claim holds (an ordering, a trend), the magnitude does not;
 * **not reproduced**: the claim fails.
 
+Only runs of the ``converged`` (or ``paper``) preset are judged: each JSON records its
+``preset`` and ``seeds``, and a row of another preset (``quick``) gives its value labelled
+with the preset and the verdict "not judged (quick preset)"; a JSON without a recorded
+preset is "not judged (preset not recorded)".
+
 An exact identity (paper value 0, an upper bound) counts as "within 2x" up to float32
 rounding (``FLOAT32_EXACT``).
 
@@ -33,6 +38,19 @@ from moe_jax.synthetic.experiments import common
 
 Result = dict[str, Any]
 VERDICTS = ("magnitude within 2x", "direction reproduced", "not reproduced")
+JUDGED_PRESETS = ("converged", "paper")  # runs long enough to compare with the paper
+
+
+def preset_of(result: Result) -> str:
+    """The preset a result was run with (``"preset"`` of its JSON), ``"unrecorded"``."""
+    return str(result.get("preset", "unrecorded"))
+
+
+def not_judged(preset: str) -> str:
+    """The verdict of a row whose run is not of a judged preset."""
+    return f"not judged ({'preset not recorded' if preset == 'unrecorded' else preset + ' preset'})"
+
+
 FLOAT32_EXACT = 1e-5  # "exactly 0" for a float32 computation
 
 
@@ -641,13 +659,15 @@ def rows(converged: dict[str, Result], quick: dict[str, Result]) -> list[dict[st
         if t.experiment not in converged:
             continue
         result = converged[t.experiment]
+        preset = preset_of(result)
         try:
             mean, std = t.get(result)
-            verdict = t.verdict(result)
+            verdict = t.verdict(result) if preset in JUDGED_PRESETS else not_judged(preset)
         except (KeyError, ValueError):  # a setting this run did not train (e.g. a smaller preset)
             out.append(dict(experiment=t.experiment, result=t.name, absent=True))
             continue
         q = _optional(t.get, quick.get(t.experiment))
+        q_preset = preset_of(quick[t.experiment]) if t.experiment in quick else None
         out.append(
             dict(
                 experiment=t.experiment,
@@ -657,8 +677,10 @@ def rows(converged: dict[str, Result], quick: dict[str, Result]) -> list[dict[st
                 paper=t.paper,
                 bound=t.bound,
                 quick=q,
+                quick_preset=q_preset,
                 converged=mean,
                 std=std,
+                preset=preset,
                 seeds=len(result.get("seeds", [])),
                 verdict=verdict,
             )
@@ -701,7 +723,11 @@ def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
     absent = [f"{r['experiment']}: {r['result']}" for r in table if r.get("absent")]
     table = [r for r in table if not r.get("absent")]
     for r in table:
-        quick = "-" if r["quick"] is None else _cell(r["quick"])
+        quick = (
+            "-" if r["quick"] is None else _labelled(r["quick_preset"], "quick", _cell(r["quick"]))
+        )
+        seeds = f"{r['seeds']} seed{'s' * (r['seeds'] != 1)}"
+        value = _labelled(r["preset"], "converged", f"{_cell(r['converged'], r['std'])} ({seeds})")
         lines.append(
             row(
                 [
@@ -710,18 +736,24 @@ def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
                     r["quantity"],
                     f"{paper(r)} ({r['source']})",
                     quick,
-                    f"{_cell(r['converged'], r['std'])} ({r['seeds']} seeds)",
+                    value,
                     r["verdict"],
                 ]
             )
         )
-    counts = {v: sum(r["verdict"] == v for r in table) for v in VERDICTS}
+    judged = [r for r in table if r["verdict"] in VERDICTS]
+    counts = {v: sum(r["verdict"] == v for r in judged) for v in VERDICTS}
     lines += [
         "",
         "Verdicts: "
         + ", ".join(f"{n} {v}" for v, n in counts.items())
-        + f" (of {len(table)} rows).",
+        + f" (of {len(judged)} rows).",
     ]
+    if len(judged) < len(table):
+        lines.append(
+            f"Not judged: {len(table) - len(judged)} rows whose run is not of the converged "
+            "preset (the paper's numbers are for converged runs)."
+        )
     if absent:
         lines.append(f"Not in these runs (setting not trained): {'; '.join(absent)}.")
     if missing:
@@ -731,15 +763,21 @@ def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _labelled(preset: str | None, column: str, text: str) -> str:
+    """``text``, prefixed with its preset when that is not the ``column``'s."""
+    return text if preset == column else f"{preset}: {text}"
+
+
 def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     """One summary PNG: converged value / paper value per row with a paper number (log
     axis, the 2x band shaded), a point coloured by verdict joined to 1 (the paper's value);
     the title says how many of the table's rows are shown and why the others are not."""
     from matplotlib.patches import Patch
 
-    absent = [r for r in table if r.get("absent")]
-    no_paper = [r for r in table if not r.get("absent") and r["paper"] in (None, 0.0)]
-    shown = [r for r in table if not r.get("absent") and r["paper"] not in (None, 0.0)]
+    absent = [r for r in table if r.get("absent") or r["verdict"] not in VERDICTS]
+    present = [r for r in table if r not in absent]
+    no_paper = [r for r in present if r["paper"] in (None, 0.0)]
+    shown = [r for r in present if r["paper"] not in (None, 0.0)]
     plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(10.5, 0.28 * max(len(shown), 4) + 1.6))
     colours = {VERDICTS[0]: "tab:green", VERDICTS[1]: "tab:orange", VERDICTS[2]: "tab:red"}
@@ -755,14 +793,14 @@ def plot(table: list[dict[str, Any]], path: pathlib.Path) -> None:
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_yticks(y, [f"{r['experiment']}: {r['result']}" for r in shown], fontsize=6)
-    ax.set_ylim(len(shown) - 0.5, -0.5)
+    ax.set_ylim(max(len(shown), 1) - 0.5, -0.5)
     ax.set_xlabel("|converged value / paper value| (log scale; 1 = the paper's value)")
     handles = [Patch(color=c, label=v) for v, c in colours.items()] + [
         Patch(color="gray", alpha=0.15, label="within 2x")
     ]
     plotting.legend_outside(ax, handles=handles, title="verdict")
     left_out = ([f"{len(no_paper)} without a paper number"] if no_paper else []) + (
-        [f"{len(absent)} not trained in these runs"] if absent else []
+        [f"{len(absent)} not trained or not judged in these runs"] if absent else []
     )
     ax.set_title(
         f"synthetic suite: fidelity to the paper ({len(shown)} of {len(table)} rows"

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from moe_jax import cli as moe_cli
+from moe_jax import errors, plotting
 from moe_jax.commands import evaluate
 from moe_jax.data import sources
+from moe_jax.runtime import run_names
 from tests.analysis.conftest import TINY
 
 LAYERS = ["encoder/layers_1", "decoder/layers_1"]
@@ -109,6 +111,7 @@ def test_analyze_languages_writes_mi_sparsity_and_heatmaps(tiny_run, tmp_path):
     assert report["labels"] == list(sources.embedded_languages())
     (result,) = report["checkpoints"]
     assert result["step"] == 1 and list(result["layers"]) == LAYERS
+    assert result["run"] == evaluate.checkpoint_labels([str(tiny_run)])[0] == tiny_run.name
     for stats in result["layers"].values():
         assert 0.0 <= stats["bits"] <= stats["language_entropy_bits"] + 1e-9
         assert 1.0 <= stats["sparsity"] <= 4.0 and 1.0 <= stats["sparsity_shuffled_router"] <= 4.0
@@ -153,10 +156,53 @@ def test_analyze_languages_refuses_unlabelled_data(tiny_run, tmp_path, capsys):
 def test_checkpoint_labels_tell_runs_of_the_same_name_apart():
     assert evaluate.checkpoint_labels(
         ["/r/learned/seed0", "/r/frozen/seed0/checkpoints/300", "/r/dense"]
-    ) == ["learned_seed0", "frozen_seed0@300", "dense"]
-    assert evaluate.checkpoint_labels(["/a/run/500", "/b/run"]) == ["a_run@500", "b_run"]
+    ) == ["learned/seed0", "frozen/seed0@300", "dense"]
+    assert evaluate.checkpoint_labels(["/a/run/500", "/b/run"]) == ["a/run@500", "b/run"]
     assert evaluate.checkpoint_labels(["/x/run/100", "/x/run", "/x/run"]) == [
         "run@100",
         "run",
         "run'",
     ]
+
+
+def test_labels_of_the_sweep_layout_are_the_shortest_distinct_suffixes():
+    """The sweep writes ROOT/<run>/<AXIS>-<value>/seed<N>: the run name must be in the label."""
+    paths = ["/root/learned/NUM_EXPERTS-8/seed0", "/root/frozen/NUM_EXPERTS-8/seed0"]
+    labels = ["learned/NUM_EXPERTS-8/seed0", "frozen/NUM_EXPERTS-8/seed0"]
+    assert evaluate.checkpoint_labels(paths) == labels
+    assert run_names.run_labels(paths) == labels
+    assert run_names.run_labels(["/tmp/learned", "/tmp/frozen"]) == ["learned", "frozen"]
+    assert run_names.file_stem(labels[0] + ":init") == "learned_NUM_EXPERTS-8_seed0_init"
+
+
+def test_labels_can_be_given_one_per_checkpoint():
+    assert evaluate.checkpoint_labels(["/r/a", "/r/b"], ["A", "B"]) == ["A", "B"]
+    for given in (["A"], ["A", "A"], ["A", "x:y"]):
+        with pytest.raises(errors.UserError):
+            evaluate.checkpoint_labels(["/r/a", "/r/b"], given)
+
+
+def test_routers_plot_is_bars_from_zero_with_error_bars_over_seeds():
+    """Routers are categories: bars (no lines joining them), value axes from 0, and the
+    seeds of a family pooled into a mean with its standard deviation."""
+
+    def result(label, router, accuracy):
+        metrics = {"accuracy": accuracy, "cross_entropy": 5.0 - accuracy}
+        return {"label": label, "router": router, "metrics": metrics}
+
+    results = {
+        f"{run}/seed{s}:{router}": result(f"{run}/seed{s}", router, 0.3647 + 0.0001 * s + d)
+        for run in ("learned", "frozen")
+        for s in (0, 1)
+        for router, d in (("learned", 0.0), ("random", 0.0007))
+    }
+    summary = evaluate.router_summary(results, "accuracy")
+    mean, std, seeds = summary["learned"]["random"]
+    assert seeds == 2 and mean == pytest.approx(0.36545) and std == pytest.approx(0.0001 / 2**0.5)
+    fig = evaluate.routers_figure(results)
+    for ax in fig.axes:
+        assert ax.get_ylim()[0] == 0  # bars from zero
+        assert all(line.get_linestyle() == "None" for line in ax.lines)  # error-bar caps only
+        assert len(ax.patches) == 4  # 2 families x 2 routers
+        assert len(ax.collections) == 2  # the error bars, one set per family
+    plotting.pyplot().close(fig)

@@ -53,6 +53,7 @@ def _parse_text_gin(bindings: list[str]) -> None:
 def test_held_out_fraction_splits_every_line_into_exactly_one_split(corpus):
     _parse_text_gin([f"TEXT_TRAIN_FILES = '{corpus}/*/*.txt'", "TEXT_VALIDATION_FRACTION = 0.2"])
     assert sources.corpus_groups() == ("text",)
+    assert sources.describe_corpus().startswith("the text files train_patterns=")
     source = sources.make_source(None)
     train, validation = _lines(source, "train"), _lines(source, "validation")
     everything = _file_lines(*corpus.glob("*/*.txt"))

@@ -57,6 +57,65 @@ def test_tpu_pod_dry_run_creates_installs_trains_on_all_workers_and_deletes():
     assert "gs://bucket/runs/fig5" in train[0] and "--gin.TRAIN_STEPS=500000" in train[0]
     assert any("pip\\ install" in s and "--worker=all" in s for s in steps)
     assert steps[-1].startswith("gcloud compute tpus tpu-vm delete moe1")
+    assert "shipping the working tree of" in proc.stdout  # which code goes, said in a dry run
+
+
+def test_pods_get_the_working_tree_and_a_dirty_one_is_said(tmp_path):
+    """The archive the TPU launcher ships holds uncommitted edits and new untracked files
+    (not ignored ones, nor files deleted since the commit), and the launcher says so."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (repo / ".gitignore").write_text("ignored.txt\n")
+    (repo / "kept.gin").write_text("committed\n")
+    (repo / "gone.gin").write_text("committed\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+
+    def pack() -> str:
+        archive = tmp_path / "checkout.tar.gz"
+        out = subprocess.run(
+            ["bash", "-c", f"source {LAUNCH / 'common.sh'}; pack_checkout {repo} {archive}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        return out
+
+    assert "no uncommitted changes" in pack()
+    (repo / "kept.gin").write_text("edited\n")
+    (repo / "gone.gin").unlink()
+    (repo / "new_task.py").write_text("x = 1\n")
+    (repo / "ignored.txt").write_text("secret\n")
+    out = pack()
+    assert "warning: shipping the working tree" in out and "3 uncommitted change(s)" in out
+    kept = subprocess.run(
+        ["tar", "-xzOf", str(tmp_path / "checkout.tar.gz"), "kept.gin"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert kept == "edited\n"
+    names = subprocess.run(
+        ["tar", "-tzf", str(tmp_path / "checkout.tar.gz")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert sorted(names) == [".gitignore", "kept.gin", "new_task.py"]
+    assert (
+        subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.count("\n")
+        == 3
+    )  # the repository's own index is untouched
 
 
 def test_tpu_pod_reuse_and_keep_skip_create_and_delete():

@@ -70,7 +70,7 @@ def test_an_experiment_writes_json_csv_and_png(tmp_path, capsys):
     assert cli.main(["spurious", "--seeds", "0,1", "--out", str(tmp_path), *overrides]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "spurious.json").read_text())
-    assert result["seeds"] == [0, 1]
+    assert result["seeds"] == [0, 1] and result["preset"] == "quick"
     assert result["config"] == {**preset, **small}  # the preset as it ran
     # and the preset itself untouched
     assert experiments.load("spurious").presets["quick"] == preset

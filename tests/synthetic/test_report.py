@@ -8,7 +8,13 @@ from moe_jax import cli as moe_jax_cli
 from moe_jax.synthetic import cli, report
 
 
-def _fig2(loss_small_n: float, loss_large_n: float, sparsity: float, shuffled: float) -> dict:
+def _fig2(
+    loss_small_n: float,
+    loss_large_n: float,
+    sparsity: float,
+    shuffled: float,
+    preset: str = "converged",
+) -> dict:
     def entry(n, e, loss, sp):
         return dict(
             num_train=n,
@@ -22,6 +28,7 @@ def _fig2(loss_small_n: float, loss_large_n: float, sparsity: float, shuffled: f
 
     return {
         "experiment": "fig2",
+        "preset": preset,
         "config": {"k": 64, "experts": [16, 64], "sizes": [640, 25600]},
         "seeds": [0, 1, 2],
         "summary": [
@@ -40,6 +47,7 @@ def _fig3(learned: float, frozen: float, dense_small: float, dense_large: float)
 
     return {
         "experiment": "fig3",
+        "preset": "converged",
         "config": {},
         "seeds": [0, 1, 2],
         "summary": [
@@ -105,6 +113,7 @@ def test_top1_and_soft_learning_gains_get_their_own_verdicts():
 
     fig6 = {
         "experiment": "fig6",
+        "preset": "converged",
         "config": {},
         "seeds": [0, 1, 2],
         "summary": [
@@ -146,6 +155,7 @@ def test_dictionary_ratios_compare_without_the_label_scale():
             {
                 "dictionary": {
                     "experiment": "dictionary",
+                    "preset": "converged",
                     "config": {},
                     "seeds": [0, 1, 2],
                     "summary": summary,
@@ -191,6 +201,7 @@ def test_table1_ratios_show_whether_the_dense_model_catches_up():
             {
                 "tokenized": {
                     "experiment": "tokenized",
+                    "preset": "converged",
                     "config": {},
                     "seeds": [0],
                     "summary": summary,
@@ -226,7 +237,7 @@ def test_report_names_missing_json_and_writes_the_rest(tmp_path, capsys):
     (tmp_path / "fig2.json").write_text(json.dumps(_fig2(0.3, 0.015, 1.4, 4.0)))
     quick = tmp_path / "quick"
     quick.mkdir()
-    (quick / "fig2.json").write_text(json.dumps(_fig2(0.4, 0.3, 1.8, 4.0)))
+    (quick / "fig2.json").write_text(json.dumps(_fig2(0.4, 0.3, 1.8, 4.0, preset="quick")))
     assert cli.main(["report", "--results", str(tmp_path), "--quick", str(quick)]) == 0
     captured = capsys.readouterr()
     assert "fig3.json is missing" in captured.err and "tokenized.json is missing" in captured.err
@@ -240,6 +251,23 @@ def test_report_names_missing_json_and_writes_the_rest(tmp_path, capsys):
     )
     assert "fig3.json" in md.splitlines()[-1] and "Fig 3" not in md
     assert (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_quick_results_are_labelled_quick_and_not_judged(tmp_path):
+    """A results folder of the quick preset: its values say so and get no verdict against
+    the paper; a JSON without its preset is not judged either."""
+    table = report.rows({"fig2": _fig2(0.3, 0.015, 1.4, 4.0, preset="quick")}, {})
+    row = next(line for line in report.markdown(table, []).splitlines() if "Fig 2(a)" in line)
+    assert "| quick: 0.015 +- 0.001 (3 seeds) | not judged (quick preset) |" in row
+    assert "Verdicts: 0 magnitude within 2x, 0 direction reproduced, 0 not reproduced" in (
+        report.markdown(table, [])
+    )
+    unrecorded = _fig2(0.3, 0.015, 1.4, 4.0)
+    del unrecorded["preset"]
+    assert {r["verdict"] for r in report.rows({"fig2": unrecorded}, {})} == {
+        "not judged (preset not recorded)"
+    }
+    report.plot(table, tmp_path / "report.png")  # nothing judged: an empty plot, no error
 
 
 def test_report_on_a_missing_folder_is_one_line(tmp_path, capsys):

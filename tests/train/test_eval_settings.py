@@ -66,7 +66,8 @@ def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
     result, err = _eval(capsys, tmp_path, f"--checkpoint={run}")
     assert f"eval settings: the run's, from {run / evaluation.EVAL_SETTINGS_FILE}" in err
     assert (
-        "evaluated 3 batches of 8 x {'inputs': 32, 'targets': 8} from the validation split" in err
+        "evaluated 3 batches of 8 x {'inputs': 32, 'targets': 8} from the validation split of "
+        "task mc4_span_corruption over the embedded UDHR corpus (20 languages)" in err
     )
     assert result["step"] == own["step"] == 2
     for metric in ("cross_entropy", "accuracy", "loss"):

@@ -3,9 +3,11 @@ curves into paired gaps and plots, and one real run of a two-run family."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
+import sys
 
 import matplotlib.image
 import numpy as np
@@ -218,6 +220,32 @@ gin_files = ["runs/smoke_cpu.gin"]
 [runs.frozen]
 gin_files = ["runs/smoke_cpu.gin", "routers/frozen.gin"]
 """
+
+
+FAKE_TRAINER = """
+import json, os, sys
+model_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--gin.MODEL_DIR="))
+print("step 2/2: loss 1.0000", flush=True)
+with open(os.path.join(model_dir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 2, "split": "eval", "accuracy": 0.5}) + "\\n")
+"""
+
+
+def test_run_echoes_progress_and_collect_sees_what_set_changed(tmp_path, capsys, monkeypatch):
+    """`sweep run --set seeds=[5]` records the resolved family; `collect` without the --set
+    collects seed 5 (and does not list seed 0, which never ran). Each run's output reaches
+    the sweep's stdout, prefixed with the run, and its log.txt."""
+    path = write_family(tmp_path, '[runs.learned]\ngin_files = ["x.gin"]\n')
+    root = str(tmp_path / "runs")
+    fake = functools.partial(sweep.run_family, executable=(sys.executable, "-c", FAKE_TRAINER))
+    monkeypatch.setattr(sweep, "run_family", fake)
+    assert sweep.main(["run", path, "--root", root, "--set", "seeds=[5]"]) == 0
+    assert "[sweep learned seed 5] step 2/2: loss 1.0000" in capsys.readouterr().out
+    assert "step 2/2" in pathlib.Path(root, "learned", "seed5", "log.txt").read_text()
+    assert sweep.main(["collect", path, "--root", root]) == 0
+    summary = json.loads(pathlib.Path(root, "family.json").read_text())
+    assert list(summary["groups"]) == ["learned"]
+    assert summary["groups"]["learned"]["final"] == {"5": 0.5}
 
 
 @pytest.mark.slow  # two subprocess trainings: ~1.5 min on an idle 2-core machine

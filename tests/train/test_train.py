@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_jax.commands import train
-from moe_jax.runtime import builders, checkpoints, gin_utils, train_state
+from moe_jax.runtime import aot, builders, checkpoints, gin_utils, train_state
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -137,21 +137,18 @@ def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatc
     """The loss turns NaN on the device at step 5 (no log, no save there): the lagged check
     reads it while step 6 runs and stops before step 6's save, naming step 5 and the
     checkpoint of step 3; the step-by-step loop (``sync_every_step``) says the same."""
-    build = builders.build_train_setup
+    check_fits = aot.check_fits  # returns the compiled step that train runs
 
-    def nan_at_step_5(*args, **kwargs):
-        run_setup = build(*args, **kwargs)
-        step_fn = run_setup.train_step
+    def nan_at_step_5(*args):
+        step_fn = check_fits(*args)
 
         def step(state, batch):
             state, metrics = step_fn(state, batch)
             return state, {**metrics, "loss": jnp.where(state.step == 5, jnp.nan, metrics["loss"])}
 
-        step.lower = step_fn.lower  # train's up-front fit check compiles the real step
-        run_setup.train_step = step
-        return run_setup
+        return step
 
-    monkeypatch.setattr(builders, "build_train_setup", nan_at_step_5)
+    monkeypatch.setattr(aot, "check_fits", nan_at_step_5)
     with pytest.raises(
         train.NonFiniteLossError,
         match=r"loss is nan at step 5; last good checkpoint: .*checkpoints/3\.",
@@ -188,7 +185,9 @@ def test_gin_errors_name_file_and_line(tmp_path):
         gin_utils.parse_gin(
             gin_utils.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={undefined}"])
         )
-    with pytest.raises(gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used"):
+    with pytest.raises(
+        gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used.*did you mean TRAIN_STEPS\b"
+    ):
         parse("--gin.TRAIN_STEP=10")
 
 

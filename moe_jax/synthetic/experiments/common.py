@@ -35,6 +35,16 @@ class Experiment:
     # the figure from the JSON alone (`synthetic plot`)
     plot: Callable[[dict[str, Any]], Any] | None = None
 
+    def run_preset(
+        self, preset: str, cfg: dict[str, Any], seeds: list[int], out_dir: pathlib.Path
+    ) -> dict[str, Any]:
+        """``run(cfg, seeds, out_dir)`` of preset ``preset`` (``cfg``: that preset as
+        overridden), the preset recorded in the result and its JSON (``"preset"``, beside
+        ``"seeds"``): the report judges only converged runs against the paper."""
+        result = {"preset": preset, **self.run(cfg, seeds, out_dir)}
+        write_json(result["files"]["json"], {k: v for k, v in result.items() if k != "files"})
+        return result
+
 
 def train_config(cfg: dict[str, Any], **fixed: Any) -> TrainConfig:
     """The experiment's ``TrainConfig``: ``fixed`` fields plus any ``TRAINING_KEYS`` the
@@ -235,6 +245,12 @@ def figure(ncols: int, width: float = 4.0):
     return fig, list(axes[0])
 
 
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """Writes an experiment's result dict as ``path``."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=float)
+
+
 def write_outputs(
     out_dir: pathlib.Path, name: str, result: dict[str, Any], rows: list[dict[str, Any]], fig
 ) -> dict[str, str]:
@@ -242,8 +258,7 @@ def write_outputs(
     ``<name>.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {ext: str(out_dir / f"{name}.{ext}") for ext in ("json", "csv", "png")}
-    with open(paths["json"], "w") as f:
-        json.dump(result, f, indent=1, default=float)
+    write_json(paths["json"], result)
     if rows:
         columns = list(dict.fromkeys(k for row in rows for k in row))
         with open(paths["csv"], "w", newline="") as f:

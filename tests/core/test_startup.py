@@ -1,0 +1,37 @@
+"""What every `moe-jax` command sets up before it runs: the persistent compilation cache and
+a scratch temporary folder."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from moe_jax import cli
+from moe_jax.runtime import scratch
+
+
+def test_compilation_cache_defaults_to_the_users_cache_folder():
+    env = {"XDG_CACHE_HOME": "/home/u/.cache"}
+    assert cli.compilation_cache_dir(env) == "/home/u/.cache/moe-jax/jax"
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/home/u/.cache/moe-jax/jax"  # and children
+    home = {"HOME": "/home/v"}
+    assert cli.compilation_cache_dir(home) == os.path.join(
+        os.path.expanduser("~"), ".cache", "moe-jax", "jax"
+    )
+
+
+def test_a_users_cache_folder_wins_and_the_cache_can_be_turned_off():
+    mine = {"JAX_COMPILATION_CACHE_DIR": "/fast/jax", "XDG_CACHE_HOME": "/x"}
+    assert cli.compilation_cache_dir(mine) == "/fast/jax"
+    off = {cli.CACHE_SWITCH: "0"}
+    assert cli.compilation_cache_dir(off) is None and "JAX_COMPILATION_CACHE_DIR" not in off
+
+
+def test_scratch_folder_takes_temporary_files_and_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch.scratch_tempdir() as folder:
+        with tempfile.NamedTemporaryFile(delete=False, suffix=".py") as left:  # as autograph
+            pass
+        assert os.path.dirname(left.name) == folder and scratch.outer_tempdir() == str(tmp_path)
+    assert not os.path.exists(folder) and os.listdir(tmp_path) == []
+    assert tempfile.gettempdir() == str(tmp_path)
