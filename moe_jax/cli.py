@@ -25,6 +25,7 @@ from collections.abc import Iterator, MutableMapping
 
 from moe_jax import errors
 from moe_jax.commands.subcommands import split_command
+from moe_jax.runtime import scratch
 
 # subcommand -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -210,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(picked, int):
         return picked
     name, rest = picked
-    from moe_jax.runtime import scratch
-
     with sigterm_interrupts(), scratch.scratch_tempdir():
         return run_command(name, functools.partial(_start, name), rest)
 

@@ -52,7 +52,8 @@ def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
 def describe_eval_settings(eval_steps: int, cfg: builders.DatasetConfig) -> str:
     """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of task
     mc4_span_corruption over the embedded UDHR corpus (20 languages)``."""
-    from moe_jax.data import sources  # deferred: TensorFlow/seqio load only when data is read
+    # deferred on purpose: TensorFlow/seqio load only when data is read
+    from moe_jax.data import sources
 
     return (
         f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x "
