@@ -267,9 +267,14 @@ _COMPILER_OPTIONS: dict[str, dict[str, Any]] = {"gpu": {"xla_gpu_enable_triton_g
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
+def _options_key(platform: str) -> str:
+    """The key of ``platform`` (``cuda``, ``rocm``, ``gpu``: ``gpu``) in the option tables."""
+    return "gpu" if platform in _GPU_PLATFORMS else platform
+
+
 def compiler_options(platform: str) -> dict[str, Any]:
     """``jax.jit(..., compiler_options=)`` for steps compiled for ``platform`` devices."""
-    return dict(_COMPILER_OPTIONS.get("gpu" if platform in _GPU_PLATFORMS else platform, {}))
+    return dict(_COMPILER_OPTIONS.get(_options_key(platform), {}))
 
 
 # The initial state's program is run once and is almost all random-number generation:
@@ -285,8 +290,7 @@ _INIT_COMPILER_OPTIONS: dict[str, dict[str, Any]] = {
 
 def init_compiler_options(platform: str) -> dict[str, Any]:
     """``compiler_options`` of the program that makes a run's initial state on ``platform``."""
-    key = "gpu" if platform in _GPU_PLATFORMS else platform
-    return compiler_options(platform) | _INIT_COMPILER_OPTIONS.get(key, {})
+    return compiler_options(platform) | _INIT_COMPILER_OPTIONS.get(_options_key(platform), {})
 
 
 # ----------------------------------------------------------------------------- compilers
