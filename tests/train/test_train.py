@@ -94,7 +94,13 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     with pytest.raises(
         train.NonFiniteLossError, match=r"at step \d+; last good checkpoint: .*checkpoints/\d"
     ):
-        run(tmp_path / "stop", 8, huge_lr, "--gin.learning_rate_schedule.warmup_steps=0")
+        run(
+            tmp_path / "stop",
+            8,
+            huge_lr,
+            "--gin.learning_rate_schedule.warmup_steps=0",
+            "--gin.train_script.train.checkpoint_period=1",  # step 1 is saved before the NaN
+        )
     # skip: a step whose loss is non-finite leaves parameters (and optimizer state) as they were
     skip_dir = tmp_path / "skip"
     result = run(
