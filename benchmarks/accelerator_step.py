@@ -81,6 +81,18 @@ RUNS: dict[str, Run] = {
     "fig5_frozen": Run(("experiments/fig5_frozen.gin",)),
     "fig5_dense": Run(("experiments/fig5_dense.gin",)),
 }
+# Each run again with cuDNN's fused attention (``T5Config.attention_kernel``; NVIDIA GPUs).
+CUDNN = "T5Config.attention_kernel = 'cudnn'"
+RUNS.update(
+    {
+        f"{name}_cudnn": dataclasses.replace(
+            run,
+            bindings=(*run.bindings, CUDNN),
+            note="; ".join(filter(None, (run.note, "cuDNN fused attention"))),
+        )
+        for name, run in list(RUNS.items())
+    }
+)
 # --quick: every model at the tiny test shape, short sequences, small batch, float32.
 QUICK_GIN_FILES = ("models/size_tiny.gin",)
 QUICK_BINDINGS = (
@@ -297,6 +309,8 @@ def measure_run(
 
 
 LAYER_IMPLEMENTATIONS = ("einsum", "sort", "dropless", "dropless:xla")
+# tokamax's kernels, measured where the device has them.
+KERNEL_IMPLEMENTATIONS = {"gpu": ("dropless:triton",), "tpu": ("dropless:mosaic_tpu",)}
 
 
 def layer_rows(quick: bool, reps: int) -> list[dict[str, Any]]:
@@ -304,10 +318,12 @@ def layer_rows(quick: bool, reps: int) -> list[dict[str, Any]]:
     useful FLOPs and a matmul, timed in the same rounds: ``moe_layer.device_table`` (64 x
     512 tokens at T5-Base width, bfloat16, E = 8 / 32 / 64; ``--quick``: its tiny float32
     sizes, E = 8). One row per timed run, as ``moe_layer.measure_layers`` gives them."""
+    import jax
     import moe_layer
 
     experts = (8,) if quick else (8, 32, 64)
-    return moe_layer.device_table(experts, LAYER_IMPLEMENTATIONS, quick, reps)
+    kernels = KERNEL_IMPLEMENTATIONS.get(jax.devices()[0].platform, ())
+    return moe_layer.device_table(experts, (*LAYER_IMPLEMENTATIONS, *kernels), quick, reps)
 
 
 def measure_layers(quick: bool, reps: int) -> dict[str, Any]:

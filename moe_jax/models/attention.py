@@ -82,6 +82,49 @@ def dot_product_attention(
     return jnp.einsum("bhqk,bkhd->bqhd", weights, jnp.asarray(value, dtype))
 
 
+# Who computes softmax(q k^T + bias) v in training and evaluation (decoding steps always
+# use ``dot_product_attention``): ``xla`` is ``dot_product_attention`` (every platform);
+# ``cudnn`` is cuDNN's fused (flash) attention through ``jax.nn.dot_product_attention``
+# (NVIDIA GPUs, bfloat16/float16 activations, no attention dropout), which never writes
+# the ``[batch, heads, q_len, k_len]`` logits to memory.
+ATTENTION_KERNELS = ("xla", "cudnn")
+
+
+def fused_attention(
+    query: jnp.ndarray,
+    key: jnp.ndarray,
+    value: jnp.ndarray,
+    bias: jnp.ndarray | None,
+    mask: jnp.ndarray | None,
+    dtype: DType,
+    implementation: str = "cudnn",
+) -> jnp.ndarray:
+    """``dot_product_attention`` (unscaled, softmax in float32) as cuDNN's fused kernel
+    (``implementation="xla"``: the same call through jax's reference, for checks on CPU).
+
+    Args:
+      query, key, value: ``[batch, length, heads, head_dim]``.
+      bias: ``[1 or batch, heads, q_len, k_len]`` or None.
+      mask: boolean ``[batch, 1, q_len, k_len]`` or None; False = blocked.
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``dtype``.
+    """
+    query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
+    if mask is not None:
+        mask = jnp.broadcast_to(
+            mask, (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        )
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=None if bias is None else jnp.asarray(bias, dtype),
+        mask=mask,
+        scale=1.0,
+        implementation=implementation,
+    )
+
+
 class MultiHeadDotProductAttention(nn.Module):
     """Multi-head attention with ``num_heads x head_dim`` independent of d_model.
 
@@ -101,6 +144,8 @@ class MultiHeadDotProductAttention(nn.Module):
       param_dtype: parameter dtype.
       dropout_rate: dropout on the attention weights.
       float32_logits: compute q.k and the softmax in float32 (recommended with bf16).
+      kernel: one of :data:`ATTENTION_KERNELS` (``cudnn`` needs a bfloat16/float16
+        ``dtype`` and no attention dropout; decoding steps always use ``xla``).
     """
 
     num_heads: int
@@ -109,6 +154,7 @@ class MultiHeadDotProductAttention(nn.Module):
     param_dtype: DType = jnp.float32
     dropout_rate: float = 0.0
     float32_logits: bool = True
+    kernel: str = "xla"
 
     def _projection(self, name: str, x: jnp.ndarray, init_scale: float) -> jnp.ndarray:
         """``[batch, length, d_model] -> [batch, length, heads, head_dim]``."""
@@ -188,18 +234,31 @@ class MultiHeadDotProductAttention(nn.Module):
         dropout_rng = (
             None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
         )
-        heads_out = dot_product_attention(
-            query,
-            key,
-            value,
-            bias=bias,
-            mask=mask,
-            dropout_rng=dropout_rng,
-            dropout_rate=self.dropout_rate,
-            deterministic=deterministic,
-            dtype=self.dtype,
-            float32_logits=self.float32_logits,
-        )
+        if self.kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"T5Config.attention_kernel={self.kernel!r} is unknown; "
+                f"choose one of {ATTENTION_KERNELS}"
+            )
+        if self.kernel == "cudnn" and not decode:
+            if dropout_rng is not None:
+                raise ValueError(
+                    "T5Config.attention_kernel='cudnn' has no attention dropout: "
+                    "set T5Config.dropout_rate = 0.0 or attention_kernel = 'xla'"
+                )
+            heads_out = fused_attention(query, key, value, bias, mask, self.dtype)
+        else:
+            heads_out = dot_product_attention(
+                query,
+                key,
+                value,
+                bias=bias,
+                mask=mask,
+                dropout_rng=dropout_rng,
+                dropout_rate=self.dropout_rate,
+                deterministic=deterministic,
+                dtype=self.dtype,
+                float32_logits=self.float32_logits,
+            )
         heads_out = nn.with_logical_constraint(heads_out, ("batch", "length", "heads", "kv"))
         out_kernel = self.param(
             "out",

@@ -106,6 +106,9 @@ class T5Config:
       dtype: activation dtype (``'float32'`` or ``'bfloat16'``).
       param_dtype: parameter dtype (keep ``'float32'``).
       float32_attention_logits: q.k and softmax in float32.
+      attention_kernel: who computes attention (``attention.ATTENTION_KERNELS``):
+        ``'xla'`` (every platform) or ``'cudnn'`` (cuDNN's fused attention on NVIDIA GPUs,
+        bfloat16 activations, no attention dropout; its softmax is always float32).
       relpos_num_buckets, relpos_max_distance: T5 relative position buckets.
       num_sparse_encoder_layers, num_sparse_decoder_layers: sparse layers per stack.
       sparse_layout: ``bottom``, ``middle``, ``top`` or ``mixed`` (see
@@ -138,6 +141,7 @@ class T5Config:
     dtype: str = "float32"
     param_dtype: str = "float32"
     float32_attention_logits: bool = True
+    attention_kernel: str = "xla"
     relpos_num_buckets: int = 32
     relpos_max_distance: int = 128
     num_sparse_encoder_layers: int = 0
@@ -289,6 +293,7 @@ class AttentionBlock(nn.Module):
             param_dtype=cfg.parameter_dtype,
             dropout_rate=cfg.dropout_rate,
             float32_logits=cfg.float32_attention_logits,
+            kernel=cfg.attention_kernel,
             name="attention",
         )(y, y if kv is None else kv, mask, bias, deterministic=deterministic, decode=decode)
         y = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)

@@ -42,6 +42,9 @@ def ragged_dot(name: str) -> RaggedDot:
     import tokamax  # heavy (Triton / Mosaic): only when a kernel is asked for
     from absl import flags
 
+    if name == "triton":
+        _restore_pallas_dot()
+
     # tokamax reads its options from absl flags and, if nobody parsed them, parses
     # sys.argv: the program's own arguments, which absl then refuses. Take the defaults.
     if not flags.FLAGS.is_parsed():
@@ -51,3 +54,14 @@ def ragged_dot(name: str) -> RaggedDot:
         return tokamax.ragged_dot(lhs, rhs, group_sizes, implementation=name)
 
     return kernel
+
+
+def _restore_pallas_dot() -> None:
+    """tokamax 0.0.12's Triton kernels call ``pallas.dot``, which jax 0.11 moved to
+    ``pallas.triton.dot``: where the old name is gone, point it at the new one."""
+    from jax.experimental import pallas
+
+    if not hasattr(pallas, "dot"):
+        from jax.experimental.pallas import triton
+
+        pallas.dot = triton.dot  # type: ignore[attr-defined]
