@@ -2,12 +2,13 @@
 # The accelerator benchmark in one call on a bare GPU machine (jax, flax, optax, orbax; no
 # gin-config, seqio or TensorFlow), inside a 10-minute limit:
 #
-#   benchmarks/gpu_session.sh [OUT_DIR] [BUDGET_SECONDS]
+#   [RUNS=a,b,...] benchmarks/gpu_session.sh [OUT_DIR] [BUDGET_SECONDS]
 #
 # OUT_DIR (default $OUT, else ./out/accelerator) receives accelerator.json (the report of
 # benchmarks/accelerator_step.py), log.txt and the profiler traces; BUDGET_SECONDS (default
-# 540) bounds the benchmark's wall time: runs are measured in order of importance, each
-# with what remains of the budget, and a run that no longer fits is recorded as skipped.
+# 540) bounds the benchmark's wall time: runs (RUNS, names of accelerator_step.py --runs;
+# default below) are measured in order, each with what remains of the budget, and a run
+# that no longer fits is recorded as skipped.
 # Wheels in .whl/ are installed first, offline (get them on a machine with the package
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 -d .whl gin-config==0.5.0 tokamax==0.0.12 einshape pydantic
@@ -54,7 +55,8 @@ EOF
 
 left=$((budget - ($(date +%s) - start)))
 # Most informative first: the Base pair, the MoE layer, then Figure 5's trio.
+runs="${RUNS:-base_learned,base_dense,moe_layer,fig5_learned,fig5_dense,fig5_frozen}"
 "$python" benchmarks/accelerator_step.py \
-  --runs base_learned,base_dense,moe_layer,fig5_learned,fig5_dense,fig5_frozen \
+  --runs "$runs" \
   --steps 10 --budget "$left" --profile "$out/trace" --out "$out/accelerator.json" \
   2>&1 | tee -a "$out/log.txt"

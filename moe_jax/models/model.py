@@ -47,6 +47,21 @@ def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _initial_variables(
+    module: nn.Module,
+    rng: jax.Array,
+    encoder_shape: tuple[int, ...],
+    decoder_shape: tuple[int, ...],
+) -> dict[str, Any]:
+    """``module.init`` on all-ones tokens, as one compiled program (called eagerly, init would
+    otherwise compile every operation on its own): ``params`` and the state collections."""
+    enc = jnp.ones(encoder_shape, jnp.int32)
+    dec = jnp.ones(decoder_shape, jnp.int32)
+    variables = module.init({"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False)
+    return {name: variables[name] for name in ("params", *STATE_COLLECTIONS) if name in variables}
+
+
 @gin.configurable
 class EncoderDecoderModel:
     """Mirror of T5X's ``EncoderDecoderModel`` for :class:`EncoderDecoder`.
@@ -130,14 +145,12 @@ class EncoderDecoderModel:
         ``jax.eval_shape(functools.partial(model.get_initial_variables, input_shapes=s), rng)``.
         """
         del input_types
-        enc = jnp.ones(input_shapes["encoder_input_tokens"], jnp.int32)
-        dec = jnp.ones(input_shapes["decoder_input_tokens"], jnp.int32)
-        variables = self.module.init(
-            {"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False
+        return _initial_variables(
+            self.module,
+            rng,
+            tuple(input_shapes["encoder_input_tokens"]),
+            tuple(input_shapes["decoder_input_tokens"]),
         )
-        return {
-            name: variables[name] for name in ("params", *STATE_COLLECTIONS) if name in variables
-        }
 
     def param_logical_axes(self, input_shapes: InputShapes) -> Any:
         """Pytree (like params) of ``PartitionSpec`` of logical axis names."""
