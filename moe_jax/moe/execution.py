@@ -105,7 +105,7 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     ragged = (
         config.capacity.dropless
         and dispatch == "sort"
-        and _rows_exchange(platform, expert_parallel)
+        and _dropless_runs_ragged(platform, expert_parallel)
     )
     sort_token_choice = dispatch == "sort" and config.router.token_choice
     exchange: ExchangeKind = "ragged_all_to_all" if ragged else "all_to_all"
@@ -165,7 +165,7 @@ def _choice_major_combine(platform: Platform) -> bool:
     return platform != "cpu"
 
 
-def _rows_exchange(platform: Platform, expert_parallel: bool) -> bool:
+def _dropless_runs_ragged(platform: Platform, expert_parallel: bool) -> bool:
     """Whether dropless (``CapacityConfig.dropless``, ``sort`` dispatch) runs ``ragged``:
     always without expert parallelism; under it only where the ragged all-to-all pays, else
     it keeps fixed buffers of capacity = tokens per group (benchmarks/RESULTS.md, "Expert
