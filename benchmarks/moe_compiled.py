@@ -49,6 +49,7 @@ from layer_configs import ROUTING_OPTIONS, layer_config
 from moe_jax import hardware, hlo_costs
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 
 TOKENS = (8, 512)
 D_MODEL, D_FF = 768, 2048
@@ -132,7 +133,8 @@ def moe_step(experts: int, dispatch: str, **parts: dict):
     layer = MoeLayer(layer_config(experts, D_FF, dispatch, **parts), dtype=jnp.bfloat16)
     x = jax.ShapeDtypeStruct((*TOKENS, D_MODEL), jnp.bfloat16)
     variables = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x))
-    state = {k: v for k, v in variables.items() if k not in ("params", "aux_loss", "moe_metrics")}
+    sown = ("params", AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION)
+    state = {k: v for k, v in variables.items() if k not in sown}
 
     def apply(p, x):
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
@@ -140,7 +142,7 @@ def moe_step(experts: int, dispatch: str, **parts: dict):
             {"params": p, **zeros},
             x,
             deterministic=False,
-            mutable=["aux_loss", "moe_metrics", *state],
+            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, *state],
         )
         return y, {k: updated[k] for k in state}
 

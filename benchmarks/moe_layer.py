@@ -58,7 +58,8 @@ from layer_configs import ROUTING_OPTIONS, layer_config
 from moe_jax.hardware import measured_matmul_flops
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity, group_layout
-from moe_jax.moe.grouped_matmul import GROUPED_MATMULS
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, BIAS_COLLECTION, MOE_METRICS_COLLECTION
+from moe_jax.moe.options import GROUPED_MATMULS
 
 TOKENS = (8, 512)
 MATMUL_N = 2048
@@ -139,14 +140,14 @@ def moe_run(
     layer = MoeLayer(layer_config(experts, d_ff, dispatch, **parts), dtype=dtype)
     x = jax.random.normal(jax.random.PRNGKey(0), (*tokens, d_model), dtype)
     variables = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(1), x))
-    state = {k: v for k, v in variables.items() if k == "router_bias"}
+    state = {k: v for k, v in variables.items() if k == BIAS_COLLECTION}
 
     def apply(p, x):
         y, written = layer.apply(
             {"params": p, **state},
             x,
             deterministic=False,
-            mutable=["aux_loss", "moe_metrics", *state],
+            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, *state],
         )
         return y, {name: written[name] for name in state}
 
@@ -255,7 +256,7 @@ def dense_run(
 
 # Implementation name: (ExecutionConfig.dispatch, the other layer_config parts). ``dropless``
 # takes the grouped matmul ``execution.resolve_plan`` picks for the device (tokamax on GPU);
-# ``dropless:<name>`` names one of ``grouped_matmul.GROUPED_MATMULS``.
+# ``dropless:<name>`` names one of ``options.GROUPED_MATMULS``.
 IMPLEMENTATIONS: dict[str, tuple[str, dict]] = {
     "einsum": ("einsum", {}),
     "sort": ("sort", {}),

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import param_paths, storage
-from moe_jax.moe.config import TopKRouterConfig
-from moe_jax.moe.layer import ROUTERS
+from moe_jax.moe.config import ROUTER_CONFIGS, TopKRouterConfig
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
 from moe_jax.runtime import checkpoints
 from moe_jax.synthetic.routers import shuffle_columns
@@ -132,7 +131,8 @@ def random_routers(
 
 
 def _router_call(context) -> bool:
-    return context.method_name == "__call__" and isinstance(context.module, tuple(ROUTERS.values()))
+    routers = tuple(c.module for c in ROUTER_CONFIGS.values())
+    return context.method_name == "__call__" and isinstance(context.module, routers)
 
 
 def _token_choice(out: RouterOutput) -> TokenChoiceRouting:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from moe_jax import param_paths
 from moe_jax.models import accounting, decoding, losses
 from moe_jax.models.t5 import EncoderDecoder
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, BIAS_COLLECTION, MOE_METRICS_COLLECTION
 
 Batch = Mapping[str, jax.Array]
 InputShapes = Mapping[str, tuple[int, ...]]
@@ -29,13 +30,11 @@ FEATURES = (
     "encoder_positions",
     "decoder_positions",
 )
-AUX_LOSS_COLLECTION = "aux_loss"
-MOE_METRICS_COLLECTION = "moe_metrics"
 # Non-parameter variable collections that are model state: created by ``init``, carried in
 # the train state (``TrainState.collections``), checkpointed, and updated by the training
 # forward pass (never by the optimizer). ``router_bias``: the auxiliary-loss-free balancing
 # bias of ``TopKRouterConfig.bias_update_rate`` (moe/selection.py).
-STATE_COLLECTIONS = ("router_bias",)
+STATE_COLLECTIONS = (BIAS_COLLECTION,)
 
 
 def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:

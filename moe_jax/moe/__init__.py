@@ -2,8 +2,11 @@
 router freezing.
 
 Modules, one job each:
-  config           MoeConfig and its parts: one config per router, capacity, execution,
-                   auxiliary losses (frozen, gin-configurable, validated)
+  config           MoeConfig and its parts: one config per router (ROUTER_CONFIGS, the
+                   registry of routers), capacity, execution, auxiliary losses (frozen,
+                   gin-configurable; every option is validated here)
+  options          the option values (typing.Literal types) the configs accept
+  collections      names of the layer's variable collections (aux_loss, moe_metrics, ...)
   layer            MoeLayer: route, dispatch, run the experts, combine
   execution        the execution plan: how the layer runs on the target platform (all
                    platform policy: implementation, loop, combine order, exchange)

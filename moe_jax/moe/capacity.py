@@ -28,13 +28,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-CAPACITY_RULES: tuple[str, ...] = ("t5x", "k_scaled")
+from moe_jax.moe.options import CapacityRule
 
 
 def group_layout(num_tokens: int, group_size: int, group_shards: int = 1) -> tuple[int, int]:
     """``(groups, tokens_per_group)`` for ``num_tokens`` tokens (see module docstring)."""
-    if group_size < 1:
-        raise ValueError(f"CapacityConfig.group_size={group_size} must be >= 1")
     tokens_per_group = max(1, min(group_size, math.ceil(num_tokens / group_shards)))
     groups = math.ceil(num_tokens / tokens_per_group)
     return math.ceil(groups / group_shards) * group_shards, tokens_per_group
@@ -58,13 +56,13 @@ def expert_capacity(
     num_selected_experts: int,
     capacity_factor: float,
     min_expert_capacity: int,
-    rule: str = "t5x",
+    rule: CapacityRule = "t5x",
 ) -> int:
-    """Buffer size per expert and group (see module docstring)."""
-    if rule not in CAPACITY_RULES:
-        raise ValueError(
-            f"CapacityConfig.capacity_rule={rule!r} is unknown; choose one of {CAPACITY_RULES}"
-        )
+    """Buffer size per expert and group (see module docstring).
+
+    Raises:
+      ValueError: a capacity below 1 (the factor and the sizes it came from named).
+    """
     scale = num_selected_experts if rule == "k_scaled" else 1
     capacity = max(
         # capacity_factor may be a numpy scalar, whose round() is not a Python int

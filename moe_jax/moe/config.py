@@ -14,6 +14,10 @@ so ``CapacityConfig.dropless = True`` alone is enough; a router is chosen with
 ``MoeConfig.router = @HashRouterConfig()`` (default: :class:`TopKRouterConfig`).
 ``T5Config.moe`` holds the encoder's config and ``T5Config.decoder_moe`` optionally the
 decoder's (gin scope ``decoder/``, as Flaxformer's ``sparse_decoder/``). See docs/moe.md.
+
+Every option is checked here, when its config is built (a bad value is refused naming the
+option); the modules that act on the options take them as checked. The named options'
+values are the ``typing.Literal`` types of :mod:`moe_jax.moe.options`.
 """
 
 from __future__ import annotations
@@ -25,14 +29,22 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import gin
 
-from moe_jax.moe.capacity import CAPACITY_RULES
-from moe_jax.moe.dispatch import CAPACITY_ORDERS, DISPATCH_IMPLS
-from moe_jax.moe.experts import check_activation
-from moe_jax.moe.grouped_matmul import check_grouped_matmul
-from moe_jax.moe.hierarchical import (
-    HierarchicalRouter,
-    NoisyHierarchicalRouter,
-    check_hierarchical_options,
+from moe_jax.moe.hierarchical import HierarchicalRouter, NoisyHierarchicalRouter
+from moe_jax.moe.options import (
+    ACTIVATIONS,
+    CAPACITY_ORDERS,
+    CAPACITY_RULES,
+    DISPATCHES,
+    GROUPED_MATMUL_OPTIONS,
+    SCORE_FUNCTIONS,
+    Activation,
+    CapacityOrder,
+    CapacityOrderOption,
+    CapacityRule,
+    DispatchOption,
+    GroupedMatmulOption,
+    RouterType,
+    ScoreFunction,
 )
 from moe_jax.moe.routers import (
     ExpertChoiceRouter,
@@ -41,7 +53,7 @@ from moe_jax.moe.routers import (
     RandomRouter,
     TopKRouter,
 )
-from moe_jax.moe.selection import SCORE_FUNCTIONS
+from moe_jax.moe.selection import check_expert_groups
 
 # Router config field -> keyword of its router module where the two names differ.
 _MODULE_NAMES = {
@@ -50,17 +62,32 @@ _MODULE_NAMES = {
 }
 
 
+def _check_choice(option: str, value: object, choices: tuple[str, ...]) -> None:
+    """Refuses ``value`` outside ``choices``, naming ``option`` (``Config.field``)."""
+    if value not in choices:
+        raise ValueError(f"{option}={value!r} is unknown; choose one of {choices}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """What every router has: ``num_selected_experts`` (k). Subclasses add their own options.
 
+    :data:`ROUTER_CONFIGS` is the registry of routers: each config names its router and the
+    Flax module that routes, and says what kind of router it is (class constants).
+
     Attributes:
-      router_type: the router's name (``MoeConfig.router_type``), a class constant.
-      module: the Flax router module it configures, a class constant.
+      router_type: the router's name (``MoeConfig.router_type``; ``options.RouterType``).
+      module: the Flax router module it configures.
+      token_choice: each token picks its experts (``routers.TokenChoiceRouting``); False:
+        each expert picks its tokens of the whole routing group (expert choice).
+      hierarchical: two-level routing over expert groups (``hierarchical.py``); k is then
+        the experts chosen inside each chosen group.
     """
 
-    router_type: ClassVar[str] = ""
+    router_type: ClassVar[RouterType]
     module: ClassVar[type[nn.Module]]
+    token_choice: ClassVar[bool] = True
+    hierarchical: ClassVar[bool] = False
 
     num_selected_experts: int = 2
 
@@ -70,6 +97,20 @@ class RouterConfig:
                 f"{type(self).__name__}.num_selected_experts={self.num_selected_experts} "
                 "must be >= 1"
             )
+
+    def check_num_experts(self, num_experts: int) -> None:
+        """Refuses a k this router cannot choose among ``num_experts`` experts, naming the
+        option."""
+        k = self.num_selected_experts
+        if not 1 <= k <= num_experts:
+            raise ValueError(
+                f"{type(self).__name__}.num_selected_experts={k} must be between 1 "
+                f"and MoeConfig.num_experts={num_experts}"
+            )
+
+    def choices_per_token(self, expert_granularity: int) -> int:
+        """Assignments per token: ``m * k`` with expert granularity ``m``."""
+        return self.num_selected_experts * expert_granularity
 
     def module_options(self) -> dict[str, Any]:
         """Every option as a keyword of :attr:`module` (``num_selected_experts`` included)."""
@@ -107,14 +148,14 @@ class TopKRouterConfig(RouterConfig):
         ``expert`` mesh axis size, so a token reaches at most M devices).
     """
 
-    router_type: ClassVar[str] = "top_k"
+    router_type: ClassVar[RouterType] = "top_k"
     module: ClassVar[type[nn.Module]] = TopKRouter
 
     renormalize_gates: bool = False
     jitter_noise: float = 0.0
     batch_prioritized_routing: bool = False
     init_stddev: float = 2e-2
-    score_function: str = "softmax"
+    score_function: ScoreFunction = "softmax"
     bias_update_rate: float = 0.0
     num_limited_groups: int | None = None
     max_groups_per_token: int = 0
@@ -124,11 +165,7 @@ class TopKRouterConfig(RouterConfig):
         _check_stddev(self)
         if self.jitter_noise < 0:
             raise ValueError(f"TopKRouterConfig.jitter_noise={self.jitter_noise} must be >= 0")
-        if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(
-                f"TopKRouterConfig.score_function={self.score_function!r} is not one of "
-                f"{SCORE_FUNCTIONS}"
-            )
+        _check_choice("TopKRouterConfig.score_function", self.score_function, SCORE_FUNCTIONS)
         if self.bias_update_rate < 0 or self.max_groups_per_token < 0:
             raise ValueError(
                 "TopKRouterConfig.bias_update_rate and max_groups_per_token must be >= 0"
@@ -145,7 +182,7 @@ class NoisyTopKRouterConfig(RouterConfig):
       init_stddev: router kernel init stddev.
     """
 
-    router_type: ClassVar[str] = "noisy_top_k"
+    router_type: ClassVar[RouterType] = "noisy_top_k"
     module: ClassVar[type[nn.Module]] = NoisyTopKRouter
 
     batch_prioritized_routing: bool = False
@@ -168,8 +205,9 @@ class ExpertChoiceRouterConfig(RouterConfig):
       init_stddev: router kernel init stddev.
     """
 
-    router_type: ClassVar[str] = "expert_choice"
+    router_type: ClassVar[RouterType] = "expert_choice"
     module: ClassVar[type[nn.Module]] = ExpertChoiceRouter
+    token_choice: ClassVar[bool] = False
 
     init_stddev: float = 2e-2
 
@@ -187,7 +225,7 @@ class HashRouterConfig(RouterConfig):
       seed: seed of the hash.
     """
 
-    router_type: ClassVar[str] = "hash"
+    router_type: ClassVar[RouterType] = "hash"
     module: ClassVar[type[nn.Module]] = HashRouter
 
     seed: int = 0
@@ -205,7 +243,7 @@ class RandomRouterConfig(RouterConfig):
       seed: seed of the draw.
     """
 
-    router_type: ClassVar[str] = "random"
+    router_type: ClassVar[RouterType] = "random"
     module: ClassVar[type[nn.Module]] = RandomRouter
 
     renormalize_gates: bool = False
@@ -233,8 +271,9 @@ class HierarchicalRouterConfig(RouterConfig):
       init_stddev: gate kernels' init stddev.
     """
 
-    router_type: ClassVar[str] = "hierarchical"
+    router_type: ClassVar[RouterType] = "hierarchical"
     module: ClassVar[type[nn.Module]] = HierarchicalRouter
+    hierarchical: ClassVar[bool] = True
 
     num_expert_groups: int = 1
     num_selected_groups: int = 1
@@ -246,17 +285,41 @@ class HierarchicalRouterConfig(RouterConfig):
         super().__post_init__()
         _check_stddev(self)
 
+    def check_num_experts(self, num_experts: int) -> None:
+        """Refuses G not dividing E, ``k1`` outside ``[1, G]`` or ``k2`` outside
+        ``[1, E / G]``, naming the option."""
+        name = type(self).__name__
+        check_expert_groups(
+            num_experts,
+            self.num_expert_groups,
+            self.num_selected_groups,
+            f"{name}.num_expert_groups",
+            f"{name}.num_selected_groups",
+        )
+        per_group = num_experts // self.num_expert_groups
+        if not 1 <= self.num_selected_experts <= per_group:
+            raise ValueError(
+                f"{name}.num_selected_experts={self.num_selected_experts} (experts chosen "
+                "inside each expert group) must be between 1 and the group size "
+                f"num_experts / num_expert_groups = {per_group}"
+            )
+
+    def choices_per_token(self, expert_granularity: int) -> int:
+        """Assignments per token: ``k1 * k2`` (no granularity: flat routers only)."""
+        del expert_granularity
+        return self.num_selected_groups * self.num_selected_experts
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class NoisyHierarchicalRouterConfig(HierarchicalRouterConfig):
     """:class:`HierarchicalRouterConfig` with Shazeer's noisy gating at both levels."""
 
-    router_type: ClassVar[str] = "noisy_hierarchical"
+    router_type: ClassVar[RouterType] = "noisy_hierarchical"
     module: ClassVar[type[nn.Module]] = NoisyHierarchicalRouter
 
 
-# Every router config by its router name.
+# The registry of routers: every router config by its router name (``options.RouterType``).
 ROUTER_CONFIGS: dict[str, type[RouterConfig]] = {
     c.router_type: c
     for c in (
@@ -269,9 +332,6 @@ ROUTER_CONFIGS: dict[str, type[RouterConfig]] = {
         NoisyHierarchicalRouterConfig,
     )
 }
-HIERARCHICAL_ROUTER_TYPES = ("hierarchical", "noisy_hierarchical")
-# Routers that look at the whole routing group (future tokens in a causal decoder).
-GROUP_WIDE_ROUTER_TYPES = ("expert_choice",)
 
 
 @gin.configurable
@@ -294,33 +354,25 @@ class CapacityConfig:
     train_capacity_factor: float = 1.25
     eval_capacity_factor: float = 2.0
     min_expert_capacity: int = 4
-    capacity_rule: str = "t5x"
+    capacity_rule: CapacityRule = "t5x"
     group_size: int = 4096
     dropless: bool = False
-    capacity_order: str = "auto"
+    capacity_order: CapacityOrderOption = "auto"
 
     def __post_init__(self) -> None:
         for name in ("train_capacity_factor", "eval_capacity_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CapacityConfig.{name}={getattr(self, name)} must be > 0")
-        if self.capacity_rule not in CAPACITY_RULES:
-            raise ValueError(
-                f"CapacityConfig.capacity_rule={self.capacity_rule!r} is unknown; "
-                f"choose one of {CAPACITY_RULES}"
-            )
+        _check_choice("CapacityConfig.capacity_rule", self.capacity_rule, CAPACITY_RULES)
         if self.group_size < 1 or self.min_expert_capacity < 0:
             raise ValueError("CapacityConfig.group_size must be >= 1 and min_expert_capacity >= 0")
-        if self.capacity_order not in (*CAPACITY_ORDERS, "auto"):
-            raise ValueError(
-                f"CapacityConfig.capacity_order={self.capacity_order!r} is unknown; "
-                f"choose one of {(*CAPACITY_ORDERS, 'auto')}"
-            )
+        _check_choice("CapacityConfig.capacity_order", self.capacity_order, CAPACITY_ORDERS)
 
     def factor(self, deterministic: bool) -> float:
         """The eval factor when ``deterministic``, else the train factor."""
         return self.eval_capacity_factor if deterministic else self.train_capacity_factor
 
-    def resolved_order(self, causal: bool) -> str:
+    def resolved_order(self, causal: bool) -> CapacityOrder:
         """``capacity_order`` with ``auto`` resolved: ``token_major`` when causal."""
         if self.capacity_order != "auto":
             return self.capacity_order
@@ -336,36 +388,33 @@ class ExecutionConfig:
       dispatch: ``einsum`` (reference), ``sort`` or ``auto`` (per the platform compiled
         for, see ``execution.resolve_plan``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``); None = per platform.
-      grouped_matmul: the dropless path's grouped matmul, one of
-        ``grouped_matmul.GROUPED_MATMULS`` (``xla``: ``jax.lax.ragged_dot``; ``triton``,
-        ``mosaic_gpu``, ``mosaic_tpu``: tokamax kernels) or ``auto`` (``xla``).
+      grouped_matmul: the dropless path's grouped matmul (``grouped_matmul.py``): ``xla``
+        (``jax.lax.ragged_dot``), ``triton``, ``mosaic_gpu``, ``mosaic_tpu`` (tokamax
+        kernels) or ``auto`` (``xla``).
       gather_gradients: the ``sort`` / dropless row moves' gradients gather through the
         inverse map instead of scatter-adding (``permute.take_rows``); None = per platform.
         The layer runs the ``execution.ExecutionPlan`` that ``resolve_plan`` makes of these.
       data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
     """
 
-    dispatch: str = "auto"
+    dispatch: DispatchOption = "auto"
     per_expert_loop: bool | None = None
-    grouped_matmul: str = "auto"
+    grouped_matmul: GroupedMatmulOption = "auto"
     gather_gradients: bool | None = None
     data_axis: str = "data"
     expert_axis: str = "expert"
     model_axis: str = "model"
 
     def __post_init__(self) -> None:
-        if self.dispatch not in (*DISPATCH_IMPLS, "auto"):
-            raise ValueError(
-                f"ExecutionConfig.dispatch={self.dispatch!r} is unknown; "
-                f"choose one of {(*DISPATCH_IMPLS, 'auto')}"
-            )
-        check_grouped_matmul(self.grouped_matmul)
+        _check_choice("ExecutionConfig.dispatch", self.dispatch, DISPATCHES)
+        _check_choice("ExecutionConfig.grouped_matmul", self.grouped_matmul, GROUPED_MATMUL_OPTIONS)
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class AuxLossConfig:
-    """Weights of the auxiliary losses sown into ``aux_loss`` (0 = only a metric)."""
+    """Weights of the auxiliary losses sown into ``collections.AUX_LOSS_COLLECTION``
+    (``aux_loss``; 0 = only a metric)."""
 
     load_balancing_loss_weight: float = 1e-2
     router_z_loss_weight: float = 1e-4
@@ -409,7 +458,7 @@ class MoeConfig:
 
     num_experts: int = 8
     d_ff: int = 2048
-    activation: str = "relu"
+    activation: Activation = "relu"
     expert_dropout_rate: float = 0.0
     expert_granularity: int = 1
     num_shared_experts: int = 0
@@ -440,45 +489,37 @@ class MoeConfig:
         self._validate()
 
     def _validate(self) -> None:
-        router, k = self.router_type, self.router.num_selected_experts
+        router = self.router
         if self.num_experts < 1 or self.d_ff < 1:
             raise ValueError(
                 f"MoeConfig.num_experts={self.num_experts} and d_ff={self.d_ff} must be >= 1"
             )
-        if isinstance(self.router, HierarchicalRouterConfig):
-            check_hierarchical_options(
-                self.num_experts, k, self.router.num_expert_groups, self.router.num_selected_groups
-            )
-        elif not 1 <= k <= self.num_experts:
-            raise ValueError(
-                f"{type(self.router).__name__}.num_selected_experts={k} must be between 1 "
-                f"and MoeConfig.num_experts={self.num_experts}"
-            )
-        check_activation(self.activation)
+        router.check_num_experts(self.num_experts)
+        _check_choice("MoeConfig.activation", self.activation, ACTIVATIONS)
         m = self.expert_granularity
         if m < 1 or self.d_ff % m:
             raise ValueError(
                 f"MoeConfig.expert_granularity={m} must be >= 1 and divide d_ff={self.d_ff}"
             )
-        if m > 1 and router in HIERARCHICAL_ROUTER_TYPES:
+        if m > 1 and router.hierarchical:
             raise ValueError(
-                f"MoeConfig.expert_granularity={m} is for flat routers, not {router!r}"
+                f"MoeConfig.expert_granularity={m} is for flat routers, not {type(router).__name__}"
             )
         if self.num_shared_experts < 0:
             raise ValueError(f"MoeConfig.num_shared_experts={self.num_shared_experts} must be >= 0")
-        if self.num_shared_experts and router == "expert_choice":
+        if self.num_shared_experts and not router.token_choice:
             raise ValueError(
                 "MoeConfig.num_shared_experts: shared experts are for token-choice routers; "
-                "expert choice already lets experts take any number of tokens"
+                f"with {type(router).__name__} experts already take any number of tokens"
             )
-        if self.capacity.dropless and router == "expert_choice":
+        if self.capacity.dropless and not router.token_choice:
             raise ValueError(
                 "CapacityConfig.dropless=True needs a token-choice router, "
-                "not ExpertChoiceRouterConfig"
+                f"not {type(router).__name__}"
             )
 
     @property
-    def router_type(self) -> str:
+    def router_type(self) -> RouterType:
         """The router's name (a key of :data:`ROUTER_CONFIGS`)."""
         return self.router.router_type
 
@@ -500,15 +541,13 @@ class MoeConfig:
     @property
     def choices_per_token(self) -> int:
         """Assignments per token: ``k`` (``m * k`` with granularity m), or ``k1 * k2`` for
-        the hierarchical routers."""
-        if isinstance(self.router, HierarchicalRouterConfig):
-            return self.router.num_selected_groups * self.router.num_selected_experts
-        return self.router.num_selected_experts * self.expert_granularity
+        the hierarchical routers (``RouterConfig.choices_per_token``)."""
+        return self.router.choices_per_token(self.expert_granularity)
 
     def causal_leak(self) -> str | None:
         """Why, in a causal decoder, an earlier token's output would depend on later tokens
         of its group (an option and its effect, for the error message), or None."""
-        if self.router_type in GROUP_WIDE_ROUTER_TYPES:
+        if not self.router.token_choice:
             return f"{type(self.router).__name__} reads every token of a routing group"
         if getattr(self.router, "batch_prioritized_routing", False):
             return (

@@ -15,7 +15,7 @@ Two implementations with identical results (up to float summation order):
 Which one runs, and how, is the layer's ``execution.ExecutionPlan``; this module holds
 only the algorithms.
 
-Capacity is granted in the same order by both, one of ``CAPACITY_ORDERS`` over the
+Capacity is granted in the same order by both, one ``options.CapacityOrder`` over the
 tokens ranked by ``TokenChoiceRouting.priority``:
 
 * ``choice_major`` (T5X / Flaxformer ``TokensChooseMaskedRouter``, GShard, Mesh
@@ -44,6 +44,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from moe_jax.moe.options import CapacityOrder, Dispatch
 from moe_jax.moe.permute import take_rows
 from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
 
@@ -51,20 +52,8 @@ Array = jax.Array
 ExpertFn = Callable[[Array], Array]
 RaggedFn = Callable[[Array, Array], Array]
 
-DISPATCH_IMPLS: tuple[str, ...] = ("einsum", "sort")
-CAPACITY_ORDERS: tuple[str, ...] = ("choice_major", "token_major")
 
-
-def check_capacity_order(capacity_order: str) -> None:
-    """Refuses a ``capacity_order`` not in ``CAPACITY_ORDERS``, naming the option."""
-    if capacity_order not in CAPACITY_ORDERS:
-        raise ValueError(
-            f"CapacityConfig.capacity_order={capacity_order!r} is unknown; "
-            f"choose one of {(*CAPACITY_ORDERS, 'auto')}"
-        )
-
-
-def _assignment_order(routing: TokenChoiceRouting, capacity_order: str) -> Array:
+def _assignment_order(routing: TokenChoiceRouting, capacity_order: CapacityOrder) -> Array:
     """``[groups, tokens_per_group, k]`` rank of each assignment for capacity (a
     permutation of ``0 .. tokens_per_group * k - 1`` per group)."""
     k = routing.expert_index.shape[-1]
@@ -82,20 +71,22 @@ def _groups_index(groups: int) -> Array:
 # ----------------------------------------------------------------------------- einsum
 
 
-def _onehot_positions(routing: TokenChoiceRouting, num_experts: int, capacity_order: str) -> Array:
+def _onehot_positions(
+    routing: TokenChoiceRouting, num_experts: int, capacity_order: CapacityOrder
+) -> Array:
     """``[groups, tokens_per_group, k]`` position of each assignment in its expert buffer,
     by a cumulative sum of one-hot masks taken in ``capacity_order`` over the tokens in
     priority order."""
     groups, tokens, k = routing.expert_index.shape
-    choice_major = capacity_order == "choice_major"
+    choices_first = capacity_order == "choice_major"  # the cumulative sum runs over [K, S]
     mask = jax.nn.one_hot(routing.expert_index, num_experts, dtype=jnp.int32)  # [G, S, K, E]
     by_rank = jnp.argsort(routing.priority, axis=-1)  # token at each rank
     mask = jnp.take_along_axis(mask, by_rank[:, :, None, None], axis=1)
-    if choice_major:
+    if choices_first:
         mask = jnp.swapaxes(mask, 1, 2)  # [G, K, S, E]
     mask = mask.reshape(groups, k * tokens, num_experts)
     positions = jnp.sum((jnp.cumsum(mask, axis=1) - 1) * mask, axis=-1)
-    if choice_major:
+    if choices_first:
         positions = jnp.swapaxes(positions.reshape(groups, k, tokens), 1, 2)
     positions = positions.reshape(groups, tokens, k)
     return jnp.take_along_axis(positions, routing.priority[:, :, None], axis=1)
@@ -107,13 +98,13 @@ def einsum_token_choice(
     num_experts: int,
     capacity: int,
     expert_fn: ExpertFn,
-    capacity_order: str = "choice_major",
+    capacity_order: CapacityOrder = "choice_major",
 ) -> tuple[Array, Array]:
     """One-hot dispatch/combine (reference).
 
     Args:
       x: ``[groups, tokens_per_group, d_model]``.
-      capacity_order: one of ``CAPACITY_ORDERS`` (module docstring).
+      capacity_order: the order assignments get buffer slots in (module docstring).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` outputs and ``[groups, tokens_per_group, k]``
@@ -153,8 +144,8 @@ def sort_token_choice(
     num_experts: int,
     capacity: int,
     expert_fn: ExpertFn,
-    choice_major: bool = False,
-    capacity_order: str = "choice_major",
+    choice_major_combine: bool = False,
+    capacity_order: CapacityOrder = "choice_major",
     gather_gradients: bool = True,
 ) -> tuple[Array, Array]:
     """Sort/gather dispatch, same contract as ``einsum_token_choice``.
@@ -164,9 +155,11 @@ def sort_token_choice(
     slots; each slot's one assignment), else they scatter-add rows (JAX's gradient of a
     gather); see ``ExecutionPlan.gather_gradients``.
 
-    ``choice_major``: the combine gathers expert outputs as ``[groups, k, tokens, d_model]``
-    (k gathers of ``tokens`` rows) rather than ``[groups, tokens, k, d_model]``; same result.
-    See ``ExecutionPlan.choice_major_combine``.
+    Two independent choices: ``capacity_order`` decides which assignments get buffer
+    slots (the result); ``choice_major_combine`` only the memory layout of the combine,
+    which gathers expert outputs as ``[groups, k, tokens, d_model]`` (k gathers of
+    ``tokens`` rows) rather than ``[groups, tokens, k, d_model]``, with the same result
+    (``ExecutionPlan.choice_major_combine``).
     """
     groups, tokens, k = routing.expert_index.shape
     d_model = x.shape[-1]
@@ -193,7 +186,7 @@ def sort_token_choice(
     outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
     outputs = outputs.reshape(groups, num_experts * capacity, d_model)
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
-    if choice_major:  # k gathers of `tokens` rows each: row j * tokens + t
+    if choice_major_combine:  # k gathers of `tokens` rows each: row j * tokens + t
         order = (assignment % k) * tokens + assignment // k
         gathered = take_rows(
             outputs,
@@ -277,14 +270,15 @@ def ragged_token_choice(
 
 
 def dispatch_combine(
-    impl: str,
+    impl: Dispatch,
     x: Array,
     routing: TokenChoiceRouting | ExpertChoiceRouting,
     num_experts: int,
     capacity: int,
     expert_fn: ExpertFn,
-    choice_major: bool = False,
-    capacity_order: str = "choice_major",
+    *,
+    choice_major_combine: bool = False,
+    capacity_order: CapacityOrder = "choice_major",
     gather_gradients: bool = True,
 ) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
@@ -294,9 +288,9 @@ def dispatch_combine(
       x: ``[groups, tokens_per_group, d_model]``.
       capacity: buffer size per expert and group (token choice; expert choice carries
         its own in ``routing.token_index``).
-      choice_major: layout of the ``sort`` combine gather (``sort_token_choice``).
-      capacity_order: order in which token-choice assignments get buffer slots, one of
-        ``CAPACITY_ORDERS`` (module docstring).
+      choice_major_combine: layout of the ``sort`` combine gather (``sort_token_choice``).
+      capacity_order: order in which token-choice assignments get buffer slots (module
+        docstring).
       gather_gradients: the ``sort`` moves' gradients gather rather than scatter-add
         (``sort_token_choice``).
 
@@ -304,17 +298,18 @@ def dispatch_combine(
       ``[groups, tokens_per_group, d_model]`` and, for token choice, the
       ``[groups, tokens_per_group, k]`` kept-assignment mask (None for expert choice).
     """
-    if impl not in DISPATCH_IMPLS:
-        raise ValueError(
-            f"ExecutionConfig.dispatch={impl!r} is unknown; choose one of "
-            f"{(*DISPATCH_IMPLS, 'auto')}"
-        )
     if isinstance(routing, ExpertChoiceRouting):
         fn = einsum_expert_choice if impl == "einsum" else gather_expert_choice
         return fn(x, routing, num_experts, expert_fn), None
-    check_capacity_order(capacity_order)
     if impl == "einsum":
         return einsum_token_choice(x, routing, num_experts, capacity, expert_fn, capacity_order)
     return sort_token_choice(
-        x, routing, num_experts, capacity, expert_fn, choice_major, capacity_order, gather_gradients
+        x,
+        routing,
+        num_experts,
+        capacity,
+        expert_fn,
+        choice_major_combine,
+        capacity_order,
+        gather_gradients,
     )

@@ -14,23 +14,32 @@ devices) is it the platform of the process's default device, where such a step r
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from moe_jax.moe.config import ExpertChoiceRouterConfig, MoeConfig
+from moe_jax.moe.config import MoeConfig
 from moe_jax.moe.expert_parallel import axis_size
+from moe_jax.moe.options import Dispatch, DispatchOption, GroupedMatmul, GroupedMatmulOption
 
+# The backend family whose choices apply (``ExecutionPlan.platform``).
+Platform = Literal["cpu", "tpu", "gpu"]
 # How the tokens reach the experts (``ExecutionPlan.implementation``).
-IMPLEMENTATIONS: tuple[str, ...] = ("einsum", "sort", "ragged")
+Implementation = Literal["einsum", "sort", "ragged"]
 # How expert inputs and outputs cross devices (``ExecutionPlan.exchange``).
-EXCHANGES: tuple[str, ...] = ("local", "all_to_all", "ragged_all_to_all")
+ExchangeKind = Literal["local", "all_to_all", "ragged_all_to_all"]
 
 # Platform names as ``jax.Device.platform`` / ``AbstractMesh.abstract_device.platform``
-# report them, mapped to the backend family whose choices apply.
-_PLATFORM_FAMILY = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+# report them, mapped to their backend family.
+_PLATFORM_FAMILY: dict[str, Platform] = {
+    "cpu": "cpu",
+    "tpu": "tpu",
+    "gpu": "gpu",
+    "cuda": "gpu",
+    "rocm": "gpu",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,23 +58,23 @@ class ExecutionPlan:
       exchange: ``local`` (no expert parallelism), ``all_to_all`` (padded buffers
         ``[groups, experts, capacity, d_model]`` all-to-all'd over the ``expert`` mesh
         axis) or ``ragged_all_to_all`` (only the routed rows cross it).
-      grouped_matmul: under ``ragged``, the grouped matmul (``grouped_matmul.GROUPED_MATMULS``:
+      grouped_matmul: under ``ragged``, the grouped matmul (``options.GroupedMatmul``:
         ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
       gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
         gradients gather through the inverse map rather than scatter-add
         (``permute.take_rows``).
     """
 
-    platform: str
-    implementation: str
+    platform: Platform
+    implementation: Implementation
     per_expert_loop: bool
     choice_major_combine: bool
-    exchange: str
-    grouped_matmul: str | bool = False
+    exchange: ExchangeKind
+    grouped_matmul: GroupedMatmul | Literal[False] = False
     gather_gradients: bool = False
 
     @property
-    def dispatch(self) -> str:
+    def dispatch(self) -> Dispatch:
         """``einsum`` or ``sort``: the ``ExecutionConfig.dispatch`` this plan runs
         (``ragged`` is the ``sort`` dispatch's dropless form)."""
         return "einsum" if self.implementation == "einsum" else "sort"
@@ -81,30 +90,85 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     axis has size > 1), a platform name (``cpu``, ``tpu``, ``gpu``/``cuda``/``rocm``; no
     expert parallelism) or None (no mesh: the default device's platform).
 
-    ``ExecutionConfig.dispatch='auto'`` and ``per_expert_loop=None`` are settled per
-    platform, from the compiled executables (benchmarks/RESULTS.md, "MoE layer"; "MoE
-    layer on TPU and GPU targets"):
+    The options left to the platform (``ExecutionConfig.dispatch='auto'``,
+    ``per_expert_loop=None``, ``gather_gradients=None``, ``grouped_matmul='auto'``) and
+    the choices no option names are settled per platform from the compiled executables
+    (benchmarks/RESULTS.md, "MoE layer"; "MoE layer on TPU and GPU targets"); each helper
+    below says what it chose and why.
 
-    * CPU: ``sort`` with one plain matmul per expert (measured: 2.3-2.7x faster than
-      ``einsum``; XLA:CPU runs the batched expert einsum 1.1-1.3x slower).
-    * TPU: ``sort``, batched expert matmuls. At the T5-Base shape the one-hot ``einsum``
-      does 2.7x the FLOPs and moves more bytes (roofline 2.46x vs 2.98x the dense FFN on v5p
-      at E = 8). The batched expert matmuls run expert-major (``experts.expert_ffn``): the
+    Raises:
+      ValueError: an unknown platform.
+    """
+    platform, expert_parallel = _target(config, target)
+    execution = config.execution
+    dispatch = _dispatch(execution.dispatch)
+    ragged = (
+        config.capacity.dropless
+        and dispatch == "sort"
+        and _dropless_runs_ragged(platform, expert_parallel)
+    )
+    sort_token_choice = dispatch == "sort" and config.router.token_choice
+    exchange: ExchangeKind = "ragged_all_to_all" if ragged else "all_to_all"
+    gather = _gather_gradients(execution.gather_gradients, platform)
+    return ExecutionPlan(
+        platform=platform,
+        implementation="ragged" if ragged else dispatch,
+        per_expert_loop=_per_expert_loop(execution.per_expert_loop, platform, dtype) and not ragged,
+        choice_major_combine=sort_token_choice and not ragged and _choice_major_combine(platform),
+        exchange=exchange if expert_parallel else "local",
+        grouped_matmul=_grouped_matmul(execution.grouped_matmul) if ragged else False,
+        gather_gradients=gather and (sort_token_choice or ragged),
+    )
+
+
+def _target(config: MoeConfig, target: AbstractMesh | str | None) -> tuple[Platform, bool]:
+    """(platform family, expert parallelism) of ``target`` (see :func:`resolve_plan`)."""
+    if isinstance(target, str):
+        return _family(target), False
+    expert_parallel = axis_size(target, config.execution.expert_axis) > 1
+    return _family(target_platform(target)), expert_parallel
+
+
+def _dispatch(option: DispatchOption) -> Dispatch:
+    """``ExecutionConfig.dispatch``, ``auto`` settled: ``sort`` on every platform.
+
+    * CPU: measured 2.3-2.7x faster than ``einsum``.
+    * TPU: at the T5-Base shape the one-hot ``einsum`` does 2.7x the FLOPs and moves more
+      bytes (roofline 2.46x vs 2.98x the dense FFN on v5p at E = 8).
+    * GPU (H100): ``einsum`` moves more bytes there too.
+    """
+    return "sort" if option == "auto" else option
+
+
+def _per_expert_loop(option: bool | None, platform: Platform, dtype: Any) -> bool:
+    """``ExecutionConfig.per_expert_loop``, None settled: one matmul per expert on CPU and
+    for float32 on TPU, batched expert matmuls elsewhere.
+
+    * CPU: XLA:CPU runs the batched expert einsum 1.1-1.3x slower.
+    * TPU: the batched expert matmuls run expert-major (``experts.expert_ffn``): the
       group-major form made libtpu 0.0.42 abort (``Check failed: ReshapeIsBitcast`` in
       TpuCopyNormalizer) on the backward pass of float32 activations under expert
       parallelism. With float32 activations over a mesh with both data and expert axes
       (smoke config, mesh (2, 2, 1)) libtpu still aborts there, so float32 on TPU runs one
       matmul per expert (the accelerator configs are bfloat16; ``tests/train/test_aot.py``
       compiles the float32 case).
-    * GPU (H100): ``sort``, batched expert matmuls; ``einsum`` moves more bytes there too.
+    """
+    if option is not None:
+        return option
+    return platform == "cpu" or (platform == "tpu" and jnp.dtype(dtype) == jnp.float32)
 
-    The ``sort`` combine gathers choice-major on TPU and GPU (for v5p the TPU compiler
-    estimates 0.44x the cycles of the token-major gather fused into the weighted sum,
-    fwd+bwd), token-major on CPU (there the choice-major step measured 1.15x slower).
 
-    Dropless (``CapacityConfig.dropless``) with the ``sort`` dispatch runs ``ragged``,
-    except under expert parallelism where the ragged all-to-all does not pay; there it
-    keeps fixed buffers of capacity = tokens per group (benchmarks/RESULTS.md, "Expert
+def _choice_major_combine(platform: Platform) -> bool:
+    """Whether the ``sort`` combine gathers choice-major: on TPU and GPU (for v5p the TPU
+    compiler estimates 0.44x the cycles of the token-major gather fused into the weighted
+    sum, fwd+bwd), not on CPU (there the choice-major step measured 1.15x slower)."""
+    return platform != "cpu"
+
+
+def _dropless_runs_ragged(platform: Platform, expert_parallel: bool) -> bool:
+    """Whether dropless (``CapacityConfig.dropless``, ``sort`` dispatch) runs ``ragged``:
+    always without expert parallelism; under it only where the ragged all-to-all pays, else
+    it keeps fixed buffers of capacity = tokens per group (benchmarks/RESULTS.md, "Expert
     parallelism"):
 
     * TPU: ``ragged_all_to_all``. Only routed rows cross the interconnect, and the forward
@@ -116,54 +180,27 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
       exchange.
     * CPU: padded. XLA:CPU (jaxlib 0.10.2) cannot compile it ("HLO opcode
       `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
-
-    The ``sort`` and ``ragged`` row moves (``ExecutionConfig.gather_gradients=None``):
-    gradients that gather through the inverse map on GPU (compiled for H100: no float
-    scatter-add left, 5.5% fewer HLO bytes at E = 8), JAX's scatter-add on TPU (the v5p
-    compiler estimates 7-15% more cycles for the gathers at E = 64 / 8) and CPU (the
-    gathers measured 1.55x slower at T5-Base, E = 8); docs/moe.md.
-
-    The ``ragged`` grouped matmul (``ExecutionConfig.grouped_matmul='auto'``):
-    ``jax.lax.ragged_dot`` on every platform. XLA:TPU lowers it to a Mosaic grouped matmul;
-    XLA:GPU to one dense matmul per expert over all rows (measured on an H200: 0.084x /
-    0.024x the dense FFN at E = 8 / 32). tokamax 0.0.12's GPU kernels (``mosaic_gpu``,
-    ``triton``) failed to trace with the jax the GPU machine had (0.11.2), so they are chosen
-    only by name; docs/moe.md, "Dropless on GPU".
-
-    Raises:
-      ValueError: an unknown platform.
     """
-    if isinstance(target, str):
-        platform, expert_parallel = _family(target), False
-    else:
-        platform = _family(target_platform(target))
-        expert_parallel = axis_size(target, config.execution.expert_axis) > 1
-    execution = config.execution
-    dispatch = "sort" if execution.dispatch == "auto" else execution.dispatch
-    loop = execution.per_expert_loop
-    if loop is None:
-        loop = platform == "cpu" or (platform == "tpu" and jnp.dtype(dtype) == jnp.float32)
-    ragged_exchange = expert_parallel and platform == "tpu"
-    ragged = (
-        config.capacity.dropless and dispatch == "sort" and (ragged_exchange or not expert_parallel)
-    )
-    exchange = "ragged_all_to_all" if ragged else "all_to_all"
-    sort_token_choice = dispatch == "sort" and not isinstance(
-        config.router, ExpertChoiceRouterConfig
-    )
-    gather_gradients = execution.gather_gradients
-    if gather_gradients is None:
-        gather_gradients = platform == "gpu"
-    grouped = "xla" if execution.grouped_matmul == "auto" else execution.grouped_matmul
-    return ExecutionPlan(
-        platform=platform,
-        implementation="ragged" if ragged else dispatch,
-        per_expert_loop=loop and not ragged,
-        choice_major_combine=sort_token_choice and not ragged and platform != "cpu",
-        exchange=exchange if expert_parallel else "local",
-        grouped_matmul=grouped if ragged else False,
-        gather_gradients=gather_gradients and (sort_token_choice or ragged),
-    )
+    return not expert_parallel or platform == "tpu"
+
+
+def _gather_gradients(option: bool | None, platform: Platform) -> bool:
+    """``ExecutionConfig.gather_gradients``, None settled: the ``sort`` and ``ragged`` row
+    moves' gradients gather through the inverse map on GPU (compiled for H100: no float
+    scatter-add left, 5.5% fewer HLO bytes at E = 8); JAX's scatter-add on TPU (the v5p
+    compiler estimates 7-15% more cycles for the gathers at E = 64 / 8) and CPU (the
+    gathers measured 1.55x slower at T5-Base, E = 8); docs/moe.md."""
+    return platform == "gpu" if option is None else option
+
+
+def _grouped_matmul(option: GroupedMatmulOption) -> GroupedMatmul:
+    """``ExecutionConfig.grouped_matmul``, ``auto`` settled: ``jax.lax.ragged_dot`` (``xla``)
+    on every platform. XLA:TPU lowers it to a Mosaic grouped matmul; XLA:GPU to one dense
+    matmul per expert over all rows (measured on an H200: 0.084x / 0.024x the dense FFN at
+    E = 8 / 32). tokamax 0.0.12's GPU kernels (``mosaic_gpu``, ``triton``) failed to trace
+    with the jax the GPU machine had (0.11.2), so they are chosen only by name; docs/moe.md,
+    "Dropless on GPU"."""
+    return "xla" if option == "auto" else option
 
 
 def target_platform(mesh: AbstractMesh | None) -> str:
@@ -174,7 +211,7 @@ def target_platform(mesh: AbstractMesh | None) -> str:
     return jax.devices()[0].platform if device is None else device.platform
 
 
-def _family(platform: str) -> str:
+def _family(platform: str) -> Platform:
     """``cpu``, ``tpu`` or ``gpu``: the backend family of a device platform name."""
     family = _PLATFORM_FAMILY.get(platform)
     if family is None:

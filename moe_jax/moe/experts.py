@@ -15,20 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.moe.grouped_matmul import RaggedDot
-
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gated_gelu")
+from moe_jax.moe.options import Activation
 
 # T5X's MLP kernel init, with fan-in over the `embed`/`mlp` axis and `expert` as a batch axis.
 default_kernel_init = nn.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
 )
-
-
-def check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"MoeConfig.activation={activation!r} is unknown; choose one of {ACTIVATIONS}"
-        )
 
 
 class ExpertWeights(nn.Module):
@@ -41,13 +33,12 @@ class ExpertWeights(nn.Module):
 
     num_experts: int
     d_ff: int
-    activation: str = "relu"
+    activation: Activation = "relu"
     dtype: jnp.dtype = jnp.float32
     kernel_init: Callable = default_kernel_init
 
     @nn.compact
     def __call__(self, d_model: int) -> dict[str, jax.Array]:
-        check_activation(self.activation)
         names_in = ("wi_0", "wi_1") if self.activation == "gated_gelu" else ("wi",)
         init_in = nn.with_logical_partitioning(self.kernel_init, ("expert", "embed", "expert_mlp"))
         init_out = nn.with_logical_partitioning(self.kernel_init, ("expert", "expert_mlp", "embed"))
@@ -63,7 +54,7 @@ class ExpertWeights(nn.Module):
 
 
 def activate(
-    weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array], activation: str
+    weights: dict[str, jax.Array], h_in: Callable[[jax.Array], jax.Array], activation: Activation
 ) -> jax.Array:
     if activation == "gated_gelu":
         return nn.gelu(h_in(weights["wi_0"]), approximate=True) * h_in(weights["wi_1"])
@@ -81,7 +72,7 @@ def dropout(h: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
 def expert_ffn(
     weights: dict[str, jax.Array],
     x: jax.Array,
-    activation: str,
+    activation: Activation,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     per_expert_loop: bool = False,
@@ -121,7 +112,7 @@ def ragged_expert_ffn(
     weights: dict[str, jax.Array],
     x: jax.Array,
     group_sizes: jax.Array,
-    activation: str,
+    activation: Activation,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     ragged_dot: RaggedDot = jax.lax.ragged_dot,

@@ -17,7 +17,7 @@ import jax
 import optax
 
 from moe_jax import param_paths
-from moe_jax.moe.selection import BIAS_COLLECTION
+from moe_jax.moe.collections import BIAS_COLLECTION
 
 ROUTER_MODES: tuple[str, ...] = ("learned", "frozen")
 BIAS_MODES: tuple[str, ...] = ("updated", "frozen")

@@ -17,26 +17,16 @@ from collections.abc import Callable
 
 import jax
 
+from moe_jax.moe.options import GroupedMatmul
+
 Array = jax.Array
 # (rows [m, k] sorted by group, weights [groups, k, n], group_sizes [groups] int32) -> [m, n];
 # rows past sum(group_sizes) are not written (zeros with ``xla``, anything with a kernel).
 RaggedDot = Callable[[Array, Array, Array], Array]
 
-GROUPED_MATMULS: tuple[str, ...] = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
 
-
-def check_grouped_matmul(name: str) -> None:
-    """Refuses a name not in ``GROUPED_MATMULS`` (or ``auto``), naming the option."""
-    if name not in (*GROUPED_MATMULS, "auto"):
-        raise ValueError(
-            f"ExecutionConfig.grouped_matmul={name!r} is unknown; "
-            f"choose one of {(*GROUPED_MATMULS, 'auto')}"
-        )
-
-
-def ragged_dot(name: str) -> RaggedDot:
-    """The grouped matmul called ``name`` (one of ``GROUPED_MATMULS``)."""
-    check_grouped_matmul(name)
+def ragged_dot(name: GroupedMatmul) -> RaggedDot:
+    """The grouped matmul called ``name`` (``options.GROUPED_MATMULS``)."""
     if name == "xla":
         return jax.lax.ragged_dot
     import tokamax  # heavy (Triton / Mosaic): only when a kernel is asked for

@@ -43,7 +43,6 @@ from moe_jax.moe.routers import (
     _token_choice,
     top_k,
 )
-from moe_jax.moe.selection import check_expert_groups
 
 Array = jax.Array
 
@@ -80,31 +79,10 @@ def hierarchical_load(primary_load: Array, secondary_load: Array, group_count: A
     return (scale[:, None] * secondary_load).reshape(-1)
 
 
-def check_hierarchical_options(
-    num_experts: int, num_selected_experts: int, num_groups: int, num_selected_groups: int
-) -> None:
-    """Refuses inconsistent hierarchical options with a message naming the
-    ``HierarchicalRouterConfig`` option: G must divide E, ``1 <= k1 <= G`` and
-    ``1 <= k2 <= E / G``."""
-    check_expert_groups(
-        num_experts,
-        num_groups,
-        num_selected_groups,
-        "HierarchicalRouterConfig.num_expert_groups",
-        "HierarchicalRouterConfig.num_selected_groups",
-    )
-    per_group = num_experts // num_groups
-    if not 1 <= num_selected_experts <= per_group:
-        raise ValueError(
-            f"HierarchicalRouterConfig.num_selected_experts={num_selected_experts} "
-            f"(experts chosen inside each expert group) must be between 1 and the group size "
-            f"num_experts / num_expert_groups = {per_group}"
-        )
-
-
 class HierarchicalRouter(nn.Module):
     """Two-level top-k gating over ``num_groups`` groups of ``num_experts / num_groups``
-    experts (see the module docstring).
+    experts (see the module docstring); ``config.HierarchicalRouterConfig`` checks its
+    options.
 
     Attributes:
       num_experts: E, the total number of experts (``G * b``).
@@ -127,12 +105,6 @@ class HierarchicalRouter(nn.Module):
     batch_prioritized: bool = False
     init_stddev: float = 2e-2
     min_noise_std: float = 1e-2
-
-    def check_options(self) -> None:
-        """Refuses inconsistent options, naming the ``HierarchicalRouterConfig`` option."""
-        check_hierarchical_options(
-            self.num_experts, self.num_selected_experts, self.num_groups, self.num_selected_groups
-        )
 
     def _gate(
         self, clean: Array, name: str, k: int, deterministic: bool, x: Array
@@ -172,7 +144,6 @@ class HierarchicalRouter(nn.Module):
         """``x [groups, tokens_per_group, d_model]``, ``padding_mask [groups,
         tokens_per_group]`` -> ``RouterOutput`` with ``k1 * k2`` choices per token."""
         del token_ids, capacity
-        self.check_options()
         n_groups, per_group = self.num_groups, self.num_experts // self.num_groups
         k1, k2 = self.num_selected_groups, self.num_selected_experts
         lead = x.shape[:-1]
@@ -231,9 +202,3 @@ class NoisyHierarchicalRouter(HierarchicalRouter):
     setup): smooth ``Load_H`` in training for the load loss."""
 
     noisy: bool = True
-
-
-HIERARCHICAL_ROUTERS: dict[str, type[nn.Module]] = {
-    "hierarchical": HierarchicalRouter,
-    "noisy_hierarchical": NoisyHierarchicalRouter,
-}

@@ -6,7 +6,8 @@ d_model]`` -> router -> dispatch into expert buffers -> experts -> combine ->
 connection carries them through. Auxiliary losses are sown, already weighted, into the
 ``aux_loss`` collection; statistics and the unweighted losses into ``moe_metrics``.
 Opt-in, only when the caller makes the ``routing`` collection mutable (never in training):
-per-token routing for analyses (moe_jax/analysis), see :meth:`MoeLayer._sow_routing`.
+per-token routing for analyses (moe_jax/analysis), see :meth:`MoeLayer._sow_routing`. The
+collections' names are the constants of ``collections.py``.
 See docs/moe.md.
 """
 
@@ -21,24 +22,22 @@ import jax.numpy as jnp
 from moe_jax.moe import capacity as cap
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import losses
-from moe_jax.moe.config import HIERARCHICAL_ROUTER_TYPES, MoeConfig
+from moe_jax.moe.collections import (
+    AUX_LOSS_COLLECTION,
+    MOE_METRICS_COLLECTION,
+    ROUTING_COLLECTION,
+)
+from moe_jax.moe.config import MoeConfig
 from moe_jax.moe.dispatch import dispatch_combine, ragged_token_choice
 from moe_jax.moe.execution import resolve_plan
 from moe_jax.moe.experts import ExpertWeights, expert_ffn, ragged_expert_ffn
 from moe_jax.moe.grouped_matmul import ragged_dot
-from moe_jax.moe.hierarchical import HIERARCHICAL_ROUTERS
-from moe_jax.moe.routers import ROUTERS as _FLAT_ROUTERS
+from moe_jax.moe.options import CapacityOrder
 from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
-from moe_jax.moe.selection import check_selection_options
+from moe_jax.moe.selection import check_group_limit
 from moe_jax.moe.shared import SharedExperts
 
 Array = jax.Array
-
-# Every router module by its router name (``MoeConfig.router_type``).
-ROUTERS: dict[str, type[nn.Module]] = {**_FLAT_ROUTERS, **HIERARCHICAL_ROUTERS}
-
-# Opt-in collection of per-token routing decisions (see MoeLayer._sow_routing).
-ROUTING_COLLECTION = "routing"
 
 
 class MoeLayer(nn.Module):
@@ -57,7 +56,7 @@ class MoeLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @property
-    def resolved_capacity_order(self) -> str:
+    def resolved_capacity_order(self) -> CapacityOrder:
         """``CapacityConfig.capacity_order`` with ``auto`` resolved: ``token_major`` when causal."""
         return self.config.capacity.resolved_order(self.causal)
 
@@ -74,11 +73,12 @@ class MoeLayer(nn.Module):
         return groups, (limit if limit < groups else 0)
 
     def _router(self, mesh) -> nn.Module:
-        """The router module, given every option of the router's config."""
+        """The router module (``RouterConfig.module``), given every option of the router's
+        config."""
         cfg = self.config
         options = cfg.router.module_options()
         options["num_experts"] = cfg.routed_experts
-        if cfg.router_type not in HIERARCHICAL_ROUTER_TYPES:
+        if not cfg.router.hierarchical:  # k per token, times the granularity
             options["num_selected_experts"] = cfg.choices_per_token
         if "max_groups_per_token" in options:
             options["num_limited_groups"], options["max_groups_per_token"] = self._group_limit(mesh)
@@ -107,12 +107,7 @@ class MoeLayer(nn.Module):
         num_tokens = batch * length
         mesh = ep.current_mesh()
         ep.check_divisible(cfg.routed_experts, mesh, axes.expert_axis)
-        check_selection_options(
-            cfg.routed_experts,
-            cfg.choices_per_token,
-            getattr(cfg.router, "score_function", "softmax"),
-            *self._group_limit(mesh),
-        )
+        check_group_limit(cfg.routed_experts, cfg.choices_per_token, *self._group_limit(mesh))
         groups, tokens_per_group = cap.group_layout(
             num_tokens,
             cfg.capacity.group_size,
@@ -220,15 +215,15 @@ class MoeLayer(nn.Module):
                 )
 
             y, kept = dispatch_combine(
-                plan.implementation,
+                plan.dispatch,
                 x,
                 routing,
                 cfg.routed_experts,
                 capacity,
                 lambda buffers: exchange.buffers(buffers, run_experts),
-                plan.choice_major_combine,
-                self.resolved_capacity_order,
-                plan.gather_gradients,
+                choice_major_combine=plan.choice_major_combine,
+                capacity_order=self.resolved_capacity_order,
+                gather_gradients=plan.gather_gradients,
             )
             return (y,) if kept is None else (y, kept)
 
@@ -253,7 +248,8 @@ class MoeLayer(nn.Module):
 
           ``router_inputs [batch, length, d_model]`` what the router reads (after the
             block's pre-norm, in the layer's dtype);
-          ``router_probs [batch, length, experts]`` float32 softmax of the router logits;
+          ``router_probs [batch, length, experts]`` float32 the router's distribution over
+            experts (``RouterOutput.probs``);
           ``expert_index [batch, length, k]`` int32 chosen experts, best first, before
             capacity (``num_experts`` = padding); token-choice routers only.
         """
@@ -283,7 +279,7 @@ class MoeLayer(nn.Module):
         weights = self.config.losses.weights()
         for name, value in losses.auxiliary_losses(router_output, mask).items():
             if weights[name]:
-                self.sow("aux_loss", name, weights[name] * value)
-            self.sow("moe_metrics", name, value)
+                self.sow(AUX_LOSS_COLLECTION, name, weights[name] * value)
+            self.sow(MOE_METRICS_COLLECTION, name, value)
         for name, value in losses.routing_metrics(router_output, mask, dropped).items():
-            self.sow("moe_metrics", name, value)
+            self.sow(MOE_METRICS_COLLECTION, name, value)

@@ -27,6 +27,8 @@ from flax import struct
 from jax.scipy.stats import norm
 
 from moe_jax.moe import selection
+from moe_jax.moe.collections import BIAS_COLLECTION
+from moe_jax.moe.options import ScoreFunction
 
 Array = jax.Array
 
@@ -41,7 +43,7 @@ class TokenChoiceRouting:
       priority: ``[groups, tokens_per_group]`` int32 rank of each token when experts fill
         up (0 is served first): token order, or by router score with BPR. The dispatcher
         grants capacity over the tokens in this order, choice-major or token-major
-        (``dispatch.CAPACITY_ORDERS``).
+        (``options.CapacityOrder``).
     """
 
     expert_index: Array
@@ -68,8 +70,15 @@ class RouterOutput:
 
     Attributes:
       routing: ``TokenChoiceRouting`` or ``ExpertChoiceRouting``.
-      logits: ``[groups, tokens_per_group, experts]`` float32 router logits.
-      probs: ``[groups, tokens_per_group, experts]`` softmax of the logits.
+      logits: ``[groups, tokens_per_group, experts]`` float32 router logits (zeros for the
+        hash router, which has none).
+      probs: ``[groups, tokens_per_group, experts]`` float32 the router's distribution over
+        experts, every token's row non-negative and summing to 1 (what the load-balancing
+        loss, the entropy and confidence statistics and the sown ``router_probs`` read):
+        the softmax of ``logits`` (top-k with softmax scores, noisy top-k's clean logits,
+        random, expert choice); the sigmoid scores divided by their sum (top-k with sigmoid
+        scores); the primary softmax times each group's secondary softmax (hierarchical);
+        the hash router's fixed gates, ``1 / k`` on each of its ``k`` experts.
       assigned: ``[groups, tokens_per_group, experts]`` 1 where a token is sent to an
         expert before capacity is applied.
       gates: ``[groups, tokens_per_group, experts]`` dense combine weights (importance).
@@ -207,7 +216,7 @@ class TopKRouter(nn.Module):
     jitter_noise: float = 0.0
     batch_prioritized: bool = False
     init_stddev: float = 2e-2
-    score_function: str = "softmax"
+    score_function: ScoreFunction = "softmax"
     bias_update_rate: float = 0.0
     num_limited_groups: int = 1
     max_groups_per_token: int = 0
@@ -228,18 +237,18 @@ class TopKRouter(nn.Module):
         if self.bias_update_rate <= 0.0:
             return None
         if not (
-            self.has_variable(selection.BIAS_COLLECTION, "bias")
-            or self.is_mutable_collection(selection.BIAS_COLLECTION)
+            self.has_variable(BIAS_COLLECTION, "bias")
+            or self.is_mutable_collection(BIAS_COLLECTION)
         ):
             raise ValueError(
                 f"TopKRouterConfig.bias_update_rate={self.bias_update_rate} needs the "
-                f"{selection.BIAS_COLLECTION!r} variable collection: pass it with the "
+                f"{BIAS_COLLECTION!r} variable collection: pass it with the "
                 f"params (train state's collections)"
             )
         init = nn.with_logical_partitioning(
             lambda: jnp.zeros((self.num_experts,), jnp.float32), ("unmodeled",)
         )
-        return self.variable(selection.BIAS_COLLECTION, "bias", init)
+        return self.variable(BIAS_COLLECTION, "bias", init)
 
     @nn.compact
     def __call__(
@@ -269,7 +278,7 @@ class TopKRouter(nn.Module):
             bias is not None
             and not deterministic
             and not self.is_initializing()
-            and self.is_mutable_collection(selection.BIAS_COLLECTION)
+            and self.is_mutable_collection(BIAS_COLLECTION)
         ):
             assert isinstance(output.routing, TokenChoiceRouting)
             load = selection.expert_counts(output.routing.expert_index, self.num_experts)
@@ -360,7 +369,7 @@ class HashRouter(nn.Module):
         expert_index = (base[..., None] + jnp.arange(k, dtype=jnp.int32)) % self.num_experts
         gates = jnp.full(expert_index.shape, 1.0 / k, jnp.float32)
         logits = jnp.zeros((*x.shape[:-1], self.num_experts), jnp.float32)
-        probs = _dense(expert_index, gates, self.num_experts)
+        probs = _dense(expert_index, gates, self.num_experts)  # k distinct experts: sums to 1
         return _token_choice(logits, probs, expert_index, gates, padding_mask, False)
 
 
@@ -438,12 +447,3 @@ class ExpertChoiceRouter(nn.Module):
             assigned,
             dense_gates,
         )
-
-
-ROUTERS: dict[str, type[nn.Module]] = {
-    "top_k": TopKRouter,
-    "noisy_top_k": NoisyTopKRouter,
-    "expert_choice": ExpertChoiceRouter,
-    "hash": HashRouter,
-    "random": RandomRouter,
-}

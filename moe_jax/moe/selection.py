@@ -7,7 +7,7 @@
   gates are the unbiased scores. After every training step the bias moves by
   ``u * sign(mean load - load_e)`` (:func:`bias_update`): under-loaded experts become
   more likely to be selected. The bias is not a parameter: it lives in the
-  ``BIAS_COLLECTION`` variable collection, which the train step carries (see
+  ``collections.BIAS_COLLECTION`` variable collection, which the train step carries (see
   ``models/model.py`` ``STATE_COLLECTIONS``).
 * **Group-limited routing** (DeepSeek-V3 node-limited routing, Sec. 2.1.2): the experts
   form ``G`` contiguous groups (the shards of the ``expert`` mesh axis by default); a
@@ -21,15 +21,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_jax.moe.options import ScoreFunction
+
 Array = jax.Array
 
-SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
-BIAS_COLLECTION = "router_bias"
 # DeepSeek-V3 ranks groups by the sum of each group's best two scores.
 GROUP_SCORE_TOP = 2
 
 
-def scores(logits: Array, score_function: str) -> tuple[Array, Array]:
+def scores(logits: Array, score_function: ScoreFunction) -> tuple[Array, Array]:
     """``logits [..., experts]`` -> (selection scores, distribution over experts).
 
     softmax: both are the softmax. sigmoid: the scores are ``sigmoid(logits)``; the
@@ -95,15 +95,10 @@ def check_expert_groups(
         )
 
 
-def check_selection_options(
-    num_experts: int, k: int, score_function: str, num_groups: int, groups_per_token: int
-) -> None:
-    """Raises ``ValueError`` naming the ``TopKRouterConfig`` option that is out of range."""
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(
-            f"TopKRouterConfig.score_function={score_function!r} is unknown; "
-            f"choose one of {SCORE_FUNCTIONS}"
-        )
+def check_group_limit(num_experts: int, k: int, num_groups: int, groups_per_token: int) -> None:
+    """Refuses group-limited routing (G groups, M per token; M = 0: off) that the routed
+    experts cannot hold, naming the ``TopKRouterConfig`` option. Checked when the layer is
+    traced: G defaults to the size of the ``expert`` mesh axis."""
     if not groups_per_token:
         return
     check_expert_groups(

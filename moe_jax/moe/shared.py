@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.moe.experts import activate, dropout
+from moe_jax.moe.options import Activation
 
 # The dense T5 MLP's kernel init (models/mlp.py).
 _KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
@@ -34,7 +35,7 @@ class SharedExperts(nn.Module):
 
     num_shared: int
     d_ff: int
-    activation: str = "relu"
+    activation: Activation = "relu"
     dropout_rate: float = 0.0
     dtype: Any = jnp.float32
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from moe_jax import param_paths, partitioning
 from moe_jax.models.model import FEATURES
-from moe_jax.moe.layer import ROUTING_COLLECTION
+from moe_jax.moe.collections import ROUTING_COLLECTION
 
 _SKIPPED_PATH_PARTS = ("ffn", "moe")
 

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 
 from moe_jax.analysis import counterfactual
-from moe_jax.moe.layer import ROUTING_COLLECTION
+from moe_jax.moe import MoeLayer
+from moe_jax.moe.collections import MOE_METRICS_COLLECTION, ROUTING_COLLECTION
 from moe_jax.moe.routers import HashRouter, TopKRouter
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
 def _routing(layer, params, x, interceptor=None, **kwargs):
     fn = counterfactual.intercepted(
         lambda p, x: layer.apply(
-            {"params": p}, x, mutable=["moe_metrics", ROUTING_COLLECTION], **kwargs
+            {"params": p}, x, mutable=[MOE_METRICS_COLLECTION, ROUTING_COLLECTION], **kwargs
         ),
         interceptor,
     )
@@ -25,7 +26,7 @@ def _routing(layer, params, x, interceptor=None, **kwargs):
 
 
 def test_shuffled_changes_router_outputs_but_not_expert_weights():
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs(2, 8)
     params = init_params(layer, x)
     shuffled = counterfactual.shuffle_router_inputs(params, seed=3)
@@ -47,7 +48,7 @@ def test_shuffled_changes_router_outputs_but_not_expert_weights():
 
 
 def test_random_and_init_replace_only_router_weights(tmp_path):
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs(2, 8)
     params = init_params(layer, x)
     fresh = counterfactual.random_routers(params, seed=1, stddev=0.5)
@@ -101,7 +102,7 @@ def test_hash_routes_by_token_id_with_the_learned_gates():
 
 
 def test_gate_margin_is_top1_minus_top2_probability():
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs(2, 8) * 10.0
     params = init_params(layer, x)
     mask = jnp.ones((2, 8)).at[1, 5:].set(0)
@@ -109,7 +110,7 @@ def test_gate_margin_is_top1_minus_top2_probability():
     probs = np.sort(np.asarray(state[ROUTING_COLLECTION]["router_probs"][0]), -1)
     real = np.asarray(mask) > 0
     expected = (probs[..., -1] - probs[..., -2])[real].mean()
-    np.testing.assert_allclose(state["moe_metrics"]["gate_margin"][0], expected, rtol=1e-5)
+    np.testing.assert_allclose(state[MOE_METRICS_COLLECTION]["gate_margin"][0], expected, rtol=1e-5)
 
 
 def test_seed_table_averages_a_familys_seeds_per_router():

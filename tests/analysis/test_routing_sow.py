@@ -3,12 +3,19 @@ router inputs when asked for, nothing (and the same outputs) otherwise."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.moe.layer import ROUTING_COLLECTION
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
+from moe_jax.moe import ExpertChoiceRouterConfig, MoeLayer
+from moe_jax.moe.collections import (
+    AUX_LOSS_COLLECTION,
+    MOE_METRICS_COLLECTION,
+    ROUTING_COLLECTION,
+)
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
 def _apply(layer, params, x, collections, **kwargs):
@@ -17,11 +24,13 @@ def _apply(layer, params, x, collections, **kwargs):
 
 
 def test_routing_is_sown_per_token_only_when_mutable():
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs(3, 8)  # 24 tokens in 2 groups of 16 (one padded)
     params = init_params(layer, x)
     mask = jnp.ones((3, 8)).at[2, 5:].set(0)
-    y, state = _apply(layer, params, x, ["moe_metrics", ROUTING_COLLECTION], padding_mask=mask)
+    y, state = _apply(
+        layer, params, x, [MOE_METRICS_COLLECTION, ROUTING_COLLECTION], padding_mask=mask
+    )
     routing = {k: v[0] for k, v in state[ROUTING_COLLECTION].items()}
     assert routing["expert_index"].shape == (3, 8, 2) and routing["expert_index"].dtype == jnp.int32
     assert routing["router_probs"].shape == (3, 8, 4)
@@ -35,16 +44,18 @@ def test_routing_is_sown_per_token_only_when_mutable():
     assert (index[~real] == 4).all()
     # per-token choices agree with the sown expert load
     load = np.bincount(index[real].ravel(), minlength=4) / real.sum()
-    np.testing.assert_allclose(load, state["moe_metrics"]["expert_load"][0], rtol=1e-5)
+    np.testing.assert_allclose(load, state[MOE_METRICS_COLLECTION]["expert_load"][0], rtol=1e-5)
     # training-style calls see no routing collection and the same outputs
-    y_plain, plain = _apply(layer, params, x, ["aux_loss", "moe_metrics"], padding_mask=mask)
+    y_plain, plain = _apply(
+        layer, params, x, [AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION], padding_mask=mask
+    )
     assert ROUTING_COLLECTION not in plain
     np.testing.assert_array_equal(y, y_plain)
     assert ROUTING_COLLECTION not in layer.init(jax.random.PRNGKey(0), x)
 
 
 def test_expert_choice_sows_probabilities_without_per_token_choices():
-    layer = moe_layer(**dict(SMALL, router_type="expert_choice"))
+    layer = MoeLayer(replace(SMALL, router=ExpertChoiceRouterConfig()))
     x = make_inputs(2, 8)
     params = init_params(layer, x)
     _, state = _apply(layer, params, x, [ROUTING_COLLECTION])

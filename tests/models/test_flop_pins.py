@@ -1,6 +1,6 @@
 """Numbers read from the model's configuration, pinned as the code gave them when the MoE
-settings were gin bindings of ``MoeLayer``: FLOP counts, the routing settings an export
-writes, and the compile report's MoE choices."""
+settings were gin bindings of ``MoeLayer``: FLOP counts, the MoE config an export writes,
+and the compile report's MoE choices."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from moe_jax.commands import export
 from moe_jax.models.t5 import T5Config
-from moe_jax.moe import ExecutionConfig, legacy_gin
+from moe_jax.moe import ExecutionConfig
 from moe_jax.runtime import aot, builders, gin_utils
 
 SHAPES = {"encoder_input_tokens": (8, 64), "decoder_input_tokens": (8, 16)}
@@ -44,47 +44,56 @@ CONFIGS = {
         14499840.0,
     ),
 }
-# The routing part of the smoke model's export (config.json) as written when it was
-# MoeLayer's gin fields (export format 1).
-SMOKE_ROUTING = {
+# The smoke model's MoE config as its export writes it (config.json's ``t5_config.moe``):
+# the values export format 1 wrote as MoeLayer's gin fields, in the nested form (the
+# options the top_k router lacks, ``num_expert_groups``, ``num_selected_groups`` and
+# ``router_seed``, were at their defaults).
+SMOKE_MOE = {
     "accept_causal_leak": False,
     "activation": "gated_gelu",
-    "batch_prioritized_routing": False,
-    "bias_update_rate": 0.0,
-    "capacity_order": "auto",
-    "capacity_rule": "t5x",
+    "capacity": {
+        "capacity_order": "auto",
+        "capacity_rule": "t5x",
+        "dropless": False,
+        "eval_capacity_factor": 2.0,
+        "group_size": 256,
+        "min_expert_capacity": 4,
+        "train_capacity_factor": 1.25,
+    },
     "d_ff": 64,
-    "data_axis": "data",
-    "dispatch": "auto",
-    "dropless": False,
-    "entropy_loss_weight": 0.0,
-    "eval_capacity_factor": 2.0,
-    "expert_axis": "expert",
+    "execution": {
+        "data_axis": "data",
+        "dispatch": "auto",
+        "expert_axis": "expert",
+        "gather_gradients": None,
+        "grouped_matmul": "auto",
+        "model_axis": "model",
+        "per_expert_loop": None,
+    },
     "expert_dropout_rate": 0.0,
     "expert_granularity": 1,
-    "group_size": 256,
-    "importance_loss_weight": 0.0,
-    "jitter_noise": 0.0,
-    "load_balancing_loss_weight": 0.01,
-    "load_loss_weight": 0.0,
-    "max_groups_per_token": 0,
-    "min_expert_capacity": 4,
-    "model_axis": "model",
-    "num_expert_groups": 1,
+    "losses": {
+        "entropy_loss_weight": 0.0,
+        "importance_loss_weight": 0.0,
+        "load_balancing_loss_weight": 0.01,
+        "load_loss_weight": 0.0,
+        "router_z_loss_weight": 0.0001,
+    },
     "num_experts": 4,
-    "num_limited_groups": None,
-    "num_selected_experts": 2,
-    "num_selected_groups": 1,
     "num_shared_experts": 0,
-    "per_expert_loop": None,
-    "renormalize_gates": False,
-    "router_init_stddev": 0.02,
-    "router_score": "softmax",
-    "router_seed": 0,
-    "router_type": "top_k",
-    "router_z_loss_weight": 0.0001,
+    "router": {
+        "type": "top_k",
+        "batch_prioritized_routing": False,
+        "bias_update_rate": 0.0,
+        "init_stddev": 0.02,
+        "jitter_noise": 0.0,
+        "max_groups_per_token": 0,
+        "num_limited_groups": None,
+        "num_selected_experts": 2,
+        "renormalize_gates": False,
+        "score_function": "softmax",
+    },
     "shared_expert_d_ff": None,
-    "train_capacity_factor": 1.25,
 }
 
 
@@ -105,12 +114,8 @@ def test_flops_per_example_pinned(name):
 def test_export_config_and_compile_choices_pinned():
     model = _model(CONFIGS["smoke"][0])
     t5 = export.architecture(model)["t5_config"]
-    assert t5["decoder_moe"] is None and t5["moe"]["router"]["type"] == "top_k"
-    moe = T5Config.from_dict(t5).moe
-    assert moe == model.module.config.moe
-    assert {
-        k: v for k, v in legacy_gin.legacy_fields(moe).items() if k in SMOKE_ROUTING
-    } == SMOKE_ROUTING
+    assert t5["decoder_moe"] is None and t5["moe"] == SMOKE_MOE
+    assert T5Config.from_dict(t5).moe == model.module.config.moe
     config = model.module.config
     assert aot.layer_choices("cpu", "float32", config) == {
         "platform": "cpu",

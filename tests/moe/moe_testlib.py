@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.moe import MoeLayer, legacy_gin
+from moe_jax.moe import CapacityConfig, MoeConfig, MoeLayer, TopKRouterConfig
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 
-SMALL = dict(num_experts=4, num_selected_experts=2, d_ff=16, group_size=16, min_expert_capacity=1)
+# A small layer: 4 experts of d_ff 16, top-2, routing groups of 16 tokens, capacity >= 1.
+# Tests change it with ``dataclasses.replace`` (a part: ``replace(SMALL.capacity, ...)``).
+SMALL = MoeConfig(
+    num_experts=4,
+    d_ff=16,
+    router=TopKRouterConfig(num_selected_experts=2),
+    capacity=CapacityConfig(group_size=16, min_expert_capacity=1),
+)
 
 
 def make_inputs(batch: int = 4, length: int = 8, d_model: int = 8, seed: int = 0) -> jax.Array:
@@ -32,14 +42,18 @@ def apply(layer: MoeLayer, params: dict, x: jax.Array, **kwargs):
     static, dynamic = _split(kwargs)
     fn = jax.jit(
         lambda p, x, kw: layer.apply(
-            {"params": p}, x, mutable=["aux_loss", "moe_metrics"], **kw, **static
+            {"params": p},
+            x,
+            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION],
+            **kw,
+            **static,
         )
     )
     return fn(params, x, dynamic)
 
 
 def metric(state: dict, name: str) -> jax.Array:
-    return state["moe_metrics"][name][0]
+    return state[MOE_METRICS_COLLECTION][name][0]
 
 
 def emulated_ragged_all_to_all(
@@ -74,7 +88,9 @@ def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding
 
     def step(p, x):
         def loss(p, x):
-            out = layer.apply({"params": p}, x, deterministic=False, mutable=["aux_loss"])[0]
+            out = layer.apply({"params": p}, x, deterministic=False, mutable=[AUX_LOSS_COLLECTION])[
+                0
+            ]
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         return jax.grad(loss, argnums=(0, 1))(p, x)
@@ -83,16 +99,9 @@ def compile_fwd_bwd(layer: MoeLayer, x: jax.ShapeDtypeStruct, mesh: jax.sharding
         return jax.jit(step).lower(params, x).compile()
 
 
-def moe_layer(**fields) -> MoeLayer:
-    """An ``MoeLayer`` from the flat keyword arguments the layer took before ``MoeConfig``
-    (``legacy_gin.config_from_fields``; an option the router lacks is refused); ``causal``,
-    ``dtype`` and ``name`` are the layer's own."""
-    own = {k: fields.pop(k) for k in ("causal", "dtype", "name") if k in fields}
-    return MoeLayer(legacy_gin.config_from_fields(**fields), **own)
-
-
-def relayer(layer: MoeLayer, **fields) -> MoeLayer:
-    """``layer`` with some of those flat fields changed."""
+def with_execution(layer: MoeLayer, **changes) -> MoeLayer:
+    """``layer`` with ``ExecutionConfig`` fields changed: how it runs, not what it computes
+    (same parameters)."""
     return layer.clone(
-        config=legacy_gin.config_from_fields(**{**legacy_gin.legacy_fields(layer.config), **fields})
+        config=replace(layer.config, execution=replace(layer.config.execution, **changes))
     )

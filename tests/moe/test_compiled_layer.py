@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import hardware, hlo_costs
+from moe_jax.moe import MoeConfig, MoeLayer
 from moe_jax.moe.dispatch import sort_token_choice
 from moe_jax.moe.routers import TokenChoiceRouting, top_k
-from tests.moe.moe_testlib import compile_fwd_bwd, moe_layer
+from tests.moe.moe_testlib import compile_fwd_bwd
 
 
 def test_top_k_equals_lax_top_k_with_a_scatter_free_gradient():
@@ -99,7 +100,8 @@ def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
     devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5p:2x2x1")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), ("data", "expert", "model"))
-    layer = moe_layer(num_experts=8, d_ff=256, dtype=jnp.bfloat16)  # one group of 4096 tokens
+    # top-2, routing groups of 4096 tokens: one group
+    layer = MoeLayer(MoeConfig(num_experts=8, d_ff=256), dtype=jnp.bfloat16)
     compiled = compile_fwd_bwd(layer, jax.ShapeDtypeStruct((8, 512, 64), jnp.bfloat16), mesh)
     ops = hlo_costs.parse(compiled.as_text())
     totals = hlo_costs.summary(ops)
@@ -116,9 +118,11 @@ def test_choice_major_combine_equals_token_major():
     weights = jax.random.uniform(keys[2], (groups, tokens, k))
     priority = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (groups, tokens))
 
-    def run(choice_major, x, weights):
+    def run(choice_major_combine, x, weights):
         routing = TokenChoiceRouting(index, weights, priority)
-        y, _ = sort_token_choice(x, routing, experts, capacity, jnp.tanh, choice_major)
+        y, _ = sort_token_choice(
+            x, routing, experts, capacity, jnp.tanh, choice_major_combine=choice_major_combine
+        )
         return jnp.sum(jnp.sin(y)), y
 
     (_, y_ref), g_ref = jax.value_and_grad(lambda *a: run(False, *a), argnums=(0, 1), has_aux=True)(

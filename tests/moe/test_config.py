@@ -13,7 +13,7 @@ import pytest
 
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import config as moe_config
-from moe_jax.moe import legacy_gin
+from moe_jax.moe import legacy_gin, options
 from moe_jax.moe.config import (
     CapacityConfig,
     ExpertChoiceRouterConfig,
@@ -76,6 +76,23 @@ def test_every_option_of_a_router_config_reaches_its_router_module(router):
     cls = moe_config.ROUTER_CONFIGS[router]
     module_fields = set(cls.module.__dataclass_fields__)
     assert set(cls().module_options()) <= module_fields, router
+
+
+def test_the_router_registry_has_one_config_per_router_type():
+    assert tuple(moe_config.ROUTER_CONFIGS) == options.ROUTER_TYPES
+    modules = [cls.module for cls in moe_config.ROUTER_CONFIGS.values()]
+    assert len(set(modules)) == len(modules)
+    kinds = {
+        name: (cls.token_choice, cls.hierarchical)
+        for name, cls in moe_config.ROUTER_CONFIGS.items()
+    }
+    assert [name for name, (token_choice, _) in kinds.items() if not token_choice] == [
+        "expert_choice"
+    ]
+    assert [name for name, (_, hierarchical) in kinds.items() if hierarchical] == [
+        "hierarchical",
+        "noisy_hierarchical",
+    ]
 
 
 def test_construction_refuses_what_the_layer_refused_naming_the_option():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from dataclasses import replace
 
 import jax
 import jax.extend
@@ -11,35 +11,42 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax.moe import ExecutionConfig, ExpertChoiceRouterConfig, MoeLayer, TopKRouterConfig
 from moe_jax.moe.capacity import expert_capacity, group_layout
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION
 from moe_jax.moe.dispatch import dispatch_combine
 from moe_jax.moe.routers import TokenChoiceRouting
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer, relayer
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, with_execution
 
 
 def _loss_and_grads(layer, params, x):
     def loss(p, x):
-        y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
+        y, state = layer.apply({"params": p}, x, mutable=[AUX_LOSS_COLLECTION])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "config",
     [
-        dict(),  # top-2 with drops at eval capacity 2.0 x 16 / 4
-        dict(eval_capacity_factor=0.5, batch_prioritized_routing=True),
-        dict(router_type="expert_choice"),
-        dict(dropless=True),  # sort -> ragged_dot, einsum -> capacity = group
+        SMALL,  # top-2 with drops at eval capacity 2.0 x 16 / 4
+        replace(
+            SMALL,
+            router=TopKRouterConfig(batch_prioritized_routing=True),
+            capacity=replace(SMALL.capacity, eval_capacity_factor=0.5),
+        ),
+        replace(SMALL, router=ExpertChoiceRouterConfig()),
+        replace(SMALL, capacity=replace(SMALL.capacity, dropless=True)),  # sort: ragged_dot
     ],
+    ids=["top_2", "bpr", "expert_choice", "dropless"],
 )
-def test_sort_dispatch_equals_einsum_reference(overrides):
+def test_sort_dispatch_equals_einsum_reference(config):
     x = make_inputs()
-    ref_layer = moe_layer(**dict(SMALL, dispatch="einsum", **overrides))
+    ref_layer = MoeLayer(replace(config, execution=ExecutionConfig(dispatch="einsum")))
     params = init_params(ref_layer, x)
     (_, y_ref), g_ref = _loss_and_grads(ref_layer, params, x)
-    (_, y), g = _loss_and_grads(relayer(ref_layer, dispatch="sort"), params, x)
+    (_, y), g = _loss_and_grads(with_execution(ref_layer, dispatch="sort"), params, x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -87,10 +94,12 @@ def test_group_layout_pads_to_the_shard_count():
 
 def test_per_expert_loop_equals_batched_expert_matmuls():
     x = make_inputs()
-    layer = moe_layer(**dict(SMALL, per_expert_loop=False, activation="gated_gelu"))
+    layer = MoeLayer(
+        replace(SMALL, activation="gated_gelu", execution=ExecutionConfig(per_expert_loop=False))
+    )
     params = init_params(layer, x)
     (_, y_ref), g_ref = _loss_and_grads(layer, params, x)
-    (_, y), g = _loss_and_grads(relayer(layer, per_expert_loop=True), params, x)
+    (_, y), g = _loss_and_grads(with_execution(layer, per_expert_loop=True), params, x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -109,9 +118,9 @@ def _equations(jaxpr):
 
 
 @pytest.mark.parametrize("gather_gradients", [True, False])
-@pytest.mark.parametrize("choice_major", [False, True])
+@pytest.mark.parametrize("choice_major_combine", [False, True])
 @pytest.mark.parametrize("capacity", [1, 8])  # heavy drops, none
-def test_sort_gradients_equal_einsum(gather_gradients, choice_major, capacity):
+def test_sort_gradients_equal_einsum(gather_gradients, choice_major_combine, capacity):
     """Gradients (inputs, combine weights, experts) of the sort dispatch in both combine
     layouts, with either gradient of its row moves, equal the einsum reference's; with
     ``gather_gradients`` its backward holds no scatter of rows (``permute.gather_rows``)."""
@@ -126,7 +135,7 @@ def test_sort_gradients_equal_einsum(gather_gradients, choice_major, capacity):
     scale = jax.random.normal(keys[3], (experts, 1, d))
 
     def loss(impl, x, weights, scale):
-        r = dataclasses.replace(routing, combine_weights=weights)
+        r = replace(routing, combine_weights=weights)
         y, _ = dispatch_combine(
             impl,
             x,
@@ -134,7 +143,7 @@ def test_sort_gradients_equal_einsum(gather_gradients, choice_major, capacity):
             experts,
             capacity,
             lambda b: jnp.tanh(b * scale[None]),
-            choice_major,
+            choice_major_combine=choice_major_combine,
             gather_gradients=gather_gradients,
         )
         return jnp.sum(jnp.sin(y))

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +13,14 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from moe_jax import hardware
-from moe_jax.moe import MoeLayer
+from moe_jax.moe import ExecutionConfig, ExpertChoiceRouterConfig, MoeLayer, RouterConfig
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.execution import (
     ExecutionPlan,
     resolve_plan,
     target_platform,
 )
-from tests.moe.moe_testlib import SMALL, make_inputs, moe_layer, relayer
+from tests.moe.moe_testlib import SMALL, make_inputs, with_execution
 
 AXES = ("data", "expert", "model")
 
@@ -38,7 +39,7 @@ def _jaxpr(layer: MoeLayer, mesh: AbstractMesh | None):
     params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)
 
     def forward(p, x):
-        return layer.apply(p, x, mutable=["aux_loss", "moe_metrics"])[0]
+        return layer.apply(p, x, mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION])[0]
 
     if mesh is None:
         return jax.make_jaxpr(forward)(params, x)
@@ -56,15 +57,19 @@ def _plan(
     platform,
     dtype="bfloat16",
     shape=(1, 1, 1),
-    grouped_matmul="auto",
-    gather_gradients=None,
-    **fields,
+    *,
+    dropless: bool = False,
+    router: RouterConfig = SMALL.router,
+    **execution,
 ) -> ExecutionPlan:
-    config = moe_layer(**{**SMALL, **fields}).config
-    execution = dataclasses.replace(
-        config.execution, grouped_matmul=grouped_matmul, gather_gradients=gather_gradients
+    """The plan of SMALL with ``dropless``, ``router`` and the ``ExecutionConfig`` fields
+    ``execution``, on a mesh of ``shape`` of ``platform`` devices."""
+    config = replace(
+        SMALL,
+        router=router,
+        capacity=replace(SMALL.capacity, dropless=dropless),
+        execution=ExecutionConfig(**execution),
     )
-    config = dataclasses.replace(config, execution=execution)
     return resolve_plan(config, _abstract_mesh(platform, shape), dtype)
 
 
@@ -77,17 +82,16 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
         assert gpu == ExecutionPlan("gpu", "sort", False, True, "local", gather_gradients=True)
     assert _plan("tpu", "bfloat16") == ExecutionPlan("tpu", "sort", False, True, "local")
     assert _plan("tpu", "float32") == ExecutionPlan("tpu", "sort", True, True, "local")
-    config = moe_layer(**SMALL).config
     for gpu in ("gpu", "cuda", "rocm"):
-        assert resolve_plan(config, gpu, "float32") == _plan("gpu", "float32")
-    assert resolve_plan(config, None, "float32") == _plan("cpu", "float32")  # default device
+        assert resolve_plan(SMALL, gpu, "float32") == _plan("gpu", "float32")
+    assert resolve_plan(SMALL, None, "float32") == _plan("cpu", "float32")  # default device
     with pytest.raises(ValueError, match="platform"):
-        resolve_plan(config, "metal", "float32")
+        resolve_plan(SMALL, "metal", "float32")
     # explicit options win; what a path does not use is False
     assert _plan("cpu", dispatch="einsum") == ExecutionPlan("cpu", "einsum", True, False, "local")
     assert _plan("tpu", dispatch="einsum").choice_major_combine is False
     assert _plan("gpu", per_expert_loop=True).per_expert_loop is True
-    assert _plan("tpu", router_type="expert_choice").choice_major_combine is False
+    assert _plan("tpu", router=ExpertChoiceRouterConfig()).choice_major_combine is False
     # gradients of the row moves gather on GPU (elsewhere scatter-add); einsum has no moves
     assert _plan("tpu", gather_gradients=True).gather_gradients is True
     assert _plan("gpu", gather_gradients=False).gather_gradients is False
@@ -133,7 +137,8 @@ def test_target_platform_reads_the_mesh_devices():
 @pytest.mark.parametrize("dropless", [False, True])
 def test_layer_traces_exactly_its_plan(platform, dropless):
     # a (1, 4, 1) mesh: expert parallelism, so the exchange shows in the jaxpr too
-    layer = moe_layer(**SMALL, dropless=dropless, dtype=jnp.bfloat16)
+    config = replace(SMALL, capacity=replace(SMALL.capacity, dropless=dropless))
+    layer = MoeLayer(config, dtype=jnp.bfloat16)
     mesh = _abstract_mesh(platform, (1, 4, 1))
     plan = resolve_plan(layer.config, mesh, layer.dtype)
     found = set(
@@ -152,15 +157,14 @@ def test_layer_traces_exactly_its_plan(platform, dropless):
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
 def test_auto_layer_traces_the_platform_choice(platform):
-    layer = moe_layer(**SMALL, dtype=jnp.bfloat16)
+    layer = MoeLayer(SMALL, dtype=jnp.bfloat16)
     plan = resolve_plan(layer.config, _abstract_mesh(platform), layer.dtype)
     auto = _primitives(layer, _abstract_mesh(platform))
-    explicit_layer = relayer(layer, dispatch=plan.dispatch, per_expert_loop=plan.per_expert_loop)
-    execution = dataclasses.replace(
-        explicit_layer.config.execution, gather_gradients=plan.gather_gradients
-    )
-    explicit_layer = explicit_layer.clone(
-        config=dataclasses.replace(explicit_layer.config, execution=execution)
+    explicit_layer = with_execution(
+        layer,
+        dispatch=plan.dispatch,
+        per_expert_loop=plan.per_expert_loop,
+        gather_gradients=plan.gather_gradients,
     )
     explicit = _primitives(explicit_layer, None)
     assert auto == explicit
@@ -171,19 +175,20 @@ def test_auto_layer_traces_the_platform_choice(platform):
     else:
         cpu = resolve_plan(layer.config, "cpu", layer.dtype)
         dispatch, loop = cpu.dispatch, cpu.per_expert_loop
-    assert auto != _primitives(relayer(layer, dispatch=dispatch, per_expert_loop=loop), None)
+    other = with_execution(layer, dispatch=dispatch, per_expert_loop=loop)
+    assert auto != _primitives(other, None)
 
 
 def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
     devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), AXES)
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
     params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)  # abstract: no mesh needed
     with jax.set_mesh(mesh):
         hlo = (
-            jax.jit(lambda p, x: layer.apply(p, x, mutable=["aux_loss"])[0])
+            jax.jit(lambda p, x: layer.apply(p, x, mutable=[AUX_LOSS_COLLECTION])[0])
             .lower(params, x)
             .compile()
             .as_text()

@@ -3,6 +3,8 @@ single-device run, all-to-all in the compiled program, experts split over device
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,22 +12,21 @@ import numpy as np
 import pytest
 
 from moe_jax import partitioning
-from tests.moe.moe_testlib import make_inputs, moe_layer
+from moe_jax.moe import CapacityConfig, ExecutionConfig, MoeConfig, MoeLayer, TopKRouterConfig
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION
+from tests.moe.moe_testlib import make_inputs
 
-LAYER = dict(
+LAYER = MoeConfig(
     num_experts=8,
-    num_selected_experts=2,
     d_ff=16,
-    group_size=8,
-    min_expert_capacity=1,
-    eval_capacity_factor=1.0,
-    dispatch="sort",
+    router=TopKRouterConfig(num_selected_experts=2),
+    capacity=CapacityConfig(group_size=8, min_expert_capacity=1, eval_capacity_factor=1.0),
 )
 
 
 def _value_and_grad(layer):
     def loss(p, x):
-        y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
+        y, state = layer.apply({"params": p}, x, mutable=[AUX_LOSS_COLLECTION])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -43,7 +44,7 @@ def _value_and_grad(layer):
 @pytest.mark.parametrize("dispatch", ["sort", pytest.param("einsum", marks=pytest.mark.slow)])
 def test_sharded_run_equals_single_device(shape, dispatch):
     assert len(jax.devices()) == 8
-    layer = moe_layer(**dict(LAYER, dispatch=dispatch))
+    layer = MoeLayer(replace(LAYER, execution=ExecutionConfig(dispatch=dispatch)))
     x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     params = nn.unbox(boxed)
@@ -65,7 +66,7 @@ def test_sharded_run_equals_single_device(shape, dispatch):
 
 
 def test_experts_not_divisible_by_expert_axis_refused():
-    layer = moe_layer(**dict(LAYER, num_experts=6))
+    layer = MoeLayer(replace(LAYER, num_experts=6))
     with (
         jax.set_mesh(partitioning.make_mesh((2, 4, 1))),
         pytest.raises(ValueError, match="num_experts"),

@@ -10,12 +10,13 @@ import optax
 import pytest
 
 from moe_jax import param_paths
-from moe_jax.moe import freeze
-from tests.moe.moe_testlib import SMALL, init_params, make_inputs, moe_layer
+from moe_jax.moe import MoeLayer, freeze
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
 def _train(mode: str, steps: int = 3):
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs()
     params = init_params(layer, x)
     tx = freeze.apply_router_mode(optax.adamw(1e-2, weight_decay=0.1), params, mode=mode)
@@ -24,7 +25,7 @@ def _train(mode: str, steps: int = 3):
     @jax.jit
     def step(params, state):
         def loss(p):
-            y, aux = layer.apply({"params": p}, x, mutable=["aux_loss"])
+            y, aux = layer.apply({"params": p}, x, mutable=[AUX_LOSS_COLLECTION])
             return jnp.mean((y - 1.0) ** 2) + sum(jax.tree.leaves(aux))
 
         grads = jax.grad(loss)(params)
@@ -72,7 +73,7 @@ def test_is_router_param():
 
 
 def test_data_initialised_router_uses_sampled_tokens():
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     params = init_params(layer, make_inputs())
     samples = make_inputs(1, 32, seed=7)[0]
     new = freeze.data_initialized_router(params, samples, jax.random.PRNGKey(0))

@@ -16,8 +16,12 @@ import pytest
 
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import MoeConfig, MoeLayer, freeze
-from moe_jax.moe.layer import ROUTING_COLLECTION
-from moe_jax.moe.selection import BIAS_COLLECTION
+from moe_jax.moe.collections import (
+    AUX_LOSS_COLLECTION,
+    BIAS_COLLECTION,
+    MOE_METRICS_COLLECTION,
+    ROUTING_COLLECTION,
+)
 from tests.moe.moe_testlib import make_inputs
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
@@ -58,7 +62,7 @@ def _apply(layer: MoeLayer, variables, x, *, train: bool = False, seed: int = 0,
         token_ids=ids,
         deterministic=not train,
         rngs={"dropout": jax.random.PRNGKey(seed)},
-        mutable=["aux_loss", "moe_metrics", ROUTING_COLLECTION, *collections],
+        mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, ROUTING_COLLECTION, *collections],
     )
 
 
@@ -123,7 +127,7 @@ def noise_only_in_training(layer, variables, x):
 
 def each_expert_takes_its_capacity(layer, variables, x):
     """Expert choice: every expert picks the same number of tokens."""
-    load = np.asarray(_apply(layer, variables, x)[1]["moe_metrics"]["expert_load"][0])
+    load = np.asarray(_apply(layer, variables, x)[1][MOE_METRICS_COLLECTION]["expert_load"][0])
     np.testing.assert_allclose(load, load[0], rtol=1e-6)
 
 
@@ -219,7 +223,7 @@ def test_gin_file_builds_a_layer_that_does_what_it_says(path):
     variables = nn.unbox(layer.init(jax.random.PRNGKey(1), x, token_ids=IDS))
     y, state = _apply(layer, variables, x, train=True)
     assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
-    assert "expert_load" in state["moe_metrics"]
+    assert "expert_load" in state[MOE_METRICS_COLLECTION]
     for check in CHECKS[path.name]:
         if getattr(check, "wants_mode", False):
             check(layer, variables, x, actual=mode)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax.moe import ExecutionConfig
 from moe_jax.moe.dispatch import einsum_token_choice, ragged_token_choice
 from moe_jax.moe.experts import expert_ffn, ragged_expert_ffn
 from moe_jax.moe.grouped_matmul import RaggedDot, ragged_dot
@@ -85,15 +86,16 @@ def test_cpu_layer_never_imports_tokamax():
     code = (
         "import sys, jax, jax.numpy as jnp\n"
         "from moe_jax.moe import CapacityConfig, MoeConfig, MoeLayer\n"
+        "from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION\n"
         "config = MoeConfig(num_experts=4, d_ff=8, capacity=CapacityConfig(dropless=True))\n"
         "layer, x = MoeLayer(config), jnp.ones((2, 4, 8))\n"
         "variables = layer.init(jax.random.PRNGKey(0), x)\n"
-        "layer.apply(variables, x, mutable=['aux_loss', 'moe_metrics'])\n"
+        "layer.apply(variables, x, mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION])\n"
         "assert 'tokamax' not in sys.modules and 'triton' not in sys.modules, 'imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_unknown_grouped_matmul_is_refused():
-    with pytest.raises(ValueError, match="grouped_matmul"):
-        ragged_dot("cutlass")
+def test_unknown_grouped_matmul_is_refused_when_the_config_is_built():
+    with pytest.raises(ValueError, match=r"ExecutionConfig\.grouped_matmul='cutlass'"):
+        ExecutionConfig(grouped_matmul="cutlass")

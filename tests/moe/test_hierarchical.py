@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,18 @@ import numpy as np
 import pytest
 
 from moe_jax import partitioning
-from moe_jax.moe import losses
+from moe_jax.moe import (
+    AuxLossConfig,
+    CapacityConfig,
+    ExecutionConfig,
+    HierarchicalRouterConfig,
+    MoeConfig,
+    MoeLayer,
+    NoisyHierarchicalRouterConfig,
+    TopKRouterConfig,
+    losses,
+)
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.hierarchical import (
     HierarchicalRouter,
     NoisyHierarchicalRouter,
@@ -17,9 +30,9 @@ from moe_jax.moe.hierarchical import (
     hierarchical_load,
 )
 from moe_jax.moe.routers import TopKRouter
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer, relayer
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
 
-WEIGHTS = dict(
+WEIGHTS = AuxLossConfig(
     load_balancing_loss_weight=0.01,
     router_z_loss_weight=0.01,
     importance_loss_weight=0.1,
@@ -29,10 +42,12 @@ WEIGHTS = dict(
 
 def _loss_and_grads(layer, params, x, **kwargs):
     def loss(p, x):
-        y, state = layer.apply({"params": p}, x, mutable=["aux_loss", "moe_metrics"], **kwargs)
-        return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state["aux_loss"])), (
+        y, state = layer.apply(
+            {"params": p}, x, mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION], **kwargs
+        )
+        return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state[AUX_LOSS_COLLECTION])), (
             y,
-            state["moe_metrics"],
+            state[MOE_METRICS_COLLECTION],
         )
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
@@ -49,17 +64,26 @@ def _hierarchical_params(flat: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "router_options,dispatch,dropless",
     [
-        dict(dispatch="sort"),
-        dict(dispatch="einsum", renormalize_gates=True, batch_prioritized_routing=True),
-        dict(dispatch="sort", dropless=True),
+        (dict(), "sort", False),
+        (dict(renormalize_gates=True, batch_prioritized_routing=True), "einsum", False),
+        (dict(), "sort", True),
     ],
 )
-def test_one_group_equals_flat_top_k(overrides):
+def test_one_group_equals_flat_top_k(router_options, dispatch, dropless):
     x = make_inputs()
-    flat = moe_layer(**dict(SMALL, **WEIGHTS, **overrides))
-    hier = relayer(flat, router_type="hierarchical", num_expert_groups=1, num_selected_groups=1)
+    config = replace(
+        SMALL,
+        capacity=replace(SMALL.capacity, dropless=dropless),
+        execution=ExecutionConfig(dispatch=dispatch),
+        losses=WEIGHTS,
+    )
+    flat = MoeLayer(replace(config, router=TopKRouterConfig(**router_options)))
+    one_group = HierarchicalRouterConfig(
+        num_expert_groups=1, num_selected_groups=1, **router_options
+    )
+    hier = MoeLayer(replace(config, router=one_group))
     flat_params = init_params(flat, x)
     params = _hierarchical_params(flat_params)
     for deterministic in (True, False):  # eval capacity 8, train capacity 5: drops in both
@@ -88,7 +112,7 @@ def test_one_group_equals_flat_top_k(overrides):
     # The routing itself: same experts, same combine weights, same capacity order.
     mask = jnp.ones((2, 16))
     xg = x.reshape(2, 16, -1)
-    renorm = overrides.get("renormalize_gates", False)
+    renorm = router_options.get("renormalize_gates", False)
     out_f = TopKRouter(4, 2, renormalize_gates=renorm).apply(
         {"params": {"weights": flat_params["router"]["weights"]}}, xg, mask, None, 8, True
     )
@@ -229,17 +253,15 @@ def test_noisy_hierarchical_smooth_load_has_gradients_and_eval_is_clean():
 
 
 def test_layer_counts_k1_times_k2_assignments_per_token():
-    layer = moe_layer(
-        **dict(
+    layer = MoeLayer(
+        replace(
             SMALL,
             num_experts=8,
-            router_type="noisy_hierarchical",
-            num_expert_groups=4,
-            num_selected_groups=2,
-            num_selected_experts=2,
-            capacity_rule="k_scaled",
-            importance_loss_weight=0.1,
-            load_loss_weight=0.1,
+            router=NoisyHierarchicalRouterConfig(
+                num_expert_groups=4, num_selected_groups=2, num_selected_experts=2
+            ),
+            capacity=replace(SMALL.capacity, capacity_rule="k_scaled"),
+            losses=AuxLossConfig(importance_loss_weight=0.1, load_loss_weight=0.1),
         )
     )
     x = make_inputs()
@@ -248,11 +270,11 @@ def test_layer_counts_k1_times_k2_assignments_per_token():
     y, state = apply(layer, params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
     assert bool(jnp.all(jnp.isfinite(y)))
     np.testing.assert_allclose(float(jnp.sum(metric(state, "expert_load"))), 4.0, rtol=1e-5)
-    assert set(state["aux_loss"]) >= {"importance_loss", "load_loss"}
+    assert set(state[AUX_LOSS_COLLECTION]) >= {"importance_loss", "load_loss"}
 
 
 def test_parameter_logical_axes():
-    layer = moe_layer(**dict(SMALL, router_type="noisy_hierarchical", num_expert_groups=2))
+    layer = MoeLayer(replace(SMALL, router=NoisyHierarchicalRouterConfig(num_expert_groups=2)))
     boxed = layer.init(jax.random.PRNGKey(0), make_inputs())["params"]["router"]
     specs = nn.get_partition_spec(boxed)
     for name, shape in (
@@ -268,23 +290,22 @@ def test_parameter_logical_axes():
 
 def test_expert_parallel_equals_single_device():
     assert len(jax.devices()) == 8
-    layer = moe_layer(
-        num_experts=8,
-        num_selected_experts=2,
-        d_ff=16,
-        group_size=8,
-        min_expert_capacity=1,
-        eval_capacity_factor=1.0,
-        dispatch="sort",
-        router_type="hierarchical",
-        num_expert_groups=2,
-        num_selected_groups=1,
-        importance_loss_weight=0.1,
+    layer = MoeLayer(
+        MoeConfig(
+            num_experts=8,
+            d_ff=16,
+            router=HierarchicalRouterConfig(
+                num_selected_experts=2, num_expert_groups=2, num_selected_groups=1
+            ),
+            capacity=CapacityConfig(group_size=8, min_expert_capacity=1, eval_capacity_factor=1.0),
+            execution=ExecutionConfig(dispatch="sort"),
+            losses=AuxLossConfig(importance_loss_weight=0.1),
+        )
     )
 
     def value_and_grad(p, x):
         def loss(p, x):
-            y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
+            y, state = layer.apply({"params": p}, x, mutable=[AUX_LOSS_COLLECTION])
             return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x)
@@ -321,4 +342,4 @@ def test_expert_parallel_equals_single_device():
 )
 def test_bad_hierarchical_options_are_refused_by_name(overrides, option):
     with pytest.raises(ValueError, match=option):  # when the config is built
-        moe_layer(**dict(SMALL, router_type="hierarchical", **overrides))
+        MoeLayer(replace(SMALL, router=HierarchicalRouterConfig(**overrides)))

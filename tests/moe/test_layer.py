@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,12 +11,24 @@ import numpy as np
 import pytest
 
 from moe_jax import partitioning
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
+from moe_jax.moe import (
+    AuxLossConfig,
+    CapacityConfig,
+    ExecutionConfig,
+    ExpertChoiceRouterConfig,
+    HashRouterConfig,
+    HierarchicalRouterConfig,
+    MoeLayer,
+    TopKRouterConfig,
+)
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
+from moe_jax.moe.config import from_dict
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_output_shape_and_dtype_follow_the_inputs(dtype):
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs().astype(dtype)
     params = init_params(layer, x)
     y, _ = apply(layer, params, x)
@@ -24,7 +38,7 @@ def test_output_shape_and_dtype_follow_the_inputs(dtype):
 
 @pytest.mark.parametrize("batch,length", [(3, 1), (1, 1), (5, 7)])
 def test_any_token_count_works_including_length_one(batch, length):
-    layer = moe_layer(**SMALL)
+    layer = MoeLayer(SMALL)
     x = make_inputs(batch, length)
     params = init_params(layer, make_inputs())  # params do not depend on the shape
     y, state = apply(layer, params, x)
@@ -33,7 +47,7 @@ def test_any_token_count_works_including_length_one(batch, length):
 
 
 def test_parameters_paths_and_logical_axes():
-    layer = moe_layer(**dict(SMALL, activation="gated_gelu"))
+    layer = MoeLayer(replace(SMALL, activation="gated_gelu"))
     boxed = layer.init(jax.random.PRNGKey(0), make_inputs())["params"]
     specs = nn.get_partition_spec(boxed)
     flat = {
@@ -58,24 +72,20 @@ def test_parameters_paths_and_logical_axes():
 
 
 def test_aux_losses_are_weighted_and_metrics_are_sown():
-    layer = moe_layer(
-        **dict(
-            SMALL,
-            load_balancing_loss_weight=0.5,
-            router_z_loss_weight=0.25,
-            importance_loss_weight=0.0,
-        )
+    losses = AuxLossConfig(
+        load_balancing_loss_weight=0.5, router_z_loss_weight=0.25, importance_loss_weight=0.0
     )
+    layer = MoeLayer(replace(SMALL, losses=losses))
     x = make_inputs()
     params = init_params(layer, x)
     _, state = apply(layer, params, x)
-    aux = state["aux_loss"]
+    aux = state[AUX_LOSS_COLLECTION]
     assert set(aux) == {"load_balancing_loss", "router_z_loss"}  # weight 0 -> not sown
     np.testing.assert_allclose(
         aux["load_balancing_loss"][0], 0.5 * metric(state, "load_balancing_loss")
     )
     np.testing.assert_allclose(aux["router_z_loss"][0], 0.25 * metric(state, "router_z_loss"))
-    assert set(state["moe_metrics"]) >= {
+    assert set(state[MOE_METRICS_COLLECTION]) >= {
         "expert_load",
         "dropped_fraction",
         "router_confidence",
@@ -90,7 +100,7 @@ def test_aux_losses_are_weighted_and_metrics_are_sown():
 
 
 def test_padding_is_never_routed_nor_counted():
-    layer = moe_layer(**dict(SMALL, dropless=True, group_size=64))
+    layer = MoeLayer(replace(SMALL, capacity=replace(SMALL.capacity, dropless=True, group_size=64)))
     real = make_inputs(1, 6)
     garbage = 100.0 * make_inputs(1, 4, seed=3)
     padded = jnp.concatenate([real, garbage], axis=1)
@@ -105,7 +115,8 @@ def test_padding_is_never_routed_nor_counted():
 
 
 def test_train_and_eval_capacity_factors_drop_differently():
-    layer = moe_layer(**dict(SMALL, train_capacity_factor=0.5, eval_capacity_factor=2.0))
+    capacity = replace(SMALL.capacity, train_capacity_factor=0.5, eval_capacity_factor=2.0)
+    layer = MoeLayer(replace(SMALL, capacity=capacity))
     x = make_inputs()
     params = init_params(layer, x)
     _, train = apply(layer, params, x, deterministic=False)
@@ -116,7 +127,13 @@ def test_train_and_eval_capacity_factors_drop_differently():
 
 
 def test_dropped_tokens_get_zero_output():
-    layer = moe_layer(**dict(SMALL, num_selected_experts=1, eval_capacity_factor=0.25))
+    layer = MoeLayer(
+        replace(
+            SMALL,
+            router=TopKRouterConfig(num_selected_experts=1),
+            capacity=replace(SMALL.capacity, eval_capacity_factor=0.25),
+        )
+    )
     x = make_inputs(1, 16)
     params = init_params(layer, x)
     y, state = apply(layer, params, x)
@@ -126,9 +143,8 @@ def test_dropped_tokens_get_zero_output():
 
 
 def test_expert_dropout_only_in_training():
-    layer = moe_layer(
-        **dict(SMALL, expert_dropout_rate=0.5, eval_capacity_factor=2.0, train_capacity_factor=2.0)
-    )
+    capacity = replace(SMALL.capacity, eval_capacity_factor=2.0, train_capacity_factor=2.0)
+    layer = MoeLayer(replace(SMALL, expert_dropout_rate=0.5, capacity=capacity))
     x = make_inputs()
     params = init_params(layer, x)
     y_eval, _ = apply(layer, params, x)
@@ -141,34 +157,71 @@ def test_expert_dropout_only_in_training():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gated_gelu"])
 def test_activations_run_and_differ(activation):
-    layer = moe_layer(**dict(SMALL, activation=activation))
+    layer = MoeLayer(replace(SMALL, activation=activation))
     x = make_inputs()
     y, _ = apply(layer, init_params(layer, x), x)
     assert bool(jnp.all(jnp.isfinite(y))) and float(jnp.std(y)) > 0
 
 
 @pytest.mark.parametrize(
-    "overrides,option",
+    "build,option",
     [
-        (dict(router_type="nope"), "router_type"),
-        (dict(num_selected_experts=5), "num_selected_experts"),
-        (dict(train_capacity_factor=0.0), "train_capacity_factor"),
-        (dict(eval_capacity_factor=-1.0), "eval_capacity_factor"),
-        (dict(min_expert_capacity=0, eval_capacity_factor=0.01), "capacity"),
-        (dict(dispatch="fast"), "dispatch"),
-        (dict(activation="swish"), "activation"),
-        (dict(capacity_rule="gshard"), "capacity_rule"),
-        (dict(router_type="expert_choice", causal=True), "accept_causal_leak"),
-        (dict(batch_prioritized_routing=True, causal=True), "accept_causal_leak"),
-        (dict(capacity_order="choice_major", causal=True), "accept_causal_leak"),
-        (dict(capacity_order="by_token"), "capacity_order"),
-        (dict(router_type="hash"), "token_ids"),
-        (dict(router_type="expert_choice", dropless=True), "dropless"),
+        (lambda: TopKRouterConfig(num_selected_experts=0), "num_selected_experts"),
+        (
+            lambda: replace(SMALL, router=TopKRouterConfig(num_selected_experts=5)),
+            "num_selected_experts",
+        ),
+        (lambda: CapacityConfig(train_capacity_factor=0.0), "train_capacity_factor"),
+        (lambda: CapacityConfig(eval_capacity_factor=-1.0), "eval_capacity_factor"),
+        (lambda: CapacityConfig(capacity_rule="gshard"), "capacity_rule"),
+        (lambda: CapacityConfig(capacity_order="by_token"), "capacity_order"),
+        (lambda: CapacityConfig(group_size=0), "group_size"),
+        (lambda: ExecutionConfig(dispatch="fast"), "dispatch"),
+        (lambda: replace(SMALL, activation="swish"), "activation"),
+        (
+            lambda: replace(
+                SMALL,
+                router=ExpertChoiceRouterConfig(),
+                capacity=replace(SMALL.capacity, dropless=True),
+            ),
+            "dropless",
+        ),
+        (lambda: from_dict({**SMALL.to_dict(), "router": {"type": "nope"}}), "router type"),
     ],
 )
-def test_bad_options_are_refused_by_name(overrides, option):
-    with pytest.raises(ValueError, match=option):  # building the config, or tracing the layer
-        moe_layer(**dict(SMALL, **overrides)).init(jax.random.PRNGKey(0), make_inputs())
+def test_bad_options_are_refused_by_name_when_the_config_is_built(build, option):
+    with pytest.raises(ValueError, match=option):
+        build()
+
+
+@pytest.mark.parametrize(
+    "config,causal,option",
+    [
+        (
+            replace(
+                SMALL,
+                capacity=replace(SMALL.capacity, min_expert_capacity=0, eval_capacity_factor=0.01),
+            ),
+            False,
+            "capacity",
+        ),
+        (replace(SMALL, router=ExpertChoiceRouterConfig()), True, "accept_causal_leak"),
+        (
+            replace(SMALL, router=TopKRouterConfig(batch_prioritized_routing=True)),
+            True,
+            "accept_causal_leak",
+        ),
+        (
+            replace(SMALL, capacity=replace(SMALL.capacity, capacity_order="choice_major")),
+            True,
+            "accept_causal_leak",
+        ),
+        (replace(SMALL, router=HashRouterConfig()), False, "token_ids"),
+    ],
+)
+def test_what_the_inputs_or_the_model_decide_is_refused_by_name_when_traced(config, causal, option):
+    with pytest.raises(ValueError, match=option):
+        MoeLayer(config, causal=causal).init(jax.random.PRNGKey(0), make_inputs())
 
 
 # Futures of make_inputs(): only the last token of sequence 0 differs (zeroed, scaled, redrawn).
@@ -179,11 +232,10 @@ def _futures(x: jax.Array) -> list[jax.Array]:
     ]
 
 
-def _earlier_outputs_change(**options) -> list[bool]:
+def _earlier_outputs_change(layer: MoeLayer) -> list[bool]:
     """Per future: whether any earlier output of sequence 0 differs at all (bitwise) from
     the layer's output on make_inputs()."""
     x = make_inputs()
-    layer = moe_layer(**dict(SMALL, **options))
     params = init_params(layer, x)
     run = jax.jit(lambda inputs: layer.apply({"params": params}, inputs))  # one compile
     y = run(x)
@@ -194,33 +246,37 @@ def test_causal_leak_can_be_accepted_explicitly():
     """Accepted, expert choice lets a later token change earlier tokens' outputs (it takes
     or frees their expert slots); so does top-2 with capacity granted choice-major (T5X's
     order: a later token's first choice evicts an earlier token's second choice)."""
-    assert any(
-        _earlier_outputs_change(router_type="expert_choice", causal=True, accept_causal_leak=True)
+    expert_choice = replace(SMALL, router=ExpertChoiceRouterConfig(), accept_causal_leak=True)
+    assert any(_earlier_outputs_change(MoeLayer(expert_choice, causal=True)))
+    choice_major = replace(
+        SMALL,
+        capacity=replace(SMALL.capacity, capacity_order="choice_major"),
+        accept_causal_leak=True,
     )
-    assert any(
-        _earlier_outputs_change(causal=True, capacity_order="choice_major", accept_causal_leak=True)
-    )
+    assert any(_earlier_outputs_change(MoeLayer(choice_major, causal=True)))
 
 
 @pytest.mark.parametrize("dispatch", ["einsum", "sort"])
 @pytest.mark.parametrize(
-    "options",
+    "config",
     [
-        dict(),  # top-2 with capacity: token-major capacity by default in a causal layer
-        dict(num_selected_experts=1),
-        dict(dropless=True),
-        dict(
-            router_type="hierarchical",
-            num_expert_groups=2,
-            num_selected_groups=2,
-            num_selected_experts=1,
+        SMALL,  # top-2 with capacity: token-major capacity by default in a causal layer
+        replace(SMALL, router=TopKRouterConfig(num_selected_experts=1)),
+        replace(SMALL, capacity=replace(SMALL.capacity, dropless=True)),
+        replace(
+            SMALL,
+            router=HierarchicalRouterConfig(
+                num_expert_groups=2, num_selected_groups=2, num_selected_experts=1
+            ),
         ),
     ],
+    ids=["top_2", "top_1", "dropless", "hierarchical"],
 )
-def test_causal_layers_never_read_later_tokens(dispatch, options):
+def test_causal_layers_never_read_later_tokens(dispatch, config):
     """Earlier outputs are bit-identical whatever the last token is; the same futures do
     change them under choice-major capacity (the first case), so the check can fail."""
-    assert not any(_earlier_outputs_change(causal=True, dispatch=dispatch, **options))
+    config = replace(config, execution=ExecutionConfig(dispatch=dispatch))
+    assert not any(_earlier_outputs_change(MoeLayer(config, causal=True)))
 
 
 def test_encoder_keeps_t5x_choice_major_capacity():
@@ -228,16 +284,14 @@ def test_encoder_keeps_t5x_choice_major_capacity():
     tests/moe/test_dispatch.py for the order itself); causal: token-major. At this tight
     capacity the two orders drop different assignments."""
     x = make_inputs()
-    tight = dict(SMALL, eval_capacity_factor=0.75)
-    params = init_params(moe_layer(**tight), x)
+    tight = replace(SMALL, capacity=replace(SMALL.capacity, eval_capacity_factor=0.75))
+    params = init_params(MoeLayer(tight), x)
 
-    def outputs(**options) -> np.ndarray:
-        return np.asarray(apply(moe_layer(**dict(tight, **options)), params, x)[0])
+    def outputs(capacity_order: str = "auto", causal: bool = False) -> np.ndarray:
+        config = replace(tight, capacity=replace(tight.capacity, capacity_order=capacity_order))
+        return np.asarray(apply(MoeLayer(config, causal=causal), params, x)[0])
 
-    choice_major, token_major = (
-        outputs(capacity_order="choice_major"),
-        outputs(capacity_order="token_major"),
-    )
+    choice_major, token_major = outputs("choice_major"), outputs("token_major")
     assert not np.array_equal(choice_major, token_major)
     np.testing.assert_array_equal(outputs(), choice_major)
     np.testing.assert_array_equal(outputs(causal=True), token_major)

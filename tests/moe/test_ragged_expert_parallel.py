@@ -17,18 +17,19 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import hardware, hlo_costs, partitioning
+from moe_jax.moe import CapacityConfig, ExecutionConfig, MoeConfig, MoeLayer, TopKRouterConfig
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import layer as layer_module
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION
 from moe_jax.moe.execution import resolve_plan
-from tests.moe.moe_testlib import (
-    compile_fwd_bwd,
-    emulated_ragged_all_to_all,
-    make_inputs,
-    moe_layer,
-)
+from tests.moe.moe_testlib import compile_fwd_bwd, emulated_ragged_all_to_all, make_inputs
 
-LAYER = dict(
-    num_experts=8, num_selected_experts=2, d_ff=16, group_size=8, dropless=True, dispatch="sort"
+LAYER = MoeConfig(
+    num_experts=8,
+    d_ff=16,
+    router=TopKRouterConfig(num_selected_experts=2),
+    capacity=CapacityConfig(group_size=8, dropless=True),
+    execution=ExecutionConfig(dispatch="sort"),
 )
 
 
@@ -74,7 +75,7 @@ def _tpu(mesh: jax.sharding.AbstractMesh) -> jax.sharding.AbstractMesh:
 
 def _value_and_grad(layer):
     def loss(p, x):
-        y, state = layer.apply({"params": p}, x, mutable=["aux_loss"])
+        y, state = layer.apply({"params": p}, x, mutable=[AUX_LOSS_COLLECTION])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(state)), y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -102,7 +103,7 @@ def _sharded_run(layer, shape, x, boxed):
     ],
 )
 def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch):
-    layer = moe_layer(**LAYER)
+    layer = MoeLayer(LAYER)
     x = make_inputs(8, 8, 8)  # 64 tokens -> 8 groups of 8 with or without a mesh
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
@@ -124,7 +125,7 @@ def test_ragged_dropless_expert_parallel_equals_single_device(shape, monkeypatch
 
 
 def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
-    layer = moe_layer(**LAYER)
+    layer = MoeLayer(LAYER)
     x = make_inputs(8, 8, 8)
     boxed = layer.init(jax.random.PRNGKey(1), x)["params"]
     ref = _value_and_grad(layer)(nn.unbox(boxed), x)
@@ -134,10 +135,13 @@ def test_dropless_expert_parallel_on_cpu_keeps_padded_buffers():
     assert "all_to_all" in jaxpr and "ragged_dot" not in jaxpr
 
 
-def _compile_for_tpu(mesh, **options):
+def _compile_for_tpu(mesh, capacity: CapacityConfig):
     """Forward + backward of the layer (E = 16, top-2, d_model 256, bfloat16, 512 tokens per
     device)."""
-    layer = moe_layer(num_experts=16, d_ff=256, dispatch="sort", dtype=jnp.bfloat16, **options)
+    config = MoeConfig(
+        num_experts=16, d_ff=256, capacity=capacity, execution=ExecutionConfig(dispatch="sort")
+    )
+    layer = MoeLayer(config, dtype=jnp.bfloat16)
     return compile_fwd_bwd(
         layer, jax.ShapeDtypeStruct((2 * mesh.size, 256, 256), jnp.bfloat16), mesh
     )
@@ -150,10 +154,9 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     # 4 experts per device > k = 2: the ragged receive buffer (4 x a device's 1024 rows) is
     # half the padded buffers (4 x 4 experts x 512 tokens); at experts per device <= k they
     # are the same size (benchmarks/RESULTS.md, "Expert parallelism")
-    ragged = _compile_for_tpu(mesh, dropless=True)
-    padded = _compile_for_tpu(
-        mesh, train_capacity_factor=16.0
-    )  # capacity = group: CPU's dropless layout
+    ragged = _compile_for_tpu(mesh, CapacityConfig(dropless=True))
+    # capacity = group: CPU's dropless layout
+    padded = _compile_for_tpu(mesh, CapacityConfig(train_capacity_factor=16.0))
     found = hlo_costs.collectives(hlo_costs.parse(ragged.as_text()))
     kinds = [c.kind for c in found]
     assert kinds.count("ragged-all-to-all") == 4  # there and back, forward and backward

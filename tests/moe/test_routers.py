@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.moe import losses
+from moe_jax.moe import (
+    ROUTER_CONFIGS,
+    ExpertChoiceRouterConfig,
+    HashRouterConfig,
+    MoeLayer,
+    RandomRouterConfig,
+    TopKRouterConfig,
+    losses,
+)
+from moe_jax.moe.collections import ROUTING_COLLECTION
 from moe_jax.moe.routers import NoisyTopKRouter, TopKRouter
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer, relayer
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
 
 
 def _route(router, x, deterministic=True, rngs=None):
@@ -61,7 +72,13 @@ def test_noisy_top_k_smooth_load_has_gradients_and_eval_is_clean():
 
 
 def test_expert_choice_fills_every_expert_to_capacity():
-    layer = moe_layer(**dict(SMALL, router_type="expert_choice", eval_capacity_factor=1.0))
+    layer = MoeLayer(
+        replace(
+            SMALL,
+            router=ExpertChoiceRouterConfig(),
+            capacity=replace(SMALL.capacity, eval_capacity_factor=1.0),
+        )
+    )
     x = make_inputs()
     _, state = apply(layer, init_params(layer, x), x)
     # capacity round(1.0 * 16 / 4) = 4 tokens per expert and group -> load 4/16 each.
@@ -69,7 +86,7 @@ def test_expert_choice_fills_every_expert_to_capacity():
 
 
 def test_hash_router_depends_only_on_token_ids():
-    layer = moe_layer(**dict(SMALL, router_type="hash", num_selected_experts=1))
+    layer = MoeLayer(replace(SMALL, router=HashRouterConfig(num_selected_experts=1)))
     x = make_inputs(1, 8)
     ids = jnp.array([[3, 3, 7, 7, 3, 11, 12, 13]])
     params = init_params(layer, x, token_ids=ids)
@@ -80,15 +97,41 @@ def test_hash_router_depends_only_on_token_ids():
 
 
 def test_random_router_is_fixed_and_has_no_params():
-    layer = moe_layer(**dict(SMALL, router_type="random"))
+    layer = MoeLayer(replace(SMALL, router=RandomRouterConfig()))
     x = make_inputs()
     params = init_params(layer, x)
     assert "router" not in params
     y1, _ = apply(layer, params, x)
     y2, _ = apply(layer, params, x)
     np.testing.assert_array_equal(y1, y2)
-    other, _ = apply(relayer(layer, router_seed=1), params, x)
+    other, _ = apply(MoeLayer(replace(SMALL, router=RandomRouterConfig(seed=1))), params, x)
     assert float(jnp.max(jnp.abs(other - y1))) > 0
+
+
+@pytest.mark.parametrize(
+    "router",
+    [
+        *(
+            cls(num_expert_groups=2) if cls.hierarchical else cls()
+            for cls in ROUTER_CONFIGS.values()
+        ),
+        TopKRouterConfig(score_function="sigmoid"),
+    ],
+    ids=[*ROUTER_CONFIGS, "top_k_sigmoid"],
+)
+def test_every_router_gives_each_token_a_distribution_over_the_experts(router):
+    """``RouterOutput.probs`` (sown as ``router_probs``): non-negative, summing to 1 for
+    every token, padding included, whatever the router computes it from."""
+    layer = MoeLayer(replace(SMALL, router=router))
+    x, ids = make_inputs(2, 8), jnp.arange(16).reshape(2, 8)
+    mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
+    variables = layer.init(jax.random.PRNGKey(0), x, token_ids=ids)
+    _, state = layer.apply(
+        variables, x, token_ids=ids, padding_mask=mask, mutable=[ROUTING_COLLECTION]
+    )
+    probs = state[ROUTING_COLLECTION]["router_probs"][0]
+    assert probs.shape == (2, 8, 4) and float(jnp.min(probs)) >= 0
+    np.testing.assert_allclose(jnp.sum(probs, axis=-1), 1.0, rtol=1e-5)
 
 
 def test_losses_on_known_distributions():

@@ -4,7 +4,7 @@ property, its bad-input message, and each under expert parallelism on a (2, 4, 1
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 
 import flax.linen as nn
 import jax
@@ -15,9 +15,22 @@ import pytest
 from moe_jax import partitioning
 from moe_jax.models import accounting
 from moe_jax.models.t5 import T5Config
+from moe_jax.moe import (
+    CapacityConfig,
+    ExecutionConfig,
+    ExpertChoiceRouterConfig,
+    MoeConfig,
+    MoeLayer,
+    TopKRouterConfig,
+)
+from moe_jax.moe.collections import (
+    AUX_LOSS_COLLECTION,
+    BIAS_COLLECTION,
+    MOE_METRICS_COLLECTION,
+    ROUTING_COLLECTION,
+)
 from moe_jax.moe.routers import TopKRouter
-from moe_jax.moe.selection import BIAS_COLLECTION
-from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric, moe_layer
+from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
 
 
 def _route(router, x, variables=None, deterministic=True, mutable=False):
@@ -45,7 +58,14 @@ def test_bias_changes_selection_but_not_gate_values():
 
 
 def test_bias_moves_toward_under_loaded_experts_and_balances_load():
-    layer = moe_layer(**dict(SMALL, num_experts=8, bias_update_rate=0.01, group_size=64))
+    layer = MoeLayer(
+        replace(
+            SMALL,
+            num_experts=8,
+            router=TopKRouterConfig(bias_update_rate=0.01),
+            capacity=replace(SMALL.capacity, group_size=64),
+        )
+    )
     x = make_inputs(4, 16, 8) + 0.5  # a shifted input: a skewed router at initialisation
     variables = jax.jit(layer.init)(jax.random.PRNGKey(1), x)
 
@@ -56,7 +76,7 @@ def test_bias_moves_toward_under_loaded_experts_and_balances_load():
             x,
             deterministic=False,
             rngs={"dropout": jax.random.PRNGKey(0)},
-            mutable=["moe_metrics", BIAS_COLLECTION],
+            mutable=[MOE_METRICS_COLLECTION, BIAS_COLLECTION],
         )
         return nn.unbox(state[BIAS_COLLECTION]), metric(state, "expert_load")
 
@@ -83,7 +103,7 @@ def test_bias_moves_toward_under_loaded_experts_and_balances_load():
 
 
 def test_bias_without_its_collection_is_refused_by_name():
-    layer = moe_layer(**dict(SMALL, bias_update_rate=0.01))
+    layer = MoeLayer(replace(SMALL, router=TopKRouterConfig(bias_update_rate=0.01)))
     x = make_inputs()
     params = init_params(layer, x)
     with pytest.raises(ValueError, match=r"bias_update_rate.*router_bias"):
@@ -102,9 +122,8 @@ def test_sigmoid_gates_of_selected_experts_sum_to_one():
 
 
 def test_every_token_reaches_the_shared_experts():
-    layer = moe_layer(
-        **dict(SMALL, num_shared_experts=2, shared_expert_d_ff=8, train_capacity_factor=0.01)
-    )
+    starved = replace(SMALL, capacity=replace(SMALL.capacity, train_capacity_factor=0.01))
+    layer = MoeLayer(replace(starved, num_shared_experts=2, shared_expert_d_ff=8))
     x = make_inputs()
     params = init_params(layer, x)
     assert params["shared_expert"]["wi"].shape == (8, 16) and "expert" not in str(
@@ -114,7 +133,7 @@ def test_every_token_reaches_the_shared_experts():
     # reaches every token.
     y, state = apply(layer, params, x, deterministic=False)
     without_shared, _ = apply(
-        moe_layer(**dict(SMALL, train_capacity_factor=0.01)),
+        MoeLayer(starved),
         {k: v for k, v in params.items() if k != "shared_expert"},
         x,
         deterministic=False,
@@ -127,18 +146,26 @@ def test_every_token_reaches_the_shared_experts():
 
 def _groups_reached(layer, params, x) -> jax.Array:
     """``[batch, length]`` number of the 4 expert groups (of 2 experts) each token uses."""
-    _, state = layer.apply({"params": params}, x, mutable=["routing"])
-    index = state["routing"]["expert_index"][0]
+    _, state = layer.apply({"params": params}, x, mutable=[ROUTING_COLLECTION])
+    index = state[ROUTING_COLLECTION]["expert_index"][0]
     return jnp.sum(jnp.stack([jnp.any(index // 2 == g, axis=-1) for g in range(4)]), axis=0)
 
 
 def test_no_token_reaches_more_than_m_groups():
-    kwargs = dict(SMALL, num_experts=8, num_selected_experts=4, group_size=64)
+    config = replace(SMALL, num_experts=8, capacity=replace(SMALL.capacity, group_size=64))
     x = make_inputs(4, 16, 8)
-    limited = moe_layer(**kwargs, num_limited_groups=4, max_groups_per_token=2)
+    limited = MoeLayer(
+        replace(
+            config,
+            router=TopKRouterConfig(
+                num_selected_experts=4, num_limited_groups=4, max_groups_per_token=2
+            ),
+        )
+    )
+    unlimited = MoeLayer(replace(config, router=TopKRouterConfig(num_selected_experts=4)))
     params = init_params(limited, x)
     assert int(jnp.max(_groups_reached(limited, params, x))) == 2
-    assert int(jnp.max(_groups_reached(moe_layer(**kwargs), params, x))) > 2  # the limit binds here
+    assert int(jnp.max(_groups_reached(unlimited, params, x))) > 2  # the limit binds here
 
 
 def _d32_config() -> T5Config:
@@ -157,13 +184,13 @@ def _d32_config() -> T5Config:
 
 def _flops(config: T5Config, layer) -> float:
     """Forward FLOPs of one 8 + 8 token example of ``config`` with ``layer``'s MoE config."""
-    return accounting.forward_flops_per_example(dataclasses.replace(config, moe=layer.config), 8, 8)
+    return accounting.forward_flops_per_example(replace(config, moe=layer.config), 8, 8)
 
 
 def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
     x = make_inputs(2, 8, 8)
-    coarse = moe_layer(**dict(SMALL, d_ff=16, activation="gated_gelu"))
-    fine = moe_layer(**dict(SMALL, d_ff=16, activation="gated_gelu", expert_granularity=4))
+    coarse = MoeLayer(replace(SMALL, d_ff=16, activation="gated_gelu"))
+    fine = MoeLayer(replace(SMALL, d_ff=16, activation="gated_gelu", expert_granularity=4))
     counts = {}
     for name, layer in (("coarse", coarse), ("fine", fine)):
         params = init_params(layer, x)
@@ -175,55 +202,78 @@ def test_fine_grained_and_coarse_have_equal_expert_parameters_and_flops():
     # Only the router widens (E -> m * E columns): 2 FLOPs x tokens x d_model x 12 more experts.
     router_extra = 2 * (8 + 8) * config.emb_dim * (16 - 4)
     assert flops["fine"] - flops["coarse"] == router_extra
-    shared = moe_layer(**dict(SMALL, num_shared_experts=2, activation="relu"))
-    plain = _flops(config, moe_layer(**SMALL))
+    shared = MoeLayer(replace(SMALL, num_shared_experts=2, activation="relu"))
+    plain = _flops(config, MoeLayer(SMALL))
     with_shared = _flops(config, shared)
     assert with_shared - plain == 2 * (8 + 8) * 2 * config.emb_dim * 2 * 16
 
 
 @pytest.mark.parametrize(
-    "option,message",
+    "build,message",
     [
-        (dict(expert_granularity=3), "expert_granularity"),
-        (dict(num_limited_groups=2, max_groups_per_token=3), "max_groups_per_token"),
-        (dict(num_limited_groups=3, max_groups_per_token=1), "num_limited_groups"),
+        (lambda: replace(SMALL, expert_granularity=3), "expert_granularity"),
         (
-            dict(num_limited_groups=4, max_groups_per_token=1, num_selected_experts=2),
+            lambda: replace(
+                SMALL, router=TopKRouterConfig(num_limited_groups=2, max_groups_per_token=3)
+            ),
+            "max_groups_per_token",
+        ),
+        (
+            lambda: replace(
+                SMALL, router=TopKRouterConfig(num_limited_groups=3, max_groups_per_token=1)
+            ),
+            "num_limited_groups",
+        ),
+        (
+            lambda: replace(
+                SMALL,
+                router=TopKRouterConfig(
+                    num_limited_groups=4, max_groups_per_token=1, num_selected_experts=2
+                ),
+            ),
             "num_selected_experts",
         ),
-        (dict(num_shared_experts=1, router_type="expert_choice"), "num_shared_experts"),
-        (dict(router_score="tanh"), "score_function"),
-        (dict(router_score="sigmoid", router_type="hash"), "router_score"),
+        (
+            lambda: replace(SMALL, num_shared_experts=1, router=ExpertChoiceRouterConfig()),
+            "num_shared_experts",
+        ),
+        (lambda: TopKRouterConfig(score_function="tanh"), "score_function"),
     ],
 )
-def test_bad_options_are_refused_by_name(option, message):
+def test_bad_options_are_refused_by_name(build, message):
     with pytest.raises(ValueError, match=message):  # building the config, or tracing the layer
-        layer = moe_layer(**dict(SMALL, **option))
+        layer = MoeLayer(build())
         jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x), make_inputs())
 
 
-EP_LAYER = dict(
+EP_LAYER = MoeConfig(
     num_experts=8,
-    num_selected_experts=2,
     d_ff=16,
-    group_size=8,
-    min_expert_capacity=1,
-    eval_capacity_factor=1.0,
+    router=TopKRouterConfig(num_selected_experts=2),
+    capacity=CapacityConfig(group_size=8, min_expert_capacity=1, eval_capacity_factor=1.0),
 )
 OPTIONS = {
-    "shared": dict(num_shared_experts=2),
-    "fine_grained": dict(num_experts=4, expert_granularity=2),
-    "sigmoid": dict(router_score="sigmoid"),
-    "bias": dict(bias_update_rate=1e-3),
-    "group_limited": dict(num_limited_groups=4, max_groups_per_token=2, num_selected_experts=3),
-    "all": dict(
+    "shared": replace(EP_LAYER, num_shared_experts=2),
+    "fine_grained": replace(EP_LAYER, num_experts=4, expert_granularity=2),
+    "sigmoid": replace(EP_LAYER, router=TopKRouterConfig(score_function="sigmoid")),
+    "bias": replace(EP_LAYER, router=TopKRouterConfig(bias_update_rate=1e-3)),
+    "group_limited": replace(
+        EP_LAYER,
+        router=TopKRouterConfig(
+            num_limited_groups=4, max_groups_per_token=2, num_selected_experts=3
+        ),
+    ),
+    "all": replace(
+        EP_LAYER,
         num_experts=4,
         expert_granularity=2,
         num_shared_experts=1,
-        router_score="sigmoid",
-        bias_update_rate=1e-3,
-        num_limited_groups=4,
-        max_groups_per_token=2,
+        router=TopKRouterConfig(
+            score_function="sigmoid",
+            bias_update_rate=1e-3,
+            num_limited_groups=4,
+            max_groups_per_token=2,
+        ),
     ),
 }
 
@@ -235,7 +285,7 @@ OPTIONS = {
 )
 def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
     assert len(jax.devices()) == 8
-    layer = moe_layer(**dict(EP_LAYER, **OPTIONS[option], dispatch=dispatch))
+    layer = MoeLayer(replace(OPTIONS[option], execution=ExecutionConfig(dispatch=dispatch)))
     x = make_inputs(8, 8, 8)
     boxed = layer.init(jax.random.PRNGKey(1), x)
     state = {k: nn.unbox(v) for k, v in boxed.items() if k != "params"}
@@ -246,7 +296,7 @@ def test_option_under_expert_parallelism_equals_one_device(option, dispatch):
         )
 
     def loss(p, x):
-        y, sown = layer.apply({"params": p, **state}, x, mutable=["aux_loss"])
+        y, sown = layer.apply({"params": p, **state}, x, mutable=[AUX_LOSS_COLLECTION])
         return jnp.sum(jnp.sin(y)) + sum(jax.tree.leaves(sown)), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

@@ -15,6 +15,7 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.commands import train
+from moe_jax.moe.collections import BIAS_COLLECTION
 from moe_jax.runtime import builders, checkpoints, gin_utils, summaries
 
 # A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
@@ -72,7 +73,7 @@ def _parse_run(model_dir: pathlib.Path) -> None:
 
 
 def _biases(collections) -> np.ndarray:
-    return np.concatenate([np.asarray(b) for b in jax.tree.leaves(collections["router_bias"])])
+    return np.concatenate([np.asarray(b) for b in jax.tree.leaves(collections[BIAS_COLLECTION])])
 
 
 def test_restore_model_gives_the_trained_bias(bias_run):

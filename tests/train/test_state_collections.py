@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moe_jax.commands import evaluate, train
+from moe_jax.moe.collections import BIAS_COLLECTION
 from moe_jax.runtime import builders, checkpoints, gin_utils, train_state
 
 TINY = [
@@ -47,7 +48,7 @@ def _restore(model_dir) -> train_state.TrainState:
 
 
 def _biases(state) -> list[np.ndarray]:
-    return [np.asarray(b) for b in jax.tree.leaves(state.collections["router_bias"])]
+    return [np.asarray(b) for b in jax.tree.leaves(state.collections[BIAS_COLLECTION])]
 
 
 def test_bias_is_trained_by_the_step_and_survives_a_checkpoint_round_trip(tmp_path):
@@ -60,7 +61,7 @@ def test_bias_is_trained_by_the_step_and_survives_a_checkpoint_round_trip(tmp_pa
     flat = np.concatenate(biases)
     np.testing.assert_allclose(np.abs(flat)[np.abs(flat) > 0], 0.02, rtol=1e-5)
     assert np.any(flat != 0)
-    assert "router_bias" not in str(jax.tree_util.tree_structure(state.params))
+    assert BIAS_COLLECTION not in str(jax.tree_util.tree_structure(state.params))
     # Resuming keeps the restored bias (one more step moves each entry by at most 0.01).
     _run(tmp_path, 3)
     moved = np.concatenate(_biases(_restore(tmp_path))) - flat

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from moe_jax.commands import train, upcycle
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.runtime import builders, checkpoints, gin_utils
 
 TINY = [
@@ -63,7 +64,7 @@ def _logits(model, params, batch):
         batch["decoder_input_tokens"],
         batch["decoder_target_tokens"],
         enable_dropout=False,
-        mutable=["aux_loss", "moe_metrics"],
+        mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION],
     )[0]
 
 
