@@ -4,7 +4,7 @@ it), attention masks, and the key/value cache used for autoregressive decoding."
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import flax.linen as nn
 import jax
@@ -87,7 +87,8 @@ def dot_product_attention(
 # ``cudnn`` is cuDNN's fused (flash) attention through ``jax.nn.dot_product_attention``
 # (NVIDIA GPUs, bfloat16/float16 activations, no attention dropout), which never writes
 # the ``[batch, heads, q_len, k_len]`` logits to memory.
-ATTENTION_KERNELS = ("xla", "cudnn")
+AttentionKernel = Literal["xla", "cudnn"]
+ATTENTION_KERNELS: tuple[AttentionKernel, ...] = get_args(AttentionKernel)
 
 
 def fused_attention(
@@ -97,7 +98,7 @@ def fused_attention(
     bias: jnp.ndarray | None,
     mask: jnp.ndarray | None,
     dtype: DType,
-    implementation: str = "cudnn",
+    implementation: AttentionKernel = "cudnn",
 ) -> jnp.ndarray:
     """``dot_product_attention`` (unscaled, softmax in float32) as cuDNN's fused kernel
     (``implementation="xla"``: the same call through jax's reference, for checks on CPU).
@@ -154,7 +155,7 @@ class MultiHeadDotProductAttention(nn.Module):
     param_dtype: DType = jnp.float32
     dropout_rate: float = 0.0
     float32_logits: bool = True
-    kernel: str = "xla"
+    kernel: AttentionKernel = "xla"
 
     def _projection(self, name: str, x: jnp.ndarray, init_scale: float) -> jnp.ndarray:
         """``[batch, length, d_model] -> [batch, length, heads, head_dim]``."""

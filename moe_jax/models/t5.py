@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.models.attention import (
+    AttentionKernel,
     MultiHeadDotProductAttention,
     combine_masks,
     make_attention_mask,
@@ -141,7 +142,7 @@ class T5Config:
     dtype: str = "float32"
     param_dtype: str = "float32"
     float32_attention_logits: bool = True
-    attention_kernel: str = "xla"
+    attention_kernel: AttentionKernel = "xla"
     relpos_num_buckets: int = 32
     relpos_max_distance: int = 128
     num_sparse_encoder_layers: int = 0

@@ -54,4 +54,4 @@ def _restore_pallas_dot() -> None:
     if not hasattr(pallas, "dot"):
         from jax.experimental.pallas import triton
 
-        pallas.dot = triton.dot  # type: ignore[attr-defined]
+        pallas.dot = triton.dot
