@@ -58,7 +58,7 @@ def compare(family: sweep.Family, root: str) -> dict[str, dict[str, Any]]:
     """``{run group: {quantity: mean over seeds, "seeds": n, "step": last eval step}}``."""
     rows: dict[str, list[dict[str, float]]] = {}
     for spec in family.runs:
-        record = last_eval(RunDir(spec.model_dir(root)))
+        record = last_eval(spec.run_dir(root))
         if record is not None:
             rows.setdefault(spec.group, []).append(routing_quantities(record))
     return {

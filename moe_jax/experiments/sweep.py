@@ -104,6 +104,10 @@ class RunSpec:
     def model_dir(self, root: str) -> str:
         return storage.join(root, self.group, f"seed{self.seed}")
 
+    def run_dir(self, root: str) -> RunDir:
+        """The run directory of this run under the sweep ``root``."""
+        return RunDir(self.model_dir(root))
+
     def command(self, root: str) -> list[str]:
         """The ``moe-jax train`` argv of this run."""
         flags = [f"--gin_file={f}" for f in self.gin_files]
@@ -289,7 +293,7 @@ def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSp
     """Runs one training, its output appended to ``<MODEL_DIR>/log.txt`` and echoed line by
     line, prefixed with the run, to this process's stdout (the trainer writes plain
     timestamped progress lines there, stdout not being a terminal)."""
-    run_dir = RunDir(spec.model_dir(root))
+    run_dir = spec.run_dir(root)
     storage.makedirs(run_dir.path)
     log_path = run_dir.log_file
     local = storage.is_local(log_path)
@@ -322,7 +326,7 @@ def run_family(
     executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train"),
 ) -> int:
     """Train every run of ``family`` not yet marked DONE; returns the number that failed."""
-    todo = [s for s in family.runs if not storage.exists(RunDir(s.model_dir(root)).done_file)]
+    todo = [s for s in family.runs if not storage.exists(s.run_dir(root).done_file)]
     todo.sort(key=lambda s: s.seed)  # whole seeds first: a cut-short sweep still compares runs
     print(
         f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
@@ -334,11 +338,7 @@ def run_family(
         futures = [pool.submit(_execute, s, root, executable) for s in todo]
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
             spec, rc, seconds = future.result()
-            status = (
-                "done"
-                if rc == 0
-                else f"FAILED (exit {rc}; see {RunDir(spec.model_dir(root)).log_file})"
-            )
+            status = "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.run_dir(root).log_file})"
             print(
                 f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in "
                 f"{seconds / 60:.1f} min",
@@ -375,7 +375,7 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
     per pair of runs at the same axis point: per-seed final gaps (paired by seed)."""
     groups: dict[str, dict[str, Any]] = {}
     for spec in family.runs:
-        curve = read_eval_curve(RunDir(spec.model_dir(root)), family.metric)
+        curve = read_eval_curve(spec.run_dir(root), family.metric)
         group = groups.setdefault(
             spec.group, {"run": spec.run, "axes": dict(spec.axes), "seeds": {}}
         )
