@@ -267,10 +267,10 @@ def train(
 ) -> dict[str, Any]:
     """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint:
     :func:`setup_train_loop`, then :func:`train_loop`, holding the run directory's lock.
+    The loop's settings (``total_steps``, ``checkpoint_period``, ``log_period``, ...) are
+    :class:`LoopSettings`', which says what each does.
 
     Args:
-      total_steps, random_seed, checkpoint_period, ...: the loop's settings
-        (:class:`LoopSettings` says what each does).
       allow_config_change: resume although the operative gin config differs from the run's
         config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
         which later resumptions compare with).
