@@ -198,7 +198,7 @@ def measure_run(
 
     from moe_jax import hardware
     from moe_jax.commands.compile import parse_gin_for_compile
-    from moe_jax.runtime import aot, builders, gin_utils
+    from moe_jax.runtime import aot, builders, gin_flags
 
     run = RUNS[name]
     phases: dict[str, float] = {}
@@ -211,7 +211,7 @@ def measure_run(
     argv = [f"--gin_file={f}" for f in run.gin_files + (QUICK_GIN_FILES if quick else ())]
     bindings = run.bindings + (QUICK_BINDINGS if quick else ())
     argv += [f"--gin_bindings={b}" for b in bindings]
-    args = gin_utils.parse_flags(builders.build_parser("accelerator_step", ""), argv)
+    args = gin_flags.parse_flags(builders.build_parser("accelerator_step", ""), argv)
     parse_gin_for_compile(args)
     train_args = aot.train_bindings()
     model, cfg = train_args["model"], train_args["train_dataset_cfg"]

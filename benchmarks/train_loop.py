@@ -36,13 +36,14 @@ def main(argv: list[str]) -> int:
     import jax
 
     from moe_jax.commands import train
-    from moe_jax.runtime import builders, gin_utils, summaries
+    from moe_jax.runtime import builders, gin_flags, gin_utils, summaries
+    from moe_jax.runtime.run_dir import RunDir
 
     windows: dict[str, list[dict]] = {name: [] for name in LOOPS}
     for round_index in range(args.rounds):
         for name, sync in LOOPS.items():
             model_dir = tempfile.mkdtemp(prefix="moe_jax_bench_")
-            flags = gin_utils.parse_flags(
+            flags = gin_flags.parse_flags(
                 builders.build_parser("bench", "bench"),
                 [
                     "--gin_file=runs/smoke_cpu.gin",
@@ -57,10 +58,9 @@ def main(argv: list[str]) -> int:
             )
             gin_utils.parse_gin(flags)
             train.train()
-            windows[name] += summaries.read_metrics(model_dir, "train")[1:]
-            rate = np.median(
-                [w["steps_per_sec"] for w in summaries.read_metrics(model_dir, "train")[1:]]
-            )
+            records = summaries.read_metrics(RunDir(model_dir), "train")[1:]
+            windows[name] += records
+            rate = np.median([w["steps_per_sec"] for w in records])
             print(f"round {round_index + 1}: {name}: {rate:.2f} steps/s", file=sys.stderr)
 
     print(

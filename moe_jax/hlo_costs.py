@@ -232,12 +232,30 @@ _SUFFIX = re.compile(r"-(start|update|done)$")
 
 @dataclasses.dataclass(frozen=True)
 class _Module:
-    """The computations of a module (``_Line`` s by computation, and by name in each) and,
-    in each, the instruction that consumes each async start or update first."""
+    """The computations of a module (``_Line`` s by computation, and by name in each), the
+    result types of each computation's instructions by name and, in each, the instruction
+    that consumes each async start or update first."""
 
     computations: dict[str, list[_Line]]
     by_name: dict[str, dict[str, _Line]]
     consumer: dict[str, dict[str, _Line]]
+    types: dict[str, dict[str, str]]
+
+    @classmethod
+    def of(cls, computations: dict[str, list[_Line]], types: dict[str, dict[str, str]]) -> _Module:
+        return cls(
+            computations,
+            {c: {line.name: line for line in lines} for c, lines in computations.items()},
+            {
+                c: {
+                    line.operands[0]: line
+                    for line in reversed(lines)
+                    if line.opcode.endswith(("-update", "-done")) and line.operands
+                }
+                for c, lines in computations.items()
+            },
+            types,
+        )
 
 
 def _collective(line: _Line, computation: str, module: _Module) -> tuple[str, float, str]:
@@ -348,34 +366,7 @@ def _read(hlo_text: str) -> tuple[dict[str, list[_Line]], dict[str, dict[str, st
 def parse(hlo_text: str) -> list[Op]:
     """The scheduled instructions of ``hlo_text`` (``compiled.as_text()``), in order."""
     computations, types, entry = _read(hlo_text)
-
-    def inside(computation: str, seen: set[str]) -> tuple[set[str], float, bool]:
-        """Opcodes, matmul FLOPs and SparseCore use of ``computation`` and what it calls."""
-        kinds, flops, sparse = set(), 0.0, False
-        for line in computations.get(computation, []):
-            kinds.add(line.opcode)
-            if line.opcode in ("dot", "convolution"):
-                flops += _matmul_flops(line, types[computation])
-            sparse |= "sparsecore" in line.attributes
-            for called in _CALLED.findall(line.attributes):
-                if called not in seen:
-                    seen.add(called)
-                    k, f, s = inside(called, seen)
-                    kinds, flops, sparse = kinds | k, flops + f, sparse or s
-        return kinds, flops, sparse
-
-    module = _Module(
-        computations,
-        {c: {line.name: line for line in lines} for c, lines in computations.items()},
-        {
-            c: {
-                line.operands[0]: line
-                for line in reversed(lines)
-                if line.opcode.endswith(("-update", "-done")) and line.operands
-            }
-            for c, lines in computations.items()
-        },
-    )
+    module = _Module.of(computations, types)
     # wrapped: what an async-start runs (its collective is the start's and done's, once)
     scheduled, wrapped, ops = [entry], set(), []
     for computation in scheduled:
@@ -385,59 +376,69 @@ def parse(hlo_text: str) -> list[Op]:
                 scheduled.extend(c for c in called if c not in scheduled)
             if line.opcode == "async-start":
                 wrapped.update(called)
-            if line.opcode in _NOT_WORK:
-                continue
-            kinds, flops, sparse = {line.opcode}, 0.0, "sparsecore" in line.attributes
-            for c in called:
-                k, f, s = inside(c, {c})
-                kinds, flops, sparse = kinds | k, flops + f, sparse or s
-            target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
-            gemm = (
-                line.opcode == "custom-call"
-                and target
-                and target.group(1).startswith(_GEMM_TARGETS)
-            )
-            if line.opcode in ("dot", "convolution") or gemm:
-                flops += _matmul_flops(line, types[computation])
-            cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
-            source = re.search(r'op_name="([^"]*)"', line.attributes)
-            operand_types = [types[computation].get(o, "") for o in line.operands]
-            kind, moved, chain = (
-                ("", 0.0, "") if computation in wrapped else _collective(line, computation, module)
-            )
-            # in every memory space, and in device memory only
-            sizes = tuple(shape_bytes(t) for t in operand_types)
-            device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
-            output_all, output_device = (
-                shape_bytes(line.result_type),
-                shape_bytes(line.result_type, hbm_only=True),
-            )
-            counts = frozenset(
-                math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t)
-            )
-            ops.append(
-                Op(
-                    name=line.name,
-                    opcode=line.opcode,
-                    source=source.group(1) if source else "",
-                    operand_bytes=sum(device_sizes),
-                    output_bytes=output_device,
-                    cycles=int(cycles.group(1))
-                    if cycles and int(cycles.group(1)) < _MAX_CYCLES
-                    else 0,
-                    flops=flops,
-                    kinds=frozenset(kinds),
-                    sparse_core_offload=sparse,
-                    operands=line.operands,
-                    element_counts=counts,
-                    operand_alternate_bytes=sum(sizes) - sum(device_sizes),
-                    output_alternate_bytes=output_all - output_device,
-                    collective=kind,
-                    collective_bytes=moved,
-                    collective_chain=chain,
-                )
-            )
+            if line.opcode not in _NOT_WORK:
+                ops.append(_op(line, computation, called, computation in wrapped, module))
     return ops
+
+
+def _called_work(computation: str, seen: set[str], module: _Module) -> tuple[set[str], float, bool]:
+    """Opcodes, matmul FLOPs and SparseCore use of ``computation`` and what it calls (each
+    computation once: ``seen``)."""
+    kinds, flops, sparse = set(), 0.0, False
+    for line in module.computations.get(computation, []):
+        kinds.add(line.opcode)
+        if line.opcode in ("dot", "convolution"):
+            flops += _matmul_flops(line, module.types[computation])
+        sparse |= "sparsecore" in line.attributes
+        for called in _CALLED.findall(line.attributes):
+            if called not in seen:
+                seen.add(called)
+                k, f, s = _called_work(called, seen, module)
+                kinds, flops, sparse = kinds | k, flops + f, sparse or s
+    return kinds, flops, sparse
+
+
+def _op(line: _Line, computation: str, called: list[str], wrapped: bool, module: _Module) -> Op:
+    """The :class:`Op` of ``line``, a scheduled instruction of ``computation`` that calls
+    ``called``; ``wrapped``: ``computation`` is what an async start runs (its collective is
+    counted at the start)."""
+    types = module.types[computation]
+    kinds, flops, sparse = {line.opcode}, 0.0, "sparsecore" in line.attributes
+    for c in called:
+        k, f, s = _called_work(c, {c}, module)
+        kinds, flops, sparse = kinds | k, flops + f, sparse or s
+    target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
+    gemm = line.opcode == "custom-call" and target and target.group(1).startswith(_GEMM_TARGETS)
+    if line.opcode in ("dot", "convolution") or gemm:
+        flops += _matmul_flops(line, types)
+    cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
+    source = re.search(r'op_name="([^"]*)"', line.attributes)
+    operand_types = [types.get(o, "") for o in line.operands]
+    kind, moved, chain = ("", 0.0, "") if wrapped else _collective(line, computation, module)
+    # in every memory space, and in device memory only
+    sizes = tuple(shape_bytes(t) for t in operand_types)
+    device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
+    output_all = shape_bytes(line.result_type)
+    output_device = shape_bytes(line.result_type, hbm_only=True)
+    counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
+    return Op(
+        name=line.name,
+        opcode=line.opcode,
+        source=source.group(1) if source else "",
+        operand_bytes=sum(device_sizes),
+        output_bytes=output_device,
+        cycles=int(cycles.group(1)) if cycles and int(cycles.group(1)) < _MAX_CYCLES else 0,
+        flops=flops,
+        kinds=frozenset(kinds),
+        sparse_core_offload=sparse,
+        operands=line.operands,
+        element_counts=counts,
+        operand_alternate_bytes=sum(sizes) - sum(device_sizes),
+        output_alternate_bytes=output_all - output_device,
+        collective=kind,
+        collective_bytes=moved,
+        collective_chain=chain,
+    )
 
 
 # Opcodes whose data movement depends on indices: a cost model may charge them for the

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from moe_jax.commands import evaluate, train
-from moe_jax.runtime import builders, gin_utils, scratch, summaries
+from moe_jax.runtime import builders, gin_flags, gin_utils, scratch, summaries
 
 
 def _fresh_model_dir() -> str:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = builders.build_parser("moe-jax smoke", __doc__.splitlines()[0])
     summaries.add_progress_flag(parser)
-    args = gin_utils.parse_flags(parser, ["--gin_file=runs/smoke_cpu.gin", *argv])
+    args = gin_flags.parse_flags(parser, ["--gin_file=runs/smoke_cpu.gin", *argv])
     if not any(b.replace(" ", "").startswith("MODEL_DIR=") for b in args.gin_dot_bindings):
         args.gin_dot_bindings.append(f"MODEL_DIR = {_fresh_model_dir()!r}")
     start = time.perf_counter()

@@ -34,7 +34,8 @@ import numpy as np
 from moe_jax import param_paths, storage
 from moe_jax.moe.config import ROUTER_CONFIGS, TopKRouterConfig
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
-from moe_jax.runtime import checkpoints
+from moe_jax.runtime import router_init
+from moe_jax.runtime.run_dir import RunDir
 from moe_jax.synthetic.routers import shuffle_columns
 
 ROUTER_VARIANTS = ("learned", "init", "random", "hash", "uniform", "shuffled")
@@ -193,7 +194,7 @@ def hash_routing(seed: int = 0) -> Interceptor:
 
 
 def variant(
-    name: str, params: Any, model_dir: str, seed: int = 0, config: Any = None
+    name: str, params: Any, run_dir: RunDir, seed: int = 0, config: Any = None
 ) -> tuple[Any, Interceptor | None]:
     """(parameters, interceptor or None) that evaluate ``params`` with router ``name``;
     ``config``: the model's ``T5Config`` (the ``random`` router's init stddevs).
@@ -206,13 +207,13 @@ def variant(
     if name == "learned":
         return params, None
     if name == "init":
-        initial = checkpoints.load_router_init(model_dir)
+        initial = router_init.load(run_dir)
         if not initial:
             raise ValueError(
-                f"--router=init: the run {model_dir} saved no initial router "
-                f"({storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} is missing)"
+                f"--router=init: the run {run_dir} saved no initial router "
+                f"({run_dir.router_init_file} is missing)"
             )
-        return replace_routers(params, initial, checkpoints.ROUTER_INIT_FILE), None
+        return replace_routers(params, initial, storage.basename(run_dir.router_init_file)), None
     if name == "random":
         return random_routers(
             params, seed, DEFAULT_INIT_STDDEV if config is None else init_stddevs(config)

@@ -45,6 +45,7 @@ from moe_jax import param_paths, storage
 from moe_jax.analysis import counterfactual, plots
 from moe_jax.analysis.positions import mutual_information_bits
 from moe_jax.runtime import builders, checkpoints, routing, run_names
+from moe_jax.runtime.run_dir import RunDir
 from moe_jax.synthetic import metrics as synthetic_metrics
 
 # ------------------------------------------------------------------------------ statistics
@@ -216,11 +217,11 @@ def expand_checkpoints(paths: Sequence[str], all_steps: bool) -> list[str]:
         return list(paths)
     out = []
     for path in paths:
-        model_dir = checkpoints.split_checkpoint_path(path)[0]
-        steps = checkpoints.Checkpointer(model_dir).all_steps()
+        run_dir = RunDir.of_checkpoint(path)[0]
+        steps = checkpoints.Checkpointer(run_dir).all_steps()
         if not steps:
-            raise FileNotFoundError(f"--checkpoint={path!r}: no checkpoints in {model_dir}")
-        out += [storage.join(model_dir, "checkpoints", str(s)) for s in sorted(steps)]
+            raise FileNotFoundError(f"--checkpoint={path!r}: no checkpoints in {run_dir}")
+        out += [run_dir.step_dir(s) for s in sorted(steps)]
     return out
 
 
@@ -307,7 +308,6 @@ def analyze(
 
     groups = data_labels.label_groups(mixture_or_task_name)
     paths = expand_checkpoints(checkpoint_paths, all_steps)
-    ctx = builders.run_context()
     features, row_labels = labelled_examples(
         groups, task_feature_lengths, split, max_examples_per_label, seed
     )
@@ -315,11 +315,46 @@ def analyze(
         "encoder_input_tokens": (batch_size, task_feature_lengths["inputs"]),
         "decoder_input_tokens": (batch_size, task_feature_lengths["targets"]),
     }
+    results = _route_checkpoints(
+        paths, model, input_shapes, features, (row_labels, len(groups)), batch_size, seed
+    )
+    out_dir = storage.normalize(out_dir or RunDir.of_checkpoint(paths[0])[0].analysis_dir)
+    report: dict[str, Any] = {
+        "labels": list(groups),
+        "split": split,
+        "max_examples_per_label": max_examples_per_label,
+        "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
+        "checkpoints": results,
+        "seed_summary": seed_summary(results),
+    }
+    if jax.process_index() == 0:
+        for line in seed_summary_lines(report["seed_summary"]):
+            print(line, flush=True)
+        report["files"] = plots.write_languages(report, out_dir)
+        storage.write_text(storage.join(out_dir, "languages.json"), json.dumps(report, indent=1))
+        print(f"[moe-jax] language analysis in {out_dir}", file=sys.stderr)
+    return report
+
+
+def _route_checkpoints(
+    paths: Sequence[str],
+    model: Any,
+    input_shapes: dict[str, tuple[int, int]],
+    features: dict[str, np.ndarray],
+    labels: tuple[np.ndarray, int],
+    batch_size: int,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """Per checkpoint, ``{"checkpoint", "run", "step", "layers": {name: analyze_layer(...)}}``
+    of routing ``features`` (``[examples, length]`` per feature) whose rows carry ``labels``
+    (``(row labels [examples], number of labels)``); process 0 prints each one's summary."""
+    row_labels, num_labels = labels
+    ctx = builders.run_context()
     fn = None
     results = []
-    model_dirs = [checkpoints.split_checkpoint_path(path)[0] for path in paths]
-    run_label = dict(zip(model_dirs, run_names.run_labels(model_dirs), strict=True))
-    for path, model_dir in zip(paths, model_dirs, strict=True):
+    run_dirs = [RunDir.of_checkpoint(path)[0].path for path in paths]
+    run_label = dict(zip(run_dirs, run_names.run_labels(run_dirs), strict=True))
+    for path, run_dir in zip(paths, run_dirs, strict=True):
         restored = builders.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
@@ -339,11 +374,11 @@ def analyze(
         rng = np.random.default_rng(seed)
         result = {
             "checkpoint": storage.normalize(path),
-            "run": run_label[model_dir],
+            "run": run_label[run_dir],
             "step": step,
             "layers": {
                 name: analyze_layer(
-                    _first_rows(layer, n), row_labels, len(groups), shuffled.get(name), rng
+                    _first_rows(layer, n), row_labels, num_labels, shuffled.get(name), rng
                 )
                 for name, layer in layers.items()
             },
@@ -351,32 +386,18 @@ def analyze(
         results.append(result)
         if jax.process_index() == 0:
             print("\n".join(summary_lines(result)), flush=True)
-    out_dir = storage.normalize(
-        out_dir or storage.join(checkpoints.split_checkpoint_path(paths[0])[0], "analysis")
-    )
-    report: dict[str, Any] = {
-        "labels": list(groups),
-        "split": split,
-        "max_examples_per_label": max_examples_per_label,
-        "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
-        "checkpoints": results,
-        "seed_summary": seed_summary(results),
-    }
-    if jax.process_index() == 0:
-        for summary in report["seed_summary"]:
-            for name, stats in summary["layers"].items():
-                print(
-                    f"{summary['family']} ({len(summary['seeds'])} seeds)@{summary['step']} "
-                    f"{name}: "
-                    + "; ".join(
-                        f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items()
-                    ),
-                    flush=True,
-                )
-        report["files"] = plots.write_languages(report, out_dir)
-        storage.write_text(storage.join(out_dir, "languages.json"), json.dumps(report, indent=1))
-        print(f"[moe-jax] language analysis in {out_dir}", file=sys.stderr)
-    return report
+    return results
+
+
+def seed_summary_lines(summary: list[dict[str, Any]]) -> list[str]:
+    """One line per family, step and layer of :func:`seed_summary`'s result: each statistic's
+    mean +- standard deviation over the seeds."""
+    return [
+        f"{entry['family']} ({len(entry['seeds'])} seeds)@{entry['step']} {name}: "
+        + "; ".join(f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items())
+        for entry in summary
+        for name, stats in entry["layers"].items()
+    ]
 
 
 def _first_rows(layer: routing.LayerRouting, n: int) -> routing.LayerRouting:

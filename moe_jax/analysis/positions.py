@@ -41,7 +41,8 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.analysis import plots
-from moe_jax.runtime import builders, checkpoints, routing, run_names
+from moe_jax.runtime import builders, routing, run_names
+from moe_jax.runtime.run_dir import RunDir
 
 RIDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # times the number of tokens
 
@@ -456,8 +457,8 @@ def analyze(
         name: analyze_layer(layer, **{k: v for k, v in settings.items() if k != "num_batches"})
         for name, layer in layers.items()
     }
-    model_dir = checkpoints.split_checkpoint_path(checkpoint_path)[0]
-    out_dir = storage.normalize(out_dir or storage.join(model_dir, "analysis"))
+    run_dir = RunDir.of_checkpoint(checkpoint_path)[0]
+    out_dir = storage.normalize(out_dir or run_dir.analysis_dir)
     result = {
         "checkpoint": storage.normalize(checkpoint_path),
         "step": step,
@@ -473,7 +474,7 @@ def analyze(
     }
     if jax.process_index() == 0:
         result["files"] = plots.write_all(
-            stats, out_dir, title=f"{run_names.run_labels([model_dir])[0]} (step {step})"
+            stats, out_dir, title=f"{run_names.run_labels([run_dir.path])[0]} (step {step})"
         )
         storage.write_text(storage.join(out_dir, "positions.json"), json.dumps(result, indent=1))
         print(summary_table(stats), flush=True)

@@ -7,7 +7,7 @@
 Gin: the analysis' defaults (``gin/analysis/<analysis>.gin``), then the run's
 ``MODEL_DIR/config.gin`` (written by `moe-jax train`; model and data), then ``--gin_file``
 and ``--gin.NAME=VALUE`` flags, later ones overriding earlier ones
-(``gin_utils.run_gin_files``, shared with eval, infer and export). Without a
+(``run_config.run_gin_files``, shared with eval, infer and export). Without a
 ``config.gin``, pass the run's gin files as for `moe-jax eval`. See docs/analysis.md.
 """
 
@@ -17,7 +17,7 @@ import sys
 
 from moe_jax import storage
 from moe_jax.commands.subcommands import split_command
-from moe_jax.runtime import builders, distributed, gin_utils
+from moe_jax.runtime import builders, distributed, gin_flags, gin_text, gin_utils, run_config
 
 # analysis -> (module with ``analyze(checkpoint_path, out_dir)``, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
@@ -34,7 +34,7 @@ ANALYSES: dict[str, tuple[str, str]] = {
 }
 # Analyses taking several checkpoints (``--checkpoint`` repeated, ``--all_steps``).
 MULTI_CHECKPOINT = frozenset({"languages"})
-DEFAULTS_DIR = gin_utils.REPO_GIN_DIR / "analysis"
+DEFAULTS_DIR = gin_text.REPO_GIN_DIR / "analysis"
 
 
 def _usage() -> str:
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="output directory (default: MODEL_DIR/analysis)",
     )
-    args = gin_utils.parse_flags(parser, rest)
+    args = gin_flags.parse_flags(parser, rest)
     if analysis not in MULTI_CHECKPOINT and len(args.checkpoint) > 1:
         parser.error(f"{analysis} takes one --checkpoint")
-    args.gin_file = gin_utils.run_gin_files(
+    args.gin_file = run_config.run_gin_files(
         args,
         args.checkpoint[0],
         [str(DEFAULTS_DIR / f"{analysis}.gin")],

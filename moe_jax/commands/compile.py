@@ -31,7 +31,7 @@ import gin
 
 from moe_jax import hardware, storage
 from moe_jax.hlo_costs import CONTENTION_LIMIT
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, gin_flags, gin_text, gin_utils
 from moe_jax.runtime.aot import compile_run, gib
 
 
@@ -168,7 +168,7 @@ def parse_gin_for_compile(args) -> None:
     try:
         gin.finalize()
     except ValueError as err:
-        raise gin_utils.GinConfigError(f"gin: {err}") from None
+        raise gin_text.GinConfigError(f"gin: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="show the compilers' own start-up output and logs (libtpu, CUDA, XLA)",
     )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     hint = ""
     try:
         target = hardware.parse_target(args.target)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 hlo_dir=args.hlo_dir,
                 progress=lambda m: print(m, file=messages, flush=True),
             )
-    except (gin_utils.GinConfigError, FileNotFoundError, ValueError) as err:
+    except (gin_text.GinConfigError, FileNotFoundError, ValueError) as err:
         print(f"moe-jax compile: error: {err}{hint}", file=sys.stderr)
         return 1
     print(format_report(report), flush=True)

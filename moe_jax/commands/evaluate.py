@@ -63,15 +63,20 @@ from moe_jax import errors, param_paths, plotting, storage
 from moe_jax.analysis import counterfactual
 from moe_jax.runtime import (
     builders,
-    checkpoints,
+    config_gate,
     distributed,
     evaluation,
+    gin_flags,
     gin_utils,
+    router_init,
+    run_config,
     run_names,
     summaries,
     train_step,
 )
+from moe_jax.runtime.gin_text import GinConfigError
 from moe_jax.runtime.routing import layer_order
+from moe_jax.runtime.run_dir import RunDir
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
 
@@ -255,8 +260,8 @@ def checkpoint_labels(paths: Sequence[str], given: Sequence[str] = ()) -> list[s
     when a step is given; a checkpoint named twice gets a ``'``."""
     if given:
         return run_names.checked_labels(given, len(paths))
-    split = [checkpoints.split_checkpoint_path(os.path.normpath(p)) for p in paths]
-    runs = run_names.run_labels([model_dir for model_dir, _ in split])
+    split = [RunDir.of_checkpoint(os.path.normpath(p)) for p in paths]
+    runs = run_names.run_labels([run_dir.path for run_dir, _ in split])
     unique: list[str] = []
     for run, (_, step) in zip(runs, split, strict=True):
         name = run if step is None else f"{run}@{step}"
@@ -340,6 +345,26 @@ def plot_routers(results: dict[str, dict[str, Any]], path: str) -> None:
     plotting.save(routers_figure(results), path, dpi=100)
 
 
+@dataclasses.dataclass
+class _Comparison:
+    """What evaluating each checkpoint with each router shares: the model and data, the
+    routers, where results go, the mesh, and the eval steps compiled so far (one per
+    interceptor; variants of the parameters share one)."""
+
+    model: Any
+    dataset_cfg: Any
+    eval_steps: int
+    router_seed: int
+    routers: list[str]
+    output_dir: str
+    ctx: builders.RunContext
+    eval_fns: dict[str | None, Any] = dataclasses.field(default_factory=dict)
+
+    def label(self, checkpoint_label: str, router: str) -> str:
+        """A result's label: the checkpoint's, with ``:<router>`` unless only ``learned``."""
+        return checkpoint_label if self.routers == ["learned"] else f"{checkpoint_label}:{router}"
+
+
 @gin.configurable(module="eval_script", denylist=["routers", "labels", "overwrite"])
 def evaluate(
     checkpoint_paths: str | Sequence[str] | None = None,
@@ -376,108 +401,138 @@ def evaluate(
         )
     if isinstance(checkpoint_paths, str):
         checkpoint_paths = [checkpoint_paths]
-
     names = counterfactual.check_variants(list(routers))
-    ctx = builders.run_context()
-    expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
-    input_shapes = dataset_cfg.input_shapes()
-    eval_fns: dict[str | None, Any] = {}
-    output_dir = storage.normalize(
-        output_dir
-        or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
+    first_run = RunDir.of_checkpoint(checkpoint_paths[0])[0]
+    comparison = _Comparison(
+        model,
+        dataset_cfg,
+        eval_steps,
+        router_seed,
+        names,
+        storage.normalize(output_dir or first_run.eval_results_dir),
+        builders.run_context(),
     )
     ckpt_labels = checkpoint_labels(checkpoint_paths, labels)
-    result_labels = [
-        label if names == ["learned"] else f"{label}:{name}"
-        for label in ckpt_labels
-        for name in names
-    ]
-    _check_comparison(output_dir, result_labels, overwrite)
-    results = {}
+    result_labels = [comparison.label(label, name) for label in ckpt_labels for name in names]
+    _check_comparison(comparison.output_dir, result_labels, overwrite)
+    results: dict[str, dict[str, Any]] = {}
     for ckpt_label, path in zip(ckpt_labels, checkpoint_paths, strict=True):
-        model_dir = checkpoints.split_checkpoint_path(path)[0]
-        restored = builders.restore_model(path, model, input_shapes, ctx)
-        step = restored.step
-        for name in names:
-            params, interceptor = counterfactual.variant(
-                name, restored.params, model_dir, router_seed, model.module.config
-            )
-            key = name if interceptor else None  # variants of the parameters share one step
-            if key not in eval_fns:
-                eval_fns[key] = train_step.jit_eval_step(
-                    model,
-                    restored.params_shardings,
-                    ctx.mesh,
-                    ctx.rules,
-                    ctx.batch_axes,
-                    restored.collections_shardings,
-                    eval_fn=counterfactual.intercepted(model.eval_fn, interceptor)
-                    if interceptor
-                    else None,
-                )
-            metrics = summaries.routing_telemetry(
-                evaluation.run_eval(
-                    eval_fns[key], params, dataset_cfg, ctx, eval_steps, restored.collections
-                ),
-                expert_shards,
-            )
-            routing = routing_by_layer(metrics)
-            label = ckpt_label if names == ["learned"] else f"{ckpt_label}:{name}"
-            file_label = run_names.file_stem(label)
-            results[label] = {
-                "checkpoint": storage.join(model_dir, "checkpoints", str(step)),
-                "step": step,
-                "label": ckpt_label,
-                "router": name,
-                "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
-                "routing": {
-                    layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
-                    for layer, stats in routing.items()
-                },
-                "router_drift": router_drift(
-                    params, checkpoints.load_router_init(model_dir), list(routing)
-                ),
-                "eval_settings": {
-                    "eval_steps": eval_steps,
-                    "dataset": dataclasses.asdict(dataset_cfg),
-                },
-            }
-            if routing and not results[label]["router_drift"]:
-                results[label]["router_drift_missing"] = (
-                    f"{storage.join(model_dir, checkpoints.ROUTER_INIT_FILE)} does not exist (the "
-                    "routers' initial weights: `moe-jax train` writes it at step 0, `moe-jax "
-                    "import` when the export holds them)"
-                )
-            if jax.process_index() == 0:
-                storage.write_text(
-                    storage.join(output_dir, f"{file_label}.json"),
-                    json.dumps(results[label], indent=1),
-                )
-                plot_expert_load(
-                    routing,
-                    f"{label} (step {step}): expert load",
-                    storage.join(output_dir, f"{file_label}_expert_load.png"),
-                )
-    table = comparison_table(results)
+        results.update(_evaluate_checkpoint(comparison, path, ckpt_label))
     if jax.process_index() == 0:
-        print(
-            "[moe-jax eval] evaluated "
-            + evaluation.describe_eval_settings(eval_steps, dataset_cfg),
-            file=sys.stderr,
-        )
-        print(table, flush=True)
-        storage.write_text(storage.join(output_dir, "comparison.txt"), table + "\n")
-        storage.write_text(
-            storage.join(output_dir, "comparison.json"), json.dumps(results, indent=1)
-        )
-        seeds = seed_table(results)
-        if seeds:
-            print(seeds, flush=True)
-            storage.write_text(storage.join(output_dir, "comparison_seeds.md"), seeds + "\n")
-        if len(names) > 1:
-            plot_routers(results, storage.join(output_dir, "routers.png"))
-        print(f"[moe-jax] eval results in {output_dir}", file=sys.stderr)
+        _write_comparison(comparison, results)
     return results
+
+
+def _evaluate_checkpoint(
+    comparison: _Comparison, path: str, ckpt_label: str
+) -> dict[str, dict[str, Any]]:
+    """The results of the checkpoint at ``path`` with each router, by label; process 0
+    writes each as ``<label>.json`` and ``<label>_expert_load.png``."""
+    c = comparison
+    run_dir = RunDir.of_checkpoint(path)[0]
+    restored = builders.restore_model(path, c.model, c.dataset_cfg.input_shapes(), c.ctx)
+    initial = router_init.load(run_dir)
+    results = {}
+    for name in c.routers:
+        params, interceptor = counterfactual.variant(
+            name, restored.params, run_dir, c.router_seed, c.model.module.config
+        )
+        metrics = summaries.routing_telemetry(
+            evaluation.run_eval(
+                _eval_fn(c, name, interceptor, restored),
+                params,
+                c.dataset_cfg,
+                c.ctx,
+                c.eval_steps,
+                restored.collections,
+            ),
+            int(dict(c.ctx.mesh.shape).get("expert", 1)),
+        )
+        label = c.label(ckpt_label, name)
+        routing = routing_by_layer(metrics)
+        result = {
+            "checkpoint": run_dir.step_dir(restored.step),
+            "step": restored.step,
+            "label": ckpt_label,
+            "router": name,
+            "metrics": {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0},
+            "routing": {
+                layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
+                for layer, stats in routing.items()
+            },
+            "router_drift": router_drift(params, initial, list(routing)),
+            "eval_settings": {
+                "eval_steps": c.eval_steps,
+                "dataset": dataclasses.asdict(c.dataset_cfg),
+            },
+        }
+        if routing and not result["router_drift"]:
+            result["router_drift_missing"] = (
+                f"{run_dir.router_init_file} does not exist (the routers' initial weights: "
+                "`moe-jax train` writes it at step 0, `moe-jax import` when the export holds them)"
+            )
+        if jax.process_index() == 0:
+            _write_result(c.output_dir, label, result, routing)
+        results[label] = result
+    return results
+
+
+def _eval_fn(
+    comparison: _Comparison, router: str, interceptor: Any, restored: builders.RestoredModel
+) -> Any:
+    """The jitted eval step for ``router`` (compiled once per interceptor)."""
+    key = router if interceptor else None  # variants of the parameters share one step
+    if key not in comparison.eval_fns:
+        ctx = comparison.ctx
+        comparison.eval_fns[key] = train_step.jit_eval_step(
+            comparison.model,
+            restored.params_shardings,
+            ctx.mesh,
+            ctx.rules,
+            ctx.batch_axes,
+            restored.collections_shardings,
+            eval_fn=counterfactual.intercepted(comparison.model.eval_fn, interceptor)
+            if interceptor
+            else None,
+        )
+    return comparison.eval_fns[key]
+
+
+def _write_result(
+    output_dir: str, label: str, result: dict[str, Any], routing: dict[str, dict[str, Any]]
+) -> None:
+    """Writes one result as ``<label>.json`` and its expert loads as
+    ``<label>_expert_load.png`` (``/`` and ``:`` of the label as ``_``)."""
+    file_label = run_names.file_stem(label)
+    storage.write_text(storage.join(output_dir, f"{file_label}.json"), json.dumps(result, indent=1))
+    plot_expert_load(
+        routing,
+        f"{label} (step {result['step']}): expert load",
+        storage.join(output_dir, f"{file_label}_expert_load.png"),
+    )
+
+
+def _write_comparison(comparison: _Comparison, results: dict[str, dict[str, Any]]) -> None:
+    """Prints and writes the side-by-side table (``comparison.txt``, ``comparison.json``),
+    the seed table when the checkpoints are seeds of families, and ``routers.png`` when
+    several routers were evaluated."""
+    output_dir = comparison.output_dir
+    table = comparison_table(results)
+    print(
+        "[moe-jax eval] evaluated "
+        + evaluation.describe_eval_settings(comparison.eval_steps, comparison.dataset_cfg),
+        file=sys.stderr,
+    )
+    print(table, flush=True)
+    storage.write_text(storage.join(output_dir, "comparison.txt"), table + "\n")
+    storage.write_text(storage.join(output_dir, "comparison.json"), json.dumps(results, indent=1))
+    seeds = seed_table(results)
+    if seeds:
+        print(seeds, flush=True)
+        storage.write_text(storage.join(output_dir, "comparison_seeds.md"), seeds + "\n")
+    if len(comparison.routers) > 1:
+        plot_routers(results, storage.join(output_dir, "routers.png"))
+    print(f"[moe-jax] eval results in {output_dir}", file=sys.stderr)
 
 
 def _check_comparison(output_dir: str, labels: Sequence[str], overwrite: bool) -> None:
@@ -551,14 +606,14 @@ def main(argv: list[str] | None = None) -> int:
         help="run (default): the eval settings the first run recorded (batches, batch size, "
         "feature lengths, task, split); gin: runs/eval.gin's and the gin flags'",
     )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
-    first = gin_utils.first_checkpoint(args)
-    args.gin_file = gin_utils.run_gin_files(args, first, ["runs/eval.gin"], command="moe-jax eval")
+    first = gin_flags.first_checkpoint(args)
+    args.gin_file = run_config.run_gin_files(args, first, ["runs/eval.gin"], command="moe-jax eval")
     apply_eval_settings(args, first)
     gin_utils.parse_gin(args)
     evaluate(
-        output_dir=args.output_dir or gin_utils.user_value(args, "EVAL_OUTPUT_DIR"),
+        output_dir=args.output_dir or gin_flags.user_value(args, "EVAL_OUTPUT_DIR"),
         overwrite=args.overwrite,
         **{
             k: v
@@ -578,30 +633,26 @@ def apply_eval_settings(args, checkpoint: str | None) -> None:
     ask for (the recorded ones before the command line's own bindings, which win) and says
     on stderr which they are."""
 
-    model_dir = checkpoints.split_checkpoint_path(checkpoint)[0] if checkpoint else None
+    run_dir = RunDir.of_checkpoint(checkpoint)[0] if checkpoint else None
     recorded = (
-        evaluation.read_eval_settings(model_dir)
-        if model_dir and args.eval_settings == "run"
-        else None
+        evaluation.read_eval_settings(run_dir) if run_dir and args.eval_settings == "run" else None
     )
-    if recorded is not None and model_dir:
-        path = storage.join(model_dir, evaluation.EVAL_SETTINGS_FILE)
-        gin_utils.refuse_untrusted_modules(  # the task module, imported like the config's
+    if recorded is not None and run_dir:
+        path = run_dir.eval_settings_file
+        config_gate.refuse_untrusted_modules(  # the task module, imported like the config's
             path,
             [(f"{evaluation.EVAL_SCOPE}.module", None, recorded["dataset"].get("module"))],
             args,
         )
         args.gin_dot_bindings[:0] = evaluation.eval_settings_bindings(recorded)
         source = f"the run's, from {path} (--eval_settings=gin: runs/eval.gin's)"
-    elif args.eval_settings == "run" and model_dir:
-        source = f"runs/eval.gin's and the gin flags' ({model_dir} recorded none)"
+    elif args.eval_settings == "run" and run_dir:
+        source = f"runs/eval.gin's and the gin flags' ({run_dir} recorded none)"
     else:
         source = "runs/eval.gin's and the gin flags'"
     if args.eval_steps is not None:
         if args.eval_steps <= 0:
-            raise gin_utils.GinConfigError(
-                f"--eval_steps={args.eval_steps}: expected a positive integer"
-            )
+            raise GinConfigError(f"--eval_steps={args.eval_steps}: expected a positive integer")
         args.gin_dot_bindings.append(f"eval_script.evaluate.eval_steps = {args.eval_steps}")
         source += f", --eval_steps={args.eval_steps}"
     if jax.process_index() == 0:

@@ -36,7 +36,7 @@ Neither writes over another run: ``--out`` / ``--model_dir`` must be new or empt
 (``--overwrite``: a non-empty one), and never a run directory (``checkpoints/`` or a
 ``LOCK``), except for `import` into the very run the export came from (with ``--overwrite``;
 its ``config.gin`` is kept). The config an export or run directory brings names no code to
-import that the command line does not (:func:`gin_utils.check_run_config`).
+import that the command line does not (:func:`~moe_jax.runtime.config_gate.check_run_config`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,20 @@ import numpy as np
 from moe_jax import param_paths, storage
 from moe_jax.errors import UserError
 from moe_jax.moe import freeze
-from moe_jax.runtime import builders, checkpoints, distributed, gin_utils, run_lock, train_state
+from moe_jax.runtime import (
+    builders,
+    checkpoints,
+    distributed,
+    gin_flags,
+    gin_text,
+    gin_utils,
+    router_init,
+    run_config,
+    run_lock,
+    train_state,
+)
+from moe_jax.runtime.checkpoint_checks import CheckpointMismatchError
+from moe_jax.runtime.run_dir import RunDir
 
 WEIGHTS_FILE = "model.safetensors"
 ROUTER_INIT_FILE = "router_init.safetensors"
@@ -266,7 +279,7 @@ def export_checkpoint(
     )
     try:
         params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
-    except (FileNotFoundError, checkpoints.CheckpointMismatchError):
+    except (FileNotFoundError, CheckpointMismatchError):
         raise
     except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint
         first = (str(err).strip().splitlines() or [""])[0][:300]
@@ -275,8 +288,8 @@ def export_checkpoint(
         ) from err
     arrays = arrays_for_export(params)
     names = {v: k for k, v in name_map(list(param_paths.named_leaves(params))).items()}
-    initial = checkpoints.load_router_init(checkpoints.split_checkpoint_path(checkpoint_path)[0])
-    router_init = arrays_for_export(initial) if initial else {}
+    initial = router_init.load(RunDir.of_checkpoint(checkpoint_path)[0])
+    exported_routers = arrays_for_export(initial) if initial else {}
     config = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -290,7 +303,9 @@ def export_checkpoint(
             for name, a in sorted(arrays.items())
         },
         "router_init": (
-            {"file": ROUTER_INIT_FILE, "arrays": sorted(router_init)} if router_init else None
+            {"file": ROUTER_INIT_FILE, "arrays": sorted(exported_routers)}
+            if exported_routers
+            else None
         ),
     }
     if jax.process_index() == 0:
@@ -300,11 +315,11 @@ def export_checkpoint(
                 arrays, {"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}
             ),
         )
-        if router_init:
+        if exported_routers:
             storage.write_bytes(
                 storage.join(out_dir, ROUTER_INIT_FILE),
                 safetensors_bytes(
-                    router_init,
+                    exported_routers,
                     {
                         "format": FORMAT,
                         "version": str(FORMAT_VERSION),
@@ -416,13 +431,13 @@ def read_export_config(export_dir: str) -> dict[str, Any]:
     return config
 
 
-@gin.configurable(module="export_script", denylist=["export_dir", "model_dir"])
+@gin.configurable(module="export_script", denylist=["export_dir", "run_dir"])
 def import_export(
-    export_dir: str, model_dir: str, *, model: Any = gin.REQUIRED, random_seed: int = 0
+    export_dir: str, run_dir: RunDir, *, model: Any = gin.REQUIRED, random_seed: int = 0
 ) -> int:
     """Writes an orbax checkpoint of the export's parameters (at its step, with a fresh
     optimizer state and RNG from ``random_seed``) and, when the export carries them, the
-    initial routers (``router_init.npz``) into ``model_dir``; returns the step.
+    initial routers (``router_init.npz``) into ``run_dir``; returns the step.
 
     Raises:
       ExportError: the export is unreadable or does not fit the gin config's model.
@@ -435,7 +450,7 @@ def import_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )
     initial_routers = read_router_init(export_dir, config, run.abstract_state.params)
-    checkpoints.ensure_writable(model_dir)  # only once the export fits the model
+    run_dir.check_writable()  # only once the export fits the model
     params = jax.tree.map(
         lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
         host_params,
@@ -450,10 +465,10 @@ def import_export(
         opt_state=opt_state,
         rng=jax.device_put(rng, run.shardings.rng),
     )
-    ckpt = checkpoints.Checkpointer(model_dir, async_save=False)
+    ckpt = checkpoints.Checkpointer(run_dir, async_save=False)
     try:
         if step in ckpt.all_steps():
-            raise ExportError(f"{model_dir} already has a checkpoint at step {step}")
+            raise ExportError(f"{run_dir} already has a checkpoint at step {step}")
         ckpt.save(
             state,
             {
@@ -466,15 +481,15 @@ def import_export(
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
-    checkpoints.write_router_init(model_dir, initial_routers)
+    router_init.write(run_dir, initial_routers)
     return step
 
 
-def _run_config_for_import(config_path: str, model_dir: str) -> str:
-    """The export's ``config.gin`` (at ``config_path``, as ``gin_utils.run_config_file`` gave
+def _run_config_for_import(config_path: str, run_dir: RunDir) -> str:
+    """The export's ``config.gin`` (at ``config_path``, as ``run_config.checked_config`` gave
     it: in the new form) with ``MODEL_DIR`` pointing at the new run directory."""
     text = storage.read_text(config_path)
-    return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {model_dir!r}", text)
+    return re.sub(r"(?m)^MODEL_DIR = .*$", f"MODEL_DIR = {run_dir.path!r}", text)
 
 
 def with_vocabulary_path(config_text: str, path: str) -> str:
@@ -483,15 +498,6 @@ def with_vocabulary_path(config_text: str, path: str) -> str:
     binding = f"vocab.get_vocabulary.path = {path!r}"
     text, found = re.subn(r"(?m)^vocab\.get_vocabulary\.path = .*$", binding, config_text)
     return text if found else f"{config_text.rstrip()}\n{binding}\n"
-
-
-def holds_run(directory: str) -> bool:
-    """``directory`` is a run directory: it holds ``checkpoints/`` or a trainer's ``LOCK``."""
-
-    return any(
-        storage.exists(storage.join(directory, name))
-        for name in ("checkpoints", run_lock.LOCK_FILE)
-    )
 
 
 def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None = None) -> None:
@@ -504,7 +510,7 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
     entries = storage.listdir(directory)
     if not entries:
         return
-    if holds_run(directory) and storage.normalize(directory) != own_run:
+    if RunDir(directory).holds_run() and storage.normalize(directory) != own_run:
         raise ExportError(
             f"{flag}={directory} holds another run ({', '.join(entries[:4])}); "
             "refusing to write into it, even with --overwrite: pick a new directory"
@@ -519,10 +525,10 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
 def _export(args) -> dict[str, Any]:
     check_target(args.out, "--out", args.overwrite)  # an export never goes into a run directory
     distributed.initialize(args)
-    run_files = gin_utils.run_gin_files(
+    run_files = run_config.run_gin_files(
         args, args.checkpoint, ["runs/export.gin"], command="moe-jax export"
     )
-    config = gin_utils.checkpoint_config(args.checkpoint, args)
+    config = run_config.checkpoint_config(args.checkpoint, args)
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
     gin_utils.parse_gin(args)
@@ -551,7 +557,7 @@ def export_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty --out (an earlier export)"
     )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     result = _export(args)
     print(
         f"[moe-jax] exported step {result['step']} of {args.checkpoint} "
@@ -569,15 +575,18 @@ def _source_run(export_dir: str) -> str | None:
     path = storage.join(export_dir, CONFIG_JSON)
     with contextlib.suppress(OSError, ValueError):  # read_export names what is wrong
         source = json.loads(storage.read_text(path)).get("source_checkpoint")
-        return checkpoints.split_checkpoint_path(source)[0] if isinstance(source, str) else None
+        return RunDir.of_checkpoint(source)[0].path if isinstance(source, str) else None
     return None
 
 
 def _import(args) -> int:
     check_target(args.model_dir, "--model_dir", args.overwrite, _source_run(args.export))
-    own_run = holds_run(args.model_dir)  # the run exported: its config.gin stays as it is
+    run_dir = RunDir(args.model_dir)
+    own_run = run_dir.holds_run()  # the run exported: its config.gin stays as it is
     distributed.initialize(args)
-    exported_gin = gin_utils.run_config_file(args.export, args)  # perhaps downloaded: checked
+    exported_gin = run_config.checked_config(  # perhaps downloaded: checked
+        storage.join(args.export, CONFIG_GIN), args
+    )
     use_export_config = not args.gin_file and exported_gin is not None
     if not args.gin_file and not use_export_config:
         raise ExportError(
@@ -586,28 +595,28 @@ def _import(args) -> int:
         )
     config_text = None
     if use_export_config and exported_gin is not None:
-        config_text = _run_config_for_import(exported_gin, args.model_dir)
+        config_text = _run_config_for_import(exported_gin, run_dir)
         args.gin_file = [exported_gin]
-    args.gin_file = [str(gin_utils.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
+    args.gin_file = [str(gin_text.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
     exported_vocab = storage.join(args.export, VOCAB_FILE)
     has_vocab = VOCAB_FILE in listed_files(read_export_config(args.export))
     if has_vocab:  # the export's copy, not the path of the machine that exported it
         args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
-    created = not storage.exists(args.model_dir)
+    created = not run_dir.exists()
     try:
-        with run_lock.hold(args.model_dir):  # no trainer writes the run meanwhile
-            step = import_export(args.export, args.model_dir)
+        with run_lock.hold(run_dir):  # no trainer writes the run meanwhile
+            step = import_export(args.export, run_dir)
             if jax.process_index() == 0 and not own_run:
                 text = config_text if config_text is not None else gin_utils.operative_config()
                 if has_vocab:
-                    copy = storage.join(args.model_dir, VOCAB_FILE)
+                    copy = run_dir.vocabulary_file
                     storage.write_bytes(copy, storage.read_bytes(exported_vocab))
                     text = with_vocabulary_path(text, copy)
-                storage.write_text(storage.join(args.model_dir, CONFIG_GIN), text)
+                storage.write_text(run_dir.config_file, text)
     except Exception:
-        if created and jax.process_index() == 0 and not storage.listdir(args.model_dir):
-            storage.rmtree(args.model_dir)  # the lock's folder, refused before any write
+        if created and jax.process_index() == 0 and not storage.listdir(run_dir.path):
+            storage.rmtree(run_dir.path)  # the lock's folder, refused before any write
         raise
     return step
 
@@ -630,7 +639,7 @@ def import_main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write into a non-empty --model_dir that holds no other run",
     )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     step = _import(args)
     print(
         f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}",

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from moe_jax import errors, partitioning, storage
-from moe_jax.runtime import builders, distributed, gin_utils
+from moe_jax.runtime import builders, distributed, gin_flags, gin_utils, run_config
 
 
 def vocabulary_of(model):
@@ -163,18 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output_file", type=storage.normalize, default=None, help="JSON lines {input, output}"
     )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     inputs = list(args.input) + (read_input_lines(args.input_file) if args.input_file else [])
     if not inputs:
         parser.error("give at least one --input or an --input_file")
     distributed.initialize(args)
-    args.gin_file = gin_utils.run_gin_files(
-        args, gin_utils.first_checkpoint(args), ["runs/infer.gin"], command="moe-jax infer"
+    args.gin_file = run_config.run_gin_files(
+        args, gin_flags.first_checkpoint(args), ["runs/infer.gin"], command="moe-jax infer"
     )
     gin_utils.parse_gin(args)
     outputs = infer(
         inputs,
-        output_dir=gin_utils.user_value(args, "INFER_OUTPUT_DIR"),  # never the run's config's
+        output_dir=gin_flags.user_value(args, "INFER_OUTPUT_DIR"),  # never the run's config's
         **({"checkpoint_path": args.checkpoint} if args.checkpoint else {}),
     )
     if jax.process_index() == 0:

@@ -3,16 +3,19 @@
     moe-jax train --gin_file=models/t5_moe.gin --gin_file=runs/pretrain.gin \\
         --gin.MODEL_DIR=/tmp/run --gin.TRAIN_STEPS=1000
 
-The loop: restore the latest checkpoint of ``MODEL_DIR`` (state, step, data-iterator
-position, RNG) or initialise; then per step fetch this host's batch shard, run the jitted
-train step (state donated), check the *previous* step's loss (so the host never waits for
-the step it just dispatched), log, save every ``checkpoint_period`` steps (async),
-evaluate every ``eval_period`` steps and at the last step. Steps that log, save or
-evaluate check their own loss first and fetch the metrics; no other step fetches more than
-its loss. SIGTERM or Ctrl-C ends the step, saves a checkpoint and exits 143 / 130 with
-one line naming it (a second Ctrl-C stops without waiting for the step, naming the last
-finished checkpoint); a non-finite loss stops with its step and the last good checkpoint (or, with
-``train.on_nonfinite = 'skip'``, drops that step's update).
+The loop, in three pieces as in MaxText: :func:`setup_train_loop` restores the latest
+checkpoint of ``MODEL_DIR`` (state, step, data-iterator position, RNG) or initialises,
+into a :class:`TrainLoop` (the state the pieces share); :func:`train_loop` runs
+:func:`training_loop_iteration` to the last step, which per step fetches this host's batch
+shard, runs the jitted train step (state donated), checks the *previous* step's loss (so
+the host never waits for the step it just dispatched), logs, saves every
+``checkpoint_period`` steps (async), evaluates every ``eval_period`` steps and at the last
+step. Steps that log, save or evaluate check their own loss first and fetch the metrics;
+no other step fetches more than its loss. SIGTERM or Ctrl-C ends the step, saves a
+checkpoint and exits 143 / 130 with one line naming it (a second Ctrl-C stops without
+waiting for the step, naming the last finished checkpoint); a non-finite loss stops with
+its step and the last good checkpoint (or, with ``train.on_nonfinite = 'skip'``, drops
+that step's update).
 
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
@@ -28,10 +31,11 @@ never saved; a start refused before its first checkpoint leaves no ``MODEL_DIR``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import gin
@@ -45,10 +49,16 @@ from moe_jax.runtime import (
     checkpoints,
     distributed,
     evaluation,
+    gin_flags,
     gin_utils,
+    router_init,
+    run_config,
     run_lock,
     summaries,
 )
+from moe_jax.runtime.checkpoint_checks import nonfinite_parameters
+from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.train_state import TrainState
 
 
 class NonFiniteLossError(errors.UserError, FloatingPointError):
@@ -121,9 +131,117 @@ def _resumed_iterator(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """The loop's settings: :func:`train`'s gin parameters of the same names (defaults there).
+
+    Attributes:
+      checkpoint_period: save every N steps and at the end (only those: no step-1
+        checkpoint); keep the last ``keep_checkpoints``.
+      log_period: write the logged step's train metrics and the throughput since the last
+        log every N steps.
+      eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
+        and at the final step ``total_steps``, as T5X does (0: never).
+      accum_steps: gradient accumulation microbatches per step.
+      on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
+        The loss is checked one step late, so a stop comes with the next step already
+        dispatched (never saved: a checkpoint is written only after its step's loss is
+        checked).
+      sync_every_step: fetch every step's metrics and check its loss before dispatching
+        the next step (a synchronous loop: the device idles while the host works;
+        for debugging and as the baseline of ``benchmarks/train_loop.py``).
+      routing_churn: at each evaluation, also route the first eval batch and log per MoE
+        layer the fraction of its tokens whose top-1 expert changed since the previous
+        evaluation (``summaries.ChurnProbe``).
+      progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
+        and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
+        (``--progress``; :class:`~moe_jax.runtime.summaries.Progress`).
+    """
+
+    total_steps: int
+    random_seed: int
+    checkpoint_period: int
+    keep_checkpoints: int | None
+    async_checkpointing: bool
+    log_period: int
+    eval_period: int
+    eval_steps: int
+    accum_steps: int
+    on_nonfinite: str
+    sync_every_step: bool
+    routing_churn: bool
+    progress: str
+
+
+@dataclasses.dataclass
+class TrainLoop:
+    """What the pieces of the loop share: built by :func:`setup_train_loop`, advanced a step
+    at a time by :func:`training_loop_iteration`, run to its end by :func:`train_loop`."""
+
+    settings: LoopSettings
+    run_dir: RunDir
+    model: Any
+    run: builders.TrainSetup
+    train_cfg: builders.DatasetConfig
+    eval_cfg: builders.DatasetConfig | None
+    step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
+    eval_fn: Callable[..., Any] | None  # None: no evaluation in the loop
+    ckpt: checkpoints.Checkpointer
+    iterator: Any  # the training stream (make_iterator)
+    writer: summaries.MetricsWriter
+    meter: summaries.ThroughputMeter
+    ticker: summaries.Progress
+    preemption: distributed.PreemptionWatcher
+    state: TrainState
+    step: int  # steps done (the state's step)
+    end: int  # the step this invocation stops at
+    last_saved: int | None  # the newest checkpoint written (or restored)
+    first_step: int = dataclasses.field(init=False)  # the step this invocation started at
+    batch: Any = None  # the next step's global batch
+    data_state: Any = None  # the stream's position after the last dispatched step's batch
+    unchecked: tuple[int, Any] | None = None  # (step, its metrics) whose loss is not read yet
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    preempted: bool = False  # SIGTERM or Ctrl-C: save at this step and stop
+    churn: summaries.ChurnProbe | None = None  # built at the first evaluation
+    start_time: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.first_step = self.step
+
+    @property
+    def ctx(self) -> builders.RunContext:
+        return self.run.ctx
+
+    def close(self) -> None:
+        """Stops the stream and the progress bar, waits for the last save (raising its
+        failure), and closes the metric files and the signal handlers."""
+        self.iterator.close()
+        self.ticker.close()
+        self.ckpt.wait_until_finished()
+        self.ckpt.close()
+        self.writer.close()
+        self.preemption.close()
+
+    def result(self) -> dict[str, Any]:
+        """:func:`train`'s result (see there)."""
+        return {
+            "step": self.step,
+            "losses": self.losses,
+            "preempted": self.preempted,
+            "signal": self.preemption.signum,
+            "model_dir": self.run_dir.path,
+            "last_checkpoint": self.run_dir.checkpoint_name(self.last_saved),
+            "wall_sec": time.perf_counter() - self.start_time,
+        }
+
+
+# Steps one invocation runs at most (None: to total_steps); tests of interrupted runs set it.
+_STOP_AFTER_STEPS: int | None = None
+
+
 @gin.configurable(
     module="train_script",
-    denylist=["stop_after_steps", "allow_config_change", "command_line_bindings", "progress"],
+    denylist=["allow_config_change", "command_line_bindings", "progress"],
 )
 def train(
     *,
@@ -143,41 +261,21 @@ def train(
     on_nonfinite: str = "stop",
     sync_every_step: bool = False,
     routing_churn: bool = True,
-    stop_after_steps: int | None = None,
     allow_config_change: bool = False,
     command_line_bindings: Sequence[str] = (),
     progress: str = "auto",
 ) -> dict[str, Any]:
-    """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint.
+    """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint:
+    :func:`setup_train_loop`, then :func:`train_loop`, holding the run directory's lock.
+    The loop's settings (``total_steps``, ``checkpoint_period``, ``log_period``, ...) are
+    :class:`LoopSettings`', which says what each does.
 
     Args:
-      checkpoint_period: save every N steps and at the end (only those: no step-1
-        checkpoint); keep the last ``keep_checkpoints``.
-      log_period: write the logged step's train metrics and the throughput since the last
-        log every N steps.
-      eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
-        and at the final step ``total_steps``, as T5X does (0: never).
-      accum_steps: gradient accumulation microbatches per step.
-      on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
-        The loss is checked one step late, so a stop comes with the next step already
-        dispatched (never saved: a checkpoint is written only after its step's loss is
-        checked).
-      sync_every_step: fetch every step's metrics and check its loss before dispatching
-        the next step (a synchronous loop: the device idles while the host works;
-        for debugging and as the baseline of ``benchmarks/train_loop.py``).
-      routing_churn: at each evaluation, also route the first eval batch and log per MoE
-        layer the fraction of its tokens whose top-1 expert changed since the previous
-        evaluation (``summaries.ChurnProbe``).
-      stop_after_steps: end (with a checkpoint) after this many steps of *this* invocation
-        (tests of interrupted runs); not a gin parameter.
       allow_config_change: resume although the operative gin config differs from the run's
         config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
         which later resumptions compare with).
       command_line_bindings: the command line's gin binding lines; one binding a model
         config the built model never reads is refused (not a gin parameter).
-      progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
-        and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
-        (``--progress``; :class:`~moe_jax.runtime.summaries.Progress`).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -192,182 +290,270 @@ def train(
     """
     if on_nonfinite not in ("stop", "skip"):
         raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
-    model_dir = storage.normalize(model_dir)
-    _check_total_steps(total_steps, checkpoints.reached_step(model_dir), model_dir)
-    with _holding(model_dir):
-        model.check_vocabulary()
-        ctx = builders.run_context()
-        input_shapes = train_dataset_cfg.input_shapes()
-        run = builders.build_train_setup(
+    settings = LoopSettings(
+        total_steps=total_steps,
+        random_seed=random_seed,
+        checkpoint_period=checkpoint_period,
+        keep_checkpoints=keep_checkpoints,
+        async_checkpointing=async_checkpointing,
+        log_period=log_period,
+        eval_period=eval_period,
+        eval_steps=eval_steps,
+        accum_steps=accum_steps,
+        on_nonfinite=on_nonfinite,
+        sync_every_step=sync_every_step,
+        routing_churn=routing_churn,
+        progress=progress,
+    )
+    run_dir = RunDir(model_dir)
+    _check_total_steps(total_steps, run_dir)
+    with _holding(run_dir):
+        loop = setup_train_loop(
             model,
-            input_shapes,
-            ctx,
-            seed=random_seed,
-            accum_steps=accum_steps,
-            skip_nonfinite=on_nonfinite == "skip",
+            train_dataset_cfg,
+            train_eval_dataset_cfg,
+            run_dir,
+            settings,
+            allow_config_change=allow_config_change,
+            command_line_bindings=command_line_bindings,
         )
-        _refuse_unread_bindings(command_line_bindings)
-        _log("compiling the train step (and checking that it fits)")
-        step_fn = aot.check_fits(run, train_dataset_cfg, model)  # before any state exists
-        ckpt = checkpoints.Checkpointer(
-            model_dir,
-            save_period=checkpoint_period,
-            keep=keep_checkpoints,
-            async_save=async_checkpointing,
-            remove_partial_saves=True,
-        )
-        set_aside = checkpoints.set_aside_steps(model_dir)  # at earlier starts
-        restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
-        _check_set_aside(model_dir, set_aside, fresh=restored is None)
-        if restored is None:
-            latest, meta = None, None
-            _log("initialising the parameters and optimizer state")
-            state = run.init_state()
-            checkpoints.save_router_init(model_dir, state.params)
-        else:
-            state, meta, latest = restored
-            _check_random_seed(meta, random_seed, ckpt.name(latest))
-            _log(f"restored {ckpt.directory}/{latest}")
-        _log("starting the data pipeline")
-        iterator, restart = _resumed_iterator(train_dataset_cfg, meta, latest)
-        distributed.process_zero_decides(
-            lambda: gin_utils.record_run_config(
-                model_dir,
-                gin_utils.operative_config(),
-                latest or 0,
-                allow_change=allow_config_change,
-            ),
-            lambda: errors.UserError("refused on process 0 (see its message)"),
-        )
-        if restart:  # said once the change is accepted
-            _log(restart)
-        if jax.process_index() == 0:
-            summaries.drop_records_after(model_dir, latest or 0)
-            if (
-                train_eval_dataset_cfg is not None
-            ):  # for `moe-jax eval` to reproduce this run's evaluation
-                evaluation.record_eval_settings(model_dir, eval_steps, train_eval_dataset_cfg)
-        _log(
-            f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
-            f"{jax.process_count()} process(es), {jax.device_count()} devices"
-        )
+        return train_loop(loop)
 
-        eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
-        expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
-        writer = summaries.MetricsWriter(model_dir, expert_shards)
-        churn: summaries.ChurnProbe | None = (
-            None  # built at the first evaluation, not before step 1
-        )
-        with_churn = bool(eval_fn) and routing_churn and train_eval_dataset_cfg is not None
-        tokens_per_step = int(
-            np.prod(input_shapes["decoder_input_tokens"])
-            + np.prod(input_shapes["encoder_input_tokens"])
-        )
-        meter = summaries.ThroughputMeter(
+
+def setup_train_loop(
+    model: Any,
+    train_cfg: builders.DatasetConfig,
+    eval_cfg: builders.DatasetConfig | None,
+    run_dir: RunDir,
+    settings: LoopSettings,
+    *,
+    allow_config_change: bool = False,
+    command_line_bindings: Sequence[str] = (),
+) -> TrainLoop:
+    """Builds the run (mesh, sharded state layout, the train step compiled and checked to
+    fit), restores the newest readable checkpoint of ``run_dir`` or initialises, starts the
+    data stream where the checkpoint left it, and records the run's config (refusing a
+    changed one unless ``allow_config_change``); the caller holds the run's lock."""
+    model.check_vocabulary()
+    ctx = builders.run_context()
+    input_shapes = train_cfg.input_shapes()
+    run = builders.build_train_setup(
+        model,
+        input_shapes,
+        ctx,
+        seed=settings.random_seed,
+        accum_steps=settings.accum_steps,
+        skip_nonfinite=settings.on_nonfinite == "skip",
+    )
+    _refuse_unread_bindings(command_line_bindings)
+    _log("compiling the train step (and checking that it fits)")
+    step_fn = aot.check_fits(run, train_cfg, model)  # before any state exists
+    ckpt = checkpoints.Checkpointer(
+        run_dir,
+        save_period=settings.checkpoint_period,
+        keep=settings.keep_checkpoints,
+        async_save=settings.async_checkpointing,
+        remove_partial_saves=True,
+    )
+    state, meta, latest = _restore_or_init(ckpt, run, settings.random_seed)
+    _log("starting the data pipeline")
+    iterator, restart = _resumed_iterator(train_cfg, meta, latest)
+    _record_run(run_dir, latest or 0, allow_config_change, restart, eval_cfg, settings.eval_steps)
+    _log(
+        f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
+        f"{jax.process_count()} process(es), {jax.device_count()} devices"
+    )
+    tokens_per_step = int(
+        np.prod(input_shapes["decoder_input_tokens"])
+        + np.prod(input_shapes["encoder_input_tokens"])
+    )
+    step = int(jax.device_get(state.step))
+    return TrainLoop(
+        settings=settings,
+        run_dir=run_dir,
+        model=model,
+        run=run,
+        train_cfg=train_cfg,
+        eval_cfg=eval_cfg,
+        step_fn=step_fn,
+        eval_fn=run.eval_step if eval_cfg is not None and settings.eval_period else None,
+        ckpt=ckpt,
+        iterator=iterator,
+        writer=summaries.MetricsWriter(run_dir, int(dict(ctx.mesh.shape).get("expert", 1))),
+        meter=summaries.ThroughputMeter(
             model.flops_per_step(input_shapes),
             tokens_per_step,
             summaries.peak_flops_per_device() * jax.device_count(),
+        ),
+        ticker=summaries.Progress(step, settings.total_steps, settings.progress),
+        preemption=distributed.PreemptionWatcher(),
+        state=state,
+        step=step,
+        end=_loop_end(step, settings.total_steps),
+        last_saved=latest,
+    )
+
+
+def train_loop(loop: TrainLoop) -> dict[str, Any]:
+    """Runs ``loop`` from its step to its end, or to the step a SIGTERM or Ctrl-C stops it
+    at (after saving a checkpoint there), then closes what it holds.
+
+    Returns:
+      :meth:`TrainLoop.result`.
+    """
+    try:
+        loop.batch = builders.global_batch(
+            builders.first_batch(loop.iterator, loop.train_cfg), loop.ctx
         )
-        preemption = distributed.PreemptionWatcher()
+        while loop.step < loop.end and not loop.preempted:
+            training_loop_iteration(loop)
+    finally:
+        loop.close()
+    return loop.result()
 
-        step = first_step = int(jax.device_get(state.step))
-        end = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
-        last_saved = latest
-        losses: dict[int, float] = {}
-        preempted = False
-        ticker = summaries.Progress(step, total_steps, progress)
-        start_time = time.perf_counter()
 
-        def check_loss(checked_step: int, step_metrics) -> float:
-            """Fetches one step's loss (a scalar) and stops on NaN/Inf when asked to."""
-            loss = float(step_metrics["loss"])
-            losses[checked_step] = loss
-            if not np.isfinite(loss) and on_nonfinite == "stop":
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {checked_step}; last good checkpoint: "
-                    f"{ckpt.name(last_saved)}. Restarting resumes from it; bind "
-                    "train.on_nonfinite='skip' to skip such steps instead."
-                )
-            return loss
+def training_loop_iteration(loop: TrainLoop) -> None:
+    """One step: dispatch it (the state donated), fetch the next batch while the device
+    works, check the *previous* step's loss (so the host never waits for the step it just
+    dispatched); then, when this step logs, saves or evaluates, check its own loss first
+    and do those."""
+    s = loop.settings
+    loop.state, metrics = loop.step_fn(loop.state, loop.batch)  # async dispatch
+    if loop.step == loop.first_step:  # said once, when it is done: the run is under way
+        loop.ticker.write(f"step {loop.step + 1} done: loss {float(metrics['loss']):.4f}")
+    loop.data_state = loop.iterator.get_state()  # position after this step's batch
+    if loop.step + 1 < loop.end:
+        loop.batch = builders.global_batch(next(loop.iterator), loop.ctx)
+    if s.sync_every_step:
+        metrics = jax.device_get(metrics)
+    loop.ckpt.check_for_errors()  # a failed background save stops here
+    loop.step += 1
+    loop.meter.tick()
+    loop.ticker.update()
+    if loop.unchecked is not None:  # the previous step: done, or queued just before this one
+        _check_loss(loop, *loop.unchecked)
+    loop.unchecked = (loop.step, metrics)
+    loop.preempted = loop.preemption.reached(loop.step)
+    step = loop.step
+    log_now = step % s.log_period == 0 or step == loop.end
+    save_now = step % s.checkpoint_period == 0 or step == loop.end or loop.preempted
+    eval_now = loop.eval_fn is not None and (step % s.eval_period == 0 or step == s.total_steps)
+    if not (s.sync_every_step or log_now or save_now or eval_now):
+        return
+    loss = _check_loss(loop, *loop.unchecked)  # waits for this step
+    loop.unchecked = None
+    if log_now:
+        rates = loop.meter.rates()
+        loop.writer.write("train", step, {**jax.device_get(metrics), **rates})
+        loop.ticker.log(step, loss, rates["tokens_per_sec"])
+    if save_now:
+        _save(loop)
+    if eval_now and not loop.preempted:
+        _evaluate(loop)
 
-        unchecked = None  # (step, its metrics still on the device) whose loss is not yet read
-        try:
-            batch = builders.global_batch(builders.first_batch(iterator, train_dataset_cfg), ctx)
-            while step < end:
-                state, metrics = step_fn(state, batch)  # async dispatch; state donated
-                if step == first_step:  # said once, when it is done: the run is under way
-                    ticker.write(f"step {step + 1} done: loss {float(metrics['loss']):.4f}")
-                data_state = iterator.get_state()  # position after this step's batch
-                if step + 1 < end:
-                    batch = builders.global_batch(next(iterator), ctx)  # overlaps the device's step
-                if sync_every_step:
-                    metrics = jax.device_get(metrics)
-                ckpt.check_for_errors()  # a failed background save stops here
-                step += 1
-                meter.tick()
-                ticker.update()
-                if unchecked is not None:  # the previous step: done, or queued just before this one
-                    check_loss(*unchecked)
-                unchecked = (step, metrics)
-                preempted = preemption.reached(step)
-                log_now = step % log_period == 0 or step == end
-                save_now = step % checkpoint_period == 0 or step == end or preempted
-                eval_now = bool(eval_fn) and (step % eval_period == 0 or step == total_steps)
-                if not (sync_every_step or log_now or save_now or eval_now):
-                    continue
-                loss = check_loss(*unchecked)  # waits for this step
-                unchecked = None
-                if log_now:
-                    rates = meter.rates()
-                    writer.write("train", step, {**jax.device_get(metrics), **rates})
-                    ticker.log(step, loss, rates["tokens_per_sec"])
-                if save_now:
-                    _check_parameters(state.params, step, ckpt.name(last_saved))
-                    meta = {
-                        "data_iterators": checkpoints.gather_from_processes(data_state),
-                        "random_seed": random_seed,
-                    }
-                    if ckpt.save(state, meta, force=True):
-                        last_saved = step
-                    writer.flush()
-                if preempted:
-                    break
-                if eval_now:
-                    eval_metrics = evaluation.run_eval(
-                        eval_fn,
-                        state.params,
-                        train_eval_dataset_cfg,
-                        ctx,
-                        eval_steps,
-                        state.collections,
-                    )
-                    if with_churn:
-                        churn = churn or _churn_probe(
-                            model, run, ctx, train_eval_dataset_cfg, model_dir
-                        )
-                        eval_metrics.update(churn(state.params, state.collections))
-                    writer.write("eval", step, eval_metrics)
-                    ticker.write(
-                        f"step {step}: eval loss {eval_metrics['loss']:.4f} "
-                        f"accuracy {eval_metrics['accuracy']:.4f}"
-                    )
-        finally:
-            iterator.close()
-            ticker.close()
-            ckpt.wait_until_finished()
-            ckpt.close()
-            writer.close()
-            preemption.close()
-        elapsed = time.perf_counter() - start_time
-        return {
-            "step": step,
-            "losses": losses,
-            "preempted": preempted,
-            "signal": preemption.signum,
-            "model_dir": model_dir,
-            "last_checkpoint": ckpt.name(last_saved),
-            "wall_sec": elapsed,
-        }
+
+def _loop_end(step: int, total_steps: int) -> int:
+    """The step this invocation stops at: ``total_steps``, or earlier with
+    :data:`_STOP_AFTER_STEPS`."""
+    if _STOP_AFTER_STEPS is None:
+        return total_steps
+    return min(total_steps, step + _STOP_AFTER_STEPS)
+
+
+def _restore_or_init(
+    ckpt: checkpoints.Checkpointer, run: builders.TrainSetup, random_seed: int
+) -> tuple[TrainState, dict[str, Any] | None, int | None]:
+    """``(state, its checkpoint's metadata, its step)`` of the newest readable checkpoint
+    (damaged newer ones set aside), or of a fresh initialisation (``None, None``; the
+    routers' initial weights kept). Refuses another ``random_seed`` than the checkpoint's,
+    and a start from step 0 while damaged steps are set aside."""
+    run_dir = ckpt.run_dir
+    set_aside = run_dir.set_aside_steps()  # at earlier starts
+    restored = checkpoints.restore_latest_readable(ckpt, run.abstract_state, _log)
+    _check_set_aside(run_dir, set_aside, fresh=restored is None)
+    if restored is None:
+        _log("initialising the parameters and optimizer state")
+        state = run.init_state()
+        router_init.save(run_dir, state.params)
+        return state, None, None
+    state, meta, latest = restored
+    _check_random_seed(meta, random_seed, run_dir.checkpoint_name(latest))
+    _log(f"restored {run_dir.step_dir(latest)}")
+    return state, meta, latest
+
+
+def _record_run(
+    run_dir: RunDir,
+    step: int,
+    allow_config_change: bool,
+    restart: str | None,
+    eval_cfg: builders.DatasetConfig | None,
+    eval_steps: int,
+) -> None:
+    """Records the run's gin config at ``step`` (process 0 decides; a changed config is
+    refused unless ``allow_config_change``), says why the data stream restarts (once the
+    change is accepted), drops the metrics logged after ``step`` and records the eval
+    settings (for `moe-jax eval` to reproduce this run's evaluation)."""
+    distributed.process_zero_decides(
+        lambda: run_config.record_run_config(
+            run_dir, gin_utils.operative_config(), step, allow_change=allow_config_change
+        ),
+        lambda: errors.UserError("refused on process 0 (see its message)"),
+    )
+    if restart:
+        _log(restart)
+    if jax.process_index() == 0:
+        summaries.drop_records_after(run_dir, step)
+        if eval_cfg is not None:
+            evaluation.record_eval_settings(run_dir, eval_steps, eval_cfg)
+
+
+def _check_loss(loop: TrainLoop, step: int, metrics: Any) -> float:
+    """Fetches one step's loss (a scalar), keeps it, and stops on NaN/Inf when asked to.
+
+    Raises:
+      NonFiniteLossError: naming the step and the last good checkpoint.
+    """
+    loss = float(metrics["loss"])
+    loop.losses[step] = loss
+    if not np.isfinite(loss) and loop.settings.on_nonfinite == "stop":
+        raise NonFiniteLossError(
+            f"loss is {loss} at step {step}; last good checkpoint: "
+            f"{loop.run_dir.checkpoint_name(loop.last_saved)}. Restarting resumes from it; bind "
+            "train.on_nonfinite='skip' to skip such steps instead."
+        )
+    return loss
+
+
+def _save(loop: TrainLoop) -> None:
+    """Saves the state (async) with every process's data position, after checking its
+    parameters are finite, and makes the metrics written so far durable."""
+    _check_parameters(loop.state.params, loop.step, loop.run_dir.checkpoint_name(loop.last_saved))
+    meta = {
+        "data_iterators": distributed.gather_from_processes(loop.data_state),
+        "random_seed": loop.settings.random_seed,
+    }
+    if loop.ckpt.save(loop.state, meta, force=True):
+        loop.last_saved = loop.step
+    loop.writer.flush()
+
+
+def _evaluate(loop: TrainLoop) -> None:
+    """Evaluates the state on ``eval_steps`` batches (and the routing churn since the last
+    evaluation) and logs it."""
+    eval_cfg = loop.eval_cfg
+    assert loop.eval_fn is not None and eval_cfg is not None  # eval_fn needs an eval dataset
+    state = loop.state
+    metrics = evaluation.run_eval(
+        loop.eval_fn, state.params, eval_cfg, loop.ctx, loop.settings.eval_steps, state.collections
+    )
+    if loop.settings.routing_churn:
+        loop.churn = loop.churn or _churn_probe(loop.model, loop.run, eval_cfg, loop.run_dir)
+        metrics.update(loop.churn(state.params, state.collections))
+    loop.writer.write("eval", loop.step, metrics)
+    loop.ticker.write(
+        f"step {loop.step}: eval loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f}"
+    )
 
 
 def _refuse_unread_bindings(bindings: Sequence[str]) -> None:
@@ -387,29 +573,24 @@ def _refuse_unread_bindings(bindings: Sequence[str]) -> None:
 
 
 @contextlib.contextmanager
-def _holding(model_dir: str) -> Iterator[None]:
-    """Holds ``model_dir``'s lock for the block. A failed write or an interrupt that stopped
+def _holding(run_dir: RunDir) -> Iterator[None]:
+    """Holds ``run_dir``'s lock for the block. A failed write or an interrupt that stopped
     it without saving names the last checkpoint; a run refused before its first checkpoint
     (vocabulary, experts, mesh, data) leaves no ``MODEL_DIR`` behind when it created it."""
-    created = not storage.exists(model_dir)
-    checkpoints.ensure_writable(model_dir)
+    created = not run_dir.exists()
+    run_dir.check_writable()
     try:
-        with run_lock.hold(model_dir), _naming_last_checkpoint(model_dir):
+        with run_lock.hold(run_dir), _naming_last_checkpoint(run_dir):
             yield
     except Exception as err:
         refused = not isinstance(err, NonFiniteLossError | errors.WriteFailedError)
-        if (
-            created
-            and refused
-            and jax.process_index() == 0
-            and checkpoints.reached_step(model_dir) is None
-        ):
-            storage.rmtree(model_dir)
+        if created and refused and jax.process_index() == 0 and run_dir.reached_step() is None:
+            storage.rmtree(run_dir.path)
         raise
 
 
 @contextlib.contextmanager
-def _naming_last_checkpoint(model_dir: str) -> Iterator[None]:
+def _naming_last_checkpoint(run_dir: RunDir) -> Iterator[None]:
     """Adds the run's last checkpoint (and how to resume) to a failed write and an
     interrupt that stopped the block without saving."""
     try:
@@ -418,12 +599,12 @@ def _naming_last_checkpoint(model_dir: str) -> Iterator[None]:
         if err.names_last_good:
             raise
         raise errors.WriteFailedError(
-            f"{err}; last good checkpoint: {_last_checkpoint(model_dir)}", names_last_good=True
+            f"{err}; last good checkpoint: {_last_checkpoint(run_dir)}", names_last_good=True
         ) from err
     except KeyboardInterrupt as err:
         if isinstance(err, errors.Interrupted) and err.detail:
             raise
-        latest = _last_checkpoint(model_dir)
+        latest = _last_checkpoint(run_dir)
         then = (
             "no checkpoint yet: the same command starts the run again"
             if latest == "none yet"
@@ -434,21 +615,22 @@ def _naming_last_checkpoint(model_dir: str) -> Iterator[None]:
         ) from None
 
 
-def _last_checkpoint(model_dir: str) -> str:
+def _last_checkpoint(run_dir: RunDir) -> str:
     """``MODEL_DIR/checkpoints/STEP`` of the newest finished checkpoint, or ``"none yet"``."""
-    step = checkpoints.reached_step(model_dir)
-    return "none yet" if step is None else storage.join(model_dir, "checkpoints", str(step))
+    return run_dir.checkpoint_name(run_dir.reached_step())
 
 
-def _churn_probe(model, run, ctx, eval_cfg, model_dir: str) -> summaries.ChurnProbe:
+def _churn_probe(
+    model: Any, run: builders.TrainSetup, eval_cfg: builders.DatasetConfig, run_dir: RunDir
+) -> summaries.ChurnProbe:
     """The routing-churn probe of a run: the first eval batch is its fixed probe batch."""
     probe_batch = next(builders.eval_batches(eval_cfg, 1))
     return summaries.ChurnProbe(
-        model, run.shardings.params, ctx, probe_batch, model_dir, run.shardings.collections
+        model, run.shardings.params, run.ctx, probe_batch, run_dir, run.shardings.collections
     )
 
 
-def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) -> None:
+def _check_total_steps(total_steps: Any, run_dir: RunDir) -> None:
     """Refuses a ``TRAIN_STEPS`` that is not a positive integer or is below the step the
     run already reached (before anything is written)."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
@@ -456,9 +638,10 @@ def _check_total_steps(total_steps: Any, reached: int | None, model_dir: str) ->
             f"TRAIN_STEPS (train_script.train.total_steps) = {total_steps!r}; "
             "expected a positive integer"
         )
+    reached = run_dir.reached_step()
     if reached is not None and total_steps < reached:
         raise errors.ConfigError(
-            f"TRAIN_STEPS={total_steps} is below step {reached}, which MODEL_DIR={model_dir} "
+            f"TRAIN_STEPS={total_steps} is below step {reached}, which MODEL_DIR={run_dir} "
             f"already reached; pass TRAIN_STEPS >= {reached} to continue it, or another MODEL_DIR"
         )
 
@@ -470,7 +653,7 @@ def _check_parameters(params: Any, step: int, last_saved: str) -> None:
     Raises:
       NonFiniteLossError: naming the step, a parameter and the last good checkpoint.
     """
-    bad = checkpoints.nonfinite_parameters(params)
+    bad = nonfinite_parameters(params)
     if bad:
         raise NonFiniteLossError(
             f"parameters hold NaN or Inf after step {step} ({bad[0]}, {len(bad)} in all); "
@@ -490,15 +673,15 @@ def _check_random_seed(meta: dict[str, Any], random_seed: int, checkpoint: str) 
         )
 
 
-def _check_set_aside(model_dir: str, aside: list[int], *, fresh: bool) -> None:
+def _check_set_aside(run_dir: RunDir, aside: list[int], *, fresh: bool) -> None:
     """Names the damaged checkpoints set aside at earlier starts (at every start until they
     are deleted), and refuses to train from step 0 while they are there."""
     if not aside:
         return
-    folder = storage.join(model_dir, checkpoints.UNREADABLE_DIR)
+    folder = run_dir.unreadable_dir
     if fresh:
         raise errors.CheckpointError(
-            f"MODEL_DIR={model_dir} has no readable checkpoint, but {folder} holds step(s) {aside} "
+            f"MODEL_DIR={run_dir} has no readable checkpoint, but {folder} holds step(s) {aside} "
             "set aside as damaged: refusing to train again from step 0. Inspect them; delete that "
             "folder to start afresh."
         )
@@ -522,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         "MODEL_DIR/config.step-N.gin and later resumes compare with it",
     )
     summaries.add_progress_flag(parser)
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)
     result = train(

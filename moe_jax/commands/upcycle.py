@@ -36,7 +36,16 @@ from moe_jax import param_paths, storage
 from moe_jax.moe import capacity
 from moe_jax.moe.config import MoeConfig, TopKRouterConfig
 from moe_jax.moe.upcycle import upcycle_params
-from moe_jax.runtime import builders, checkpoints, evaluation, gin_utils
+from moe_jax.runtime import (
+    builders,
+    checkpoints,
+    evaluation,
+    gin_flags,
+    gin_text,
+    gin_utils,
+    router_init,
+)
+from moe_jax.runtime.run_dir import RunDir
 
 
 def _keeps_every_token(config: MoeConfig) -> bool:
@@ -131,10 +140,10 @@ def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]
 def _dense_params(path: str) -> tuple[dict[str, Any], int]:
     """``({"encoder/layers_0/...": array}, step)`` of the dense checkpoint at ``path``."""
 
-    model_dir, step = checkpoints.split_checkpoint_path(path)
-    if not storage.isdir(storage.join(model_dir, "checkpoints")):
+    run_dir, step = RunDir.of_checkpoint(path)
+    if not storage.isdir(run_dir.checkpoints_dir):
         raise FileNotFoundError(f"upcycle: --checkpoint={path!r} holds no checkpoints")
-    ckpt = checkpoints.Checkpointer(model_dir, read_only=True)
+    ckpt = checkpoints.Checkpointer(run_dir, read_only=True)
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:
@@ -150,7 +159,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
-    params, _, step, _ = checkpoints.restore_from(f"{model_dir}/{step}", target)
+    params, _, step, _ = checkpoints.restore_from(run_dir.step_dir(step), target)
     flat = param_paths.named_leaves(params)
     return flat, step
 
@@ -204,7 +213,8 @@ def upcycle(
         params=params,
         opt_state=opt_state,
     )
-    ckpt = checkpoints.Checkpointer(out, async_save=False)
+    run_dir = RunDir(out)
+    ckpt = checkpoints.Checkpointer(run_dir, async_save=False)
     try:
         ckpt.save(
             state,
@@ -218,12 +228,12 @@ def upcycle(
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
-    checkpoints.save_router_init(out, params)
+    router_init.save(run_dir, params)
     if jax.process_index() == 0:
-        storage.write_text(storage.join(out, "config.gin"), gin.config_str())
+        storage.write_text(run_dir.config_file, gin.config_str())
         eval_cfg = _train_argument("train_eval_dataset_cfg")
         if eval_cfg is not None:
-            evaluation.record_eval_settings(out, _train_argument("eval_steps"), eval_cfg)
+            evaluation.record_eval_settings(run_dir, _train_argument("eval_steps"), eval_cfg)
     return {
         "out": out,
         "step": step,
@@ -267,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "dropped, so the step-0 model is not the dense one); default: a layer that "
         "would drop tokens is written dropless (CapacityConfig.dropless = True)",
     )
-    args = gin_utils.parse_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     args.gin_dot_bindings.append(f"MODEL_DIR = {args.out!r}")
     try:
         gin_utils.parse_gin(args, finalize=False)
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         result = upcycle(
             args.checkpoint, args.out, noise_std=args.noise_std, reset_step=args.reset_step
         )
-    except (gin_utils.GinConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
+    except (gin_text.GinConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"moe-jax upcycle: error: {err}", file=sys.stderr)
         return 1
     if made_dropless:
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             for c in configs
         )
         print(
-            f"[moe-jax] upcycle: {args.out}/config.gin binds CapacityConfig.dropless = True (the "
+            f"[moe-jax] upcycle: {RunDir(args.out).config_file} binds CapacityConfig.dropless = "
+            "True (the "
             f"gin files' "
             f"capacity factors {factors} would drop tokens), so the step-0 model is the dense one "
             "and training continues dropless; --keep_capacity keeps the capacity factors",

@@ -23,15 +23,16 @@ import numpy as np
 from moe_jax import plotting, storage
 from moe_jax.experiments import sweep
 from moe_jax.runtime import summaries
+from moe_jax.runtime.run_dir import RunDir
 
 QUANTITIES = ("accuracy", "cross_entropy", "dropped_fraction", "max_load")
 _DROPPED = re.compile(r"^moe/(.+)/dropped_fraction$")
 _LOAD = re.compile(r"^moe/(.+)/expert_load$")
 
 
-def last_eval(model_dir: str) -> dict[str, Any] | None:
-    """The last eval record of ``model_dir/metrics.jsonl`` (None if it has none)."""
-    records = summaries.read_metrics(model_dir, "eval")
+def last_eval(run_dir: RunDir) -> dict[str, Any] | None:
+    """The last eval record of ``MODEL_DIR/metrics.jsonl`` (None if it has none)."""
+    records = summaries.read_metrics(run_dir, "eval")
     return max(records, key=lambda r: r["step"], default=None)
 
 
@@ -57,7 +58,7 @@ def compare(family: sweep.Family, root: str) -> dict[str, dict[str, Any]]:
     """``{run group: {quantity: mean over seeds, "seeds": n, "step": last eval step}}``."""
     rows: dict[str, list[dict[str, float]]] = {}
     for spec in family.runs:
-        record = last_eval(spec.model_dir(root))
+        record = last_eval(spec.run_dir(root))
         if record is not None:
             rows.setdefault(spec.group, []).append(routing_quantities(record))
     return {

@@ -73,6 +73,7 @@ import numpy as np
 from moe_jax import plotting, storage
 from moe_jax.errors import UserError
 from moe_jax.runtime import summaries
+from moe_jax.runtime.run_dir import RunDir
 
 FAMILY_KEYS = frozenset(
     {"name", "description", "gin_files", "seeds", "metric", "bindings", "axes", "runs"}
@@ -102,6 +103,10 @@ class RunSpec:
 
     def model_dir(self, root: str) -> str:
         return storage.join(root, self.group, f"seed{self.seed}")
+
+    def run_dir(self, root: str) -> RunDir:
+        """The run directory of this run under the sweep ``root``."""
+        return RunDir(self.model_dir(root))
 
     def command(self, root: str) -> list[str]:
         """The ``moe-jax train`` argv of this run."""
@@ -288,9 +293,9 @@ def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSp
     """Runs one training, its output appended to ``<MODEL_DIR>/log.txt`` and echoed line by
     line, prefixed with the run, to this process's stdout (the trainer writes plain
     timestamped progress lines there, stdout not being a terminal)."""
-    model_dir = spec.model_dir(root)
-    storage.makedirs(model_dir)
-    log_path = storage.join(model_dir, "log.txt")
+    run_dir = spec.run_dir(root)
+    storage.makedirs(run_dir.path)
+    log_path = run_dir.log_file
     local = storage.is_local(log_path)
     start = time.time()
     prefix = f"[sweep {spec.group} seed {spec.seed}] "
@@ -310,7 +315,7 @@ def _execute(spec: RunSpec, root: str, executable: Sequence[str]) -> tuple[RunSp
             earlier = storage.read_bytes(log_path) if storage.exists(log_path) else b""
             storage.write_bytes(log_path, earlier + log.read())
     if rc == 0:
-        storage.write_text(storage.join(model_dir, "DONE"), f"{time.time() - start:.1f} s\n")
+        storage.write_text(run_dir.done_file, f"{time.time() - start:.1f} s\n")
     return spec, rc, time.time() - start
 
 
@@ -321,7 +326,7 @@ def run_family(
     executable: Sequence[str] = (sys.executable, "-m", "moe_jax.cli", "train"),
 ) -> int:
     """Train every run of ``family`` not yet marked DONE; returns the number that failed."""
-    todo = [s for s in family.runs if not storage.exists(storage.join(s.model_dir(root), "DONE"))]
+    todo = [s for s in family.runs if not storage.exists(s.run_dir(root).done_file)]
     todo.sort(key=lambda s: s.seed)  # whole seeds first: a cut-short sweep still compares runs
     print(
         f"[sweep] {family.name}: {len(family.runs)} runs, {len(family.runs) - len(todo)} done, "
@@ -333,9 +338,7 @@ def run_family(
         futures = [pool.submit(_execute, s, root, executable) for s in todo]
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
             spec, rc, seconds = future.result()
-            status = (
-                "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.model_dir(root)}/log.txt)"
-            )
+            status = "done" if rc == 0 else f"FAILED (exit {rc}; see {spec.run_dir(root).log_file})"
             print(
                 f"[sweep] {i}/{len(todo)} {spec.group} seed {spec.seed}: {status} in "
                 f"{seconds / 60:.1f} min",
@@ -348,11 +351,11 @@ def run_family(
 # ------------------------------------------------------------------------------ collect
 
 
-def read_eval_curve(model_dir: str, metric: str) -> dict[int, float]:
-    """``{step: value}`` of ``metric`` over the eval records of ``model_dir/metrics.jsonl``."""
+def read_eval_curve(run_dir: RunDir, metric: str) -> dict[int, float]:
+    """``{step: value}`` of ``metric`` over the eval records of ``MODEL_DIR/metrics.jsonl``."""
     return {
         int(record["step"]): float(record[metric])  # a resumed run's later record wins
-        for record in summaries.read_metrics(model_dir, "eval")
+        for record in summaries.read_metrics(run_dir, "eval")
         if metric in record
     }
 
@@ -372,7 +375,7 @@ def summarize(family: Family, root: str) -> dict[str, Any]:
     per pair of runs at the same axis point: per-seed final gaps (paired by seed)."""
     groups: dict[str, dict[str, Any]] = {}
     for spec in family.runs:
-        curve = read_eval_curve(spec.model_dir(root), family.metric)
+        curve = read_eval_curve(spec.run_dir(root), family.metric)
         group = groups.setdefault(
             spec.group, {"run": spec.run, "axes": dict(spec.axes), "seeds": {}}
         )

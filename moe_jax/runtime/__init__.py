@@ -1,15 +1,24 @@
 """The training runtime: what the commands (`moe_jax.commands`) are built from.
 
 Modules, one job each:
-  gin_utils      command-line flags and gin parsing (files, `--gin.NAME=value`, bindings), the
-                 run's recorded config and the gate that refuses code from a run directory
-  distributed    `jax.distributed` start-up from flags/environment; preemption notices
+  gin_text       gin text read without running it: search paths, file text, inert parsing
+  gin_flags      the T5X-style command-line flags (`--gin_file`, `--gin.NAME=value`, ...)
+  gin_utils      gin parsing of the command line's files and bindings, errors naming the line
+  config_gate    the gate refusing code named by a config from a run directory or an export
+  run_config     the run's recorded gin config: kept, compared on resume, found by commands
+  run_dir        the layout of a run directory: `RunDir` names every path in `MODEL_DIR`
+  distributed    `jax.distributed` start-up from flags/environment; process-0 decisions;
+                 objects gathered from every process; preemption notices
   optimizers     optax optimizers and learning-rate schedules from gin
   train_state    the train state pytree (step, params, optimizer state, RNG)
   builders       what every command builds the same way: mesh and rules, optimizer, sharded
                  state layout, jitted steps, dataset configs, a restored model
   train_step     the jitted train and eval steps
-  checkpoints    orbax checkpoint manager: async saves, restore onto any mesh, config checks
+  checkpoints    orbax checkpoints: async saves, keep-K, restores onto any mesh
+  checkpoint_checks  whether a checkpoint step can be used: integrity record, parameter
+                 shapes, finite parameters
+  orbax_failures orbax's failures told in one line, its own reports of them dropped
+  router_init    the routers' initial weights of a run (`router_init.npz`)
   run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
   summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry
   routing        per-token routing of every MoE layer of a restored model (the layer's opt-in

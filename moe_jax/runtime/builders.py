@@ -26,7 +26,7 @@ import numpy as np
 
 from moe_jax import errors, hardware, partitioning
 from moe_jax.moe import freeze
-from moe_jax.runtime import checkpoints, distributed, gin_utils, optimizers, train_state, train_step
+from moe_jax.runtime import checkpoints, distributed, gin_flags, optimizers, train_state, train_step
 
 
 @gin.configurable(module="utils")
@@ -225,8 +225,9 @@ def restore_model(
 
     Raises:
       moe_jax.runtime.checkpoints.MissingCheckpointError: naming the path.
-      moe_jax.runtime.checkpoints.CheckpointMismatchError: naming the mismatching parameters.
-      moe_jax.runtime.checkpoints.UnreadableCheckpointError: naming the file.
+      moe_jax.runtime.checkpoint_checks.CheckpointMismatchError: naming the mismatching
+        parameters.
+      moe_jax.runtime.checkpoint_checks.UnreadableCheckpointError: naming the file.
     """
 
     abstract = abstract_variables(model, input_shapes)
@@ -354,6 +355,6 @@ def build_train_setup(
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The flags every gin-configured command takes (gin files/bindings, distributed)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    gin_utils.add_gin_flags(parser)
+    gin_flags.add_gin_flags(parser)
     distributed.add_distributed_flags(parser)
     return parser

@@ -1,4 +1,5 @@
-"""Multi-host start-up, decisions taken by process 0, and preemption notices.
+"""Multi-host start-up, decisions taken by process 0, objects gathered from every process,
+and preemption notices.
 
 :func:`initialize` calls ``jax.distributed.initialize`` when the run is multi-process:
   * TPU pods and SLURM/Open MPI clusters: JAX detects its peers itself
@@ -17,6 +18,7 @@ and exit" at a step every process agrees on.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 from collections.abc import Callable
@@ -130,6 +132,18 @@ def process_zero_decides(
     if error is not None:
         raise error
     return result
+
+
+def gather_from_processes(obj: Any) -> list[Any]:
+    """Every process's JSON-serialisable ``obj``, in process order (one collective)."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    length = int(np.max(multihost_utils.process_allgather(np.array([data.size], np.int32))))
+    padded = np.zeros(length, np.uint8)
+    padded[: data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in np.asarray(rows)]
 
 
 class PreemptionWatcher:

@@ -13,18 +13,18 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.runtime import builders
+from moe_jax.runtime.run_dir import RunDir
 
-EVAL_SETTINGS_FILE = "eval_settings.json"
 EVAL_SCOPE = "eval/utils.DatasetConfig"  # the dataset of eval_script.evaluate (runs/eval.gin)
 
 
 def record_eval_settings(
-    model_dir: str, eval_steps: int, dataset_cfg: builders.DatasetConfig
+    run_dir: RunDir, eval_steps: int, dataset_cfg: builders.DatasetConfig
 ) -> str:
     """Writes ``MODEL_DIR/eval_settings.json``: ``{"eval_steps": n, "dataset": {the fields
     of dataset_cfg}}``, what a run's in-training evaluation reads, for ``moe-jax eval`` to
     reproduce; returns its path."""
-    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+    path = run_dir.eval_settings_file
     settings: dict[str, Any] = {
         "eval_steps": int(eval_steps),
         "dataset": dataclasses.asdict(dataset_cfg),
@@ -34,10 +34,10 @@ def record_eval_settings(
     return path
 
 
-def read_eval_settings(model_dir: str) -> dict[str, Any] | None:
+def read_eval_settings(run_dir: RunDir) -> dict[str, Any] | None:
     """The run's recorded eval settings (:func:`record_eval_settings`), or None when it has
     none (a run trained before they were recorded, an imported one)."""
-    path = storage.join(model_dir, EVAL_SETTINGS_FILE)
+    path = run_dir.eval_settings_file
     return json.loads(storage.read_text(path)) if storage.exists(path) else None
 
 

@@ -30,8 +30,8 @@ from typing import Any
 
 from moe_jax import errors, storage
 from moe_jax.runtime import distributed
+from moe_jax.runtime.run_dir import RunDir
 
-LOCK_FILE = "LOCK"
 DEFAULT_LEASE_SEC = 120.0
 
 
@@ -49,9 +49,9 @@ def _record(text: str) -> dict[str, Any] | None:
 class RunLock:
     """Holds ``MODEL_DIR/LOCK`` from :meth:`acquire` to :meth:`release` (a context manager)."""
 
-    def __init__(self, model_dir: str, lease_sec: float | None = None):
-        self.model_dir = storage.normalize(model_dir)
-        self.path = storage.join(self.model_dir, LOCK_FILE)
+    def __init__(self, run_dir: RunDir, lease_sec: float | None = None):
+        self.run_dir = run_dir
+        self.path = run_dir.lock_file
         self.lease_sec = lease_seconds() if lease_sec is None else lease_sec
         self.record = {
             "host": socket.gethostname(),
@@ -71,7 +71,7 @@ class RunLock:
                 created = self._create()
             except NotImplementedError as err:
                 print(
-                    f"[moe-jax] warning: no run lock is held for {self.model_dir} ({err}): make "
+                    f"[moe-jax] warning: no run lock is held for {self.run_dir} ({err}): make "
                     "sure one trainer writes it",
                     file=sys.stderr,
                     flush=True,
@@ -89,7 +89,7 @@ class RunLock:
             reason = self._dead(holder, age)
             if reason is None:
                 raise errors.RunLockedError(
-                    f"{self.model_dir} is being written by another trainer: host "
+                    f"{self.run_dir} is being written by another trainer: host "
                     f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
                     f"(heartbeat {age:.0f} s ago; its lock {self.path} expires "
                     f"{holder.get('lease_sec', self.lease_sec):.0f} s "
@@ -99,7 +99,7 @@ class RunLock:
         raise errors.RunLockedError(f"could not take the lock {self.path} (contended)")
 
     def _create(self) -> bool:
-        storage.makedirs(self.model_dir)
+        storage.makedirs(self.run_dir.path)
         return storage.create_exclusive(self.path, json.dumps(self.record).encode())
 
     def _read(self) -> tuple[dict[str, Any] | None, float]:
@@ -182,12 +182,12 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def hold(model_dir: str) -> Iterator[RunLock | None]:
-    """Holds ``model_dir``'s lock on process 0 for the ``with`` block; every process raises
+def hold(run_dir: RunDir) -> Iterator[RunLock | None]:
+    """Holds ``run_dir``'s lock on process 0 for the ``with`` block; every process raises
     :class:`~moe_jax.errors.RunLockedError` when process 0 could not take it."""
 
     def take() -> RunLock:
-        lock = RunLock(model_dir).acquire()
+        lock = RunLock(run_dir).acquire()
         if lock.took_over:
             old = lock.took_over
             holder = (
@@ -196,7 +196,7 @@ def hold(model_dir: str) -> Iterator[RunLock | None]:
                 else "no holder"
             )
             print(
-                f"[moe-jax] took over the lock of {model_dir} from {holder}: {old['reason']}",
+                f"[moe-jax] took over the lock of {run_dir} from {holder}: {old['reason']}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -204,7 +204,7 @@ def hold(model_dir: str) -> Iterator[RunLock | None]:
 
     lock = distributed.process_zero_decides(
         take,
-        lambda: errors.RunLockedError(f"{model_dir} is locked by another trainer (see process 0)"),
+        lambda: errors.RunLockedError(f"{run_dir} is locked by another trainer (see process 0)"),
     )
     try:
         yield lock

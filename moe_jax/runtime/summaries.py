@@ -37,6 +37,7 @@ from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
 from moe_jax import hardware, param_paths, storage
 from moe_jax.runtime import builders, routing
+from moe_jax.runtime.run_dir import RunDir
 
 
 @gin.configurable
@@ -130,15 +131,13 @@ class ChurnProbe:
     previous one. The last choices persist in ``MODEL_DIR/routing_probe.npz``, so a resumed
     run measures churn against the evaluation before the interruption."""
 
-    FILE = "routing_probe.npz"
-
     def __init__(
         self,
         model: Any,
         params_shardings: Any,
         ctx: Any,
         probe_batch: dict[str, np.ndarray],
-        model_dir: str,
+        run_dir: RunDir,
         collections_shardings: Any = None,
     ):
         """``probe_batch``: this process's share of the probe batch (numpy);
@@ -148,7 +147,7 @@ class ChurnProbe:
             model, params_shardings, ctx.mesh, ctx.rules, ctx.batch_axes, collections_shardings
         )
         self._batch = builders.global_batch(probe_batch, ctx)
-        self._path = storage.join(model_dir, self.FILE)
+        self._path = run_dir.routing_probe_file
         self._previous: dict[str, np.ndarray] = {}
         if storage.exists(self._path):
             self._previous = {
@@ -183,21 +182,19 @@ class MetricsWriter:
     (:func:`routing_telemetry`) for ``expert_shards`` devices along the ``expert`` mesh axis.
     Only process 0 writes."""
 
-    def __init__(self, model_dir: str, expert_shards: int = 1):
-        self.model_dir = model_dir
+    def __init__(self, run_dir: RunDir, expert_shards: int = 1):
+        self.run_dir = run_dir
         self.expert_shards = expert_shards
         self.enabled = jax.process_index() == 0
         self._events: dict[str, EventWriter] = {}
-        self._jsonl = (
-            storage.AppendFile(storage.join(model_dir, METRICS_FILE)) if self.enabled else None
-        )
+        self._jsonl = storage.AppendFile(run_dir.metrics_file) if self.enabled else None
 
     def write(self, split: str, step: int, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
             return
         scalars, arrays = scalarize(routing_telemetry(flatten_metrics(metrics), self.expert_shards))
         if split not in self._events:
-            self._events[split] = EventWriter(storage.join(self.model_dir, split))
+            self._events[split] = EventWriter(self.run_dir.events_dir(split))
         self._events[split].write_scalars(step, scalars)
         if arrays:
             self._events[split].write_histograms(step, {k: v for k, v in arrays.items() if v.size})
@@ -223,10 +220,10 @@ class MetricsWriter:
             self._jsonl.close()
 
 
-def read_metrics(model_dir: str, split: str | None = None) -> list[dict[str, Any]]:
+def read_metrics(run_dir: RunDir, split: str | None = None) -> list[dict[str, Any]]:
     """The records of ``MODEL_DIR/metrics.jsonl`` (of one ``split`` when given), skipping
     a line that is not whole JSON; [] when the run has none."""
-    path = storage.join(model_dir, METRICS_FILE)
+    path = run_dir.metrics_file
     if not storage.exists(path):
         return []
     records = []
@@ -371,15 +368,12 @@ class Progress:
             self._bar.close()
 
 
-METRICS_FILE = "metrics.jsonl"
-
-
-def drop_records_after(model_dir: str, step: int) -> None:
+def drop_records_after(run_dir: RunDir, step: int) -> None:
     """Removes the metrics of steps after ``step`` from ``metrics.jsonl`` and the
     TensorBoard event files of ``MODEL_DIR/{train,eval}`` (process 0, on resume), so a run
     resumed from its checkpoint at ``step`` logs each later step once. A line that is not
     whole JSON (a write cut short by a full disk or a kill) is dropped with a warning."""
-    path = storage.join(model_dir, METRICS_FILE)
+    path = run_dir.metrics_file
     if storage.exists(path):
         lines = storage.read_text(path).splitlines(keepends=True)
         kept = []
@@ -399,8 +393,8 @@ def drop_records_after(model_dir: str, step: int) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
         if kept != lines:
             storage.write_text(path, "".join(kept))
-    for split in ("train", "eval"):
-        folder = storage.join(model_dir, split)
+    for split in RunDir.EVENT_SPLITS:
+        folder = run_dir.events_dir(split)
         for name in storage.listdir(folder):
             if "tfevents" in name:
                 _drop_events_after(storage.join(folder, name), step)

@@ -10,7 +10,7 @@ import gin
 import pytest
 
 from moe_jax.commands import train
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, gin_flags, gin_utils
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -26,7 +26,7 @@ TINY = [
 def tiny_run(tmp_path_factory) -> pathlib.Path:
     """``MODEL_DIR`` of a 1-step run: ``checkpoints/1`` and the run's ``config.gin``."""
     model_dir = tmp_path_factory.mktemp("tiny_run")
-    args = gin_utils.parse_flags(
+    args = gin_flags.parse_flags(
         builders.build_parser("test", "test"),
         [*TINY, f"--gin.MODEL_DIR={model_dir}", "--gin.TRAIN_STEPS=1"],
     )

@@ -12,6 +12,7 @@ from moe_jax.analysis import counterfactual
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.collections import MOE_METRICS_COLLECTION, ROUTING_COLLECTION
 from moe_jax.moe.routers import HashRouter, TopKRouter
+from moe_jax.runtime.run_dir import RunDir
 from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
@@ -60,12 +61,12 @@ def test_random_and_init_replace_only_router_weights(tmp_path):
         )
     )
     with pytest.raises(ValueError, match="saved no initial router"):
-        counterfactual.variant("init", params, str(tmp_path))
+        counterfactual.variant("init", params, RunDir(tmp_path))
     with pytest.raises(
         ValueError, match="valid routers: learned, init, random, hash, uniform, shuffled"
     ):
-        counterfactual.variant("best", params, str(tmp_path))
-    same, interceptor = counterfactual.variant("learned", params, str(tmp_path))
+        counterfactual.variant("best", params, RunDir(tmp_path))
+    same, interceptor = counterfactual.variant("learned", params, RunDir(tmp_path))
     assert same is params and interceptor is None
 
 

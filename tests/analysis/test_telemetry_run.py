@@ -8,7 +8,7 @@ import gin
 import numpy as np
 
 from moe_jax.commands import train
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, gin_flags, gin_utils
 from tests.analysis.conftest import TINY
 
 LAYERS = ("encoder/layers_1", "decoder/layers_1")
@@ -25,7 +25,7 @@ def test_training_logs_telemetry_and_zero_churn_when_nothing_changes(tmp_path):
         "--gin.learning_rate_schedule.base_learning_rate=0.0",
         "--gin.learning_rate_schedule.final_learning_rate=0.0",
     ]
-    gin_utils.parse_gin(gin_utils.parse_flags(builders.build_parser("test", "test"), flags))
+    gin_utils.parse_gin(gin_flags.parse_flags(builders.build_parser("test", "test"), flags))
     try:
         train.train()
     finally:

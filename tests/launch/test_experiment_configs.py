@@ -10,14 +10,14 @@ import gin
 import jax
 import pytest
 
-from moe_jax.runtime import gin_utils
+from moe_jax.runtime import gin_flags, gin_utils
 
 
 def _parse(*files: str, bindings: tuple[str, ...] = ()) -> None:
     parser = argparse.ArgumentParser()
-    gin_utils.add_gin_flags(parser)
+    gin_flags.add_gin_flags(parser)
     argv = [f"--gin_file=experiments/{f}" for f in files] + [f"--gin.{b}" for b in bindings]
-    gin_utils.parse_gin(gin_utils.parse_flags(parser, [*argv, "--gin.MODEL_DIR=/tmp/x"]))
+    gin_utils.parse_gin(gin_flags.parse_flags(parser, [*argv, "--gin.MODEL_DIR=/tmp/x"]))
 
 
 @pytest.fixture(autouse=True)
@@ -121,9 +121,9 @@ def test_accelerator_runs_use_bfloat16_activations_and_the_cpu_overlay_float32(e
 )
 def test_accelerator_meshes_switch_a_run_to_bfloat16(mesh, dtype):
     parser = argparse.ArgumentParser()
-    gin_utils.add_gin_flags(parser)
+    gin_flags.add_gin_flags(parser)
     gin_utils.parse_gin(
-        gin_utils.parse_flags(
+        gin_flags.parse_flags(
             parser, ["--gin_file=runs/smoke_cpu.gin", f"--gin_file=meshes/{mesh}.gin"]
         )
     )

@@ -12,7 +12,7 @@ import pytest
 from moe_jax.commands import export
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import ExecutionConfig
-from moe_jax.runtime import aot, builders, gin_utils
+from moe_jax.runtime import aot, builders, gin_flags, gin_utils
 
 SHAPES = {"encoder_input_tokens": (8, 64), "decoder_input_tokens": (8, 16)}
 # name: (gin files and flags, training FLOPs per example, forward FLOPs per example)
@@ -99,7 +99,7 @@ SMOKE_MOE = {
 
 def _model(files: list[str]):
     flags = [f if f.startswith("--") else f"--gin_file={f}" for f in files]
-    gin_utils.parse_gin(gin_utils.parse_flags(builders.build_parser("test", "test"), flags))
+    gin_utils.parse_gin(gin_flags.parse_flags(builders.build_parser("test", "test"), flags))
     return gin.query_parameter("train_script.train.model").scoped_configurable_fn()
 
 

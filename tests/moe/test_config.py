@@ -22,7 +22,7 @@ from moe_jax.moe.config import (
     NoisyTopKRouterConfig,
     TopKRouterConfig,
 )
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, gin_flags, gin_text, gin_utils
 
 ROUTERS = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
 # (router config, option): the combinations the old layer accepted and silently ignored.
@@ -53,11 +53,11 @@ def test_an_option_the_router_lacks_is_refused_at_parse_naming_file_line_option_
 ):
     path = tmp_path / "study.gin"
     path.write_text(f"# the study\nMoeConfig.router = @{router}()\n{router}.{option} = {value}\n")
-    args = gin_utils.parse_flags(
+    args = gin_flags.parse_flags(
         builders.build_parser("test", "test"),
         ["--gin_file=runs/smoke_cpu.gin", f"--gin_file={path}"],
     )
-    with pytest.raises(gin_utils.GinConfigError) as err:
+    with pytest.raises(gin_text.GinConfigError) as err:
         gin_utils.parse_gin(args)
     message = str(err.value)
     assert router in message and option in message and str(path) in message and "line 3" in message
@@ -175,11 +175,11 @@ def test_old_bindings_translate_and_ignored_options_are_left_out_with_a_warning(
 
 
 def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names():
-    args = gin_utils.parse_flags(
+    args = gin_flags.parse_flags(
         builders.build_parser("test", "test"),
         ["--gin_file=runs/smoke_cpu.gin", "--gin.MoeLayer.jitter_noise=0.1"],
     )
     with pytest.raises(
-        gin_utils.GinConfigError, match=r"(?s)'MoeLayer'.*MoeConfig\.\*, <Router>Config"
+        gin_text.GinConfigError, match=r"(?s)'MoeLayer'.*MoeConfig\.\*, <Router>Config"
     ):
         gin_utils.parse_gin(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from moe_jax import cli, errors
 from moe_jax.runtime import summaries
+from moe_jax.runtime.run_dir import RunDir
 
 WRITER = textwrap.dedent("""
     import json, resource, sys
@@ -61,11 +63,11 @@ def test_writes_over_a_size_limit_fail_whole_and_name_the_file(tmp_path):
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(tmp_path, capsys):
     lines = [json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) for step in (1, 2, 3)]
-    (tmp_path / summaries.METRICS_FILE).write_text("\n".join(lines) + "\n" + lines[0][:17])
-    summaries.drop_records_after(str(tmp_path), 2)
-    assert (tmp_path / summaries.METRICS_FILE).read_text() == "\n".join(lines[:2]) + "\n"
+    pathlib.Path(RunDir(tmp_path).metrics_file).write_text("\n".join(lines) + "\n" + lines[0][:17])
+    summaries.drop_records_after(RunDir(tmp_path), 2)
+    assert pathlib.Path(RunDir(tmp_path).metrics_file).read_text() == "\n".join(lines[:2]) + "\n"
     assert capsys.readouterr().err == (
-        f"[moe-jax] warning: {tmp_path}/{summaries.METRICS_FILE}, line 4: not a whole JSON record "
+        f"[moe-jax] warning: {RunDir(tmp_path).metrics_file}, line 4: not a whole JSON record "
         "(a write cut short); dropped\n"
     )
 

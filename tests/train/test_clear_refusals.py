@@ -10,6 +10,7 @@ import pytest
 
 from moe_jax import cli, storage
 from moe_jax.runtime import run_lock
+from moe_jax.runtime.run_dir import RunDir
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -89,10 +90,10 @@ def test_an_empty_lock_is_taken_over_at_once(tmp_path, request, where):
     """A writer stopped between creating LOCK and writing it leaves an empty file: no holder
     to wait for (the project's own locks are created whole)."""
     model_dir = str(tmp_path) if where == "local" else request.getfixturevalue("gcs_dir")
-    lock_path = storage.join(model_dir, run_lock.LOCK_FILE)
+    lock_path = RunDir(model_dir).lock_file
     storage.write_bytes(lock_path, b"")
     start = time.monotonic()
-    lock = run_lock.RunLock(model_dir).acquire()
+    lock = run_lock.RunLock(RunDir(model_dir)).acquire()
     try:
         assert time.monotonic() - start < 10
         assert lock.took_over["reason"] == (

@@ -13,7 +13,7 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.commands import evaluate
-from moe_jax.runtime import evaluation
+from moe_jax.runtime.run_dir import RunDir
 
 # The in-training evaluation reads 3 batches of 8 rows; runs/eval.gin's default (8 batches
 # of smoke_cpu.gin's EVAL_STEPS, BATCH_SIZE rows) would give other numbers.
@@ -56,7 +56,7 @@ def _eval(capsys, tmp_path, *flags: str) -> tuple[dict, str]:
 
 
 def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
-    recorded = json.loads((run / evaluation.EVAL_SETTINGS_FILE).read_text())
+    recorded = json.loads((pathlib.Path(RunDir(run).eval_settings_file)).read_text())
     assert recorded["eval_steps"] == 3 and recorded["dataset"]["task_feature_lengths"] == {
         "inputs": 32,
         "targets": 8,
@@ -64,7 +64,7 @@ def test_eval_of_a_run_gives_the_numbers_the_run_printed(run, tmp_path, capsys):
     assert recorded["dataset"]["split"] == "validation"
     own = _run_eval(run)
     result, err = _eval(capsys, tmp_path, f"--checkpoint={run}")
-    assert f"eval settings: the run's, from {run / evaluation.EVAL_SETTINGS_FILE}" in err
+    assert f"eval settings: the run's, from {pathlib.Path(RunDir(run).eval_settings_file)}" in err
     assert (
         "evaluated 3 batches of 8 x {'inputs': 32, 'targets': 8} from the validation split of "
         "task mc4_span_corruption over the embedded UDHR corpus (20 languages)" in err
@@ -88,7 +88,7 @@ def test_reading_a_checkpoint_prints_no_orbax_warning(run, capfd):
     handler = logging.StreamHandler()  # what absl's handler does outside pytest
     logging.getLogger("absl").addHandler(handler)
     try:
-        ckpt = checkpoints.Checkpointer(str(run), read_only=True)
+        ckpt = checkpoints.Checkpointer(RunDir(run), read_only=True)
         assert ckpt.latest_step() == 2
         ckpt.close()
     finally:
@@ -124,11 +124,11 @@ def test_gin_settings_on_request_and_when_the_run_recorded_none(run, tmp_path, c
         "--gin.eval_script.evaluate.eval_steps=2",
     )
     assert "eval settings: runs/eval.gin's" in err and "evaluated 2 batches of 8 x" in err
-    (run / evaluation.EVAL_SETTINGS_FILE).rename(run / "kept.json")
+    (pathlib.Path(RunDir(run).eval_settings_file)).rename(run / "kept.json")
     try:
         _, err = _eval(
             capsys, tmp_path, f"--checkpoint={run}", "--gin.eval_script.evaluate.eval_steps=2"
         )
     finally:
-        (run / "kept.json").rename(run / evaluation.EVAL_SETTINGS_FILE)
+        (run / "kept.json").rename(pathlib.Path(RunDir(run).eval_settings_file))
     assert f"({run} recorded none)" in err

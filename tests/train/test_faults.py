@@ -16,7 +16,16 @@ import pytest
 
 from moe_jax import cli, errors
 from moe_jax.commands import train
-from moe_jax.runtime import builders, checkpoints, gin_utils, run_lock
+from moe_jax.runtime import (
+    builders,
+    checkpoint_checks,
+    checkpoints,
+    gin_flags,
+    gin_text,
+    run_config,
+    run_lock,
+)
+from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_train import parse, run
 
 
@@ -45,7 +54,7 @@ def test_unreadable_latest_checkpoint_falls_back_and_continues_exactly(tmp_path,
     assert files
     # eval/analyze/infer: one line naming step, file and cause
     with pytest.raises(
-        checkpoints.UnreadableCheckpointError,
+        checkpoint_checks.UnreadableCheckpointError,
         match=r"^checkpoint step 6 is unreadable: \S+/checkpoints/6/\S+: 10 bytes, \d+ when saved",
     ) as err:
         checkpoints.restore_from(str(tmp_path / "run"), None)
@@ -86,12 +95,12 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
     run(tmp_path, 3)
     saved = (tmp_path / "config.gin").read_text()
     with pytest.raises(
-        gin_utils.ConfigChangedError,
+        run_config.ConfigChangedError,
         match=r"(?s)resuming at step 3 would change 1 binding.*--allow_config_change.*"
         r"learning_rate_schedule.base_learning_rate: 0.003 -> 0.5",
     ):
         run(tmp_path, 6, "--gin.learning_rate_schedule.base_learning_rate=0.5")
-    assert checkpoints.reached_step(str(tmp_path)) == 3  # nothing trained
+    assert RunDir(tmp_path).reached_step() == 3  # nothing trained
     # length, periods and paths may change: only the learning rate is listed
     parse(
         f"--gin.MODEL_DIR={tmp_path}",
@@ -117,16 +126,16 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
     ]
     # ...and a plain resume that would silently go back to 0.003 is refused like any change
     with pytest.raises(
-        gin_utils.ConfigChangedError,
+        run_config.ConfigChangedError,
         match=r"(?s)another gin config \(.*config.step-3.gin\); resuming at step 6 "
         r"would change 1 binding.*base_learning_rate: 0.5 -> 0.003",
     ):
         run(tmp_path, 7)
-    assert checkpoints.reached_step(str(tmp_path)) == 6
+    assert RunDir(tmp_path).reached_step() == 6
 
 
 def _flags(*argv: str):
-    return gin_utils.parse_flags(builders.build_parser("t", "t"), list(argv))
+    return gin_flags.parse_flags(builders.build_parser("t", "t"), list(argv))
 
 
 def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):
@@ -141,21 +150,21 @@ def test_run_config_with_a_foreign_import_is_refused(tmp_path, monkeypatch):
         "from moe_jax.data import vocab\n# c\nimport evilmod\nA = 1\n"
     )
     with pytest.raises(
-        gin_utils.GinConfigError, match=r"config.gin, line 3: refusing `import evilmod`"
+        gin_text.GinConfigError, match=r"config.gin, line 3: refusing `import evilmod`"
     ):
-        gin_utils.run_gin_files(_flags(), str(run_dir), [], extend_run_config=True)
+        run_config.run_gin_files(_flags(), str(run_dir), [], extend_run_config=True)
     assert cli.main(["analyze", "positions", f"--checkpoint={run_dir}"]) == 1
     assert not marker.exists()  # the module never ran
     (run_dir / "config.gin").write_text("import moe_jax.models.t5 as moe_jax2\nA = 1\n")
-    assert gin_utils.run_config_file(str(run_dir), _flags()) == str(run_dir / "config.gin")
+    assert run_config.run_config_file(RunDir(run_dir), _flags()) == str(run_dir / "config.gin")
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
-    with run_lock.RunLock(str(tmp_path)) as first:
+    with run_lock.RunLock(RunDir(tmp_path)) as first:
         with pytest.raises(
             errors.RunLockedError, match=rf"host {first.record['host']}, PID {os.getpid()}, since"
         ):
-            run_lock.RunLock(str(tmp_path)).acquire()
+            run_lock.RunLock(RunDir(tmp_path)).acquire()
         with pytest.raises(errors.RunLockedError, match="being written by another trainer"):
             run(tmp_path, 1)
     assert not (tmp_path / "LOCK").exists()  # released on exit
@@ -171,16 +180,16 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
             }
         )
     )
-    taken = run_lock.RunLock(str(tmp_path)).acquire()
+    taken = run_lock.RunLock(RunDir(tmp_path)).acquire()
     assert "no longer runs" in taken.took_over["reason"]
     taken.release()
     # another host: refused while its heartbeat is fresh, taken over after the lease
     lock_file.write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "x", "lease_sec": 60}))
     with pytest.raises(errors.RunLockedError, match="host elsewhere, PID 1"):
-        run_lock.RunLock(str(tmp_path)).acquire()
+        run_lock.RunLock(RunDir(tmp_path)).acquire()
     old = time.time() - 61
     os.utime(lock_file, (old, old))
-    taken = run_lock.RunLock(str(tmp_path)).acquire()
+    taken = run_lock.RunLock(RunDir(tmp_path)).acquire()
     assert "no heartbeat for 6" in taken.took_over["reason"]
     assert json.loads(lock_file.read_text())["pid"] == os.getpid()
     taken.release()

@@ -31,6 +31,7 @@ import pytest
 
 from moe_jax import cli, errors
 from moe_jax.runtime import checkpoints, summaries
+from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_processes import FLAGS, env, finish, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -95,14 +96,14 @@ def assert_resumes_exactly(run, reference, restored_step: int) -> None:
 
 def losses(model_dir) -> dict[int, float]:
     """``{step: loss}`` of metrics.jsonl (local or gs://), asserting each step is logged once."""
-    records = summaries.read_metrics(str(model_dir))
+    records = summaries.read_metrics(RunDir(model_dir))
     steps = [r["step"] for r in records if r["split"] == "train"]
     assert len(steps) == len(set(steps)), f"steps logged twice: {sorted(steps)}"
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
 def params_at(model_dir, step: int) -> list[np.ndarray]:
-    ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(model_dir), read_only=True)
     out = ckpt._manager.restore(
         step,
         args=checkpoints.ocp.args.Composite(params=checkpoints.ocp.args.StandardRestore()),
@@ -165,7 +166,7 @@ def test_ctrl_c_saves_at_the_end_of_the_step_then_resume_continues(tmp_path):
     proc.send_signal(signal.SIGINT)
     code, out = finish(proc)
     assert code == errors.EXIT_INTERRUPTED, out[-2000:]
-    saved = checkpoints.reached_step(str(tmp_path))
+    saved = RunDir(tmp_path).reached_step()
     assert stop_lines(out) == [
         f"moe-jax train: stopped by Ctrl-C (SIGINT): at step {saved}: saved "
         f"{tmp_path}/checkpoints/{saved}; the same command resumes from it"
@@ -186,7 +187,7 @@ def test_ctrl_c_twice_during_saves_stops_at_once_then_resume_continues(tmp_path)
     proc.send_signal(signal.SIGINT)
     code, out = finish(proc)
     assert code == errors.EXIT_INTERRUPTED, out[-2000:]
-    latest = checkpoints.reached_step(str(tmp_path))
+    latest = RunDir(tmp_path).reached_step()
     stopped = "moe-jax train: stopped by Ctrl-C (SIGINT)"
     then = f"{tmp_path}/checkpoints/{latest}; the same command resumes from it"
     assert stop_lines(out) in (  # stopped at once, or the first stop's save finished first
@@ -246,7 +247,7 @@ def test_second_trainer_is_refused_and_a_killed_holder_does_not_block(tmp_path):
     ), out[-2000:]
     first.send_signal(signal.SIGKILL)
     finish(first)
-    reached = checkpoints.reached_step(str(tmp_path))
+    reached = RunDir(tmp_path).reached_step()
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={reached + 1}"))
     assert code == 0, out[-2000:]
     assert (
@@ -284,7 +285,7 @@ def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path, store, requ
         survived += 1
         print(
             f"kill {kill + 1}: SIGKILL after step >= {target}; checkpoints "
-            f"{checkpoints.Checkpointer(str(run), read_only=True).all_steps()}",
+            f"{checkpoints.Checkpointer(RunDir(run), read_only=True).all_steps()}",
             flush=True,
         )
     assert survived == kills

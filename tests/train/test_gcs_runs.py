@@ -18,7 +18,8 @@ import pytest
 
 from moe_jax import cli, errors, storage
 from moe_jax.commands import export
-from moe_jax.runtime import checkpoints, gin_utils, run_lock, summaries
+from moe_jax.runtime import checkpoint_checks, checkpoints, run_config, run_lock, summaries
+from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_faults_processes import error_lines, losses, params_at
 from tests.train.test_processes import finish, start, wait_for_step
 from tests.train.test_train import run
@@ -46,7 +47,7 @@ def test_gcs_run_killed_mid_save_resumes_bit_identical_to_a_local_run(tmp_path, 
     wait_for_step(proc, gcs_dir, 4)
     proc.send_signal(signal.SIGKILL)  # saves every step: this lands in or near a save
     finish(proc)
-    complete = checkpoints.Checkpointer(gcs_dir, read_only=True).all_steps()
+    complete = checkpoints.Checkpointer(RunDir(gcs_dir), read_only=True).all_steps()
     assert complete, "no complete checkpoint on gs://"
     code, out = finish(start(gcs_dir, *flags))
     assert code == 0, out[-2000:]
@@ -57,7 +58,8 @@ def test_gcs_run_killed_mid_save_resumes_bit_identical_to_a_local_run(tmp_path, 
         np.testing.assert_array_equal(a, b)
     # the run's files on the bucket: config, integrity records with checksums, no lock left
     assert storage.exists(f"{gcs_dir}/config.gin") and not storage.exists(f"{gcs_dir}/LOCK")
-    record = json.loads(storage.read_text(f"{gcs_dir}/checkpoints/10/{checkpoints.INTEGRITY_FILE}"))
+    integrity = storage.join(RunDir(gcs_dir).step_dir(10), checkpoint_checks.INTEGRITY_FILE)
+    record = json.loads(storage.read_text(integrity))
     assert all(len(entry["crc32c"]) == 8 for entry in record["files"].values())
 
 
@@ -70,7 +72,7 @@ def test_gcs_damaged_checkpoint_falls_back_and_changed_config_is_refused(gcs_dir
     size = fs.info(data_files[0])["size"]
     fs.pipe_file(data_files[0], os.urandom(size))  # same size, other bytes
     with pytest.raises(
-        checkpoints.UnreadableCheckpointError,
+        checkpoint_checks.UnreadableCheckpointError,
         match=r"^checkpoint step 6 is unreadable: "
         rf"{step_dir}/\S+: CRC32C differs",
     ):
@@ -79,14 +81,14 @@ def test_gcs_damaged_checkpoint_falls_back_and_changed_config_is_refused(gcs_dir
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "resuming from step 3 instead" in warnings[0]
     assert sorted(resumed["losses"]) == list(range(4, 10))
-    assert checkpoints.set_aside_steps(gcs_dir) == [6]
-    steps = [r["step"] for r in summaries.read_metrics(gcs_dir, "train")]
+    assert RunDir(gcs_dir).set_aside_steps() == [6]
+    steps = [r["step"] for r in summaries.read_metrics(RunDir(gcs_dir), "train")]
     assert steps == sorted(set(steps)) and steps[-1] == 9
     # the next start names the step set aside
     run(gcs_dir, 9)
     assert "holds step(s) [6] set aside as damaged" in capsys.readouterr().err
     config = storage.read_text(f"{gcs_dir}/config.gin")
-    with pytest.raises(gin_utils.ConfigChangedError, match=r"base_learning_rate: 0.003 -> 0.5"):
+    with pytest.raises(run_config.ConfigChangedError, match=r"base_learning_rate: 0.003 -> 0.5"):
         run(gcs_dir, 12, "--gin.learning_rate_schedule.base_learning_rate=0.5")
     assert storage.read_text(f"{gcs_dir}/config.gin") == config  # never overwritten
 
@@ -94,20 +96,20 @@ def test_gcs_damaged_checkpoint_falls_back_and_changed_config_is_refused(gcs_dir
 def test_gcs_lock_refuses_a_second_writer_until_the_holder_dies_or_its_lease_expires(
     gcs_dir, monkeypatch
 ):
-    first = run_lock.RunLock(gcs_dir).acquire()
+    first = run_lock.RunLock(RunDir(gcs_dir)).acquire()
     with pytest.raises(
         errors.RunLockedError, match=f"{gcs_dir} is being written by another trainer"
     ):
-        run_lock.RunLock(gcs_dir).acquire()
+        run_lock.RunLock(RunDir(gcs_dir)).acquire()
     first.release()
     assert not storage.exists(f"{gcs_dir}/LOCK")
     # a holder on another host that stopped heartbeating: let in once its lease expired
     record = {"host": "other-host", "pid": 1, "since": "then", "lease_sec": 3.0}
     assert storage.create_exclusive(f"{gcs_dir}/LOCK", json.dumps(record).encode())
     with pytest.raises(errors.RunLockedError, match="host other-host, PID 1"):
-        run_lock.RunLock(gcs_dir).acquire()
+        run_lock.RunLock(RunDir(gcs_dir)).acquire()
     time.sleep(3.5)
-    second = run_lock.RunLock(gcs_dir).acquire()
+    second = run_lock.RunLock(RunDir(gcs_dir)).acquire()
     assert second.took_over["host"] == "other-host" and "no heartbeat" in second.took_over["reason"]
     second.release()
 
@@ -121,7 +123,7 @@ def test_gcs_second_trainer_process_is_refused_and_a_killed_holder_does_not_bloc
     assert len(error_lines(out)) == 1 and f"PID {first.pid}" in error_lines(out)[0], out[-2000:]
     first.send_signal(signal.SIGKILL)
     finish(first)
-    reached = checkpoints.reached_step(gcs_dir)
+    reached = RunDir(gcs_dir).reached_step()
     code, out = finish(start(gcs_dir, f"--gin.TRAIN_STEPS={reached + 1}"))
     assert code == 0, out[-2000:]
     assert (
@@ -219,9 +221,8 @@ gin_files = ["runs/smoke_cpu.gin"]
     assert sweep.main(["run", str(family), "--root", gcs_dir]) == 0
     run_dir = f"{gcs_dir}/learned/seed0"
     assert storage.exists(f"{run_dir}/DONE") and storage.isdir(f"{run_dir}/checkpoints/2")
-    assert "train: 100%" in storage.read_text(
-        f"{run_dir}/log.txt"
-    )  # the trainer's output, uploaded
+    # the trainer's output, uploaded: plain progress lines (its stderr is no terminal)
+    assert "step 2/2: loss" in storage.read_text(f"{run_dir}/log.txt")
     capsys.readouterr()
     assert sweep.main(["run", str(family), "--root", gcs_dir]) == 0
     assert "0 to run" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.commands import evaluate
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, gin_flags, gin_utils
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -38,14 +38,14 @@ def test_help_documents_gin_dot_flags_and_macros(command, capsys):
 
 
 def test_every_macro_in_the_help_is_defined_where_it_says():
-    for macro, (path, _) in gin_utils.MACROS.items():
+    for macro, (path, _) in gin_flags.MACROS.items():
         text = (REPO / "gin" / path).read_text()
         assert re.search(rf"^{macro}\s*=", text, re.M), f"{macro} is not defined in gin/{path}"
 
 
 def test_no_search_path_errors_when_run_outside_the_repository(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
-    args = gin_utils.parse_flags(builders.build_parser("t", "t"), ["--gin_file=runs/smoke_cpu.gin"])
+    args = gin_flags.parse_flags(builders.build_parser("t", "t"), ["--gin_file=runs/smoke_cpu.gin"])
     try:
         with caplog.at_level(logging.INFO):
             gin_utils.parse_gin(args)

@@ -17,7 +17,8 @@ from safetensors.numpy import load_file
 from moe_jax import cli, param_paths
 from moe_jax.commands import export
 from moe_jax.data import sources, vocab
-from moe_jax.runtime import checkpoints
+from moe_jax.runtime import checkpoints, router_init
+from moe_jax.runtime.run_dir import RunDir
 
 STEPS = 2
 TRAIN = [
@@ -95,7 +96,7 @@ def test_infer_reads_the_runs_config_and_t5x_macros(text_run, tmp_path, capsys):
 
 
 def _params(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
-    ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(model_dir), read_only=True)
     try:
         step = ckpt.latest_step()
         restored = ckpt._manager.restore(step)
@@ -150,8 +151,8 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     for name in original:
         np.testing.assert_array_equal(imported[name], original[name], err_msg=name)
     original_init, imported_init = (
-        checkpoints.load_router_init(str(text_run)),
-        checkpoints.load_router_init(str(back)),
+        router_init.load(RunDir(text_run)),
+        router_init.load(RunDir(back)),
     )
     assert original_init and original_init.keys() == imported_init.keys()
     for name in original_init:

@@ -11,7 +11,8 @@ import pathlib
 import pytest
 
 from moe_jax import cli, errors, storage
-from moe_jax.runtime import checkpoints
+from moe_jax.runtime import checkpoint_checks, checkpoints
+from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_train import run
 
 
@@ -34,7 +35,7 @@ def test_relative_model_dir_and_checkpoint_work_from_any_working_directory(tmp_p
     assert sorted(os.listdir(tmp_path / "run1rel/checkpoints")) == ["3", "6"]
     resumed = run("run1rel", 9)
     assert sorted(resumed["losses"]) == [7, 8, 9]  # continued, nothing set aside
-    assert not (tmp_path / "run1rel" / checkpoints.UNREADABLE_DIR).exists()
+    assert not storage.exists(RunDir(tmp_path / "run1rel").unreadable_dir)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -48,7 +49,8 @@ def test_relative_model_dir_and_checkpoint_work_from_any_working_directory(tmp_p
 def test_same_size_corruption_is_found_by_the_checksum(tmp_path, capsys):
     full = run(tmp_path / "full", 9)
     run(tmp_path / "run", 6)
-    record = json.loads((tmp_path / "run/checkpoints/6" / checkpoints.INTEGRITY_FILE).read_text())
+    step_dir = pathlib.Path(RunDir(tmp_path / "run").step_dir(6))
+    record = json.loads((step_dir / checkpoint_checks.INTEGRITY_FILE).read_text())
     assert all(len(entry["crc32c"]) == 8 for entry in record["files"].values())
     target = data_files(tmp_path / "run/checkpoints/6/params")[0]
     size = target.stat().st_size
@@ -65,7 +67,7 @@ def test_same_size_corruption_is_found_by_the_checksum(tmp_path, capsys):
     # train: falls back to step 3 and continues exactly
     resumed = run(tmp_path / "run", 9)
     assert resumed["losses"] == {s: full["losses"][s] for s in range(4, 10)}
-    assert checkpoints.set_aside_steps(str(tmp_path / "run")) == [6]
+    assert RunDir(tmp_path / "run").set_aside_steps() == [6]
     run(tmp_path / "run", 9)  # a later start names the step set aside
     assert "holds step(s) [6] set aside as damaged" in capsys.readouterr().err
 
@@ -77,20 +79,20 @@ def test_a_read_failing_while_files_match_their_record_moves_nothing(tmp_path):
     step_dir = tmp_path / "checkpoints/6"
     meta = step_dir / "meta/metadata"
     meta.write_text("{not json")
-    checkpoints.write_integrity(str(step_dir))  # the record agrees with the files
+    checkpoint_checks.write_integrity(str(step_dir))  # the record agrees with the files
     with pytest.raises(checkpoints.CheckpointReadError, match=r"^cannot read checkpoint step 6 \("):
         run(tmp_path, 9)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
-    assert not (tmp_path / checkpoints.UNREADABLE_DIR).exists()
+    assert not storage.exists(RunDir(tmp_path).unreadable_dir)
 
 
 def test_no_silent_restart_from_step_zero_while_damaged_steps_are_set_aside(tmp_path):
     run(tmp_path, 6)
     for step in (3, 6):
         flip_bytes(data_files(tmp_path / f"checkpoints/{step}/params")[0])
-    with pytest.raises(checkpoints.UnreadableCheckpointError, match="no readable checkpoint"):
+    with pytest.raises(checkpoint_checks.UnreadableCheckpointError, match="no readable checkpoint"):
         run(tmp_path, 9)
-    assert checkpoints.set_aside_steps(str(tmp_path)) == [3, 6]
+    assert RunDir(tmp_path).set_aside_steps() == [3, 6]
     with pytest.raises(
         errors.CheckpointError,
         match=r"no readable checkpoint, but \S+ holds step\(s\) \[3, 6\] "

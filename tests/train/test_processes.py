@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from moe_jax import param_paths
-from moe_jax.runtime import checkpoints, summaries
+from moe_jax.runtime import checkpoints, router_init, summaries
+from moe_jax.runtime.run_dir import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def start(model_dir, *flags: str, devices: int = 1) -> subprocess.Popen:
 
 def logged_steps(model_dir) -> list[int]:
     """The steps of ``MODEL_DIR/metrics.jsonl`` (local or gs://; [] before the first)."""
-    return [r["step"] for r in summaries.read_metrics(str(model_dir))]
+    return [r["step"] for r in summaries.read_metrics(RunDir(model_dir))]
 
 
 def wait_for_step(proc, model_dir, step: int, timeout: float = 240) -> None:
@@ -88,7 +89,7 @@ def test_sigterm_saves_then_resume_continues(tmp_path):
     proc.send_signal(signal.SIGTERM)
     code, out = finish(proc)
     assert code == 143, out[-2000:]
-    saved = checkpoints.Checkpointer(str(tmp_path), read_only=True).all_steps()
+    saved = checkpoints.Checkpointer(RunDir(tmp_path), read_only=True).all_steps()
     assert saved and saved[-1] >= 3, saved
     assert [line for line in out.splitlines() if line.startswith("moe-jax train:")] == [
         f"moe-jax train: stopped by SIGTERM: at step {saved[-1]}: saved {tmp_path}/checkpoints/"
@@ -106,7 +107,7 @@ def test_kill_during_saves_then_resume(tmp_path):
     wait_for_step(proc, tmp_path, 4)
     proc.send_signal(signal.SIGKILL)
     finish(proc)
-    complete = checkpoints.Checkpointer(str(tmp_path), read_only=True).all_steps()
+    complete = checkpoints.Checkpointer(RunDir(tmp_path), read_only=True).all_steps()
     assert complete
     code, out = finish(start(tmp_path, f"--gin.TRAIN_STEPS={complete[-1] + 1}"))
     assert code == 0, out[-2000:]
@@ -142,16 +143,16 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
     results = [finish(p) for p in procs]
     for code, out in results:
         assert code == 0, out[-3000:]
-    ckpt = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(tmp_path), read_only=True)
     assert ckpt.all_steps()[-1] == 3
     meta = ckpt.read_meta(3)
     assert [s["shard_index"] for s in meta["data_iterators"]] == [0, 1]
     # restore in this single process, on 8 devices and on 1: the same parameters
     from moe_jax import partitioning
-    from moe_jax.runtime import builders, gin_utils, train_state
+    from moe_jax.runtime import builders, gin_flags, gin_utils, train_state
 
     gin_utils.parse_gin(
-        gin_utils.parse_flags(
+        gin_flags.parse_flags(
             builders.build_parser("t", "t"),
             [*FLAGS, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=3"],
         )
@@ -172,7 +173,7 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
         )
         restored.append(jax.tree.map(np.asarray, ckpt.restore_params(3, target)[0]))
     jax.tree.map(np.testing.assert_array_equal, *restored)
-    init = checkpoints.load_router_init(str(tmp_path))
+    init = router_init.load(RunDir(tmp_path))
     trained = param_paths.router_params(restored[0])
     assert init and any(not np.array_equal(init[k], trained[k]) for k in init)
 

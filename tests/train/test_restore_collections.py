@@ -16,7 +16,8 @@ import pytest
 from moe_jax import cli
 from moe_jax.commands import train
 from moe_jax.moe.collections import BIAS_COLLECTION
-from moe_jax.runtime import builders, checkpoints, gin_utils, summaries
+from moe_jax.runtime import builders, checkpoints, gin_flags, gin_utils, summaries
+from moe_jax.runtime.run_dir import RunDir
 
 # A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
 # bias itself is in test_state_collections.py, which runs with `make test`.
@@ -49,7 +50,7 @@ def _fresh_gin():
 def bias_run(tmp_path_factory) -> pathlib.Path:
     model_dir = tmp_path_factory.mktemp("bias_run")
     gin_utils.parse_gin(
-        gin_utils.parse_flags(
+        gin_flags.parse_flags(
             builders.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"]
         )
     )
@@ -66,7 +67,7 @@ def _model():
 
 def _parse_run(model_dir: pathlib.Path) -> None:
     gin_utils.parse_gin(
-        gin_utils.parse_flags(
+        gin_flags.parse_flags(
             builders.build_parser("t", "t"), [*TINY, f"--gin.MODEL_DIR={model_dir}"]
         )
     )
@@ -81,7 +82,7 @@ def test_restore_model_gives_the_trained_bias(bias_run):
     model, ctx = _model(), builders.run_context()
     restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
     full = builders.build_train_setup(model, SHAPES, ctx).abstract_state
-    ckpt = checkpoints.Checkpointer(str(bias_run), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(bias_run), read_only=True)
     try:
         state = ckpt.restore(STEPS, full)[0]
     finally:
@@ -123,7 +124,7 @@ def test_churn_probe_routes_with_the_bias(bias_run, tmp_path):
         restored.params_shardings,
         ctx,
         probe_batch,
-        str(tmp_path),
+        RunDir(tmp_path),
         restored.collections_shardings,
     )
     assert probe(restored.params, restored.collections) == {}

@@ -13,7 +13,8 @@ import pytest
 
 from moe_jax import cli, errors
 from moe_jax.commands import train
-from moe_jax.runtime import checkpoints
+from moe_jax.runtime import checkpoint_checks, checkpoints
+from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_train import parse, run
 
 
@@ -23,7 +24,7 @@ def _train_records(model_dir: pathlib.Path) -> dict[int, dict]:
 
 
 def _saved_stream(model_dir: pathlib.Path, step: int) -> dict:
-    ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(model_dir), read_only=True)
     try:
         return ckpt.read_meta(step)["data_iterators"][0]
     finally:
@@ -56,14 +57,14 @@ def test_a_change_a_resumed_run_cannot_apply_is_refused_by_name(tmp_path):
         r"trained with 0: a resumed run keeps its checkpoint's RNG state",
     ):
         train.train(allow_config_change=True)
-    assert checkpoints.reached_step(str(tmp_path)) == 3
+    assert RunDir(tmp_path).reached_step() == 3
     assert not list(tmp_path.glob("config.step-*.gin"))
 
 
 def _flip_parameter_bytes(step_dir: pathlib.Path) -> None:
     """Damage no integrity record can tell: the record removed, then 64 bytes of the largest
     parameter data file set to 0xFF (a float32 NaN pattern)."""
-    (step_dir / checkpoints.INTEGRITY_FILE).unlink()
+    (step_dir / checkpoint_checks.INTEGRITY_FILE).unlink()
     data = max((p for p in (step_dir / "params").rglob("*") if p.parent.name == "d"), key=_size)
     with open(data, "r+b") as f:
         f.seek(_size(data) // 2)
@@ -84,7 +85,7 @@ def test_non_finite_parameters_without_a_record_are_set_aside(tmp_path, capsys):
     assert (tmp_path / "checkpoints/6").is_dir()  # eval moves nothing
     resumed = run(tmp_path, 9)
     assert "step 6 is unreadable" in capsys.readouterr().err
-    assert (tmp_path / checkpoints.UNREADABLE_DIR / "6").is_dir()
+    assert (pathlib.Path(RunDir(tmp_path).unreadable_dir) / "6").is_dir()
     assert sorted(resumed["losses"]) == list(range(4, 10))
     assert all(jnp.isfinite(loss) for loss in resumed["losses"].values())
 
@@ -101,13 +102,13 @@ def test_parameters_broken_by_a_step_are_never_saved(tmp_path):
             "--gin.train_script.train.checkpoint_period=1",
             "--gin.learning_rate_schedule.base_learning_rate=1e39",
         )
-    assert checkpoints.reached_step(str(tmp_path)) is None
+    assert RunDir(tmp_path).reached_step() is None
 
 
 def test_orbax_waiting_for_a_save_is_not_printed(tmp_path, caplog):
     """On slow storage (gs://) orbax warns at each save that waited for the previous one;
     the loop waits on purpose, so the run's output stays clean."""
-    checkpoints.Checkpointer(str(tmp_path), read_only=True).close()  # installs the filters
+    checkpoints.Checkpointer(RunDir(tmp_path), read_only=True).close()  # installs the filters
     with caplog.at_level(logging.WARNING):
         logging.getLogger("absl").warning(
             "Waiting for previous save to complete took %f seconds. If this number is high, "

@@ -13,7 +13,15 @@ import gin
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.runtime import builders, evaluation, gin_utils, run_lock
+from moe_jax.runtime import (
+    builders,
+    config_gate,
+    gin_flags,
+    gin_text,
+    run_config,
+    run_lock,
+)
+from moe_jax.runtime.run_dir import RunDir
 
 STEPS = 2
 TRAIN = [
@@ -139,9 +147,9 @@ def test_a_run_config_naming_a_module_is_refused_by_every_command(
 def test_the_same_module_on_the_command_line_is_trusted(poisoned, tmp_path, capsys):
     run, export_dir, payload = poisoned
     trust = f"--gin.MIXTURE_OR_TASK_MODULE={payload}"
-    args = gin_utils.parse_flags(builders.build_parser("t", "t"), [trust])
+    args = gin_flags.parse_flags(builders.build_parser("t", "t"), [trust])
     for source in (run, export_dir):  # the one gate every command's reading goes through
-        assert gin_utils.run_config_file(str(source), args) == str(source / "config.gin")
+        assert run_config.run_config_file(RunDir(source), args) == str(source / "config.gin")
     assert not payload.with_suffix(".ran").exists()
     argv = _commands(run, export_dir, tmp_path / "out")["eval"]
     assert cli.main([*argv, "--eval_settings=gin", trust]) == 0, capsys.readouterr().err
@@ -153,7 +161,7 @@ def test_recorded_eval_settings_naming_a_module_are_refused(run_and_export, tmp_
     run, _ = run_and_export
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    settings = copy / evaluation.EVAL_SETTINGS_FILE
+    settings = pathlib.Path(RunDir(copy).eval_settings_file)
     settings.write_text(settings.read_text().replace('"module": null', '"module": "eviltasks"'))
     assert cli.main(["eval", f"--checkpoint={copy}", "--eval_steps=1"]) == 1
     line = _last_line(capsys)
@@ -171,7 +179,7 @@ DatasetConfig:
 MODEL/EncoderDecoderModel.module = @EncoderDecoder()
 train_eval/DatasetConfig.module = %TFDS_DATA_DIR
 """
-    assert gin_utils.import_bindings(text, "t") == [
+    assert config_gate.import_bindings(text, "t") == [
         ("MIXTURE_OR_TASK_MODULE", 2, "m1"),
         ("eval/utils.DatasetConfig.module", 3, "a.b"),
         ("train/DatasetConfig.module", 4, "m1"),
@@ -179,17 +187,17 @@ train_eval/DatasetConfig.module = %TFDS_DATA_DIR
         ("train_eval/DatasetConfig.module", 8, "%TFDS_DATA_DIR"),
     ]
     # a macro the text does not set is checked where it is set (defaults, command line)
-    assert gin_utils.import_bindings("DatasetConfig.module = %MIXTURE_OR_TASK_MODULE", "t") == []
+    assert config_gate.import_bindings("DatasetConfig.module = %MIXTURE_OR_TASK_MODULE", "t") == []
     trusted = argparse.Namespace(
         command_line_bindings=["MIXTURE_OR_TASK_MODULE = 'a.b'"],
         command_line_gin_files=[],
         gin_search_paths=[],
     )
-    gin_utils.refuse_untrusted_modules(
+    config_gate.refuse_untrusted_modules(
         "t", [("M", 1, "a.b"), ("M", 2, "moe_jax.data.tasks")], trusted
     )
-    with pytest.raises(gin_utils.UntrustedCodeError, match=r"^t, line 3: refusing M = 'm1'"):
-        gin_utils.refuse_untrusted_modules("t", [("M", 3, "m1")], trusted)
+    with pytest.raises(config_gate.UntrustedCodeError, match=r"^t, line 3: refusing M = 'm1'"):
+        config_gate.refuse_untrusted_modules("t", [("M", 3, "m1")], trusted)
 
 
 def test_export_writes_only_into_a_new_empty_or_overwritten_directory(
@@ -260,9 +268,9 @@ def test_commands_read_the_config_a_checkpoint_was_trained_with(tmp_path):
         (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
     (tmp_path / "config.gin").write_text("A = 1\n")
     (tmp_path / "config.step-3.gin").write_text("# resumed at step 3\nA = 2\n")
-    args = gin_utils.parse_flags(builders.build_parser("t", "t"), [])
+    args = gin_flags.parse_flags(builders.build_parser("t", "t"), [])
     read = {
-        checkpoint: gin_utils.checkpoint_config(str(tmp_path / checkpoint), args)
+        checkpoint: run_config.checkpoint_config(str(tmp_path / checkpoint), args)
         for checkpoint in ("checkpoints/1", "checkpoints/3", "5", "")
     }
     assert read == {
@@ -305,27 +313,27 @@ def test_a_module_the_user_trusts_once_is_trusted_by_every_command(tmp_path, mon
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.gin").write_text("MIXTURE_OR_TASK_MODULE = 'my_tasks'\n")
-    settings = run_dir / evaluation.EVAL_SETTINGS_FILE
-    no_flags = gin_utils.parse_flags(builders.build_parser("t", "t"), [])
+    settings = pathlib.Path(RunDir(run_dir).eval_settings_file)
+    no_flags = gin_flags.parse_flags(builders.build_parser("t", "t"), [])
     user = tmp_path / "user"
     monkeypatch.setenv("MOE_JAX_CONFIG_DIR", str(user))
-    with pytest.raises(gin_utils.UntrustedCodeError, match=r"add it to .*/user/trusted_modules"):
-        gin_utils.run_config_file(str(run_dir), no_flags)
+    with pytest.raises(config_gate.UntrustedCodeError, match=r"add it to .*/user/trusted_modules"):
+        run_config.run_config_file(RunDir(run_dir), no_flags)
     user.mkdir()
     (user / "trusted_modules").write_text("# my own tasks\nmy_tasks\n")
-    assert gin_utils.run_config_file(str(run_dir), no_flags) == str(run_dir / "config.gin")
-    gin_utils.refuse_untrusted_modules(str(settings), [("module", None, "my_tasks")], no_flags)
+    assert run_config.run_config_file(RunDir(run_dir), no_flags) == str(run_dir / "config.gin")
+    config_gate.refuse_untrusted_modules(str(settings), [("module", None, "my_tasks")], no_flags)
     # a trusted module is a name, never a file: a path in the list is refused by line
     (user / "trusted_modules").write_text("my_tasks\n/home/me/my_tasks.py\n")
     with pytest.raises(
-        gin_utils.GinConfigError,
+        gin_text.GinConfigError,
         match=r"trusted_modules, line 2: '/home/me/my_tasks.py' is not a module name",
     ):
-        gin_utils.run_config_file(str(run_dir), no_flags)
+        run_config.run_config_file(RunDir(run_dir), no_flags)
     (run_dir / "config.gin").write_text("MIXTURE_OR_TASK_MODULE = 'my_tasks.py'\n")
     (user / "trusted_modules").write_text("my_tasks\n")
-    with pytest.raises(gin_utils.UntrustedCodeError, match=r"'my_tasks.py'.*=my_tasks.py$"):
-        gin_utils.run_config_file(str(run_dir), no_flags)
+    with pytest.raises(config_gate.UntrustedCodeError, match=r"'my_tasks.py'.*=my_tasks.py$"):
+        run_config.run_config_file(RunDir(run_dir), no_flags)
 
 
 @pytest.mark.parametrize(
@@ -349,7 +357,7 @@ def test_a_project_looking_file_in_the_run_folder_never_runs(
     shutil.copytree(run, copy)
     (copy / "moe_jax.payload.py").write_text("open('payload.ran', 'w').write('ran')\n")
     if where == "settings":
-        settings = copy / evaluation.EVAL_SETTINGS_FILE
+        settings = pathlib.Path(RunDir(copy).eval_settings_file)
         settings.write_text(
             settings.read_text().replace('"module": null', '"module": "moe_jax.payload.py"')
         )
@@ -367,8 +375,8 @@ def test_a_project_looking_file_in_the_run_folder_never_runs(
     assert "refusing" in line and "'moe_jax.payload.py'" in line, line
     assert not (copy / "payload.ran").exists()
     # a module of the installed project still passes the gate
-    assert gin_utils._is_project_module("moe_jax.data.tasks")
-    assert not gin_utils._is_project_module("moe_jax.payload.py")
+    assert config_gate._is_project_module("moe_jax.data.tasks")
+    assert not config_gate._is_project_module("moe_jax.payload.py")
 
 
 def test_outputs_go_where_the_command_line_says_and_never_replace_another_comparison(
@@ -442,7 +450,7 @@ def test_import_into_a_run_a_trainer_holds_is_refused(run_and_export, tmp_path, 
     shutil.copytree(export_dir, own_export)
     config = json.loads((own_export / "config.json").read_text())
     (own_export / "config.json").write_text(json.dumps({**config, "source_checkpoint": str(live)}))
-    with run_lock.RunLock(str(live)):  # a trainer of this process holds it
+    with run_lock.RunLock(RunDir(live)):  # a trainer of this process holds it
         argv = ["import", f"--export={own_export}", f"--model_dir={live}", "--overwrite"]
         assert cli.main(argv) == 1
         assert "is being written by another trainer" in _last_line(capsys)

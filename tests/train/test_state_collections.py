@@ -11,7 +11,8 @@ import pytest
 
 from moe_jax.commands import evaluate, train
 from moe_jax.moe.collections import BIAS_COLLECTION
-from moe_jax.runtime import builders, checkpoints, gin_utils, train_state
+from moe_jax.runtime import builders, checkpoints, gin_flags, gin_utils, train_state
+from moe_jax.runtime.run_dir import RunDir
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -29,7 +30,7 @@ SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 
 def _run(model_dir, steps: int, *flags: str) -> dict:
     gin_utils.parse_gin(
-        gin_utils.parse_flags(
+        gin_flags.parse_flags(
             builders.build_parser("t", "t"),
             [*TINY, f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags],
         )
@@ -40,7 +41,7 @@ def _run(model_dir, steps: int, *flags: str) -> dict:
 def _restore(model_dir) -> train_state.TrainState:
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     target = builders.build_train_setup(model, SHAPES, builders.run_context()).abstract_state
-    ckpt = checkpoints.Checkpointer(str(model_dir), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(model_dir), read_only=True)
     try:
         return ckpt.restore(ckpt.latest_step(), target)[0]
     finally:

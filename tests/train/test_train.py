@@ -12,7 +12,18 @@ import numpy as np
 import pytest
 
 from moe_jax.commands import train
-from moe_jax.runtime import aot, builders, checkpoints, gin_utils, train_state
+from moe_jax.runtime import (
+    aot,
+    builders,
+    checkpoint_checks,
+    checkpoints,
+    gin_flags,
+    gin_text,
+    gin_utils,
+    router_init,
+    train_state,
+)
+from moe_jax.runtime.run_dir import RunDir
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -26,20 +37,22 @@ TINY = [
 
 
 def parse(*flags: str):
-    args = gin_utils.parse_flags(builders.build_parser("test", "test"), [*TINY, *flags])
+    args = gin_flags.parse_flags(builders.build_parser("test", "test"), [*TINY, *flags])
     gin_utils.parse_gin(args)
 
 
-def run(model_dir, steps: int, *flags: str, stop_after: int | None = None) -> dict:
+def run(model_dir, steps: int, *flags: str) -> dict:
     parse(f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *flags)
-    return train.train(stop_after_steps=stop_after)
+    return train.train()
 
 
-def test_interrupted_run_continues_exactly(tmp_path):
+def test_interrupted_run_continues_exactly(tmp_path, monkeypatch):
     """Steps 1 and 5 neither log (every 2nd) nor save (every 3rd): their loss is read one
     step late, and the run still matches step for step."""
     full = run(tmp_path / "full", 6)
-    first = run(tmp_path / "resumed", 6, stop_after=3)
+    with monkeypatch.context() as stopped:  # this invocation ends (with a checkpoint) at 3
+        stopped.setattr(train, "_STOP_AFTER_STEPS", 3)
+        first = run(tmp_path / "resumed", 6)
     assert first["step"] == 3 and sorted(first["losses"]) == [1, 2, 3]
     second = run(tmp_path / "resumed", 6)
     assert sorted(second["losses"]) == [4, 5, 6]
@@ -47,18 +60,18 @@ def test_interrupted_run_continues_exactly(tmp_path):
     assert resumed == full["losses"]  # bit-identical, step for step
     assert np.isfinite(list(full["losses"].values())).all()
     # the run keeps its routers' initial weights for drift measurements
-    assert checkpoints.load_router_init(str(tmp_path / "full"))
+    assert router_init.load(RunDir(tmp_path / "full"))
 
 
 @pytest.mark.slow
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     run(tmp_path, 1)
     with pytest.raises(
-        checkpoints.CheckpointMismatchError,
+        checkpoint_checks.CheckpointMismatchError,
         match=r"other shapes \(\d+\): decoder/final_norm/scale: checkpoint \[32\] vs model \[16\]",
     ):
         run(tmp_path, 2, "--gin.EMBED_DIM=16")
-    with pytest.raises(checkpoints.CheckpointMismatchError, match="not the checkpoint"):
+    with pytest.raises(checkpoint_checks.CheckpointMismatchError, match="not the checkpoint"):
         run(tmp_path, 2, "--gin.NUM_ENCODER_LAYERS=3")
 
 
@@ -70,7 +83,7 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
     model = EncoderDecoderModel()  # the gin-configured tiny model
     shapes = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
     rules = partitioning.standard_logical_axis_rules()
-    ckpt = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(tmp_path), read_only=True)
     restored = []
     for shape in [(8, 1, 1), (2, 4, 1), (1, 1, 1)]:
         mesh = partitioning.make_mesh(
@@ -117,7 +130,7 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     skipped = {r["step"]: r["skipped"] for r in records}
     assert result["step"] == 4 and skipped == {1: 0, 2: 1, 3: 1, 4: 1}
     assert np.isfinite(result["losses"][1]) and not np.isfinite(result["losses"][2])
-    ckpt = checkpoints.Checkpointer(str(skip_dir), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(skip_dir), read_only=True)
     saved = {}
     for s in (1, 2, 3, 4):
         out = ckpt._manager.restore(
@@ -165,7 +178,7 @@ def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatc
             "--gin.train_script.train.log_period=100",
             f"--gin.train_script.train.sync_every_step={sync_every_step}",
         )
-    assert checkpoints.Checkpointer(str(tmp_path), read_only=True).latest_step() == 3
+    assert checkpoints.Checkpointer(RunDir(tmp_path), read_only=True).latest_step() == 3
 
 
 def test_unwritable_model_dir_is_refused_before_training(tmp_path):
@@ -179,20 +192,20 @@ def test_unwritable_model_dir_is_refused_before_training(tmp_path):
 def test_gin_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.gin"
     bad.write_text("include 'gin/runs/smoke_cpu.gin'\n\ntrain_script.train.chekpoint_period = 3\n")
-    with pytest.raises(gin_utils.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
+    with pytest.raises(gin_text.GinConfigError, match=r"(?s)chekpoint_period.*bad.gin.*line 3"):
         gin_utils.parse_gin(
-            gin_utils.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={bad}"])
+            gin_flags.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={bad}"])
         )
     undefined = tmp_path / "macro.gin"
     undefined.write_text(
         "include 'gin/runs/smoke_cpu.gin'\ntrain_script.train.total_steps = %TRAIN_STEPZ\n"
     )
-    with pytest.raises(gin_utils.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
+    with pytest.raises(gin_text.GinConfigError, match=r"(?s)%TRAIN_STEPZ.*macro.gin.*line 2"):
         gin_utils.parse_gin(
-            gin_utils.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={undefined}"])
+            gin_flags.parse_flags(builders.build_parser("t", "t"), [f"--gin_file={undefined}"])
         )
     with pytest.raises(
-        gin_utils.GinConfigError, match=r"TRAIN_STEP .*not used.*did you mean TRAIN_STEPS\b"
+        gin_text.GinConfigError, match=r"TRAIN_STEP .*not used.*did you mean TRAIN_STEPS\b"
     ):
         parse("--gin.TRAIN_STEP=10")
 
@@ -208,7 +221,8 @@ def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
 
 
 def test_resolves_checkpoint_paths():
-    assert checkpoints.split_checkpoint_path("/r/run") == ("/r/run", None)
-    assert checkpoints.split_checkpoint_path("/r/run/300") == ("/r/run", 300)
-    assert checkpoints.split_checkpoint_path("/r/run/checkpoints/300") == ("/r/run", 300)
-    assert pathlib.Path(gin_utils.REPO_GIN_DIR, "runs", "smoke_cpu.gin").exists()
+    assert RunDir.of_checkpoint("/r/run") == (RunDir("/r/run"), None)
+    assert RunDir.of_checkpoint("/r/run/300") == (RunDir("/r/run"), 300)
+    assert RunDir.of_checkpoint("/r/run/checkpoints/300") == (RunDir("/r/run"), 300)
+    assert RunDir("/r/run/").step_dir(300) == "/r/run/checkpoints/300"
+    assert pathlib.Path(gin_text.REPO_GIN_DIR, "runs", "smoke_cpu.gin").exists()

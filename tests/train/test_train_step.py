@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_jax.models.model import EncoderDecoderModel
-from moe_jax.runtime import builders, gin_utils, optimizers, train_state, train_step
+from moe_jax.runtime import builders, gin_flags, gin_utils, optimizers, train_state, train_step
 from tests.models.conftest import random_batch
 
 SHAPES = {"encoder_input_tokens": (4, 16), "decoder_input_tokens": (4, 8)}
@@ -21,7 +21,7 @@ def smoke_gin():
     """The smoke config's tiny MoE model (gin stays live: MoE layers read it when traced)."""
 
     def parse(*flags: str) -> None:
-        args = gin_utils.parse_flags(
+        args = gin_flags.parse_flags(
             builders.build_parser("test", "test"),
             ["--gin_file=runs/smoke_cpu.gin", "--gin.MODEL_DIR=/tmp/unused", *flags],
         )

@@ -14,7 +14,8 @@ import pytest
 
 from moe_jax.commands import train, upcycle
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
-from moe_jax.runtime import builders, checkpoints, gin_utils
+from moe_jax.runtime import builders, checkpoints, gin_flags, gin_utils
+from moe_jax.runtime.run_dir import RunDir
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -31,7 +32,7 @@ SHAPES = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
 
 def _parse(*flags: str):
     gin_utils.parse_gin(
-        gin_utils.parse_flags(builders.build_parser("test", "test"), [*TINY, *flags])
+        gin_flags.parse_flags(builders.build_parser("test", "test"), [*TINY, *flags])
     )
 
 
@@ -41,7 +42,7 @@ def _dense_run(model_dir: pathlib.Path, step: int = 7):
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     state = builders.build_train_setup(model, SHAPES, builders.run_context(), seed=3).init_state()
     state = state.replace(step=jnp.asarray(step, jnp.int32))
-    ckpt = checkpoints.Checkpointer(str(model_dir), async_save=False)
+    ckpt = checkpoints.Checkpointer(RunDir(model_dir), async_save=False)
     ckpt.save(state, {"data_iterators": [], "random_seed": 3}, force=True)
     ckpt.close()
     return model, jax.device_get(state.params)
@@ -79,7 +80,7 @@ def _upcycled(tmp_path: pathlib.Path, *flags: str):
     assert upcycle.main([*TINY, *flags, f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     target = builders.build_train_setup(model, SHAPES, builders.run_context()).abstract_state
-    ckpt = checkpoints.Checkpointer(str(out), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(out), read_only=True)
     state, meta = ckpt.restore(ckpt.latest_step(), target)
     ckpt.close()
     return model, state, meta
@@ -151,7 +152,7 @@ def test_upcycle_writes_a_config_that_keeps_every_token_unless_told(tmp_path, ca
         r"warning: .*CapacityConfig.dropless=False with train/eval capacity factors 1.25 / 0.5", err
     ), err
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    ckpt = checkpoints.Checkpointer(str(out), read_only=True)
+    ckpt = checkpoints.Checkpointer(RunDir(out), read_only=True)
     state, _ = ckpt.restore(
         ckpt.latest_step(),
         builders.build_train_setup(model, SHAPES, builders.run_context()).abstract_state,
