@@ -12,19 +12,21 @@ A leaf whose leading axis is not the repeats' count is the same in both forms: A
 ``(1,)`` placeholder for the moments a parameter does not keep.
 
 :func:`unstack_layers` gives the per-layer form (names as an unscanned model's: what the
-routing metrics, exports and analyses read); :func:`stack_layers` the scanned form of a
-:func:`layout`; :func:`checkpoint_target` and :func:`convert` let a checkpoint saved in one
-form restore into a model of the other.
+routing metrics and analyses read), :func:`unstack_names` and :func:`map_layers` the same
+for ``{name: leaf}`` views (exports, router weights); :func:`stack_layers` gives the
+scanned form of a :func:`layout`; :func:`checkpoint_target` and :func:`convert` let a
+checkpoint saved in one form restore into a model of the other.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_jax import param_paths
@@ -65,6 +67,11 @@ def _take(leaf: Any, index: int, repeats: int) -> Any:
     return leaf[index]
 
 
+def _take_tree(tree: PyTree, index: int, repeats: int) -> PyTree:
+    """:func:`_take` of every leaf of ``tree``."""
+    return jax.tree.map(lambda leaf: _take(leaf, index, repeats), tree)
+
+
 def _stack(leaves: list[Any]) -> Any:
     """The leaves of one block position's layers stacked on a new leading axis (a
     ``ShapeDtypeStruct`` gets an unsharded leading axis); a ``(1,)`` placeholder stays one."""
@@ -76,7 +83,7 @@ def _stack(leaves: list[Any]) -> Any:
         if isinstance(sharding, NamedSharding):
             sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *tuple(sharding.spec)))
         return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
-    return jnp.stack(leaves)
+    return (np.stack if isinstance(first, np.ndarray) else jnp.stack)(leaves)
 
 
 def _map_dicts(fn, tree: PyTree) -> PyTree:
@@ -105,12 +112,53 @@ def unstack_layers(tree: PyTree) -> PyTree:
                 if indices is None:
                     raise ValueError(f"{key}/{position} is not a scanned block position")
                 for r, i in enumerate(indices):
-                    out[f"layers_{i}"] = jax.tree.map(
-                        lambda leaf, r=r, n=len(indices): _take(leaf, r, n), subtree
-                    )
+                    out[f"layers_{i}"] = _take_tree(subtree, r, len(indices))
         return out
 
     return _map_dicts(visit, tree)
+
+
+def _scanned_at(parts: Sequence[str]) -> int | None:
+    """Where in a leaf name's parts its scan group is (the position name follows it)."""
+    for at in range(len(parts) - 1):
+        if SCAN_GROUP.fullmatch(parts[at]) and layer_indices(parts[at + 1]):
+            return at
+    return None
+
+
+def layer_names(name: str) -> list[str]:
+    """The per-layer names of a ``/``-joined leaf name, one per entry of its leading axis
+    (``encoder/scan_0/layers_3_7/x`` -> ``encoder/layers_3/x``, ``encoder/layers_7/x``);
+    ``[name]`` for a leaf outside a scan group."""
+    parts = name.split("/")
+    at = _scanned_at(parts)
+    if at is None:
+        return [name]
+    return [
+        "/".join([*parts[:at], f"layers_{i}", *parts[at + 2 :]])
+        for i in layer_indices(parts[at + 1]) or ()
+    ]
+
+
+def unstack_names(named: Mapping[str, Any]) -> dict[str, Any]:
+    """``{leaf name: leaf}`` with each scanned leaf split into its layers' entries under
+    their :func:`layer_names` (a name outside a scan group as it is)."""
+    out = {}
+    for name, leaf in named.items():
+        names = layer_names(name)
+        for r, per_layer in enumerate(names):
+            out[per_layer] = leaf if len(names) == 1 else _take(leaf, r, len(names))
+    return out
+
+
+def map_layers(fn: Callable[[str, Any], Any], name: str, leaf: Any) -> Any:
+    """``fn(per-layer name, per-layer leaf)`` of each layer of leaf ``name`` restacked (on
+    ``leaf``'s devices and sharding); ``fn(name, leaf)`` outside a scan group."""
+    names = layer_names(name)
+    if len(names) == 1:
+        return fn(name, leaf)
+    stacked = _stack([fn(n, _take(leaf, r, len(names))) for r, n in enumerate(names)])
+    return jax.device_put(stacked, leaf.sharding) if isinstance(leaf, jax.Array) else stacked
 
 
 def layout(names: Iterable[str]) -> Layout:
@@ -120,9 +168,9 @@ def layout(names: Iterable[str]) -> Layout:
     found: dict[str, dict[str, set[str]]] = {}
     for name in names:
         parts = name.split("/")
-        for at in range(1, len(parts) - 1):
-            if SCAN_GROUP.fullmatch(parts[at]) and layer_indices(parts[at + 1]):
-                found.setdefault(parts[at - 1], {}).setdefault(parts[at], set()).add(parts[at + 1])
+        at = _scanned_at(parts)
+        if at:
+            found.setdefault(parts[at - 1], {}).setdefault(parts[at], set()).add(parts[at + 1])
     return {
         stack: tuple(
             (group, tuple(sorted(positions, key=layer_indices)))
@@ -177,11 +225,16 @@ def stack_layers(tree: PyTree, scan_layout: Layout) -> PyTree:
 
 def checkpoint_target(saved_names: Iterable[str], target: PyTree) -> PyTree:
     """The restore target ``target`` (abstract, with shardings) in the layer form of a
-    checkpoint whose parameters are ``saved_names``: ``target`` when the forms agree."""
-    saved_layout, target_layout = layout(saved_names), tree_layout(target)
-    if saved_layout == target_layout:
+    checkpoint whose parameters are ``saved_names``: ``target`` when the forms agree, or
+    when the checkpoint's scan groups do not fit ``target``'s layers (another model: the
+    caller's compatibility check names the differences)."""
+    saved_layout = layout(saved_names)
+    if saved_layout == tree_layout(target):
         return target
-    return stack_layers(unstack_layers(target), saved_layout)
+    try:
+        return stack_layers(unstack_layers(target), saved_layout)
+    except ValueError:
+        return target
 
 
 def convert(tree: PyTree, target: PyTree) -> PyTree:

@@ -29,13 +29,13 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from moe_jax.models import layer_stacking
 from moe_jax.models.attention import (
     MultiHeadDotProductAttention,
     combine_masks,
     make_attention_mask,
     make_causal_mask,
 )
-from moe_jax.models import layer_stacking
 from moe_jax.models.embedding import Embed
 from moe_jax.models.mlp import MlpBlock
 from moe_jax.models.normalization import RMSNorm
@@ -97,15 +97,19 @@ def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple
     return layers
 
 
-def layer_groups(kinds: Sequence[Hashable]) -> tuple[tuple[int, int, int], ...]:
+def layer_groups(
+    kinds: Sequence[Hashable], min_layers: int = 2
+) -> tuple[tuple[int, int, int], ...]:
     """``(start, period, repeats)`` runs covering a stack whose layer ``i`` is of kind
     ``kinds[i]``: layers ``start`` to ``start + period * repeats - 1`` are ``repeats``
     copies of the block ``kinds[start:start + period]``. From each start, the run with at
-    least 2 repeats that covers most layers (the shortest block among equals); a layer that
-    starts no such run is a run of its own (period and repeats 1).
+    least 2 repeats that covers most layers (the shortest block among equals), if it covers
+    at least ``min_layers``; a layer that starts no such run is a run of its own (period
+    and repeats 1).
 
     ``(D, D, D, S) * 3`` -> ``((0, 4, 3),)``; ``(S, S, D, D, D)`` -> ``((0, 1, 2), (2, 1, 3))``;
-    ``(D, S)`` -> ``((0, 1, 1), (1, 1, 1))``.
+    ``(D, S)`` -> ``((0, 1, 1), (1, 1, 1))``; ``(D, D)`` with ``min_layers=3`` -> ``((0, 1,
+    1), (1, 1, 1))``.
     """
     kinds, groups, start = tuple(kinds), [], 0
     while start < len(kinds):
@@ -114,7 +118,7 @@ def layer_groups(kinds: Sequence[Hashable]) -> tuple[tuple[int, int, int], ...]:
             block, repeats = kinds[start : start + period], 1
             while kinds[start + repeats * period : start + (repeats + 1) * period] == block:
                 repeats += 1
-            if repeats > 1 and period * repeats > best[0] * best[1]:
+            if repeats > 1 and period * repeats > max(best[0] * best[1], min_layers - 1):
                 best = (period, repeats)
         groups.append((start, *best))
         start += best[0] * best[1]
@@ -156,7 +160,9 @@ class T5Config:
         loss and gradients are the same, the backward pass recomputes what was not kept.
       scan_layers: run each repeated block of layers as one ``nn.scan`` (see
         :meth:`layer_groups`; parameters stacked on a leading ``layers`` axis). The same
-        outputs; the step compiles several times faster for deep stacks.
+        outputs; deep stacks trace and compile several times faster (docs/model.md).
+      scan_min_layers: the fewest layers a scanned run covers; shorter runs are unrolled
+        (a scan traces about as slowly as 3 or 4 unrolled layers, so short runs gain nothing).
       moe: the MoE layers' :class:`~moe_jax.moe.config.MoeConfig` (the encoder's, and the
         decoder's unless ``decoder_moe`` is set). A model with MoE layers and no ``moe``
         gets ``MoeConfig()`` with its gin bindings when the ``T5Config`` is built.
@@ -187,6 +193,7 @@ class T5Config:
     flop_matched_mlp_dim: int | None = None
     remat_policy: str = "none"
     scan_layers: bool = True
+    scan_min_layers: int = 6
     moe: MoeConfig | None = None
     decoder_moe: MoeConfig | None = None
 
@@ -199,6 +206,7 @@ class T5Config:
             "mlp_dim",
             "num_encoder_layers",
             "num_decoder_layers",
+            "scan_min_layers",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"T5Config.{name}={getattr(self, name)} must be positive")
@@ -284,16 +292,17 @@ class T5Config:
         raise ValueError(f"stack={stack!r} is not 'encoder' or 'decoder'")
 
     def layer_groups(self, stack: str) -> tuple[tuple[int, int, int], ...]:
-        """``stack``'s layers as ``(start, period, repeats)`` runs (:func:`layer_groups`):
-        a run with ``repeats > 1`` is scanned. Without ``scan_layers`` every layer is a run
-        of its own; a layer with a :data:`PATH_SALTED_ROUTERS` router always is."""
+        """``stack``'s layers as ``(start, period, repeats)`` runs (:func:`layer_groups`
+        with ``scan_min_layers``): a run with ``repeats > 1`` is scanned. Without
+        ``scan_layers`` every layer is a run of its own; a layer with a
+        :data:`PATH_SALTED_ROUTERS` router always is."""
         sparse = self.sparse_layers(stack)
         count = self.num_encoder_layers if stack == "encoder" else self.num_decoder_layers
         salted = self.has_moe and self.moe_config(stack).router_type in PATH_SALTED_ROUTERS
         kinds = [(i in sparse, i if salted and i in sparse else None) for i in range(count)]
         if not self.scan_layers:
             return tuple((i, 1, 1) for i in range(count))
-        return layer_groups(kinds)
+        return layer_groups(kinds, self.scan_min_layers)
 
     @property
     def has_moe(self) -> bool:
@@ -505,19 +514,19 @@ def run_layers(
     config: T5Config,
     stack: str,
     layer_cls: type[nn.Module],
-    static_argnums: tuple[int, ...],
     x: jnp.ndarray,
     args: tuple[Any, ...],
     static: tuple[bool, ...],
+    decode: bool = False,
 ) -> jnp.ndarray:
     """Runs ``stack``'s layers on ``x [batch, length, d_model]`` inside the calling stack
     module: a run of :meth:`T5Config.layer_groups` that repeats is one ``nn.scan`` of a
     :class:`ScannedBlock` named ``scan_<k>`` (every collection stacked on axis 0, the
     parameters' logical axis ``layers``; fresh ``params`` and ``dropout`` keys per step),
-    any other layer is ``layers_<i>``. ``layer_cls(config, sparse)`` is called on
-    ``(x, *args, *static)``; ``static`` are its static trailing arguments at
-    ``static_argnums`` (remat), ``static[-1]`` is ``decode`` for the decoder."""
-    decode = stack == "decoder" and static[-1]
+    any other layer is ``layers_<i>``. Each layer ``layer_cls(config, sparse)`` is called
+    on ``(x, *args, *static)``, ``static`` being its static arguments (Python bools: remat
+    keeps them static); ``decode``: the decoder decodes (no remat)."""
+    static_argnums = tuple(range(2 + len(args), 2 + len(args) + len(static)))  # self is 0
     plain = remat_layer(layer_cls, config, static_argnums, decode=decode)
     in_scan = remat_layer(layer_cls, config, static_argnums, decode=decode, scanned=True)
     sparse = config.sparse_layers(stack)
@@ -587,7 +596,12 @@ class Encoder(nn.Module):
             name="relpos_bias",
         )(length, length, bidirectional=True)
         x = run_layers(
-            cfg, "encoder", EncoderLayer, (6,), x, (mask, bias, tokens, tokens > 0), (deterministic,)
+            cfg,
+            "encoder",
+            EncoderLayer,
+            x,
+            (mask, bias, tokens, tokens > 0),
+            (deterministic,),
         )
         return _final_norm(cfg, x, deterministic)
 
@@ -631,10 +645,10 @@ class Decoder(nn.Module):
             cfg,
             "decoder",
             DecoderLayer,
-            (8, 9),
             x,
             (encoded, self_mask, cross_mask, bias, tokens, padding_mask),
             (deterministic, decode),
+            decode=decode,
         )
         x = _final_norm(cfg, x, deterministic)
         if cfg.logits_via_embedding:

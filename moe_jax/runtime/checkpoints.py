@@ -58,6 +58,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moe_jax import errors, param_paths, storage
+from moe_jax.models import layer_stacking
 from moe_jax.runtime.train_state import TrainState
 
 PyTree = Any
@@ -467,24 +468,26 @@ class Checkpointer:
         """
         verified = check_integrity(self.step_dir(step), step)
         meta = self.read_meta(step, verified)
-        check_compatible(meta["params"], param_shapes(target.params), self.step_dir(step))
+        saved = layer_stacking.checkpoint_target(meta["params"], target)  # its layer form
+        check_compatible(meta["params"], param_shapes(saved.params), self.step_dir(step))
         with self._read_errors(step, verified):
             out = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(target.params),
-                    train=ocp.args.StandardRestore(_train_item(target)),
+                    params=ocp.args.StandardRestore(saved.params),
+                    train=ocp.args.StandardRestore(_train_item(saved)),
                 ),
             )
         check_finite(out["params"], step, self.step_dir(step))
         train = out["train"]
-        return TrainState(
+        state = TrainState(
             step=train["step"],
             params=out["params"],
             opt_state=train["opt_state"],
             rng=train["rng"],
             collections=train.get("collections", {}),
-        ), meta
+        )
+        return layer_stacking.convert(state, target), meta
 
     def restore_params(
         self, step: int, target: PyTree, collections: PyTree | None = None
@@ -507,6 +510,8 @@ class Checkpointer:
             items=("params", "meta") + (("train",) if collections else ()),
         )
         meta = self.read_meta(step, verified)
+        wanted = (target, collections or {})
+        target, collections = layer_stacking.checkpoint_target(meta["params"], wanted)
         check_compatible(meta["params"], param_shapes(target), self.step_dir(step))
         args = {"params": ocp.args.StandardRestore(target)}
         if collections:
@@ -519,7 +524,9 @@ class Checkpointer:
         with self._read_errors(step, verified):
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         check_finite(out["params"], step, self.step_dir(step))
-        return out["params"], (out["train"]["collections"] if collections else {}), meta
+        restored = (out["params"], out["train"]["collections"] if collections else {})
+        params, collections = layer_stacking.convert(restored, wanted)
+        return params, collections, meta
 
     def move_aside(self, step: int) -> str:
         """Moves an unreadable step to ``MODEL_DIR/unreadable_checkpoints/<step>`` (process
