@@ -173,7 +173,7 @@ def layout(names: Iterable[str]) -> Layout:
             found.setdefault(parts[at - 1], {}).setdefault(parts[at], set()).add(parts[at + 1])
     return {
         stack: tuple(
-            (group, tuple(sorted(positions, key=layer_indices)))
+            (group, tuple(sorted(positions, key=lambda p: layer_indices(p) or ())))
             for group, positions in sorted(groups.items())
         )
         for stack, groups in found.items()
