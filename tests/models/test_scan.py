@@ -15,6 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from moe_jax import param_paths
+from moe_jax.analysis import counterfactual, languages
+from moe_jax.commands import evaluate, export
 from moe_jax.models import layer_stacking
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, layer_groups
@@ -229,3 +231,32 @@ def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scan
     model = builders.restore_model(str(tmp_path), target, SHAPES, ctx)
     _close(layer_stacking.unstack_layers(model.params), expected.params, rtol=0, atol=0)
     _close(layer_stacking.unstack_layers(model.collections), expected.collections, rtol=0, atol=0)
+
+
+def test_exports_and_router_readers_see_the_layers_of_a_scanned_model():
+    """What reads parameters by per-layer name (export and import, router drift, the
+    languages analysis' router kernels, counterfactual routers) gives for a scanned model
+    what it gives for the same parameters unrolled."""
+    _, _, variables, converted = _pair(True)
+    params, flat = variables["params"], converted["params"]
+    arrays = export.arrays_for_export(params)
+    _close(arrays, export.arrays_for_export(flat), rtol=0, atol=0)
+    abstract = jax.eval_shape(lambda: params)
+    _close(export.params_from_export(arrays, abstract, "test"), params, rtol=0, atol=0)
+    assert "encoder/layers_3/mlp/router/router_weights/w/kernel" in arrays
+    initial = {
+        name: np.asarray(leaf) * 0.5 for name, leaf in param_paths.router_params(params).items()
+    }  # as router_init.npz of a scanned run: stacked
+    layers = ["encoder/layers_1", "encoder/layers_3", "decoder/layers_1", "decoder/layers_3"]
+    drift = evaluate.router_drift(params, initial, layers)
+    assert drift == evaluate.router_drift(flat, layer_stacking.unstack_names(initial), layers)
+    assert sorted(drift) == sorted(layers) and all(v == pytest.approx(1.0) for v in drift.values())
+    _close(languages.router_kernels(params), languages.router_kernels(flat), rtol=0, atol=0)
+    for scanned_routers, flat_routers in (
+        (counterfactual.random_routers(params, 3), counterfactual.random_routers(flat, 3)),
+        (
+            counterfactual.replace_routers(params, initial, "test"),
+            counterfactual.replace_routers(flat, initial, "test"),
+        ),
+    ):
+        _close(layer_stacking.unstack_layers(scanned_routers), flat_routers, rtol=0, atol=0)
