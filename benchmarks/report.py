@@ -419,6 +419,17 @@ SECTIONS: tuple[Section, ...] = (
         compiled=True,
     ),
     Section(
+        "scan_layers",
+        "Scanned layers: compile and init time",
+        "The T5-Base train step compiled for a TPU slice and for 8 CPU devices, and the "
+        "initial state's program compiled and run on 8 CPU devices, with unrolled layers "
+        "(`SCAN_LAYERS=False`) and scanned layers (the default), each in a fresh process "
+        "without the compilation cache, the two forms one after the other in one invocation; "
+        "with parameter counts and bytes per device of both.",
+        ("scan_layers.py", "--target", "tpu:v5p:2x2x4"),
+        compiled=True,
+    ),
+    Section(
         "moe_vs_dense_compiled",
         "T5-Base MoE train step against the FLOP-matched dense step, compiled",
         "Roofline step time of the whole train step on each target.",

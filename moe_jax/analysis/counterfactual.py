@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import param_paths, storage
+from moe_jax.models import layer_stacking
 from moe_jax.moe.config import ROUTER_CONFIGS, TopKRouterConfig
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
 from moe_jax.runtime import router_init
@@ -54,11 +55,15 @@ def check_variants(names: list[str]) -> list[str]:
 
 def _map_routers(params: Any, fn: Callable[[str, jax.Array], jax.Array]) -> Any:
     """``params`` with every router leaf ``x`` (:func:`moe_jax.param_paths.is_router_param`)
-    replaced by ``fn(name, x)``; all other leaves are the same objects."""
+    replaced by ``fn(name, x)``, per layer (a scanned leaf's layers each with their own
+    name, :func:`moe_jax.models.layer_stacking.map_layers`); all other leaves are the same
+    objects."""
 
     def visit(path, leaf):
         name = param_paths.path_name(path)
-        return fn(name, leaf) if param_paths.is_router_param(name) else leaf
+        return (
+            layer_stacking.map_layers(fn, name, leaf) if param_paths.is_router_param(name) else leaf
+        )
 
     return jax.tree_util.tree_map_with_path(visit, params)
 
@@ -83,7 +88,9 @@ def shuffle_router_inputs(params: Any, seed: int = 0) -> Any:
 
 
 def replace_routers(params: Any, new: dict[str, np.ndarray], what: str) -> Any:
-    """Router leaves replaced by ``new[name]``; a router leaf missing there is refused."""
+    """Router leaves replaced by ``new[name]`` (per-layer names; stacked ones are split);
+    a router leaf missing there is refused."""
+    new = layer_stacking.unstack_names(new)
 
     def replace(name: str, w: jax.Array) -> jax.Array:
         if name not in new:

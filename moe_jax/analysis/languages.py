@@ -44,6 +44,7 @@ import numpy as np
 from moe_jax import param_paths, storage
 from moe_jax.analysis import counterfactual, plots
 from moe_jax.analysis.positions import mutual_information_bits
+from moe_jax.models import layer_stacking
 from moe_jax.runtime import builders, checkpoints, routing, run_names
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.synthetic import metrics as synthetic_metrics
@@ -141,7 +142,8 @@ def router_kernels(params: Any) -> dict[str, np.ndarray]:
     (layers whose router has several kernels, e.g. noisy top-k, are left out)."""
 
     kernels: dict[str, list[np.ndarray]] = {}
-    for name, leaf in param_paths.router_params(params).items():
+    routers = layer_stacking.unstack_names(param_paths.router_params(params))
+    for name, leaf in routers.items():
         if name.endswith("/w") and np.ndim(leaf) == 2:
             parts = name.split("/router/")[0].split("/")
             layer = "/".join(p for p in parts if p not in routing._SKIPPED_PATH_PARTS)

@@ -61,6 +61,7 @@ import numpy as np
 
 from moe_jax import errors, param_paths, plotting, storage
 from moe_jax.analysis import counterfactual
+from moe_jax.models import layer_stacking
 from moe_jax.runtime import (
     builders,
     config_gate,
@@ -100,9 +101,10 @@ def router_drift(
 
     if not initial:
         return {}
-    current = {
-        k: np.asarray(jax.device_get(v)) for k, v in param_paths.router_params(params).items()
-    }
+    current = layer_stacking.unstack_names(
+        {k: np.asarray(jax.device_get(v)) for k, v in param_paths.router_params(params).items()}
+    )
+    initial = layer_stacking.unstack_names(initial)  # saved by a scanned run: stacked
     drift = {}
     for layer in layers:
         names = [k for k in current if k.startswith(layer + "/") and k in initial]

@@ -54,6 +54,7 @@ import numpy as np
 
 from moe_jax import param_paths, storage
 from moe_jax.errors import UserError
+from moe_jax.models import layer_stacking
 from moe_jax.moe import freeze
 from moe_jax.runtime import (
     builders,
@@ -174,8 +175,9 @@ def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def arrays_for_export(params) -> dict[str, np.ndarray]:
     """``{exported name: host array in T5X layout}`` of a parameter tree (or of a flat
-    ``{moe-jax name: array}`` dict). Arrays sharded over several processes are gathered
-    whole onto every process (a collective: every process must call this)."""
+    ``{moe-jax name: array}`` dict), one array per layer (a scanned model's stacked layers
+    split). Arrays sharded over several processes are gathered whole onto every process (a
+    collective: every process must call this)."""
     from jax.experimental import multihost_utils
 
     def host(leaf) -> np.ndarray:
@@ -183,23 +185,26 @@ def arrays_for_export(params) -> dict[str, np.ndarray]:
             return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return np.asarray(jax.device_get(leaf))
 
-    flat = param_paths.named_leaves(params)
+    flat = layer_stacking.unstack_names(
+        {name: host(leaf) for name, leaf in param_paths.named_leaves(params).items()}
+    )
     mapping = name_map(list(flat))
     return {
-        mapping[name]: host(leaf).reshape(export_shape(mapping[name], leaf.shape))
+        mapping[name]: leaf.reshape(export_shape(mapping[name], leaf.shape))
         for name, leaf in flat.items()
     }
 
 
 def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where: str):
     """The parameter tree of ``abstract_params``'s structure filled from exported
-    ``arrays``, each reshaped back to the model's layout.
+    ``arrays``, each reshaped back to the model's layout (a scanned model's layers stacked).
 
     Raises:
       ExportError: naming missing or extra arrays, or an array whose shape differs from the
         one the gin config's model expects (both shapes named).
     """
-    flat = param_paths.named_leaves(abstract_params)
+    per_layer = layer_stacking.unstack_layers(abstract_params)
+    flat = param_paths.named_leaves(per_layer)
     mapping = name_map(list(flat))
     missing = sorted(mapping[n] for n in flat if mapping[n] not in arrays)
     extra = sorted(set(arrays) - set(mapping.values()))
@@ -221,7 +226,8 @@ def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where:
                 f"{list(expected)} in the gin config's model (moe-jax parameter {name})"
             )
         leaves.append(array.reshape(leaf.shape).astype(leaf.dtype, copy=False))
-    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
+    filled = jax.tree.unflatten(jax.tree.structure(per_layer), leaves)
+    return layer_stacking.stack_layers(filled, layer_stacking.tree_layout(abstract_params))
 
 
 def _jsonable(value: Any) -> Any:
@@ -287,7 +293,10 @@ def export_checkpoint(
             f"cannot read the checkpoint at {checkpoint_path!r}: {type(err).__name__}: {first}"
         ) from err
     arrays = arrays_for_export(params)
-    names = {v: k for k, v in name_map(list(param_paths.named_leaves(params))).items()}
+    per_layer = [
+        n for name in param_paths.named_leaves(params) for n in layer_stacking.layer_names(name)
+    ]
+    names = {v: k for k, v in name_map(per_layer).items()}
     initial = router_init.load(RunDir.of_checkpoint(checkpoint_path)[0])
     exported_routers = arrays_for_export(initial) if initial else {}
     config = {
@@ -386,7 +395,8 @@ def read_router_init(
         arrays = safetensors_arrays(path)
     except (SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {path}: {err}") from None
-    return params_from_export(arrays, param_paths.router_params(abstract_params), path)
+    routers = param_paths.router_params(layer_stacking.unstack_layers(abstract_params))
+    return params_from_export(arrays, routers, path)
 
 
 def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -33,6 +33,7 @@ import gin
 import jax
 
 from moe_jax import param_paths, storage
+from moe_jax.models import layer_stacking
 from moe_jax.moe import capacity
 from moe_jax.moe.config import MoeConfig, TopKRouterConfig
 from moe_jax.moe.upcycle import upcycle_params
@@ -138,7 +139,8 @@ def make_dropless_if_needed(keep_capacity: bool) -> tuple[bool, list[MoeConfig]]
 
 
 def _dense_params(path: str) -> tuple[dict[str, Any], int]:
-    """``({"encoder/layers_0/...": array}, step)`` of the dense checkpoint at ``path``."""
+    """``({"encoder/layers_0/...": array}, step)`` of the dense checkpoint at ``path`` (per
+    layer, whether it was saved scanned or not)."""
 
     run_dir, step = RunDir.of_checkpoint(path)
     if not storage.isdir(run_dir.checkpoints_dir):
@@ -160,8 +162,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
             node = node.setdefault(key, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
     params, _, step, _ = checkpoints.restore_from(run_dir.step_dir(step), target)
-    flat = param_paths.named_leaves(params)
-    return flat, step
+    return layer_stacking.unstack_names(param_paths.named_leaves(params)), step
 
 
 def _train_argument(name: str) -> Any:
@@ -199,11 +200,12 @@ def upcycle(
     state, shardings = run.init_state(), run.shardings
     params = upcycle_params(
         dense,
-        jax.device_get(state.params),
+        layer_stacking.unstack_layers(jax.device_get(state.params)),
         granularity=granularities.pop(),
         noise_std=noise_std,
         rng=jax.random.PRNGKey(seed),
     )
+    params = layer_stacking.stack_layers(params, layer_stacking.tree_layout(state.params))
     params = jax.device_put(params, shardings.params)
     with jax.set_mesh(run.ctx.mesh):
         opt_state = jax.jit(run.tx.init, out_shardings=shardings.opt_state)(params)

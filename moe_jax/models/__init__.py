@@ -6,7 +6,8 @@ Modules (one job each):
   relative_position   T5 relative position buckets -> per-head attention bias
   attention           multi-head dot-product attention, masks, KV cache for decoding
   mlp                 gated-GELU / ReLU feed-forward block
-  t5                  T5Config, encoder/decoder layers and stacks, MoE placement
+  t5                  T5Config, encoder/decoder layers and stacks, MoE placement, scanned runs
+  layer_stacking      stacking/unstacking scanned layers' trees (checkpoints, per-layer views)
   losses              cross-entropy with z-loss and label smoothing, token accuracy
   decoding            greedy and temperature sampling over a KV cache
   accounting          parameter counts and analytic FLOPs

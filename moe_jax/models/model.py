@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import param_paths
-from moe_jax.models import accounting, decoding, losses
+from moe_jax.models import accounting, decoding, layer_stacking, losses
 from moe_jax.models.t5 import EncoderDecoder
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, BIAS_COLLECTION, MOE_METRICS_COLLECTION
 
@@ -38,9 +38,10 @@ STATE_COLLECTIONS = (BIAS_COLLECTION,)
 
 
 def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
-    """Flattens a sown collection to ``{module path + name: value}`` (sown tuples averaged)."""
+    """Flattens a sown collection to ``{module path + name: value}`` (sown tuples averaged),
+    the layers of scanned runs each under its own path (``encoder/layers_3/...``)."""
     out: dict[tuple[str, ...], list[jax.Array]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(layer_stacking.unstack_layers(tree))[0]:
         names = tuple(param_paths.path_name(path, skip_indices=True).split("/"))
         out.setdefault(names, []).append(jnp.asarray(leaf, jnp.float32))
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}

@@ -9,12 +9,19 @@ Layout (pre-layer-norm residual blocks, as in T5 v1.1 / T5X / Flaxformer):
 Each block is ``x + dropout(sublayer(rms_norm(x)))``. The feed-forward block of a *sparse*
 layer is the project's ``MoeLayer`` (or, for the FLOP-matched dense baseline, a wider
 dense MLP); which layers are sparse is given by :func:`sparse_layer_indices`.
+
+With ``T5Config.scan_layers`` a run of layers that repeats a block (the 12 identical layers
+of a dense stack; the dense-dense-dense-MoE block of the ``mixed`` layout) is one
+``nn.scan`` over the block (:func:`layer_groups`): traced and compiled once, its
+parameters stacked on a leading ``layers`` axis under ``scan_<k>/layers_<i>_<j>_...``
+(the block position that holds layers ``i, j, ...``; :mod:`moe_jax.models.layer_stacking`
+converts between both forms). Outputs are the same as the unrolled layers'.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -22,6 +29,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from moe_jax.models import layer_stacking
 from moe_jax.models.attention import (
     AttentionKernel,
     MultiHeadDotProductAttention,
@@ -90,6 +98,39 @@ def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple
     return layers
 
 
+def layer_groups(
+    kinds: Sequence[Hashable], min_layers: int = 2
+) -> tuple[tuple[int, int, int], ...]:
+    """``(start, period, repeats)`` runs covering a stack whose layer ``i`` is of kind
+    ``kinds[i]``: layers ``start`` to ``start + period * repeats - 1`` are ``repeats``
+    copies of the block ``kinds[start:start + period]``. From each start, the run with at
+    least 2 repeats that covers most layers (the shortest block among equals), if it covers
+    at least ``min_layers``; a layer that starts no such run is a run of its own (period
+    and repeats 1).
+
+    ``(D, D, D, S) * 3`` -> ``((0, 4, 3),)``; ``(S, S, D, D, D)`` -> ``((0, 1, 2), (2, 1, 3))``;
+    ``(D, S)`` -> ``((0, 1, 1), (1, 1, 1))``; ``(D, D)`` with ``min_layers=3`` -> ``((0, 1,
+    1), (1, 1, 1))``.
+    """
+    kinds, groups, start = tuple(kinds), [], 0
+    while start < len(kinds):
+        best = (1, 1)  # (period, repeats)
+        for period in range(1, (len(kinds) - start) // 2 + 1):
+            block, repeats = kinds[start : start + period], 1
+            while kinds[start + repeats * period : start + (repeats + 1) * period] == block:
+                repeats += 1
+            if repeats > 1 and period * repeats > max(best[0] * best[1], min_layers - 1):
+                best = (period, repeats)
+        groups.append((start, *best))
+        start += best[0] * best[1]
+    return tuple(groups)
+
+
+# Routers whose output depends on their module path (``RandomRouter`` salts its matrix with
+# it): the layers of a scan share one path, so layers with such a router are not scanned.
+PATH_SALTED_ROUTERS = ("random",)
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class T5Config:
@@ -121,6 +162,11 @@ class T5Config:
       remat_policy: activation checkpointing of each encoder/decoder layer (one of
         :data:`REMAT_POLICIES`: ``'none'``, ``'full'``, ``'minimal'``, ``'dots'``); the
         loss and gradients are the same, the backward pass recomputes what was not kept.
+      scan_layers: run each repeated block of layers as one ``nn.scan`` (see
+        :meth:`layer_groups`; parameters stacked on a leading ``layers`` axis). The same
+        outputs; deep stacks trace and compile several times faster (docs/model.md).
+      scan_min_layers: the fewest layers a scanned run covers; shorter runs are unrolled
+        (a scan traces about as slowly as 3 or 4 unrolled layers, so short runs gain nothing).
       moe: the MoE layers' :class:`~moe_jax.moe.config.MoeConfig` (the encoder's, and the
         decoder's unless ``decoder_moe`` is set). A model with MoE layers and no ``moe``
         gets ``MoeConfig()`` with its gin bindings when the ``T5Config`` is built.
@@ -151,6 +197,8 @@ class T5Config:
     sparse_layer_type: str = "moe"
     flop_matched_mlp_dim: int | None = None
     remat_policy: str = "none"
+    scan_layers: bool = True
+    scan_min_layers: int = 6
     moe: MoeConfig | None = None
     decoder_moe: MoeConfig | None = None
 
@@ -163,6 +211,7 @@ class T5Config:
             "mlp_dim",
             "num_encoder_layers",
             "num_decoder_layers",
+            "scan_min_layers",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"T5Config.{name}={getattr(self, name)} must be positive")
@@ -246,6 +295,19 @@ class T5Config:
                 self.num_decoder_layers, self.num_sparse_decoder_layers, self.sparse_layout
             )
         raise ValueError(f"stack={stack!r} is not 'encoder' or 'decoder'")
+
+    def layer_groups(self, stack: str) -> tuple[tuple[int, int, int], ...]:
+        """``stack``'s layers as ``(start, period, repeats)`` runs (:func:`layer_groups`
+        with ``scan_min_layers``): a run with ``repeats > 1`` is scanned. Without
+        ``scan_layers`` every layer is a run of its own; a layer with a
+        :data:`PATH_SALTED_ROUTERS` router always is."""
+        sparse = self.sparse_layers(stack)
+        count = self.num_encoder_layers if stack == "encoder" else self.num_decoder_layers
+        salted = self.has_moe and self.moe_config(stack).router_type in PATH_SALTED_ROUTERS
+        kinds = [(i in sparse, i if salted and i in sparse else None) for i in range(count)]
+        if not self.scan_layers:
+            return tuple((i, 1, 1) for i in range(count))
+        return layer_groups(kinds, self.scan_min_layers)
 
     @property
     def has_moe(self) -> bool:
@@ -410,15 +472,94 @@ def remat_layer(
     config: T5Config,
     static_argnums: tuple[int, ...],
     decode: bool = False,
+    scanned: bool = False,
 ) -> type[nn.Module]:
     """``layer_cls`` wrapped in ``nn.remat`` with the config's policy (unchanged for
-    ``'none'`` and when decoding: no backward pass). ``static_argnums`` count ``self`` as 0.
+    ``'none'`` and when decoding: no backward pass). ``static_argnums`` count ``self`` as 0;
+    ``scanned``: the layer runs inside ``nn.scan``, where XLA cannot merge the recomputation
+    with the forward pass, so no barrier against that is needed (``prevent_cse=False``).
     Parameter names and shapes do not change."""
     if config.remat_policy == "none" or decode:
         return layer_cls
     return nn.remat(
-        layer_cls, policy=REMAT_POLICIES[config.remat_policy], static_argnums=static_argnums
+        layer_cls,
+        policy=REMAT_POLICIES[config.remat_policy],
+        static_argnums=static_argnums,
+        prevent_cse=not scanned,
     )
+
+
+class ScannedBlock(nn.Module):
+    """The body of a scanned run of layers: one copy of its block, layer after layer.
+
+    Attributes:
+      layer_cls: :class:`EncoderLayer` or :class:`DecoderLayer` (remat-wrapped or not).
+      config: the network's :class:`T5Config`.
+      sparse: per block position, whether its layers are sparse.
+      names: per block position, its module name (``layers_3_7_11``: it holds layers 3, 7
+        and 11, one per scan step).
+      static: the layer's trailing static arguments (``deterministic`` [, ``decode``]).
+    """
+
+    layer_cls: Any
+    config: T5Config
+    sparse: tuple[bool, ...]
+    names: tuple[str, ...]
+    static: tuple[bool, ...]
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, *args: Any) -> tuple[jnp.ndarray, None]:
+        """``x [batch, length, d_model]`` (the scan carry) -> ``(x, None)``; ``args``: the
+        layer's other inputs, the same at every step."""
+        for sparse, name in zip(self.sparse, self.names, strict=True):
+            x = self.layer_cls(self.config, sparse=sparse, name=name)(x, *args, *self.static)
+        return x, None
+
+
+def run_layers(
+    config: T5Config,
+    stack: str,
+    layer_cls: type[nn.Module],
+    x: jnp.ndarray,
+    args: tuple[Any, ...],
+    static: tuple[bool, ...],
+    decode: bool = False,
+) -> jnp.ndarray:
+    """Runs ``stack``'s layers on ``x [batch, length, d_model]`` inside the calling stack
+    module: a run of :meth:`T5Config.layer_groups` that repeats is one ``nn.scan`` of a
+    :class:`ScannedBlock` named ``scan_<k>`` (every collection stacked on axis 0, the
+    parameters' logical axis ``layers``; fresh ``params`` and ``dropout`` keys per step),
+    any other layer is ``layers_<i>``. Each layer ``layer_cls(config, sparse)`` is called
+    on ``(x, *args, *static)``, ``static`` being its static arguments (Python bools: remat
+    keeps them static); ``decode``: the decoder decodes (no remat)."""
+    static_argnums = tuple(range(2 + len(args), 2 + len(args) + len(static)))  # self is 0
+    plain = remat_layer(layer_cls, config, static_argnums, decode=decode)
+    in_scan = remat_layer(layer_cls, config, static_argnums, decode=decode, scanned=True)
+    sparse = config.sparse_layers(stack)
+    scans = 0
+    for start, period, repeats in config.layer_groups(stack):
+        if repeats == 1:
+            x = plain(config, sparse=start in sparse, name=f"layers_{start}")(x, *args, *static)
+            continue
+        positions = [range(start + j, start + period * repeats, period) for j in range(period)]
+        scan = nn.scan(
+            ScannedBlock,
+            variable_axes={True: 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=nn.broadcast,
+            length=repeats,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = scan(
+            in_scan,
+            config,
+            sparse=tuple(p[0] in sparse for p in positions),
+            names=tuple(layer_stacking.scanned_name(p) for p in positions),
+            static=static,
+            name=f"scan_{scans}",
+        )(x, *args)
+        scans += 1
+    return x
 
 
 def _embed_inputs(
@@ -460,12 +601,14 @@ class Encoder(nn.Module):
             param_dtype=cfg.parameter_dtype,
             name="relpos_bias",
         )(length, length, bidirectional=True)
-        sparse = cfg.sparse_layers("encoder")
-        layer_cls = remat_layer(EncoderLayer, cfg, static_argnums=(6,))
-        for i in range(cfg.num_encoder_layers):
-            x = layer_cls(cfg, sparse=i in sparse, name=f"layers_{i}")(
-                x, mask, bias, tokens, tokens > 0, deterministic
-            )
+        x = run_layers(
+            cfg,
+            "encoder",
+            EncoderLayer,
+            x,
+            (mask, bias, tokens, tokens > 0),
+            (deterministic,),
+        )
         return _final_norm(cfg, x, deterministic)
 
 
@@ -504,12 +647,15 @@ class Decoder(nn.Module):
             param_dtype=cfg.parameter_dtype,
             name="relpos_bias",
         )(length, length, bidirectional=False)
-        sparse = cfg.sparse_layers("decoder")
-        layer_cls = remat_layer(DecoderLayer, cfg, static_argnums=(8, 9), decode=decode)
-        for i in range(cfg.num_decoder_layers):
-            x = layer_cls(cfg, sparse=i in sparse, name=f"layers_{i}")(
-                x, encoded, self_mask, cross_mask, bias, tokens, padding_mask, deterministic, decode
-            )
+        x = run_layers(
+            cfg,
+            "decoder",
+            DecoderLayer,
+            x,
+            (encoded, self_mask, cross_mask, bias, tokens, padding_mask),
+            (deterministic, decode),
+            decode=decode,
+        )
         x = _final_norm(cfg, x, deterministic)
         if cfg.logits_via_embedding:
             logits = self.shared_embedding.attend(x) / jnp.sqrt(jnp.asarray(cfg.emb_dim, x.dtype))

@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from moe_jax import errors, storage
+from moe_jax.models import layer_stacking
 from moe_jax.runtime import orbax_failures
 from moe_jax.runtime.checkpoint_checks import (
     CheckpointMismatchError,
@@ -240,24 +241,26 @@ class Checkpointer:
         step_dir = self.run_dir.step_dir(step)
         verified = check_integrity(step_dir, step)
         meta = self.read_meta(step, verified)
-        check_compatible(meta["params"], param_shapes(target.params), step_dir)
+        saved = layer_stacking.checkpoint_target(meta["params"], target)  # its layer form
+        check_compatible(meta["params"], param_shapes(saved.params), step_dir)
         with self._read_errors(step, verified):
             out = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(target.params),
-                    train=ocp.args.StandardRestore(_train_item(target)),
+                    params=ocp.args.StandardRestore(saved.params),
+                    train=ocp.args.StandardRestore(_train_item(saved)),
                 ),
             )
         check_finite(out["params"], step, step_dir)
         train = out["train"]
-        return TrainState(
+        state = TrainState(
             step=train["step"],
             params=out["params"],
             opt_state=train["opt_state"],
             rng=train["rng"],
             collections=train.get("collections", {}),
-        ), meta
+        )
+        return layer_stacking.convert(state, target), meta
 
     def restore_params(
         self, step: int, target: PyTree, collections: PyTree | None = None
@@ -279,6 +282,8 @@ class Checkpointer:
             step_dir, step, items=("params", "meta") + (("train",) if collections else ())
         )
         meta = self.read_meta(step, verified)
+        wanted = (target, collections or {})
+        target, collections = layer_stacking.checkpoint_target(meta["params"], wanted)
         check_compatible(meta["params"], param_shapes(target), step_dir)
         args = {"params": ocp.args.StandardRestore(target)}
         if collections:
@@ -291,7 +296,9 @@ class Checkpointer:
         with self._read_errors(step, verified):
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         check_finite(out["params"], step, step_dir)
-        return out["params"], (out["train"]["collections"] if collections else {}), meta
+        restored = (out["params"], out["train"]["collections"] if collections else {})
+        params, collections = layer_stacking.convert(restored, wanted)
+        return params, collections, meta
 
     def move_aside(self, step: int) -> str | None:
         """Moves an unreadable step to ``MODEL_DIR/unreadable_checkpoints/<step>`` (process

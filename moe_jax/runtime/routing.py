@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import param_paths, partitioning
+from moe_jax.models import layer_stacking
 from moe_jax.models.model import FEATURES
 from moe_jax.moe.collections import ROUTING_COLLECTION
 
@@ -98,9 +99,8 @@ def routing_fn(
             mutable=[ROUTING_COLLECTION],
         )
         out: dict[str, dict[str, jax.Array]] = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state.get(ROUTING_COLLECTION, {}))[
-            0
-        ]:
+        sown = layer_stacking.unstack_layers(state.get(ROUTING_COLLECTION, {}))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
             layer, name = _layer_name(path)
             out.setdefault(layer, {})[name] = leaf
         enc = batch["encoder_input_tokens"]

@@ -1,6 +1,6 @@
 """Activation checkpointing (``T5Config.remat_policy``): same loss, metrics and gradients as
-no remat, dropout included; less memory kept for the backward pass; refused by name when
-unknown."""
+no remat, dropout included, with unrolled and with scanned layers; less memory kept for the
+backward pass; refused by name when unknown."""
 
 from __future__ import annotations
 
@@ -39,14 +39,20 @@ def moe_bindings():
     gin.clear_config()
 
 
-def _model(policy: str, **overrides) -> EncoderDecoderModel:
+# 4 + 4 layers scanned as (dense, MoE) x 2 per stack
+SCANNED = dict(num_encoder_layers=4, num_decoder_layers=4, scan_min_layers=2)
+
+
+def _model(policy: str, scan: bool = False) -> EncoderDecoderModel:
+    sparse = 2 if scan else 1
     config = tiny_config(
-        num_sparse_encoder_layers=1,
-        num_sparse_decoder_layers=1,
+        num_sparse_encoder_layers=sparse,
+        num_sparse_decoder_layers=sparse,
         dropout_rate=0.1,
         remat_policy=policy,
-        **overrides,
+        **(SCANNED if scan else {}),
     )
+    assert (config.layer_groups("encoder") == ((0, 2, 2),)) == scan
     return EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)
 
 
@@ -55,24 +61,26 @@ def _grad_fn(model):
 
 
 @functools.cache
-def _reference():
-    model = _model("none")
+def _reference(scan: bool = False):
+    model = _model("none", scan)
     params = nn.unbox(model.get_initial_variables(jax.random.key(0), SHAPES)["params"])
     batch = random_batch(0, 4, 8, 6)
     return params, batch, _grad_fn(model)(params, batch, jax.random.key(3))
 
 
 @pytest.mark.parametrize(
-    "policy",
+    "policy,scan",
     [
-        pytest.param("full", marks=pytest.mark.slow),
-        "minimal",
-        pytest.param("dots", marks=pytest.mark.slow),
+        pytest.param("full", False, marks=pytest.mark.slow),
+        ("minimal", False),
+        pytest.param("dots", False, marks=pytest.mark.slow),
+        pytest.param("full", True, marks=pytest.mark.slow),
+        ("minimal", True),
     ],
 )
-def test_remat_gives_the_same_loss_metrics_and_gradients(policy):
-    params, batch, ((ref_loss, ref_metrics), ref_grads) = _reference()
-    model = _model(policy)
+def test_remat_gives_the_same_loss_metrics_and_gradients(policy, scan):
+    params, batch, ((ref_loss, ref_metrics), ref_grads) = _reference(scan)
+    model = _model(policy, scan)
     # same parameter tree (names and shapes) as without remat: checkpoints stay compatible
     fresh = nn.unbox(model.get_initial_variables(jax.random.key(0), SHAPES)["params"])
     assert jax.tree.structure(fresh) == jax.tree.structure(params)
@@ -86,13 +94,14 @@ def test_remat_gives_the_same_loss_metrics_and_gradients(policy):
     )
 
 
-def test_each_policy_keeps_less_for_the_backward_pass():
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_each_policy_keeps_less_for_the_backward_pass(scan):
     """Bytes of the residuals the backward pass keeps (the leaves of ``jax.vjp``'s
     function): full < minimal (projections) < dots (every matmul) < none."""
-    params, batch, _ = _reference()
+    params, batch, _ = _reference(scan)
 
     def residual_bytes(policy: str) -> int:
-        model = _model(policy)
+        model = _model(policy, scan)
         loss = lambda p: model.loss_fn(p, batch, jax.random.key(3))[0]  # noqa: E731
         vjp_fn = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params)
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp_fn))

@@ -1,0 +1,249 @@
+"""Stacking and unstacking the layers of scanned T5 stacks (``T5Config.scan_layers``).
+
+A scanned run of layers keeps one copy of its block of layers, each leaf with a leading
+axis of one entry per repeat: ``encoder/scan_0/layers_3_7_11/ffn/...`` holds layers 3, 7
+and 11 (entries 0, 1, 2) of the block position they share. Unscanned, the same values are
+``encoder/layers_3/ffn/...``, ``encoder/layers_7/ffn/...``, ``encoder/layers_11/ffn/...``.
+
+The functions here convert any tree whose dictionaries follow module paths: parameters,
+optimizer state (whose moments mirror the parameters), variable collections (sown tuples
+included) and abstract trees of ``jax.ShapeDtypeStruct`` with their shardings.
+A leaf whose leading axis is not the repeats' count is the same in both forms: Adafactor's
+``(1,)`` placeholder for the moments a parameter does not keep.
+
+:func:`unstack_layers` gives the per-layer form (names as an unscanned model's: what the
+routing metrics and analyses read), :func:`unstack_names` and :func:`map_layers` the same
+for ``{name: leaf}`` views (exports, router weights); :func:`stack_layers` gives the
+scanned form of a :func:`layout`; :func:`checkpoint_target` and :func:`convert` let a
+checkpoint saved in one form restore into a model of the other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moe_jax import param_paths
+
+PyTree = Any
+# {stack key ("encoder"): ((scan group name, (block position name, ...)), ...)}
+Layout = dict[str, tuple[tuple[str, tuple[str, ...]], ...]]
+
+SCAN_GROUP = re.compile(r"scan_\d+")
+_POSITION = re.compile(r"layers_(\d+(?:_\d+)+)")
+
+
+def scanned_name(indices: Sequence[int]) -> str:
+    """``layers_3_7_11``: the block position holding layers 3, 7, 11 (one per repeat)."""
+    return "layers_" + "_".join(str(i) for i in indices)
+
+
+def layer_indices(name: str) -> tuple[int, ...] | None:
+    """The layers of a block position name (:func:`scanned_name`); None for other names."""
+    match = _POSITION.fullmatch(name)
+    return None if match is None else tuple(int(i) for i in match.group(1).split("_"))
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _take(leaf: Any, index: int, repeats: int) -> Any:
+    """Entry ``index`` of a stacked leaf (a ``ShapeDtypeStruct`` keeps its sharding's other
+    axes); a leaf without the repeats' leading axis as it is."""
+    if not _is_array(leaf) or not leaf.shape or leaf.shape[0] != repeats:
+        return leaf
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+    return leaf[index]
+
+
+def _take_tree(tree: PyTree, index: int, repeats: int) -> PyTree:
+    """:func:`_take` of every leaf of ``tree``."""
+    return jax.tree.map(lambda leaf: _take(leaf, index, repeats), tree)
+
+
+def _stack(leaves: list[Any]) -> Any:
+    """The leaves of one block position's layers stacked on a new leading axis (a
+    ``ShapeDtypeStruct`` gets an unsharded leading axis); a ``(1,)`` placeholder stays one."""
+    first = leaves[0]
+    if not _is_array(first) or tuple(first.shape) == (1,):
+        return first
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *tuple(sharding.spec)))
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
+    return (np.stack if isinstance(first, np.ndarray) else jnp.stack)(leaves)
+
+
+def _map_dicts(fn, tree: PyTree) -> PyTree:
+    """``tree`` with each outermost mapping ``m`` replaced by ``fn(m)`` (other containers,
+    e.g. optax states, kept)."""
+    return jax.tree.map(
+        lambda x: fn(x) if isinstance(x, Mapping) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Mapping),
+    )
+
+
+def unstack_layers(tree: PyTree) -> PyTree:
+    """``tree`` with every scan group's block positions replaced by per-layer entries
+    ``layers_<i>`` (entry ``r`` of each leaf for the position's ``r``-th layer) in the
+    mapping that held the group; a tree without scan groups is returned equal."""
+
+    def visit(mapping: Mapping) -> dict:
+        out: dict[str, Any] = {}
+        for key, value in mapping.items():
+            if not (SCAN_GROUP.fullmatch(str(key)) and isinstance(value, Mapping)):
+                out[key] = unstack_layers(value)
+                continue
+            for position, subtree in value.items():
+                indices = layer_indices(position)
+                if indices is None:
+                    raise ValueError(f"{key}/{position} is not a scanned block position")
+                for r, i in enumerate(indices):
+                    out[f"layers_{i}"] = _take_tree(subtree, r, len(indices))
+        return out
+
+    return _map_dicts(visit, tree)
+
+
+def _scanned_at(parts: Sequence[str]) -> int | None:
+    """Where in a leaf name's parts its scan group is (the position name follows it)."""
+    for at in range(len(parts) - 1):
+        if SCAN_GROUP.fullmatch(parts[at]) and layer_indices(parts[at + 1]):
+            return at
+    return None
+
+
+def layer_names(name: str) -> list[str]:
+    """The per-layer names of a ``/``-joined leaf name, one per entry of its leading axis
+    (``encoder/scan_0/layers_3_7/x`` -> ``encoder/layers_3/x``, ``encoder/layers_7/x``);
+    ``[name]`` for a leaf outside a scan group."""
+    parts = name.split("/")
+    at = _scanned_at(parts)
+    if at is None:
+        return [name]
+    return [
+        "/".join([*parts[:at], f"layers_{i}", *parts[at + 2 :]])
+        for i in layer_indices(parts[at + 1]) or ()
+    ]
+
+
+def unstack_names(named: Mapping[str, Any]) -> dict[str, Any]:
+    """``{leaf name: leaf}`` with each scanned leaf split into its layers' entries under
+    their :func:`layer_names` (a name outside a scan group as it is)."""
+    out = {}
+    for name, leaf in named.items():
+        names = layer_names(name)
+        for r, per_layer in enumerate(names):
+            out[per_layer] = leaf if len(names) == 1 else _take(leaf, r, len(names))
+    return out
+
+
+def map_layers(fn: Callable[[str, Any], Any], name: str, leaf: Any) -> Any:
+    """``fn(per-layer name, per-layer leaf)`` of each layer of leaf ``name`` restacked (on
+    ``leaf``'s devices and sharding); ``fn(name, leaf)`` outside a scan group."""
+    names = layer_names(name)
+    if len(names) == 1:
+        return fn(name, leaf)
+    stacked = _stack([fn(n, _take(leaf, r, len(names))) for r, n in enumerate(names)])
+    return jax.device_put(stacked, leaf.sharding) if isinstance(leaf, jax.Array) else stacked
+
+
+def layout(names: Iterable[str]) -> Layout:
+    """The scan groups named in ``names`` (``/``-joined leaf paths, as a checkpoint's
+    metadata lists its parameters), by the key of the mapping that holds them; block
+    positions in layer order."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for name in names:
+        parts = name.split("/")
+        at = _scanned_at(parts)
+        if at:
+            found.setdefault(parts[at - 1], {}).setdefault(parts[at], set()).add(parts[at + 1])
+    return {
+        stack: tuple(
+            (group, tuple(sorted(positions, key=lambda p: layer_indices(p) or ())))
+            for group, positions in sorted(groups.items())
+        )
+        for stack, groups in found.items()
+    }
+
+
+def tree_layout(tree: PyTree) -> Layout:
+    """:func:`layout` of the leaf paths of ``tree``."""
+    return layout(param_paths.named_leaves(tree))
+
+
+def stack_layers(tree: PyTree, scan_layout: Layout) -> PyTree:
+    """``tree`` (per-layer entries ``layers_<i>``) in the scanned form of ``scan_layout``:
+    in each mapping under a key of ``scan_layout``, the layers of each block position
+    stacked into ``<scan group>/<position>``. Positions none of whose layers are there
+    (collections of only some layers) are left out.
+
+    Raises:
+      ValueError: naming the position when only some of its layers are there.
+    """
+
+    def restack(stack: Mapping, groups) -> dict:
+        out = dict(stack)
+        for group, positions in groups:
+            stacked = {}
+            for position in positions:
+                names = [f"layers_{i}" for i in layer_indices(position) or ()]
+                present = [n for n in names if n in out]
+                if not present:
+                    continue
+                if len(present) != len(names):
+                    raise ValueError(f"{group}/{position}: only {present} are there to stack")
+                parts = [out.pop(n) for n in names]
+                stacked[position] = jax.tree.map(lambda *leaves: _stack(list(leaves)), *parts)
+            if stacked:
+                out[group] = stacked
+        return out
+
+    def visit(mapping: Mapping) -> dict:
+        return {
+            key: restack(stack_layers(value, scan_layout), scan_layout[key])
+            if key in scan_layout and isinstance(value, Mapping)
+            else stack_layers(value, scan_layout)
+            for key, value in mapping.items()
+        }
+
+    return _map_dicts(visit, tree) if scan_layout else tree
+
+
+def checkpoint_target(saved_names: Iterable[str], target: PyTree) -> PyTree:
+    """The restore target ``target`` (abstract, with shardings) in the layer form of a
+    checkpoint whose parameters are ``saved_names``: ``target`` when the forms agree, or
+    when the checkpoint's scan groups do not fit ``target``'s layers (another model: the
+    caller's compatibility check names the differences)."""
+    saved_layout = layout(saved_names)
+    if saved_layout == tree_layout(target):
+        return target
+    try:
+        return stack_layers(unstack_layers(target), saved_layout)
+    except ValueError:
+        return target
+
+
+def convert(tree: PyTree, target: PyTree) -> PyTree:
+    """``tree`` (restored from a checkpoint, in any layer form) in the form of ``target``
+    (the abstract state it stands for, with shardings), laid out by those shardings."""
+    target_layout = tree_layout(target)
+    if tree_layout(tree) == target_layout:
+        return tree
+    shardings = jax.tree.map(lambda leaf: getattr(leaf, "sharding", None), target)
+    return jax.jit(
+        lambda t: stack_layers(unstack_layers(t), target_layout), out_shardings=shardings
+    )(tree)

@@ -1,0 +1,262 @@
+"""Scanned layers (``T5Config.scan_layers``): which layers a scan covers; with the same
+(converted) parameters a scanned and an unrolled model give the same loss, metrics per
+layer, gradients, state updates, per-token routing and decoded tokens; trees convert
+between the two forms and back; checkpoints of either form restore into a model of the
+other, optimizer state and state collections included."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from moe_jax import param_paths
+from moe_jax.analysis import counterfactual, languages
+from moe_jax.commands import evaluate, export
+from moe_jax.models import layer_stacking
+from moe_jax.models.model import EncoderDecoderModel
+from moe_jax.models.t5 import EncoderDecoder, layer_groups
+from moe_jax.moe.config import CapacityConfig, MoeConfig, RandomRouterConfig, TopKRouterConfig
+from moe_jax.runtime import builders, checkpoints, routing, train_state
+from tests.models.conftest import random_batch, tiny_config
+
+SHAPES = {"encoder_input_tokens": (8, 8), "decoder_input_tokens": (8, 6)}
+# 4 + 4 layers; MoE: layers 1 and 3 of each stack, so both stacks are (dense, MoE) x 2
+MOE = MoeConfig(
+    num_experts=4,
+    d_ff=32,
+    activation="gated_gelu",
+    router=TopKRouterConfig(bias_update_rate=0.01),  # a state collection: router_bias
+    capacity=CapacityConfig(group_size=8),
+)
+
+
+def _model(scan: bool, moe: bool) -> EncoderDecoderModel:
+    sparse = dict(num_sparse_encoder_layers=2, num_sparse_decoder_layers=2, moe=MOE) if moe else {}
+    config = tiny_config(
+        num_encoder_layers=4,
+        num_decoder_layers=4,
+        scan_layers=scan,
+        scan_min_layers=2,
+        **sparse,
+    )
+    return EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6) -> None:
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def test_layer_groups_scan_the_repeated_blocks():
+    dense, sparse = "D", "S"
+    assert layer_groups([dense, dense, dense, sparse] * 3) == ((0, 4, 3),)  # Base, mixed
+    assert layer_groups([sparse] * 3 + [dense] * 9) == ((0, 1, 3), (3, 1, 9))  # bottom
+    assert layer_groups([dense, dense, sparse] * 3 + [dense]) == ((0, 3, 3), (9, 1, 1))
+    assert layer_groups([dense, sparse]) == ((0, 1, 1), (1, 1, 1))  # nothing repeats
+    assert layer_groups([dense] * 4, min_layers=6) == tuple((i, 1, 1) for i in range(4))
+    base = tiny_config(num_encoder_layers=12, num_decoder_layers=12, num_sparse_encoder_layers=3)
+    assert base.layer_groups("encoder") == ((0, 4, 3),) and base.layer_groups("decoder") == (
+        (0, 1, 12),
+    )
+    assert tiny_config().layer_groups("encoder") == ((0, 1, 1), (1, 1, 1))  # under the minimum
+    unrolled = tiny_config(num_encoder_layers=12, scan_layers=False).layer_groups("encoder")
+    assert unrolled == tuple((i, 1, 1) for i in range(12))
+    # a router salted by its module path: its layers stay unrolled, the dense runs scan
+    salted = tiny_config(
+        num_encoder_layers=8,
+        num_sparse_encoder_layers=2,
+        scan_min_layers=2,
+        moe=MoeConfig(num_experts=4, d_ff=32, router=RandomRouterConfig()),
+    )
+    assert salted.layer_groups("encoder") == ((0, 1, 3), (3, 1, 1), (4, 1, 3), (7, 1, 1))
+
+
+@functools.cache
+def _pair(moe: bool):
+    """(scanned model, unrolled model, scanned variables, the same converted)."""
+    scanned, unrolled = _model(True, moe), _model(False, moe)
+    variables = nn.unbox(scanned.get_initial_variables(jax.random.key(0), SHAPES))
+    return scanned, unrolled, variables, layer_stacking.unstack_layers(variables)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_scanned_model_has_the_unrolled_parameters_stacked(moe):
+    scanned, unrolled, variables, converted = _pair(moe)
+    boxed = scanned.get_initial_variables(jax.random.key(0), SHAPES)
+    fresh = nn.unbox(unrolled.get_initial_variables(jax.random.key(0), SHAPES))
+    # the same names and shapes once unstacked, so the same parameter count and FLOPs
+    assert jax.tree.map(np.shape, converted) == jax.tree.map(np.shape, fresh)
+    assert scanned.num_params(variables["params"]) == unrolled.num_params(fresh["params"])
+    assert scanned.flops_per_example(SHAPES) == unrolled.flops_per_example(SHAPES)
+    # every stacked parameter carries the 'layers' logical axis first
+    specs = {
+        param_paths.path_name(path): spec
+        for path, spec in jax.tree_util.tree_flatten_with_path(
+            nn.get_partition_spec(boxed["params"]),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )[0]
+    }
+    stacked = {n: s for n, s in specs.items() if "/scan_0/" in n}
+    assert stacked and all(s[0] == "layers" for s in stacked.values())
+    assert all("layers" not in s for n, s in specs.items() if n not in stacked)
+    position = "layers_1_3" if moe else "layers_0_1_2_3"
+    assert f"encoder/scan_0/{position}/self_attention/attention/query" in stacked
+    # converting back gives the scanned tree
+    again = layer_stacking.stack_layers(converted, layer_stacking.tree_layout(variables))
+    assert jax.tree.structure(again) == jax.tree.structure(variables)
+    _close(again, variables, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_scanned_model_gives_the_unrolled_loss_gradients_and_state(moe):
+    scanned, unrolled, variables, converted = _pair(moe)
+    batch = random_batch(1, *SHAPES["encoder_input_tokens"], SHAPES["decoder_input_tokens"][1])
+
+    def step(model, v):  # training mode (train capacity, bias updates); dropout rate 0
+        state = {k: x for k, x in v.items() if k != "params"}
+        fn = jax.value_and_grad(model.train_loss_fn, has_aux=True)
+        return jax.jit(fn)(v["params"], state, batch, jax.random.key(2))
+
+    (loss, (metrics, new_state)), grads = step(scanned, variables)
+    (ref_loss, (ref_metrics, ref_state)), ref_grads = step(unrolled, converted)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert set(metrics) == set(ref_metrics)  # per layer: moe/encoder/layers_1/...
+    assert any("/layers_3/" in name for name in metrics) == moe
+    _close(metrics, ref_metrics)
+    _close(layer_stacking.unstack_layers(grads), ref_grads, rtol=1e-4, atol=1e-7)
+    _close(layer_stacking.unstack_layers(new_state), ref_state)
+    if moe:  # the bias moved, per layer as unrolled
+        moved = jax.tree.map(np.allclose, new_state["router_bias"], variables["router_bias"])
+        assert not any(jax.tree.leaves(moved))
+    # eval metrics and greedy decoding
+    state = {k: x for k, x in variables.items() if k != "params"}
+    ref_state = layer_stacking.unstack_layers(state)
+    _close(
+        scanned.eval_fn(variables["params"], batch, state),
+        unrolled.eval_fn(converted["params"], batch, ref_state),
+    )
+    tokens = scanned.predict_batch(variables["params"], batch, state=state)
+    np.testing.assert_array_equal(
+        tokens, unrolled.predict_batch(converted["params"], batch, state=ref_state)
+    )
+
+
+def test_routing_of_a_scanned_model_is_per_layer_as_unrolled():
+    """The per-token routing that analyses and the churn probe read (runtime/routing.py)."""
+    scanned, unrolled, variables, converted = _pair(True)
+    batch = random_batch(3, *SHAPES["encoder_input_tokens"], SHAPES["decoder_input_tokens"][1])
+    ctx = builders.run_context()
+    found = []
+    for model, v in ((scanned, variables), (unrolled, converted)):
+        shardings = train_state.param_shardings(model, SHAPES, ctx.mesh, ctx.rules)
+        state_shardings = builders.collections_shardings(model, SHAPES, ctx)
+        fn = routing.routing_fn(
+            model, shardings, ctx.mesh, ctx.rules, ctx.batch_axes, state_shardings
+        )
+        params = jax.device_put(v["params"], shardings)
+        state = jax.device_put({"router_bias": v["router_bias"]}, state_shardings)
+        found.append(
+            routing.collect_routing(fn, params, [builders.global_batch(batch, ctx)], state)
+        )
+    layers, ref = found
+    assert (
+        list(layers)
+        == list(ref)
+        == [
+            "encoder/layers_1",
+            "encoder/layers_3",
+            "decoder/layers_1",
+            "decoder/layers_3",
+        ]
+    )
+    for name, layer in layers.items():
+        np.testing.assert_array_equal(layer.expert_index, ref[name].expert_index)
+        np.testing.assert_allclose(layer.router_probs, ref[name].router_probs, rtol=1e-5)
+
+
+def test_names_and_leaves_convert_per_layer():
+    named = {"encoder/scan_0/layers_1_3/ffn/w": np.arange(6.0).reshape(2, 3), "x/y": np.ones(2)}
+    assert layer_stacking.layer_names("encoder/scan_0/layers_1_3/ffn/w") == [
+        "encoder/layers_1/ffn/w",
+        "encoder/layers_3/ffn/w",
+    ]
+    per_layer = layer_stacking.unstack_names(named)
+    np.testing.assert_array_equal(per_layer["encoder/layers_3/ffn/w"], [3.0, 4.0, 5.0])
+    assert set(per_layer) == {"encoder/layers_1/ffn/w", "encoder/layers_3/ffn/w", "x/y"}
+    mapped = layer_stacking.map_layers(
+        lambda name, w: w + int(name.split("/")[1].split("_")[1]),
+        "encoder/scan_0/layers_1_3/ffn/w",
+        named["encoder/scan_0/layers_1_3/ffn/w"],
+    )
+    np.testing.assert_array_equal(mapped, [[1.0, 2.0, 3.0], [6.0, 7.0, 8.0]])
+    # Adafactor's (1,) placeholders are the same in both forms
+    tree = {"encoder": {"scan_0": {"layers_0_1": {"v": np.zeros((2, 5)), "v_row": np.zeros(1)}}}}
+    flat = layer_stacking.unstack_layers(tree)
+    assert jax.tree.map(np.shape, flat) == {
+        "encoder": {"layers_0": {"v": (5,), "v_row": (1,)}, "layers_1": {"v": (5,), "v_row": (1,)}}
+    }
+    back = layer_stacking.stack_layers(flat, layer_stacking.tree_layout(tree))
+    assert jax.tree.map(np.shape, back) == jax.tree.map(np.shape, tree)
+
+
+@pytest.mark.parametrize("saved_scanned", [True, False], ids=["scanned_saved", "unrolled_saved"])
+def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scanned):
+    """Train state (Adafactor: factored moments and (1,) placeholders), parameters and the
+    router_bias collection, through `train`'s restore and the eval/infer/analyze one."""
+    ctx = builders.run_context()
+    source, target = _model(saved_scanned, True), _model(not saved_scanned, True)
+    state = builders.build_train_setup(source, SHAPES, ctx).init_state()
+    writer = checkpoints.Checkpointer(str(tmp_path), async_save=False)
+    writer.save(state, {"data_iterators": []}, force=True)
+    writer.wait_until_finished()
+    writer.close()
+    expected = layer_stacking.unstack_layers(state)
+
+    abstract = builders.build_train_setup(target, SHAPES, ctx).abstract_state
+    reader = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    restored, _ = reader.restore(0, abstract)
+    reader.close()
+    assert jax.tree.structure(restored) == jax.tree.structure(abstract)
+    jax.tree.map(
+        lambda a, t: a.sharding.is_equivalent_to(t.sharding, a.ndim) or pytest.fail(str(t)),
+        restored,
+        abstract,
+    )
+    _close(layer_stacking.unstack_layers(restored), expected, rtol=0, atol=0)
+
+    model = builders.restore_model(str(tmp_path), target, SHAPES, ctx)
+    _close(layer_stacking.unstack_layers(model.params), expected.params, rtol=0, atol=0)
+    _close(layer_stacking.unstack_layers(model.collections), expected.collections, rtol=0, atol=0)
+
+
+def test_exports_and_router_readers_see_the_layers_of_a_scanned_model():
+    """What reads parameters by per-layer name (export and import, router drift, the
+    languages analysis' router kernels, counterfactual routers) gives for a scanned model
+    what it gives for the same parameters unrolled."""
+    _, _, variables, converted = _pair(True)
+    params, flat = variables["params"], converted["params"]
+    arrays = export.arrays_for_export(params)
+    _close(arrays, export.arrays_for_export(flat), rtol=0, atol=0)
+    abstract = jax.eval_shape(lambda: params)
+    _close(export.params_from_export(arrays, abstract, "test"), params, rtol=0, atol=0)
+    assert "encoder/layers_3/mlp/router/router_weights/w/kernel" in arrays
+    initial = {
+        name: np.asarray(leaf) * 0.5 for name, leaf in param_paths.router_params(params).items()
+    }  # as router_init.npz of a scanned run: stacked
+    layers = ["encoder/layers_1", "encoder/layers_3", "decoder/layers_1", "decoder/layers_3"]
+    drift = evaluate.router_drift(params, initial, layers)
+    assert drift == evaluate.router_drift(flat, layer_stacking.unstack_names(initial), layers)
+    assert sorted(drift) == sorted(layers) and all(v == pytest.approx(1.0) for v in drift.values())
+    _close(languages.router_kernels(params), languages.router_kernels(flat), rtol=0, atol=0)
+    for scanned_routers, flat_routers in (
+        (counterfactual.random_routers(params, 3), counterfactual.random_routers(flat, 3)),
+        (
+            counterfactual.replace_routers(params, initial, "test"),
+            counterfactual.replace_routers(flat, initial, "test"),
+        ),
+    ):
+        _close(layer_stacking.unstack_layers(scanned_routers), flat_routers, rtol=0, atol=0)
