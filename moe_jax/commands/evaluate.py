@@ -68,9 +68,10 @@ from moe_jax.runtime import (
     evaluation,
     gin_utils,
     run_names,
+    steps,
     summaries,
-    train_step,
 )
+from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.routing import layer_order
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
@@ -347,7 +348,7 @@ def evaluate(
     routers: Sequence[str] = (),
     labels: Sequence[str] = (),
     *,
-    model: Any = gin.REQUIRED,
+    model: Model = gin.REQUIRED,
     dataset_cfg: Any = gin.REQUIRED,
     eval_steps: int = 20,
     router_seed: int = 0,
@@ -381,7 +382,7 @@ def evaluate(
     ctx = builders.run_context()
     expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
     input_shapes = dataset_cfg.input_shapes()
-    eval_fns: dict[str | None, Any] = {}
+    eval_fns: dict[str | None, steps.EvalStep] = {}
     output_dir = storage.normalize(
         output_dir
         or storage.join(checkpoints.split_checkpoint_path(checkpoint_paths[0])[0], "eval_results")
@@ -404,7 +405,7 @@ def evaluate(
             )
             key = name if interceptor else None  # variants of the parameters share one step
             if key not in eval_fns:
-                eval_fns[key] = train_step.jit_eval_step(
+                eval_fns[key] = steps.jit_eval_step(
                     model,
                     restored.params_shardings,
                     ctx.mesh,

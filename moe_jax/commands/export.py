@@ -55,7 +55,15 @@ import numpy as np
 from moe_jax import param_paths, storage
 from moe_jax.errors import UserError
 from moe_jax.moe import freeze
-from moe_jax.runtime import builders, checkpoints, distributed, gin_utils, run_lock, train_state
+from moe_jax.runtime import (
+    builders,
+    checkpoints,
+    configured,
+    distributed,
+    gin_utils,
+    run_lock,
+    train_state,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 ROUTER_INIT_FILE = "router_init.safetensors"
@@ -430,7 +438,7 @@ def import_export(
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
-    run = builders.build_train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
+    run = configured.train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
     host_params = params_from_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )

@@ -38,17 +38,19 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors, storage
+from moe_jax import errors, partitioning, storage
 from moe_jax.runtime import (
     aot,
     builders,
     checkpoints,
+    configured,
     distributed,
     evaluation,
     gin_utils,
     run_lock,
     summaries,
 )
+from moe_jax.runtime.model_protocol import Model
 
 
 class NonFiniteLossError(errors.UserError, FloatingPointError):
@@ -66,15 +68,10 @@ def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, sta
 
     if state is not None:
         return pipeline.TrainIterator.restore(state)
-    if cfg.batch_size % jax.process_count():
-        raise ValueError(
-            f"DatasetConfig.batch_size={cfg.batch_size} is not divisible by the "
-            f"{jax.process_count()} processes"
-        )
     return pipeline.TrainIterator(
         cfg.mixture_or_task_name,
         dict(cfg.task_feature_lengths),
-        batch_size=cfg.batch_size // jax.process_count(),
+        batch_size=partitioning.per_process_batch_size(cfg.batch_size),
         seed=cfg.seed,
         split=cfg.split,
         pack=cfg.pack,
@@ -91,7 +88,7 @@ def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[s
         "mixture_or_task_name": cfg.mixture_or_task_name,
         "split": cfg.split,
         "task_feature_lengths": dict(cfg.task_feature_lengths),
-        "batch_size": cfg.batch_size // jax.process_count(),
+        "batch_size": partitioning.per_process_batch_size(cfg.batch_size),
         "seed": cfg.seed,
         "pack": cfg.pack,
         "use_cached": cfg.use_cached,
@@ -127,7 +124,7 @@ def _resumed_iterator(
 )
 def train(
     *,
-    model: Any = gin.REQUIRED,
+    model: Model = gin.REQUIRED,
     train_dataset_cfg: builders.DatasetConfig = gin.REQUIRED,
     train_eval_dataset_cfg: builders.DatasetConfig | None = None,
     model_dir: str = gin.REQUIRED,
@@ -198,7 +195,7 @@ def train(
         model.check_vocabulary()
         ctx = builders.run_context()
         input_shapes = train_dataset_cfg.input_shapes()
-        run = builders.build_train_setup(
+        run = configured.train_setup(
             model,
             input_shapes,
             ctx,
@@ -252,7 +249,9 @@ def train(
             f"{jax.process_count()} process(es), {jax.device_count()} devices"
         )
 
-        eval_fn = run.eval_step if train_eval_dataset_cfg is not None and eval_period else None
+        eval_fn = (
+            run.jitted_eval_step if train_eval_dataset_cfg is not None and eval_period else None
+        )
         expert_shards = int(dict(ctx.mesh.shape).get("expert", 1))
         writer = summaries.MetricsWriter(model_dir, expert_shards)
         churn: summaries.ChurnProbe | None = (

@@ -15,7 +15,7 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.commands import train
-from moe_jax.runtime import builders, checkpoints, gin_utils, summaries
+from moe_jax.runtime import builders, checkpoints, configured, gin_utils, summaries
 
 # A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
 # bias itself is in test_state_collections.py, which runs with `make test`.
@@ -79,7 +79,7 @@ def test_restore_model_gives_the_trained_bias(bias_run):
     _parse_run(bias_run)
     model, ctx = _model(), builders.run_context()
     restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
-    full = builders.build_train_setup(model, SHAPES, ctx).abstract_state
+    full = configured.train_setup(model, SHAPES, ctx).abstract_state
     ckpt = checkpoints.Checkpointer(str(bias_run), read_only=True)
     try:
         state = ckpt.restore(STEPS, full)[0]
