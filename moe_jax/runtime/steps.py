@@ -120,7 +120,9 @@ class _UnderMesh:
     """A jitted function called, and lowered ahead of time, under ``mesh`` and the logical
     axis ``rules`` (which give the model's activation constraints their mesh axes)."""
 
-    def __init__(self, jitted: Any, mesh: Mesh, rules: partitioning.LogicalRules) -> None:
+    def __init__(
+        self, jitted: jax.stages.Wrapped, mesh: Mesh, rules: partitioning.LogicalRules
+    ) -> None:
         self._jitted, self._mesh, self._rules = jitted, mesh, rules
 
     def _run(self, *args: Any) -> Any:

@@ -98,7 +98,7 @@ def test_bad_combinations_are_refused_by_name(moe_model):
 
     with pytest.raises(
         errors.ConfigError,
-        match=r"^encoder/layers_1/ffn/moe/expert/wi_0 \[4, 32, 32\]: dimension 0 \(4\) is split "
+        match=r"^decoder/layers_1/ffn/moe/expert/wi_0 \[4, 32, 32\]: dimension 0 \(4\) is split "
         r"over mesh axis expert of size 8, which does not divide it; make the number of experts",
     ):
         check(model, (1, 8, 1))
