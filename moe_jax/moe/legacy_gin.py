@@ -9,8 +9,10 @@ form.
   warning, so the translated run computes what it computed.
 - Parts left None (:data:`PART_REFERENCES`): the MoE config and its parts were built from
   their own bindings when ``T5Config.moe`` or a ``MoeConfig`` part was None; the gin files
-  now bind them (``MoeConfig.capacity = @CapacityConfig()``), so such a config gets the
-  references.
+  now bind them (``MoeConfig.capacity = @CapacityConfig()``), so a config that built a
+  ``MoeConfig`` gets the references; an earlier one that built none (a model without MoE
+  layers) loses its ``T5Config.moe = None``, the default, which the model files now bind
+  to a reference.
 - Renamed fields (:data:`T5CONFIG_RENAMES`): ``T5Config.dtype`` is
   ``T5Config.activation_dtype_name``.
 """
@@ -118,6 +120,7 @@ PART_REFERENCES: dict[str, str] = {
     **{f"MoeConfig.{key}": f"@{part}()" for part, key in _PART_KEYS.items()},
 }
 _BINDS_MOE_CONFIG = re.compile(r"^(\S+/)?MoeConfig\.\w+\s*=", re.MULTILINE)
+_RENAMED = re.compile(rf"^(\S+/)?T5Config\.({'|'.join(T5CONFIG_RENAMES)})(?=\s*=)", re.MULTILINE)
 _MACRO = re.compile(r"^(\w+)\s*=\s*(.*?)\s*$", re.MULTILINE)
 
 
@@ -215,17 +218,26 @@ def translate(text: str) -> tuple[str, list[str]]:
       LegacyOptionError: an unknown ``MoeLayer`` option or router type (names it).
     """
     text, warnings = _translate_moe_layer(text)
-    for old, new in T5CONFIG_RENAMES.items():
-        text = re.sub(rf"^(\S+/)?T5Config\.{old}(\s*=)", rf"\1T5Config.{new}\2", text, flags=re.M)
+    earlier = re.search(_RENAMED, text) is not None
+    text = re.sub(_RENAMED, lambda m: f"{m[1] or ''}T5Config.{T5CONFIG_RENAMES[m[2]]}", text)
     if _BINDS_MOE_CONFIG.search(text):
-        for name, reference in PART_REFERENCES.items():
-            field = re.escape(name)
-            text = re.sub(
-                rf"^(\S+/)?{field}\s*=\s*None\s*$", rf"\1{name} = {reference}", text, flags=re.M
-            )
-            if not re.search(rf"^(\S+/)?{field}\s*=", text, flags=re.M):
-                text += f"{name} = {reference}\n"
+        return _with_part_references(text), warnings
+    if earlier:  # a model without MoE layers, written before the model files bound its moe
+        text = re.sub(r"^(\S+/)?T5Config\.moe\s*=\s*None\s*\n", "", text, flags=re.M)
     return text, warnings
+
+
+def _with_part_references(text: str) -> str:
+    """``text`` with each field of :data:`PART_REFERENCES` that it leaves None or unbound
+    bound to its reference."""
+    for name, reference in PART_REFERENCES.items():
+        field = re.escape(name)
+        text = re.sub(
+            rf"^(\S+/)?{field}\s*=\s*None\s*$", rf"\1{name} = {reference}", text, flags=re.M
+        )
+        if not re.search(rf"^(\S+/)?{field}\s*=", text, flags=re.M):
+            text += f"{name} = {reference}\n"
+    return text
 
 
 def binds_moe_layer(text: str) -> bool:

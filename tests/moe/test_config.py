@@ -185,8 +185,8 @@ def test_the_model_file_binds_every_part_reference():
 
 def test_a_config_written_before_the_part_references_builds_the_same_model():
     """A run's config.gin of the previous form (parts and ``T5Config.moe`` None, built from
-    their bindings then; ``T5Config.dtype``) reads in the current form; a dense one keeps
-    its ``moe = None``."""
+    their bindings then; ``T5Config.dtype``) reads in the current form; a dense one leaves
+    ``moe`` to its default, None; a config in the current form stays as it is."""
     before = (
         "MODEL/T5Config.dtype = 'bfloat16'\nMODEL/T5Config.moe = None\n"
         "MODEL/T5Config.num_sparse_encoder_layers = 1\n"
@@ -202,7 +202,9 @@ def test_a_config_written_before_the_part_references_builds_the_same_model():
     assert config.moe is not None and config.moe.num_experts == 4
     assert config.moe.capacity.group_size == 64
     dense = "MODEL/T5Config.dtype = 'float32'\nMODEL/T5Config.moe = None\n"
-    assert legacy_gin.translate(dense)[0] == dense.replace(".dtype", ".activation_dtype_name")
+    current = "MODEL/T5Config.activation_dtype_name = 'float32'\n"
+    assert legacy_gin.translate(dense) == (current, [])  # moe: its default, None
+    assert legacy_gin.translate(current + "MODEL/T5Config.moe = None\n")[0].endswith("None\n")
 
 
 def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names():
