@@ -106,7 +106,7 @@ class T5Config:
       dropout_rate: dropout after embeddings, every sublayer, attention weights, MLP hidden.
       logits_via_embedding: tie the output logits to the token embedding.
       activation_dtype_name: activation dtype (``'float32'`` or ``'bfloat16'``; gin macro
-        ``ACTIVATION_DTYPE``; was ``dtype``); :attr:`activation_dtype` is its ``jnp.dtype``.
+        ``ACTIVATION_DTYPE``); :attr:`activation_dtype` is its ``jnp.dtype``.
       param_dtype: parameter dtype (keep ``'float32'``).
       float32_attention_logits: q.k and softmax in float32.
       relpos_num_buckets, relpos_max_distance: T5 relative position buckets.
