@@ -7,7 +7,7 @@ compile report's estimate for it; and the MoE layer's forward + backward per dis
     python benchmarks/accelerator_step.py --runs base_learned --profile /tmp/trace
     benchmarks/gpu_session.sh                 # all of it in one call on a bare GPU machine
 
-Each run is the project's own train step (``builders.build_train_setup``: what
+Each run is the project's own train step (``configured.train_setup``: what
 ``moe-jax train`` runs) of a documented run's gin files, fed random token batches (no
 dataset, no seqio or TensorFlow: jax, flax, optax, orbax and gin-config suffice) on the
 first device. Each run goes in a fresh process (so that peak memory is its own) and
@@ -198,7 +198,7 @@ def measure_run(
 
     from moe_jax import hardware
     from moe_jax.commands.compile import parse_gin_for_compile
-    from moe_jax.runtime import aot, builders, gin_flags
+    from moe_jax.runtime import aot, builders, configured, gin_flags
 
     run = RUNS[name]
     phases: dict[str, float] = {}
@@ -220,7 +220,7 @@ def measure_run(
     start = time.perf_counter()
     devices = jax.devices()[:1]  # one chip: the rates below are per chip
     ctx = builders.run_context(devices=devices)
-    setup = builders.build_train_setup(
+    setup = configured.train_setup(
         model, cfg.input_shapes(), ctx, seed=train_args.get("random_seed", 0)
     )
     done("setup", time.perf_counter() - start)
@@ -275,7 +275,7 @@ def measure_run(
         "batch_size": cfg.batch_size,
         "task_feature_lengths": dict(cfg.task_feature_lengths),
         "tokens_per_step": tokens,
-        "activation_dtype": model.module.config.dtype,
+        "activation_dtype": model.module.config.activation_dtype_name,
         "phases_s": phases,
         "step_s": {"min": min(times), "median": median, "steps": len(times), "all": times},
         "tokens_per_s": tokens / median,

@@ -90,14 +90,14 @@ def measure_init(flags: list[str]) -> dict:
 
     from moe_jax import partitioning
     from moe_jax.commands import compile as compile_command
-    from moe_jax.runtime import aot, builders, gin_utils
+    from moe_jax.runtime import aot, builders, configured, gin_flags
 
     compile_command.parse_gin_for_compile(
-        gin_utils.parse_flags(builders.build_parser("scan_layers", ""), flags)
+        gin_flags.parse_flags(builders.build_parser("scan_layers", ""), flags)
     )
     args = aot.train_bindings()
     ctx = builders.run_context(devices=devices)
-    run = builders.build_train_setup(args["model"], args["train_dataset_cfg"].input_shapes(), ctx)
+    run = configured.train_setup(args["model"], args["train_dataset_cfg"].input_shapes(), ctx)
     state_bytes = sum(
         math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(run.abstract_state)
     )

@@ -16,15 +16,14 @@ import functools
 import time
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 import optax
 
-import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.hardware import measured_matmul_flops
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, T5Config
+from moe_jax.moe import CapacityConfig, MoeConfig, TopKRouterConfig
 
 SIZES = {"d32": dict(emb_dim=32, mlp_dim=256), "d768": dict(emb_dim=768, mlp_dim=2048)}
 
@@ -40,18 +39,6 @@ def bench(
     dec_len: int,
     steps: int,
 ) -> dict:
-    gin.clear_config()
-    gin.parse_config(
-        "\n".join(
-            [
-                f"MoeConfig.num_experts = {experts}",
-                "TopKRouterConfig.num_selected_experts = 2",
-                f"MoeConfig.d_ff = {SIZES[size]['mlp_dim']}",
-                "MoeConfig.activation = 'gated_gelu'",
-                "CapacityConfig.group_size = 4096",
-            ]
-        )
-    )
     common = dict(
         vocab_size=32128,
         num_heads=12,
@@ -63,7 +50,14 @@ def bench(
         **SIZES[size],
     )
     if kind == "moe":
-        config = T5Config(sparse_layer_type="moe", **common)
+        moe = MoeConfig(
+            num_experts=experts,
+            d_ff=SIZES[size]["mlp_dim"],
+            activation="gated_gelu",
+            router=TopKRouterConfig(num_selected_experts=2),
+            capacity=CapacityConfig(group_size=4096),
+        )
+        config = T5Config(sparse_layer_type="moe", moe=moe, **common)
     else:
         config = T5Config(
             sparse_layer_type="dense", flop_matched_mlp_dim=2 * SIZES[size]["mlp_dim"], **common
@@ -112,7 +106,6 @@ def bench(
         flops_per_s=flops / step_s,
         flops_per_token=model.flops_per_token(shapes),
     )
-    gin.clear_config()
     return result
 
 

@@ -10,7 +10,9 @@ so data, expert and tensor parallelism are all chosen from gin files.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import flax.linen as nn
 import gin
@@ -18,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax import param_paths
+from moe_jax import errors, param_paths
 
 MESH_AXES: tuple[str, str, str] = ("data", "expert", "model")
 
@@ -213,39 +215,54 @@ def tree_shardings(logical_spec_tree, mesh: Mesh, rules: LogicalRules):
     )
 
 
-def check_divisibility(logical_spec_tree, shape_tree, mesh: Mesh, rules: LogicalRules) -> None:
-    """Refuses any array whose sharded dimensions do not divide by their mesh axes.
+def check_divisibility(tree: Any, shardings: Any) -> None:
+    """Refuses a sharding that splits an array dimension into unequal parts, before XLA does.
 
-    ``logical_spec_tree`` (logical ``PartitionSpec`` per leaf, e.g. a model's
-    ``param_logical_axes``) and ``shape_tree`` (arrays or ``ShapeDtypeStruct``) have the
-    same structure. Catches e.g. ``num_experts`` not divisible by the ``expert`` axis or
-    ``num_heads`` not divisible by the ``model`` axis before XLA does.
+    ``tree`` (arrays or ``ShapeDtypeStruct`` s) and ``shardings`` (``NamedSharding`` per
+    leaf; other leaves are not checked) have the same structure.
 
     Raises:
-      ValueError: naming the array path, its dimension and size, the logical axis, and
-      the mesh axes with their total size.
+      errors.ConfigError: naming the first such array, its dimension and size, the mesh
+        axes splitting it and their size, and what to change (e.g. 3 experts on an
+        ``expert`` axis of 2).
     """
-    specs = jax.tree_util.tree_flatten_with_path(
-        logical_spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )[0]
-    shapes = jax.tree.leaves(shape_tree)
-    for (path, spec), leaf in zip(specs, shapes, strict=True):
-        validate_logical_axes(tuple(spec), where=param_paths.path_name(path))
-        mesh_spec = (
-            NamedSharding(mesh, PartitionSpec()).spec
-            if not spec
-            else logical_to_sharding(tuple(spec), mesh, rules).spec
+    jax.tree_util.tree_map_with_path(_check_divides, tree, shardings)
+
+
+def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
+    if not isinstance(sharding, NamedSharding):
+        return
+    name, shape = param_paths.path_name(path), tuple(leaf.shape)
+    for dim, (size, entry) in enumerate(zip(shape, sharding.spec, strict=False)):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        parts = math.prod(sharding.mesh.shape[axis] for axis in axes)
+        if parts > 1 and size % parts:
+            hint = (
+                "make the number of experts (NUM_EXPERTS) a multiple of the expert axis, or "
+                "change the mesh (partitioning.make_mesh.mesh_shape)"
+                if "expert" in axes
+                else "change the mesh (partitioning.make_mesh.mesh_shape) or that size"
+            )
+            raise errors.ConfigError(
+                f"{name} {list(shape)}: dimension {dim} ({size}) is split over mesh axis "
+                f"{'x'.join(axes)} of size {parts}, which does not divide it; {hint}"
+            )
+
+
+def per_process_batch_size(batch_size: int) -> int:
+    """This process's share of a global batch of ``batch_size`` examples (every process
+    reads as many).
+
+    Raises:
+      errors.ConfigError: naming ``BATCH_SIZE`` when the processes do not divide it.
+    """
+    processes = jax.process_count()
+    if batch_size % processes:
+        raise errors.ConfigError(
+            f"BATCH_SIZE (DatasetConfig.batch_size) = {batch_size} is not divisible by the "
+            f"{processes} processes"
         )
-        for dim, (logical, mesh_axes) in enumerate(zip(tuple(spec), tuple(mesh_spec), strict=True)):
-            if mesh_axes is None:
-                continue
-            axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-            size = int(np.prod([mesh.shape[a] for a in axes]))
-            if leaf.shape[dim] % size:
-                raise ValueError(
-                    f"{param_paths.path_name(path)}: dimension {dim} ({logical!r}) has size "
-                    f"{leaf.shape[dim]}, not divisible by mesh axes {axes} of size {size}"
-                )
+    return batch_size // processes
 
 
 @contextlib.contextmanager

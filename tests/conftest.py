@@ -36,15 +36,3 @@ def gcs_dir(request) -> str:
     """A fresh ``gs://`` folder on the test GCS server (started on first use)."""
     gcs_server.start()
     return f"gs://{gcs_server.BUCKET}/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fresh_gin_per_module():
-    """Each test module starts with no gin bindings: a module that parsed a run's config
-    (``MoeLayer.dropless = True`` from an upcycled run, say) must not change the layers that
-    the next module in the same worker builds."""
-    import gin
-
-    gin.clear_config()
-    yield
-    gin.clear_config()

@@ -41,7 +41,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import param_paths, storage
+from moe_jax import param_paths, partitioning, storage
 from moe_jax.analysis import counterfactual, plots
 from moe_jax.analysis.positions import mutual_information_bits
 from moe_jax.models import layer_stacking
@@ -195,7 +195,7 @@ def global_batches(
     rows (never routed); each process feeds its contiguous share of every batch."""
 
     n = len(next(iter(features.values())))
-    per_process = batch_size // jax.process_count()
+    per_process = partitioning.per_process_batch_size(batch_size)
     for start in range(0, n, batch_size):
         batch = {}
         for name, value in features.items():

@@ -72,10 +72,11 @@ from moe_jax.runtime import (
     router_init,
     run_config,
     run_names,
+    steps,
     summaries,
-    train_step,
 )
 from moe_jax.runtime.gin_text import GinConfigError
+from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.routing import layer_order
 from moe_jax.runtime.run_dir import RunDir
 
@@ -353,7 +354,7 @@ class _Comparison:
     routers, where results go, the mesh, and the eval steps compiled so far (one per
     interceptor; variants of the parameters share one)."""
 
-    model: Any
+    model: Model
     dataset_cfg: Any
     eval_steps: int
     router_seed: int
@@ -374,7 +375,7 @@ def evaluate(
     routers: Sequence[str] = (),
     labels: Sequence[str] = (),
     *,
-    model: Any = gin.REQUIRED,
+    model: Model = gin.REQUIRED,
     dataset_cfg: Any = gin.REQUIRED,
     eval_steps: int = 20,
     router_seed: int = 0,
@@ -486,7 +487,7 @@ def _eval_fn(
     key = router if interceptor else None  # variants of the parameters share one step
     if key not in comparison.eval_fns:
         ctx = comparison.ctx
-        comparison.eval_fns[key] = train_step.jit_eval_step(
+        comparison.eval_fns[key] = steps.jit_eval_step(
             comparison.model,
             restored.params_shardings,
             ctx.mesh,

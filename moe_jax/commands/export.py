@@ -59,6 +59,7 @@ from moe_jax.moe import freeze
 from moe_jax.runtime import (
     builders,
     checkpoints,
+    configured,
     distributed,
     gin_flags,
     gin_text,
@@ -455,7 +456,7 @@ def import_export(
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
-    run = builders.build_train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
+    run = configured.train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
     host_params = params_from_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )

@@ -42,11 +42,12 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import errors, storage
+from moe_jax import errors, partitioning, storage
 from moe_jax.runtime import (
     aot,
     builders,
     checkpoints,
+    configured,
     distributed,
     evaluation,
     gin_flags,
@@ -57,6 +58,7 @@ from moe_jax.runtime import (
     summaries,
 )
 from moe_jax.runtime.checkpoint_checks import nonfinite_parameters
+from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.runtime.train_state import TrainState
 
@@ -76,15 +78,10 @@ def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, sta
 
     if state is not None:
         return pipeline.TrainIterator.restore(state)
-    if cfg.batch_size % jax.process_count():
-        raise ValueError(
-            f"DatasetConfig.batch_size={cfg.batch_size} is not divisible by the "
-            f"{jax.process_count()} processes"
-        )
     return pipeline.TrainIterator(
         cfg.mixture_or_task_name,
         dict(cfg.task_feature_lengths),
-        batch_size=cfg.batch_size // jax.process_count(),
+        batch_size=partitioning.per_process_batch_size(cfg.batch_size),
         seed=cfg.seed,
         split=cfg.split,
         pack=cfg.pack,
@@ -101,7 +98,7 @@ def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[s
         "mixture_or_task_name": cfg.mixture_or_task_name,
         "split": cfg.split,
         "task_feature_lengths": dict(cfg.task_feature_lengths),
-        "batch_size": cfg.batch_size // jax.process_count(),
+        "batch_size": partitioning.per_process_batch_size(cfg.batch_size),
         "seed": cfg.seed,
         "pack": cfg.pack,
         "use_cached": cfg.use_cached,
@@ -180,7 +177,7 @@ class TrainLoop:
 
     settings: LoopSettings
     run_dir: RunDir
-    model: Any
+    model: Model
     run: builders.TrainSetup
     train_cfg: builders.DatasetConfig
     eval_cfg: builders.DatasetConfig | None
@@ -245,7 +242,7 @@ _STOP_AFTER_STEPS: int | None = None
 )
 def train(
     *,
-    model: Any = gin.REQUIRED,
+    model: Model = gin.REQUIRED,
     train_dataset_cfg: builders.DatasetConfig = gin.REQUIRED,
     train_eval_dataset_cfg: builders.DatasetConfig | None = None,
     model_dir: str = gin.REQUIRED,
@@ -321,7 +318,7 @@ def train(
 
 
 def setup_train_loop(
-    model: Any,
+    model: Model,
     train_cfg: builders.DatasetConfig,
     eval_cfg: builders.DatasetConfig | None,
     run_dir: RunDir,
@@ -337,7 +334,7 @@ def setup_train_loop(
     model.check_vocabulary()
     ctx = builders.run_context()
     input_shapes = train_cfg.input_shapes()
-    run = builders.build_train_setup(
+    run = configured.train_setup(
         model,
         input_shapes,
         ctx,
@@ -376,7 +373,7 @@ def setup_train_loop(
         train_cfg=train_cfg,
         eval_cfg=eval_cfg,
         step_fn=step_fn,
-        eval_fn=run.eval_step if eval_cfg is not None and settings.eval_period else None,
+        eval_fn=run.jitted_eval_step if eval_cfg is not None and settings.eval_period else None,
         ckpt=ckpt,
         iterator=iterator,
         writer=summaries.MetricsWriter(run_dir, int(dict(ctx.mesh.shape).get("expert", 1))),
@@ -621,7 +618,7 @@ def _last_checkpoint(run_dir: RunDir) -> str:
 
 
 def _churn_probe(
-    model: Any, run: builders.TrainSetup, eval_cfg: builders.DatasetConfig, run_dir: RunDir
+    model: Model, run: builders.TrainSetup, eval_cfg: builders.DatasetConfig, run_dir: RunDir
 ) -> summaries.ChurnProbe:
     """The routing-churn probe of a run: the first eval batch is its fixed probe batch."""
     probe_batch = next(builders.eval_batches(eval_cfg, 1))

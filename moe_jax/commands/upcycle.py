@@ -26,6 +26,7 @@ printed as a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -40,6 +41,7 @@ from moe_jax.moe.upcycle import upcycle_params
 from moe_jax.runtime import (
     builders,
     checkpoints,
+    configured,
     evaluation,
     gin_flags,
     gin_text,
@@ -194,7 +196,7 @@ def upcycle(
             f"({sorted(granularities)}); upcycling takes one"
         )
     dense, dense_step = _dense_params(checkpoint)
-    run = builders.build_train_setup(
+    run = configured.train_setup(
         model, dataset_cfg.input_shapes(), builders.run_context(), seed=seed
     )
     state, shardings = run.init_state(), run.shardings
@@ -210,7 +212,8 @@ def upcycle(
     with jax.set_mesh(run.ctx.mesh):
         opt_state = jax.jit(run.tx.init, out_shardings=shardings.opt_state)(params)
     step = 0 if reset_step else dense_step
-    state = state.replace(
+    state = dataclasses.replace(
+        state,
         step=jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), shardings.step),
         params=params,
         opt_state=opt_state,

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 from moe_jax import param_paths
 from moe_jax.models import accounting, decoding, layer_stacking, losses
@@ -37,6 +38,18 @@ FEATURES = (
 STATE_COLLECTIONS = (BIAS_COLLECTION,)
 
 
+# The RNG key the shapes-only methods trace with: a raw ``uint32[2]`` key, as train states use.
+RAW_KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+
+class InitProgram(NamedTuple):
+    """The traced initialisation of a network: ``jaxpr`` (closed; called on a key it gives
+    the flat variables) and ``out_tree``, their tree (parameters boxed)."""
+
+    jaxpr: jax_core.ClosedJaxpr
+    out_tree: Any
+
+
 def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
     """Flattens a sown collection to ``{module path + name: value}`` (sown tuples averaged),
     the layers of scanned runs each under its own path (``encoder/layers_3/...``)."""
@@ -47,19 +60,11 @@ def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _initial_variables(
-    module: nn.Module,
-    rng: jax.Array,
-    encoder_shape: tuple[int, ...],
-    decoder_shape: tuple[int, ...],
-) -> dict[str, Any]:
-    """``module.init`` on all-ones tokens, as one compiled program (called eagerly, init would
-    otherwise compile every operation on its own): ``params`` and the state collections."""
-    enc = jnp.ones(encoder_shape, jnp.int32)
-    dec = jnp.ones(decoder_shape, jnp.int32)
-    variables = module.init({"params": rng, "dropout": rng}, enc, dec, dec, enable_dropout=False)
-    return {name: variables[name] for name in ("params", *STATE_COLLECTIONS) if name in variables}
+@functools.lru_cache(maxsize=32)
+def _compiled(jaxpr: jax_core.ClosedJaxpr) -> Any:
+    """``jaxpr`` as one jitted function, made once per program (evaluated eagerly, init
+    would compile each of its hundreds of operations on its own)."""
+    return jax.jit(jax_core.jaxpr_as_fun(jaxpr))
 
 
 @gin.configurable
@@ -104,6 +109,7 @@ class EncoderDecoderModel:
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.loss_normalizing_factor = loss_normalizing_factor
+        self._init_programs: dict[tuple[Any, ...], InitProgram] = {}
 
     @functools.cached_property
     def vocabulary(self) -> Any:
@@ -141,32 +147,59 @@ class EncoderDecoderModel:
         plus the model's non-parameter state collections (``STATE_COLLECTIONS``) it has.
 
         ``input_shapes`` needs ``encoder_input_tokens`` and ``decoder_input_tokens``
-        (``(batch, length)``). For shapes only, close over the shapes:
-        ``jax.eval_shape(functools.partial(model.get_initial_variables, input_shapes=s), rng)``.
+        (``(batch, length)``). The network is traced once per input shapes and key type
+        (:meth:`init_program`); every call, under ``jax.jit`` or not, runs that program.
         """
         del input_types
-        return _initial_variables(
-            self.module,
-            rng,
-            tuple(input_shapes["encoder_input_tokens"]),
-            tuple(input_shapes["decoder_input_tokens"]),
-        )
+        program = self.init_program(input_shapes, jax.ShapeDtypeStruct(rng.shape, rng.dtype))
+        return jax.tree.unflatten(program.out_tree, _compiled(program.jaxpr)(rng))
+
+    def abstract_variables(self, input_shapes: InputShapes) -> dict[str, Any]:
+        """:meth:`get_initial_variables`' tree as ``jax.ShapeDtypeStruct`` leaves, boxed
+        (nothing allocated, nothing traced after the first call)."""
+        program = self.init_program(input_shapes, RAW_KEY)
+        leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.jaxpr.out_avals]
+        return jax.tree.unflatten(program.out_tree, leaves)
 
     def param_logical_axes(self, input_shapes: InputShapes) -> Any:
         """Pytree (like params) of ``PartitionSpec`` of logical axis names."""
-        shapes = jax.eval_shape(
-            functools.partial(self.get_initial_variables, input_shapes=input_shapes),
-            jax.random.key(0),
-        )
-        return nn.get_partition_spec(shapes)["params"]
+        return nn.get_partition_spec(self.abstract_variables(input_shapes))["params"]
 
     def state_logical_axes(self, input_shapes: InputShapes) -> dict[str, Any]:
         """``{collection: PartitionSpec tree}`` of the non-parameter state collections."""
-        shapes = jax.eval_shape(
-            functools.partial(self.get_initial_variables, input_shapes=input_shapes),
-            jax.random.key(0),
+        specs = nn.get_partition_spec(self.abstract_variables(input_shapes))
+        return {k: v for k, v in specs.items() if k != "params"}
+
+    def init_program(self, input_shapes: InputShapes, key: jax.ShapeDtypeStruct) -> InitProgram:
+        """The network's initialisation for ``input_shapes`` and RNG keys shaped as ``key``,
+        traced on the first call and kept on the model.
+
+        Traced outside any mesh and logical axis rules: its forward pass (whose outputs
+        init discards) carries no sharding constraint, so one program serves every mesh."""
+        cache_key = (
+            tuple(sorted((k, tuple(v)) for k, v in input_shapes.items())),
+            tuple(key.shape),
+            key.dtype,
         )
-        return {k: v for k, v in nn.get_partition_spec(shapes).items() if k != "params"}
+        if cache_key not in self._init_programs:
+            enc, dec = (input_shapes[k] for k in ("encoder_input_tokens", "decoder_input_tokens"))
+
+            def init(rng: jax.Array) -> dict[str, Any]:
+                tokens = jnp.ones(enc, jnp.int32), jnp.ones(dec, jnp.int32)
+                variables = self.module.init(
+                    {"params": rng, "dropout": rng}, *tokens, tokens[1], enable_dropout=False
+                )
+                return {
+                    name: variables[name]
+                    for name in ("params", *STATE_COLLECTIONS)
+                    if name in variables
+                }
+
+            no_mesh = jax.sharding.AbstractMesh((), ())
+            with jax.sharding.use_abstract_mesh(no_mesh), nn.logical_axis_rules(()):
+                jaxpr, out = jax.make_jaxpr(init, return_shape=True)(key)
+            self._init_programs[cache_key] = InitProgram(jaxpr, jax.tree.structure(out))
+        return self._init_programs[cache_key]
 
     # ----------------------------------------------------------------- losses and metrics
     def _forward(

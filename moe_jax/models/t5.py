@@ -41,7 +41,9 @@ from moe_jax.models.embedding import Embed
 from moe_jax.models.mlp import MlpBlock
 from moe_jax.models.normalization import RMSNorm
 from moe_jax.models.relative_position import RelativePositionBiases
+from moe_jax.moe import legacy_gin
 from moe_jax.moe.config import MoeConfig
+from moe_jax.moe.config import default_config as default_moe_config
 from moe_jax.moe.config import from_dict as moe_config_from_dict
 from moe_jax.moe.layer import MoeLayer
 
@@ -145,7 +147,8 @@ class T5Config:
       mlp_activations: ``('gelu', 'linear')`` = gated GELU (v1.1); ``('relu',)`` = v1.0.
       dropout_rate: dropout after embeddings, every sublayer, attention weights, MLP hidden.
       logits_via_embedding: tie the output logits to the token embedding.
-      dtype: activation dtype (``'float32'`` or ``'bfloat16'``).
+      activation_dtype_name: activation dtype (``'float32'`` or ``'bfloat16'``; gin macro
+        ``ACTIVATION_DTYPE``); :attr:`activation_dtype` is its ``jnp.dtype``.
       param_dtype: parameter dtype (keep ``'float32'``).
       float32_attention_logits: q.k and softmax in float32.
       attention_kernel: who computes attention (``attention.ATTENTION_KERNELS``):
@@ -169,7 +172,7 @@ class T5Config:
         (a scan traces about as slowly as 3 or 4 unrolled layers, so short runs gain nothing).
       moe: the MoE layers' :class:`~moe_jax.moe.config.MoeConfig` (the encoder's, and the
         decoder's unless ``decoder_moe`` is set). A model with MoE layers and no ``moe``
-        gets ``MoeConfig()`` with its gin bindings when the ``T5Config`` is built.
+        gets the default ``MoeConfig`` (gin files bind ``T5Config.moe = @MoeConfig()``).
       decoder_moe: the decoder's MoE config when it differs from the encoder's (Flaxformer's
         ``sparse_decoder``; gin: ``T5Config.decoder_moe = @decoder/MoeConfig()`` with
         ``decoder/...`` bindings). Checked for routing that reads later tokens of a group.
@@ -185,7 +188,7 @@ class T5Config:
     mlp_activations: Sequence[str] = ("gelu", "linear")
     dropout_rate: float = 0.0
     logits_via_embedding: bool = False
-    dtype: str = "float32"
+    activation_dtype_name: str = "float32"
     param_dtype: str = "float32"
     float32_attention_logits: bool = True
     attention_kernel: AttentionKernel = "xla"
@@ -217,7 +220,7 @@ class T5Config:
                 raise ValueError(f"T5Config.{name}={getattr(self, name)} must be positive")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"T5Config.dropout_rate={self.dropout_rate} must be in [0, 1)")
-        for name in ("dtype", "param_dtype"):
+        for name in ("activation_dtype_name", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(
                     f"T5Config.{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'"
@@ -237,7 +240,7 @@ class T5Config:
         self.sparse_layers("encoder")  # validates layout and counts early
         self.sparse_layers("decoder")
         if self.has_moe and self.moe is None:
-            object.__setattr__(self, "moe", MoeConfig())
+            object.__setattr__(self, "moe", default_moe_config())
         for name in ("moe", "decoder_moe"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), MoeConfig):
                 raise ValueError(f"T5Config.{name}={getattr(self, name)!r} is not a MoeConfig")
@@ -254,11 +257,13 @@ class T5Config:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> T5Config:
-        """The config of :meth:`to_dict`'s output (every field passed: no gin binding read).
+        """The config of :meth:`to_dict`'s output (every field passed: no gin binding read;
+        a field's earlier name, ``legacy_gin.T5CONFIG_RENAMES``, read as its current one).
 
         Raises:
           ValueError: naming an unknown field.
         """
+        data = {legacy_gin.T5CONFIG_RENAMES.get(k, k): v for k, v in data.items()}
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"T5Config has no field {', '.join(unknown)}")
@@ -318,7 +323,7 @@ class T5Config:
 
     @property
     def activation_dtype(self) -> Any:
-        return jnp.dtype(self.dtype)
+        return jnp.dtype(self.activation_dtype_name)
 
     @property
     def parameter_dtype(self) -> Any:

@@ -452,8 +452,9 @@ class MoeConfig:
       shared_expert_d_ff: hidden size of each shared expert (None: the routed experts').
       accept_causal_leak: allow routing that reads later tokens of a group in a causal
         decoder (expert choice, BPR, ``capacity_order='choice_major'`` with k > 1).
-      router: a :class:`RouterConfig` (default: ``TopKRouterConfig()`` with its bindings).
-      capacity, execution, losses: the named parts (default: built from their bindings).
+      router: a :class:`RouterConfig` (default: a ``TopKRouterConfig`` of its defaults).
+      capacity, execution, losses: the named parts (default: their types' defaults). Gin
+        files bind each part (``MoeConfig.capacity = @CapacityConfig()``, gin/models/t5_moe.gin).
     """
 
     num_experts: int = 8
@@ -471,11 +472,13 @@ class MoeConfig:
     losses: AuxLossConfig = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        # a part left None gets its type's defaults (no gin binding read: gin files bind the
+        # parts, e.g. ``MoeConfig.capacity = @CapacityConfig()``)
         if self.router is None:
-            object.__setattr__(self, "router", TopKRouterConfig())
+            object.__setattr__(self, "router", _build(TopKRouterConfig, {}))
         for name, part in _PARTS.items():
             if getattr(self, name) is None:
-                object.__setattr__(self, name, part())
+                object.__setattr__(self, name, _build(part, {}))
         if not isinstance(self.router, RouterConfig):
             raise ValueError(
                 f"MoeConfig.router={self.router!r} is not a router config; use one of "
@@ -604,6 +607,12 @@ def from_dict(data: Mapping[str, Any]) -> MoeConfig:
         raise ValueError(f"router type {kind!r} is unknown; choose one of {tuple(ROUTER_CONFIGS)}")
     parts = {name: _build(part, data.pop(name, {})) for name, part in _PARTS.items()}
     return _build(MoeConfig, {**data, "router": _build(ROUTER_CONFIGS[kind], router), **parts})
+
+
+def default_config() -> MoeConfig:
+    """The :class:`MoeConfig` of every default (a ``TopKRouterConfig`` router), no gin
+    binding read."""
+    return _build(MoeConfig, {})
 
 
 def _build(cls: type, values: Mapping[str, Any]) -> Any:

@@ -1,12 +1,20 @@
-"""``MoeLayer.*`` gin bindings (the MoE settings before :class:`~moe_jax.moe.config.MoeConfig`)
-translated to the typed configuration.
+"""Gin configs of earlier versions (run directories, exports, sweeps) read in the current
+form.
 
-Run directories, exports and sweeps written before the change keep a ``config.gin`` that
-binds ``MoeLayer.<field> = value``; :func:`translate` rewrites those lines as bindings of
-``MoeConfig``, the router config of ``MoeLayer.router_type`` and the ``CapacityConfig`` /
-``ExecutionConfig`` / ``AuxLossConfig`` parts (values, macros included, kept as written).
-Options the run's router did not have were ignored by the old layer; they are left out,
-each with a warning, so the translated run computes what it computed.
+- ``MoeLayer.*`` bindings (the MoE settings before :class:`~moe_jax.moe.config.MoeConfig`):
+  :func:`translate` rewrites them as bindings of ``MoeConfig``, the router config of
+  ``MoeLayer.router_type`` and the ``CapacityConfig`` / ``ExecutionConfig`` /
+  ``AuxLossConfig`` parts (values, macros included, kept as written). Options the run's
+  router did not have were ignored by the old layer; they are left out, each with a
+  warning, so the translated run computes what it computed.
+- Parts left None (:data:`PART_REFERENCES`): the MoE config and its parts were built from
+  their own bindings when ``T5Config.moe`` or a ``MoeConfig`` part was None; the gin files
+  now bind them (``MoeConfig.capacity = @CapacityConfig()``), so a config that built a
+  ``MoeConfig`` gets the references; an earlier one that built none (a model without MoE
+  layers) loses its ``T5Config.moe = None``, the default, which the model files now bind
+  to a reference.
+- Renamed fields (:data:`T5CONFIG_RENAMES`): ``T5Config.dtype`` is
+  ``T5Config.activation_dtype_name``.
 """
 
 from __future__ import annotations
@@ -101,6 +109,18 @@ _PART_KEYS = {
     "AuxLossConfig": "losses",
 }
 _BINDING = re.compile(r"^MoeLayer\.(\w+)\s*=\s*(.*?)\s*$", re.MULTILINE)
+# Earlier names of T5Config fields: {earlier: current} (gin configs and T5Config.from_dict).
+T5CONFIG_RENAMES: dict[str, str] = {"dtype": "activation_dtype_name"}
+# The fields holding a MoE config or one of its parts, and the reference the gin files bind
+# to each (gin/models/t5_moe.gin); a config that binds MoeConfig and leaves one None (or
+# unbound) gets it.
+PART_REFERENCES: dict[str, str] = {
+    "T5Config.moe": "@MoeConfig()",
+    "MoeConfig.router": "@TopKRouterConfig()",
+    **{f"MoeConfig.{key}": f"@{part}()" for part, key in _PART_KEYS.items()},
+}
+_BINDS_MOE_CONFIG = re.compile(r"^(\S+/)?MoeConfig\.\w+\s*=", re.MULTILINE)
+_RENAMED = re.compile(rf"^(\S+/)?T5Config\.({'|'.join(T5CONFIG_RENAMES)})(?=\s*=)", re.MULTILINE)
 _MACRO = re.compile(r"^(\w+)\s*=\s*(.*?)\s*$", re.MULTILINE)
 
 
@@ -190,13 +210,44 @@ def _literal(text: str) -> Any:
 
 
 def translate(text: str) -> tuple[str, list[str]]:
-    """``text`` (a gin config) with its ``MoeLayer.*`` bindings rewritten in the new form, and
-    one warning per option left out (its router did not have it; the old layer ignored it).
-    ``text`` itself, and no warnings, when it binds nothing of ``MoeLayer``.
+    """``text`` (a gin config) in the current form (the module docstring's steps), and one
+    warning per ``MoeLayer`` option left out (its router did not have it; the old layer
+    ignored it). ``text`` itself, and no warnings, when it is in the current form.
 
     Raises:
-      LegacyOptionError: an unknown option or router type (names it).
+      LegacyOptionError: an unknown ``MoeLayer`` option or router type (names it).
     """
+    text, warnings = _translate_moe_layer(text)
+    earlier = re.search(_RENAMED, text) is not None
+    text = re.sub(_RENAMED, lambda m: f"{m[1] or ''}T5Config.{T5CONFIG_RENAMES[m[2]]}", text)
+    if _BINDS_MOE_CONFIG.search(text):
+        return _with_part_references(text), warnings
+    if earlier:  # a model without MoE layers, written before the model files bound its moe
+        text = re.sub(r"^(\S+/)?T5Config\.moe\s*=\s*None\s*\n", "", text, flags=re.M)
+    return text, warnings
+
+
+def _with_part_references(text: str) -> str:
+    """``text`` with each field of :data:`PART_REFERENCES` that it leaves None or unbound
+    bound to its reference."""
+    for name, reference in PART_REFERENCES.items():
+        field = re.escape(name)
+        text = re.sub(
+            rf"^(\S+/)?{field}\s*=\s*None\s*$", rf"\1{name} = {reference}", text, flags=re.M
+        )
+        if not re.search(rf"^(\S+/)?{field}\s*=", text, flags=re.M):
+            text += f"{name} = {reference}\n"
+    return text
+
+
+def binds_moe_layer(text: str) -> bool:
+    """Whether ``text`` (a gin config) binds ``MoeLayer.*`` (written before ``MoeConfig``)."""
+    return _BINDING.search(text) is not None
+
+
+def _translate_moe_layer(text: str) -> tuple[str, list[str]]:
+    """``text`` with its ``MoeLayer.*`` bindings rewritten in the new form, and the warnings
+    of :func:`translate`."""
     bindings = {m.group(1): m.group(2) for m in _BINDING.finditer(text)}
     if not bindings:
         return text, []

@@ -10,10 +10,13 @@ Modules, one job each:
   distributed    `jax.distributed` start-up from flags/environment; process-0 decisions;
                  objects gathered from every process; preemption notices
   optimizers     optax optimizers and learning-rate schedules from gin
+  model_protocol the Model protocol: what the runtime and the commands call on a model
   train_state    the train state pytree (step, params, optimizer state, RNG)
-  builders       what every command builds the same way: mesh and rules, optimizer, sharded
-                 state layout, jitted steps, dataset configs, a restored model
-  train_step     the jitted train and eval steps
+  builders       what every command builds the same way: mesh and rules, sharded state
+                 layout, jitted steps, dataset configs, a restored model (reads no gin)
+  configured     what gin chooses for a run (optimizer, router and bias modes), read for the
+                 commands and passed to builders
+  steps          the train and eval steps and their jitted step objects
   checkpoints    orbax checkpoints: async saves, keep-K, restores onto any mesh
   checkpoint_checks  whether a checkpoint step can be used: integrity record, parameter
                  shapes, finite parameters

@@ -2,7 +2,7 @@
 needed.
 
 :func:`compile_run` builds the run's exact train and eval steps (same model, optimizer with
-frozen-router masking, shardings, donation: ``builders.build_train_setup``) over the
+frozen-router masking, shardings, donation: ``configured.train_setup``) over the
 target's devices from abstract shapes, compiles both, and reports per device: parameter +
 optimizer bytes, temporaries, the total against the chip's HBM, the collectives of the HLO
 by kind (count, and bytes moved as :mod:`moe_jax.hlo_costs` defines them), FLOPs and bytes
@@ -27,9 +27,11 @@ import numpy as np
 
 from moe_jax import hardware, hlo_costs
 from moe_jax.errors import UserError
-from moe_jax.moe.config import MoeConfig
+from moe_jax.models.t5 import T5Config
+from moe_jax.moe.config import default_config as default_moe_config
 from moe_jax.moe.execution import resolve_plan
-from moe_jax.runtime import builders, gin_utils
+from moe_jax.runtime import builders, configured, gin_utils, steps
+from moe_jax.runtime.model_protocol import Model
 
 MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
 
@@ -52,7 +54,7 @@ def per_device_bytes(abstract_tree: Any) -> int:
 
 
 def analyze(
-    compiled,
+    compiled: Any,
     facts: hardware.DeviceFacts,
     *,
     state_bytes: int,
@@ -201,13 +203,13 @@ def fit_advice(
     return advice
 
 
-def layer_choices(target: Any, dtype: Any, config: Any) -> dict[str, Any]:
+def layer_choices(target: Any, dtype: Any, config: T5Config) -> dict[str, Any]:
     """The execution plan (``moe.execution.resolve_plan``) of the MoE layers of ``config``
-    (a ``T5Config``; a model without ``moe`` gets the default ``MoeConfig``'s) compiled for
+    (a model without ``moe`` gets the default ``MoeConfig``'s) compiled for
     ``target`` (the step's mesh, or a platform name) with ``dtype`` activations: the
     encoder's plan (``ExecutionPlan.to_dict``), with the decoder's under ``decoder`` when
     ``T5Config.decoder_moe`` differs from ``moe``."""
-    moe = config.moe if config.moe is not None else MoeConfig()
+    moe = config.moe if config.moe is not None else default_moe_config()
     report = resolve_plan(moe, target, dtype).to_dict()
     if config.decoder_moe is not None and config.decoder_moe != moe:
         report["decoder"] = resolve_plan(config.decoder_moe, target, dtype).to_dict()
@@ -226,7 +228,7 @@ _OOM_TEMPS = re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)")
 
 
 def compile_step(
-    lowered_fn,
+    step: steps.TrainStep | steps.EvalStep,
     abstract_args: tuple,
     facts: hardware.DeviceFacts,
     *,
@@ -236,14 +238,14 @@ def compile_step(
     num_devices: int,
 ) -> tuple[Any, dict]:
     """(compiled executable or None, :func:`analyze` result plus ``compile_s``) of
-    ``lowered_fn.lower(*abstract_args)``. A compiler that refuses the program for lack of
+    ``step.lower(*abstract_args)``. A compiler that refuses the program for lack of
     memory (XLA:TPU does) gives a result with ``fits`` False, the temporaries it reported
     and its message, instead of an error."""
     import jax
 
     start = time.perf_counter()
     try:
-        compiled = lowered_fn.lower(*abstract_args).compile()
+        compiled = step.lower(*abstract_args).compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -288,12 +290,15 @@ def _tokens(shapes: Mapping[str, tuple[int, int]]) -> int:
 
 
 def compile_train(
-    run: builders.TrainSetup, cfg: builders.DatasetConfig, model, facts: hardware.DeviceFacts
+    run: builders.TrainSetup,
+    cfg: builders.DatasetConfig,
+    model: Model,
+    facts: hardware.DeviceFacts,
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
     shapes = cfg.input_shapes()
     return compile_step(
-        run.train_step,
+        run.jitted_train_step,
         (run.abstract_state, builders.abstract_batch(run.ctx, shapes, cfg.pack)),
         facts,
         state_bytes=per_device_bytes(run.abstract_state),
@@ -304,14 +309,17 @@ def compile_train(
 
 
 def compile_eval(
-    run: builders.TrainSetup, cfg: builders.DatasetConfig, model, facts: hardware.DeviceFacts
+    run: builders.TrainSetup,
+    cfg: builders.DatasetConfig,
+    model: Model,
+    facts: hardware.DeviceFacts,
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s eval step on batches of ``cfg`` (forward FLOPs:
     a third of training's)."""
     shapes = cfg.input_shapes()
     params = run.abstract_state.params
     return compile_step(
-        run.eval_step,
+        run.jitted_eval_step,
         (
             params,
             builders.abstract_batch(run.ctx, shapes, cfg.pack),
@@ -325,7 +333,7 @@ def compile_eval(
     )
 
 
-def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> Any:
+def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model: Model) -> Any:
     """Compiles ``run``'s train step for the devices of its mesh and raises
     :class:`DoesNotFitError` with the numbers and what to change when it needs more memory
     than they have (on CPU: the machine's available memory, shared by its devices).
@@ -344,7 +352,7 @@ def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model) -> 
             step,
             mesh_shape=dict(run.ctx.mesh.shape),
             batch_size=cfg.batch_size,
-            activation_dtype=model.module.config.dtype,
+            activation_dtype=model.module.config.activation_dtype_name,
         )
         raise DoesNotFitError(
             f"the train step needs {gib(b['total'])} per device "
@@ -372,7 +380,7 @@ def compile_run(
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
     ctx = builders.run_context(devices=devices)
-    run = builders.build_train_setup(
+    run = configured.train_setup(
         model,
         cfg.input_shapes(),
         ctx,
@@ -388,7 +396,7 @@ def compile_run(
         "batch_size": cfg.batch_size,
         "task_feature_lengths": dict(cfg.task_feature_lengths),
         "parameters": int(sum(math.prod(p.shape) for p in _leaves(run.abstract_state.params))),
-        "activation_dtype": model.module.config.dtype,
+        "activation_dtype": model.module.config.activation_dtype_name,
         "model_dims": {
             name: getattr(model.module.config, name)
             for name in (
@@ -400,7 +408,9 @@ def compile_run(
             )
         },
         "moe_layer": layer_choices(
-            ctx.mesh.abstract_mesh, model.module.config.dtype, model.module.config
+            ctx.mesh.abstract_mesh,
+            model.module.config.activation_dtype_name,
+            model.module.config,
         ),
         "steps": {},
     }

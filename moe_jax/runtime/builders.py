@@ -3,10 +3,12 @@
 - :class:`DatasetConfig`: one dataset of a run and its global input shapes.
 - :class:`RunContext` / :func:`run_context`: the mesh over the given devices (default: all
   of this process's global devices), the logical axis rules and the batch axes.
-- :func:`build_optimizer`: the gin optimizer with router updates masked for frozen routers.
 - :func:`build_train_setup`: the abstract train state with its shardings and the jitted
-  train step (state donated) and eval step, for a model, input shapes and a run context.
-  ``compile`` lowers exactly these for a target's devices; ``train`` runs them.
+  train step (state donated) and eval step, for a model, input shapes, a run context and
+  the optimizer (router updates masked for a frozen router). ``compile`` lowers exactly
+  these for a target's devices; ``train`` runs them. What gin chooses (the optimizer, the
+  router and bias modes) comes in as arguments: :mod:`moe_jax.runtime.configured` reads it
+  for the commands.
 - :func:`restore_model`: a checkpoint's parameters and state collections on the run's mesh,
   the one restore path of ``eval``, ``infer`` and ``analyze``.
 - :func:`global_batch` / :func:`eval_batches`: batches laid out on the run's mesh.
@@ -17,16 +19,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import gin
 import jax
 import numpy as np
+import optax
 
 from moe_jax import errors, hardware, partitioning
 from moe_jax.moe import freeze
-from moe_jax.runtime import checkpoints, distributed, gin_flags, optimizers, train_state, train_step
+from moe_jax.runtime import (
+    checkpoints,
+    distributed,
+    gin_flags,
+    steps,
+    train_state,
+)
+from moe_jax.runtime.model_protocol import InputShapes, Model
 
 
 @gin.configurable(module="utils")
@@ -133,7 +145,7 @@ def eval_batches(cfg: DatasetConfig, num_batches: int):
         cfg.mixture_or_task_name,
         dict(cfg.task_feature_lengths),
         cfg.split,
-        cfg.batch_size // jax.process_count(),
+        partitioning.per_process_batch_size(cfg.batch_size),
         shuffle=cfg.shuffle,
         seed=cfg.seed,
         shard_info=pipeline.host_shard_info(),
@@ -162,30 +174,21 @@ def first_batch(
         ) from None
 
 
-def build_optimizer(model_params_abstract):
-    """The gin optimizer, with router updates zeroed when the router mode is ``frozen``."""
-
-    tx, schedule = optimizers.create_optimizer()
-    return freeze.apply_router_mode(tx, model_params_abstract), schedule
-
-
-def abstract_variables(model, input_shapes) -> dict[str, Any]:
+def abstract_variables(model: Model, input_shapes: InputShapes) -> dict[str, Any]:
     """``{"params": tree, <state collection>: tree, ...}``: the model's variables as
     ``jax.ShapeDtypeStruct`` leaves (nothing allocated); state collections
     (``models.model.STATE_COLLECTIONS``, e.g. ``router_bias``) only where the model has them."""
-    import flax.linen as nn
-
-    return nn.unbox(
-        jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), input_shapes))
-    )
+    return nn.unbox(model.abstract_variables(input_shapes))
 
 
-def abstract_params(model, input_shapes) -> Any:
+def abstract_params(model: Model, input_shapes: InputShapes) -> Any:
     """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
     return abstract_variables(model, input_shapes)["params"]
 
 
-def collections_shardings(model, input_shapes, ctx: RunContext) -> dict[str, Any]:
+def collections_shardings(
+    model: Model, input_shapes: InputShapes, ctx: RunContext
+) -> dict[str, Any]:
     """``NamedSharding`` of every leaf of the model's state collections on ``ctx.mesh``
     (``{}`` for a model without any)."""
     return partitioning.tree_shardings(model.state_logical_axes(input_shapes), ctx.mesh, ctx.rules)
@@ -216,7 +219,7 @@ class RestoredModel:
 
 
 def restore_model(
-    path: str, model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext
+    path: str, model: Model, input_shapes: InputShapes, ctx: RunContext
 ) -> RestoredModel:
     """The parameters and state collections of the checkpoint at ``path`` (``MODEL_DIR``,
     ``MODEL_DIR/STEP`` or ``MODEL_DIR/checkpoints/STEP``) on ``ctx.mesh``, whatever mesh
@@ -249,22 +252,23 @@ class TrainSetup:
     """A run's state layout and jitted steps on ``ctx.mesh``.
 
     ``abstract_state``: the ``TrainState`` as ``ShapeDtypeStruct`` leaves carrying their
-    shardings (a restore target, or the input of ``train_step.lower``); ``train_step(state,
-    batch) -> (state, metrics)`` donates ``state``; ``eval_step(params, batch, collections=None)
-    -> metrics`` (``collections``: the state's non-parameter collections).
+    shardings (a restore target, or the input of ``jitted_train_step.lower``);
+    ``jitted_train_step(state, batch) -> (state, metrics)`` donates ``state``;
+    ``jitted_eval_step(params, batch, collections=None) -> metrics`` (``collections``: the
+    state's non-parameter collections).
     """
 
     ctx: RunContext
     input_shapes: dict[str, tuple[int, int]]
-    tx: Any
-    learning_rate_fn: Callable[[Any], Any]
-    abstract_state: Any
-    shardings: Any
-    train_step: Callable
-    eval_step: Callable
-    _init_fn: Callable[[], Any]
+    tx: optax.GradientTransformation
+    learning_rate_fn: optax.Schedule
+    abstract_state: train_state.TrainState
+    shardings: train_state.TrainState
+    jitted_train_step: steps.TrainStep
+    jitted_eval_step: steps.EvalStep
+    _init_fn: Callable[[], train_state.TrainState]
 
-    def init_state(self):
+    def init_state(self) -> train_state.TrainState:
         """A freshly initialised state, each device materialising only its shards, from a
         program compiled for a quick start (``hardware.init_compiler_options``)."""
         platform = self.ctx.mesh.devices.flat[0].platform
@@ -306,19 +310,25 @@ def abstract_batch(
 
 
 def build_train_setup(
-    model,
+    model: Model,
     input_shapes: dict[str, tuple[int, int]],
     ctx: RunContext,
+    tx: optax.GradientTransformation,
+    learning_rate_fn: optax.Schedule,
     *,
+    router_mode: str = "learned",
+    bias_mode: str = "updated",
     seed: int = 0,
     accum_steps: int = 1,
     skip_nonfinite: bool = False,
 ) -> TrainSetup:
-    """The optimizer, the abstract sharded state and the jitted steps of ``model`` on
-    ``ctx.mesh`` for batches of ``input_shapes``."""
-
-    tx, lr_fn = build_optimizer(abstract_params(model, input_shapes))
-    init_fn = lambda: train_state.init_train_state(model, tx, input_shapes, seed)  # noqa: E731
+    """The abstract sharded state and the jitted steps of ``model`` on ``ctx.mesh`` for
+    batches of ``input_shapes``, trained by ``tx`` (its router updates zeroed when
+    ``router_mode`` is ``frozen``: ``freeze.apply_router_mode``; ``learning_rate_fn`` is
+    ``tx``'s schedule, logged) with the balancing biases ``bias_mode`` (``freeze.BIAS_MODES``).
+    """
+    tx = freeze.apply_router_mode(tx, mode=router_mode)
+    init_fn = functools.partial(train_state.init_train_state, model, tx, input_shapes, seed)
     abstract = jax.eval_shape(init_fn)
     shardings = train_state.state_shardings(
         abstract,
@@ -330,22 +340,22 @@ def build_train_setup(
         ctx=ctx,
         input_shapes=dict(input_shapes),
         tx=tx,
-        learning_rate_fn=lr_fn,
+        learning_rate_fn=learning_rate_fn,
         abstract_state=train_state.abstract_with_shardings(abstract, shardings),
         shardings=shardings,
-        train_step=train_step.jit_train_step(
+        jitted_train_step=steps.jit_train_step(
             model,
             tx,
-            lr_fn,
+            learning_rate_fn,
             shardings,
             ctx.mesh,
             ctx.rules,
             ctx.batch_axes,
             accum_steps=accum_steps,
             skip_nonfinite=skip_nonfinite,
-            bias_mode=freeze.bias_mode(),
+            bias_mode=bias_mode,
         ),
-        eval_step=train_step.jit_eval_step(
+        jitted_eval_step=steps.jit_eval_step(
             model, shardings.params, ctx.mesh, ctx.rules, ctx.batch_axes, shardings.collections
         ),
         _init_fn=init_fn,

@@ -26,7 +26,7 @@ import gin
 from gin import config_parser
 
 from moe_jax import storage
-from moe_jax.runtime import config_gate
+from moe_jax.runtime import config_gate, run_config
 from moe_jax.runtime.gin_text import (
     GinConfigError,
     InertDelegate,
@@ -89,6 +89,9 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
     for given in args.command_line_gin_files:  # e.g. train --gin_file=RUN/config.gin
         if (path := resolve(given, roots)) and config_gate.in_run_directory(path):
             config_gate.check_run_config(path, args)
+    files = [
+        run_config.new_form_config(f) if f and config_gate.in_run_directory(f) else f for f in files
+    ]
     bindings = [*args.gin_bindings, *args.gin_dot_bindings]
     for binding in args.gin_bindings:
         _check_binding(binding, f"--gin_bindings={binding!r}")

@@ -110,9 +110,10 @@ def record_run_config(
 
 
 def new_form_config(path: str) -> str:
-    """``path``, or, when it binds ``MoeLayer.*`` (a run written before ``MoeConfig``), a
-    local copy translated by :func:`moe_jax.moe.legacy_gin.translate` (said on stderr, with
-    the options it leaves out), removed when the process exits.
+    """``path``, or, when it is in an earlier form (``MoeLayer.*`` bindings of a run written
+    before ``MoeConfig``, ``T5Config.dtype``, MoE config parts left None), a local copy
+    translated by :func:`moe_jax.moe.legacy_gin.translate` (said on stderr, with the options
+    it leaves out), removed when the process exits.
 
     Raises:
       GinConfigError: naming ``path`` and an option that cannot be translated.
@@ -128,9 +129,13 @@ def new_form_config(path: str) -> str:
     atexit.register(shutil.rmtree, folder, True)
     copy = os.path.join(folder, "config.gin")
     storage.write_text(copy, translated)
+    written = (
+        "binds MoeLayer.* (written before MoeConfig)"
+        if legacy_gin.binds_moe_layer(text)
+        else "was written by an earlier version"
+    )
     print(
-        f"[moe-jax] {path} binds MoeLayer.* (written before MoeConfig); read in the new form "
-        f"from {copy}",
+        f"[moe-jax] {path} {written}; read in the new form from {copy}",
         file=sys.stderr,
         flush=True,
     )

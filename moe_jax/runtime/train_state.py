@@ -10,8 +10,6 @@ train step's forward pass updates and the optimizer never sees. Dropout keys are
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -21,7 +19,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax import errors, param_paths, partitioning
+from moe_jax import partitioning
+from moe_jax.runtime.model_protocol import InputShapes, Model
 
 PyTree = Any
 
@@ -44,7 +43,7 @@ class TrainState:
 
 
 def init_train_state(
-    model, tx: optax.GradientTransformation, input_shapes: dict[str, tuple], seed: int
+    model: Model, tx: optax.GradientTransformation, input_shapes: InputShapes, seed: int
 ) -> TrainState:
     """A fresh state: parameters from ``model.get_initial_variables(PRNGKey(seed), ...)``.
 
@@ -63,7 +62,9 @@ def init_train_state(
     )
 
 
-def param_shardings(model, input_shapes: Mapping[str, tuple], mesh: Mesh, rules) -> PyTree:
+def param_shardings(
+    model: Model, input_shapes: InputShapes, mesh: Mesh, rules: partitioning.LogicalRules
+) -> PyTree:
     """``NamedSharding`` of every parameter from the model's logical axis names."""
     return partitioning.tree_shardings(model.param_logical_axes(input_shapes), mesh, rules)
 
@@ -113,30 +114,9 @@ def abstract_with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
 
     Raises:
       errors.ConfigError: naming the first array whose dimension a mesh axis does not divide
-        (e.g. 3 experts on an ``expert`` axis of 2), instead of JAX's sharding text.
+        (``partitioning.check_divisibility``), instead of JAX's sharding text.
     """
-    jax.tree_util.tree_map_with_path(_check_divides, abstract, shardings)
+    partitioning.check_divisibility(abstract, shardings)
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-
-
-def _check_divides(path: tuple, leaf: Any, sharding: Any) -> None:
-    """Refuses a ``sharding`` that splits a dimension of ``leaf`` into unequal parts."""
-    if not isinstance(sharding, NamedSharding):
-        return
-    name, shape = param_paths.path_name(path), tuple(leaf.shape)
-    for dim, (size, entry) in enumerate(zip(shape, sharding.spec, strict=False)):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        parts = math.prod(sharding.mesh.shape[axis] for axis in axes)
-        if parts > 1 and size % parts:
-            hint = (
-                "make the number of experts (NUM_EXPERTS) a multiple of the expert axis, or "
-                "change the mesh (partitioning.make_mesh.mesh_shape)"
-                if "expert" in axes
-                else "change the mesh (partitioning.make_mesh.mesh_shape) or that size"
-            )
-            raise errors.ConfigError(
-                f"{name} {list(shape)}: dimension {dim} ({size}) is split over mesh axis "
-                f"{'x'.join(axes)} of size {parts}, which does not divide it; {hint}"
-            )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moe_jax.models.t5 import T5Config
+from moe_jax.moe import CapacityConfig, MoeConfig, TopKRouterConfig
 
 
 def tiny_config(**overrides) -> T5Config:
@@ -21,6 +22,18 @@ def tiny_config(**overrides) -> T5Config:
     )
     kwargs.update(overrides)
     return T5Config(**kwargs)
+
+
+def tiny_moe(expert_dropout_rate: float = 0.0, **capacity) -> MoeConfig:
+    """4 experts of d_ff 32 (gated GELU), top-2; ``capacity``: ``CapacityConfig`` options."""
+    return MoeConfig(
+        num_experts=4,
+        d_ff=32,
+        activation="gated_gelu",
+        expert_dropout_rate=expert_dropout_rate,
+        router=TopKRouterConfig(num_selected_experts=2),
+        capacity=CapacityConfig(**capacity),
+    )
 
 
 def random_batch(

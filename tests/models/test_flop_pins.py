@@ -100,7 +100,10 @@ SMOKE_MOE = {
 def _model(files: list[str]):
     flags = [f if f.startswith("--") else f"--gin_file={f}" for f in files]
     gin_utils.parse_gin(gin_flags.parse_flags(builders.build_parser("test", "test"), flags))
-    return gin.query_parameter("train_script.train.model").scoped_configurable_fn()
+    try:
+        return gin.query_parameter("train_script.train.model").scoped_configurable_fn()
+    finally:
+        gin.clear_config()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

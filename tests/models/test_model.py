@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import functools
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.models import losses
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder
-from tests.models.conftest import random_batch, tiny_config
+from tests.models.conftest import random_batch, tiny_config, tiny_moe
 
 SHAPES = {"encoder_input_tokens": (2, 8), "decoder_input_tokens": (2, 6)}
 
@@ -23,28 +21,6 @@ SHAPES = {"encoder_input_tokens": (2, 8), "decoder_input_tokens": (2, 6)}
 def _dense(**kwargs):
     model = EncoderDecoderModel(EncoderDecoder(tiny_config()), **kwargs)
     return model, model.get_initial_variables(jax.random.key(0), SHAPES)["params"]
-
-
-@pytest.fixture
-def moe_gin():
-    """Tiny MoE bindings (4 experts, top-2), live while the test traces the network."""
-    gin.clear_config()
-    gin.parse_config(
-        "\n".join(
-            [
-                "MoeConfig.num_experts = 4",
-                "TopKRouterConfig.num_selected_experts = 2",
-                "MoeConfig.d_ff = 32",
-                "MoeConfig.activation = 'gated_gelu'",
-                "CapacityConfig.group_size = 16",
-                "CapacityConfig.train_capacity_factor = 1.0",
-                "CapacityConfig.eval_capacity_factor = 8.0",
-                "CapacityConfig.min_expert_capacity = 1",
-            ]
-        )
-    )
-    yield
-    gin.clear_config()
 
 
 def test_cross_entropy_with_smoothing_and_z_loss_matches_numpy():
@@ -175,8 +151,11 @@ def test_temperature_sampling():
         model.predict_batch(params, batch, decode_method="beam")
 
 
-def test_moe_model_adds_aux_losses_and_reports_routing_per_layer(moe_gin):
-    config = tiny_config(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
+def test_moe_model_adds_aux_losses_and_reports_routing_per_layer():
+    moe = tiny_moe(
+        group_size=16, train_capacity_factor=1.0, eval_capacity_factor=8.0, min_expert_capacity=1
+    )
+    config = tiny_config(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, moe=moe)
     model = EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)
     params = model.get_initial_variables(jax.random.key(0), SHAPES)["params"]
     assert params["encoder"]["layers_1"]["ffn"]["moe"]["expert"]["wo"].value.shape == (4, 32, 32)

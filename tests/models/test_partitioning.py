@@ -6,43 +6,30 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
-from moe_jax import partitioning
+from moe_jax import errors, partitioning
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder
-from tests.models.conftest import random_batch, tiny_config
+from tests.models.conftest import random_batch, tiny_config, tiny_moe
 
 SHAPES = {"encoder_input_tokens": (8, 8), "decoder_input_tokens": (8, 8)}
 
 
 @pytest.fixture(scope="module")
 def moe_model():
-    gin.clear_config()
     # eval capacity large enough that no token is dropped whatever the grouping
-    gin.parse_config(
-        "\n".join(
-            [
-                "MoeConfig.num_experts = 4",
-                "MoeConfig.d_ff = 32",
-                "MoeConfig.activation = 'gated_gelu'",
-                "CapacityConfig.group_size = 8",
-                "CapacityConfig.eval_capacity_factor = 8.0",
-            ]
-        )
-    )
+    moe = tiny_moe(group_size=8, eval_capacity_factor=8.0)
     model = EncoderDecoderModel(
-        EncoderDecoder(tiny_config(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)),
+        EncoderDecoder(
+            tiny_config(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, moe=moe)
+        ),
         z_loss=1e-4,
     )
-    params = model.get_initial_variables(jax.random.key(0), SHAPES)["params"]
-    yield model, params
-    gin.clear_config()
+    return model, model.get_initial_variables(jax.random.key(0), SHAPES)["params"]
 
 
 def _loss_and_grads(model, params, batch):
@@ -64,11 +51,10 @@ def test_sharded_step_equals_single_device(moe_model, mesh_shape):
 
     mesh = partitioning.make_mesh(mesh_shape)
     rules = partitioning.standard_logical_axis_rules()
-    logical = model.param_logical_axes(SHAPES)
-    partitioning.check_divisibility(logical, nn.unbox(params), mesh, rules)
-    param_shardings = partitioning.tree_shardings(logical, mesh, rules)
-    batch_sharding = partitioning.logical_to_sharding(("batch", "length"), mesh, rules)
+    param_shardings = partitioning.tree_shardings(model.param_logical_axes(SHAPES), mesh, rules)
     unboxed = nn.unbox(params)
+    partitioning.check_divisibility(unboxed, param_shardings)
+    batch_sharding = partitioning.logical_to_sharding(("batch", "length"), mesh, rules)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         sharded_params = jax.device_put(unboxed, param_shardings)
         sharded_batch = jax.device_put(batch, batch_sharding)
@@ -99,35 +85,32 @@ def test_sharded_step_equals_single_device(moe_model, mesh_shape):
 
 
 def test_bad_combinations_are_refused_by_name(moe_model):
-    model, params = moe_model
-    logical = model.param_logical_axes(SHAPES)
+    model, _ = moe_model
     rules = partitioning.standard_logical_axis_rules()
-    with pytest.raises(
-        ValueError, match=r"'expert'.*size 4, not divisible by mesh axes \('expert',\) of size 8"
-    ):
+
+    def check(model, mesh_shape):
         partitioning.check_divisibility(
-            logical, nn.unbox(params), partitioning.make_mesh((1, 8, 1)), rules
+            nn.unbox(model.abstract_variables(SHAPES))["params"],
+            partitioning.tree_shardings(
+                model.param_logical_axes(SHAPES), partitioning.make_mesh(mesh_shape), rules
+            ),
         )
+
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"^decoder/layers_1/ffn/moe/expert/wi_0 \[4, 32, 32\]: dimension 0 \(4\) is split "
+        r"over mesh axis expert of size 8, which does not divide it; make the number of experts",
+    ):
+        check(model, (1, 8, 1))
     three_heads = EncoderDecoderModel(EncoderDecoder(tiny_config(num_heads=3)))
     with pytest.raises(
-        ValueError, match=r"'heads'.*size 3, not divisible by mesh axes \('model',\) of size 2"
+        errors.ConfigError, match=r"dimension 1 \(3\) is split over mesh axis model of size 2"
     ):
-        partitioning.check_divisibility(
-            three_heads.param_logical_axes(SHAPES),
-            jax.eval_shape(
-                lambda: nn.unbox(
-                    three_heads.get_initial_variables(jax.random.key(0), SHAPES)["params"]
-                )
-            ),
-            partitioning.make_mesh((4, 1, 2)),
-            rules,
-        )
+        check(three_heads, (4, 1, 2))
     bad = jax.tree.map(
         lambda s: P(*("embd" if a == "embed" else a for a in s)),
-        logical,
+        model.param_logical_axes(SHAPES),
         is_leaf=lambda x: isinstance(x, P),
     )
     with pytest.raises(ValueError, match="unknown logical axis 'embd'"):
-        partitioning.check_divisibility(
-            bad, nn.unbox(params), partitioning.make_mesh((8, 1, 1)), rules
-        )
+        partitioning.tree_shardings(bad, partitioning.make_mesh((8, 1, 1)), rules)

@@ -7,50 +7,31 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 import pytest
 
-import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import REMAT_POLICIES, EncoderDecoder
-from tests.models.conftest import random_batch, tiny_config
+from tests.models.conftest import random_batch, tiny_config, tiny_moe
 
 SHAPES = {"encoder_input_tokens": (4, 8), "decoder_input_tokens": (4, 6)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def moe_bindings():
-    """A tiny MoE layer in layer 1 of each stack (4 experts, top-2, expert dropout)."""
-    gin.clear_config()
-    gin.parse_config(
-        "\n".join(
-            [
-                "MoeConfig.num_experts = 4",
-                "MoeConfig.d_ff = 32",
-                "MoeConfig.activation = 'gated_gelu'",
-                "CapacityConfig.group_size = 8",
-                "MoeConfig.expert_dropout_rate = 0.1",
-            ]
-        )
-    )
-    yield
-    gin.clear_config()
 
 
 # 4 + 4 layers scanned as (dense, MoE) x 2 per stack
 SCANNED = dict(num_encoder_layers=4, num_decoder_layers=4, scan_min_layers=2)
 
 
-def _model(policy: str, scan: bool = False) -> EncoderDecoderModel:
+def _model(policy: str, scan: bool = False, **overrides) -> EncoderDecoderModel:
     sparse = 2 if scan else 1
     config = tiny_config(
         num_sparse_encoder_layers=sparse,
         num_sparse_decoder_layers=sparse,
         dropout_rate=0.1,
         remat_policy=policy,
+        moe=tiny_moe(expert_dropout_rate=0.1, group_size=8),
         **(SCANNED if scan else {}),
+        **overrides,
     )
     assert (config.layer_groups("encoder") == ((0, 2, 2),)) == scan
     return EncoderDecoderModel(EncoderDecoder(config), z_loss=1e-4)

@@ -21,7 +21,7 @@ from moe_jax.models import layer_stacking
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, layer_groups
 from moe_jax.moe.config import CapacityConfig, MoeConfig, RandomRouterConfig, TopKRouterConfig
-from moe_jax.runtime import builders, checkpoints, routing, train_state
+from moe_jax.runtime import builders, checkpoints, configured, routing, train_state
 from moe_jax.runtime.run_dir import RunDir
 from tests.models.conftest import random_batch, tiny_config
 
@@ -210,14 +210,14 @@ def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scan
     router_bias collection, through `train`'s restore and the eval/infer/analyze one."""
     ctx = builders.run_context()
     source, target = _model(saved_scanned, True), _model(not saved_scanned, True)
-    state = builders.build_train_setup(source, SHAPES, ctx).init_state()
+    state = configured.train_setup(source, SHAPES, ctx).init_state()
     writer = checkpoints.Checkpointer(RunDir(str(tmp_path)), async_save=False)
     writer.save(state, {"data_iterators": []}, force=True)
     writer.wait_until_finished()
     writer.close()
     expected = layer_stacking.unstack_layers(state)
 
-    abstract = builders.build_train_setup(target, SHAPES, ctx).abstract_state
+    abstract = configured.train_setup(target, SHAPES, ctx).abstract_state
     reader = checkpoints.Checkpointer(RunDir(str(tmp_path)), read_only=True)
     restored, _ = reader.restore(0, abstract)
     reader.close()

@@ -50,8 +50,8 @@ def test_bad_layouts_and_config_values_are_named():
         sparse_layer_indices(12, 5, "mixed")
     with pytest.raises(ValueError, match="num_sparse_layers=13"):
         sparse_layer_indices(12, 13, "top")
-    with pytest.raises(ValueError, match="dtype='float16'"):
-        tiny_config(dtype="float16")
+    with pytest.raises(ValueError, match="activation_dtype_name='float16'"):
+        tiny_config(activation_dtype_name="float16")
     with pytest.raises(ValueError, match="flop_matched_mlp_dim"):
         tiny_config(num_sparse_encoder_layers=1, sparse_layer_type="dense")
 
@@ -173,7 +173,7 @@ def test_packed_segments_do_not_attend_across():
 
 
 def test_bfloat16_activations_keep_float32_params(batch):
-    model, params = _init(tiny_config(dtype="bfloat16"))
+    model, params = _init(tiny_config(activation_dtype_name="bfloat16"))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(params)))
     logits = _logits(model, params, batch)
     assert logits.dtype == jnp.bfloat16

@@ -130,7 +130,14 @@ def test_construction_refuses_what_the_layer_refused_naming_the_option():
 def test_encoder_and_decoder_configs_from_gin_scopes_and_back_from_a_dict():
     gin.parse_config_files_and_bindings(
         [str(ROUTERS / "top2.gin"), str(ROUTERS / "hash_decoder.gin")],
-        ["MoeConfig.num_experts = 4", "MoeConfig.d_ff = 16", "CapacityConfig.group_size = 64"],
+        [
+            "T5Config.moe = @MoeConfig()",
+            "MoeConfig.capacity = @CapacityConfig()",
+            "MoeConfig.losses = @AuxLossConfig()",
+            "MoeConfig.num_experts = 4",
+            "MoeConfig.d_ff = 16",
+            "CapacityConfig.group_size = 64",
+        ],
     )
     config = T5Config(
         num_encoder_layers=2,
@@ -172,6 +179,49 @@ def test_old_bindings_translate_and_ignored_options_are_left_out_with_a_warning(
     assert legacy_gin.translate("MODEL_DIR = '/x'\n") == ("MODEL_DIR = '/x'\n", [])
     flat = legacy_gin.legacy_fields(config)
     assert legacy_gin.config_from_fields(**flat) == dataclasses.replace(config)
+
+
+def test_a_config_built_in_python_reads_no_binding_of_its_parts():
+    """Only gin's references build a part from its bindings: a part (or ``T5Config.moe``)
+    left out gets its type's defaults, whatever gin binds."""
+    gin.parse_config(
+        "CapacityConfig.group_size = 64\nTopKRouterConfig.num_selected_experts = 1\n"
+        "MoeConfig.num_experts = 3\nAuxLossConfig.load_balancing_loss_weight = 0.5\n"
+    )
+    moe = MoeConfig(num_experts=4, d_ff=8)
+    assert moe.capacity == CapacityConfig(group_size=4096) and moe.capacity.group_size == 4096
+    assert moe.router.num_selected_experts == 2 and moe.losses.load_balancing_loss_weight == 0.01
+    assert T5Config(num_sparse_encoder_layers=1).moe == moe_config.default_config()
+    assert moe_config.default_config().num_experts == 8
+
+
+def test_the_model_file_binds_every_part_reference():
+    bindings = gin_utils.config_bindings((ROUTERS.parent / "models" / "t5_moe.gin").read_text())
+    assert legacy_gin.PART_REFERENCES.items() <= bindings.items()
+
+
+def test_a_config_written_before_the_part_references_builds_the_same_model():
+    """A run's config.gin of the previous form (parts and ``T5Config.moe`` None, built from
+    their bindings then; ``T5Config.dtype``) reads in the current form; a dense one leaves
+    ``moe`` to its default, None; a config in the current form stays as it is."""
+    before = (
+        "MODEL/T5Config.dtype = 'bfloat16'\nMODEL/T5Config.moe = None\n"
+        "MODEL/T5Config.num_sparse_encoder_layers = 1\n"
+        "MODEL/MoeConfig.capacity = None\nMODEL/MoeConfig.num_experts = 4\n"
+        "MODEL/MoeConfig.router = @TopKRouterConfig()\nMODEL/CapacityConfig.group_size = 64\n"
+    )
+    translated, warnings = legacy_gin.translate(before)
+    assert warnings == [] and "MODEL/MoeConfig.capacity = @CapacityConfig()" in translated
+    gin.parse_config(translated)
+    with gin.config_scope("MODEL"):
+        config = T5Config()
+    assert config.activation_dtype_name == "bfloat16"
+    assert config.moe is not None and config.moe.num_experts == 4
+    assert config.moe.capacity.group_size == 64
+    dense = "MODEL/T5Config.dtype = 'float32'\nMODEL/T5Config.moe = None\n"
+    current = "MODEL/T5Config.activation_dtype_name = 'float32'\n"
+    assert legacy_gin.translate(dense) == (current, [])  # moe: its default, None
+    assert legacy_gin.translate(current + "MODEL/T5Config.moe = None\n")[0].endswith("None\n")
 
 
 def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names():

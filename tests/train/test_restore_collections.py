@@ -16,7 +16,7 @@ import pytest
 from moe_jax import cli
 from moe_jax.commands import train
 from moe_jax.moe.collections import BIAS_COLLECTION
-from moe_jax.runtime import builders, checkpoints, gin_flags, gin_utils, summaries
+from moe_jax.runtime import builders, checkpoints, configured, gin_flags, gin_utils, summaries
 from moe_jax.runtime.run_dir import RunDir
 
 # A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
@@ -81,7 +81,7 @@ def test_restore_model_gives_the_trained_bias(bias_run):
     _parse_run(bias_run)
     model, ctx = _model(), builders.run_context()
     restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
-    full = builders.build_train_setup(model, SHAPES, ctx).abstract_state
+    full = configured.train_setup(model, SHAPES, ctx).abstract_state
     ckpt = checkpoints.Checkpointer(RunDir(bias_run), read_only=True)
     try:
         state = ckpt.restore(STEPS, full)[0]

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe_jax.commands import train
+from moe_jax.models.t5 import EncoderDecoder
 from moe_jax.runtime import (
     aot,
     builders,
@@ -61,6 +63,25 @@ def test_interrupted_run_continues_exactly(tmp_path, monkeypatch):
     assert np.isfinite(list(full["losses"].values())).all()
     # the run keeps its routers' initial weights for drift measurements
     assert router_init.load(RunDir(tmp_path / "full"))
+
+
+def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(tmp_path):
+    """The abstract state, the shardings, the initialisation and the step share traces:
+    the network is traced once for its initialisation (``EncoderDecoderModel.init_program``)
+    and once for the train step; a resumed run likewise."""
+    traced = []
+
+    def count(next_fun, args, kwargs, context):
+        if isinstance(context.module, EncoderDecoder) and context.method_name == "__call__":
+            traced.append(context.module)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(count):
+        run(tmp_path, 2, stop_after=1)
+    assert len(traced) == 2
+    with nn.intercept_methods(count):
+        assert run(tmp_path, 2)["step"] == 2
+    assert len(traced) == 4
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
-"""The train step and the eval step, MaxText-style: one readable function each.
+"""The train step and the eval step, MaxText-style: one readable function each, and the
+jitted step objects a run calls.
 
 ``train_step(state, batch)``: forward + backward (over ``accum_steps`` microbatches),
 optimizer update, the model's state collections as updated by the forward pass (averaged
-over microbatches; kept as they were where ``freeze.bias_mode`` freezes them), and, when
-``skip_nonfinite``, the update is dropped for a step whose loss or gradients are not finite. Jitted
-with the state donated (:func:`jit_train_step`).
+over microbatches; kept as they were where the bias mode freezes them), and, when
+``skip_nonfinite``, the update is dropped for a step whose loss or gradients are not finite.
+:func:`jit_train_step` makes a :class:`TrainStep` of it (state donated); :func:`jit_eval_step`
+an :class:`EvalStep` of the model's ``eval_fn``. Both run, and lower ahead of time
+(``.lower(*abstract_args)``, as ``jax.jit``'s), under the run's mesh and logical axis rules.
 
 Batches are dicts of ``int32[batch, length]`` arrays (``encoder_input_tokens``,
 ``decoder_input_tokens``, ``decoder_target_tokens``, ``decoder_loss_weights``, ...), sharded
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax import hardware, partitioning
 from moe_jax.moe import freeze
-from moe_jax.runtime.train_state import TrainState
+from moe_jax.runtime.model_protocol import Model
+from moe_jax.runtime.train_state import PyTree, TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, Any]
@@ -47,7 +52,7 @@ def train_step(
     state: TrainState,
     batch: Batch,
     *,
-    model,
+    model: Model,
     tx: optax.GradientTransformation,
     learning_rate_fn: optax.Schedule,
     accum_steps: int = 1,
@@ -56,7 +61,7 @@ def train_step(
 ) -> tuple[TrainState, Metrics]:
     """One optimizer step. Returns the new state and scalar/array metrics (the model's
     ``loss_fn`` metrics averaged over microbatches, plus ``grad_norm``, ``learning_rate``
-    and ``skipped``). ``bias_mode``: ``freeze.bias_mode`` of the balancing biases."""
+    and ``skipped``). ``bias_mode``: of the balancing biases (``freeze.BIAS_MODES``)."""
     grad_fn = jax.value_and_grad(model.train_loss_fn, has_aux=True)
     rng = state.dropout_rng()
     if accum_steps == 1:
@@ -111,10 +116,52 @@ def train_step(
     return new_state, metrics
 
 
+class _UnderMesh:
+    """A jitted function called, and lowered ahead of time, under ``mesh`` and the logical
+    axis ``rules`` (which give the model's activation constraints their mesh axes)."""
+
+    def __init__(
+        self, jitted: jax.stages.Wrapped, mesh: Mesh, rules: partitioning.LogicalRules
+    ) -> None:
+        self._jitted, self._mesh, self._rules = jitted, mesh, rules
+
+    def _run(self, *args: Any) -> Any:
+        with partitioning.activate(self._mesh, self._rules):
+            return self._jitted(*args)
+
+    def _lower(self, *args: Any) -> jax.stages.Lowered:
+        with partitioning.activate(self._mesh, self._rules):
+            return self._jitted.lower(*args)
+
+
+class TrainStep(_UnderMesh):
+    """``(state, batch) -> (state, metrics)``, the state donated (:func:`jit_train_step`)."""
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return self._run(state, batch)
+
+    def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+        """The step lowered for ``state`` and ``batch`` (arrays or sharded
+        ``ShapeDtypeStruct`` s)."""
+        return self._lower(state, batch)
+
+
+class EvalStep(_UnderMesh):
+    """``(params, batch, collections=None) -> metrics`` (:func:`jit_eval_step`);
+    ``collections``: the state's non-parameter collections (None: the model has none)."""
+
+    def __call__(self, params: PyTree, batch: Batch, collections: PyTree = None) -> Metrics:
+        return self._run(params, batch, collections or {})
+
+    def lower(self, params: PyTree, batch: Batch, collections: PyTree = None) -> jax.stages.Lowered:
+        """The step lowered for these arguments (arrays or sharded ``ShapeDtypeStruct`` s)."""
+        return self._lower(params, batch, collections or {})
+
+
 def jit_train_step(
-    model,
-    tx,
-    learning_rate_fn,
+    model: Model,
+    tx: optax.GradientTransformation,
+    learning_rate_fn: optax.Schedule,
     state_shardings: TrainState,
     mesh: Mesh,
     rules: partitioning.LogicalRules,
@@ -123,10 +170,8 @@ def jit_train_step(
     accum_steps: int = 1,
     skip_nonfinite: bool = False,
     bias_mode: str = "updated",
-):
-    """``train_step`` jitted with the state donated and its shardings pinned, traced under
-    ``mesh`` and the logical axis ``rules`` (which give the model's activation constraints
-    their mesh axes)."""
+) -> TrainStep:
+    """:func:`train_step` jitted with the state donated and its shardings pinned."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
     step = functools.partial(
         train_step,
@@ -144,61 +189,30 @@ def jit_train_step(
         donate_argnums=0,
         compiler_options=_compiler_options(mesh),
     )
-    return _under_mesh(jitted, mesh, rules)
+    return TrainStep(jitted, mesh, rules)
 
 
 def jit_eval_step(
-    model,
-    params_shardings,
+    model: Model,
+    params_shardings: PyTree,
     mesh: Mesh,
     rules: partitioning.LogicalRules,
     batch_axes: tuple[str, ...] = ("data", "expert"),
-    collections_shardings=None,
-    eval_fn=None,
-):
-    """``(params, batch, collections=None) -> metrics``: ``model.eval_fn`` jitted (eval
-    capacity factor); ``collections`` are the state's non-parameter collections; ``eval_fn``
-    replaces ``model.eval_fn`` (e.g. wrapped in a Flax method interceptor)."""
+    collections_shardings: PyTree = None,
+    eval_fn: Callable[..., Metrics] | None = None,
+) -> EvalStep:
+    """``model.eval_fn`` jitted (eval capacity factor); ``eval_fn`` replaces it (e.g. wrapped
+    in a Flax method interceptor)."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
-    fn = eval_fn or model.eval_fn
-    jitted = _under_mesh(
-        jax.jit(
-            fn,
-            in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
-            out_shardings=NamedSharding(mesh, PartitionSpec()),
-            compiler_options=_compiler_options(mesh),
-        ),
-        mesh,
-        rules,
+    jitted = jax.jit(
+        eval_fn or model.eval_fn,
+        in_shardings=(params_shardings, batch_sharding, collections_shardings or {}),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+        compiler_options=_compiler_options(mesh),
     )
-
-    def step(params, batch, collections=None):
-        return jitted(params, batch, collections or {})
-
-    # a function attribute, like jax.jit's own .lower
-    step.lower = lambda params, batch, collections=None: jitted.lower(  # type: ignore[attr-defined]
-        params, batch, collections or {}
-    )
-    return step
+    return EvalStep(jitted, mesh, rules)
 
 
 def _compiler_options(mesh: Mesh) -> dict[str, Any]:
     """XLA options for the platform of ``mesh``'s devices (``hardware.compiler_options``)."""
     return hardware.compiler_options(mesh.devices.flat[0].platform)
-
-
-def _under_mesh(fn, mesh: Mesh, rules: partitioning.LogicalRules):
-    """``fn`` called (and, with ``.lower(*abstract_args)``, lowered ahead of time) under
-    ``partitioning.activate(mesh, rules)``."""
-
-    @functools.wraps(fn)
-    def wrapped(*args):
-        with partitioning.activate(mesh, rules):
-            return fn(*args)
-
-    def lower(*args):
-        with partitioning.activate(mesh, rules):
-            return fn.lower(*args)
-
-    wrapped.lower = lower  # type: ignore[attr-defined]  # a function attribute, like jax.jit's
-    return wrapped

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from moe_jax.models.model import EncoderDecoderModel
-from moe_jax.runtime import builders, gin_flags, gin_utils, optimizers, train_state, train_step
+from moe_jax.runtime import (
+    builders,
+    configured,
+    gin_flags,
+    gin_utils,
+    optimizers,
+    steps,
+    train_state,
+)
 from tests.models.conftest import random_batch
 
 SHAPES = {"encoder_input_tokens": (4, 16), "decoder_input_tokens": (4, 8)}
@@ -33,7 +41,7 @@ def smoke_gin():
 
 def _step(model, tx, schedule, state, batch, accum_steps):
     fn = jax.jit(
-        lambda s, b: train_step.train_step(
+        lambda s, b: steps.train_step(
             s, b, model=model, tx=tx, learning_rate_fn=schedule, accum_steps=accum_steps
         )
     )
@@ -83,7 +91,7 @@ def test_adafactor_with_bfloat16_activations_fits_a_batch_and_keeps_float32_para
         jnp.asarray, random_batch(seed=2, batch=4, enc_len=16, dec_len=8, vocab=500)
     )
     step = jax.jit(
-        lambda s, b: train_step.train_step(s, b, model=model, tx=tx, learning_rate_fn=schedule)
+        lambda s, b: steps.train_step(s, b, model=model, tx=tx, learning_rate_fn=schedule)
     )
     losses = []
     for _ in range(30):
@@ -101,14 +109,14 @@ def _two_steps_on_mesh(fsdp: bool):
         gin.bind_parameter("standard_logical_axis_rules.fsdp", fsdp)
     ctx = builders.run_context()
     shapes = {"encoder_input_tokens": (8, 16), "decoder_input_tokens": (8, 8)}
-    run = builders.build_train_setup(EncoderDecoderModel(), shapes, ctx, seed=0)
+    run = configured.train_setup(EncoderDecoderModel(), shapes, ctx, seed=0)
     batch = builders.global_batch(
         random_batch(seed=3, batch=8, enc_len=16, dec_len=8, vocab=500), ctx
     )
     state = run.init_state()
     losses = []
     for _ in range(2):
-        state, metrics = run.train_step(state, batch)
+        state, metrics = run.jitted_train_step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, losses
 
@@ -152,7 +160,7 @@ def test_init_state_compiles_cheaply_and_gives_the_parameters_of_the_plain_progr
     assert hardware.init_compiler_options("tpu") == hardware.compiler_options("tpu")
 
     ctx = builders.run_context()
-    run = builders.build_train_setup(EncoderDecoderModel(), SHAPES, ctx, seed=5)
+    run = configured.train_setup(EncoderDecoderModel(), SHAPES, ctx, seed=5)
     state = run.init_state()
     with partitioning.activate(ctx.mesh, ctx.rules):
         plain = jax.jit(run._init_fn, out_shardings=run.shardings)()

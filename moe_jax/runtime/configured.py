@@ -1,0 +1,41 @@
+"""What gin chooses for a run, read for the commands after they parse gin (as T5X's
+binaries bind the partitioner and trainer that ``train()`` takes as arguments): the library
+(:func:`~moe_jax.runtime.builders.build_train_setup`, the model configs) reads no gin and
+takes these as arguments.
+
+:func:`train_setup`: the run's train setup with the gin-configured optimizer
+(``create_optimizer``, ``learning_rate_schedule``), router mode (``router_mode.mode``) and
+balancing-bias mode (``bias_mode.mode``).
+"""
+
+from __future__ import annotations
+
+from moe_jax.moe import freeze
+from moe_jax.runtime import builders, optimizers
+from moe_jax.runtime.model_protocol import Model
+
+
+def train_setup(
+    model: Model,
+    input_shapes: dict[str, tuple[int, int]],
+    ctx: builders.RunContext,
+    *,
+    seed: int = 0,
+    accum_steps: int = 1,
+    skip_nonfinite: bool = False,
+) -> builders.TrainSetup:
+    """:func:`builders.build_train_setup` with the optimizer, router mode and bias mode that
+    gin binds."""
+    tx, learning_rate_fn = optimizers.create_optimizer()
+    return builders.build_train_setup(
+        model,
+        input_shapes,
+        ctx,
+        tx,
+        learning_rate_fn,
+        router_mode=freeze.router_mode(),
+        bias_mode=freeze.bias_mode(),
+        seed=seed,
+        accum_steps=accum_steps,
+        skip_nonfinite=skip_nonfinite,
+    )
