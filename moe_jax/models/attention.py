@@ -104,7 +104,9 @@ def fused_attention(
     (``implementation="xla"``: the same call through jax's reference, for checks on CPU).
 
     Args:
-      query, key, value: ``[batch, length, heads, head_dim]``.
+      query: ``[batch, q_len, heads, head_dim]``.
+      key: ``[batch, k_len, heads, head_dim]``.
+      value: ``[batch, k_len, heads, head_dim]``.
       bias: ``[1 or batch, heads, q_len, k_len]`` or None.
       mask: boolean ``[batch, 1, q_len, k_len]`` or None; False = blocked.
     Returns:
