@@ -278,21 +278,7 @@ def export_checkpoint(
     Raises:
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
-
-    ctx = builders.run_context()
-    target = train_state.abstract_with_shardings(
-        builders.abstract_params(model, _PROBE_SHAPES),
-        train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules),
-    )
-    try:
-        params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
-    except (FileNotFoundError, CheckpointMismatchError):
-        raise
-    except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        raise ExportError(
-            f"cannot read the checkpoint at {checkpoint_path!r}: {type(err).__name__}: {first}"
-        ) from err
+    params, step = _restore_for_export(checkpoint_path, model)
     arrays = arrays_for_export(params)
     per_layer = [
         n for name in param_paths.named_leaves(params) for n in layer_stacking.layer_names(name)
@@ -319,34 +305,71 @@ def export_checkpoint(
         ),
     }
     if jax.process_index() == 0:
+        _write_export(out_dir, config, arrays, exported_routers, model, config_gin)
+    return config
+
+
+def _restore_for_export(checkpoint_path: str, model: Any) -> tuple[Any, int]:
+    """The parameters of ``checkpoint_path`` on the gin config's mesh, and their step.
+
+    Raises:
+      ExportError: the checkpoint cannot be read (names it and the cause).
+    """
+    ctx = builders.run_context()
+    target = train_state.abstract_with_shardings(
+        builders.abstract_params(model, _PROBE_SHAPES),
+        train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules),
+    )
+    try:
+        params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)
+    except (FileNotFoundError, CheckpointMismatchError):
+        raise
+    except Exception as err:  # orbax/TensorStore errors of a damaged checkpoint
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ExportError(
+            f"cannot read the checkpoint at {checkpoint_path!r}: {type(err).__name__}: {first}"
+        ) from err
+    return params, step
+
+
+def _write_export(
+    out_dir: str,
+    config: dict[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    exported_routers: Mapping[str, np.ndarray],
+    model: Any,
+    config_gin: str | None,
+) -> None:
+    """Writes the export's files to ``out_dir`` (weights, initial routers, vocabulary,
+    ``config.json``, ``config.gin``) and removes an earlier export's files it no longer has."""
+    step = config["step"]
+    storage.write_bytes(
+        storage.join(out_dir, WEIGHTS_FILE),
+        safetensors_bytes(
+            arrays, {"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}
+        ),
+    )
+    if exported_routers:
         storage.write_bytes(
-            storage.join(out_dir, WEIGHTS_FILE),
+            storage.join(out_dir, ROUTER_INIT_FILE),
             safetensors_bytes(
-                arrays, {"format": FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}
+                exported_routers,
+                {
+                    "format": FORMAT,
+                    "version": str(FORMAT_VERSION),
+                    "content": "initial routers",
+                },
             ),
         )
-        if exported_routers:
-            storage.write_bytes(
-                storage.join(out_dir, ROUTER_INIT_FILE),
-                safetensors_bytes(
-                    exported_routers,
-                    {
-                        "format": FORMAT,
-                        "version": str(FORMAT_VERSION),
-                        "content": "initial routers",
-                    },
-                ),
-            )
-        if (vocab := vocabulary_file(model)) is not None:
-            storage.write_bytes(storage.join(out_dir, VOCAB_FILE), storage.read_bytes(vocab))
-        storage.write_text(storage.join(out_dir, CONFIG_JSON), json.dumps(config, indent=1))
-        storage.write_text(
-            storage.join(out_dir, CONFIG_GIN),
-            storage.read_text(config_gin) if config_gin else gin_utils.operative_config(),
-        )
-        for stale in {ROUTER_INIT_FILE, VOCAB_FILE} - set(listed_files(config)):
-            storage.remove(storage.join(out_dir, stale))  # an earlier export's, overwritten
-    return config
+    if (vocab := vocabulary_file(model)) is not None:
+        storage.write_bytes(storage.join(out_dir, VOCAB_FILE), storage.read_bytes(vocab))
+    storage.write_text(storage.join(out_dir, CONFIG_JSON), json.dumps(config, indent=1))
+    storage.write_text(
+        storage.join(out_dir, CONFIG_GIN),
+        storage.read_text(config_gin) if config_gin else gin_utils.operative_config(),
+    )
+    for stale in {ROUTER_INIT_FILE, VOCAB_FILE} - set(listed_files(config)):
+        storage.remove(storage.join(out_dir, stale))  # an earlier export's, overwritten
 
 
 def listed_files(config: Mapping[str, Any]) -> list[str]:
