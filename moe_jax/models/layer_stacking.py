@@ -86,7 +86,7 @@ def _stack(leaves: list[Any]) -> Any:
     return (np.stack if isinstance(first, np.ndarray) else jnp.stack)(leaves)
 
 
-def _map_dicts(fn, tree: PyTree) -> PyTree:
+def _map_dicts(fn: Callable[[Mapping], dict], tree: PyTree) -> PyTree:
     """``tree`` with each outermost mapping ``m`` replaced by ``fn(m)`` (other containers,
     e.g. optax states, kept)."""
     return jax.tree.map(

@@ -308,10 +308,10 @@ class T5Config:
         :data:`PATH_SALTED_ROUTERS` router always is."""
         sparse = self.sparse_layers(stack)
         count = self.num_encoder_layers if stack == "encoder" else self.num_decoder_layers
-        salted = self.has_moe and self.moe_config(stack).router_type in PATH_SALTED_ROUTERS
-        kinds = [(i in sparse, i if salted and i in sparse else None) for i in range(count)]
         if not self.scan_layers:
             return tuple((i, 1, 1) for i in range(count))
+        salted = self.has_moe and self.moe_config(stack).router_type in PATH_SALTED_ROUTERS
+        kinds = [(i in sparse, i if salted and i in sparse else None) for i in range(count)]
         return layer_groups(kinds, self.scan_min_layers)
 
     @property
