@@ -423,7 +423,7 @@ SECTIONS: tuple[Section, ...] = (
         "Scanned layers: compile and init time",
         "The T5-Base train step compiled for a TPU slice and for 8 CPU devices, and the "
         "initial state's program compiled and run on 8 CPU devices, with unrolled layers "
-        "(`SCAN_LAYERS=False`) and scanned layers (the default), each in a fresh process "
+        "(the default) and scanned layers (`SCAN_LAYERS=True`), each in a fresh process "
         "without the compilation cache, the two forms one after the other in one invocation; "
         "with parameter counts and bytes per device of both.",
         ("scan_layers.py", "--target", "tpu:v5p:2x2x4"),

@@ -167,7 +167,8 @@ class T5Config:
         loss and gradients are the same, the backward pass recomputes what was not kept.
       scan_layers: run each repeated block of layers as one ``nn.scan`` (see
         :meth:`layer_groups`; parameters stacked on a leading ``layers`` axis). The same
-        outputs; deep stacks trace and compile several times faster (docs/model.md).
+        outputs; deep stacks trace, compile and initialise faster, at the price of more
+        memory per device (off by default; docs/model.md has the numbers).
       scan_min_layers: the fewest layers a scanned run covers; shorter runs are unrolled
         (a scan traces about as slowly as 3 or 4 unrolled layers, so short runs gain nothing).
       moe: the MoE layers' :class:`~moe_jax.moe.config.MoeConfig` (the encoder's, and the
@@ -200,7 +201,7 @@ class T5Config:
     sparse_layer_type: str = "moe"
     flop_matched_mlp_dim: int | None = None
     remat_policy: str = "none"
-    scan_layers: bool = True
+    scan_layers: bool = False
     scan_min_layers: int = 6
     moe: MoeConfig | None = None
     decoder_moe: MoeConfig | None = None

@@ -19,7 +19,7 @@ SHAPES = {"encoder_input_tokens": (4, 8), "decoder_input_tokens": (4, 6)}
 
 
 # 4 + 4 layers scanned as (dense, MoE) x 2 per stack
-SCANNED = dict(num_encoder_layers=4, num_decoder_layers=4, scan_min_layers=2)
+SCANNED = dict(num_encoder_layers=4, num_decoder_layers=4, scan_layers=True, scan_min_layers=2)
 
 
 def _model(policy: str, scan: bool = False, **overrides) -> EncoderDecoderModel:

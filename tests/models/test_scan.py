@@ -59,17 +59,23 @@ def test_layer_groups_scan_the_repeated_blocks():
     assert layer_groups([dense, dense, sparse] * 3 + [dense]) == ((0, 3, 3), (9, 1, 1))
     assert layer_groups([dense, sparse]) == ((0, 1, 1), (1, 1, 1))  # nothing repeats
     assert layer_groups([dense] * 4, min_layers=6) == tuple((i, 1, 1) for i in range(4))
-    base = tiny_config(num_encoder_layers=12, num_decoder_layers=12, num_sparse_encoder_layers=3)
+    base = tiny_config(
+        num_encoder_layers=12, num_decoder_layers=12, num_sparse_encoder_layers=3, scan_layers=True
+    )
     assert base.layer_groups("encoder") == ((0, 4, 3),) and base.layer_groups("decoder") == (
         (0, 1, 12),
     )
-    assert tiny_config().layer_groups("encoder") == ((0, 1, 1), (1, 1, 1))  # under the minimum
-    unrolled = tiny_config(num_encoder_layers=12, scan_layers=False).layer_groups("encoder")
+    assert tiny_config(scan_layers=True).layer_groups("encoder") == (
+        (0, 1, 1),
+        (1, 1, 1),
+    )  # too few
+    unrolled = tiny_config(num_encoder_layers=12).layer_groups("encoder")  # the default
     assert unrolled == tuple((i, 1, 1) for i in range(12))
     # a router salted by its module path: its layers stay unrolled, the dense runs scan
     salted = tiny_config(
         num_encoder_layers=8,
         num_sparse_encoder_layers=2,
+        scan_layers=True,
         scan_min_layers=2,
         moe=MoeConfig(num_experts=4, d_ff=32, router=RandomRouterConfig()),
     )
