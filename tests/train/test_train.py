@@ -65,7 +65,9 @@ def test_interrupted_run_continues_exactly(tmp_path, monkeypatch):
     assert router_init.load(RunDir(tmp_path / "full"))
 
 
-def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(tmp_path):
+def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(
+    tmp_path, monkeypatch
+):
     """The abstract state, the shardings, the initialisation and the step share traces:
     the network is traced once for its initialisation (``EncoderDecoderModel.init_program``)
     and once for the train step; a resumed run likewise."""
@@ -76,8 +78,9 @@ def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(tmp_p
             traced.append(context.module)
         return next_fun(*args, **kwargs)
 
-    with nn.intercept_methods(count):
-        run(tmp_path, 2, stop_after=1)
+    with nn.intercept_methods(count), monkeypatch.context() as stopped:
+        stopped.setattr(train, "_STOP_AFTER_STEPS", 1)
+        assert run(tmp_path, 2)["step"] == 1
     assert len(traced) == 2
     with nn.intercept_methods(count):
         assert run(tmp_path, 2)["step"] == 2
