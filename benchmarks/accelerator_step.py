@@ -219,7 +219,7 @@ def measure_run(
 
     start = time.perf_counter()
     devices = jax.devices()[:1]  # one chip: the rates below are per chip
-    ctx = builders.run_context(devices=devices)
+    ctx = configured.run_context(devices=devices)
     setup = configured.train_setup(
         model, cfg.input_shapes(), ctx, seed=train_args.get("random_seed", 0)
     )

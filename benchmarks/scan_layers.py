@@ -96,7 +96,7 @@ def measure_init(flags: list[str]) -> dict:
         gin_flags.parse_flags(builders.build_parser("scan_layers", ""), flags)
     )
     args = aot.train_bindings()
-    ctx = builders.run_context(devices=devices)
+    ctx = configured.run_context(devices=devices)
     run = configured.train_setup(args["model"], args["train_dataset_cfg"].input_shapes(), ctx)
     state_bytes = sum(
         math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(run.abstract_state)

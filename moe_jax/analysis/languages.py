@@ -45,7 +45,7 @@ from moe_jax import param_paths, partitioning, storage
 from moe_jax.analysis import counterfactual, plots
 from moe_jax.analysis.positions import mutual_information_bits
 from moe_jax.models import layer_stacking
-from moe_jax.runtime import builders, checkpoints, routing, run_names
+from moe_jax.runtime import builders, checkpoints, configured, routing, run_names
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.synthetic import metrics as synthetic_metrics
 
@@ -351,7 +351,7 @@ def _route_checkpoints(
     of routing ``features`` (``[examples, length]`` per feature) whose rows carry ``labels``
     (``(row labels [examples], number of labels)``); process 0 prints each one's summary."""
     row_labels, num_labels = labels
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     fn = None
     results = []
     run_dirs = [RunDir.of_checkpoint(path)[0].path for path in paths]

@@ -41,7 +41,7 @@ import numpy as np
 
 from moe_jax import storage
 from moe_jax.analysis import plots
-from moe_jax.runtime import builders, routing, run_names
+from moe_jax.runtime import builders, configured, routing, run_names
 from moe_jax.runtime.run_dir import RunDir
 
 RIDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # times the number of tokens
@@ -430,7 +430,7 @@ def analyze(
     {"encoder/layers_3": analyze_layer(...), ...}, "files"}``.
     """
 
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     restored = builders.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
     step = restored.step
     fn = routing.routing_fn(

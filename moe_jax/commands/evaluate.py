@@ -65,6 +65,7 @@ from moe_jax.models import layer_stacking
 from moe_jax.runtime import (
     builders,
     config_gate,
+    configured,
     distributed,
     evaluation,
     gin_flags,
@@ -413,7 +414,7 @@ def evaluate(
         router_seed,
         names,
         storage.normalize(output_dir or first_run.eval_results_dir),
-        builders.run_context(),
+        configured.run_context(),
     )
     ckpt_labels = checkpoint_labels(checkpoint_paths, labels)
     result_labels = [comparison.label(label, name) for label in ckpt_labels for name in names]

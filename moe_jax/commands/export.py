@@ -315,7 +315,7 @@ def _restore_for_export(checkpoint_path: str, model: Any) -> tuple[Any, int]:
     Raises:
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     target = train_state.abstract_with_shardings(
         builders.abstract_params(model, _PROBE_SHAPES),
         train_state.param_shardings(model, _PROBE_SHAPES, ctx.mesh, ctx.rules),
@@ -479,7 +479,7 @@ def import_export(
 
     arrays, config = read_export(export_dir)
     step = int(config.get("step", 0))
-    run = configured.train_setup(model, _PROBE_SHAPES, builders.run_context(), seed=random_seed)
+    run = configured.train_setup(model, _PROBE_SHAPES, configured.run_context(), seed=random_seed)
     host_params = params_from_export(
         arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
     )

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from moe_jax import errors, partitioning, storage
-from moe_jax.runtime import builders, distributed, gin_flags, gin_utils, run_config
+from moe_jax.runtime import builders, configured, distributed, gin_flags, gin_utils, run_config
 
 
 def vocabulary_of(model):
@@ -85,7 +85,7 @@ def infer(
         raise ValueError("no checkpoint: pass --checkpoint=DIR or --gin.CHECKPOINT_PATH=DIR")
     if decode_method not in ("greedy", "sample"):
         raise ValueError(f"infer.decode_method={decode_method!r}; expected 'greedy' or 'sample'")
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     vocabulary = vocabulary_of(model)
     batch_multiple = int(np.prod([ctx.mesh.shape[a] for a in ctx.batch_axes]))
     enc = encode_inputs(inputs, vocabulary, task_feature_lengths["inputs"], batch_multiple)

@@ -332,7 +332,7 @@ def setup_train_loop(
     data stream where the checkpoint left it, and records the run's config (refusing a
     changed one unless ``allow_config_change``); the caller holds the run's lock."""
     model.check_vocabulary()
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     input_shapes = train_cfg.input_shapes()
     run = configured.train_setup(
         model,

@@ -197,7 +197,7 @@ def upcycle(
         )
     dense, dense_step = _dense_params(checkpoint)
     run = configured.train_setup(
-        model, dataset_cfg.input_shapes(), builders.run_context(), seed=seed
+        model, dataset_cfg.input_shapes(), configured.run_context(), seed=seed
     )
     state, shardings = run.init_state(), run.shardings
     params = upcycle_params(

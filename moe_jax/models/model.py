@@ -72,7 +72,7 @@ class EncoderDecoderModel:
     """Mirror of T5X's ``EncoderDecoderModel`` for :class:`EncoderDecoder`.
 
     Args:
-      module: the network (default: ``EncoderDecoder()`` with its gin bindings).
+      module: the network, an :class:`EncoderDecoder` (gin binds ``@EncoderDecoder()``).
       vocabulary: a seqio vocabulary (``vocab_size``, ``eos_id``), an int vocab size, or a
         function returning one, called on first use (gin: ``@vocab.get_vocabulary`` without
         parentheses), so that building the model opens no vocabulary file.
@@ -86,13 +86,13 @@ class EncoderDecoderModel:
 
     def __init__(
         self,
-        module: nn.Module | None = None,
+        module: nn.Module,
         vocabulary: Any = None,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         loss_normalizing_factor: str | float | None = "NUM_REAL_TARGET_TOKENS",
     ) -> None:
-        self.module = EncoderDecoder() if module is None else module
+        self.module = module
         self._vocabulary = self.module.config.vocab_size if vocabulary is None else vocabulary
         if not callable(self._vocabulary):
             self.check_vocabulary()

@@ -379,7 +379,7 @@ def compile_run(
     args = train_bindings()
     model, cfg = args["model"], args["train_dataset_cfg"]
     eval_cfg = args.get("train_eval_dataset_cfg") or cfg
-    ctx = builders.run_context(devices=devices)
+    ctx = configured.run_context(devices=devices)
     run = configured.train_setup(
         model,
         cfg.input_shapes(),

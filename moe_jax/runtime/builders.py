@@ -1,8 +1,8 @@
 """What `train`, `eval`, `infer`, `analyze` and `compile` share: one place that builds a run.
 
 - :class:`DatasetConfig`: one dataset of a run and its global input shapes.
-- :class:`RunContext` / :func:`run_context`: the mesh over the given devices (default: all
-  of this process's global devices), the logical axis rules and the batch axes.
+- :class:`RunContext` / :func:`run_context`: the mesh, the logical axis rules (checked
+  against the mesh) and the batch axes.
 - :func:`build_train_setup`: the abstract train state with its shardings and the jitted
   train step (state donated) and eval step, for a model, input shapes, a run context and
   the optimizer (router updates masked for a frozen router). ``compile`` lowers exactly
@@ -111,18 +111,18 @@ class RunContext:
     """What train/eval/infer/compile share once gin is parsed: mesh, rules, batch axes."""
 
     mesh: jax.sharding.Mesh
-    rules: tuple
+    rules: partitioning.LogicalRules
     batch_axes: tuple[str, ...]
 
 
-@gin.configurable(denylist=["devices"])
 def run_context(
-    batch_axes: tuple[str, ...] = ("data", "expert"), devices: Sequence[jax.Device] | None = None
+    mesh: jax.sharding.Mesh,
+    rules: partitioning.LogicalRules,
+    batch_axes: Sequence[str] = ("data", "expert"),
 ) -> RunContext:
-    """The mesh (``make_mesh`` gin bindings) over ``devices`` (default: all global devices)
-    and the logical axis rules."""
-    mesh = partitioning.make_mesh(devices=devices)
-    rules = partitioning.standard_logical_axis_rules()
+    """The run's mesh, its logical axis rules (checked against the mesh) and the mesh axes
+    the batch is split over (:func:`moe_jax.runtime.configured.run_context` reads them from
+    gin for the commands)."""
     partitioning.validate_rules(rules, mesh)
     return RunContext(mesh=mesh, rules=rules, batch_axes=tuple(batch_axes))
 

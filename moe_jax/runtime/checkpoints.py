@@ -47,7 +47,7 @@ from jax.experimental import multihost_utils
 
 from moe_jax import errors, storage
 from moe_jax.models import layer_stacking
-from moe_jax.runtime import orbax_failures
+from moe_jax.runtime import orbax_failures, store_credentials
 from moe_jax.runtime.checkpoint_checks import (
     CheckpointMismatchError,
     UnreadableCheckpointError,
@@ -104,6 +104,7 @@ class Checkpointer:
         remove_partial_saves: bool = False,
     ):
         orbax_failures.install_quiet_hooks()
+        store_credentials.open_quietly(run_dir.checkpoints_dir)
         self.run_dir = run_dir
         self._manager = ocp.CheckpointManager(
             run_dir.checkpoints_dir,

@@ -3,6 +3,9 @@ binaries bind the partitioner and trainer that ``train()`` takes as arguments): 
 (:func:`~moe_jax.runtime.builders.build_train_setup`, the model configs) reads no gin and
 takes these as arguments.
 
+:func:`run_context`: the mesh (``make_mesh`` bindings) over the given devices, the logical
+axis rules (``standard_logical_axis_rules`` bindings) and ``run_context.batch_axes``.
+
 :func:`train_setup`: the run's train setup with the gin-configured optimizer
 (``create_optimizer``, ``learning_rate_schedule``), router mode (``router_mode.mode``) and
 balancing-bias mode (``bias_mode.mode``).
@@ -10,9 +13,28 @@ balancing-bias mode (``bias_mode.mode``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import gin
+import jax
+
+from moe_jax import partitioning
 from moe_jax.moe import freeze
 from moe_jax.runtime import builders, optimizers
 from moe_jax.runtime.model_protocol import Model
+
+
+@gin.configurable(denylist=["devices"])
+def run_context(
+    batch_axes: Sequence[str] = ("data", "expert"), devices: Sequence[jax.Device] | None = None
+) -> builders.RunContext:
+    """:func:`builders.run_context` with the gin-bound mesh over ``devices`` (default: all
+    global devices), the gin-bound logical axis rules and ``batch_axes``."""
+    return builders.run_context(
+        partitioning.make_mesh(devices=devices),
+        partitioning.standard_logical_axis_rules(),
+        batch_axes,
+    )
 
 
 def train_setup(

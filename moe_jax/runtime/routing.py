@@ -22,6 +22,7 @@ from moe_jax import param_paths, partitioning
 from moe_jax.models import layer_stacking
 from moe_jax.models.model import FEATURES
 from moe_jax.moe.collections import ROUTING_COLLECTION
+from moe_jax.runtime.model_protocol import Model
 
 _SKIPPED_PATH_PARTS = ("ffn", "moe")
 
@@ -76,7 +77,7 @@ def _layer_name(path) -> tuple[str, str]:
 
 
 def routing_fn(
-    model: Any,
+    model: Model,
     params_shardings: Any,
     mesh: jax.sharding.Mesh,
     rules: partitioning.LogicalRules,

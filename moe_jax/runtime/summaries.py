@@ -37,6 +37,7 @@ from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
 from moe_jax import hardware, param_paths, storage
 from moe_jax.runtime import builders, routing
+from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.run_dir import RunDir
 
 
@@ -133,9 +134,9 @@ class ChurnProbe:
 
     def __init__(
         self,
-        model: Any,
+        model: Model,
         params_shardings: Any,
-        ctx: Any,
+        ctx: builders.RunContext,
         probe_batch: dict[str, np.ndarray],
         run_dir: RunDir,
         collections_shardings: Any = None,

@@ -156,7 +156,7 @@ def test_routing_of_a_scanned_model_is_per_layer_as_unrolled():
     """The per-token routing that analyses and the churn probe read (runtime/routing.py)."""
     scanned, unrolled, variables, converted = _pair(True)
     batch = random_batch(3, *SHAPES["encoder_input_tokens"], SHAPES["decoder_input_tokens"][1])
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     found = []
     for model, v in ((scanned, variables), (unrolled, converted)):
         shardings = train_state.param_shardings(model, SHAPES, ctx.mesh, ctx.rules)
@@ -214,7 +214,7 @@ def test_names_and_leaves_convert_per_layer():
 def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scanned):
     """Train state (Adafactor: factored moments and (1,) placeholders), parameters and the
     router_bias collection, through `train`'s restore and the eval/infer/analyze one."""
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     source, target = _model(saved_scanned, True), _model(not saved_scanned, True)
     state = configured.train_setup(source, SHAPES, ctx).init_state()
     writer = checkpoints.Checkpointer(RunDir(str(tmp_path)), async_save=False)

@@ -158,8 +158,9 @@ def test_two_processes_write_one_checkpoint_restorable_in_one(tmp_path):
         )
     )
     from moe_jax.models.model import EncoderDecoderModel
+    from moe_jax.models.t5 import EncoderDecoder
 
-    model = EncoderDecoderModel()
+    model = EncoderDecoderModel(EncoderDecoder())
     shapes = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
     rules = partitioning.standard_logical_axis_rules()
     restored = []

@@ -79,7 +79,7 @@ def _biases(collections) -> np.ndarray:
 
 def test_restore_model_gives_the_trained_bias(bias_run):
     _parse_run(bias_run)
-    model, ctx = _model(), builders.run_context()
+    model, ctx = _model(), configured.run_context()
     restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
     full = configured.train_setup(model, SHAPES, ctx).abstract_state
     ckpt = checkpoints.Checkpointer(RunDir(bias_run), read_only=True)
@@ -109,7 +109,7 @@ def test_churn_probe_routes_with_the_bias(bias_run, tmp_path):
     """The same parameters with a bias of +100 on expert 3: every token's first choice
     becomes expert 3, so the churn is exactly the share of tokens whose choice was not 3."""
     _parse_run(bias_run)
-    model, ctx = _model(), builders.run_context()
+    model, ctx = _model(), configured.run_context()
     restored = builders.restore_model(str(bias_run), model, SHAPES, ctx)
     probe_batch = next(
         builders.eval_batches(

@@ -40,7 +40,7 @@ def _run(model_dir, steps: int, *flags: str) -> dict:
 
 def _restore(model_dir) -> train_state.TrainState:
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    target = configured.train_setup(model, SHAPES, builders.run_context()).abstract_state
+    target = configured.train_setup(model, SHAPES, configured.run_context()).abstract_state
     ckpt = checkpoints.Checkpointer(RunDir(model_dir), read_only=True)
     try:
         return ckpt.restore(ckpt.latest_step(), target)[0]

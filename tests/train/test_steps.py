@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moe_jax.models.model import EncoderDecoderModel
+from moe_jax.models.t5 import EncoderDecoder
 from moe_jax.runtime import (
     builders,
     configured,
@@ -50,7 +51,7 @@ def _step(model, tx, schedule, state, batch, accum_steps):
 
 def test_accumulated_microbatches_equal_one_step_on_the_same_examples(smoke_gin):
     smoke_gin()
-    model = EncoderDecoderModel()
+    model = EncoderDecoderModel(EncoderDecoder())
     tx, schedule = optimizers.create_optimizer(name="sgd", learning_rate=0.1)
     state = train_state.init_train_state(model, tx, SHAPES, seed=0)
     half = random_batch(seed=1, batch=4, enc_len=16, dec_len=8, vocab=500)
@@ -72,7 +73,7 @@ def test_accumulated_microbatches_equal_one_step_on_the_same_examples(smoke_gin)
 
 def test_uneven_microbatches_are_refused_by_name(smoke_gin):
     smoke_gin()
-    model = EncoderDecoderModel()
+    model = EncoderDecoderModel(EncoderDecoder())
     tx, schedule = optimizers.create_optimizer(name="sgd", learning_rate=0.1)
     state = train_state.init_train_state(model, tx, SHAPES, seed=0)
     with pytest.raises(ValueError, match="accum_steps=3"):
@@ -84,7 +85,7 @@ def test_uneven_microbatches_are_refused_by_name(smoke_gin):
 @pytest.mark.slow
 def test_adafactor_with_bfloat16_activations_fits_a_batch_and_keeps_float32_params(smoke_gin):
     smoke_gin("--gin.ACTIVATION_DTYPE='bfloat16'")
-    model = EncoderDecoderModel()
+    model = EncoderDecoderModel(EncoderDecoder())
     tx, schedule = optimizers.create_optimizer(name="adafactor", learning_rate=1e-2)
     state = train_state.init_train_state(model, tx, SHAPES, seed=0)
     batch = jax.tree.map(
@@ -107,9 +108,9 @@ def _two_steps_on_mesh(fsdp: bool):
     two steps on one batch and both steps' losses."""
     with gin.unlock_config():
         gin.bind_parameter("standard_logical_axis_rules.fsdp", fsdp)
-    ctx = builders.run_context()
+    ctx = configured.run_context()
     shapes = {"encoder_input_tokens": (8, 16), "decoder_input_tokens": (8, 8)}
-    run = configured.train_setup(EncoderDecoderModel(), shapes, ctx, seed=0)
+    run = configured.train_setup(EncoderDecoderModel(EncoderDecoder()), shapes, ctx, seed=0)
     batch = builders.global_batch(
         random_batch(seed=3, batch=8, enc_len=16, dec_len=8, vocab=500), ctx
     )
@@ -159,8 +160,8 @@ def test_init_state_compiles_cheaply_and_gives_the_parameters_of_the_plain_progr
     assert gpu["xla_backend_optimization_level"] == 0
     assert hardware.init_compiler_options("tpu") == hardware.compiler_options("tpu")
 
-    ctx = builders.run_context()
-    run = configured.train_setup(EncoderDecoderModel(), SHAPES, ctx, seed=5)
+    ctx = configured.run_context()
+    run = configured.train_setup(EncoderDecoderModel(EncoderDecoder()), SHAPES, ctx, seed=5)
     state = run.init_state()
     with partitioning.activate(ctx.mesh, ctx.rules):
         plain = jax.jit(run._init_fn, out_shardings=run.shardings)()

@@ -65,9 +65,7 @@ def test_interrupted_run_continues_exactly(tmp_path, monkeypatch):
     assert router_init.load(RunDir(tmp_path / "full"))
 
 
-def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(
-    tmp_path, monkeypatch
-):
+def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(tmp_path, monkeypatch):
     """The abstract state, the shardings, the initialisation and the step share traces:
     the network is traced once for its initialisation (``EncoderDecoderModel.init_program``)
     and once for the train step; a resumed run likewise."""
@@ -104,7 +102,7 @@ def test_restore_onto_another_mesh_gives_same_params(tmp_path):
     from moe_jax.models.model import EncoderDecoderModel
 
     run(tmp_path, 1)  # saved from the (8, 1, 1) data-parallel mesh
-    model = EncoderDecoderModel()  # the gin-configured tiny model
+    model = EncoderDecoderModel(EncoderDecoder())  # the gin-configured tiny model
     shapes = {"encoder_input_tokens": (8, 32), "decoder_input_tokens": (8, 8)}
     rules = partitioning.standard_logical_axis_rules()
     ckpt = checkpoints.Checkpointer(RunDir(tmp_path), read_only=True)

@@ -40,7 +40,7 @@ def _dense_run(model_dir: pathlib.Path, step: int = 7):
     """A dense run's checkpoint at ``step`` (initialised weights; no training needed)."""
     _parse("--gin.NUM_SPARSE_LAYERS=0", f"--gin.MODEL_DIR={model_dir}")
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    state = configured.train_setup(model, SHAPES, builders.run_context(), seed=3).init_state()
+    state = configured.train_setup(model, SHAPES, configured.run_context(), seed=3).init_state()
     state = state.replace(step=jnp.asarray(step, jnp.int32))
     ckpt = checkpoints.Checkpointer(RunDir(model_dir), async_save=False)
     ckpt.save(state, {"data_iterators": [], "random_seed": 3}, force=True)
@@ -79,7 +79,7 @@ def _upcycled(tmp_path: pathlib.Path, *flags: str):
     out = tmp_path / "moe"
     assert upcycle.main([*TINY, *flags, f"--checkpoint={tmp_path / 'dense'}", f"--out={out}"]) == 0
     model = gin_utils.gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    target = configured.train_setup(model, SHAPES, builders.run_context()).abstract_state
+    target = configured.train_setup(model, SHAPES, configured.run_context()).abstract_state
     ckpt = checkpoints.Checkpointer(RunDir(out), read_only=True)
     state, meta = ckpt.restore(ckpt.latest_step(), target)
     ckpt.close()
@@ -155,7 +155,7 @@ def test_upcycle_writes_a_config_that_keeps_every_token_unless_told(tmp_path, ca
     ckpt = checkpoints.Checkpointer(RunDir(out), read_only=True)
     state, _ = ckpt.restore(
         ckpt.latest_step(),
-        configured.train_setup(model, SHAPES, builders.run_context()).abstract_state,
+        configured.train_setup(model, SHAPES, configured.run_context()).abstract_state,
     )
     ckpt.close()
     assert np.abs(np.asarray(_logits(model, state.params, batch)) - dense_logits).max() > 1e-3
