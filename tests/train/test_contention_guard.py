@@ -43,7 +43,7 @@ def _cases():
             yield pytest.param(run, platform, marks=marks, id=f"{run}-{platform}")
 
 
-@pytest.mark.parametrize("run,platform", _cases())
+@pytest.mark.parametrize("run,platform", list(_cases()))
 def test_no_contended_scatter_in_a_documented_train_step(tmp_path, run, platform):
     if platform == "gpu" and not (hardware.compilers_dir() / "gpu").is_dir():
         pytest.skip("no GPU compiler (make compilers)")
