@@ -56,7 +56,7 @@ def _reference(scan: bool = False):
         ("minimal", False),
         pytest.param("dots", False, marks=pytest.mark.slow),
         pytest.param("full", True, marks=pytest.mark.slow),
-        ("minimal", True),
+        pytest.param("minimal", True, marks=pytest.mark.slow),
     ],
 )
 def test_remat_gives_the_same_loss_metrics_and_gradients(policy, scan):

@@ -90,7 +90,9 @@ def _pair(moe: bool):
     return scanned, unrolled, variables, layer_stacking.unstack_layers(variables)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "moe", [pytest.param(False, marks=pytest.mark.slow), True], ids=["dense", "moe"]
+)
 def test_scanned_model_has_the_unrolled_parameters_stacked(moe):
     scanned, unrolled, variables, converted = _pair(moe)
     boxed = scanned.get_initial_variables(jax.random.key(0), SHAPES)
@@ -118,7 +120,9 @@ def test_scanned_model_has_the_unrolled_parameters_stacked(moe):
     _close(again, variables, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "moe", [pytest.param(False, marks=pytest.mark.slow), True], ids=["dense", "moe"]
+)
 def test_scanned_model_gives_the_unrolled_loss_gradients_and_state(moe):
     scanned, unrolled, variables, converted = _pair(moe)
     batch = random_batch(1, *SHAPES["encoder_input_tokens"], SHAPES["decoder_input_tokens"][1])
@@ -210,7 +214,11 @@ def test_names_and_leaves_convert_per_layer():
     assert jax.tree.map(np.shape, back) == jax.tree.map(np.shape, tree)
 
 
-@pytest.mark.parametrize("saved_scanned", [True, False], ids=["scanned_saved", "unrolled_saved"])
+@pytest.mark.parametrize(
+    "saved_scanned",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["scanned_saved", "unrolled_saved"],
+)
 def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scanned):
     """Train state (Adafactor: factored moments and (1,) placeholders), parameters and the
     router_bias collection, through `train`'s restore and the eval/infer/analyze one."""

@@ -67,7 +67,12 @@ def _hierarchical_params(flat: dict) -> dict:
     "router_options,dispatch,dropless",
     [
         (dict(), "sort", False),
-        (dict(renormalize_gates=True, batch_prioritized_routing=True), "einsum", False),
+        pytest.param(
+            dict(renormalize_gates=True, batch_prioritized_routing=True),
+            "einsum",
+            False,
+            marks=pytest.mark.slow,
+        ),
         (dict(), "sort", True),
     ],
 )

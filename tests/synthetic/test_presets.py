@@ -34,7 +34,7 @@ def shrink(cfg: dict) -> dict:
 
 # a few steps of these in `make test`; the others (their own jits, 20-110 s here under load)
 # are slow
-FAST = ("fig2", "tokenized", "dictionary", "spurious", "theorem2")
+FAST = ("fig2", "spurious", "theorem2")  # tokenized, dictionary: their own tests train them
 CASES = [
     pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
     for n in experiments.EXPERIMENTS

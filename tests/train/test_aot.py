@@ -119,7 +119,9 @@ def test_bad_target_mesh_and_missing_compiler_are_one_line(tmp_path, monkeypatch
     assert "compile-gpu" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mesh,with_eval", [("(1,4,1)", False), ("(2,2,1)", True)])
+@pytest.mark.parametrize(
+    "mesh,with_eval", [pytest.param("(1,4,1)", False, marks=pytest.mark.slow), ("(2,2,1)", True)]
+)
 def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     flags = SMOKE if not with_eval else [f for f in SMOKE if f != "--no_eval"]
     code, output, report = compile_cli(

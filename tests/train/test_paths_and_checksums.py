@@ -72,6 +72,7 @@ def test_same_size_corruption_is_found_by_the_checksum(tmp_path, capsys):
     assert "holds step(s) [6] set aside as damaged" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_read_failing_while_files_match_their_record_moves_nothing(tmp_path):
     """A checkpoint whose files match their checksums is not damaged: whatever fails while
     reading it (a library, a path, access) stops with one line and leaves it in place."""
@@ -86,6 +87,7 @@ def test_a_read_failing_while_files_match_their_record_moves_nothing(tmp_path):
     assert not storage.exists(RunDir(tmp_path).unreadable_dir)
 
 
+@pytest.mark.slow
 def test_no_silent_restart_from_step_zero_while_damaged_steps_are_set_aside(tmp_path):
     run(tmp_path, 6)
     for step in (3, 6):

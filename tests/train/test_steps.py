@@ -150,7 +150,8 @@ def test_fsdp_shards_parameters_and_adam_state_over_the_batch_axes_with_the_same
 def test_init_state_compiles_cheaply_and_gives_the_parameters_of_the_plain_program(smoke_gin):
     """``init_state`` compiles its program without LLVM's optimisations
     (``hardware.init_compiler_options``; the step's own options kept), and the parameters
-    are those of the same program compiled as usual, to rounding, on every mesh shard."""
+    are those of the same program compiled with them (XLA's default level 2; the test
+    session's default is 0), to rounding, on every mesh shard."""
     from moe_jax import hardware, partitioning
 
     smoke_gin()
@@ -164,7 +165,8 @@ def test_init_state_compiles_cheaply_and_gives_the_parameters_of_the_plain_progr
     run = configured.train_setup(EncoderDecoderModel(EncoderDecoder()), SHAPES, ctx, seed=5)
     state = run.init_state()
     with partitioning.activate(ctx.mesh, ctx.rules):
-        plain = jax.jit(run._init_fn, out_shardings=run.shardings)()
+        optimised = {"xla_backend_optimization_level": 2}
+        plain = jax.jit(run._init_fn, out_shardings=run.shardings).lower().compile(optimised)()
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(plain), strict=True):
         assert a.sharding == b.sharding
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

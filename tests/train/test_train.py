@@ -173,7 +173,7 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
         )
 
 
-@pytest.mark.parametrize("sync_every_step", [False, True])
+@pytest.mark.parametrize("sync_every_step", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_nan_at_a_known_step_stops_there_and_is_never_saved(tmp_path, monkeypatch, sync_every_step):
     """The loss turns NaN on the device at step 5 (no log, no save there): the lagged check
     reads it while step 6 runs and stops before step 6's save, naming step 5 and the
