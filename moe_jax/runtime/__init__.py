@@ -12,15 +12,17 @@ Modules, one job each:
   optimizers     optax optimizers and learning-rate schedules from gin
   model_protocol the Model protocol: what the runtime and the commands call on a model
   train_state    the train state pytree (step, params, optimizer state, RNG)
-  builders       what every command builds the same way: mesh and rules, sharded state
+  builders       what every command builds the same way: run context, sharded state
                  layout, jitted steps, dataset configs, a restored model (reads no gin)
-  configured     what gin chooses for a run (optimizer, router and bias modes), read for the
-                 commands and passed to builders
+  configured     what gin chooses for a run (mesh and rules, optimizer, router and bias
+                 modes), read for the commands and passed to builders
   steps          the train and eval steps and their jitted step objects
   checkpoints    orbax checkpoints: async saves, keep-K, restores onto any mesh
   checkpoint_checks  whether a checkpoint step can be used: integrity record, parameter
                  shapes, finite parameters
   orbax_failures orbax's failures told in one line, its own reports of them dropped
+  store_credentials  TensorStore's gs:// credentials opened once per process, without the
+                 C++ log line naming them
   router_init    the routers' initial weights of a run (`router_init.npz`)
   run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
   summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry

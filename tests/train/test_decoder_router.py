@@ -31,7 +31,8 @@ def _config_of(model_dir) -> T5Config:
     gin.clear_config()
     gin.parse_config_file(str(model_dir / "config.gin"))
     try:
-        return gin.query_parameter("%MODEL").scoped_configurable_fn().module.config
+        with gin.config_scope("MODEL"):  # the recorded bindings: MODEL/EncoderDecoderModel...
+            return gin.query_parameter("%MODEL").scoped_configurable_fn().module.config
     finally:
         gin.clear_config()
 
