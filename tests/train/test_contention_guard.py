@@ -33,7 +33,7 @@ DOCUMENTED = [
     f"{size}_{kind}" for size in ("fig5", "base") for kind in ("learned", "frozen", "dense")
 ]
 TARGETS = {"cpu": "cpu:1", "tpu": "tpu:v5e:2x2", "gpu": "gpu:h100:8"}
-QUICK = {("fig5_learned", "cpu"), ("fig5_dense", "cpu")}
+QUICK = {("fig5_learned", "cpu"), ("fig5_dense", "cpu"), ("fig5_dense", "tpu")}
 
 
 def _cases():
