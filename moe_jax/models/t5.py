@@ -167,8 +167,10 @@ class T5Config:
         loss and gradients are the same, the backward pass recomputes what was not kept.
       scan_layers: run each repeated block of layers as one ``nn.scan`` (see
         :meth:`layer_groups`; parameters stacked on a leading ``layers`` axis). The same
-        outputs; deep stacks trace, compile and initialise faster, at the price of more
-        memory per device (off by default; docs/model.md has the numbers).
+        outputs; deep stacks trace, compile and initialise faster. Without remat the
+        backward pass keeps every layer's intermediates (about twice the memory per
+        device); with ``remat_policy='minimal'`` less than unrolled (off by default;
+        docs/model.md has the numbers).
       scan_min_layers: the fewest layers a scanned run covers; shorter runs are unrolled
         (a scan traces about as slowly as 3 or 4 unrolled layers, so short runs gain nothing).
       moe: the MoE layers' :class:`~moe_jax.moe.config.MoeConfig` (the encoder's, and the
