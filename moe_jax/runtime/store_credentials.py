@@ -5,7 +5,7 @@ which credentials it uses (``I... google_auth_provider.cc:...] Running on GCE, u
 account ...``, ``Using credentials at ...``) straight to the process's standard error, below
 Python's logging and outside any flag TensorStore reads. The provider is shared by every
 store of the process, so :func:`open_quietly` creates it once, by reading a key that does
-not exist, while file descriptor 2 points at the null device: the line never reaches a
+not exist, inside :func:`moe_jax.hardware.native_output_hidden`: the line never reaches a
 run's output. ``MOE_JAX_TRACEBACK=1`` keeps it.
 """
 
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
-from moe_jax import storage
+from moe_jax import hardware, storage
 
 _PROBE_KEY = ".moe-jax-credentials-probe"  # never written: reading it only authenticates
 _PROBE_TIMEOUT_S = 60.0
@@ -23,7 +22,7 @@ _PROBE_TIMEOUT_S = 60.0
 
 def open_quietly(path: str) -> None:
     """Opens TensorStore's credentials for ``path``'s bucket with the native log line
-    dropped (nothing for a local path, or after the first call of the process). A failed
+    dropped (nothing for a local path, or for a bucket already probed). A failed
     probe is not reported here: the checkpoint read or write that follows reports it."""
     if storage.is_local(path) or os.environ.get("MOE_JAX_TRACEBACK"):
         return
@@ -36,16 +35,9 @@ def open_quietly(path: str) -> None:
 def _probe(bucket: str) -> None:
     import tensorstore as ts
 
-    sys.stderr.flush()
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        store = ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result()
-        store.read(_PROBE_KEY).result(timeout=_PROBE_TIMEOUT_S)
-    except Exception:  # the save or restore that follows names the cause
-        pass
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+    with hardware.native_output_hidden():
+        try:
+            store = ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result()
+            store.read(_PROBE_KEY).result(timeout=_PROBE_TIMEOUT_S)
+        except Exception:  # the save or restore that follows names the cause
+            pass
