@@ -93,6 +93,23 @@ RUNS.update(
         for name, run in list(RUNS.items())
     }
 )
+# The Base pair again with scanned layers (``T5Config.scan_layers``), without and with
+# 'minimal' remat: the step times that decide where scanning is worth turning on.
+LAYER_FORMS = {
+    "scanned": ("SCAN_LAYERS = True",),
+    "scanned_minimal": ("SCAN_LAYERS = True", "REMAT_POLICY = 'minimal'"),
+}
+RUNS.update(
+    {
+        f"{name}_{form}": dataclasses.replace(
+            RUNS[name],
+            bindings=(*RUNS[name].bindings, *bindings),
+            note="; ".join(filter(None, (RUNS[name].note, " and ".join(bindings)))),
+        )
+        for name in ("base_dense", "base_learned")
+        for form, bindings in LAYER_FORMS.items()
+    }
+)
 # --quick: every model at the tiny test shape, short sequences, small batch, float32.
 QUICK_GIN_FILES = ("models/size_tiny.gin",)
 QUICK_BINDINGS = (

@@ -430,6 +430,18 @@ SECTIONS: tuple[Section, ...] = (
         compiled=True,
     ),
     Section(
+        "init_program",
+        "The initial state's program compiled for a GPU: threefry inlined or one kernel",
+        "The program `TrainSetup.init_state` runs (T5-Base dense and MoE at batch 32, one "
+        "H100), compiled for the GPU on a CPU host as a GPU machine's host compiles it, each "
+        "in a fresh process without the compilation cache: with threefry's rounds inlined "
+        "(JAX's default) and as `init_state` lowers it (`hardware.init_program_config`: one "
+        "call of jaxlib's CUDA threefry kernel per random array, the same function), unrolled "
+        "and scanned layers; with the optimized program's instruction count.",
+        ("init_program.py", "--target", "gpu:h100:1"),
+        compiled=True,
+    ),
+    Section(
         "moe_vs_dense_compiled",
         "T5-Base MoE train step against the FLOP-matched dense step, compiled",
         "Roofline step time of the whole train step on each target.",

@@ -12,7 +12,7 @@ in a fresh process with JAX's compilation cache off:
   the compile table's v5p-32 row);
 * ``cpu``: the same for 8 CPU devices (meshes/cpu_8.gin);
 * ``init``: the initial state's program on 8 CPU devices, compiled as
-  ``TrainSetup.init_state`` compiles it (``hardware.init_compiler_options``), then run
+  ``TrainSetup.init_state`` compiles it (``TrainSetup.lower_init``), then run
   when the state takes less than half of this machine's available memory.
 
 Prints a table of seconds per measurement with the ratio unrolled / scanned, and one of the
@@ -88,7 +88,6 @@ def measure_init(flags: list[str]) -> dict:
     devices = hardware.target_devices(hardware.parse_target("cpu:8"))
     import jax
 
-    from moe_jax import partitioning
     from moe_jax.commands import compile as compile_command
     from moe_jax.runtime import aot, builders, configured, gin_flags
 
@@ -101,23 +100,14 @@ def measure_init(flags: list[str]) -> dict:
     state_bytes = sum(
         math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(run.abstract_state)
     )
-    with partitioning.activate(ctx.mesh, ctx.rules):
+    start = time.perf_counter()
+    compiled = run.lower_init().compile()  # what TrainSetup.init_state compiles
+    compiled_s = time.perf_counter() - start
+    run_s = None
+    if state_bytes < hardware.available_memory_bytes() / 2:
         start = time.perf_counter()
-        compiled = (
-            jax.jit(
-                run._init_fn,  # what TrainSetup.init_state compiles
-                out_shardings=run.shardings,
-                compiler_options=hardware.init_compiler_options("cpu"),
-            )
-            .lower()
-            .compile()
-        )
-        compiled_s = time.perf_counter() - start
-        run_s = None
-        if state_bytes < hardware.available_memory_bytes() / 2:
-            start = time.perf_counter()
-            jax.block_until_ready(compiled())
-            run_s = time.perf_counter() - start
+        jax.block_until_ready(compiled())
+        run_s = time.perf_counter() - start
     return {"compile": compiled_s, "run": run_s, "state_bytes": state_bytes}
 
 

@@ -293,6 +293,41 @@ def init_compiler_options(platform: str) -> dict[str, Any]:
     return compiler_options(platform) | _INIT_COMPILER_OPTIONS.get(_options_key(platform), {})
 
 
+# JAX settings while that program is traced and lowered. GPU: each threefry call becomes one
+# call of jaxlib's CUDA threefry kernel instead of its rounds inlined as element-wise
+# instructions (the same function). For T5-Base on one H100, compiled on a 2-core CPU host,
+# the program's compile falls from 158 s to 21 s with unrolled layers and from 40 s to 9 s
+# scanned (benchmarks/results/init_program.json). Only the initial state: the train
+# step's dropout keeps its bits inside the fusions that use them. The kernel makes each
+# random array whole on every device (TrainSetup.compile_init checks that it fits).
+_INIT_JAX_CONFIG: dict[str, dict[str, Any]] = {"gpu": {"jax_threefry_gpu_kernel_lowering": True}}
+
+
+def init_jax_settings(platform: str) -> dict[str, Any]:
+    """JAX's settings for the initial state's program on ``platform`` devices (none on CPU
+    and TPU)."""
+    return dict(_INIT_JAX_CONFIG.get(_options_key(platform), {}))
+
+
+@contextlib.contextmanager
+def init_program_config(platform: str) -> Iterator[dict[str, Any]]:
+    """While the block runs, JAX's configuration is that of the initial state's program on
+    ``platform`` devices (:func:`init_jax_settings`); yields the settings made. The
+    settings are part of JAX's jit cache key, so programs traced before or after are
+    unaffected."""
+    import jax
+
+    settings = init_jax_settings(platform)
+    saved = {name: getattr(jax.config, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            jax.config.update(name, value)
+        yield settings
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+
+
 # ----------------------------------------------------------------------------- compilers
 
 
@@ -356,6 +391,8 @@ def target_devices(target: Target) -> list:
     if not _backends_started():
         jax.config.update("jax_platforms", "cpu")
     _use_compiler(target.platform)
+    if target.platform == "gpu":
+        _register_cuda_kernels()
     from jax.experimental import topologies
 
     chip = target.chip
@@ -380,6 +417,20 @@ def target_devices(target: Target) -> list:
             target_config=config,
         ).devices
     )
+
+
+@functools.cache
+def _register_cuda_kernels() -> None:
+    """Registers the CUDA plugin's threefry kernel with JAX. jaxlib registers the kernels of
+    the plugins importable when it is imported; the plugin of ``make compilers`` becomes
+    importable later, and the initial state's program calls the kernel on GPUs
+    (:func:`init_program_config`)."""
+    import jax
+
+    prng = importlib.import_module("jax_cuda12_plugin._prng")
+    for name, target in prng.registrations().items():
+        api_version = int(name.endswith("_ffi"))
+        jax.ffi.register_ffi_target(name, target, platform="CUDA", api_version=api_version)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -268,16 +269,48 @@ class TrainSetup:
     jitted_eval_step: steps.EvalStep
     _init_fn: Callable[[], train_state.TrainState]
 
-    def init_state(self) -> train_state.TrainState:
-        """A freshly initialised state, each device materialising only its shards, from a
-        program compiled for a quick start (``hardware.init_compiler_options``)."""
+    def lower_init(self, kernel_random: bool = True) -> jax.stages.Lowered:
+        """The program that makes the initial state, lowered for a quick compile on the
+        mesh's platform (``hardware.init_compiler_options``; CPU, GPU: no LLVM
+        optimisations).
+
+        ``kernel_random``: with JAX's settings of ``hardware.init_program_config`` (GPU:
+        threefry as one kernel call per random array, several times faster to compile, but
+        each device makes a sharded array whole before keeping its shard); False: JAX's
+        default, each device generating only its shards.
+        """
         platform = self.ctx.mesh.devices.flat[0].platform
-        with partitioning.activate(self.ctx.mesh, self.ctx.rules):
+        with (
+            partitioning.activate(self.ctx.mesh, self.ctx.rules),
+            hardware.init_program_config(platform) if kernel_random else contextlib.nullcontext(),
+        ):
             return jax.jit(
                 self._init_fn,
                 out_shardings=self.shardings,
                 compiler_options=hardware.init_compiler_options(platform),
-            )()
+            ).lower()
+
+    def compile_init(self) -> jax.stages.Compiled:
+        """:meth:`lower_init`'s program compiled: with ``kernel_random`` where that changes
+        the program (``hardware.init_jax_settings``) and its memory (outputs and
+        temporaries) fits each device, as the train step's fit is judged
+        (``hardware.device_facts``); else without."""
+        compiled = self.lower_init().compile()
+        devices = list(self.ctx.mesh.devices.flat)
+        if hardware.init_jax_settings(devices[0].platform):
+            memory = compiled.memory_analysis()
+            if (
+                memory is not None
+                and memory.output_size_in_bytes + memory.temp_size_in_bytes
+                > hardware.device_facts(devices).hbm_bytes
+            ):
+                compiled = self.lower_init(kernel_random=False).compile()
+        return compiled
+
+    def init_state(self) -> train_state.TrainState:
+        """A freshly initialised state, each device holding only its shards, from
+        :meth:`compile_init`'s program."""
+        return self.compile_init()()
 
 
 def abstract_batch(
