@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import fresh_process
+
 LOWERINGS = ("inlined", "kernel")
 BASE_RUNS = ("experiments/base_dense.gin", "experiments/base_learned.gin")
 # One HLO instruction: ``%name = type opcode(`` (or ``ROOT %name = ...``).
@@ -81,24 +80,9 @@ def measure(gin_file: str, target: str, scan: bool, lowering: str) -> dict:
     }
 
 
-def _env() -> dict[str, str]:
-    """A child's environment: the repository importable, no persistent compilation cache."""
-    env = dict(os.environ, MOE_JAX_COMPILATION_CACHE="0")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-    return env
-
-
 def measure_in_child(gin_file: str, target: str, scan: bool, lowering: str) -> dict:
     """:func:`measure` in a fresh process."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure", gin_file, target]
-    cmd += [str(scan), lowering]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
-    return json.loads(lines[-1])
+    return fresh_process.run_json(__file__, "--measure", gin_file, target, str(scan), lowering)
 
 
 def main(argv: list[str]) -> int:

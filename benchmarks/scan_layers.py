@@ -30,18 +30,11 @@ import sys
 import tempfile
 import time
 
+import fresh_process
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASUREMENTS = ("tpu", "cpu", "init")
 CPU_MESH = "--gin_file=meshes/cpu_8.gin"
-
-
-def _env() -> dict[str, str]:
-    """A child's environment: the repository importable, no persistent compilation cache."""
-    env = dict(os.environ, MOE_JAX_COMPILATION_CACHE="0")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env.pop("XLA_FLAGS", None)  # the targets set their own device counts
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-    return env
 
 
 def compile_seconds(target: str, flags: list[str]) -> dict:
@@ -53,7 +46,7 @@ def compile_seconds(target: str, flags: list[str]) -> dict:
         proc = subprocess.run(
             [*cmd, *flags, f"--out={out}"],
             cwd=REPO,
-            env=_env(),
+            env=fresh_process.env(),
             capture_output=True,
             text=True,
             check=False,
@@ -72,12 +65,7 @@ def compile_seconds(target: str, flags: list[str]) -> dict:
 
 def init_seconds(flags: list[str]) -> dict:
     """:func:`measure_init` in a fresh process."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure-init", *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
-    return json.loads(lines[-1])
+    return fresh_process.run_json(__file__, "--measure-init", *flags)
 
 
 def measure_init(flags: list[str]) -> dict:

@@ -131,3 +131,22 @@ def test_top_kernels_reads_the_device_process_of_a_trace(tmp_path):
         ("gemm", 2, 0.25),
     ]
     assert found["kernels"][0]["kernel_details"] == "g"
+
+
+def test_the_gpu_session_measures_runs_the_benchmark_knows():
+    """``benchmarks/gpu_session.sh``'s default runs are names of ``accelerator_step.py``
+    (a misspelt one would cost a device session its measurement), and the scanned Base
+    variants bind what their names say."""
+    import re
+
+    import accelerator_step
+
+    script = (BENCHMARKS / "gpu_session.sh").read_text()
+    (default,) = re.findall(r'runs="\$\{RUNS:-([\w,]+)\}"', script)
+    names = default.split(",")
+    assert set(names) <= {*accelerator_step.RUNS, accelerator_step.LAYERS}, names
+    assert {"base_dense", "base_dense_scanned_minimal"} <= set(names)
+    run = accelerator_step.RUNS["base_learned_scanned_minimal"]
+    assert run.gin_files == accelerator_step.RUNS["base_learned"].gin_files
+    assert {"SCAN_LAYERS = True", "REMAT_POLICY = 'minimal'"} <= set(run.bindings)
+    assert "SCAN_LAYERS = True" in accelerator_step.RUNS["base_dense_scanned"].bindings
