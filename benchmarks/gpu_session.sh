@@ -5,7 +5,8 @@
 #   [RUNS=a,b,...] benchmarks/gpu_session.sh [OUT_DIR] [BUDGET_SECONDS]
 #
 # OUT_DIR (default $OUT, else ./out/accelerator) receives accelerator.json (the report of
-# benchmarks/accelerator_step.py), log.txt and the profiler traces; BUDGET_SECONDS (default
+# benchmarks/accelerator_step.py), init_program.json (benchmarks/init_program.py --device;
+# INIT_CHECK=0 skips it), log.txt and the profiler traces; BUDGET_SECONDS (default
 # 540) bounds the benchmark's wall time: runs (RUNS, names of accelerator_step.py --runs;
 # default below) are measured in order, each with what remains of the budget, and a run
 # that no longer fits is recorded as skipped.
@@ -52,6 +53,13 @@ print("devices:", jax.devices())
 EOF
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
 } 2>&1 | tee "$out/log.txt"
+
+# The initial state's program, scanned T5-Base dense: init_state() as a run calls it, and the
+# threefry kernel's program against the inlined one (compile, run, the same state?).
+if [[ "${INIT_CHECK:-1}" == 1 ]]; then
+  "$python" benchmarks/init_program.py --device --runs experiments/base_dense.gin \
+    --layers scanned --json "$out/init_program.json" 2>&1 | tee -a "$out/log.txt" || true
+fi
 
 left=$((budget - ($(date +%s) - start)))
 # Most informative first: the Base pair unrolled (the default) and scanned with 'minimal'

@@ -109,3 +109,41 @@ def test_the_init_program_falls_back_to_sharded_generation_when_the_kernel_form_
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
     found = json.loads(lines[-1])
     assert found["fits"] > 10 and found["does_not_fit"] == 0
+
+
+def test_the_device_mode_compares_both_programs_on_this_machine(tmp_path):
+    """``init_program.py --device`` (what ``gpu_session.sh`` runs on a GPU) on this CPU:
+    ``init_state`` timed, both forms compiled afresh and run, their states compared; on a
+    CPU the two forms are one program, so the states are equal."""
+    import json
+    import subprocess
+
+    benchmark = _benchmark()
+    out = tmp_path / "init.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "init_program.py"),
+            "--device",
+            "--runs=runs/smoke_cpu.gin",
+            "--layers=unrolled",
+            f"--json={out}",
+        ],
+        cwd=REPO,
+        env=benchmark.fresh_process.env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert (row["run"], row["scan_layers"], row["device"], row["equal"]) == (
+        "runs/smoke_cpu.gin",
+        False,
+        "cpu",
+        True,
+    )
+    for lowering in benchmark.LOWERINGS:
+        assert row[lowering]["compile_s"] > 0.1  # compiled afresh, not from a cache
+    assert "| runs/smoke_cpu.gin | unrolled | cpu |" in proc.stdout
