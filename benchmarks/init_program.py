@@ -31,6 +31,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fresh_process
@@ -114,57 +115,70 @@ def measure_in_child(gin_file: str, target: str, scan: bool, lowering: str) -> d
     return fresh_process.run_json(__file__, "--measure", gin_file, target, str(scan), lowering)
 
 
-def compiled_rows(runs: list[str], target: str, forms: tuple[bool, ...]) -> list[dict]:
-    """Both lowerings of each run and layer form compiled for ``target``, with a table."""
+COMPILED_COLUMNS = (
+    "run",
+    "layers",
+    "compile, threefry inlined (s)",
+    "compile, kernel (s)",
+    "inlined / kernel",
+    "instructions, inlined",
+    "instructions, kernel",
+    "kernel calls",
+)
+DEVICE_COLUMNS = (
+    "run",
+    "layers",
+    "device",
+    "inlined: compile / run (s)",
+    "kernel: compile / run (s)",
+    "same state",
+    "init_state (s)",
+)
+
+
+def collect(runs: list[str], forms: tuple[bool, ...], measure_one: Callable) -> list[dict]:
+    """``measure_one(gin_file, scan)`` of each run and layer form, as rows."""
     found = []
     for gin_file in runs:
         for scan in forms:
-            got = {
-                lowering: measure_in_child(gin_file, target, scan, lowering)
-                for lowering in LOWERINGS
-            }
+            got = measure_one(gin_file, scan)
             found.append({"run": gin_file, "scan_layers": scan, **got})
             print(f"[init_program] {gin_file} scan={scan}: {got}", file=sys.stderr, flush=True)
-    print(
-        "| run | layers | compile, threefry inlined (s) | compile, kernel (s) "
-        "| inlined / kernel | instructions, inlined | instructions, kernel | kernel calls |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for row in found:
-        inlined, kernel = row["inlined"], row["kernel"]
-        print(
-            f"| {row['run']} | {_layers(row)} "
-            f"| {inlined['compile_s']:.1f} | {kernel['compile_s']:.1f} "
-            f"| {inlined['compile_s'] / kernel['compile_s']:.1f}x "
-            f"| {inlined['instructions']:,} | {kernel['instructions']:,} "
-            f"| {kernel['threefry_kernel_calls']} |"
-        )
-    print(f"\nTarget: {target}.")
     return found
 
 
-def device_rows(runs: list[str], forms: tuple[bool, ...]) -> list[dict]:
-    """:func:`measure_on_device` of each run and layer form in a fresh process, with a table."""
-    found = []
-    for gin_file in runs:
-        for scan in forms:
-            got = fresh_process.run_json(__file__, "--measure-device", gin_file, str(scan))
-            found.append({"run": gin_file, "scan_layers": scan, **got})
-            print(f"[init_program] {gin_file} scan={scan}: {got}", file=sys.stderr, flush=True)
-    print(
-        "| run | layers | device | inlined: compile / run (s) | kernel: compile / run (s) "
-        "| same state | init_state (s) |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for row in found:
-        inlined, kernel = row["inlined"], row["kernel"]
-        print(
-            f"| {row['run']} | {_layers(row)} | {row['device']} "
-            f"| {inlined['compile_s']:.1f} / {inlined['run_s']:.2f} "
-            f"| {kernel['compile_s']:.1f} / {kernel['run_s']:.2f} "
-            f"| {'yes' if row['equal'] else 'no'} | {row['init_state_s']:.1f} |"
-        )
-    return found
+def compiled_cells(row: dict) -> list[str]:
+    inlined, kernel = row["inlined"], row["kernel"]
+    return [
+        row["run"],
+        _layers(row),
+        f"{inlined['compile_s']:.1f}",
+        f"{kernel['compile_s']:.1f}",
+        f"{inlined['compile_s'] / kernel['compile_s']:.1f}x",
+        f"{inlined['instructions']:,}",
+        f"{kernel['instructions']:,}",
+        str(kernel["threefry_kernel_calls"]),
+    ]
+
+
+def device_cells(row: dict) -> list[str]:
+    inlined, kernel = row["inlined"], row["kernel"]
+    return [
+        row["run"],
+        _layers(row),
+        row["device"],
+        f"{inlined['compile_s']:.1f} / {inlined['run_s']:.2f}",
+        f"{kernel['compile_s']:.1f} / {kernel['run_s']:.2f}",
+        "yes" if row["equal"] else "no",
+        f"{row['init_state_s']:.1f}",
+    ]
+
+
+def print_table(columns: Sequence[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
 
 
 def _layers(row: dict) -> str:
@@ -191,9 +205,25 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     forms = {"both": (False, True), "unrolled": (False,), "scanned": (True,)}[args.layers]
     if args.device:
-        found = device_rows(args.runs, forms)
+        found = collect(
+            args.runs,
+            forms,
+            lambda gin_file, scan: fresh_process.run_json(
+                __file__, "--measure-device", gin_file, str(scan)
+            ),
+        )
+        print_table(DEVICE_COLUMNS, [device_cells(row) for row in found])
     else:
-        found = compiled_rows(args.runs, args.target, forms)
+        found = collect(
+            args.runs,
+            forms,
+            lambda gin_file, scan: {
+                lowering: measure_in_child(gin_file, args.target, scan, lowering)
+                for lowering in LOWERINGS
+            },
+        )
+        print_table(COMPILED_COLUMNS, [compiled_cells(row) for row in found])
+        print(f"\nTarget: {args.target}.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found, f, indent=1)
