@@ -94,10 +94,13 @@ RUNS.update(
     }
 )
 # The Base pair again with scanned layers (``T5Config.scan_layers``), without and with
-# 'minimal' remat: the step times that decide where scanning is worth turning on.
-LAYER_FORMS = {
+# 'minimal' remat (the step times that decide where scanning is worth turning on), and
+# with the attention logits in bfloat16 (float32 by default, as T5X: their matmuls and
+# gradients run as float32 GEMMs).
+BASE_VARIANTS = {
     "scanned": ("SCAN_LAYERS = True",),
     "scanned_minimal": ("SCAN_LAYERS = True", "REMAT_POLICY = 'minimal'"),
+    "bf16_logits": ("T5Config.float32_attention_logits = False",),
 }
 RUNS.update(
     {
@@ -107,7 +110,7 @@ RUNS.update(
             note="; ".join(filter(None, (RUNS[name].note, " and ".join(bindings)))),
         )
         for name in ("base_dense", "base_learned")
-        for form, bindings in LAYER_FORMS.items()
+        for form, bindings in BASE_VARIANTS.items()
     }
 )
 # --quick: every model at the tiny test shape, short sequences, small batch, float32.

@@ -63,8 +63,9 @@ fi
 
 left=$((budget - ($(date +%s) - start)))
 # Most informative first: the Base pair unrolled (the default) and scanned with 'minimal'
-# remat, the MoE layer, then Figure 5's trio (cuDNN attention: XLA's does not fit 80 GB).
-runs="${RUNS:-base_dense,base_dense_scanned_minimal,base_learned,base_learned_scanned_minimal,moe_layer,fig5_learned_cudnn,fig5_dense_cudnn,fig5_frozen_cudnn}"
+# remat, dense with bfloat16 attention logits, the MoE layer, then Figure 5's trio (cuDNN
+# attention: XLA's does not fit 80 GB).
+runs="${RUNS:-base_dense,base_dense_scanned_minimal,base_learned,base_learned_scanned_minimal,base_dense_bf16_logits,moe_layer,fig5_learned_cudnn,fig5_dense_cudnn,fig5_frozen_cudnn}"
 "$python" benchmarks/accelerator_step.py \
   --runs "$runs" \
   --steps 10 --budget "$left" --profile "$out/trace" --out "$out/accelerator.json" \

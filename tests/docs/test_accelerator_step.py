@@ -150,3 +150,5 @@ def test_the_gpu_session_measures_runs_the_benchmark_knows():
     assert run.gin_files == accelerator_step.RUNS["base_learned"].gin_files
     assert {"SCAN_LAYERS = True", "REMAT_POLICY = 'minimal'"} <= set(run.bindings)
     assert "SCAN_LAYERS = True" in accelerator_step.RUNS["base_dense_scanned"].bindings
+    logits = accelerator_step.RUNS["base_dense_bf16_logits"].bindings
+    assert "T5Config.float32_attention_logits = False" in logits
