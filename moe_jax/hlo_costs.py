@@ -59,6 +59,7 @@ re-read kept HLO text.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -295,6 +296,31 @@ def _collective(line: _Line, computation: str, module: _Module) -> tuple[str, fl
     return "", 0.0, ""
 
 
+def _is_matmul(line: _Line) -> bool:
+    """A ``dot``, a ``convolution`` or a GEMM library call (cuBLAS, cuDNN, Triton)."""
+    if line.opcode in ("dot", "convolution"):
+        return True
+    if line.opcode != "custom-call":
+        return False
+    target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
+    return target is not None and target.group(1).startswith(_GEMM_TARGETS)
+
+
+def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:
+    """Matmul FLOPs of a module (:func:`_matmul_flops` of every dot, convolution and GEMM
+    call, fused ones included; each computation once, a loop body for one trip) by the
+    element type of the first operand (``bf16``, ``f32``, ...): in a bfloat16 step, the
+    float32 matmuls run at a fraction of the chip's bf16 rate."""
+    computations, types, _ = _read(hlo_text)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for computation, lines in computations.items():
+        for line in lines:
+            if _is_matmul(line) and line.operands:
+                operand = types[computation].get(line.operands[0], "")
+                totals[operand.lstrip("(").split("[")[0]] += _matmul_flops(line, types[computation])
+    return dict(totals)
+
+
 def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
     """Dense FLOPs of a ``dot`` (2 x result elements x contracted size), a ``convolution``
     (2 x result elements x kernel elements per output feature) or a GEMM custom call."""
@@ -407,9 +433,7 @@ def _op(line: _Line, computation: str, called: list[str], wrapped: bool, module:
     for c in called:
         k, f, s = _called_work(c, {c}, module)
         kinds, flops, sparse = kinds | k, flops + f, sparse or s
-    target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
-    gemm = line.opcode == "custom-call" and target and target.group(1).startswith(_GEMM_TARGETS)
-    if line.opcode in ("dot", "convolution") or gemm:
+    if _is_matmul(line):
         flops += _matmul_flops(line, types)
     cycles = re.search(r'"estimated_cycles":"(\d+)"', line.attributes)
     source = re.search(r'op_name="([^"]*)"', line.attributes)

@@ -76,6 +76,7 @@ def format_report(report: Mapping[str, Any]) -> str:
             ),
             estimate_line(est),
             *contention_lines(step["contended_scatters"]),
+            matmul_type_line(step["matmul_flops_by_type"]),
         ]
         moe = step["moe_layers"]
         if moe["hlo_bytes"]:
@@ -103,6 +104,18 @@ def contention_lines(contended: list[Mapping[str, Any]]) -> list[str]:
         f"  CONTENDED SCATTERS: {len(contended)} add more than {CONTENTION_LIMIT:g} updates per "
         "element they write (serialised atomic adds on a GPU: slower than the estimate says)"
     ] + [f"    - {c['text']}" for c in contended]
+
+
+def matmul_type_line(by_type: Mapping[str, float]) -> str:
+    """The report's line on a step's matmul FLOPs by operand type (``aot.hlo_analysis``),
+    largest share first: ``matmul FLOPs by operand type: bf16 96.9%, f32 3.1%``."""
+    total = sum(by_type.values())
+    if not total:
+        return "  matmul FLOPs by operand type: no matmuls"
+    shares = sorted(by_type.items(), key=lambda kv: -kv[1])
+    return "  matmul FLOPs by operand type: " + ", ".join(
+        f"{kind} {100 * flops / total:.1f}%" for kind, flops in shares if flops
+    )
 
 
 _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))

@@ -111,10 +111,12 @@ def hlo_analysis(
     device, as defined there), the ``moe_layers``' share, the ``contended_scatters``
     (``hlo_costs.contended_scatters``: scatters adding more than
     ``hlo_costs.CONTENTION_LIMIT`` updates per element they write, which the roofline cannot
-    see: on a GPU such a scatter's atomic adds serialise) and
-    the roofline ``estimate`` ``max(FLOPs / peak, bytes accessed / HBM bandwidth) +
-    collective bytes / interconnect bandwidth``, with the model's FLOPs split evenly over
-    the devices (XLA's cost analysis counts a loop body once) and the chip's bf16 peak.
+    see: on a GPU such a scatter's atomic adds serialise), the ``matmul_flops_by_type``
+    (``hlo_costs.matmul_flops_by_type``: float32 matmuls in a bfloat16 step run slower than
+    the estimate's bf16 peak) and the roofline ``estimate`` ``max(FLOPs / peak, bytes
+    accessed / HBM bandwidth) + collective bytes / interconnect bandwidth``, with the
+    model's FLOPs split evenly over the devices (XLA's cost analysis counts a loop body
+    once) and the chip's bf16 peak.
 
     ``bytes_accessed`` None (no cost analysis) or a chip without an HBM bandwidth (CPU):
     ``hbm_s`` is None and the estimate covers compute and collectives only (``covers``
@@ -145,6 +147,7 @@ def hlo_analysis(
             {**dataclasses.asdict(s), "contention": s.contention, "text": s.describe()}
             for s in hlo_costs.contended_scatters(hlo_text)
         ],
+        "matmul_flops_by_type": hlo_costs.matmul_flops_by_type(hlo_text),
         "estimate": {
             "compute_s": compute_s,
             "hbm_s": hbm_s,
@@ -266,6 +269,7 @@ def compile_step(
             },
             "collectives": {},
             "contended_scatters": None,
+            "matmul_flops_by_type": None,
             "flops_per_step": flops_per_step,
             "hlo_flops_per_device": None,
             "hlo_bytes_accessed_per_device": None,

@@ -363,6 +363,33 @@ def test_gemm_custom_calls_count_their_flops():
     assert flops[0] == flops[1] == 2 * 128 * 96 * 32
 
 
+def test_matmul_flops_are_split_by_operand_type_fused_ones_included():
+    """A bfloat16 dot inside a fusion (as XLA:TPU writes one) and a float32 cuBLAS GEMM (the
+    float32 attention logits of a bf16 step on a GPU): each counted under its operands'
+    type, and the report says the shares."""
+    from moe_jax import hlo_costs
+    from moe_jax.commands.compile import matmul_type_line
+
+    text = (
+        "%fused_dot (p0: bf16[128,32], p1: bf16[32,96]) -> bf16[128,96] {\n"
+        "  %p0 = bf16[128,32]{1,0} parameter(0)\n  %p1 = bf16[32,96]{1,0} parameter(1)\n"
+        "  ROOT %d = bf16[128,96]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}\n}\n\n"
+        "ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n"
+        "  %b = bf16[32,96]{1,0} parameter(1)\n"
+        "  %q = f32[64,16]{1,0} parameter(2)\n  %k = f32[16,64]{1,0} parameter(3)\n"
+        "  %f = bf16[128,96]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_dot\n"
+        "  ROOT %g = (f32[64,64]{1,0}, s8[4194304]{0}) custom-call(%q, %k), "
+        'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
+        '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+        '"rhs_contracting_dimensions":["0"]}}}\n}\n'
+    )
+    by_type = hlo_costs.matmul_flops_by_type(text)
+    assert by_type == {"bf16": 2 * 128 * 96 * 32, "f32": 2 * 64 * 64 * 16}
+    assert matmul_type_line(by_type) == "  matmul FLOPs by operand type: bf16 85.7%, f32 14.3%"
+    assert matmul_type_line({}) == "  matmul FLOPs by operand type: no matmuls"
+
+
 def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
     """Without the compiler's byte count (GPU executables compiled without a GPU) the
     estimate is labelled compute-and-collectives-only and shows no HBM term; with it, all

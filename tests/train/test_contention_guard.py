@@ -60,3 +60,9 @@ def test_no_contended_scatter_in_a_documented_train_step(tmp_path, run, platform
     contended = step["contended_scatters"]
     assert contended == [], "\n".join(c["text"] for c in contended)
     assert "contended scatters (> 16 updates per element): none" in output
+    if platform != "cpu":  # XLA:CPU computes bf16 matmuls in float32: only targets say it
+        by_type = step["matmul_flops_by_type"]
+        # bfloat16 activations: the float32 matmuls are the attention logits' (T5X's
+        # float32_attention_logits) and the relative-position bias's, a small share
+        assert 0 < by_type["f32"] < 0.2 * by_type["bf16"], by_type
+        assert "matmul FLOPs by operand type: bf16" in output
