@@ -570,6 +570,21 @@ def run_layers(
     return x
 
 
+def _relative_position_bias(cfg: T5Config, length: int, *, bidirectional: bool) -> jnp.ndarray:
+    """The stack's ``[1, heads, length, length]`` relative-position bias (its ``relpos_bias``
+    table, shared by its layers), in float32 where the attention logits are
+    (``float32_attention_logits``: each layer would cast it back), so that its gradient is
+    summed over the layers in float32; else in the activation dtype."""
+    return RelativePositionBiases(
+        cfg.num_heads,
+        cfg.relpos_num_buckets,
+        cfg.relpos_max_distance,
+        dtype=jnp.float32 if cfg.float32_attention_logits else cfg.activation_dtype,
+        param_dtype=cfg.parameter_dtype,
+        name="relpos_bias",
+    )(length, length, bidirectional=bidirectional)
+
+
 def _embed_inputs(
     embedder: Embed, tokens: jnp.ndarray, rate: float, deterministic: bool
 ) -> jnp.ndarray:
@@ -601,14 +616,7 @@ class Encoder(nn.Module):
         cfg = self.config
         x = _embed_inputs(self.shared_embedding, tokens, cfg.dropout_rate, deterministic)
         length = tokens.shape[1]
-        bias = RelativePositionBiases(
-            cfg.num_heads,
-            cfg.relpos_num_buckets,
-            cfg.relpos_max_distance,
-            dtype=cfg.activation_dtype,
-            param_dtype=cfg.parameter_dtype,
-            name="relpos_bias",
-        )(length, length, bidirectional=True)
+        bias = _relative_position_bias(cfg, length, bidirectional=True)
         x = run_layers(
             cfg,
             "encoder",
@@ -647,14 +655,7 @@ class Decoder(nn.Module):
         cfg = self.config
         x = _embed_inputs(self.shared_embedding, tokens, cfg.dropout_rate, deterministic)
         length = max_decode_length if decode and max_decode_length else tokens.shape[1]
-        bias = RelativePositionBiases(
-            cfg.num_heads,
-            cfg.relpos_num_buckets,
-            cfg.relpos_max_distance,
-            dtype=cfg.activation_dtype,
-            param_dtype=cfg.parameter_dtype,
-            name="relpos_bias",
-        )(length, length, bidirectional=False)
+        bias = _relative_position_bias(cfg, length, bidirectional=False)
         x = run_layers(
             cfg,
             "decoder",

@@ -89,3 +89,29 @@ def test_the_guard_flags_a_gathers_gradient_and_not_the_bias():
         return jnp.sum(bias[0] ** 2 * weights)
 
     assert _contended(jax.grad(biased), table) == []
+
+
+@pytest.mark.parametrize("float32_logits", [True, False])
+def test_a_bfloat16_model_makes_its_bias_in_the_logits_dtype(float32_logits):
+    """With bfloat16 activations and float32 attention logits (the default), each stack's
+    bias is made in float32, the dtype each layer adds it in: its gradient, summed over the
+    layers, stays float32 (in bfloat16 every layer's contribution and every partial sum was
+    rounded to 8 bits). With bfloat16 logits it is made in bfloat16."""
+    from moe_jax.models.t5 import EncoderDecoder
+    from tests.models.conftest import random_batch, tiny_config
+
+    config = tiny_config(activation_dtype_name="bfloat16", float32_attention_logits=float32_logits)
+    batch = random_batch()
+    inputs = (batch["encoder_input_tokens"], batch["decoder_input_tokens"])
+    model = EncoderDecoder(config)
+    variables = model.init(jax.random.key(0), *inputs, enable_dropout=False)
+    _, state = model.apply(
+        variables,
+        *inputs,
+        enable_dropout=False,
+        capture_intermediates=lambda module, name: isinstance(module, RelativePositionBiases),
+    )
+    expected = jnp.float32 if float32_logits else jnp.bfloat16
+    for stack in ("encoder", "decoder"):
+        (bias,) = state["intermediates"][stack]["relpos_bias"]["__call__"]
+        assert bias.dtype == expected and bias.shape[:2] == (1, config.num_heads)
