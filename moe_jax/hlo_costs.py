@@ -14,7 +14,8 @@ operations the device runs, so that the largest contributors can be named:
 * the TPU compiler's own time estimate of each instruction (``estimated_cycles`` in its
   ``backend_config``), which models what a gather, scatter or sort really costs there;
 * dense FLOPs of matmuls (``dot``, ``convolution`` and cuBLAS / cuDNN GEMM custom calls)
-  inside each instruction;
+  inside each instruction, and over the module by operand type (``matmul_flops_by_type``:
+  the float32 matmuls of a bfloat16 step);
 * flags for operations that ``cost_analysis()`` is known to over-count
   (``sparse_core_offload``: an instruction run asynchronously on a TPU SparseCore, counted
   by the TPU cost model as gigabytes for a scatter of kilobytes; see benchmarks/RESULTS.md);
