@@ -86,28 +86,15 @@ print(json.dumps(found))
 @pytest.mark.skipif(
     not (hardware.compilers_dir() / "gpu").is_dir(), reason="no GPU compiler (make compilers)"
 )
-def test_the_init_program_falls_back_to_sharded_generation_when_the_kernel_form_does_not_fit():
+def test_the_init_program_falls_back_to_sharded_generation_when_the_kernel_form_does_not_fit(
+    tmp_path,
+):
     """The kernel form makes each random array whole on every device; where that would not
     fit the device's memory (here: an H100 said to have 1 KiB), ``compile_init`` compiles
     JAX's default program, which generates only each device's shards."""
-    import json
-    import os
-    import subprocess
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MOE_JAX_COMPILATION_CACHE": "0"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", FALLBACK_CHILD],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    found = json.loads(lines[-1])
+    child = tmp_path / "child.py"
+    child.write_text(FALLBACK_CHILD)
+    found = _benchmark().fresh_process.run_json(str(child))
     assert found["fits"] > 10 and found["does_not_fit"] == 0
 
 
