@@ -12,7 +12,7 @@ in a fresh process with JAX's compilation cache off:
   the compile table's v5p-32 row);
 * ``cpu``: the same for 8 CPU devices (meshes/cpu_8.gin);
 * ``init``: the initial state's program on 8 CPU devices, compiled as
-  ``TrainSetup.init_state`` compiles it (``TrainSetup.lower_init``), then run
+  ``TrainSetup.init_state`` compiles it (``TrainSetup.compile_init``), then run
   when the state takes less than half of this machine's available memory.
 
 Prints a table of seconds per measurement with the ratio unrolled / scanned, and one of the
@@ -89,7 +89,7 @@ def measure_init(flags: list[str]) -> dict:
         math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(run.abstract_state)
     )
     start = time.perf_counter()
-    compiled = run.lower_init().compile()  # what TrainSetup.init_state compiles
+    compiled = run.compile_init()  # what TrainSetup.init_state runs
     compiled_s = time.perf_counter() - start
     run_s = None
     if state_bytes < hardware.available_memory_bytes() / 2:
