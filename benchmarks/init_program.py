@@ -12,7 +12,7 @@ one chip by ``accelerator_step.py``) is compiled with unrolled and scanned layer
 * ``inlined``: threefry's rounds inlined as element-wise instructions, JAX's default (the
   program ``init_state`` compiled before it set ``hardware.init_program_config``);
 * ``kernel``: ``TrainSetup.lower_init`` as ``init_state`` runs it (on GPUs one call of
-  jaxlib's threefry kernel per random array; the same bits).
+  jaxlib's threefry kernel per random array; the same function).
 
 The compile runs on this machine's CPU for the target's devices (the CUDA PJRT plugin of
 ``make compilers``; no GPU needed), as it would on a GPU machine's host. Prints a table of
@@ -31,10 +31,11 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import fresh_process
+import report
 
 LOWERINGS = ("inlined", "kernel")
 BASE_RUNS = ("experiments/base_dense.gin", "experiments/base_learned.gin")
@@ -174,13 +175,6 @@ def device_cells(row: dict) -> list[str]:
     ]
 
 
-def print_table(columns: Sequence[str], rows: list[list[str]]) -> None:
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
-
-
 def _layers(row: dict) -> str:
     return "scanned" if row["scan_layers"] else "unrolled"
 
@@ -212,7 +206,7 @@ def main(argv: list[str]) -> int:
                 __file__, "--measure-device", gin_file, str(scan)
             ),
         )
-        print_table(DEVICE_COLUMNS, [device_cells(row) for row in found])
+        print(report.markdown_table(list(DEVICE_COLUMNS), [device_cells(row) for row in found]))
     else:
         found = collect(
             args.runs,
@@ -222,7 +216,7 @@ def main(argv: list[str]) -> int:
                 for lowering in LOWERINGS
             },
         )
-        print_table(COMPILED_COLUMNS, [compiled_cells(row) for row in found])
+        print(report.markdown_table(list(COMPILED_COLUMNS), [compiled_cells(row) for row in found]))
         print(f"\nTarget: {args.target}.")
     if args.json:
         with open(args.json, "w") as f:
