@@ -44,8 +44,13 @@ async computation that wraps it. Each collective counts once: an asynchronous pa
 an XLA:TPU asynchronous collective split over a chain of fusions (the start, continuation
 fusions that run other work while it progresses, the done: each holds the collective
 instruction, all with the same ``chain_id``), which counts at its first piece with the
-work scheduled up to its last as overlap. An instruction in a loop body counts once (no
-trip count), a loop or call holding a collective is not one.
+work scheduled up to its last as overlap. A loop or call holding a collective is not one.
+
+Loops: an instruction in a ``while`` body runs once per trip. Each :class:`Op` carries
+``trips``, the product of the known trip counts (XLA's ``known_trip_count``) of the loops
+around it, and the totals (``summary``, ``collective_totals``) weigh each op by it, so a
+scanned step (``nn.scan`` over layers) and its unrolled twin total alike. A loop whose trip
+count XLA does not know counts once.
 
 Why text: XLA prints the optimised module as text for every backend (``compiled.as_text()``,
 what ``moe-jax compile --hlo_dir`` keeps and ``benchmarks/compile_table.py recount``
@@ -96,8 +101,12 @@ DTYPE_BYTES = {
     "u2": 0.25,
 }
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
 _CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# Instructions whose called computations are scheduled themselves (their instructions are
+# ops of their own), rather than fused into the caller.
+_SCHEDULES = ("while", "call", "conditional", "async-start", "call-start")
 _NOT_WORK = (
     "parameter",
     "get-tuple-element",
@@ -167,6 +176,9 @@ class Op:
       collective_chain: for one piece of an XLA:TPU asynchronous collective split over a
         chain of fusions (start, continuation fusions, done; each holds the collective and
         carries its ``chain_id``), the chain's key; "" otherwise.
+      trips: how many times it runs per execution of the module: the product of the known
+        trip counts of the ``while`` loops around it (1 outside loops). The byte, FLOP and
+        cycle fields are those of one run.
     """
 
     name: str
@@ -185,6 +197,7 @@ class Op:
     collective: str = ""
     collective_bytes: float = 0.0
     collective_chain: str = ""
+    trips: int = 1
 
     @property
     def bytes(self) -> float:
@@ -227,6 +240,8 @@ class _Line:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    root: bool = False
+    parameter_number: int = -1
 
 
 _SUFFIX = re.compile(r"-(start|update|done)$")
@@ -308,17 +323,18 @@ def _is_matmul(line: _Line) -> bool:
 
 
 def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:
-    """Matmul FLOPs of a module (:func:`_matmul_flops` of every dot, convolution and GEMM
-    call, fused ones included; each computation once, a loop body for one trip) by the
-    element type of the first operand (``bf16``, ``f32``, ...): in a bfloat16 step, the
+    """Matmul FLOPs of one run of a module (:func:`_matmul_flops` of every dot, convolution
+    and GEMM call, fused ones included, times the runs of its computation: :func:`_runs`) by
+    the element type of the first operand (``bf16``, ``f32``, ...): in a bfloat16 step, the
     float32 matmuls run at a fraction of the chip's bf16 rate."""
-    computations, types, _ = _read(hlo_text)
+    computations, types, entry = _read(hlo_text)
     totals: dict[str, float] = collections.defaultdict(float)
-    for computation, lines in computations.items():
-        for line in lines:
+    for computation, runs in _runs(computations, entry).items():
+        for line in computations.get(computation, []):
             if _is_matmul(line) and line.operands:
                 operand = types[computation].get(line.operands[0], "")
-                totals[operand.lstrip("(").split("[")[0]] += _matmul_flops(line, types[computation])
+                flops = _matmul_flops(line, types[computation])
+                totals[operand.lstrip("(").split("[")[0]] += flops * runs
     return dict(totals)
 
 
@@ -373,7 +389,7 @@ def _read(hlo_text: str) -> tuple[dict[str, list[_Line]], dict[str, dict[str, st
             continue
         match = _INSTRUCTION.match(text)
         if match:
-            name, result_type, opcode, rest = match.groups()
+            root, name, result_type, opcode, rest = match.groups()
             operands, attributes = _split_operands(rest)
             computations[current].append(
                 _Line(
@@ -382,6 +398,8 @@ def _read(hlo_text: str) -> tuple[dict[str, list[_Line]], dict[str, dict[str, st
                     opcode,
                     tuple(re.findall(r"%([\w.\-]+)", operands)),
                     attributes,
+                    root=bool(root),
+                    parameter_number=int(operands) if opcode == "parameter" else -1,
                 )
             )
             types[current][name] = result_type
@@ -394,18 +412,37 @@ def parse(hlo_text: str) -> list[Op]:
     """The scheduled instructions of ``hlo_text`` (``compiled.as_text()``), in order."""
     computations, types, entry = _read(hlo_text)
     module = _Module.of(computations, types)
+    runs = _runs(computations, entry)
     # wrapped: what an async-start runs (its collective is the start's and done's, once)
     scheduled, wrapped, ops = [entry], set(), []
     for computation in scheduled:
         for line in computations[computation]:
             called = _CALLED.findall(line.attributes)
-            if line.opcode in ("while", "call", "conditional", "async-start", "call-start"):
+            if line.opcode in _SCHEDULES:
                 scheduled.extend(c for c in called if c not in scheduled)
             if line.opcode == "async-start":
                 wrapped.update(called)
             if line.opcode not in _NOT_WORK:
-                ops.append(_op(line, computation, called, computation in wrapped, module))
+                op = _op(line, computation, called, computation in wrapped, module)
+                ops.append(dataclasses.replace(op, trips=runs[computation]))
     return ops
+
+
+def _runs(computations: dict[str, list[_Line]], entry: str) -> dict[str, int]:
+    """How many times each computation reachable from ``entry`` runs per run of the module:
+    a ``while``'s body and condition its known trip count (XLA's ``known_trip_count``; 1
+    when unknown) times the runs of the computation holding it, any other called computation
+    (fusion, call, branch, reducer) as often as its caller; the first caller found counts."""
+    runs, pending = {entry: 1}, [entry]
+    while pending:
+        computation = pending.pop()
+        for line in computations.get(computation, []):
+            count = _TRIP_COUNT.search(line.attributes) if line.opcode == "while" else None
+            for called in _CALLED.findall(line.attributes):
+                if called not in runs:
+                    runs[called] = runs[computation] * (int(count.group(1)) if count else 1)
+                    pending.append(called)
+    return runs
 
 
 def _called_work(computation: str, seen: set[str], module: _Module) -> tuple[set[str], float, bool]:
@@ -431,7 +468,8 @@ def _op(line: _Line, computation: str, called: list[str], wrapped: bool, module:
     counted at the start)."""
     types = module.types[computation]
     kinds, flops, sparse = {line.opcode}, 0.0, "sparsecore" in line.attributes
-    for c in called:
+    # a fusion's work is its own; a loop's or call's is that of its scheduled instructions
+    for c in [] if line.opcode in _SCHEDULES else called:
         k, f, s = _called_work(c, {c}, module)
         kinds, flops, sparse = kinds | k, flops + f, sparse or s
     if _is_matmul(line):
@@ -440,11 +478,14 @@ def _op(line: _Line, computation: str, called: list[str], wrapped: bool, module:
     source = re.search(r'op_name="([^"]*)"', line.attributes)
     operand_types = [types.get(o, "") for o in line.operands]
     kind, moved, chain = ("", 0.0, "") if wrapped else _collective(line, computation, module)
-    # in every memory space, and in device memory only
-    sizes = tuple(shape_bytes(t) for t in operand_types)
-    device_sizes = [shape_bytes(t, hbm_only=True) for t in operand_types]
-    output_all = shape_bytes(line.result_type)
-    output_device = shape_bytes(line.result_type, hbm_only=True)
+    # in every memory space, and in device memory only; of each array, the part touched
+    read, written = _touched(line, operand_types, called, module)
+    sizes = [shape_bytes(t) * f for t, f in zip(operand_types, read, strict=True)]
+    device_sizes = [
+        shape_bytes(t, hbm_only=True) * f for t, f in zip(operand_types, read, strict=True)
+    ]
+    output_all = shape_bytes(line.result_type) * written
+    output_device = shape_bytes(line.result_type, hbm_only=True) * written
     counts = frozenset(math.prod(_dims(t)) for t in (line.result_type, *operand_types) if _dims(t))
     return Op(
         name=line.name,
@@ -466,23 +507,89 @@ def _op(line: _Line, computation: str, called: list[str], wrapped: bool, module:
     )
 
 
+_SLICES = ("slice", "dynamic-slice")
+
+
+def _touched(
+    line: _Line, operand_types: list[str], called: list[str], module: _Module
+) -> tuple[list[float], float]:
+    """The fraction of each operand of ``line`` that it reads, and of its result that it
+    writes: a (dynamic) slice reads the slice of its operand; a ``dynamic-update-slice``
+    updates its operand in place (reads none of it, writes the update); a fusion, the same
+    by how its fused computation uses each parameter (only through slices, or as the buffer
+    of an in-place update) and by its root (or each element of a root tuple). A loop, call
+    or branch moves nothing itself: what its computations' instructions touch is theirs. Any
+    other instruction reads and writes all of each array."""
+    read, written = [1.0] * len(line.operands), 1.0
+    if line.opcode in ("while", "call", "conditional"):
+        return [0.0] * len(line.operands), 0.0
+    if line.opcode == "fusion" and called:
+        lines = module.computations.get(called[0], [])
+        by_name = {ln.name: ln for ln in lines}
+        users: dict[str, list[_Line]] = collections.defaultdict(list)
+        for ln in lines:
+            for operand in ln.operands:
+                users[operand].append(ln)
+        for ln in lines:
+            if ln.opcode == "parameter" and ln.parameter_number < len(read):
+                whole = shape_bytes(ln.result_type) or 1.0
+                read[ln.parameter_number] = min(1.0, _bytes_read(ln.name, users) / whole)
+        root = next((ln for ln in lines if ln.root), None)
+        if root is not None:
+            written = _bytes_written(root, by_name) / (shape_bytes(root.result_type) or 1.0)
+    elif line.opcode in _SLICES and operand_types:
+        whole = shape_bytes(operand_types[0]) or 1.0
+        read[0] = min(1.0, shape_bytes(line.result_type) / whole)
+    elif line.opcode == "dynamic-update-slice" and len(operand_types) > 1:
+        read[0] = 0.0
+        written = shape_bytes(operand_types[1]) / (shape_bytes(line.result_type) or 1.0)
+    return read, written
+
+
+def _bytes_read(name: str, users: dict[str, list[_Line]]) -> float:
+    """Bytes a fused computation reads of its array ``name``: the slices taken of it where
+    slices (through bitcasts) and in-place updates are all its uses, else all of it."""
+    total = 0.0
+    for user in users.get(name, []):
+        if user.opcode == "bitcast":
+            total += _bytes_read(user.name, users)
+        elif user.opcode in _SLICES and user.operands[0] == name:
+            total += shape_bytes(user.result_type)
+        elif not (user.opcode == "dynamic-update-slice" and user.operands[0] == name):
+            return math.inf
+    return total
+
+
+def _bytes_written(line: _Line, by_name: dict[str, _Line]) -> float:
+    """Bytes a fused computation's root ``line`` writes: an in-place update's update, each
+    element of a tuple so, through bitcasts; else all of its result."""
+    if line.opcode == "tuple":
+        return sum(_bytes_written(by_name[o], by_name) for o in line.operands if o in by_name)
+    if line.opcode == "bitcast" and line.operands and line.operands[0] in by_name:
+        return _bytes_written(by_name[line.operands[0]], by_name)
+    if line.opcode == "dynamic-update-slice" and line.operands[1] in by_name:
+        return shape_bytes(by_name[line.operands[1]].result_type)
+    return shape_bytes(line.result_type)
+
+
 # Opcodes whose data movement depends on indices: a cost model may charge them for the
 # whole buffer they index into, or for tiles rather than rows.
 INDEXED_KINDS = frozenset({"gather", "scatter", "sort", "dynamic-slice", "dynamic-update-slice"})
 
 
 def summary(ops: list[Op]) -> dict[str, float]:
-    """Totals: ``bytes`` (one read per operand, one write per result in device memory, all
-    scheduled ops), ``alternate_memory_bytes`` (the same in TPU VMEM),
-    ``flops`` (matmuls), ``cycles`` (TPU estimate), ``indexed_bytes`` (ops holding a gather,
-    scatter, sort or dynamic slice) and ``sparse_core_ops``."""
+    """Totals per run of the module, each op weighed by its ``trips``: ``bytes`` (one
+    read per operand, one write per result in device memory, all scheduled ops),
+    ``alternate_memory_bytes`` (the same in TPU VMEM), ``flops`` (matmuls), ``cycles`` (TPU
+    estimate), ``indexed_bytes`` (ops holding a gather, scatter, sort or dynamic slice) and
+    ``sparse_core_ops``."""
     return {
-        "bytes": sum(op.bytes for op in ops),
-        "alternate_memory_bytes": sum(op.alternate_memory_bytes for op in ops),
-        "flops": sum(op.flops for op in ops),
-        "cycles": float(sum(op.cycles for op in ops)),
-        "indexed_bytes": sum(op.bytes for op in ops if op.kinds & INDEXED_KINDS),
-        "sparse_core_ops": float(sum(op.sparse_core_offload for op in ops)),
+        "bytes": sum(op.bytes * op.trips for op in ops),
+        "alternate_memory_bytes": sum(op.alternate_memory_bytes * op.trips for op in ops),
+        "flops": sum(op.flops * op.trips for op in ops),
+        "cycles": float(sum(op.cycles * op.trips for op in ops)),
+        "indexed_bytes": sum(op.bytes * op.trips for op in ops if op.kinds & INDEXED_KINDS),
+        "sparse_core_ops": float(sum(op.sparse_core_offload * op.trips for op in ops)),
     }
 
 
@@ -523,12 +630,14 @@ def categorize(op: Op, weight_sizes: frozenset[int]) -> str:
 class Collective:
     """One collective of the schedule: its kind, the bytes it moves per device (the module
     docstring's definition), and the work the schedule places between its start and its done
-    (0 ops when it is synchronous)."""
+    (0 ops when it is synchronous); ``trips``: how many times it runs per run of the module
+    (``Op.trips``)."""
 
     kind: str
     bytes: float
     overlapped_ops: int
     overlapped_flops: float
+    trips: int = 1
 
 
 def _done(ops: list[Op], i: int) -> int:
@@ -569,20 +678,25 @@ def collectives(ops: list[Op]) -> list[Collective]:
                 bytes=op.collective_bytes,
                 overlapped_ops=len(between),
                 overlapped_flops=sum(o.flops for o in between),
+                trips=op.trips,
             )
         )
     return found
 
 
 def collective_totals(ops: list[Op]) -> dict[str, dict[str, int]]:
-    """``{kind: {"count": n, "bytes": b}}`` of the ``collectives`` of ``ops``, in
-    ``COLLECTIVES`` order, kinds without any left out (bytes as whole bytes, per device)."""
+    """``{kind: {"count": n, "bytes": b}}`` of the ``collectives`` of ``ops`` per run of
+    the module (one in a loop body counts once per trip), in ``COLLECTIVES`` order, kinds
+    without any left out (bytes as whole bytes, per device)."""
     found = collectives(ops)
     totals = {}
     for kind in COLLECTIVES:
         of_kind = [c for c in found if c.kind == kind]
         if of_kind:
-            totals[kind] = {"count": len(of_kind), "bytes": round(sum(c.bytes for c in of_kind))}
+            totals[kind] = {
+                "count": sum(c.trips for c in of_kind),
+                "bytes": round(sum(c.bytes * c.trips for c in of_kind)),
+            }
     return totals
 
 

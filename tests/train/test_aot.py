@@ -363,6 +363,88 @@ def test_gemm_custom_calls_count_their_flops():
     assert flops[0] == flops[1] == 2 * 128 * 96 * 32
 
 
+def test_a_loop_body_counts_once_per_trip_and_the_loop_moves_nothing_itself():
+    """The same stack of matmuls scanned (a while loop with a known trip count) and unrolled:
+    the same FLOPs per run (summary and by operand type), each body op runs trip-count
+    times, the loop instruction itself moves no bytes (its state is its body's), and nested
+    loops multiply their trip counts."""
+    import jax
+    import jax.numpy as jnp
+
+    def scanned(x, w):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+    def unrolled(x, w):
+        for i in range(w.shape[0]):
+            x = jnp.tanh(x @ w[i])
+        return x
+
+    x, w = jnp.ones((8, 16)), jnp.ones((5, 16, 16))
+    texts = [jax.jit(f).lower(x, w).compile().as_text() for f in (scanned, unrolled)]
+    flops = 5 * 2 * 8 * 16 * 16
+    for text in texts:
+        assert hlo_costs.summary(hlo_costs.parse(text))["flops"] == flops
+        assert hlo_costs.matmul_flops_by_type(text) == {"f32": flops}
+    ops = hlo_costs.parse(texts[0])
+    assert {op.trips for op in ops if op.flops} == {5}
+    assert [op.bytes for op in ops if op.opcode == "while"] == [0.0]
+
+    def loop(name: str, body_lines: str, trips: int | None) -> str:
+        config = f', backend_config={{"known_trip_count":{{"n":"{trips}"}}}}' if trips else ""
+        return (
+            f"%{name}_cond {{\n  %t = f32[8,8]{{1,0}} parameter(0)\n"
+            f"  ROOT %k = pred[] constant(true)\n}}\n"
+            f"%{name}_body {{\n  %t = f32[8,8]{{1,0}} parameter(0)\n{body_lines}}}\n",
+            f"while(%t), condition=%{name}_cond, body=%{name}_body{config}\n",
+        )
+
+    dot = (
+        "  ROOT %d = f32[8,8]{1,0} dot(%t, %t), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}\n"
+    )
+
+    def nested(outer: int | None, inner: int | None) -> float:
+        inner_text, inner_call = loop("inner", dot, inner)
+        outer_text, outer_call = loop("outer", f"  ROOT %l = f32[8,8]{{1,0}} {inner_call}", outer)
+        entry = (
+            "ENTRY %main {\n  %t = f32[8,8]{1,0} parameter(0)\n"
+            f"  ROOT %l = f32[8,8]{{1,0}} {outer_call}}}\n"
+        )
+        return hlo_costs.summary(hlo_costs.parse(inner_text + outer_text + entry))["flops"]
+
+    assert nested(3, 4) == 12 * 2 * 8 * 8 * 8
+    assert nested(None, 4) == 4 * 2 * 8 * 8 * 8  # an unknown trip count counts once
+
+
+def test_fusions_are_charged_for_the_slices_they_read_and_the_updates_they_write():
+    """A fusion that reads one layer of a stacked array through a dynamic slice reads that
+    layer, not the stack; one that writes a layer into the stack in place (its root a
+    dynamic-update-slice of a parameter) reads none of the stack and writes the layer; a
+    parameter used other than through slices is read whole."""
+    text = (
+        "%fused_slice {\n  %p0 = f32[12,256,64]{2,1,0} parameter(0)\n"
+        "  %i = s32[] parameter(1)\n  %z = s32[] constant(0)\n"
+        "  %ds = f32[1,256,64]{2,1,0} dynamic-slice(%p0, %i, %z, %z), "
+        "dynamic_slice_sizes={1,256,64}\n  ROOT %b = f32[256,64]{1,0} bitcast(%ds)\n}\n"
+        "%fused_update {\n  %p0 = f32[12,256,64]{2,1,0} parameter(0)\n"
+        "  %p1 = f32[256,64]{1,0} parameter(1)\n  %i = s32[] parameter(2)\n"
+        "  %z = s32[] constant(0)\n  %u = f32[1,256,64]{2,1,0} bitcast(%p1)\n"
+        "  ROOT %dus = f32[12,256,64]{2,1,0} dynamic-update-slice(%p0, %u, %i, %z, %z)\n}\n"
+        "%fused_negate {\n  %p0 = f32[12,256,64]{2,1,0} parameter(0)\n"
+        "  ROOT %n = f32[12,256,64]{2,1,0} negate(%p0)\n}\n"
+        "ENTRY %main {\n  %s = f32[12,256,64]{2,1,0} parameter(0)\n"
+        "  %x = f32[256,64]{1,0} parameter(1)\n  %i = s32[] parameter(2)\n"
+        "  %r = f32[256,64]{1,0} fusion(%s, %i), kind=kLoop, calls=%fused_slice\n"
+        "  %w = f32[12,256,64]{2,1,0} fusion(%s, %x, %i), kind=kLoop, calls=%fused_update\n"
+        "  ROOT %n = f32[12,256,64]{2,1,0} fusion(%w), kind=kLoop, calls=%fused_negate\n}\n"
+    )
+    layer, stack = 4 * 256 * 64, 4 * 12 * 256 * 64
+    ops = {op.name: op for op in hlo_costs.parse(text)}
+    assert (ops["r"].operand_bytes, ops["r"].output_bytes) == (layer + 4, layer)
+    assert (ops["w"].operand_bytes, ops["w"].output_bytes) == (layer + 4, layer)
+    assert (ops["n"].operand_bytes, ops["n"].output_bytes) == (stack, stack)
+
+
 def test_matmul_flops_are_split_by_operand_type_fused_ones_included():
     """A bfloat16 dot inside a fusion (as XLA:TPU writes one) and a float32 cuBLAS GEMM (the
     float32 attention logits of a bf16 step on a GPU): each counted under its operands'
