@@ -338,6 +338,32 @@ def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:
     return dict(totals)
 
 
+def _tap_fraction(line: _Line, lhs: list[int]) -> float:
+    """The fraction of a convolution's window taps that land on input elements rather than
+    padding or base dilation: per spatial dimension, ``min(ceil(window / lhs_dilate), input
+    size) / window``. XLA:TPU writes batched matmuls as convolutions whose window spans a
+    batch-like dimension: over an input of size 1 padded on both sides (``size=1x12
+    pad=0_0x11_11``), or base-dilated so that one tap per window is real (``size=16x12
+    lhs_dilate=16x12``); each output element then sums over one tap, not the window."""
+    window = re.search(r"window=\{([^}]*)\}", line.attributes)
+    labels = re.search(r"dim_labels=(\w+)_", line.attributes)
+    if not window or not labels:
+        return 1.0
+    size = re.search(r"size=([0-9x]+)", window.group(1))
+    dilate = re.search(r"lhs_dilate=([0-9x]+)", window.group(1))
+    if not size:
+        return 1.0
+    sizes = [int(d) for d in size.group(1).split("x")]
+    dilations = [int(d) for d in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+    spatial = {
+        int(c): lhs[i] for i, c in enumerate(labels.group(1)) if c.isdigit() and i < len(lhs)
+    }
+    fraction = 1.0
+    for k, (w, d) in enumerate(zip(sizes, dilations, strict=False)):
+        fraction *= min(-(-w // d), spatial.get(k, w)) / w
+    return fraction
+
+
 def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
     """Dense FLOPs of a ``dot`` (2 x result elements x contracted size), a ``convolution``
     (2 x result elements x kernel elements per output feature) or a GEMM custom call."""
@@ -351,10 +377,7 @@ def _matmul_flops(line: _Line, types: dict[str, str]) -> float:
         )
         groups = re.search(r"feature_group_count=(\d+)", line.attributes)
         flops = 2.0 * out * math.prod(rhs) / out_features / (int(groups.group(1)) if groups else 1)
-        window = re.search(r"window=\{size=([0-9x]+)[^}]*lhs_dilate=", line.attributes)
-        if window:  # a batched matmul written as a base-dilated convolution: one tap per window
-            flops /= math.prod(int(d) for d in window.group(1).split("x"))
-        return flops
+        return flops * _tap_fraction(line, lhs)
     # a dot's attribute, or a GEMM custom call's backend_config
     # (``"lhs_contracting_dimensions":["1"]``)
     contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line.attributes)

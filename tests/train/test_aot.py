@@ -445,6 +445,37 @@ def test_fusions_are_charged_for_the_slices_they_read_and_the_updates_they_write
     assert (ops["n"].operand_bytes, ops["n"].output_bytes) == (stack, stack)
 
 
+def test_tpu_convolutions_that_are_batched_matmuls_count_one_tap_per_output():
+    """XLA:TPU writes einsums as convolutions whose window spans a batch-like dimension
+    (attention heads): over an input of size 1 padded on both sides, or base-dilated so one
+    tap per window is real. Each counts as the matmul it is (2 x result x contracted size),
+    as XLA's cost analysis counts it, not once per tap of the window."""
+    padded = (
+        "ENTRY %main {\n  %x = bf16[16,512,768,1]{2,1,3,0} parameter(0)\n"
+        "  %w = bf16[768,12,64,1]{2,0,1,3} parameter(1)\n"
+        "  ROOT %c = bf16[16,512,12,64]{1,3,2,0} convolution(%x, %w), "
+        "window={size=1x12 pad=0_0x11_11 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f\n}\n"
+    )
+    dilated = (
+        "ENTRY %main {\n  %q = bf16[16,114,12,64]{1,3,2,0} parameter(0)\n"
+        "  %k = bf16[16,114,12,64]{1,3,2,0} parameter(1)\n"
+        "  ROOT %c = f32[16,12,114,114]{2,3,1,0} convolution(%q, %k), "
+        "window={size=16x12 stride=15x11 lhs_dilate=16x12}, dim_labels=0b1f_0o1i->01bf\n}\n"
+    )
+    plain = (
+        "ENTRY %main {\n  %x = f32[8,32,32,3]{3,2,1,0} parameter(0)\n"
+        "  %w = f32[3,3,3,16]{3,2,1,0} parameter(1)\n"
+        "  ROOT %c = f32[8,30,30,16]{3,2,1,0} convolution(%x, %w), "
+        "window={size=3x3}, dim_labels=b01f_01io->b01f\n}\n"
+    )
+    flops = [hlo_costs.summary(hlo_costs.parse(t))["flops"] for t in (padded, dilated, plain)]
+    assert flops == [
+        2 * 16 * 512 * 12 * 64 * 768,
+        2 * 16 * 12 * 114 * 114 * 64,
+        2 * 8 * 30 * 30 * 16 * 3 * 3 * 3,
+    ]
+
+
 def test_matmul_flops_are_split_by_operand_type_fused_ones_included():
     """A bfloat16 dot inside a fusion (as XLA:TPU writes one) and a float32 cuBLAS GEMM (the
     float32 attention logits of a bf16 step on a GPU): each counted under its operands'
