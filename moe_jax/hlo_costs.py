@@ -241,7 +241,12 @@ class _Line:
     operands: tuple[str, ...]
     attributes: str
     root: bool = False
-    parameter_number: int = -1
+    # what a parameter or constant holds between its parentheses: its number, its value
+    literal: str = ""
+
+    @property
+    def parameter_number(self) -> int:
+        return int(self.literal) if self.opcode == "parameter" else -1
 
 
 _SUFFIX = re.compile(r"-(start|update|done)$")
@@ -422,7 +427,7 @@ def _read(hlo_text: str) -> tuple[dict[str, list[_Line]], dict[str, dict[str, st
                     tuple(re.findall(r"%([\w.\-]+)", operands)),
                     attributes,
                     root=bool(root),
-                    parameter_number=int(operands) if opcode == "parameter" else -1,
+                    literal=operands.strip() if opcode in ("parameter", "constant") else "",
                 )
             )
             types[current][name] = result_type
@@ -453,19 +458,80 @@ def parse(hlo_text: str) -> list[Op]:
 
 def _runs(computations: dict[str, list[_Line]], entry: str) -> dict[str, int]:
     """How many times each computation reachable from ``entry`` runs per run of the module:
-    a ``while``'s body and condition its known trip count (XLA's ``known_trip_count``; 1
-    when unknown) times the runs of the computation holding it, any other called computation
-    (fusion, call, branch, reducer) as often as its caller; the first caller found counts."""
+    a ``while``'s body and condition its trip count (:func:`_trip_count`) times the runs of
+    the computation holding it, any other called computation (fusion, call, branch,
+    reducer) as often as its caller; the first caller found counts."""
     runs, pending = {entry: 1}, [entry]
     while pending:
         computation = pending.pop()
-        for line in computations.get(computation, []):
-            count = _TRIP_COUNT.search(line.attributes) if line.opcode == "while" else None
+        lines = computations.get(computation, [])
+        by_name = {line.name: line for line in lines}
+        for line in lines:
+            trips = _trip_count(line, by_name, computations) if line.opcode == "while" else 1
             for called in _CALLED.findall(line.attributes):
                 if called not in runs:
-                    runs[called] = runs[computation] * (int(count.group(1)) if count else 1)
+                    runs[called] = runs[computation] * trips
                     pending.append(called)
     return runs
+
+
+def _trip_count(loop: _Line, caller: dict[str, _Line], computations: dict[str, list[_Line]]) -> int:
+    """The trip count of the ``while`` instruction ``loop``: XLA's ``known_trip_count`` where
+    the backend prints it (CPU, GPU), else read from the loop as XLA:TPU leaves it: a
+    condition ``counter < limit`` on an element of the loop state, with the limit, the
+    counter's initial value (in the caller's state tuple; 0 when it is not a constant) and
+    its step (the body's ``counter + step``; 1 when it is not one) constants. 1 when neither
+    says."""
+    known = _TRIP_COUNT.search(loop.attributes)
+    if known:
+        return int(known.group(1))
+    condition = _element(loop, "condition", computations)
+    compare = condition.get("ROOT")
+    if compare is None or compare.opcode != "compare" or "direction=LT" not in compare.attributes:
+        return 1
+    index = _tuple_index(condition.get(compare.operands[0]))
+    limit = condition.get(compare.operands[1]) if len(compare.operands) > 1 else None
+    if index is None or limit is None or limit.opcode != "constant":
+        return 1
+    state = caller.get(loop.operands[0]) if loop.operands else None
+    first = (
+        caller.get(state.operands[index])
+        if state is not None and state.opcode == "tuple" and index < len(state.operands)
+        else None
+    )
+    body = _element(loop, "body", computations)
+    root = body.get("ROOT")
+    step = 1
+    update = body.get(root.operands[index]) if root and index < len(root.operands) else None
+    if update is not None and update.opcode == "add":
+        terms = [body.get(o) for o in update.operands]
+        if any(_tuple_index(t) == index for t in terms):
+            step = next((_integer(t) for t in terms if t and t.opcode == "constant"), 1) or 1
+    start = _integer(first) if first is not None and first.opcode == "constant" else 0
+    return max(1, -(-(_integer(limit) - start) // step))
+
+
+def _element(loop: _Line, role: str, computations: dict[str, list[_Line]]) -> dict[str, _Line]:
+    """The instructions by name of the ``role`` (``condition`` / ``body``) computation of the
+    ``while`` instruction ``loop``, its root also as ``"ROOT"`` (empty if not found)."""
+    name = re.search(role + r"=%([\w.\-]+)", loop.attributes)
+    lines = computations.get(name.group(1), []) if name else []
+    found = {line.name: line for line in lines}
+    root = next((line for line in lines if line.root), None)
+    return {**found, "ROOT": root} if root is not None and root.operands else found
+
+
+def _tuple_index(line: _Line | None) -> int | None:
+    """``k`` where ``line`` is ``get-tuple-element(..., index=k)``, else None."""
+    if line is None or line.opcode != "get-tuple-element":
+        return None
+    index = re.search(r"index=(\d+)", line.attributes)
+    return int(index.group(1)) if index else None
+
+
+def _integer(constant: _Line) -> int:
+    """The value of an integer scalar ``constant`` instruction (0 if it is none)."""
+    return int(constant.literal) if re.fullmatch(r"-?\d+", constant.literal) else 0
 
 
 def _called_work(computation: str, seen: set[str], module: _Module) -> tuple[set[str], float, bool]:

@@ -416,6 +416,40 @@ def test_a_loop_body_counts_once_per_trip_and_the_loop_moves_nothing_itself():
     assert nested(None, 4) == 4 * 2 * 8 * 8 * 8  # an unknown trip count counts once
 
 
+def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition_and_step():
+    """XLA:TPU prints no known_trip_count: the trip count is read from the loop itself, a
+    condition ``counter < limit`` on an element of the state, the counter's initial value
+    in the caller's state tuple and its step in the body (XLA:TPU's windowed einsum loops
+    count 0, 2, 4, 6 below 8: 4 trips, each with its share of the matmul)."""
+
+    def module(start: int, step: int, limit: int) -> str:
+        return (
+            "%cond {\n  %s = (u32[], f32[8,8]) parameter(0)\n"
+            "  %i = u32[] get-tuple-element(%s), index=0\n"
+            f"  %n = u32[] constant({limit})\n"
+            "  ROOT %lt = pred[] compare(%i, %n), direction=LT\n}\n"
+            "%body {\n  %s = (u32[], f32[8,8]) parameter(0)\n"
+            "  %i = u32[] get-tuple-element(%s), index=0\n"
+            "  %x = f32[8,8]{1,0} get-tuple-element(%s), index=1\n"
+            f"  %k = u32[] constant({step})\n  %next = u32[] add(%i, %k)\n"
+            "  %d = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, "
+            "rhs_contracting_dims={0}\n"
+            "  ROOT %t = (u32[], f32[8,8]) tuple(%next, %d)\n}\n"
+            "ENTRY %main {\n  %x = f32[8,8]{1,0} parameter(0)\n"
+            f"  %zero = u32[] constant({start})\n"
+            "  %init = (u32[], f32[8,8]) tuple(%zero, %x)\n"
+            "  ROOT %l = (u32[], f32[8,8]) while(%init), condition=%cond, body=%body\n}\n"
+        )
+
+    def trips(*args: int) -> set[int]:
+        return {op.trips for op in hlo_costs.parse(module(*args)) if op.flops}
+
+    assert trips(0, 2, 8) == {4}
+    assert trips(0, 1, 12) == {12}
+    assert trips(3, 1, 12) == {9}
+    assert trips(0, 3, 8) == {3}  # 0, 3, 6
+
+
 def test_fusions_are_charged_for_the_slices_they_read_and_the_updates_they_write():
     """A fusion that reads one layer of a stacked array through a dynamic slice reads that
     layer, not the stack; one that writes a layer into the stack in place (its root a
