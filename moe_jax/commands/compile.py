@@ -74,6 +74,7 @@ def format_report(report: Mapping[str, Any]) -> str:
                 or step["hlo_bytes_accessed_per_device"] is not None
                 else "FLOPs and bytes accessed unknown (the compiler gave no cost analysis)"
             ),
+            *per_step_lines(step.get("per_step")),
             estimate_line(est),
             *contention_lines(step["contended_scatters"]),
             matmul_type_line(step["matmul_flops_by_type"]),
@@ -104,6 +105,24 @@ def contention_lines(contended: list[Mapping[str, Any]]) -> list[str]:
         f"  CONTENDED SCATTERS: {len(contended)} add more than {CONTENTION_LIMIT:g} updates per "
         "element they write (serialised atomic adds on a GPU: slower than the estimate says)"
     ] + [f"    - {c['text']}" for c in contended]
+
+
+def per_step_lines(per_step: Mapping[str, Any] | None) -> list[str]:
+    """The report's line on the step's work read from its HLO text with each loop body once
+    per trip (``aot.hlo_analysis``'s ``per_step``; none for a report written before it)."""
+    if not per_step:
+        return []
+    cycles = (
+        f", TPU compiler's estimate {quantity(per_step['cycles'], 'cycles')}"
+        if per_step["cycles"]
+        else ""
+    )
+    looped = " (loops run their body once per trip: XLA's cost analysis counts it once)"
+    return [
+        f"  HLO text per device and step: {quantity(per_step['flops'], 'FLOP')} of matmuls, "
+        f"{quantity(per_step['bytes'], 'B')} of device memory read and written{cycles}"
+        + (looped if per_step["looped"] else "")
+    ]
 
 
 def matmul_type_line(by_type: Mapping[str, float]) -> str:

@@ -111,7 +111,11 @@ def hlo_analysis(
     device, as defined there), the ``moe_layers``' share, the ``contended_scatters``
     (``hlo_costs.contended_scatters``: scatters adding more than
     ``hlo_costs.CONTENTION_LIMIT`` updates per element they write, which the roofline cannot
-    see: on a GPU such a scatter's atomic adds serialise), the ``matmul_flops_by_type``
+    see: on a GPU such a scatter's atomic adds serialise), ``per_step``: the step's matmul
+    ``flops``, device-memory ``bytes`` and TPU estimated ``cycles`` from the HLO text with
+    every loop body counted once per trip (``hlo_costs.summary``; ``looped``: whether any
+    work runs in a loop, where XLA's cost analysis, counting a body once, falls short), the
+    ``matmul_flops_by_type``
     (``hlo_costs.matmul_flops_by_type``: float32 matmuls in a bfloat16 step run slower than
     the estimate's bf16 peak) and the roofline ``estimate`` ``max(FLOPs / peak, bytes
     accessed / HBM bandwidth) + collective bytes / interconnect bandwidth``, with the
@@ -123,6 +127,7 @@ def hlo_analysis(
     says which terms it holds; ``step_s`` and ``tokens_per_s`` are then bounds)."""
     ops = hlo_costs.parse(hlo_text)
     coll = hlo_costs.collective_totals(ops)
+    totals = hlo_costs.summary(ops)
     compute_s = flops_per_step / num_devices / facts.peak_flops
     hbm_s = (
         bytes_accessed / facts.hbm_bandwidth
@@ -148,6 +153,12 @@ def hlo_analysis(
             for s in hlo_costs.contended_scatters(hlo_text)
         ],
         "matmul_flops_by_type": hlo_costs.matmul_flops_by_type(hlo_text),
+        "per_step": {
+            "flops": totals["flops"],
+            "bytes": totals["bytes"],
+            "cycles": totals["cycles"],
+            "looped": any(op.trips > 1 for op in ops),
+        },
         "estimate": {
             "compute_s": compute_s,
             "hbm_s": hbm_s,

@@ -137,6 +137,12 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     hlo = (tmp_path / "train.hlo.txt").read_text()
     assert step["collectives"] == hlo_costs.collective_totals(hlo_costs.parse(hlo))
     assert "all-to-all" in hlo
+    # the experts' loop (per_expert_loop below) runs its body once per expert: the report's
+    # per-step work counts it so
+    per_step, ops = step["per_step"], hlo_costs.parse(hlo)
+    assert per_step["looped"] and per_step["cycles"] > 0
+    assert per_step["flops"] == hlo_costs.summary(ops)["flops"] > sum(op.flops for op in ops)
+    assert "HLO text per device and step:" in output and "once per trip" in output
     assert (tmp_path / "eval.hlo.txt").exists() == with_eval == ("eval" in report["steps"])
     if with_eval:  # the eval step: forward only, no optimizer state
         evaluation = report["steps"]["eval"]
