@@ -430,6 +430,19 @@ SECTIONS: tuple[Section, ...] = (
         compiled=True,
     ),
     Section(
+        "layer_forms",
+        "Scanned layers and remat: the train step's work per step, loops counted per trip",
+        "The T5-Base train step compiled for a TPU slice and for one H100 in four forms "
+        "(layers unrolled or scanned, no remat or `'minimal'`), each in a fresh process, and "
+        "read from its optimised HLO with every loop body counted once per trip (XLA's cost "
+        "analysis counts a body once): memory per device, matmul TFLOP, bytes of device "
+        "memory read and written, and on the TPU the sum of its compiler's estimated cycles, "
+        "each against the default form (unrolled, no remat). Estimates from the compiled "
+        "programs, not step times.",
+        ("layer_forms.py",),
+        compiled=True,
+    ),
+    Section(
         "init_program",
         "The initial state's program compiled for a GPU: threefry inlined or one kernel",
         "The program `TrainSetup.init_state` runs (T5-Base dense and MoE at batch 32, one "

@@ -59,7 +59,7 @@ def environment(section: report.Section) -> dict[str, str]:
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
-    if section.compiled:
+    if section.compiled and "--target" in section.argv:  # else the benchmark picks its own
         target = section.argv[section.argv.index("--target") + 1]
         compilers = COMPILERS / ("tpu" if target.startswith("tpu") else "gpu")
         env.update(

@@ -505,7 +505,7 @@ def _trip_count(loop: _Line, caller: dict[str, _Line], computations: dict[str, l
     update = body.get(root.operands[index]) if root and index < len(root.operands) else None
     if update is not None and update.opcode == "add":
         terms = [body.get(o) for o in update.operands]
-        if any(_tuple_index(t) == index for t in terms):
+        if any(_tuple_index(_unwrapped(t, body)) == index for t in terms):
             step = next((_integer(t) for t in terms if t and t.opcode == "constant"), 1) or 1
     start = _integer(first) if first is not None and first.opcode == "constant" else 0
     return max(1, -(-(_integer(limit) - start) // step))
@@ -519,6 +519,13 @@ def _element(loop: _Line, role: str, computations: dict[str, list[_Line]]) -> di
     found = {line.name: line for line in lines}
     root = next((line for line in lines if line.root), None)
     return {**found, "ROOT": root} if root is not None and root.operands else found
+
+
+def _unwrapped(line: _Line | None, by_name: dict[str, _Line]) -> _Line | None:
+    """``line``, or what it copies, bitcasts or converts (through any chain of them)."""
+    while line is not None and line.opcode in ("copy", "bitcast", "convert") and line.operands:
+        line = by_name.get(line.operands[0])
+    return line
 
 
 def _tuple_index(line: _Line | None) -> int | None:

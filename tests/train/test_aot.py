@@ -198,6 +198,7 @@ def test_tpu_compile_refuses_a_run_too_big_for_the_chip(tmp_path):
     assert re.search(r"TPU_WORKER_HOSTNAMES|host bounds|InitGoogle", output), output
     assert not report["fits"] and report["steps"]["train"]["bytes"]["total"] > 16 * hardware.GiB
     assert "DOES NOT FIT" in output and "--gin.BATCH_SIZE=65536" in output
+    assert "--gin.SCAN_LAYERS=True --gin.REMAT_POLICY=minimal" in output  # the smoke's unrolled
 
 
 def test_train_refuses_a_step_bigger_than_the_machine(tmp_path, capsys):
@@ -426,9 +427,11 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition_and_ste
     """XLA:TPU prints no known_trip_count: the trip count is read from the loop itself, a
     condition ``counter < limit`` on an element of the state, the counter's initial value
     in the caller's state tuple and its step in the body (XLA:TPU's windowed einsum loops
-    count 0, 2, 4, 6 below 8: 4 trips, each with its share of the matmul)."""
+    count 0, 2, 4, 6 below 8: 4 trips, each with its share of the matmul; the counter may
+    pass through a copy before its step is added)."""
 
-    def module(start: int, step: int, limit: int) -> str:
+    def module(start: int, step: int, limit: int, copied: bool = False) -> str:
+        counter = "%c" if copied else "%i"
         return (
             "%cond {\n  %s = (u32[], f32[8,8]) parameter(0)\n"
             "  %i = u32[] get-tuple-element(%s), index=0\n"
@@ -437,7 +440,8 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition_and_ste
             "%body {\n  %s = (u32[], f32[8,8]) parameter(0)\n"
             "  %i = u32[] get-tuple-element(%s), index=0\n"
             "  %x = f32[8,8]{1,0} get-tuple-element(%s), index=1\n"
-            f"  %k = u32[] constant({step})\n  %next = u32[] add(%i, %k)\n"
+            "  %c = u32[] copy(%i)\n"
+            f"  %k = u32[] constant({step})\n  %next = u32[] add({counter}, %k)\n"
             "  %d = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, "
             "rhs_contracting_dims={0}\n"
             "  ROOT %t = (u32[], f32[8,8]) tuple(%next, %d)\n}\n"
@@ -447,10 +451,10 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition_and_ste
             "  ROOT %l = (u32[], f32[8,8]) while(%init), condition=%cond, body=%body\n}\n"
         )
 
-    def trips(*args: int) -> set[int]:
-        return {op.trips for op in hlo_costs.parse(module(*args)) if op.flops}
+    def trips(*args: int, copied: bool = False) -> set[int]:
+        return {op.trips for op in hlo_costs.parse(module(*args, copied=copied)) if op.flops}
 
-    assert trips(0, 2, 8) == {4}
+    assert trips(0, 2, 8) == trips(0, 2, 8, copied=True) == {4}
     assert trips(0, 1, 12) == {12}
     assert trips(3, 1, 12) == {9}
     assert trips(0, 3, 8) == {3}  # 0, 3, 6
