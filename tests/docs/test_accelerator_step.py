@@ -58,6 +58,8 @@ def test_quick_run_reports_phases_rates_memory_and_the_estimate(quick):
     )
     assert run["memory"]["compiled_total_bytes"] > 0
     assert run["estimate"]["step_s"] > 0 and run["estimate"]["peak_is_measured"]
+    per_step = run["estimate"]["per_step"]  # the HLO text's work, loops per trip
+    assert per_step["flops"] > 0 and per_step["bytes"] > 0
     assert run["measured_over_estimate"] == pytest.approx(
         step["median"] / run["estimate"]["step_s"]
     )
