@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import shutil
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from moe_jax import cli, errors
@@ -61,23 +65,25 @@ def test_a_change_a_resumed_run_cannot_apply_is_refused_by_name(tmp_path):
     assert not list(tmp_path.glob("config.step-*.gin"))
 
 
-def _flip_parameter_bytes(step_dir: pathlib.Path) -> None:
-    """Damage no integrity record can tell: the record removed, then 64 bytes of the largest
-    parameter data file set to 0xFF (a float32 NaN pattern)."""
+def _poison_parameters(step_dir: pathlib.Path) -> None:
+    """Damage no integrity record can tell: the record removed, then the parameters saved
+    again by Orbax with the largest one NaN. (Flipping bytes of the saved files is no such
+    damage: Orbax compresses them, and flipped bytes decode as other finite values or as a
+    read error, depending on where they land.)"""
     (step_dir / checkpoint_checks.INTEGRITY_FILE).unlink()
-    data = max((p for p in (step_dir / "params").rglob("*") if p.parent.name == "d"), key=_size)
-    with open(data, "r+b") as f:
-        f.seek(_size(data) // 2)
-        f.write(b"\xff" * 64)
-
-
-def _size(path: pathlib.Path) -> int:
-    return path.stat().st_size
+    saver = ocp.StandardCheckpointer()
+    params = jax.tree.map(np.array, saver.restore(step_dir / "params"))
+    largest = max(jax.tree.leaves(params), key=lambda a: a.size)
+    largest[...] = np.nan
+    shutil.rmtree(step_dir / "params")
+    saver.save(step_dir / "params", params)
+    saver.wait_until_finished()
+    saver.close()
 
 
 def test_non_finite_parameters_without_a_record_are_set_aside(tmp_path, capsys):
     run(tmp_path, 6)  # checkpoints 3 and 6
-    _flip_parameter_bytes(tmp_path / "checkpoints/6")
+    _poison_parameters(tmp_path / "checkpoints/6")
     assert cli.main(["eval", f"--checkpoint={tmp_path}", "--eval_steps=1"]) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("moe-jax eval: error: checkpoint step 6 is unreadable: "), line
