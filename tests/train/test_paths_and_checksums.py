@@ -46,6 +46,7 @@ def test_relative_model_dir_and_checkpoint_work_from_any_working_directory(tmp_p
     assert result["step"] == 9 and result["checkpoint"] == str(tmp_path / "run1rel/checkpoints/9")
 
 
+@pytest.mark.slow  # its gs:// twin (test_gcs_runs) keeps the fallback in make test
 def test_same_size_corruption_is_found_by_the_checksum(tmp_path, capsys):
     full = run(tmp_path / "full", 9)
     run(tmp_path / "run", 6)

@@ -87,7 +87,11 @@ def _upcycled(tmp_path: pathlib.Path, *flags: str):
 
 
 @pytest.mark.parametrize(
-    "router", [[], ["--gin_file=routers/sigmoid.gin"]], ids=["softmax", "sigmoid"]
+    "router",
+    [
+        pytest.param([], id="softmax"),
+        pytest.param(["--gin_file=routers/sigmoid.gin"], id="sigmoid", marks=pytest.mark.slow),
+    ],
 )
 def test_upcycled_model_equals_the_dense_model_at_step_zero(tmp_path, router):
     """Top-2 softmax scores with renormalised gates, and sigmoid scores (routers/sigmoid.gin,
