@@ -7,10 +7,14 @@ operations the device runs, so that the largest contributors can be named:
 * every *scheduled* instruction (the entry computation and the bodies of its ``while`` /
   ``call`` / ``conditional`` / async calls), with the bytes of its operands and results in
   device memory as laid out (``bf16[8,640,768]`` = 7.5 MiB): what a roofline model would
-  charge it, one read of each operand and one write of each result. Arrays that TPU
+  charge it, one read of each operand and one write of each result, of the parts it
+  touches: a (dynamic) slice, or a fusion using a parameter only through slices, reads the
+  slices; an in-place ``dynamic-update-slice`` reads none of its buffer and writes the
+  update; a loop, call or branch moves nothing itself (``_touched``). Arrays that TPU
   memory-space assignment placed in VMEM (layout ``S(1)``) are not device-memory traffic,
   and an asynchronous pair (``copy-start`` / ``copy-done``) reads its source once and writes
-  its destination once (``Op.bytes``);
+  its destination once (``Op.bytes``); each op runs ``Op.trips`` times per run of the
+  module (loops, below);
 * the TPU compiler's own time estimate of each instruction (``estimated_cycles`` in its
   ``backend_config``), which models what a gather, scatter or sort really costs there;
 * dense FLOPs of matmuls (``dot``, ``convolution`` and cuBLAS / cuDNN GEMM custom calls)
