@@ -693,6 +693,37 @@ def summary(ops: list[Op]) -> dict[str, float]:
     }
 
 
+_METHOD = re.compile(r"^[A-Z]\w*\.\w+$")  # a Flax module's method in an op name: Model.encode
+_LAYER = re.compile(r"^layers_[\d_]+$")
+_CONTROL = frozenset({"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation"})
+
+
+def part(source: str) -> str:
+    """The part of the model an op's JAX source names, forward and backward alike: the
+    layers' block (``encoder self_attention``; a scan's ``layers_0_4_8`` as any layer), else
+    the first two module names below the model's method (``decoder token_embedder``), else
+    ``outside the model`` (the loss, the optimizer's update)."""
+    names = source.split("/")
+    start = next((i for i, name in enumerate(names) if _METHOD.match(name)), None)
+    if start is None:
+        return "outside the model"
+    path = [n for n in names[start + 1 : -1] if "(" not in n and n not in _CONTROL]
+    path = [n for n in path if not n.startswith("scan_")]
+    layer = next((i for i, name in enumerate(path) if _LAYER.match(name)), None)
+    if layer is not None and layer + 1 < len(path):
+        return " ".join([*path[:layer], path[layer + 1]])
+    return " ".join(path[:2]) or "model"
+
+
+def bytes_by_part(ops: list[Op]) -> dict[str, float]:
+    """Device-memory bytes per run of the module by :func:`part` of the model, largest
+    first: where a step's memory traffic goes."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for op in ops:
+        totals[part(op.source)] += op.bytes * op.trips
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def summary_of(ops: list[Op], source_contains: str) -> dict[str, float]:
     """``summary`` of the operations whose JAX source names ``source_contains`` (e.g.
     ``"MoeLayer"``: the MoE layers' share of a compiled train step)."""

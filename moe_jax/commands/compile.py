@@ -107,9 +107,13 @@ def contention_lines(contended: list[Mapping[str, Any]]) -> list[str]:
     ] + [f"    - {c['text']}" for c in contended]
 
 
+PARTS = 5  # the largest parts of the model the report names
+
+
 def per_step_lines(per_step: Mapping[str, Any] | None) -> list[str]:
-    """The report's line on the step's work read from its HLO text with each loop body once
-    per trip (``aot.hlo_analysis``'s ``per_step``; none for a report written before it)."""
+    """The report's lines on the step's work read from its HLO text with each loop body once
+    per trip, and on the largest parts of its device-memory traffic (``aot.hlo_analysis``'s
+    ``per_step``; none for a report written before it)."""
     if not per_step:
         return []
     cycles = (
@@ -118,11 +122,17 @@ def per_step_lines(per_step: Mapping[str, Any] | None) -> list[str]:
         else ""
     )
     looped = " (loops run their body once per trip: XLA's cost analysis counts it once)"
-    return [
+    lines = [
         f"  HLO text per device and step: {quantity(per_step['flops'], 'FLOP')} of matmuls, "
         f"{quantity(per_step['bytes'], 'B')} of device memory read and written{cycles}"
         + (looped if per_step["looped"] else "")
     ]
+    parts = per_step.get("bytes_by_part") or {}
+    total = sum(parts.values())
+    if total:
+        shares = [f"{name} {100 * b / total:.0f}%" for name, b in list(parts.items())[:PARTS]]
+        lines.append(f"  its device memory by part: {', '.join(shares)}")
+    return lines
 
 
 def matmul_type_line(by_type: Mapping[str, float]) -> str:

@@ -114,7 +114,8 @@ def hlo_analysis(
     see: on a GPU such a scatter's atomic adds serialise), ``per_step``: the step's matmul
     ``flops``, device-memory ``bytes`` and TPU estimated ``cycles`` from the HLO text with
     every loop body counted once per trip (``hlo_costs.summary``; ``looped``: whether any
-    work runs in a loop, where XLA's cost analysis, counting a body once, falls short), the
+    work runs in a loop, where XLA's cost analysis, counting a body once, falls short;
+    ``bytes_by_part``: the bytes by part of the model, ``hlo_costs.bytes_by_part``), the
     ``matmul_flops_by_type``
     (``hlo_costs.matmul_flops_by_type``: float32 matmuls in a bfloat16 step run slower than
     the estimate's bf16 peak) and the roofline ``estimate`` ``max(FLOPs / peak, bytes
@@ -158,6 +159,7 @@ def hlo_analysis(
             "bytes": totals["bytes"],
             "cycles": totals["cycles"],
             "looped": any(op.trips > 1 for op in ops),
+            "bytes_by_part": hlo_costs.bytes_by_part(ops),
         },
         "estimate": {
             "compute_s": compute_s,

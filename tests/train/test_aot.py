@@ -143,6 +143,10 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     assert per_step["looped"] and per_step["cycles"] > 0
     assert per_step["flops"] == hlo_costs.summary(ops)["flops"] > sum(op.flops for op in ops)
     assert "HLO text per device and step:" in output and "once per trip" in output
+    parts = per_step["bytes_by_part"]
+    assert {"encoder self_attention", "encoder ffn", "outside the model"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(per_step["bytes"])
+    assert "its device memory by part: " in output
     assert (tmp_path / "eval.hlo.txt").exists() == with_eval == ("eval" in report["steps"])
     if with_eval:  # the eval step: forward only, no optimizer state
         evaluation = report["steps"]["eval"]
@@ -458,6 +462,40 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition_and_ste
     assert trips(0, 1, 12) == {12}
     assert trips(3, 1, 12) == {9}
     assert trips(0, 3, 8) == {3}  # 0, 3, 6
+
+
+def test_bytes_are_told_by_the_part_of_the_model_forward_and_backward_alike():
+    """An op's part is its layer block (unrolled, scanned or rematerialised alike), else the
+    module names below the model's method, else outside the model (loss, optimizer); the
+    totals weigh each op by its trips, largest first."""
+    sources = {
+        "jit(train_step)/jvp(EncoderDecoder)/EncoderDecoder.encode/encoder/layers_3/"
+        "self_attention/attention/bqhd,bkhd->bhqk/dot_general": "encoder self_attention",
+        "jit(train_step)/transpose(jvp(EncoderDecoder))/EncoderDecoder.encode/encoder/while/"
+        "body/closed_call/scan_0/checkpoint/rematted_computation/layers_0_4_8/self_attention/"
+        "attention/mul": "encoder self_attention",
+        "jit(train_step)/transpose(jvp(EncoderDecoder))/EncoderDecoder.decode/decoder/"
+        "layers_11/ffn/moe/sort/scatter-add": "decoder ffn",
+        "jit(train_step)/transpose(jvp(EncoderDecoder))/EncoderDecoder.decode/decoder/"
+        "token_embedder/jit(_take)/scatter-add": "decoder token_embedder",
+        "jit(train_step)/add": "outside the model",
+        "": "outside the model",
+    }
+    assert {source: hlo_costs.part(source) for source in sources} == sources
+    text = (
+        "%body {\n  %t = f32[64]{0} parameter(0)\n"
+        '  ROOT %n = f32[64]{0} negate(%t), metadata={op_name="jit(f)/M.apply/enc/layers_0/'
+        'ffn/neg"}\n}\n'
+        "%cond {\n  %t = f32[64]{0} parameter(0)\n  ROOT %k = pred[] constant(true)\n}\n"
+        "ENTRY %main {\n  %t = f32[64]{0} parameter(0)\n"
+        '  %a = f32[64]{0} add(%t, %t), metadata={op_name="jit(f)/add"}\n'
+        "  ROOT %l = f32[64]{0} while(%a), condition=%cond, body=%body, "
+        'backend_config={"known_trip_count":{"n":"3"}}\n}\n'
+    )
+    assert hlo_costs.bytes_by_part(hlo_costs.parse(text)) == {
+        "enc ffn": 3 * 2 * 256,
+        "outside the model": 3 * 256,
+    }
 
 
 def test_fusions_are_charged_for_the_slices_they_read_and_the_updates_they_write():
