@@ -51,10 +51,11 @@ instruction, all with the same ``chain_id``), which counts at its first piece wi
 work scheduled up to its last as overlap. A loop or call holding a collective is not one.
 
 Loops: an instruction in a ``while`` body runs once per trip. Each :class:`Op` carries
-``trips``, the product of the known trip counts (XLA's ``known_trip_count``) of the loops
-around it, and the totals (``summary``, ``collective_totals``) weigh each op by it, so a
-scanned step (``nn.scan`` over layers) and its unrolled twin total alike. A loop whose trip
-count XLA does not know counts once.
+``trips``, the product of the trip counts of the loops around it (``_trip_count``: XLA's
+``known_trip_count`` on CPU and GPU; on TPU, which prints none, read from the loop's
+condition, initial value and step), and the totals (``summary``, ``collective_totals``,
+``matmul_flops_by_type``) weigh each op by it, so a scanned step (``nn.scan`` over layers)
+and its unrolled twin total alike. A loop whose trip count cannot be read counts once.
 
 Why text: XLA prints the optimised module as text for every backend (``compiled.as_text()``,
 what ``moe-jax compile --hlo_dir`` keeps and ``benchmarks/compile_table.py recount``
@@ -180,9 +181,9 @@ class Op:
       collective_chain: for one piece of an XLA:TPU asynchronous collective split over a
         chain of fusions (start, continuation fusions, done; each holds the collective and
         carries its ``chain_id``), the chain's key; "" otherwise.
-      trips: how many times it runs per execution of the module: the product of the known
-        trip counts of the ``while`` loops around it (1 outside loops). The byte, FLOP and
-        cycle fields are those of one run.
+      trips: how many times it runs per execution of the module: the product of the trip
+        counts of the ``while`` loops around it (``_trip_count``; 1 outside loops). The
+        byte, FLOP and cycle fields are those of one run.
     """
 
     name: str
@@ -489,8 +490,7 @@ def _trip_count(loop: _Line, caller: dict[str, _Line], computations: dict[str, l
     known = _TRIP_COUNT.search(loop.attributes)
     if known:
         return int(known.group(1))
-    condition = _element(loop, "condition", computations)
-    compare = condition.get("ROOT")
+    condition, compare = _element(loop, "condition", computations)
     if compare is None or compare.opcode != "compare" or "direction=LT" not in compare.attributes:
         return 1
     index = _tuple_index(condition.get(compare.operands[0]))
@@ -503,8 +503,7 @@ def _trip_count(loop: _Line, caller: dict[str, _Line], computations: dict[str, l
         if state is not None and state.opcode == "tuple" and index < len(state.operands)
         else None
     )
-    body = _element(loop, "body", computations)
-    root = body.get("ROOT")
+    body, root = _element(loop, "body", computations)
     step = 1
     update = body.get(root.operands[index]) if root and index < len(root.operands) else None
     if update is not None and update.opcode == "add":
@@ -515,14 +514,15 @@ def _trip_count(loop: _Line, caller: dict[str, _Line], computations: dict[str, l
     return max(1, -(-(_integer(limit) - start) // step))
 
 
-def _element(loop: _Line, role: str, computations: dict[str, list[_Line]]) -> dict[str, _Line]:
+def _element(
+    loop: _Line, role: str, computations: dict[str, list[_Line]]
+) -> tuple[dict[str, _Line], _Line | None]:
     """The instructions by name of the ``role`` (``condition`` / ``body``) computation of the
-    ``while`` instruction ``loop``, its root also as ``"ROOT"`` (empty if not found)."""
+    ``while`` instruction ``loop``, and its root when it has operands (else None)."""
     name = re.search(role + r"=%([\w.\-]+)", loop.attributes)
     lines = computations.get(name.group(1), []) if name else []
-    found = {line.name: line for line in lines}
-    root = next((line for line in lines if line.root), None)
-    return {**found, "ROOT": root} if root is not None and root.operands else found
+    root = next((line for line in lines if line.root and line.operands), None)
+    return {line.name: line for line in lines}, root
 
 
 def _unwrapped(line: _Line | None, by_name: dict[str, _Line]) -> _Line | None:
