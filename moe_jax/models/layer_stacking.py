@@ -24,9 +24,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_jax import param_paths
@@ -35,6 +37,9 @@ PyTree = Any
 # {stack key ("encoder"): ((scan group name, (block position name, ...)), ...)}
 Layout = dict[str, tuple[tuple[str, tuple[str, ...]], ...]]
 
+# The logical axis name of a stacked parameter's leading axis (``nn.scan``'s
+# ``metadata_params``).
+LAYERS_AXIS = "layers"
 SCAN_GROUP = re.compile(r"scan_\d+")
 _POSITION = re.compile(r"layers_(\d+(?:_\d+)+)")
 
@@ -56,7 +61,13 @@ def _is_array(leaf: Any) -> bool:
 
 def _take(leaf: Any, index: int, repeats: int) -> Any:
     """Entry ``index`` of a stacked leaf (a ``ShapeDtypeStruct`` keeps its sharding's other
-    axes); a leaf without the repeats' leading axis as it is."""
+    axes, an ``nn.Partitioned`` box its other logical axis names); a leaf without the
+    repeats' leading axis as it is."""
+    if isinstance(leaf, meta.Partitioned):
+        if not leaf.names or leaf.names[0] != LAYERS_AXIS:
+            return leaf
+        taken = leaf.replace(value=_take(leaf.value, index, repeats))
+        return taken.remove_axis(0, {nn.PARTITION_NAME: LAYERS_AXIS})
     if not _is_array(leaf) or not leaf.shape or leaf.shape[0] != repeats:
         return leaf
     if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -68,8 +79,12 @@ def _take(leaf: Any, index: int, repeats: int) -> Any:
 
 
 def _take_tree(tree: PyTree, index: int, repeats: int) -> PyTree:
-    """:func:`_take` of every leaf of ``tree``."""
-    return jax.tree.map(lambda leaf: _take(leaf, index, repeats), tree)
+    """:func:`_take` of every leaf (or box) of ``tree``."""
+    return jax.tree.map(
+        lambda leaf: _take(leaf, index, repeats),
+        tree,
+        is_leaf=lambda x: isinstance(x, meta.Partitioned),
+    )
 
 
 def _stack(leaves: list[Any]) -> Any:

@@ -3,6 +3,7 @@ decoding, parameter and FLOP accounting) around the Flax :class:`EncoderDecoder`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
@@ -58,6 +59,18 @@ def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
         names = tuple(param_paths.path_name(path, skip_indices=True).split("/"))
         out.setdefault(names, []).append(jnp.asarray(leaf, jnp.float32))
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
+
+
+def initialising_module(module: EncoderDecoder) -> EncoderDecoder:
+    """The network whose ``init`` makes ``module``'s variables: ``module`` when its layers
+    are scanned, else its twin with ``scan_layers=True``, whose variables
+    :func:`layer_stacking.unstack_layers` turns into ``module``'s tree. A repeated block's
+    initialisation is then one program whatever the layer form (T5-Base: 154 random arrays
+    instead of 441, compiled about 3x faster), and a seed gives the same parameters to
+    both forms."""
+    if module.config.scan_layers:
+        return module
+    return module.clone(config=dataclasses.replace(module.config, scan_layers=True))
 
 
 @functools.lru_cache(maxsize=32)
@@ -172,7 +185,8 @@ class EncoderDecoderModel:
 
     def init_program(self, input_shapes: InputShapes, key: jax.ShapeDtypeStruct) -> InitProgram:
         """The network's initialisation for ``input_shapes`` and RNG keys shaped as ``key``,
-        traced on the first call and kept on the model.
+        traced on the first call and kept on the model: the :func:`initialising_module`'s
+        ``init``, its variables in this network's layer form.
 
         Traced outside any mesh and logical axis rules: its forward pass (whose outputs
         init discards) carries no sharding constraint, so one program serves every mesh."""
@@ -186,14 +200,17 @@ class EncoderDecoderModel:
 
             def init(rng: jax.Array) -> dict[str, Any]:
                 tokens = jnp.ones(enc, jnp.int32), jnp.ones(dec, jnp.int32)
-                variables = self.module.init(
+                variables = initialising_module(self.module).init(
                     {"params": rng, "dropout": rng}, *tokens, tokens[1], enable_dropout=False
                 )
-                return {
+                kept = {
                     name: variables[name]
                     for name in ("params", *STATE_COLLECTIONS)
                     if name in variables
                 }
+                if self.module.config.scan_layers:
+                    return kept
+                return layer_stacking.unstack_layers(kept)
 
             no_mesh = jax.sharding.AbstractMesh((), ())
             with jax.sharding.use_abstract_mesh(no_mesh), nn.logical_axis_rules(()):

@@ -556,7 +556,7 @@ def run_layers(
             split_rngs={"params": True, "dropout": True},
             in_axes=nn.broadcast,
             length=repeats,
-            metadata_params={nn.PARTITION_NAME: "layers"},
+            metadata_params={nn.PARTITION_NAME: layer_stacking.LAYERS_AXIS},
         )
         x, _ = scan(
             in_scan,

@@ -120,6 +120,45 @@ def test_scanned_model_has_the_unrolled_parameters_stacked(moe):
     _close(again, variables, rtol=0, atol=0)
 
 
+def _random_draws(jaxpr) -> int:
+    """How many random-bits operations ``jaxpr`` holds, a loop's body counted once (the
+    size of the program to compile, not the arrays it draws)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in ("random_bits", "threefry2x32")
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                count += _random_draws(inner) if hasattr(inner, "eqns") else 0
+    return count
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_seed_initialises_both_layer_forms_alike_with_one_program_per_block(moe):
+    scanned, unrolled, variables, converted = _pair(moe)
+    boxed = unrolled.get_initial_variables(jax.random.key(0), SHAPES)
+    # the same values, bit for bit, and the unrolled form's logical axis names
+    assert jax.tree.structure(converted) == jax.tree.structure(nn.unbox(boxed))
+    _close(nn.unbox(boxed), converted, rtol=0, atol=0)
+    specs = jax.tree.leaves(
+        nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    assert specs and all(layer_stacking.LAYERS_AXIS not in spec for spec in specs)
+    # the unrolled layers are initialised by the scanned block's program, drawn once per
+    # block position, where the unrolled network's own init draws once per layer
+    key = jax.random.key(0)
+    tokens = [
+        jax.numpy.ones(SHAPES[k], jax.numpy.int32)
+        for k in ("encoder_input_tokens", "decoder_input_tokens")
+    ]
+    own = jax.make_jaxpr(lambda k: unrolled.module.init(k, *tokens, tokens[1]))(key)
+    draws = {
+        form: _random_draws(model.init_program(SHAPES, jax.typeof(key)).jaxpr.jaxpr)
+        for form, model in (("scanned", scanned), ("unrolled", unrolled))
+    }
+    assert draws["unrolled"] == draws["scanned"] < _random_draws(own.jaxpr) / 1.5
+
+
 @pytest.mark.parametrize(
     "moe", [pytest.param(False, marks=pytest.mark.slow), True], ids=["dense", "moe"]
 )
