@@ -389,80 +389,31 @@ def _dictionary_rows() -> list[Target]:
             _dict("mse", "dense 2 layers", 32)(r)[0], _dict("mse", "MoE learned", 32)(r)[0]
         )
 
-    q = "raw MSE, top-1 MoE (l. 98)"
+    def any_result(r: Result) -> bool:
+        return True
+
+    top1, raw, sparsity = "raw MSE, top-1 MoE (l. 98)", "raw MSE", "mean of exp(entropy)"
+    # (row name, paper's number, source line, metric, model, c, claim, quantity)
+    rows = [
+        ("c = 32: MoE MSE", 0.041, "l. 349", "mse", "MoE learned", 32, dense1_worst, top1),
+        ("c = 32: dense 2-layer MSE", 0.043, "l. 349", "mse", "dense 2 layers", 32,
+         dense1_worst, raw),
+        ("c = 32: dense 1-layer MSE", 0.19, "l. 349", "mse", "dense 1 layer", 32,
+         dense1_worst, raw),
+        ("c = 128: MoE MSE", 0.23, "l. 349-351", "mse", "MoE learned", 128,
+         moe_lt_dense_lt_frozen, top1),
+        ("c = 128: dense 2-layer MSE", 0.26, "l. 351", "mse", "dense 2 layers", 128,
+         moe_lt_dense_lt_frozen, raw),
+        ("c = 128: frozen MoE MSE", 0.38, "l. 351", "mse", "MoE frozen", 128,
+         moe_lt_dense_lt_frozen, top1),
+        ("c = 32: sparsity per pair (= shuffled)", 4.5, "l. 349", "sparsity", "MoE learned",
+         32, any_result, sparsity),
+        ("c = 128: sparsity per pair (= shuffled 3.01)", 3.01, "l. 351", "sparsity",
+         "MoE learned", 128, any_result, sparsity),
+    ]  # fmt: skip
     return [
-        Target(
-            "dictionary",
-            "c = 32: MoE MSE",
-            0.041,
-            "l. 349",
-            _dict("mse", "MoE learned", 32),
-            dense1_worst,
-            q,
-        ),
-        Target(
-            "dictionary",
-            "c = 32: dense 2-layer MSE",
-            0.043,
-            "l. 349",
-            _dict("mse", "dense 2 layers", 32),
-            dense1_worst,
-            "raw MSE",
-        ),
-        Target(
-            "dictionary",
-            "c = 32: dense 1-layer MSE",
-            0.19,
-            "l. 349",
-            _dict("mse", "dense 1 layer", 32),
-            dense1_worst,
-            "raw MSE",
-        ),
-        Target(
-            "dictionary",
-            "c = 128: MoE MSE",
-            0.23,
-            "l. 349-351",
-            _dict("mse", "MoE learned", 128),
-            moe_lt_dense_lt_frozen,
-            q,
-        ),
-        Target(
-            "dictionary",
-            "c = 128: dense 2-layer MSE",
-            0.26,
-            "l. 351",
-            _dict("mse", "dense 2 layers", 128),
-            moe_lt_dense_lt_frozen,
-            "raw MSE",
-        ),
-        Target(
-            "dictionary",
-            "c = 128: frozen MoE MSE",
-            0.38,
-            "l. 351",
-            _dict("mse", "MoE frozen", 128),
-            moe_lt_dense_lt_frozen,
-            q,
-        ),
-        Target(
-            "dictionary",
-            "c = 32: sparsity per pair (= shuffled)",
-            4.5,
-            "l. 349",
-            _dict("sparsity", "MoE learned", 32),
-            lambda r: True,
-            "mean of exp(entropy)",
-        ),
-        Target(
-            "dictionary",
-            "c = 128: sparsity per pair (= shuffled 3.01)",
-            3.01,
-            "l. 351",
-            _dict("sparsity", "MoE learned", 128),
-            lambda r: True,
-            "mean of exp(entropy)",
-        ),
+        Target("dictionary", name, paper, source, _dict(metric, model, c), claim, quantity)
+        for name, paper, source, metric, model, c, claim, quantity in rows
     ]
 
 

@@ -1,5 +1,7 @@
 """The house: the import graph of ``moe_jax`` (read from the source, nothing imported) has
-no loop, no import running upward, and package indexes that list what is there."""
+no loop, no import running upward, and package indexes that list what is there; no
+function is longer than a reader can hold (80 lines) outside the synthetic experiments'
+runners."""
 
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"experiments"}),
     frozenset({"cli", "smoke"}),
 )
+MAX_FUNCTION_LINES = 80
+# The synthetic experiments' runners: one experiment's steps in order, read top to bottom.
+RUNNERS = ("synthetic/experiments/", "synthetic/train.py:train_runs")
 # Deferred on purpose (TensorFlow / seqio load only when data is read); said in a comment.
 DEFERRED = frozenset({"moe_jax.data.pipeline", "moe_jax.data.tasks", "moe_jax.data.vocab"})
 
@@ -164,3 +169,17 @@ def test_package_index_lists_its_modules(package):
     modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
     modules |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
     assert sorted(modules - words) == []
+
+
+def test_no_function_is_over_80_lines_outside_the_synthetic_runners():
+    long = []
+    for path in MODULES.values():
+        where = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            name = f"{where}:{node.name}"
+            if lines > MAX_FUNCTION_LINES and not name.startswith(RUNNERS):
+                long.append(f"{name} ({lines} lines)")
+    assert long == []
