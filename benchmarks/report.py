@@ -121,7 +121,8 @@ def _moe_vs_dense() -> str:
         "From the reports of the table below (`python benchmarks/compile_table.py run "
         "--only base_`): roofline estimates of executables compiled for each target on a "
         "2-core x86_64 CPU, bfloat16 activations with FSDP, batch 256 x 512/114, Adam. "
-        "GPU estimates have no cost analysis (compute and collectives only). A roofline cannot "
+        "GPU executables compiled without a GPU have no cost analysis: their HBM term counts "
+        "the bytes of the HLO text (the traffic column is XLA's count). A roofline cannot "
         "see contention or kernel efficiency: the section 'Measured on an accelerator' has the "
         "measured steps (one H200: MoE / dense 1.09x).\n\n" + "\n".join(lines)
     )

@@ -15,9 +15,10 @@ estimate of step time and tokens/s, and the MoE layer's choices for the target. 
 naming what to change, when the run does not fit. ``--hlo_dir`` keeps each compiled step's
 optimized HLO (``train.hlo.txt``, ``eval.hlo.txt``), the text the collective counts are read
 from. What a compiler does not report is printed as unknown, never as zero: GPU executables
-compiled without a GPU have no cost analysis, so their estimate covers compute and
-collectives only and says so. The compilers' own start-up output (libtpu's host and worker
-warnings, CUDA's) is hidden unless ``--verbose``."""
+compiled without a GPU have no cost analysis, so their estimate's HBM term counts the bytes
+of the HLO text instead (every loop body once per trip) and says so. The compilers' own
+start-up output (libtpu's host and worker warnings, CUDA's) is hidden unless
+``--verbose``."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import gin
 from moe_jax import hardware, storage
 from moe_jax.hlo_costs import CONTENTION_LIMIT
 from moe_jax.runtime import builders, gin_flags, gin_text, gin_utils
-from moe_jax.runtime.aot import compile_run, gib
+from moe_jax.runtime.aot import HLO_TEXT, compile_run, gib
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -175,8 +176,9 @@ def estimate_line(est: Mapping[str, Any]) -> str:
     lower bound on the step time even with every term: it charges each byte and FLOP at the
     chip's peak and cannot see contention (serialised atomic adds of a scatter) or a
     kernel's efficiency; ``benchmarks/accelerator_step.py`` measures the step on a device."""
+    hbm = next((term for term in est["covers"] if term.startswith("HBM")), "HBM")
     terms = [f"compute {plain(est['compute_s'] * 1e3)}"]
-    terms += [f"HBM {plain(est['hbm_s'] * 1e3)}"] if est["hbm_s"] is not None else []
+    terms += [f"{hbm} {plain(est['hbm_s'] * 1e3)}"] if est["hbm_s"] is not None else []
     terms += (
         [f"collectives {plain(est['collectives_s'] * 1e3)}"]
         if est["collectives_s"] is not None
@@ -187,8 +189,13 @@ def estimate_line(est: Mapping[str, Any]) -> str:
         for name, key in (("HBM", "hbm_s"), ("collectives", "collectives_s"))
         if est[key] is None
     ]
+    counted = (
+        f"; HBM bytes counted from the {HLO_TEXT}: the compiler gave no cost analysis"
+        if hbm != "HBM"
+        else ""
+    )
     label = (
-        "estimate (compiled, not run)"
+        f"estimate (compiled, not run{counted})"
         if not left_out
         else (
             f"estimate (compiled, not run) of {' and '.join(est['covers'])} only "

@@ -34,6 +34,8 @@ from moe_jax.runtime import builders, configured, gin_utils, steps
 from moe_jax.runtime.model_protocol import Model
 
 MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
+# What the HBM term counts where the compiler has no cost analysis: ``hlo_costs.summary``.
+HLO_TEXT = "HLO text"
 
 
 class DoesNotFitError(UserError, ValueError):
@@ -123,27 +125,28 @@ def hlo_analysis(
     model's FLOPs split evenly over the devices (XLA's cost analysis counts a loop body
     once) and the chip's bf16 peak.
 
-    ``bytes_accessed`` None (no cost analysis) or a chip without an HBM bandwidth (CPU):
-    ``hbm_s`` is None and the estimate covers compute and collectives only (``covers``
-    says which terms it holds; ``step_s`` and ``tokens_per_s`` are then bounds)."""
+    The HBM term charges ``bytes_accessed``, XLA's cost analysis; where the compiler gives
+    none (GPU executables compiled without a GPU) the HLO text's bytes per step
+    (``per_step.bytes``) instead, and ``covers`` says so (``'HBM (HLO text)'``). A chip
+    without an HBM bandwidth (CPU): ``hbm_s`` is None and the estimate covers compute and
+    collectives only (``covers`` says which terms it holds; ``step_s`` and
+    ``tokens_per_s`` are then bounds)."""
     ops = hlo_costs.parse(hlo_text)
     coll = hlo_costs.collective_totals(ops)
     totals = hlo_costs.summary(ops)
     compute_s = flops_per_step / num_devices / facts.peak_flops
-    hbm_s = (
-        bytes_accessed / facts.hbm_bandwidth
-        if bytes_accessed is not None and facts.hbm_bandwidth
-        else None
-    )
+    hbm_bytes = totals["bytes"] if bytes_accessed is None else bytes_accessed
+    hbm_s = hbm_bytes / facts.hbm_bandwidth if facts.hbm_bandwidth else None
     comm_s = (
         sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
         if facts.interconnect_bandwidth
         else None
     )
     step_s = max(compute_s, hbm_s or 0.0) + (comm_s or 0.0)
+    hbm = "HBM" if bytes_accessed is not None else f"HBM ({HLO_TEXT})"
     covers = (
         ["compute"]
-        + (["HBM"] if hbm_s is not None else [])
+        + ([hbm] if hbm_s is not None else [])
         + (["collectives"] if comm_s is not None else [])
     )
     return {

@@ -7,6 +7,7 @@ TPU) with the libtpu that `make compilers` installs (`make test` installs it fir
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -585,20 +586,34 @@ def test_matmul_flops_are_split_by_operand_type_fused_ones_included():
     assert matmul_type_line({}) == "  matmul FLOPs by operand type: no matmuls"
 
 
-def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
-    """Without the compiler's byte count (GPU executables compiled without a GPU) the
-    estimate is labelled compute-and-collectives-only and shows no HBM term; with it, all
-    three terms. Rates and sizes are plain numbers with unit prefixes, never 'e+'."""
+def test_report_says_what_the_estimate_counts_and_leaves_out_and_uses_plain_units():
+    """The HBM term charges XLA's byte count where the compiler gives one, else the bytes
+    of the HLO text (GPU executables compiled without a GPU), and the line says which; a
+    chip without an HBM bandwidth leaves the term out and the estimate is labelled
+    compute-and-collectives-only. Rates and sizes are plain numbers with unit prefixes,
+    never 'e+'."""
     hlo = (
         "ENTRY %main {\n  ROOT %a = f32[1024,1024]{1,0} all-reduce(f32[1024,1024]{1,0} %p), "
         "to_apply=%add\n}\n"
     )
     facts = hardware.device_facts([None] * 8, hardware.CHIPS["h100"], 8)
     args = {"flops_per_step": 6.4e15, "tokens_per_step": 2**20, "num_devices": 8}
-    unknown = aot.hlo_analysis(hlo, facts, bytes_accessed=None, **args)["estimate"]
+    from_text = aot.hlo_analysis(hlo, facts, bytes_accessed=None, **args)
+    text_bytes = from_text["per_step"]["bytes"]
+    from_text = from_text["estimate"]
     known = aot.hlo_analysis(hlo, facts, bytes_accessed=4e12, **args)["estimate"]
-    assert unknown["hbm_s"] is None and known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
-    assert known["step_s"] > unknown["step_s"] > 0
+    no_hbm = dataclasses.replace(facts, hbm_bandwidth=None)
+    unknown = aot.hlo_analysis(hlo, no_hbm, bytes_accessed=None, **args)["estimate"]
+    assert text_bytes >= 4 * 1024 * 1024  # at least the all-reduce's result, written
+    assert from_text["hbm_s"] == pytest.approx(text_bytes / facts.hbm_bandwidth)
+    assert known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
+    assert unknown["hbm_s"] is None
+    assert known["step_s"] > from_text["step_s"] >= unknown["step_s"] > 0
+    assert from_text["covers"] == ["compute", "HBM (HLO text)", "collectives"]
+    assert known["covers"] == ["compute", "HBM", "collectives"]
+    text_line = compile_command.estimate_line(from_text)
+    assert "HBM bytes counted from the HLO text" in text_line and "only" not in text_line
+    assert "HBM (HLO text) " in text_line.split(":", 2)[-1]
     line = compile_command.estimate_line(unknown)
     assert (
         "compute and collectives only" in line
@@ -606,11 +621,12 @@ def test_report_says_what_the_estimate_leaves_out_and_uses_plain_units():
         and "HBM 0" not in line
     )
     known_line = compile_command.estimate_line(known)
-    assert "only" not in known_line and "HBM " in known_line
-    for text in (line, compile_command.estimate_line(known)):
+    assert "only" not in known_line and "HLO text" not in known_line and "HBM " in known_line
+    for est in (unknown, from_text, known):
+        text = compile_command.estimate_line(est)
         rate = re.search(r"([\d,]+) tokens/s", text).group(1)
         assert "e+" not in text and float(rate.replace(",", "")) == pytest.approx(
-            2**20 / (unknown if text == line else known)["step_s"], rel=5e-3
+            2**20 / est["step_s"], rel=5e-3
         )
     assert [compile_command.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == [
         "5,360,000",
@@ -649,9 +665,12 @@ def test_gpu_compile_of_the_smoke_config(tmp_path):
     step = report["steps"]["train"]
     assert step["collectives"]["all-to-all"]["count"] >= 2
     assert 0 < step["bytes"]["total"] < step["bytes"]["device_memory"]
-    # no cost analysis on GPU: bytes unknown, the estimate says it covers compute and collectives
-    assert step["hlo_bytes_accessed_per_device"] is None and step["estimate"]["hbm_s"] is None
-    assert "of compute and collectives only" in output and "HBM 0" not in output
+    # no cost analysis on GPU: the HBM term counts the HLO text's bytes, and says so
+    assert step["hlo_bytes_accessed_per_device"] is None
+    assert step["estimate"]["hbm_s"] * hardware.CHIPS["h100"].hbm_bandwidth == pytest.approx(
+        step["per_step"]["bytes"]
+    )
+    assert "HBM bytes counted from the HLO text" in output and "only" not in output
     # the MoE layers' matmuls (cuBLAS calls) are counted: about a top-2-of-8 share of the model's
     assert 0 < step["moe_layers"]["flops"] < step["flops_per_step"] / report["devices"]
     assert "Could not find cuda drivers" not in output
