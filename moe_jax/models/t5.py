@@ -167,7 +167,7 @@ class T5Config:
         loss and gradients are the same, the backward pass recomputes what was not kept.
       scan_layers: run each repeated block of layers as one ``nn.scan`` (see
         :meth:`layer_groups`; parameters stacked on a leading ``layers`` axis). The same
-        outputs; deep stacks trace, compile and initialise faster. Without remat the
+        outputs; deep stacks trace and compile faster. Without remat the
         backward pass keeps every layer's intermediates (about twice the memory per
         device); with ``remat_policy='minimal'`` less than unrolled (off by default;
         docs/model.md has the numbers).
