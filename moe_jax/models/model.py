@@ -61,7 +61,7 @@ def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
 
 
-def initialising_module(module: EncoderDecoder) -> EncoderDecoder:
+def initialising_module(module: nn.Module) -> nn.Module:
     """The network whose ``init`` makes ``module``'s variables: ``module`` when its layers
     are scanned, else its twin with ``scan_layers=True``, whose variables
     :func:`layer_stacking.unstack_layers` turns into ``module``'s tree. A repeated block's

@@ -135,7 +135,7 @@ def _random_draws(jaxpr) -> int:
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_a_seed_initialises_both_layer_forms_alike_with_one_program_per_block(moe):
-    scanned, unrolled, variables, converted = _pair(moe)
+    scanned, unrolled, _, converted = _pair(moe)
     boxed = unrolled.get_initial_variables(jax.random.key(0), SHAPES)
     # the same values, bit for bit, and the unrolled form's logical axis names
     assert jax.tree.structure(converted) == jax.tree.structure(nn.unbox(boxed))
