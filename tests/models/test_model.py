@@ -74,7 +74,7 @@ def _teacher_forced_step_logits(model, params, batch):
     """Decoder logits computed one position at a time through the KV cache."""
     encode = functools.partial(model.module.apply, {"params": params}, enable_dropout=False)
     enc = batch["encoder_input_tokens"]
-    encoded = encode(enc, method=EncoderDecoder.encode)
+    encoded = jax.jit(lambda tokens: encode(tokens, method=EncoderDecoder.encode))(enc)
     length = batch["decoder_input_tokens"].shape[1]
     kwargs = dict(
         enable_dropout=False,
@@ -83,7 +83,9 @@ def _teacher_forced_step_logits(model, params, batch):
         method=EncoderDecoder.decode,
         mutable=["cache"],
     )
-    _, state = encode(encoded, enc, jnp.ones_like(batch["decoder_input_tokens"]), **kwargs)
+    _, state = jax.jit(lambda x, tokens: encode(x, enc, tokens, **kwargs))(
+        encoded, jnp.ones_like(batch["decoder_input_tokens"])
+    )
     step = jax.jit(
         lambda cache, tokens: model.module.apply(
             {"params": params, "cache": cache}, encoded, enc, tokens, **kwargs
@@ -98,12 +100,9 @@ def _teacher_forced_step_logits(model, params, batch):
 
 
 def _full_logits(model, params, batch):
-    return model.module.apply(
-        {"params": params},
-        batch["encoder_input_tokens"],
-        batch["decoder_input_tokens"],
-        enable_dropout=False,
-    )
+    return jax.jit(
+        lambda p, enc, dec: model.module.apply({"params": p}, enc, dec, enable_dropout=False)
+    )(params, batch["encoder_input_tokens"], batch["decoder_input_tokens"])
 
 
 def test_kv_cache_decoding_equals_the_full_forward():
