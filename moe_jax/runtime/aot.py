@@ -55,16 +55,10 @@ def per_device_bytes(abstract_tree: Any) -> int:
     )
 
 
-def analyze(
-    compiled: Any,
-    facts: hardware.DeviceFacts,
-    *,
-    state_bytes: int,
-    flops_per_step: float,
-    tokens_per_step: int,
-    num_devices: int,
-) -> dict[str, Any]:
-    """Memory, collectives, cost and a roofline step time of one compiled step (per device)."""
+def memory_fit(compiled: Any, facts: hardware.DeviceFacts, state_bytes: int) -> dict[str, Any]:
+    """``bytes`` (the compiled step's memory per device by kind, from its
+    ``memory_analysis``) and whether it ``fits`` the device's memory: all a run needs to know
+    before it starts, without reading the HLO text."""
     mem = compiled.memory_analysis()
     total = (
         mem.argument_size_in_bytes
@@ -72,8 +66,6 @@ def analyze(
         - mem.alias_size_in_bytes
         + mem.temp_size_in_bytes
     )
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
     return {
         "bytes": {
             "params_and_optimizer": state_bytes,
@@ -85,6 +77,24 @@ def analyze(
             "device_memory": facts.hbm_bytes,
         },
         "fits": total <= facts.hbm_bytes,
+    }
+
+
+def analyze(
+    compiled: Any,
+    facts: hardware.DeviceFacts,
+    *,
+    state_bytes: int,
+    flops_per_step: float,
+    tokens_per_step: int,
+    num_devices: int,
+) -> dict[str, Any]:
+    """Memory (:func:`memory_fit`), collectives, cost and a roofline step time of one
+    compiled step (per device)."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
+    return {
+        **memory_fit(compiled, facts, state_bytes),
         "flops_per_step": flops_per_step,
         "hlo_flops_per_device": cost.get("flops"),
         "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
@@ -261,11 +271,13 @@ def compile_step(
     flops_per_step: float,
     tokens_per_step: int,
     num_devices: int,
+    analysis: bool = True,
 ) -> tuple[Any, dict]:
     """(compiled executable or None, :func:`analyze` result plus ``compile_s``) of
-    ``step.lower(*abstract_args)``. A compiler that refuses the program for lack of
-    memory (XLA:TPU does) gives a result with ``fits`` False, the temporaries it reported
-    and its message, instead of an error."""
+    ``step.lower(*abstract_args)``; ``analysis`` False: :func:`memory_fit` only (the HLO
+    text not read). A compiler that refuses the program for lack of memory (XLA:TPU does)
+    gives a result with ``fits`` False, the temporaries it reported and its message,
+    instead of an error."""
     import jax
 
     start = time.perf_counter()
@@ -298,6 +310,8 @@ def compile_step(
             "estimate": None,
         }
     seconds = time.perf_counter() - start
+    if not analysis:
+        return compiled, {"compile_s": seconds, **memory_fit(compiled, facts, state_bytes)}
     return compiled, {
         "compile_s": seconds,
         **analyze(
@@ -320,6 +334,7 @@ def compile_train(
     cfg: builders.DatasetConfig,
     model: Model,
     facts: hardware.DeviceFacts,
+    analysis: bool = True,
 ) -> tuple[Any, dict]:
     """:func:`compile_step` of ``run``'s train step on batches of ``cfg``."""
     shapes = cfg.input_shapes()
@@ -331,6 +346,7 @@ def compile_train(
         flops_per_step=model.flops_per_step(shapes),
         tokens_per_step=_tokens(shapes),
         num_devices=run.ctx.mesh.size,
+        analysis=analysis,
     )
 
 
@@ -364,9 +380,11 @@ def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model: Mod
     :class:`DoesNotFitError` with the numbers and what to change when it needs more memory
     than they have (on CPU: the machine's available memory, shared by its devices).
     Returns the compiled step, ``(state, batch) -> (state, metrics)`` with ``state``
-    donated: the executable ``train`` runs, so the step is compiled once."""
+    donated: the executable ``train`` runs, so the step is compiled once. Only its memory
+    is read (:func:`memory_fit`): the HLO text's analysis is ``moe-jax compile``'s."""
     devices = list(run.ctx.mesh.devices.flat)
-    compiled, step = compile_train(run, cfg, model, hardware.device_facts(devices))
+    facts = hardware.device_facts(devices)
+    compiled, step = compile_train(run, cfg, model, facts, analysis=False)
     if not step["fits"]:
         b = step["bytes"]
         where = (
