@@ -200,7 +200,8 @@ class EncoderDecoderModel:
 
             def init(rng: jax.Array) -> dict[str, Any]:
                 tokens = jnp.ones(enc, jnp.int32), jnp.ones(dec, jnp.int32)
-                variables = initialising_module(self.module).init(
+                module = initialising_module(self.module)
+                variables = module.init(
                     {"params": rng, "dropout": rng}, *tokens, tokens[1], enable_dropout=False
                 )
                 kept = {
@@ -208,9 +209,7 @@ class EncoderDecoderModel:
                     for name in ("params", *STATE_COLLECTIONS)
                     if name in variables
                 }
-                if self.module.config.scan_layers:
-                    return kept
-                return layer_stacking.unstack_layers(kept)
+                return kept if module is self.module else layer_stacking.unstack_layers(kept)
 
             no_mesh = jax.sharding.AbstractMesh((), ())
             with jax.sharding.use_abstract_mesh(no_mesh), nn.logical_axis_rules(()):
