@@ -107,16 +107,21 @@ def quiet_startup(command: str, argv: list[str]) -> None:
 # JAX's persistent compilation cache, on for every command (as MaxText does): a command run
 # again loads its compiled steps instead of compiling them (the smoke's first step comes
 # seconds sooner). ``MOE_JAX_COMPILATION_CACHE=0`` turns it off; a JAX_COMPILATION_CACHE_DIR
-# the user set is used as it is.
+# the user set is used as it is. `moe-jax compile` compiles afresh: its report says how long
+# the compile took.
 CACHE_SWITCH = "MOE_JAX_COMPILATION_CACHE"
+UNCACHED_COMMANDS = frozenset({"compile"})
 
 
-def compilation_cache_dir(environ: MutableMapping[str, str]) -> str | None:
+def compilation_cache_dir(environ: MutableMapping[str, str], command: str = "") -> str | None:
     """Points JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` of
     ``environ``: this process' and those it starts) at ``$XDG_CACHE_HOME/moe-jax/jax``
-    (default ``~/.cache/moe-jax/jax``) unless the user set one; returns the folder in use,
-    None when ``MOE_JAX_COMPILATION_CACHE=0`` turned it off."""
-    if environ.get(CACHE_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    (default ``~/.cache/moe-jax/jax``) unless the user set one; returns the folder in use.
+    Returns None, and turns JAX's cache off (``JAX_ENABLE_COMPILATION_CACHE``), for a
+    command in :data:`UNCACHED_COMMANDS` or when ``MOE_JAX_COMPILATION_CACHE=0``."""
+    off = environ.get(CACHE_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+    if off or command in UNCACHED_COMMANDS:
+        environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
         return None
     if not environ.get("JAX_COMPILATION_CACHE_DIR"):
         base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -218,9 +223,13 @@ def main(argv: list[str] | None = None) -> int:
 def _start(name: str, rest: list[str]) -> int:
     """Runs command ``name`` (compilation cache, quiet start-up, lazy import) with options
     ``rest``."""
-    cache = compilation_cache_dir(os.environ)
-    if cache and "jax" in sys.modules:  # imported already (moe_jax.cli.main called in-process)
-        sys.modules["jax"].config.update("jax_compilation_cache_dir", cache)
+    cache = compilation_cache_dir(os.environ, name)
+    if "jax" in sys.modules:  # imported already (moe_jax.cli.main called in-process)
+        config = sys.modules["jax"].config
+        if cache:
+            config.update("jax_compilation_cache_dir", cache)
+        else:
+            config.update("jax_enable_compilation_cache", False)
     if name not in NO_TENSORFLOW and sys.stderr.isatty() and not {"-h", "--help"} & set(rest):
         # on a terminal, a word before the imports' seconds (logs and refusals stay as they are)
         print(f"[moe-jax] {name}: loading JAX and TensorFlow", file=sys.stderr, flush=True)

@@ -1,12 +1,14 @@
 """T5 relative position buckets and the learned per-head bias they index.
 
-The bias of a query/key pair depends only on the offset ``key - query``, so it is built
-per offset (``query_length + key_length - 1`` of them) and then laid out as a Toeplitz
-matrix by reshaping, not gathered from the ``[heads, buckets]`` table per pair. A gather's
-gradient is a scatter-add of ``heads x query x key`` updates into the table's few hundred
-entries: thousands of contended atomic adds per entry on a GPU (seconds per step at 512
-positions). Here the gradient is a small one-hot contraction and a sum over the layout's
-copies, on every platform.
+The bias of a query/key pair is its bucket's table entry. It is a contraction of the
+``[heads, buckets]`` table with a one-hot ``[buckets, query, key]`` (as in T5X and
+Flaxformer), not a gather from the table per pair: a gather's gradient is a scatter-add of
+``heads x query x key`` updates into the table's few hundred entries, thousands of
+contended atomic adds per entry on a GPU (seconds per step at 512 positions). The
+contraction's gradient is a matmul on every platform. The one-hot compares the pairs'
+buckets (a constant) with an iota, so no ``[buckets, query, key]`` constant is embedded in
+the program, and it lays out without reshapes (a per-offset table laid out as a Toeplitz
+matrix by pad, tile and reshape took a TPU compiler 30 s at 512 positions).
 """
 
 from __future__ import annotations
@@ -58,25 +60,6 @@ def relative_position_bucket(
     return ret + np.where(is_small, n, val_if_large).astype(np.int32)
 
 
-def toeplitz(per_offset: jnp.ndarray, query_length: int, key_length: int) -> jnp.ndarray:
-    """``[..., query_length, key_length]`` with ``out[..., q, k] = per_offset[..., k - q +
-    query_length - 1]``, from ``per_offset [..., query_length + key_length - 1]`` (offsets
-    ``k - q`` from ``-(query_length - 1)`` to ``key_length - 1``), without a gather.
-
-    Row ``q`` is ``per_offset`` shifted left by ``q``: the offsets padded with one element
-    to ``P = query_length + key_length``, repeated ``query_length`` times and read back in
-    rows of ``P - 1`` make each row start one element later than the one above it. Its
-    transpose is a pad, a reshape and a sum over the repeats: no scatter.
-    """
-    width = query_length + key_length  # P
-    padded = jnp.pad(per_offset, [(0, 0)] * (per_offset.ndim - 1) + [(0, 1)])
-    repeated = jnp.tile(padded, (1,) * (per_offset.ndim - 1) + (query_length,))
-    rows = repeated[..., : query_length * (width - 1)].reshape(
-        *per_offset.shape[:-1], query_length, width - 1
-    )
-    return rows[..., query_length - 1 :]
-
-
 class RelativePositionBiases(nn.Module):
     """Learned attention bias per (head, relative-position bucket); one per stack in T5.
 
@@ -102,12 +85,16 @@ class RelativePositionBiases(nn.Module):
         contiguous run, so within-segment offsets are the same, and the segment mask
         removes cross-segment pairs.
         """
-        offsets = np.arange(-(query_length - 1), key_length, dtype=np.int32)  # key - query
-        buckets = relative_position_bucket(
-            offsets, bidirectional, self.num_buckets, self.max_distance
+        offsets = np.arange(key_length)[None, :] - np.arange(query_length)[:, None]
+        buckets = relative_position_bucket(  # [query, key]
+            offsets,
+            bidirectional,
+            self.num_buckets,
+            self.max_distance,
         )
-        # [buckets, offsets]: 1 where the offset falls in the bucket
-        one_hot = (buckets[None] == np.arange(self.num_buckets)[:, None]).astype(np.float32)
+        # [buckets, query, key]: 1 where the pair falls in the bucket
+        bucket_ids = jax.lax.broadcasted_iota(jnp.int32, (self.num_buckets, 1, 1), 0)
+        one_hot = (buckets == bucket_ids).astype(jnp.float32)
         table = self.param(
             "rel_embedding",
             nn.with_logical_partitioning(
@@ -117,11 +104,11 @@ class RelativePositionBiases(nn.Module):
             (self.num_heads, self.num_buckets),
             self.param_dtype,
         )
-        # [heads, offsets]: each entry exactly one table entry (float32, full precision)
-        per_offset = jnp.einsum(
-            "hb,bo->ho",
+        # [heads, query, key]: each entry exactly one table entry (float32, full precision)
+        bias = jnp.einsum(
+            "hb,bqk->hqk",
             jnp.asarray(table, jnp.float32),
             one_hot,
             precision=jax.lax.Precision.HIGHEST,
         )
-        return toeplitz(per_offset, query_length, key_length).astype(self.dtype)[None]
+        return bias.astype(self.dtype)[None]

@@ -15,12 +15,13 @@ executables compiled without a GPU have no cost analysis.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -262,6 +263,23 @@ _SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _OOM_TEMPS = re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)")
 
 
+@contextlib.contextmanager
+def source_keyed_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache keyed by the program's source lines too (its HLO
+    metadata) for the block. Keyed without them (JAX's default), an executable loaded from
+    the cache keeps the lines of the program it was first compiled from, and a report read
+    from it names stale lines after an edit."""
+    import jax
+
+    key = "jax_compilation_cache_include_metadata_in_key"
+    was = getattr(jax.config, key)
+    jax.config.update(key, True)
+    try:
+        yield
+    finally:
+        jax.config.update(key, was)
+
+
 def compile_step(
     step: steps.TrainStep | steps.EvalStep,
     abstract_args: tuple,
@@ -277,12 +295,14 @@ def compile_step(
     ``step.lower(*abstract_args)``; ``analysis`` False: :func:`memory_fit` only (the HLO
     text not read). A compiler that refuses the program for lack of memory (XLA:TPU does)
     gives a result with ``fits`` False, the temporaries it reported and its message,
-    instead of an error."""
+    instead of an error. The analysed compile's cache entry is keyed by its source lines
+    (:func:`source_keyed_cache`)."""
     import jax
 
     start = time.perf_counter()
     try:
-        compiled = step.lower(*abstract_args).compile()
+        with source_keyed_cache() if analysis else contextlib.nullcontext():
+            compiled = step.lower(*abstract_args).compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -23,8 +23,10 @@ def test_compilation_cache_defaults_to_the_users_cache_folder():
 def test_a_users_cache_folder_wins_and_the_cache_can_be_turned_off():
     mine = {"JAX_COMPILATION_CACHE_DIR": "/fast/jax", "XDG_CACHE_HOME": "/x"}
     assert cli.compilation_cache_dir(mine) == "/fast/jax"
-    off = {cli.CACHE_SWITCH: "0"}
-    assert cli.compilation_cache_dir(off) is None and "JAX_COMPILATION_CACHE_DIR" not in off
+    for off, command in [({cli.CACHE_SWITCH: "0", **mine}, "train"), (dict(mine), "compile")]:
+        # `moe-jax compile` reports how long its steps take to compile: never a cache load
+        assert cli.compilation_cache_dir(off, command) is None, command
+        assert off["JAX_ENABLE_COMPILATION_CACHE"] == "false", command
 
 
 def test_scratch_folder_takes_temporary_files_and_is_removed(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ gradient that holds no scatter (a gather's gradient is a contended scatter-add).
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,8 +15,8 @@ from moe_jax import hlo_costs
 from moe_jax.models.relative_position import (
     RelativePositionBiases,
     relative_position_bucket,
-    toeplitz,
 )
+from moe_jax.runtime import aot
 
 
 def _buckets(query_length: int, key_length: int, bidirectional: bool) -> np.ndarray:
@@ -29,11 +31,19 @@ def _table_and_module(dtype=jnp.float32):
     return module, variables["params"]["rel_embedding"]
 
 
-def test_toeplitz_lays_out_offsets_by_key_minus_query():
-    values = jnp.arange(2 * 9, dtype=jnp.float32).reshape(2, 9)  # 4 + 6 - 1 offsets
-    out = np.asarray(toeplitz(values, 4, 6))
-    q, k = np.meshgrid(np.arange(4), np.arange(6), indexing="ij")
-    np.testing.assert_array_equal(out, np.asarray(values)[:, k - q + 3])
+def test_the_program_embeds_the_pairs_buckets_and_no_one_hot_constant():
+    """The one-hot ``[buckets, query, key]`` is made in the program from the ``[query,
+    key]`` buckets and an iota: at 512 positions a constant one-hot would put 8 million
+    floats into every program that holds the bias."""
+    module, table = _table_and_module()
+
+    def loss(t):
+        return jnp.sum(module.apply({"params": {"rel_embedding": t}}, 512, 512, True) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(table).as_text()
+    constants = re.findall(r"stablehlo\.constant dense<.*?> : tensor<([\dx]+)x?\w+>", hlo)
+    sizes = [int(np.prod([int(d) for d in shape.split("x") if d])) for shape in constants]
+    assert max(sizes) == 512 * 512, constants
 
 
 @pytest.mark.parametrize("lengths", [(7, 7), (5, 9), (9, 4), (1, 6), (130, 130)])
@@ -62,7 +72,8 @@ def test_gradient_sums_each_buckets_pairs_accurately():
 
 
 def _contended(fn, *args) -> list[hlo_costs.Scatter]:
-    return hlo_costs.contended_scatters(jax.jit(fn).lower(*args).compile().as_text())
+    with aot.source_keyed_cache():  # this program's source lines, not a cached one's
+        return hlo_costs.contended_scatters(jax.jit(fn).lower(*args).compile().as_text())
 
 
 def test_the_guard_flags_a_gathers_gradient_and_not_the_bias():
