@@ -87,12 +87,13 @@ def make_iterator(cfg: builders.DatasetConfig, *, state: dict | None = None, sta
         pack=cfg.pack,
         use_cached=cfg.use_cached,
         start_step=start_step,
+        shuffle_buffer_size=cfg.shuffle_buffer_size,
     )
 
 
 def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[str]:
     """How this process's stream of ``cfg`` differs from a saved iterator state (task,
-    split, feature lengths, per-process batch size, seed, packing, cache), as
+    split, feature lengths, per-process batch size, seed, packing, cache, shuffle buffer), as
     ``"name: saved -> now"``; empty when the saved position continues the same stream."""
     now = {
         "mixture_or_task_name": cfg.mixture_or_task_name,
@@ -102,6 +103,7 @@ def stream_changes(saved: dict[str, Any], cfg: builders.DatasetConfig) -> list[s
         "seed": cfg.seed,
         "pack": cfg.pack,
         "use_cached": cfg.use_cached,
+        "shuffle_buffer_size": cfg.shuffle_buffer_size,
     }
     return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
 

@@ -51,6 +51,8 @@ class DatasetConfig:
     ``batch_size`` is global (all processes together); ``task_feature_lengths`` e.g.
     ``{"inputs": 512, "targets": 114}``. ``module`` (T5X's ``MIXTURE_OR_TASK_MODULE``): a
     module or ``.py`` file registering the task, imported when the config is built.
+    ``shuffle_buffer_size``: examples the training stream shuffles among (``None``: the
+    task's, 10 000 for the project's tasks); the first batch waits until it is full.
     """
 
     mixture_or_task_name: str
@@ -62,6 +64,7 @@ class DatasetConfig:
     use_cached: bool = False
     pack: bool = True
     module: str | None = None
+    shuffle_buffer_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:

@@ -45,6 +45,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from moe_jax import errors, storage
 from moe_jax.models import layer_stacking
@@ -74,7 +75,7 @@ MIN_REPLICA_SLICE_BYTES = 1 << 20
 def register_array_handler() -> None:
     """Saves ``jax.Array`` leaves replica-parallel only across processes (orbax's default
     there) and in slices of at least :data:`MIN_REPLICA_SLICE_BYTES`."""
-    ocp.type_handlers.register_type_handler(
+    type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
         jax.Array,
         ocp.type_handlers.ArrayHandler(
             array_metadata_store=array_metadata_store.Store(),  # as orbax registers it
@@ -82,6 +83,7 @@ def register_array_handler() -> None:
             min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
         ),
         override=True,
+        ignore_warnings=True,  # orbax warns of every override
     )
 
 

@@ -123,3 +123,24 @@ def test_orbax_waiting_for_a_save_is_not_printed(tmp_path, caplog):
         )
         logging.getLogger("absl").warning("another warning")
     assert [r.getMessage() for r in caplog.records] == ["another warning"]
+
+
+def test_the_shuffle_buffer_is_part_of_the_stream_a_resumed_run_continues():
+    """A saved position continues the stream it was saved from: another shuffle buffer
+    (``SHUFFLE_BUFFER_SIZE``) orders the examples differently, so it is a data change."""
+    from moe_jax.runtime.builders import DatasetConfig
+
+    cfg = DatasetConfig("mc4_span_corruption", {"inputs": 32, "targets": 8}, batch_size=8)
+    saved = {
+        "mixture_or_task_name": "mc4_span_corruption",
+        "task_feature_lengths": {"inputs": 32, "targets": 8},
+        "split": "train",
+        "batch_size": 8,
+        "seed": 0,
+        "pack": True,
+        "use_cached": False,
+        "shuffle_buffer_size": None,
+    }
+    assert train.stream_changes(saved, cfg) == []
+    smaller = DatasetConfig(**{**cfg.__dict__, "shuffle_buffer_size": 1000})
+    assert train.stream_changes(saved, smaller) == ["shuffle_buffer_size: None -> 1000"]

@@ -59,14 +59,19 @@ def _batch():
 
 
 def _logits(model, params, batch):
-    return model.module.apply(
-        {"params": params},
-        batch["encoder_input_tokens"],
-        batch["decoder_input_tokens"],
-        batch["decoder_target_tokens"],
-        enable_dropout=False,
-        mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION],
-    )[0]
+    """The model's logits, jitted (op by op, the MoE model takes seconds per call)."""
+
+    def forward(params, batch):
+        return model.module.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            batch["decoder_input_tokens"],
+            batch["decoder_target_tokens"],
+            enable_dropout=False,
+            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION],
+        )[0]
+
+    return jax.jit(forward)(params, batch)
 
 
 def _files(path: pathlib.Path) -> dict[str, float]:
