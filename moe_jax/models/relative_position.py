@@ -8,7 +8,7 @@ contended atomic adds per entry on a GPU (seconds per step at 512 positions). Th
 contraction's gradient is a matmul on every platform. The one-hot compares the pairs'
 buckets (a constant) with an iota, so no ``[buckets, query, key]`` constant is embedded in
 the program, and it lays out without reshapes (a per-offset table laid out as a Toeplitz
-matrix by pad, tile and reshape took a TPU compiler 30 s at 512 positions).
+matrix by pad, tile and reshape takes the TPU compiler 30 s at 512 positions).
 """
 
 from __future__ import annotations
