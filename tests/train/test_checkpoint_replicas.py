@@ -34,14 +34,17 @@ def test_one_process_saves_a_replicated_array_without_slicing_it(tmp_path, caplo
     # shapes of this test only: a slicing program compiled before would not be logged
     first, second = (np.arange(8 * n, dtype=np.float32).reshape(8, n) + 0.5 for n in (24, 40))
     replicated = NamedSharding(mesh, P())
-    default = ocp.type_handlers.get_type_handler(jax.Array)
+    registered = ocp.type_handlers.get_type_handler(jax.Array)  # put back at the end
     try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(), override=True
+        )  # orbax's default
         saved = jax.device_put(first, replicated)
         assert _slices_compiled(tmp_path / "orbax_default", saved, caplog) == 8
         checkpoints.register_array_handler()
         saved = jax.device_put(second, replicated)
         assert _slices_compiled(tmp_path / "registered", saved, caplog) == 0
     finally:
-        ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
+        ocp.type_handlers.register_type_handler(jax.Array, registered, override=True)
     restored = ocp.StandardCheckpointer().restore(tmp_path / "registered")
     np.testing.assert_array_equal(np.asarray(restored["x"]), second)
