@@ -16,13 +16,14 @@ from moe_jax.runtime import checkpoints
 def _slices_compiled(path, array: jax.Array, caplog) -> int:
     """Programs compiled while ``array`` is saved under ``path`` that slice it."""
     caplog.clear()
+    was = jax.config.jax_log_compiles
     jax.config.update("jax_log_compiles", True)
     try:
         with caplog.at_level(logging.WARNING), ocp.StandardCheckpointer() as saver:
             saver.save(path, {"x": array})
             saver.wait_until_finished()
     finally:
-        jax.config.update("jax_log_compiles", False)
+        jax.config.update("jax_log_compiles", was)
     return sum("Compiling jit(slice)" in r.getMessage() for r in caplog.records)
 
 
