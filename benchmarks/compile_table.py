@@ -107,7 +107,26 @@ def compile_one(run: str, target: str, force: bool, hlo_dir: str | None) -> None
         print(f"  failed (exit {proc.returncode}); see {err}", flush=True)
     else:
         err.unlink(missing_ok=True)
+        report = json.loads(out.read_text())
+        report["source"] = source_commit()
+        out.write_text(json.dumps(report, indent=1))
         print(f"  exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def source_commit() -> str:
+    """The commit whose code compiles now: ``git``'s short hash, with ``+changes`` when
+    the model, its configs or the compiler's reader differ from it in the work tree."""
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    changed = subprocess.run(
+        [*git, "status", "--porcelain", "--", "moe_jax", "gin"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return commit + ("+changes" if changed else "")
 
 
 def _gib(n: float) -> str:
