@@ -140,8 +140,8 @@ def table() -> str:
     rows = [
         "| run | target | fits? | GiB/device (params+opt / temps / total of HBM) | collectives "
         "(train step) | TFLOP/step | step, estimate (compiled, not run) | MoE layers' HLO bytes | "
-        "compile |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "compile | code |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, target in pairs():
         spec = TARGETS[target][0]
@@ -165,7 +165,7 @@ def table() -> str:
             f"| {run} | {target} (`{spec}`) | {'yes' if r['fits'] else '**no**'} | "
             f"{_gib(b['params_and_optimizer'])} / {_gib(b['temporaries'])} / {_gib(b['total'])} of "
             f"{_gib(b['device_memory'])} | {coll} | {step['flops_per_step'] / 1e12:.1f} | "
-            f"{est} | {share} | {step['compile_s']:.0f} s |"
+            f"{est} | {share} | {step['compile_s']:.0f} s | {r.get('source', '-')} |"
         )
     if missing:
         rows += ["", "Not compiled: " + ", ".join(missing) + "."]

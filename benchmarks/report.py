@@ -68,7 +68,9 @@ def _compile_table() -> str:
         "`python benchmarks/compile_table.py run` compiles each (run, target) pair with "
         "`moe-jax compile --no_eval` into `benchmarks/compile_reports/`; "
         "`python benchmarks/compile_table.py table` prints this table from those reports. "
-        "Machine: each target compiled on a 2-core x86_64 CPU (no chip ran it).\n\n"
+        "Machine: each target compiled on a 2-core x86_64 CPU (no chip ran it). `code`: the "
+        "commit whose code compiled the row (`+changes`: with uncommitted changes to `moe_jax/` "
+        "or `gin/`).\n\n"
         + compile_table.table()
         + "\n\n- Collectives (and the collective term of the estimate): these reports were "
         "read by the HLO parser `moe-jax compile` had before `moe_jax/hlo_costs.py` became "

@@ -44,6 +44,41 @@ def combine_masks(*masks: jnp.ndarray | None) -> jnp.ndarray | None:
     return out
 
 
+@jax.custom_vjp
+def logits_in_float32(query: jnp.ndarray, key: jnp.ndarray) -> jnp.ndarray:
+    """``q k^T`` of ``[batch, q_len, heads, head_dim]`` x ``[batch, k_len, heads, head_dim]``
+    -> float32 ``[batch, heads, q_len, k_len]``, from inputs kept in their own dtype.
+
+    The matmul accumulates in float32 and returns float32: with bfloat16 inputs every
+    product is exact there, so the logits equal those of the inputs cast to float32, from
+    a bfloat16 matmul (half the bytes, twice a GPU's TF32 rate). Its backward pass rounds
+    the float32 logits' cotangent to the inputs' dtype for the two gradient matmuls, as
+    fused (flash) attention kernels do and as a TPU's default-precision float32 matmul does
+    anyway; without this JAX would multiply the float32 cotangent in float32.
+    """
+    return jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+
+
+def _logits_in_float32_fwd(
+    query: jnp.ndarray, key: jnp.ndarray
+) -> tuple[jnp.ndarray, tuple[jnp.ndarray, jnp.ndarray]]:
+    return logits_in_float32(query, key), (query, key)
+
+
+def _logits_in_float32_bwd(
+    residuals: tuple[jnp.ndarray, jnp.ndarray], cotangent: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    query, key = residuals
+    cotangent = cotangent.astype(jnp.promote_types(query.dtype, key.dtype))
+    return (
+        jnp.einsum("bhqk,bkhd->bqhd", cotangent, key).astype(query.dtype),
+        jnp.einsum("bhqk,bqhd->bkhd", cotangent, query).astype(key.dtype),
+    )
+
+
+logits_in_float32.defvjp(_logits_in_float32_fwd, _logits_in_float32_bwd)
+
+
 def dot_product_attention(
     query: jnp.ndarray,
     key: jnp.ndarray,
@@ -64,12 +99,16 @@ def dot_product_attention(
       value: ``[batch, k_len, heads, head_dim]``.
       bias: broadcastable to ``[batch, heads, q_len, k_len]`` (relative positions).
       mask: boolean, broadcastable to ``[batch, heads, q_len, k_len]``; False = blocked.
+      dtype: the softmax weights' and the output's dtype.
+      float32_logits: logits, bias, mask and softmax in float32 (:func:`logits_in_float32`);
+        False: in the dtype of ``query`` and ``key``.
     Returns:
       ``[batch, q_len, heads, head_dim]``.
     """
     if float32_logits:
-        query, key = jnp.asarray(query, jnp.float32), jnp.asarray(key, jnp.float32)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+        logits = logits_in_float32(query, key)
+    else:
+        logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
     if bias is not None:
         logits = logits + jnp.asarray(bias, logits.dtype)
     if mask is not None:
@@ -146,7 +185,8 @@ class MultiHeadDotProductAttention(nn.Module):
       dtype: activation dtype.
       param_dtype: parameter dtype.
       dropout_rate: dropout on the attention weights.
-      float32_logits: compute q.k and the softmax in float32 (recommended with bf16).
+      float32_logits: the logits and their softmax in float32, q.k accumulated in float32
+        from q and k in ``dtype`` (:func:`logits_in_float32`; recommended with bf16).
       kernel: one of :data:`ATTENTION_KERNELS` (``cudnn`` needs a bfloat16/float16
         ``dtype`` and no attention dropout; decoding steps always use ``xla``).
     """

@@ -150,7 +150,9 @@ class T5Config:
       activation_dtype_name: activation dtype (``'float32'`` or ``'bfloat16'``; gin macro
         ``ACTIVATION_DTYPE``); :attr:`activation_dtype` is its ``jnp.dtype``.
       param_dtype: parameter dtype (keep ``'float32'``).
-      float32_attention_logits: q.k and softmax in float32.
+      float32_attention_logits: the attention logits and their softmax in float32 (q.k
+        accumulated in float32 from bfloat16 q and k: ``attention.logits_in_float32``);
+        False: in the activations' dtype.
       attention_kernel: who computes attention (``attention.ATTENTION_KERNELS``):
         ``'xla'`` (every platform) or ``'cudnn'`` (cuDNN's fused attention on NVIDIA GPUs,
         bfloat16 activations, no attention dropout; its softmax is always float32).
