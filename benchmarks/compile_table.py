@@ -114,11 +114,15 @@ def compile_one(run: str, target: str, force: bool, hlo_dir: str | None) -> None
 
 
 def source_commit() -> str:
-    """The commit whose code compiles now: ``git``'s short hash, with ``+changes`` when
-    the model, its configs or the compiler's reader differ from it in the work tree."""
+    """The code that compiles now: the short hash of the last commit that changed the model
+    or its configs (``moe_jax/``, ``gin/``), with ``+changes`` when the work tree differs
+    from it there."""
     git = ["git", "-C", str(REPO)]
     commit = subprocess.run(
-        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        [*git, "log", "-1", "--format=%h", "--", "moe_jax", "gin"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     changed = subprocess.run(
         [*git, "status", "--porcelain", "--", "moe_jax", "gin"],
