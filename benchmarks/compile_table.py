@@ -10,7 +10,9 @@ and benchmarks/RESULTS.md ("Documented runs on their targets").
 
 ``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
 in a fresh process, one at a time, and keeps each report as
-``benchmarks/compile_reports/<run>__<target>.json`` (an existing report is kept unless
+``benchmarks/compile_reports/<run>__<target>.json`` with the commit of the code that
+compiled it (``source``: the last commit that changed ``moe_jax/`` or ``gin/``, and its date
+``source_date``; the table's ``code`` column) (an existing report is kept unless
 ``--force``; ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``); a failed
 compile leaves ``.err`` with its last lines. ``recount`` redoes what the HLO text gives
 (collectives, the MoE layers' share, the roofline estimate: ``aot.hlo_analysis``) for every
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -108,29 +111,30 @@ def compile_one(run: str, target: str, force: bool, hlo_dir: str | None) -> None
     else:
         err.unlink(missing_ok=True)
         report = json.loads(out.read_text())
-        report["source"] = source_commit()
+        report["source"], report["source_date"] = source_commit()
         out.write_text(json.dumps(report, indent=1))
         print(f"  exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def source_commit() -> str:
+def source_commit() -> tuple[str, str]:
     """The code that compiles now: the short hash of the last commit that changed the model
     or its configs (``moe_jax/``, ``gin/``), with ``+changes`` when the work tree differs
-    from it there."""
+    from it there, and that commit's date (UTC, ISO 8601)."""
     git = ["git", "-C", str(REPO)]
-    commit = subprocess.run(
-        [*git, "log", "-1", "--format=%h", "--", "moe_jax", "gin"],
+    commit, date = subprocess.run(
+        [*git, "log", "-1", "--format=%h %cd", "--date=iso-strict-local", "--", "moe_jax", "gin"],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.strip()
+        env={**os.environ, "TZ": "UTC"},
+    ).stdout.split()
     changed = subprocess.run(
         [*git, "status", "--porcelain", "--", "moe_jax", "gin"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    return commit + ("+changes" if changed else "")
+    return commit + ("+changes" if changed else ""), date
 
 
 def _gib(n: float) -> str:
@@ -174,6 +178,33 @@ def table() -> str:
     if missing:
         rows += ["", "Not compiled: " + ", ".join(missing) + "."]
     return "\n".join(rows)
+
+
+def _sources() -> dict[tuple[str, str], tuple[str, str]]:
+    """(code date, code commit) of every compiled pair's report."""
+    sources = {}
+    for pair in pairs():
+        if report_path(*pair).exists():
+            report = json.loads(report_path(*pair).read_text())
+            sources[pair] = (report.get("source_date", ""), report.get("source", "-"))
+    return sources
+
+
+def newest_code() -> tuple[str, str]:
+    """(date, commit) of the newest code any report was compiled from."""
+    return max(_sources().values())
+
+
+def older_than(date: str) -> dict[str, list[str]]:
+    """The pairs compiled from code committed before ``date`` (ISO 8601, UTC), by target
+    (``["all"]`` where every run of the target is)."""
+    older: dict[str, list[str]] = {}
+    for target in TARGETS:
+        every = [run for run, t in pairs() if t == target]
+        runs = [run for (run, t), (when, _) in _sources().items() if t == target and when < date]
+        if runs:
+            older[target] = ["all"] if runs == every else runs
+    return older
 
 
 def recount(hlo_dir: str) -> None:

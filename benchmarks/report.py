@@ -23,6 +23,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import types
 from collections.abc import Callable
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -70,24 +71,44 @@ def _compile_table() -> str:
         "`python benchmarks/compile_table.py table` prints this table from those reports. "
         "Machine: each target compiled on a 2-core x86_64 CPU (no chip ran it). `code`: the "
         "commit whose code compiled the row (`+changes`: with uncommitted changes to `moe_jax/` "
-        "or `gin/`).\n\n"
-        + compile_table.table()
-        + "\n\n- Collectives (and the collective term of the estimate): these reports were "
-        "read by the HLO parser `moe-jax compile` had before `moe_jax/hlo_costs.py` became "
-        "its one reader: result bytes, and every collective instruction of the text counted, "
-        "so on TPU each piece of an asynchronous collective split over a chain of fusions "
-        "(start, continuation fusions, done) counted as one collective: the all-gathers (and "
-        "possibly collective-permutes) of the FSDP Base rows on TPU are over-counted. "
-        "`moe-jax compile` now counts each collective once, with the bytes moved per device "
-        "that `moe_jax/hlo_costs.py` defines (operands; an all-gather's result; a ragged "
-        "all-to-all's first operand). Measured on the smoke config with FSDP compiled for "
-        "`tpu:v5e:2x2`, mesh (2, 2, 1): 156 all-gathers, 3.24 MB per device before, 74 and "
-        "0.75 MB now; its all-to-alls, all-reduces and collective-permutes are unchanged. "
-        "On GPU a reduce-scatter now counts its operand, n times its result: the same "
-        "config on `gpu:h100:8` has 2 reduce-scatters, 75 kB before and 602 kB now, its "
-        "other collectives unchanged. "
-        "`compile_table.py run --force --hlo_dir DIR` recompiles them."
+        "or `gin/`).\n\n" + compile_table.table() + _older_code_note(compile_table)
     )
+
+
+# The commit (and its date) from which `moe-jax compile` counts each collective once
+# (moe_jax/hlo_costs.py).
+COLLECTIVES_COUNTED_ONCE = ("2026-11-25T22:16:30+00:00", "1c11bc6")
+
+
+def _older_code_note(compile_table: types.ModuleType) -> str:
+    """Which rows were compiled from older code than the newest rows, and what that means."""
+
+    def listed(older: dict[str, list[str]]) -> str:
+        return "; ".join(f"{target}: {', '.join(runs)}" for target, runs in older.items())
+
+    (newest_date, newest), (counted_date, counted) = (
+        compile_table.newest_code(),
+        COLLECTIVES_COUNTED_ONCE,
+    )
+    older, uncounted = (compile_table.older_than(d) for d in (newest_date, counted_date))
+    note = ""
+    if older:
+        note += (
+            f"\n\n- Rows compiled from older code than `{newest}` ({listed(older)}) predate "
+            "later changes to the model and its compiled step (CHANGELOG). "
+            "`compile_table.py run --force --only RUN__TARGET` recompiles a row."
+        )
+    if uncounted:
+        note += (
+            f"\n- Rows compiled before `{counted}` ({listed(uncounted)}) "
+            "counted every collective instruction of the HLO text: on TPU each piece of an "
+            "asynchronous collective split over a chain of fusions (start, continuation "
+            "fusions, done) counted once, so the all-gathers (possibly the "
+            "collective-permutes) of their FSDP Base rows are over-counted. `moe-jax compile` "
+            "now counts each collective once, with the bytes moved per device that "
+            "`moe_jax/hlo_costs.py` defines."
+        )
+    return note
 
 
 def _moe_vs_dense() -> str:
