@@ -10,11 +10,11 @@ and benchmarks/RESULTS.md ("Documented runs on their targets").
 
 ``run`` calls ``moe-jax compile --no_eval --out`` (the train step) once per (run, target)
 in a fresh process, one at a time, and keeps each report as
-``benchmarks/compile_reports/<run>__<target>.json`` with the commit of the code that
-compiled it (``source``: the last commit that changed ``moe_jax/`` or ``gin/``, and its date
-``source_date``; the table's ``code`` column) (an existing report is kept unless
-``--force``; ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``); a failed
-compile leaves ``.err`` with its last lines. ``recount`` redoes what the HLO text gives
+``benchmarks/compile_reports/<run>__<target>.json``, with the code that compiled it
+(``source``: the last commit that changed ``moe_jax/`` or ``gin/``; ``source_date``: its
+date; the table's ``code`` column). An existing report is kept unless ``--force``;
+``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``; a failed compile leaves
+``.err`` with its last lines. ``recount`` redoes what the HLO text gives
 (collectives, the MoE layers' share, the roofline estimate: ``aot.hlo_analysis``) for every
 report whose HLO was kept, without compiling again. ``table`` renders the reports; a pair
 without one is listed as not compiled. Numbers are those of the executable compiled for the
@@ -198,10 +198,10 @@ def newest_code() -> tuple[str, str]:
 def older_than(date: str) -> dict[str, list[str]]:
     """The pairs compiled from code committed before ``date`` (ISO 8601, UTC), by target
     (``["all"]`` where every run of the target is)."""
-    older: dict[str, list[str]] = {}
+    sources, older = _sources(), {}
     for target in TARGETS:
         every = [run for run, t in pairs() if t == target]
-        runs = [run for (run, t), (when, _) in _sources().items() if t == target and when < date]
+        runs = [run for (run, t), (when, _) in sources.items() if t == target and when < date]
         if runs:
             older[target] = ["all"] if runs == every else runs
     return older
