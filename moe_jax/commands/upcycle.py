@@ -66,6 +66,7 @@ def _keeps_every_token(config: MoeConfig) -> bool:
             factor,
             cap.min_expert_capacity,
             cap.capacity_rule,
+            cap.expert_capacity,
         )
         >= tokens
         for factor in (cap.train_capacity_factor, cap.eval_capacity_factor)

@@ -47,7 +47,7 @@ from moe_jax.moe.config import default_config as default_moe_config
 from moe_jax.moe.config import from_dict as moe_config_from_dict
 from moe_jax.moe.layer import MoeLayer
 
-SPARSE_LAYOUTS = ("bottom", "middle", "top", "mixed")
+SPARSE_LAYOUTS = ("bottom", "middle", "top", "mixed", "switch")
 SPARSE_LAYER_TYPES = ("moe", "dense")
 
 # What each layer keeps for the backward pass (``T5Config.remat_policy``); anything not kept
@@ -70,7 +70,9 @@ def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple
 
     ``bottom``: the first ``num_sparse``; ``top``: the last; ``middle``: a centred run;
     ``mixed``: evenly spaced, layer ``i`` sparse when ``i % (L // S) == L // S - 1``
-    (layers 3, 7, 11 for 3 of 12).
+    (layers 3, 7, 11 for 3 of 12); ``switch``: evenly spaced as Switch Transformers /
+    Hugging Face place them, layer ``i`` sparse when ``i % (L // S) == 1`` (every layer when
+    ``L == S``; layers 1, 5, 9 for 3 of 12).
 
     Raises:
       ValueError: naming the option when the layout is unknown, ``num_sparse`` is out of
@@ -90,10 +92,11 @@ def sparse_layer_indices(num_layers: int, num_sparse: int, layout: str) -> tuple
         start = num_layers // 2 - num_sparse // 2
         return tuple(range(start, start + num_sparse))
     period = num_layers // num_sparse
-    layers = tuple(i for i in range(num_layers) if i % period == period - 1)
+    offset = period - 1 if layout == "mixed" else min(1, period - 1)
+    layers = tuple(i for i in range(num_layers) if i % period == offset)
     if len(layers) != num_sparse:
         raise ValueError(
-            f"sparse_layout='mixed' with num_layers={num_layers} gives sparse layers "
+            f"sparse_layout={layout!r} with num_layers={num_layers} gives sparse layers "
             f"{layers}, not num_sparse_layers={num_sparse}; choose a divisor of "
             f"{num_layers} or another layout"
         )
@@ -158,8 +161,11 @@ class T5Config:
         bfloat16 activations, no attention dropout; its softmax is always float32).
       relpos_num_buckets, relpos_max_distance: T5 relative position buckets.
       num_sparse_encoder_layers, num_sparse_decoder_layers: sparse layers per stack.
-      sparse_layout: ``bottom``, ``middle``, ``top`` or ``mixed`` (see
+      sparse_layout: ``bottom``, ``middle``, ``top``, ``mixed`` or ``switch`` (see
         :func:`sparse_layer_indices`).
+      sparse_encoder_layers, sparse_decoder_layers: the sparse layers of a stack by index
+        (as a Hugging Face checkpoint's ``encoder_sparse_step`` places them), instead of
+        the layout; ``num_sparse_*_layers`` is then their count (0: taken from the list).
       sparse_layer_type: ``'moe'`` puts ``MoeLayer`` at the sparse positions (configured
         by ``moe`` / ``decoder_moe``); ``'dense'`` puts a dense MLP of width
         ``flop_matched_mlp_dim`` there (the FLOP-matched dense baseline).
@@ -202,6 +208,8 @@ class T5Config:
     num_sparse_encoder_layers: int = 0
     num_sparse_decoder_layers: int = 0
     sparse_layout: str = "mixed"
+    sparse_encoder_layers: Sequence[int] | None = None
+    sparse_decoder_layers: Sequence[int] | None = None
     sparse_layer_type: str = "moe"
     flop_matched_mlp_dim: int | None = None
     remat_policy: str = "none"
@@ -242,6 +250,8 @@ class T5Config:
                 f"T5Config.remat_policy={self.remat_policy!r} is not one of {tuple(REMAT_POLICIES)}"
             )
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+        for stack in ("encoder", "decoder"):
+            self._set_explicit_sparse_layers(stack)
         self.sparse_layers("encoder")  # validates layout and counts early
         self.sparse_layers("decoder")
         if self.has_moe and self.moe is None:
@@ -252,10 +262,40 @@ class T5Config:
         if self.has_moe and self.num_sparse_decoder_layers:
             self.moe_config("decoder").check_causal("the decoder")
 
+    def _set_explicit_sparse_layers(self, stack: str) -> None:
+        """Checks ``sparse_<stack>_layers`` (as a sorted tuple) against the stack's depth and
+        ``num_sparse_<stack>_layers`` (set to its length when 0).
+
+        Raises:
+          ValueError: naming the option when an index is out of range or repeated, or the
+            count disagrees.
+        """
+        option, count = f"sparse_{stack}_layers", f"num_sparse_{stack}_layers"
+        layers = getattr(self, option)
+        if layers is None:
+            return
+        depth = getattr(self, f"num_{stack}_layers")
+        layers = tuple(sorted(int(i) for i in layers))
+        if len(set(layers)) != len(layers) or any(not 0 <= i < depth for i in layers):
+            raise ValueError(
+                f"T5Config.{option}={list(layers)} must be distinct layer indices in "
+                f"[0, num_{stack}_layers={depth})"
+            )
+        if getattr(self, count) == 0:
+            object.__setattr__(self, count, len(layers))
+        if getattr(self, count) != len(layers):
+            raise ValueError(
+                f"T5Config.{option}={list(layers)} has {len(layers)} layers but "
+                f"{count}={getattr(self, count)}"
+            )
+        object.__setattr__(self, option, layers)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (the MoE configs as ``MoeConfig.to_dict``)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["mlp_activations"] = list(self.mlp_activations)
+        for name in ("sparse_encoder_layers", "sparse_decoder_layers"):
+            out[name] = None if out[name] is None else list(out[name])
         for name in ("moe", "decoder_moe"):
             out[name] = None if out[name] is None else out[name].to_dict()
         return out
@@ -295,7 +335,11 @@ class T5Config:
         return self.moe
 
     def sparse_layers(self, stack: str) -> tuple[int, ...]:
-        """Indices of the sparse layers of ``stack`` (``'encoder'`` or ``'decoder'``)."""
+        """Indices of the sparse layers of ``stack`` (``'encoder'`` or ``'decoder'``): its
+        explicit list (``sparse_<stack>_layers``), else those of the layout."""
+        explicit = {"encoder": self.sparse_encoder_layers, "decoder": self.sparse_decoder_layers}
+        if explicit.get(stack) is not None:
+            return tuple(explicit[stack] or ())
         if stack == "encoder":
             return sparse_layer_indices(
                 self.num_encoder_layers, self.num_sparse_encoder_layers, self.sparse_layout

@@ -19,6 +19,11 @@ capacity and (for expert choice / BPR) token competition happen inside a group.
 
   then ``max(capacity, min_expert_capacity)``, clipped to ``tokens_per_group`` (an expert
   never receives more than one assignment per token). A capacity below 1 is refused.
+  A fixed capacity (``CapacityConfig.expert_capacity``, Hugging Face Switch Transformers'
+  ``expert_capacity``) replaces the rule, clipped the same way.
+* ``CapacityConfig.group_by_sequence``: each sequence is one routing group
+  (:func:`sequence_layout`), as Hugging Face's Switch Transformers fill capacity per
+  sequence in token order.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ def group_layout(num_tokens: int, group_size: int, group_shards: int = 1) -> tup
     tokens_per_group = max(1, min(group_size, math.ceil(num_tokens / group_shards)))
     groups = math.ceil(num_tokens / tokens_per_group)
     return math.ceil(groups / group_shards) * group_shards, tokens_per_group
+
+
+def sequence_layout(batch: int, length: int, group_shards: int = 1) -> tuple[int, int]:
+    """``(groups, tokens_per_group)`` with one sequence per group: ``length`` tokens per
+    group, ``batch`` groups rounded up to a multiple of ``group_shards`` (the extra groups
+    are padding)."""
+    return math.ceil(batch / group_shards) * group_shards, length
 
 
 def to_groups(x: jax.Array, groups: int, tokens_per_group: int) -> jax.Array:
@@ -57,12 +69,16 @@ def expert_capacity(
     capacity_factor: float,
     min_expert_capacity: int,
     rule: CapacityRule = "t5x",
+    fixed: int | None = None,
 ) -> int:
-    """Buffer size per expert and group (see module docstring).
+    """Buffer size per expert and group (see module docstring); ``fixed``: that capacity
+    instead of the rule's (clipped to ``tokens_per_group``).
 
     Raises:
       ValueError: a capacity below 1 (the factor and the sizes it came from named).
     """
+    if fixed is not None:
+        return min(fixed, tokens_per_group)
     scale = num_selected_experts if rule == "k_scaled" else 1
     capacity = max(
         # capacity_factor may be a numpy scalar, whose round() is not a Python int

@@ -146,6 +146,8 @@ class TopKRouterConfig(RouterConfig):
       num_limited_groups, max_groups_per_token: group-limited routing: each token picks
         its experts inside its best M of G expert groups (M = 0: off; G = None: the
         ``expert`` mesh axis size, so a token reaches at most M devices).
+      router_bias: a learned bias on the router logits (Switch Transformers'
+        ``router_bias``; parameter ``router/weights/b``).
     """
 
     router_type: ClassVar[RouterType] = "top_k"
@@ -159,6 +161,7 @@ class TopKRouterConfig(RouterConfig):
     bias_update_rate: float = 0.0
     num_limited_groups: int | None = None
     max_groups_per_token: int = 0
+    router_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -349,6 +352,11 @@ class CapacityConfig:
       capacity_order: ``choice_major`` (T5X: every token's first choice before any second
         choice), ``token_major`` (all choices of token 0, then of token 1, ...) or ``auto``:
         ``token_major`` in a causal decoder, else ``choice_major``.
+      expert_capacity: a fixed capacity per expert and routing group instead of the
+        factors' (None: the factors'); Hugging Face Switch Transformers' ``expert_capacity``.
+      group_by_sequence: each sequence is one routing group (``group_size`` unused), as
+        Hugging Face's Switch Transformers fill each expert's capacity per sequence in
+        token order.
     """
 
     train_capacity_factor: float = 1.25
@@ -358,8 +366,12 @@ class CapacityConfig:
     group_size: int = 4096
     dropless: bool = False
     capacity_order: CapacityOrderOption = "auto"
+    expert_capacity: int | None = None
+    group_by_sequence: bool = False
 
     def __post_init__(self) -> None:
+        if self.expert_capacity is not None and self.expert_capacity < 1:
+            raise ValueError(f"CapacityConfig.expert_capacity={self.expert_capacity} must be >= 1")
         for name in ("train_capacity_factor", "eval_capacity_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CapacityConfig.{name}={getattr(self, name)} must be > 0")

@@ -108,11 +108,13 @@ class MoeLayer(nn.Module):
         mesh = ep.current_mesh()
         ep.check_divisible(cfg.routed_experts, mesh, axes.expert_axis)
         check_group_limit(cfg.routed_experts, cfg.choices_per_token, *self._group_limit(mesh))
-        groups, tokens_per_group = cap.group_layout(
-            num_tokens,
-            cfg.capacity.group_size,
-            ep.group_shards(mesh, axes.data_axis, axes.expert_axis),
-        )
+        shards = ep.group_shards(mesh, axes.data_axis, axes.expert_axis)
+        if cfg.capacity.group_by_sequence:
+            groups, tokens_per_group = cap.sequence_layout(batch, length, shards)
+        else:
+            groups, tokens_per_group = cap.group_layout(
+                num_tokens, cfg.capacity.group_size, shards
+            )
 
         def grouped(a: Array) -> Array:
             return cap.to_groups(a.reshape((num_tokens, *a.shape[2:])), groups, tokens_per_group)
@@ -136,6 +138,7 @@ class MoeLayer(nn.Module):
                 cfg.capacity.factor(deterministic),
                 cfg.capacity.min_expert_capacity,
                 cfg.capacity.capacity_rule,
+                cfg.capacity.expert_capacity,
             )
 
         router_output = self._router(mesh)(x, mask, ids, capacity, deterministic)

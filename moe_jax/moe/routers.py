@@ -102,10 +102,12 @@ class RouterOutput:
 
 
 class RouterWeights(nn.Module):
-    """``logits = x @ w``: the routing matrix, one column per expert, no bias."""
+    """``logits = x @ w (+ b)``: the routing matrix, one column per expert, and with
+    ``use_bias`` a bias ``b [experts]`` (zeros at init; Hugging Face's ``router_bias``)."""
 
     num_experts: int
     init_stddev: float = 2e-2
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -115,7 +117,11 @@ class RouterWeights(nn.Module):
             nn.initializers.normal(self.init_stddev), ("embed", "unmodeled")
         )
         w = self.param("w", init, (x.shape[-1], self.num_experts), jnp.float32)
-        return jnp.einsum("gsd,de->gse", x.astype(jnp.float32), w)
+        logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), w)
+        if not self.use_bias:
+            return logits
+        b_init = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",))
+        return logits + self.param("b", b_init, (self.num_experts,), jnp.float32)
 
 
 def top_k(values: Array, k: int, select: Array | None = None) -> tuple[Array, Array]:
@@ -208,6 +214,7 @@ class TopKRouter(nn.Module):
         (``router_bias`` collection) to the scores for selection, and, in training when that
         collection is mutable, moves it by this rate ``u`` toward under-loaded experts.
       num_limited_groups, max_groups_per_token: group-limited routing (G, M; M = 0: off).
+      router_bias: the router's logits have a learned bias (``RouterWeights.use_bias``).
     """
 
     num_experts: int
@@ -220,6 +227,7 @@ class TopKRouter(nn.Module):
     bias_update_rate: float = 0.0
     num_limited_groups: int = 1
     max_groups_per_token: int = 0
+    router_bias: bool = False
 
     def _logits(self, x: Array, deterministic: bool) -> Array:
         if self.jitter_noise > 0.0 and not deterministic:
@@ -230,7 +238,9 @@ class TopKRouter(nn.Module):
                 1.0 - self.jitter_noise,
                 1.0 + self.jitter_noise,
             )
-        return RouterWeights(self.num_experts, self.init_stddev, name="weights")(x)
+        return RouterWeights(
+            self.num_experts, self.init_stddev, use_bias=self.router_bias, name="weights"
+        )(x)
 
     def _bias(self) -> nn.Variable | None:
         """The balancing bias ``[experts]`` (float32, zeros at init), or None when off."""
