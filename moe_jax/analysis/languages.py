@@ -380,7 +380,7 @@ def _route_checkpoints(
             "step": step,
             "layers": {
                 name: analyze_layer(
-                    _first_rows(layer, n), row_labels, num_labels, shuffled.get(name), rng
+                    layer.first_rows(n), row_labels, num_labels, shuffled.get(name), rng
                 )
                 for name, layer in layers.items()
             },
@@ -400,12 +400,3 @@ def seed_summary_lines(summary: list[dict[str, Any]]) -> list[str]:
         for entry in summary
         for name, stats in entry["layers"].items()
     ]
-
-
-def _first_rows(layer: routing.LayerRouting, n: int) -> routing.LayerRouting:
-    """``layer`` without the padding rows of the last batch."""
-    import dataclasses
-
-    return dataclasses.replace(
-        layer, **{f.name: getattr(layer, f.name)[:n] for f in dataclasses.fields(layer)}
-    )

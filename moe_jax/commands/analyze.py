@@ -31,10 +31,25 @@ ANALYSES: dict[str, tuple[str, str]] = {
         "languages as latent clusters: I(language; expert) vs "
         "shuffled labels, sparsity per language vs a shuffled router, heatmaps, curves over steps",
     ),
+    "trace": (
+        "moe_jax.analysis.trace",
+        "per-token routing records as Parquet: example, position, token and piece, label, "
+        "layer, top-k experts and probabilities, dropped",
+    ),
 }
+# Analyses reading per-token routing traces (gin defaults: gin/analysis/trace.gin).
+TRACED = frozenset({"trace"})
 # Analyses taking several checkpoints (``--checkpoint`` repeated, ``--all_steps``).
-MULTI_CHECKPOINT = frozenset({"languages"})
+MULTI_CHECKPOINT = frozenset({"languages"}) | TRACED
 DEFAULTS_DIR = gin_text.REPO_GIN_DIR / "analysis"
+
+
+def _defaults(analysis: str) -> list[str]:
+    """The analysis' gin defaults: ``trace.gin`` for those reading traces, then its own
+    file when it has one."""
+    files = [DEFAULTS_DIR / "trace.gin"] if analysis in TRACED else []
+    files += [DEFAULTS_DIR / f"{analysis}.gin"]
+    return [str(f) for f in dict.fromkeys(files) if f.exists()]
 
 
 def _usage() -> str:
@@ -94,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args.gin_file = run_config.run_gin_files(
         args,
         args.checkpoint[0],
-        [str(DEFAULTS_DIR / f"{analysis}.gin")],
+        _defaults(analysis),
         extend_run_config=True,
         command=f"moe-jax analyze {analysis}",
     )

@@ -142,13 +142,13 @@ class MoeLayer(nn.Module):
             )
 
         router_output = self._router(mesh)(x, mask, ids, capacity, deterministic)
-        self._sow_routing(router_output, x, num_tokens, (batch, length))
         weights = ExpertWeights(
             cfg.routed_experts, cfg.expert_d_ff, cfg.activation, self.dtype, name="expert"
         )(d_model)
         y, kept = self._dispatch_run_combine(
             x, router_output, weights, capacity, mesh, deterministic
         )
+        self._sow_routing(router_output, kept, x, num_tokens, (batch, length))
         self._sow_losses_and_metrics(router_output, mask, kept)
         y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model)
         if cfg.num_shared_experts:
@@ -244,7 +244,12 @@ class MoeLayer(nn.Module):
         return outputs[0], (outputs[1] if num_outputs == 2 else None)
 
     def _sow_routing(
-        self, router_output: RouterOutput, x: Array, num_tokens: int, batch_length: tuple[int, int]
+        self,
+        router_output: RouterOutput,
+        kept: Array | None,
+        x: Array,
+        num_tokens: int,
+        batch_length: tuple[int, int],
     ) -> None:
         """Sows per-token routing into ``routing`` when that collection is mutable (and not
         at init), so training and eval are unaffected. In ``[batch, length, ...]`` layout:
@@ -254,7 +259,10 @@ class MoeLayer(nn.Module):
           ``router_probs [batch, length, experts]`` float32 the router's distribution over
             experts (``RouterOutput.probs``);
           ``expert_index [batch, length, k]`` int32 chosen experts, best first, before
-            capacity (``num_experts`` = padding); token-choice routers only.
+            capacity (``num_experts`` = padding); token-choice routers only;
+          ``kept [batch, length, k]`` bool whether each choice reached its expert (False:
+            dropped by capacity, or padding); expert choice: ``[batch, length, 1]`` whether
+            any expert took the token.
         """
         if self.is_initializing() or not self.is_mutable_collection(ROUTING_COLLECTION):
             return
@@ -268,6 +276,9 @@ class MoeLayer(nn.Module):
             self.sow(
                 ROUTING_COLLECTION, "expert_index", ungrouped(router_output.routing.expert_index)
             )
+        if kept is None:  # expert choice
+            kept = jnp.any(router_output.assigned > 0, axis=-1, keepdims=True)
+        self.sow(ROUTING_COLLECTION, "kept", ungrouped(kept))
 
     def _sow_losses_and_metrics(
         self, router_output: RouterOutput, mask: Array, kept: Array | None

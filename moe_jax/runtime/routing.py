@@ -39,6 +39,8 @@ class LayerRouting:
       positions: ``int32 [n, length]`` position of each token in its sequence (0-based).
       segments: ``int32 [n, length]`` sequence id within its row (packed rows hold several),
         0 on padding.
+      kept: ``bool [n, length, k]`` whether each choice reached its expert (False: dropped
+        by capacity, or padding); expert-choice layers: whether any expert took the token.
     """
 
     expert_index: np.ndarray
@@ -46,6 +48,7 @@ class LayerRouting:
     router_inputs: np.ndarray
     positions: np.ndarray
     segments: np.ndarray
+    kept: np.ndarray
 
     @property
     def num_experts(self) -> int:
@@ -55,6 +58,12 @@ class LayerRouting:
     def valid(self) -> np.ndarray:
         """``bool [n, length]``: real (non-padding) tokens."""
         return self.segments > 0
+
+    def first_rows(self, n: int) -> LayerRouting:
+        """The first ``n`` rows (without the padding rows of a last, partly filled batch)."""
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name)[:n] for f in dataclasses.fields(self)}
+        )
 
 
 def _positions_and_segments(
@@ -176,5 +185,6 @@ def collect_routing(
             router_inputs=cat["router_inputs"].astype(np.float32),
             positions=pos[f"{prefix}_positions"],
             segments=segments,
+            kept=cat["kept"].astype(bool) & (segments[..., None] > 0),
         )
     return layers

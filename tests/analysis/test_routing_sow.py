@@ -42,6 +42,12 @@ def test_routing_is_sown_per_token_only_when_mutable():
     real = np.asarray(mask) > 0
     np.testing.assert_array_equal(index[real], top2[real])
     assert (index[~real] == 4).all()
+    # per-choice kept flags: padding never kept; the dropped share is the sown metric's
+    kept = np.asarray(routing["kept"])
+    assert kept.shape == (3, 8, 2) and kept.dtype == bool and not kept[~real].any()
+    np.testing.assert_allclose(
+        1.0 - kept[real].mean(), state[MOE_METRICS_COLLECTION]["dropped_fraction"][0], atol=1e-6
+    )
     # per-token choices agree with the sown expert load
     load = np.bincount(index[real].ravel(), minlength=4) / real.sum()
     np.testing.assert_allclose(load, state[MOE_METRICS_COLLECTION]["expert_load"][0], rtol=1e-5)
@@ -58,5 +64,10 @@ def test_expert_choice_sows_probabilities_without_per_token_choices():
     layer = MoeLayer(replace(SMALL, router=ExpertChoiceRouterConfig()))
     x = make_inputs(2, 8)
     params = init_params(layer, x)
-    _, state = _apply(layer, params, x, [ROUTING_COLLECTION])
-    assert set(state[ROUTING_COLLECTION]) == {"router_inputs", "router_probs"}
+    _, state = _apply(layer, params, x, [ROUTING_COLLECTION, MOE_METRICS_COLLECTION])
+    assert set(state[ROUTING_COLLECTION]) == {"router_inputs", "router_probs", "kept"}
+    taken = np.asarray(state[ROUTING_COLLECTION]["kept"][0])  # [2, 8, 1]: any expert took it
+    assert taken.shape == (2, 8, 1)
+    np.testing.assert_allclose(
+        1.0 - taken.mean(), state[MOE_METRICS_COLLECTION]["dropped_fraction"][0], atol=1e-6
+    )

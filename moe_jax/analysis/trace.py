@@ -1,0 +1,374 @@
+"""Per-token routing traces (`moe-jax analyze trace`): every real token's routing in every
+MoE layer, as arrays (:class:`Trace`) and as Parquet files a user can open with pandas,
+polars or pyarrow.
+
+One Parquet row per token and MoE layer (:data:`SCHEMA`): the run and step, the layer, the
+token's example (row of the routed data) and position, its token id and SentencePiece
+piece, its example's label where the task has labels (the language of the embedded corpus,
+:mod:`moe_jax.data.labels`), the layer's ``k`` choices best first (``experts``), their
+router probabilities (``probs``), whether each reached its expert (``kept``; False: dropped
+by the expert's capacity) and ``dropped`` (no choice kept: the token passed the layer on
+the residual only). Encoder layers route the encoder input tokens; decoder layers route the
+decoder input tokens (the previous target token; id 0 at position 0 starts the sequence).
+
+The data (gin ``trace_script.collect``): the first examples of the run's task, unpacked and
+unshuffled, so that every checkpoint of a run routes the same tokens in the same order (the
+saturation analysis compares them token by token); for a task with labels, the first
+examples of each label's task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+
+from moe_jax import storage
+from moe_jax.analysis import languages
+from moe_jax.runtime import builders, configured, routing, run_names
+from moe_jax.runtime.run_dir import RunDir
+
+# the routed token of each stack: decoder layers read the decoder's input tokens
+TOKEN_FEATURES = {"encoder": "encoder_input_tokens", "decoder": "decoder_input_tokens"}
+
+
+def _schema():
+    import pyarrow as pa  # deferred: only traces need it
+
+    return pa.schema(
+        [
+            ("run", pa.string()),
+            ("step", pa.int64()),
+            ("layer", pa.string()),
+            ("example", pa.int64()),
+            ("position", pa.int32()),
+            ("token_id", pa.int32()),
+            ("piece", pa.string()),
+            ("label", pa.string()),
+            ("experts", pa.list_(pa.int32())),
+            ("probs", pa.list_(pa.float32())),
+            ("kept", pa.list_(pa.bool_())),
+            ("dropped", pa.bool_()),
+            ("num_experts", pa.int32()),
+        ]
+    )
+
+
+@dataclasses.dataclass
+class LayerTrace:
+    """One MoE layer's routing of ``tokens`` real tokens, by example then position.
+
+    Attributes:
+      example: ``int64 [tokens]`` row of the routed data the token belongs to.
+      position: ``int32 [tokens]`` position in its example (0-based).
+      token_id: ``int32 [tokens]`` the routed token.
+      label: ``int32 [tokens]`` index of its example's label in ``Trace.labels`` (-1: none).
+      experts: ``int32 [tokens, k]`` chosen experts, best first.
+      probs: ``float32 [tokens, k]`` their router probabilities.
+      kept: ``bool [tokens, k]`` whether each choice reached its expert.
+      num_experts: the layer's routed experts.
+    """
+
+    example: np.ndarray
+    position: np.ndarray
+    token_id: np.ndarray
+    label: np.ndarray
+    experts: np.ndarray
+    probs: np.ndarray
+    kept: np.ndarray
+    num_experts: int
+
+    @property
+    def k(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def dropped(self) -> np.ndarray:
+        """``bool [tokens]``: no choice reached its expert."""
+        return ~self.kept.any(axis=1)
+
+    def same_tokens(self, other: LayerTrace) -> bool:
+        """Whether ``other`` routed the same tokens in the same order."""
+        return all(
+            np.array_equal(getattr(self, name), getattr(other, name))
+            for name in ("example", "position", "token_id")
+        )
+
+
+@dataclasses.dataclass
+class Trace:
+    """One checkpoint's per-token routing: ``layers`` by name (``"encoder/layers_1"``),
+    encoder layers first, by depth; ``labels``: the task's label names (empty: none);
+    ``pieces``: the piece of every token id in the trace."""
+
+    run: str
+    step: int
+    layers: dict[str, LayerTrace]
+    labels: tuple[str, ...] = ()
+    pieces: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+def layer_trace(
+    layer: routing.LayerRouting, token_ids: np.ndarray, row_labels: np.ndarray | None
+) -> LayerTrace:
+    """The real tokens of ``layer`` (``[n, length, ...]`` rows), flattened.
+
+    Args:
+      token_ids: ``int [n, length]`` the routed tokens of the layer's stack.
+      row_labels: ``int [n]`` each row's label index, or None (no labels).
+    """
+    valid = layer.valid
+    rows = np.broadcast_to(np.arange(valid.shape[0])[:, None], valid.shape)
+    labels = np.full(valid.shape[0], -1) if row_labels is None else row_labels
+    index = layer.expert_index[valid]
+    probs = np.take_along_axis(
+        layer.router_probs[valid], np.minimum(index, layer.num_experts - 1), axis=1
+    )
+    return LayerTrace(
+        example=rows[valid].astype(np.int64),
+        position=layer.positions[valid].astype(np.int32),
+        token_id=np.asarray(token_ids)[valid].astype(np.int32),
+        label=np.broadcast_to(labels[:, None], valid.shape)[valid].astype(np.int32),
+        experts=index.astype(np.int32),
+        probs=probs.astype(np.float32),
+        kept=layer.kept[valid],
+        num_experts=layer.num_experts,
+    )
+
+
+def token_pieces(vocabulary: Any, ids: np.ndarray) -> dict[int, str]:
+    """``{id: piece}`` of each distinct id: the SentencePiece piece (``▁`` marks a word
+    start), a sentinel's ``<extra_id_N>``, else the decoded text (byte vocabularies; an
+    int vocabulary gives the id itself)."""
+    ids = np.unique(ids)
+    if isinstance(vocabulary, int):
+        return {int(i): str(int(i)) for i in ids}
+    resolved = getattr(vocabulary, "resolved", vocabulary)
+    tokenizer = getattr(resolved, "tokenizer", None)
+    size = tokenizer.get_piece_size() if tokenizer is not None else 0
+    return {
+        int(i): tokenizer.id_to_piece(int(i)) if i < size else resolved.decode([int(i)])
+        for i in ids
+    }
+
+
+# --------------------------------------------------------------------------------- Parquet
+def to_table(trace: Trace):
+    """``trace`` as a ``pyarrow.Table`` of :data:`SCHEMA`, one row per token and layer."""
+    import pyarrow as pa
+
+    def lists(values: np.ndarray):
+        flat = pa.array(values.reshape(-1))
+        return pa.ListArray.from_arrays(
+            pa.array(np.arange(len(values) + 1) * values.shape[1]), flat
+        )
+
+    tables = []
+    for name, layer in trace.layers.items():
+        n = len(layer.token_id)
+        label_names = np.asarray([*trace.labels, ""], dtype=object)[layer.label]
+        tables.append(
+            pa.table(
+                {
+                    "run": pa.array([trace.run] * n, pa.string()),
+                    "step": np.full(n, trace.step, np.int64),
+                    "layer": pa.array([name] * n, pa.string()),
+                    "example": layer.example,
+                    "position": layer.position,
+                    "token_id": layer.token_id,
+                    "piece": pa.array([trace.pieces.get(int(i), "") for i in layer.token_id]),
+                    "label": pa.array(
+                        [
+                            None if lab < 0 else lab_name
+                            for lab, lab_name in zip(layer.label, label_names, strict=True)
+                        ],
+                        pa.string(),
+                    ),
+                    "experts": lists(layer.experts),
+                    "probs": lists(layer.probs),
+                    "kept": lists(layer.kept),
+                    "dropped": layer.dropped,
+                    "num_experts": np.full(n, layer.num_experts, np.int32),
+                },
+                schema=_schema(),
+            )
+        )
+    return pa.concat_tables(tables)
+
+
+def from_table(table) -> Trace:
+    """The :class:`Trace` of a ``pyarrow.Table`` of one checkpoint (:func:`to_table`).
+
+    Raises:
+      ValueError: the table holds several runs or steps, or misses a column.
+    """
+    import pyarrow.compute as pc
+
+    missing = [name for name in _schema().names if name not in table.column_names]
+    if missing:
+        raise ValueError(f"not a routing trace: the columns {missing} are missing")
+    runs, steps = table["run"].unique().to_pylist(), table["step"].unique().to_pylist()
+    if len(runs) != 1 or len(steps) != 1:
+        raise ValueError(f"a trace holds one checkpoint; this one holds runs {runs} steps {steps}")
+    label_names = sorted({v for v in table["label"].unique().to_pylist() if v is not None})
+    pieces = dict(zip(table["token_id"].to_pylist(), table["piece"].to_pylist(), strict=True))
+    layers = {}
+    for name in sorted(table["layer"].unique().to_pylist(), key=routing.layer_order):
+        part = table.filter(pc.equal(table["layer"], name))
+        n = part.num_rows
+
+        def column(key: str, dtype: Any, part=part, n=n) -> np.ndarray:
+            flat = part[key].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            return flat.astype(dtype).reshape(n, -1)
+
+        labels = part["label"].to_pylist()
+        layers[name] = LayerTrace(
+            example=part["example"].to_numpy().astype(np.int64),
+            position=part["position"].to_numpy().astype(np.int32),
+            token_id=part["token_id"].to_numpy().astype(np.int32),
+            label=np.asarray([-1 if v is None else label_names.index(v) for v in labels], np.int32),
+            experts=column("experts", np.int32),
+            probs=column("probs", np.float32),
+            kept=column("kept", bool),
+            num_experts=int(part["num_experts"][0].as_py()),
+        )
+    return Trace(runs[0], int(steps[0]), layers, tuple(label_names), pieces)
+
+
+def file_name(trace: Trace) -> str:
+    """``trace_<run>_step<N>.parquet``."""
+    return f"trace_{run_names.file_stem(trace.run)}_step{trace.step}.parquet"
+
+
+def write(trace: Trace, out_dir: str) -> str:
+    """Writes ``trace`` to ``out_dir/`` :func:`file_name`; returns the path."""
+    import pyarrow.parquet as pq
+
+    path = storage.join(out_dir, file_name(trace))
+    storage.makedirs(out_dir)
+    with storage.writing(path) as f:
+        pq.write_table(to_table(trace), f)
+    return path
+
+
+def read(path: str) -> Trace:
+    """The :class:`Trace` of one Parquet file written by :func:`write`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return from_table(pq.read_table(pa.BufferReader(storage.read_bytes(path))))
+
+
+# -------------------------------------------------------------------------------- collecting
+@gin.configurable(module="trace_script", denylist=["checkpoint_paths", "all_steps"])
+def collect(
+    checkpoint_paths: Sequence[str],
+    all_steps: bool = False,
+    *,
+    model: Any = gin.REQUIRED,
+    mixture_or_task_name: str = gin.REQUIRED,
+    task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+    split: str = "train",
+    max_examples: int = 256,
+    batch_size: int = 64,
+    use_labels: bool = True,
+    seed: int = 0,
+) -> Iterator[Trace]:
+    """Routes the same examples through each checkpoint (every saved step of each one's
+    run with ``all_steps``) and yields each one's :class:`Trace`.
+
+    Args:
+      split: the examples' split (``train``: the embedded corpus' validation split holds
+        3-7 examples per language).
+      max_examples: unpacked examples routed (split evenly over the labels, if any).
+      use_labels: label each example when the task has labels (``moe_jax.data.labels``).
+    """
+    # deferred on purpose: TensorFlow/seqio load only when data is read
+    from moe_jax.data import labels as data_labels
+
+    groups: dict[str, str] = {"": mixture_or_task_name}
+    if use_labels:
+        with contextlib.suppress(data_labels.NoLabelsError):  # a task without labels
+            groups = data_labels.label_groups(mixture_or_task_name)
+    labelled = list(groups) != [""]
+    features, row_labels = languages.labelled_examples(
+        groups, task_feature_lengths, split, max(1, max_examples // len(groups)), seed
+    )
+    input_shapes = {
+        "encoder_input_tokens": (batch_size, task_feature_lengths["inputs"]),
+        "decoder_input_tokens": (batch_size, task_feature_lengths["targets"]),
+    }
+    paths = languages.expand_checkpoints(checkpoint_paths, all_steps)
+    run_dirs = [RunDir.of_checkpoint(path)[0].path for path in paths]
+    run_label = dict(zip(run_dirs, run_names.run_labels(run_dirs), strict=True))
+    ctx = configured.run_context()
+    pieces = token_pieces(
+        model.vocabulary,
+        np.concatenate([features[f].ravel() for f in TOKEN_FEATURES.values()]),
+    )
+    fn = None
+    n = len(row_labels)
+    for path, run_dir in zip(paths, run_dirs, strict=True):
+        restored = builders.restore_model(path, model, input_shapes, ctx)
+        if fn is None:
+            fn = routing.routing_fn(
+                model,
+                restored.params_shardings,
+                ctx.mesh,
+                ctx.rules,
+                ctx.batch_axes,
+                restored.collections_shardings,
+            )
+        routed = routing.collect_routing(
+            fn,
+            restored.params,
+            languages.global_batches(features, batch_size, ctx),
+            restored.collections,
+        )
+        layers = {
+            name: layer_trace(
+                layer.first_rows(n),
+                features[TOKEN_FEATURES[name.split("/")[0]]],
+                row_labels if labelled else None,
+            )
+            for name, layer in routed.items()
+        }
+        yield Trace(
+            run_label[run_dir],
+            restored.step,
+            layers,
+            tuple(groups) if labelled else (),
+            pieces,
+        )
+
+
+def summary_line(trace: Trace) -> str:
+    """``run@step: layer tokens, dropped share; ...``."""
+    parts = [
+        f"{name} {len(layer.token_id)} tokens, {layer.dropped.mean():.1%} dropped"
+        for name, layer in trace.layers.items()
+    ]
+    return f"{trace.run}@{trace.step}: " + "; ".join(parts)
+
+
+def analyze(
+    checkpoint_paths: Sequence[str], out_dir: str | None = None, all_steps: bool = False
+) -> list[str]:
+    """`moe-jax analyze trace`: writes one Parquet file per checkpoint to ``out_dir``
+    (default ``MODEL_DIR/analysis/trace``) and returns their paths."""
+    run_dir = RunDir.of_checkpoint(checkpoint_paths[0])[0]
+    out_dir = storage.normalize(out_dir or storage.join(run_dir.analysis_dir, "trace"))
+    files = []
+    for trace in collect(checkpoint_paths, all_steps):
+        if jax.process_index() == 0:
+            files.append(write(trace, out_dir))
+            print(summary_line(trace), flush=True)
+    if jax.process_index() == 0:
+        print(f"[moe-jax] routing traces in {out_dir}", file=sys.stderr)
+    return files

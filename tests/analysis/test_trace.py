@@ -1,0 +1,131 @@
+"""Per-token routing traces: planted routings survive the Parquet round trip, and
+`moe-jax analyze trace` writes one row per real token and MoE layer of a tiny checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from moe_jax.analysis import trace
+from moe_jax.commands import analyze
+from moe_jax.data import vocab
+from moe_jax.runtime import routing
+
+LAYERS = ["encoder/layers_1", "decoder/layers_1"]
+
+
+def planted_routing() -> routing.LayerRouting:
+    """2 rows of 4 slots, the last slot of row 1 padding; 3 experts, top-2."""
+    probs = np.array(
+        [
+            [[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.2, 0.3, 0.5], [0.5, 0.4, 0.1]],
+            [[0.1, 0.1, 0.8], [0.6, 0.1, 0.3], [0.3, 0.6, 0.1], [1 / 3, 1 / 3, 1 / 3]],
+        ],
+        np.float32,
+    )
+    index = np.argsort(-probs, axis=-1)[..., :2].astype(np.int32)
+    segments = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.int32)
+    index[1, 3] = 3  # padding: no expert
+    kept = np.ones((2, 4, 2), bool)
+    kept[0, 2, 0] = False  # one dropped first choice
+    kept[1, 1] = False  # a token with no choice kept
+    kept[1, 3] = False
+    return routing.LayerRouting(
+        expert_index=index,
+        router_probs=probs,
+        router_inputs=np.zeros((2, 4, 5), np.float32),
+        positions=np.broadcast_to(np.arange(4, dtype=np.int32), (2, 4)).copy(),
+        segments=segments,
+        kept=kept,
+    )
+
+
+def test_layer_trace_keeps_real_tokens_with_their_choices_and_probabilities():
+    layer = trace.layer_trace(
+        planted_routing(), np.array([[5, 6, 7, 8], [9, 10, 11, 0]]), np.array([1, 0])
+    )
+    assert len(layer.token_id) == 7 and layer.k == 2 and layer.num_experts == 3
+    np.testing.assert_array_equal(layer.example, [0, 0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(layer.position, [0, 1, 2, 3, 0, 1, 2])
+    np.testing.assert_array_equal(layer.token_id, [5, 6, 7, 8, 9, 10, 11])
+    np.testing.assert_array_equal(layer.label, [1, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(layer.experts[:3], [[0, 1], [1, 2], [2, 1]])
+    np.testing.assert_allclose(layer.probs[:3], [[0.7, 0.2], [0.6, 0.3], [0.5, 0.3]])
+    np.testing.assert_array_equal(layer.dropped, [0, 0, 0, 0, 0, 1, 0])
+
+
+def test_parquet_round_trip_keeps_every_array(tmp_path):
+    layer = trace.layer_trace(planted_routing(), np.array([[5, 6, 7, 8], [9, 10, 11, 0]]), None)
+    original = trace.Trace(
+        "learned/seed0",
+        300,
+        {"encoder/layers_1": layer},
+        (),
+        {i: f"p{i}" for i in range(5, 12)},
+    )
+    path = trace.write(original, str(tmp_path))
+    assert path.endswith("trace_learned_seed0_step300.parquet")
+    back = trace.read(path)
+    assert (back.run, back.step, back.labels) == ("learned/seed0", 300, ())
+    got = back.layers["encoder/layers_1"]
+    for name in ("example", "position", "token_id", "label", "experts", "probs", "kept"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(layer, name), err_msg=name)
+    assert got.num_experts == 3 and back.pieces[7] == "p7"
+    table = pq.read_table(path)
+    assert table.column_names == trace._schema().names
+    assert table["label"].null_count == 7 and table["dropped"].to_pylist().count(True) == 1
+
+
+def test_a_table_of_two_checkpoints_is_refused(tmp_path):
+    import pyarrow as pa
+
+    layer = trace.layer_trace(planted_routing(), np.zeros((2, 4), np.int32), None)
+    tables = [
+        trace.to_table(trace.Trace("a", step, {"encoder/layers_1": layer})) for step in (1, 2)
+    ]
+    with pytest.raises(ValueError, match="one checkpoint"):
+        trace.from_table(pa.concat_tables(tables))
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trace")
+    rc = analyze.main(
+        [
+            "trace",
+            f"--checkpoint={tiny_run}",
+            "--all_steps",
+            f"--out={out}",
+            "--gin.trace_script.collect.max_examples=40",
+            "--gin.trace_script.collect.batch_size=8",
+        ]
+    )
+    assert rc == 0
+    return out
+
+
+def test_cli_writes_a_row_per_token_and_layer(traced):
+    files = sorted(traced.glob("trace_*.parquet"))
+    assert [f.name for f in files] == ["trace_tiny_run0_step1.parquet"]
+    table = pq.read_table(files[0])
+    back = trace.from_table(table)
+    assert list(back.layers) == LAYERS and back.step == 1
+    # the embedded corpus' task has a label per example: 2 examples of each of 20 languages
+    assert len(back.labels) == 20 and table["label"].null_count == 0
+    enc, dec = (back.layers[name] for name in LAYERS)
+    assert enc.example.max() == dec.example.max() == 39
+    assert enc.position.max() < 32 and dec.position.max() < 8 and dec.position.min() == 0
+    for layer in (enc, dec):
+        assert layer.k == 2 and layer.num_experts == 4
+        assert (np.diff(layer.probs, axis=1) <= 0).all()  # best first
+        assert (layer.experts[:, 0] != layer.experts[:, 1]).all()
+        assert (layer.experts < 4).all() and (layer.probs > 0).all()
+    # decoder layers route the decoder's input: id 0 starts every example
+    assert (dec.token_id[dec.position == 0] == 0).all()
+    spm = vocab.get_vocabulary().tokenizer
+    pieces = table["piece"].to_pylist()
+    ids = table["token_id"].to_pylist()
+    assert all(
+        piece == spm.id_to_piece(i) for piece, i in zip(pieces, ids, strict=True) if i < 8000
+    )
