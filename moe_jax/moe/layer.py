@@ -112,9 +112,7 @@ class MoeLayer(nn.Module):
         if cfg.capacity.group_by_sequence:
             groups, tokens_per_group = cap.sequence_layout(batch, length, shards)
         else:
-            groups, tokens_per_group = cap.group_layout(
-                num_tokens, cfg.capacity.group_size, shards
-            )
+            groups, tokens_per_group = cap.group_layout(num_tokens, cfg.capacity.group_size, shards)
 
         def grouped(a: Array) -> Array:
             return cap.to_groups(a.reshape((num_tokens, *a.shape[2:])), groups, tokens_per_group)

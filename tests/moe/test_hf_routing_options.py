@@ -94,5 +94,5 @@ def test_fixed_capacity_fills_each_sequence_in_token_order(by_sequence):
 
 
 def test_expert_capacity_must_be_positive():
-    with pytest.raises(ValueError, match="CapacityConfig.expert_capacity=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"CapacityConfig\.expert_capacity=0 must be >= 1"):
         CapacityConfig(expert_capacity=0)
