@@ -251,9 +251,10 @@ class EncoderDecoderModel:
         weights = batch.get("decoder_loss_weights")
         weights = (targets > 0) if weights is None else weights
         weights = jnp.asarray(weights, jnp.float32)
-        token_loss, token_z = losses.cross_entropy_with_logits(
+        token = losses.cross_entropy_with_logits(
             logits, targets, self.label_smoothing, self.z_loss
         )
+        token_loss, token_z = token.loss, token.z_term
         total = losses.normalize_loss(
             jnp.sum(token_loss * weights), weights, self.loss_normalizing_factor
         )
@@ -271,7 +272,7 @@ class EncoderDecoderModel:
         metrics["aux_loss"] = aux_total
         loss = total + aux_total
         metrics["loss"] = loss
-        metrics["accuracy"] = losses.token_accuracy(logits, targets, weights)
+        metrics["accuracy"] = losses.token_accuracy(token.predicted, targets, weights)
         metrics["num_tokens"] = jnp.sum(weights)
         return loss, metrics
 

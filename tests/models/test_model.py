@@ -27,13 +27,16 @@ def test_cross_entropy_with_smoothing_and_z_loss_matches_numpy():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
     targets = rng.integers(0, 5, (2, 3))
-    loss, z = losses.cross_entropy_with_logits(jnp.asarray(logits), jnp.asarray(targets), 0.1, 1e-2)
+    loss, z, predicted = losses.cross_entropy_with_logits(
+        jnp.asarray(logits), jnp.asarray(targets), 0.1, 1e-2
+    )
     log_z = np.log(np.exp(logits).sum(-1))
     soft = np.full((2, 3, 5), 0.1 / 4)
     np.put_along_axis(soft, targets[..., None], 0.9, axis=-1)
     expected_ce = -(soft * (logits - log_z[..., None])).sum(-1) + (soft * np.log(soft)).sum(-1)
     np.testing.assert_allclose(z, 1e-2 * log_z**2, rtol=1e-5)
     np.testing.assert_allclose(loss, expected_ce + 1e-2 * log_z**2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(predicted, logits.argmax(-1))
 
 
 def test_loss_normalization_and_weights():
