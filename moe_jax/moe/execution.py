@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh
 
 from moe_jax.moe.config import MoeConfig
 from moe_jax.moe.expert_parallel import axis_size
+from moe_jax.moe.grouped_matmul import kernel_unsupported
 from moe_jax.moe.options import Dispatch, DispatchOption, GroupedMatmul, GroupedMatmulOption
 
 # The backend family whose choices apply (``ExecutionPlan.platform``).
@@ -194,18 +195,27 @@ def _gather_gradients(option: bool | None, platform: Platform) -> bool:
 
 
 def _grouped_matmul(option: GroupedMatmulOption, platform: Platform) -> GroupedMatmul:
-    """``ExecutionConfig.grouped_matmul``, ``auto`` settled. On a GPU, tokamax's Triton
-    kernel: measured on one H100 at 0.42x / 0.36x / 0.30x the FLOP-matched dense FFN at
-    E = 8 / 32 / 64, against 0.076x / 0.021x / 0.010x for ``jax.lax.ragged_dot``, which
-    XLA:GPU lowers to one dense matmul per expert over all rows. tokamax checks the
-    process's own device, so a GPU step compiled from a host without a GPU (``moe-jax
-    compile``) keeps ``xla``. Elsewhere ``xla``: XLA:TPU lowers ``ragged_dot`` to a Mosaic
-    grouped matmul. docs/moe.md, "Dropless on GPU"."""
+    """``ExecutionConfig.grouped_matmul``, ``auto`` settled, in this order of candidates:
+
+    * GPU, a step run on a GPU: tokamax's Triton kernel where it is pinned to the jax at
+      hand (``grouped_matmul.TOKAMAX_PINS``). Measured on one H100 (jax 0.11.2) at
+      0.42x / 0.36x / 0.30x the FLOP-matched dense FFN at E = 8 / 32 / 64, against
+      0.076x / 0.021x / 0.010x for ``jax.lax.ragged_dot``. tokamax checks the process's
+      own device, so a GPU step compiled from a host without a GPU (``moe-jax compile``)
+      keeps ``xla``.
+    * ``xla`` (``jax.lax.ragged_dot``) everywhere else. XLA:TPU lowers it to a Mosaic
+      grouped matmul. XLA:GPU's cuDNN ragged-dot fusion would serve on a GPU, but in
+      jaxlib 0.10.2 it is off by default (``xla_gpu_experimental_use_ragged_dot_fusion``):
+      compiled for an H100 from a CPU host the three products are one dense cuBLAS matmul
+      per expert over all rows; with the option on, the same for a cuDNN 9.10 target, and
+      the compiler aborts (a failed check on the ``ragged-dot``) for cuDNN 9.22. tokamax's
+      Mosaic GPU kernel is pinned to no jax (it did not trace with 0.11.2).
+
+    docs/moe.md, "Dropless on GPU"."""
     if option != "auto":
         return option
-    if platform == "gpu" and jax.devices()[0].platform == "gpu":
-        return "triton"
-    return "xla"
+    on_gpu = platform == "gpu" and jax.devices()[0].platform == "gpu"
+    return "triton" if on_gpu and kernel_unsupported("triton") is None else "xla"
 
 
 def target_platform(mesh: AbstractMesh | None) -> str:

@@ -1,12 +1,16 @@
-"""The dropless path's grouped matmul on CPU: the ragged dispatch with the
-``jax.lax.ragged_dot`` fallback gives the einsum reference's outputs and gradients (empty
-experts, unrouted assignments); a CPU run never imports tokamax. tokamax's kernels need a
-GPU (Pallas's interpreter cannot lower their block masks here): benchmarks/moe_layer.py
-checks the layer with them against the einsum reference on the device it times."""
+"""The dropless path's grouped matmul on CPU: the ragged dispatch with
+``jax.lax.ragged_dot`` gives the einsum reference's outputs and gradients (empty experts,
+unrouted assignments), and so does a tokamax kernel that fails to trace here (tokamax
+refuses a CPU device), its three products (forward, input gradient, weight gradient) then
+through ``jax.lax.ragged_dot_general``, with one warning; a CPU run never imports tokamax.
+tokamax's kernels need a GPU: benchmarks/moe_layer.py checks the layer with them against
+the ``xla`` grouped matmul on the device it times."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import logging
 import subprocess
 import sys
 
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.moe import ExecutionConfig
+from moe_jax.moe import ExecutionConfig, grouped_matmul
 from moe_jax.moe.dispatch import einsum_token_choice, ragged_token_choice
 from moe_jax.moe.experts import expert_ffn, ragged_expert_ffn
 from moe_jax.moe.grouped_matmul import RaggedDot, ragged_dot
@@ -80,6 +84,36 @@ def _check_against_einsum(experts: int, k: int, matmul: RaggedDot, seed: int = 0
 @pytest.mark.parametrize("k", [1, 2])
 def test_xla_ragged_dot_equals_einsum_reference(experts, k):
     _check_against_einsum(experts, k, ragged_dot("xla"))
+
+
+@pytest.mark.parametrize("experts", [8, 32, 64])
+@pytest.mark.parametrize("k", [1, 2])
+def test_kernel_that_fails_to_trace_falls_back_to_the_reference_products(experts, k):
+    # tokamax's Triton kernel raises NotImplementedError on a CPU device: each of the three
+    # products then runs jax.lax.ragged_dot_general with this module's dimension numbers
+    _check_against_einsum(experts, k, ragged_dot("triton"), seed=experts + k)
+
+
+def test_a_kernel_that_fails_to_trace_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(grouped_matmul, "_FAILED", set())
+    with caplog.at_level(logging.WARNING, logger=grouped_matmul.__name__):
+        _check_against_einsum(8, 2, ragged_dot("triton"))
+        _check_against_einsum(32, 1, ragged_dot("triton"), seed=1)  # traced again
+    warnings = [r.getMessage() for r in caplog.records if r.name == grouped_matmul.__name__]
+    assert len(warnings) == 1, warnings
+    assert "'triton'" in warnings[0] and "forward" in warnings[0]
+    assert "NotImplementedError" in warnings[0], warnings[0]
+
+
+def test_tokamax_kernels_are_pinned_to_the_jax_they_run_with():
+    assert grouped_matmul.kernel_unsupported("xla") is None
+    pinned = grouped_matmul.TOKAMAX_PINS["triton"]
+    tokamax_version = importlib.metadata.version("tokamax")
+    for jax_minor in pinned.get(tokamax_version, ()):
+        assert grouped_matmul.kernel_unsupported("triton", f"{jax_minor}.0") is None
+    reason = grouped_matmul.kernel_unsupported("triton", "0.9.2")
+    assert reason is not None and "pinned to jax" in reason and "not 0.9" in reason
+    assert "pinned to jax (none)" in str(grouped_matmul.kernel_unsupported("mosaic_gpu"))
 
 
 def test_cpu_layer_never_imports_tokamax():
