@@ -15,6 +15,7 @@ and no modules import each other in a loop (``tests/core/test_layout.py`` checks
   runtime    the training runtime: gin flags, builders, train step, checkpoints, run lock,
              metrics, evaluation, ahead-of-time compile
   analysis   routing analyses over checkpoints (positions, languages, counterfactual routers)
+  interop    Hugging Face T5 / Switch Transformers checkpoints; ``moe_jax.load`` for notebooks
   commands   the `moe-jax` binaries (train, eval, infer, compile, export / import, upcycle,
              analyze)
   experiments  tooling over many runs: sweeps and routing comparisons
@@ -22,3 +23,13 @@ and no modules import each other in a loop (``tests/core/test_layout.py`` checks
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``moe_jax.load`` (:func:`moe_jax.interop.notebook.load`), imported on first use so
+    that ``import moe_jax`` stays light (a module above every layer, by name)."""
+    if name == "load":
+        import importlib
+
+        return importlib.import_module("moe_jax.interop.notebook").load
+    raise AttributeError(f"module 'moe_jax' has no attribute {name!r}")

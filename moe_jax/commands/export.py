@@ -45,7 +45,8 @@ import contextlib
 import json
 import re
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import gin
@@ -54,6 +55,7 @@ import numpy as np
 
 from moe_jax import param_paths, storage
 from moe_jax.errors import UserError
+from moe_jax.interop import hf
 from moe_jax.models import layer_stacking
 from moe_jax.moe import freeze
 from moe_jax.runtime import (
@@ -64,6 +66,7 @@ from moe_jax.runtime import (
     gin_flags,
     gin_text,
     gin_utils,
+    output_lock,
     router_init,
     run_config,
     run_lock,
@@ -395,9 +398,25 @@ def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: dict[str, str]
 
 def safetensors_arrays(path: str) -> dict[str, np.ndarray]:
     """The arrays of a safetensors file (local or ``gs://``)."""
+    return safetensors_load(storage.read_bytes(path))
+
+
+def safetensors_load(data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file's bytes."""
     from safetensors.numpy import load
 
-    return load(storage.read_bytes(path))
+    return load(data)
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's bytes (its JSON header, after the
+    header's 8-byte little-endian length); empty when it has none."""
+    size = int.from_bytes(data[:8], "little")
+    with contextlib.suppress(ValueError):
+        header = json.loads(data[8 : 8 + size])
+        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        return dict(metadata) if isinstance(metadata, dict) else {}
+    return {}
 
 
 def read_router_init(
@@ -438,10 +457,79 @@ def read_export(export_dir: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]
             f"--export={export_dir}: {weights} does not exist (not an export directory?)"
         )
     try:
-        arrays = safetensors_arrays(weights)
+        raw = storage.read_bytes(weights)
+        arrays = safetensors_load(raw)
     except (SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {err}") from None
+    check_export_arrays(arrays, safetensors_metadata(raw), config, weights)
     return arrays, config
+
+
+def check_export_arrays(
+    arrays: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str],
+    config: Mapping[str, Any],
+    path: str,
+) -> None:
+    """Refuses an export whose weights file (``path``) is not what its ``config.json``
+    declares (array names, shapes, dtypes; the step in the file's metadata) or holds NaN /
+    Inf: every reader of the imported run would call its step unreadable.
+
+    Raises:
+      ExportError: naming the file, the array or field, and both values.
+    """
+    declared = config.get("arrays")
+    if isinstance(declared, dict):
+        missing, extra = sorted(set(declared) - set(arrays)), sorted(set(arrays) - set(declared))
+        if missing or extra:
+            raise ExportError(
+                f"{path} does not hold the arrays its {CONFIG_JSON} lists: "
+                f"listed but absent {missing[:4]}, present but unlisted {extra[:4]}"
+            )
+        for name, array in arrays.items():
+            entry = declared[name]
+            found = {"shape": list(array.shape), "dtype": str(array.dtype)}
+            for key, value in found.items():
+                if key in entry and entry[key] != value:
+                    raise ExportError(
+                        f"{path}: array {name!r} has {key} {value} but {CONFIG_JSON} declares "
+                        f"{entry[key]}"
+                    )
+    for name, array in arrays.items():
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+            raise ExportError(
+                f"{path}: array {name!r} holds NaN or Inf ({bad} of {array.size} values); "
+                "refusing to import it"
+            )
+    if "step" in metadata and str(config.get("step")) != metadata["step"]:
+        raise ExportError(
+            f"{path} holds step {metadata['step']} but {CONFIG_JSON} says step "
+            f"{config.get('step')} (an interrupted export --overwrite?); export again"
+        )
+
+
+def check_architecture(config: Mapping[str, Any], model: Any, path: str) -> None:
+    """Refuses an export whose ``config.json`` (at ``path``) describes another network than
+    its ``config.gin`` builds (``T5Config`` fields named with both values).
+
+    Raises:
+      ExportError: naming the file and the differing fields.
+    """
+    declared = config.get("t5_config")
+    if config.get("version") != FORMAT_VERSION or not isinstance(declared, dict):
+        return
+    built = _jsonable(model.module.config.to_dict())
+    differ = [k for k in sorted(set(declared) | set(built)) if declared.get(k) != built.get(k)]
+    if differ:
+        shown = "; ".join(
+            f"{k}: {declared.get(k)!r} in {CONFIG_JSON}, {built.get(k)!r} in config.gin"
+            for k in differ[:3]
+        )
+        raise ExportError(
+            f"{path} describes another network than the export's config.gin ({shown}); "
+            "export the run again"
+        )
 
 
 def read_export_config(export_dir: str) -> dict[str, Any]:
@@ -465,26 +553,86 @@ def read_export_config(export_dir: str) -> dict[str, Any]:
     return config
 
 
-@gin.configurable(module="export_script", denylist=["export_dir", "run_dir"])
+@gin.configurable(module="export_script", denylist=["export_dir", "run_dir", "own_config"])
 def import_export(
-    export_dir: str, run_dir: RunDir, *, model: Any = gin.REQUIRED, random_seed: int = 0
+    export_dir: str,
+    run_dir: RunDir,
+    own_config: bool = False,
+    *,
+    model: Any = gin.REQUIRED,
+    random_seed: int = 0,
 ) -> int:
     """Writes an orbax checkpoint of the export's parameters (at its step, with a fresh
     optimizer state and RNG from ``random_seed``) and, when the export carries them, the
     initial routers (``router_init.npz``) into ``run_dir``; returns the step.
+    ``own_config``: the model is the export's ``config.gin``'s, whose network
+    ``config.json`` must describe (:func:`check_architecture`).
 
     Raises:
-      ExportError: the export is unreadable or does not fit the gin config's model.
+      ExportError: the export is unreadable, inconsistent, or does not fit the gin config's
+        model.
     """
 
     arrays, config = read_export(export_dir)
+    if own_config:
+        check_architecture(config, model, storage.join(export_dir, CONFIG_JSON))
     step = int(config.get("step", 0))
-    run = configured.train_setup(model, _PROBE_SHAPES, configured.run_context(), seed=random_seed)
-    host_params = params_from_export(
-        arrays, run.abstract_state.params, storage.join(export_dir, WEIGHTS_FILE)
+    write_checkpoint(
+        arrays,
+        storage.join(export_dir, WEIGHTS_FILE),
+        run_dir,
+        model,
+        step=step,
+        source=export_dir,
+        random_seed=random_seed,
+        initial_routers=lambda abstract: read_router_init(export_dir, config, abstract),
     )
-    initial_routers = read_router_init(export_dir, config, run.abstract_state.params)
-    run_dir.check_writable()  # only once the export fits the model
+    return step
+
+
+@gin.configurable(module="export_script", denylist=["arrays", "where", "run_dir", "source"])
+def import_arrays(
+    arrays: Mapping[str, np.ndarray],
+    where: str,
+    run_dir: RunDir,
+    source: str,
+    *,
+    model: Any = gin.REQUIRED,
+    random_seed: int = 0,
+) -> None:
+    """Writes exported ``arrays`` (read from ``where``, e.g. a Hugging Face folder's
+    tensors under their export names) as step 0 of ``run_dir``, for the gin config's model.
+
+    Raises:
+      ExportError: the arrays do not fit the model.
+    """
+    write_checkpoint(arrays, where, run_dir, model, step=0, source=source, random_seed=random_seed)
+
+
+def write_checkpoint(
+    arrays: Mapping[str, np.ndarray],
+    where: str,
+    run_dir: RunDir,
+    model: Any,
+    *,
+    step: int,
+    source: str,
+    random_seed: int = 0,
+    initial_routers: Callable[[Any], dict[str, np.ndarray]] | None = None,
+) -> None:
+    """Writes an orbax checkpoint of ``model`` with parameters ``arrays`` (exported names;
+    read from ``where``) at ``step`` into ``run_dir``, with a fresh optimizer state and RNG
+    from ``random_seed``, its metadata naming ``source``; and ``router_init.npz`` from
+    ``initial_routers(abstract params)`` when given. Nothing is written when the arrays do
+    not fit.
+
+    Raises:
+      ExportError: the arrays do not fit the model, or the run has a checkpoint at ``step``.
+    """
+    run = configured.train_setup(model, _PROBE_SHAPES, configured.run_context(), seed=random_seed)
+    host_params = params_from_export(arrays, run.abstract_state.params, where)
+    routers = initial_routers(run.abstract_state.params) if initial_routers else {}
+    run_dir.check_writable()  # only once the arrays fit the model
     params = jax.tree.map(
         lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
         host_params,
@@ -508,15 +656,14 @@ def import_export(
             {
                 "data_iterators": [],
                 "random_seed": random_seed,
-                "imported_from": storage.normalize(export_dir),
+                "imported_from": storage.normalize(source),
             },
             force=True,
         )
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
-    router_init.write(run_dir, initial_routers)
-    return step
+    router_init.write(run_dir, routers)
 
 
 def _run_config_for_import(config_path: str, run_dir: RunDir) -> str:
@@ -541,23 +688,42 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
     Raises:
       ExportError: naming the flag, the directory and what it holds.
     """
-    entries = storage.listdir(directory)
+    entries = [e for e in storage.listdir(directory) if e != output_lock.WRITING_FILE]
     if not entries:
         return
-    if RunDir(directory).holds_run() and storage.normalize(directory) != own_run:
+    if _holds_saved_run(RunDir(directory)) and storage.normalize(directory) != own_run:
         raise ExportError(
             f"{flag}={directory} holds another run ({', '.join(entries[:4])}); "
             "refusing to write into it, even with --overwrite: pick a new directory"
         )
     if not overwrite:
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        if RunDir(directory).holds_run():
+            shown += "; an interrupted import's: no config.gin, no metrics.jsonl"
         raise ExportError(
             f"{flag}={directory} is not empty ({shown}); pass --overwrite to write into it"
         )
 
 
+def _holds_saved_run(run_dir: RunDir) -> bool:
+    """``run_dir`` holds a run: a ``config.gin``, a ``metrics.jsonl`` or a step set aside
+    (`moe-jax train` writes its config before anything else). A ``LOCK``, ``checkpoints/``
+    and temporary files without them are what an interrupted `moe-jax import` leaves (it
+    writes ``config.gin`` last; a live holder of the lock is refused when it is taken)."""
+    return (
+        storage.exists(run_dir.config_file)
+        or storage.exists(run_dir.metrics_file)
+        or bool(run_dir.set_aside_steps())
+    )
+
+
 def _export(args) -> dict[str, Any]:
-    check_target(args.out, "--out", args.overwrite)  # an export never goes into a run directory
+    with output_lock.writing(args.out):  # no other export checks or writes it meanwhile
+        check_target(args.out, "--out", args.overwrite)  # never into a run directory
+        return _export_checked(args)
+
+
+def _export_checked(args) -> dict[str, Any]:
     distributed.initialize(args)
     run_files = run_config.run_gin_files(
         args, args.checkpoint, ["runs/export.gin"], command="moe-jax export"
@@ -566,7 +732,37 @@ def _export(args) -> dict[str, Any]:
     config = config if config in run_files else None  # copied into the export as it is
     args.gin_file = run_files
     gin_utils.parse_gin(args)
+    if args.format == "hf":
+        return export_hf(args.checkpoint, args.out)
     return export_checkpoint(args.checkpoint, args.out, config)
+
+
+@gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir"])
+def export_hf(checkpoint_path: str, out_dir: str, *, model: Any = gin.REQUIRED) -> dict[str, Any]:
+    """Writes ``checkpoint_path`` as a Hugging Face model folder ``out_dir``
+    (``config.json``, ``model.safetensors``, ``spiece.model`` for a SentencePiece
+    vocabulary); returns the export's summary (``step``, ``num_parameters``, ``arrays``).
+
+    Raises:
+      moe_jax.interop.hf.HfError: naming the option the model has that Hugging Face's T5 /
+        Switch Transformers cannot express (before anything is read or written).
+    """
+    network = model.module.config
+    config = hf.config_json(network, model.eos_id)  # refuses before any restore or write
+    params, step = _restore_for_export(checkpoint_path, model)
+    tensors = hf.from_export_arrays(arrays_for_export(params), network)
+    if jax.process_index() == 0:
+        storage.write_bytes(
+            storage.join(out_dir, hf.WEIGHTS), safetensors_bytes(tensors, {"format": "pt"})
+        )
+        storage.write_text(storage.join(out_dir, hf.CONFIG_JSON), json.dumps(config, indent=1))
+        if (vocab := vocabulary_file(model)) is not None:
+            storage.write_bytes(storage.join(out_dir, hf.SPIECE), storage.read_bytes(vocab))
+    return {
+        "step": step,
+        "num_parameters": int(sum(a.size for a in tensors.values())),
+        "arrays": tensors,
+    }
 
 
 def export_main(argv: list[str] | None = None) -> int:
@@ -590,6 +786,13 @@ def export_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty --out (an earlier export)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=("moe-jax", "hf"),
+        default="moe-jax",
+        help="moe-jax: this project's export; hf: a Hugging Face T5 / Switch Transformers "
+        "folder (config.json, model.safetensors, spiece.model)",
     )
     args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     result = _export(args)
@@ -616,7 +819,7 @@ def _source_run(export_dir: str) -> str | None:
 def _import(args) -> int:
     check_target(args.model_dir, "--model_dir", args.overwrite, _source_run(args.export))
     run_dir = RunDir(args.model_dir)
-    own_run = run_dir.holds_run()  # the run exported: its config.gin stays as it is
+    own_run = _holds_saved_run(run_dir)  # the run exported: its config.gin stays as it is
     distributed.initialize(args)
     exported_gin = run_config.checked_config(  # perhaps downloaded: checked
         storage.join(args.export, CONFIG_GIN), args
@@ -640,7 +843,9 @@ def _import(args) -> int:
     created = not run_dir.exists()
     try:
         with run_lock.hold(run_dir):  # no trainer writes the run meanwhile
-            step = import_export(args.export, run_dir)
+            if args.overwrite and not _holds_saved_run(run_dir):  # decided under the lock
+                storage.rmtree(run_dir.checkpoints_dir)  # an interrupted import's
+            step = import_export(args.export, run_dir, own_config=use_export_config)
             if jax.process_index() == 0 and not own_run:
                 text = config_text if config_text is not None else gin_utils.operative_config()
                 if has_vocab:
@@ -655,11 +860,58 @@ def _import(args) -> int:
     return step
 
 
+def _import_hf(args) -> int:
+    """`moe-jax import --hf=DIR`: the folder's network as a generated gin config (with
+    ``--gin_file`` / ``--gin.`` overrides), its weights as step 0, its ``spiece.model`` as
+    the run's vocabulary; the run's ``config.gin`` is the operative config."""
+    check_target(args.model_dir, "--model_dir", args.overwrite)
+    folder = hf.read_folder(args.hf)
+    network = hf.t5_config(folder)
+    arrays = hf.to_export_arrays(folder, network)  # refuses a missing tensor or shape first
+    run_dir = RunDir(args.model_dir)
+    distributed.initialize(args)
+    generated = storage.join(tempfile.mkdtemp(prefix="moe_jax_hf_"), CONFIG_GIN)
+    storage.write_text(generated, hf.gin_config(network, args.hf))
+    args.gin_file = [str(gin_text.REPO_GIN_DIR / "runs/export.gin"), generated, *args.gin_file]
+    if folder.spiece:
+        extra_ids = 0 if hf.architecture(folder.config, args.hf).startswith("MT5") else 100
+        args.gin_bindings = [
+            "vocab.get_vocabulary.kind = 'sentencepiece'",
+            f"vocab.get_vocabulary.extra_ids = {extra_ids}",
+            f"vocab.get_vocabulary.path = {folder.spiece!r}",
+            *args.gin_bindings,
+        ]
+    gin_utils.parse_gin(args)
+    created = not run_dir.exists()
+    try:
+        with run_lock.hold(run_dir):
+            import_arrays(arrays, args.hf, run_dir, args.hf)
+            if jax.process_index() == 0:
+                text = gin_utils.operative_config()
+                if folder.spiece:
+                    storage.write_bytes(run_dir.vocabulary_file, storage.read_bytes(folder.spiece))
+                    text = with_vocabulary_path(text, run_dir.vocabulary_file)
+                storage.write_text(run_dir.config_file, text)
+    except Exception:
+        if created and jax.process_index() == 0 and not storage.listdir(run_dir.path):
+            storage.rmtree(run_dir.path)  # the lock's folder, refused before any write
+        raise
+    return 0
+
+
 def import_main(argv: list[str] | None = None) -> int:
 
     parser = builders.build_parser("moe-jax import", "read an export into a new run directory")
-    parser.add_argument(
-        "--export", type=storage.normalize, required=True, metavar="DIR", help="an export directory"
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--export", type=storage.normalize, metavar="DIR", help="an export directory"
+    )
+    source.add_argument(
+        "--hf",
+        type=storage.normalize,
+        metavar="DIR",
+        help="a Hugging Face T5 / mT5 / Switch Transformers model folder (config.json, "
+        "model.safetensors, spiece.model): its network and weights as step 0",
     )
     parser.add_argument(
         "--model_dir",
@@ -674,9 +926,9 @@ def import_main(argv: list[str] | None = None) -> int:
         help="write into a non-empty --model_dir that holds no other run",
     )
     args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
-    step = _import(args)
+    step = _import_hf(args) if args.hf else _import(args)
     print(
-        f"[moe-jax] imported {args.export} as step {step} of {args.model_dir}",
+        f"[moe-jax] imported {args.hf or args.export} as step {step} of {args.model_dir}",
         file=sys.stderr,
         flush=True,
     )

@@ -9,6 +9,9 @@ axis rules (``standard_logical_axis_rules`` bindings) and ``run_context.batch_ax
 :func:`train_setup`: the run's train setup with the gin-configured optimizer
 (``create_optimizer``, ``learning_rate_schedule``), router mode (``router_mode.mode``) and
 balancing-bias mode (``bias_mode.mode``).
+
+:func:`model`: the model ``configured.model.model`` is bound to (``gin/runs/load.gin``:
+``%MODEL``), for code that takes no command's configurable (``moe_jax.load``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from moe_jax import partitioning
 from moe_jax.moe import freeze
 from moe_jax.runtime import builders, optimizers
 from moe_jax.runtime.model_protocol import Model
+
+
+@gin.configurable(module="configured")
+def model(model: Model = gin.REQUIRED) -> Model:
+    """The gin config's model (``configured.model.model = %MODEL``)."""
+    return model
 
 
 @gin.configurable(denylist=["devices"])

@@ -85,6 +85,18 @@ def _layer_name(path) -> tuple[str, str]:
     return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
 
 
+def sown_by_layer(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{layer ("encoder/layers_3"): {sown name: value}}`` of the ``routing`` collection in
+    the variables ``state`` an ``apply`` returned (a scanned model's layers each under its
+    own name)."""
+    out: dict[str, dict[str, Any]] = {}
+    sown = layer_stacking.unstack_layers(state.get(ROUTING_COLLECTION, {}))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
+        layer, name = _layer_name(path)
+        out.setdefault(layer, {})[name] = leaf
+    return out
+
+
 def routing_fn(
     model: Model,
     params_shardings: Any,
@@ -108,11 +120,7 @@ def routing_fn(
             enable_dropout=False,
             mutable=[ROUTING_COLLECTION],
         )
-        out: dict[str, dict[str, jax.Array]] = {}
-        sown = layer_stacking.unstack_layers(state.get(ROUTING_COLLECTION, {}))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
-            layer, name = _layer_name(path)
-            out.setdefault(layer, {})[name] = leaf
+        out: dict[str, dict[str, jax.Array]] = sown_by_layer(state)
         enc = batch["encoder_input_tokens"]
         dec_targets = batch["decoder_target_tokens"]
         out["_positions"] = {}

@@ -21,7 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"moe", "data", "synthetic"}),
     frozenset({"models"}),
     frozenset({"runtime"}),
-    frozenset({"analysis"}),
+    frozenset({"analysis", "interop"}),
     frozenset({"commands"}),
     frozenset({"experiments"}),
     frozenset({"cli", "smoke"}),
