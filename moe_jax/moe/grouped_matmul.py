@@ -73,8 +73,15 @@ TOKAMAX_PINS: dict[GroupedMatmul, dict[str, tuple[str, ...]]] = {
     "mosaic_tpu": {},
 }
 
-# Kernels that failed to trace in this process (each warned about once).
-_FAILED: set[str] = set()
+# Kernels that failed to trace in this process (each warned about once): kernel -> what
+# failed ("<product>: <error type>: <message>").
+_FAILED: dict[str, str] = {}
+
+
+def fallbacks() -> dict[str, str]:
+    """The kernels that failed to trace in this process, each with the product it failed
+    on and the error; their products run through ``xla`` since."""
+    return dict(_FAILED)
 
 
 def kernel_unsupported(name: GroupedMatmul, jax_version: str | None = None) -> str | None:
@@ -124,24 +131,21 @@ def _tokamax(name: GroupedMatmul) -> RaggedDotGeneral:
 
 
 def _product(name: GroupedMatmul, part: str) -> RaggedDotGeneral:
-    """The ``part`` product through kernel ``name``; where the kernel raises while tracing,
-    through ``xla`` (warned once per kernel)."""
-    if name == "xla":
-        return _xla
+    """The ``part`` product through tokamax kernel ``name``; where the kernel raises while
+    tracing, through ``xla`` (warned once per kernel)."""
 
     def product(lhs, rhs, sizes, dims, dtype):
         if name not in _FAILED:
             try:
                 return _tokamax(name)(lhs, rhs, sizes, dims, dtype)
             except Exception as error:  # any trace failure: the result must still come
-                _FAILED.add(name)
+                message = str(error).splitlines()[0] if str(error) else ""
+                _FAILED[name] = f"{part}: {type(error).__name__}: {message}"
                 _LOG.warning(
-                    "grouped matmul %r failed to trace the %s (%s: %s); using "
+                    "grouped matmul %r failed to trace the %s; using "
                     "jax.lax.ragged_dot_general for it from now on in this process",
                     name,
-                    part,
-                    type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "",
+                    _FAILED[name],
                 )
         return _xla(lhs, rhs, sizes, dims, dtype)
 

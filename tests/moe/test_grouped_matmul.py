@@ -95,7 +95,7 @@ def test_kernel_that_fails_to_trace_falls_back_to_the_reference_products(experts
 
 
 def test_a_kernel_that_fails_to_trace_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(grouped_matmul, "_FAILED", set())
+    monkeypatch.setattr(grouped_matmul, "_FAILED", {})
     with caplog.at_level(logging.WARNING, logger=grouped_matmul.__name__):
         _check_against_einsum(8, 2, ragged_dot("triton"))
         _check_against_einsum(32, 1, ragged_dot("triton"), seed=1)  # traced again
