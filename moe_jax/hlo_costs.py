@@ -608,18 +608,22 @@ def _op(line: _Line, computation: str, called: list[str], wrapped: bool, module:
 
 
 _SLICES = ("slice", "dynamic-slice")
+# Ops that read only the elements they return of their first operand: slices, and gathers
+# (a take along an axis, an embedding lookup: the indexed rows, not the whole table).
+_PARTIAL_READS = (*_SLICES, "gather")
 
 
 def _touched(
     line: _Line, operand_types: list[str], called: list[str], module: _Module
 ) -> tuple[list[float], float]:
     """The fraction of each operand of ``line`` that it reads, and of its result that it
-    writes: a (dynamic) slice reads the slice of its operand; a ``dynamic-update-slice``
-    updates its operand in place (reads none of it, writes the update); a fusion, the same
-    by how its fused computation uses each parameter (only through slices, or as the buffer
-    of an in-place update) and by its root (or each element of a root tuple). A loop, call
-    or branch moves nothing itself: what its computations' instructions touch is theirs. Any
-    other instruction reads and writes all of each array."""
+    writes: a (dynamic) slice or a gather reads the elements it returns of its operand; a
+    ``dynamic-update-slice`` updates its operand in place (reads none of it, writes the
+    update); a fusion, the same by how its fused computation uses each parameter (only
+    through slices and gathers, or as the buffer of an in-place update) and by its root (or
+    each element of a root tuple). A loop, call or branch moves nothing itself: what its
+    computations' instructions touch is theirs. Any other instruction reads and writes all
+    of each array."""
     read, written = [1.0] * len(line.operands), 1.0
     if line.opcode in ("while", "call", "conditional"):
         return [0.0] * len(line.operands), 0.0
@@ -637,7 +641,7 @@ def _touched(
         root = next((ln for ln in lines if ln.root), None)
         if root is not None:
             written = _bytes_written(root, by_name) / (shape_bytes(root.result_type) or 1.0)
-    elif line.opcode in _SLICES and operand_types:
+    elif line.opcode in _PARTIAL_READS and operand_types:
         whole = shape_bytes(operand_types[0]) or 1.0
         read[0] = min(1.0, shape_bytes(line.result_type) / whole)
     elif line.opcode == "dynamic-update-slice" and len(operand_types) > 1:
@@ -647,13 +651,14 @@ def _touched(
 
 
 def _bytes_read(name: str, users: dict[str, list[_Line]]) -> float:
-    """Bytes a fused computation reads of its array ``name``: the slices taken of it where
-    slices (through bitcasts) and in-place updates are all its uses, else all of it."""
+    """Bytes a fused computation reads of its array ``name``: the slices and gathered
+    elements taken of it where those (through bitcasts) and in-place updates are all its
+    uses, else all of it."""
     total = 0.0
     for user in users.get(name, []):
         if user.opcode == "bitcast":
             total += _bytes_read(user.name, users)
-        elif user.opcode in _SLICES and user.operands[0] == name:
+        elif user.opcode in _PARTIAL_READS and user.operands[0] == name:
             total += shape_bytes(user.result_type)
         elif not (user.opcode == "dynamic-update-slice" and user.operands[0] == name):
             return math.inf

@@ -52,6 +52,7 @@ from moe_jax.runtime import (
     evaluation,
     gin_flags,
     gin_utils,
+    profiling,
     router_init,
     run_config,
     run_lock,
@@ -155,6 +156,9 @@ class LoopSettings:
       progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
         and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
         (``--progress``; :class:`~moe_jax.runtime.summaries.Progress`).
+      profile_steps: ``(first step, count)``: trace those steps on the devices into
+        ``MODEL_DIR/profile`` (:class:`~moe_jax.runtime.profiling.StepProfiler`); None: no
+        trace.
     """
 
     total_steps: int
@@ -170,6 +174,7 @@ class LoopSettings:
     sync_every_step: bool
     routing_churn: bool
     progress: str
+    profile_steps: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -191,6 +196,7 @@ class TrainLoop:
     meter: summaries.ThroughputMeter
     ticker: summaries.Progress
     preemption: distributed.PreemptionWatcher
+    profiler: profiling.StepProfiler
     state: TrainState
     step: int  # steps done (the state's step)
     end: int  # the step this invocation stops at
@@ -214,6 +220,7 @@ class TrainLoop:
     def close(self) -> None:
         """Stops the stream and the progress bar, waits for the last save (raising its
         failure), and closes the metric files and the signal handlers."""
+        self.profiler.close()
         self.iterator.close()
         self.ticker.close()
         self.ckpt.wait_until_finished()
@@ -260,6 +267,7 @@ def train(
     on_nonfinite: str = "stop",
     sync_every_step: bool = False,
     routing_churn: bool = True,
+    profile_steps: tuple[int, int] | None = None,
     allow_config_change: bool = False,
     command_line_bindings: Sequence[str] = (),
     progress: str = "auto",
@@ -303,6 +311,7 @@ def train(
         sync_every_step=sync_every_step,
         routing_churn=routing_churn,
         progress=progress,
+        profile_steps=profiling.check_profile_steps(profile_steps),
     )
     run_dir = RunDir(model_dir)
     _check_total_steps(total_steps, run_dir)
@@ -386,6 +395,7 @@ def setup_train_loop(
         ),
         ticker=summaries.Progress(step, settings.total_steps, settings.progress),
         preemption=distributed.PreemptionWatcher(),
+        profiler=profiling.StepProfiler(settings.profile_steps, run_dir.profile_dir, _log),
         state=state,
         step=step,
         end=_loop_end(step, settings.total_steps),
@@ -417,6 +427,7 @@ def training_loop_iteration(loop: TrainLoop) -> None:
     dispatched); then, when this step logs, saves or evaluates, check its own loss first
     and do those."""
     s = loop.settings
+    loop.profiler.before_step(loop.step)
     loop.state, metrics = loop.step_fn(loop.state, loop.batch)  # async dispatch
     if loop.step == loop.first_step:  # said once, when it is done: the run is under way
         loop.ticker.write(f"step {loop.step + 1} done: loss {float(metrics['loss']):.4f}")
@@ -427,6 +438,7 @@ def training_loop_iteration(loop: TrainLoop) -> None:
         metrics = jax.device_get(metrics)
     loop.ckpt.check_for_errors()  # a failed background save stops here
     loop.step += 1
+    loop.profiler.after_step(loop.step, metrics)
     loop.meter.tick()
     loop.ticker.update()
     if loop.unchecked is not None:  # the previous step: done, or queued just before this one

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -42,6 +43,54 @@ def combine_masks(*masks: jnp.ndarray | None) -> jnp.ndarray | None:
     for m in present[1:]:
         out = jnp.logical_and(out, m)
     return out
+
+
+@flax.struct.dataclass
+class AttentionMask:
+    """Which keys each query may attend to, in the two forms attention kernels take: a
+    dense boolean array (the XLA path, decoding), and sequence lengths with a causal flag
+    (fused kernels, which then need no ``[batch, heads, q_len, k_len]`` array at all).
+
+    Attributes:
+      dense: boolean ``[batch, 1, q_len, k_len]``; False = blocked.
+      query_lengths: int32 ``[batch]``: each row's real queries are its first
+        ``query_lengths`` positions (seqio pads at the end); None when rows are packed
+        (segments), which only ``dense`` describes.
+      key_lengths: int32 ``[batch]``, the same for keys; None with ``query_lengths``.
+      causal: query ``i`` sees keys ``<= i`` only (static; already in ``dense``).
+    """
+
+    dense: jax.Array
+    query_lengths: jax.Array | None = None
+    key_lengths: jax.Array | None = None
+    causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def from_padding(
+        cls,
+        query_valid: jax.Array,
+        key_valid: jax.Array,
+        *,
+        causal: bool = False,
+        segments: tuple[jax.Array, jax.Array] | None = None,
+    ) -> AttentionMask:
+        """The mask of ``query_valid [batch, q_len]`` x ``key_valid [batch, k_len]``
+        (True = a real token), causal or not; ``segments`` (query and key segment ids)
+        keeps packed segments apart, and then no lengths are given."""
+        dense = combine_masks(
+            make_attention_mask(query_valid, key_valid),
+            make_causal_mask(query_valid) if causal else None,
+            None if segments is None else make_attention_mask(*segments, jnp.equal),
+        )
+        assert dense is not None  # the padding mask is always there
+        if segments is not None:
+            return cls(dense, causal=causal)
+        return cls(
+            dense,
+            query_lengths=jnp.sum(query_valid, axis=-1, dtype=jnp.int32),
+            key_lengths=jnp.sum(key_valid, axis=-1, dtype=jnp.int32),
+            causal=causal,
+        )
 
 
 @jax.custom_vjp
@@ -135,35 +184,47 @@ def fused_attention(
     key: jnp.ndarray,
     value: jnp.ndarray,
     bias: jnp.ndarray | None,
-    mask: jnp.ndarray | None,
+    mask: AttentionMask | None,
     dtype: DType,
     implementation: AttentionKernel = "cudnn",
 ) -> jnp.ndarray:
     """``dot_product_attention`` (unscaled, softmax in float32) as cuDNN's fused kernel
     (``implementation="xla"``: the same call through jax's reference, for checks on CPU).
 
+    The kernel gets what it needs and no more: padding as sequence lengths and causality
+    as its mask type (``mask.dense`` only for packed rows, broadcast over heads), the
+    bias as given (``[1, heads, q, k]``: shared over the batch, its gradient reduced over
+    the batch inside the kernel). Rows past ``mask.query_lengths`` are padding: their
+    outputs differ from the XLA path's (which averages over every key) and are never read.
+
     Args:
       query: ``[batch, q_len, heads, head_dim]``.
       key: ``[batch, k_len, heads, head_dim]``.
       value: ``[batch, k_len, heads, head_dim]``.
       bias: ``[1 or batch, heads, q_len, k_len]`` or None.
-      mask: boolean ``[batch, 1, q_len, k_len]`` or None; False = blocked.
+      mask: :class:`AttentionMask` or None (attend everywhere).
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``dtype``.
     """
     query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
-    if mask is not None:
-        mask = jnp.broadcast_to(
-            mask, (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    masking: dict[str, Any] = {}
+    if mask is not None and mask.query_lengths is not None:
+        masking = dict(
+            query_seq_lengths=mask.query_lengths,
+            key_value_seq_lengths=mask.key_lengths,
+            is_causal=mask.causal,
         )
+    elif mask is not None:
+        shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        masking = dict(mask=jnp.broadcast_to(mask.dense, shape))
     return jax.nn.dot_product_attention(
         query,
         key,
         value,
         bias=None if bias is None else jnp.asarray(bias, dtype),
-        mask=mask,
         scale=1.0,
         implementation=implementation,
+        **masking,
     )
 
 
@@ -250,7 +311,7 @@ class MultiHeadDotProductAttention(nn.Module):
         self,
         inputs_q: jnp.ndarray,
         inputs_kv: jnp.ndarray,
-        mask: jnp.ndarray | None = None,
+        mask: AttentionMask | None = None,
         bias: jnp.ndarray | None = None,
         *,
         deterministic: bool,
@@ -259,7 +320,7 @@ class MultiHeadDotProductAttention(nn.Module):
         """Attends ``inputs_q [batch, q_len, d_model]`` to ``inputs_kv [batch, k_len, d_model]``.
 
         Args:
-          mask: boolean ``[batch, 1, q_len, k_len]`` (None = attend everywhere).
+          mask: :class:`AttentionMask` (None = attend everywhere).
           bias: ``[1 or batch, heads, q_len, k_len]`` added to the logits.
           deterministic: disables attention dropout.
           decode: use and update the KV cache (decoder self-attention only).
@@ -273,7 +334,8 @@ class MultiHeadDotProductAttention(nn.Module):
         value = self._projection("value", inputs_kv, 1.0)
         if decode:
             key, value, step_mask, bias = self._update_cache(key, value, bias)
-            mask = combine_masks(mask, step_mask)
+            dense = combine_masks(None if mask is None else mask.dense, step_mask)
+            mask = None if dense is None else AttentionMask(dense)
         dropout_rng = (
             None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
         )
@@ -295,7 +357,7 @@ class MultiHeadDotProductAttention(nn.Module):
                 key,
                 value,
                 bias=bias,
-                mask=mask,
+                mask=None if mask is None else mask.dense,
                 dropout_rng=dropout_rng,
                 dropout_rate=self.dropout_rate,
                 deterministic=deterministic,

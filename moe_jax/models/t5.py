@@ -32,10 +32,8 @@ import jax.numpy as jnp
 from moe_jax.models import layer_stacking
 from moe_jax.models.attention import (
     AttentionKernel,
+    AttentionMask,
     MultiHeadDotProductAttention,
-    combine_masks,
-    make_attention_mask,
-    make_causal_mask,
 )
 from moe_jax.models.embedding import Embed
 from moe_jax.models.mlp import MlpBlock
@@ -393,7 +391,7 @@ class AttentionBlock(nn.Module):
         self,
         x: jnp.ndarray,
         kv: jnp.ndarray | None = None,
-        mask: jnp.ndarray | None = None,
+        mask: AttentionMask | None = None,
         bias: jnp.ndarray | None = None,
         *,
         deterministic: bool,
@@ -656,7 +654,7 @@ class Encoder(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens: jnp.ndarray, mask: jnp.ndarray, *, deterministic: bool
+        self, tokens: jnp.ndarray, mask: AttentionMask, *, deterministic: bool
     ) -> jnp.ndarray:
         """``tokens [batch, Le]``, ``mask [batch, 1, Le, Le]`` -> ``[batch, Le, d_model]``."""
         cfg = self.config
@@ -685,8 +683,8 @@ class Decoder(nn.Module):
         self,
         encoded: jnp.ndarray,
         tokens: jnp.ndarray,
-        self_mask: jnp.ndarray | None,
-        cross_mask: jnp.ndarray | None,
+        self_mask: AttentionMask | None,
+        cross_mask: AttentionMask | None,
         padding_mask: jnp.ndarray | None,
         *,
         deterministic: bool,
@@ -728,14 +726,11 @@ class Decoder(nn.Module):
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
-def encoder_mask(tokens: jnp.ndarray, segment_ids: jnp.ndarray | None) -> jnp.ndarray:
-    """Encoder self-attention mask ``[batch, 1, Le, Le]``: non-padding, same segment."""
-    mask = combine_masks(
-        make_attention_mask(tokens > 0, tokens > 0),
-        None if segment_ids is None else make_attention_mask(segment_ids, segment_ids, jnp.equal),
-    )
-    assert mask is not None  # the padding mask is always there
-    return mask
+def encoder_mask(tokens: jnp.ndarray, segment_ids: jnp.ndarray | None) -> AttentionMask:
+    """Encoder self-attention mask (``[batch, 1, Le, Le]``): non-padding, same segment."""
+    valid = tokens > 0
+    segments = None if segment_ids is None else (segment_ids, segment_ids)
+    return AttentionMask.from_padding(valid, valid, segments=segments)
 
 
 def decoder_masks(
@@ -744,7 +739,7 @@ def decoder_masks(
     decoder_target_tokens: jnp.ndarray | None,
     encoder_segment_ids: jnp.ndarray | None,
     decoder_segment_ids: jnp.ndarray | None,
-) -> tuple[jnp.ndarray, jnp.ndarray]:
+) -> tuple[AttentionMask, AttentionMask]:
     """(causal self-attention mask ``[batch, 1, Ld, Ld]``, cross mask ``[batch, 1, Ld, Le]``).
 
     Decoder padding is read from ``decoder_target_tokens > 0`` (the inputs start with the
@@ -756,20 +751,15 @@ def decoder_masks(
         if decoder_target_tokens is None
         else decoder_target_tokens > 0
     )
-    self_mask = combine_masks(
-        make_causal_mask(decoder_input_tokens),
-        make_attention_mask(dec_valid, dec_valid),
-        None
-        if decoder_segment_ids is None
-        else make_attention_mask(decoder_segment_ids, decoder_segment_ids, jnp.equal),
+    self_segments = cross_segments = None
+    if decoder_segment_ids is not None:
+        self_segments = (decoder_segment_ids, decoder_segment_ids)
+        if encoder_segment_ids is not None:
+            cross_segments = (decoder_segment_ids, encoder_segment_ids)
+    self_mask = AttentionMask.from_padding(
+        dec_valid, dec_valid, causal=True, segments=self_segments
     )
-    cross_mask = combine_masks(
-        make_attention_mask(dec_valid, encoder_tokens > 0),
-        None
-        if decoder_segment_ids is None or encoder_segment_ids is None
-        else make_attention_mask(decoder_segment_ids, encoder_segment_ids, jnp.equal),
-    )
-    assert self_mask is not None and cross_mask is not None  # the first masks are always there
+    cross_mask = AttentionMask.from_padding(dec_valid, encoder_tokens > 0, segments=cross_segments)
     return self_mask, cross_mask
 
 
@@ -818,7 +808,7 @@ class EncoderDecoder(nn.Module):
         """Logits ``[batch, Ld, vocab]``; in ``decode`` mode one step ``[batch, 1]`` at a time."""
         if decode:
             self_mask = None  # the KV cache masks positions not yet written
-            cross_mask = make_attention_mask(
+            cross_mask = AttentionMask.from_padding(
                 jnp.ones_like(decoder_input_tokens, bool), encoder_input_tokens > 0
             )
             padding_mask = None

@@ -145,6 +145,12 @@ class RunDir:
         return self._file(split)
 
     @property
+    def profile_dir(self) -> str:
+        """``MODEL_DIR/profile``: device traces of ``train.profile_steps``
+        (``tensorboard --logdir MODEL_DIR/profile``, Profile tab)."""
+        return self._file("profile")
+
+    @property
     def eval_settings_file(self) -> str:
         """``MODEL_DIR/eval_settings.json``: what the in-training evaluation reads."""
         return self._file("eval_settings.json")

@@ -538,6 +538,37 @@ def test_fusions_are_charged_for_the_slices_they_read_and_the_updates_they_write
     assert (ops["n"].operand_bytes, ops["n"].output_bytes) == (stack, stack)
 
 
+def test_gathers_are_charged_for_the_elements_they_take():
+    """A take along the vocabulary (the target's logit) or an embedding lookup reads the
+    gathered elements, not the whole table, whether fused or not; a fusion that also
+    reduces the table reads it whole."""
+    gather = (
+        "gather(%{t}, %{i}), offset_dims={{1}}, collapsed_slice_dims={{0}}, "
+        "start_index_map={{0}}, index_vector_dim=1, slice_sizes={{1,64}}"
+    )
+    text = (
+        "%fused_take {\n  %p0 = f32[1000,64]{1,0} parameter(0)\n"
+        "  %p1 = s32[16,1]{1,0} parameter(1)\n"
+        f"  ROOT %g = f32[16,64]{{1,0}} {gather.format(t='p0', i='p1')}\n}}\n"
+        "%fused_take_and_sum {\n  %p0 = f32[1000,64]{1,0} parameter(0)\n"
+        "  %p1 = s32[16,1]{1,0} parameter(1)\n  %z = f32[] constant(0)\n"
+        f"  %g = f32[16,64]{{1,0}} {gather.format(t='p0', i='p1')}\n"
+        "  %r = f32[64]{0} reduce(%p0, %z), dimensions={0}, to_apply=%add\n"
+        "  ROOT %t = (f32[16,64]{1,0}, f32[64]{0}) tuple(%g, %r)\n}\n"
+        "ENTRY %main {\n  %table = f32[1000,64]{1,0} parameter(0)\n"
+        "  %ids = s32[16,1]{1,0} parameter(1)\n"
+        f"  %plain = f32[16,64]{{1,0}} {gather.format(t='table', i='ids')}\n"
+        "  %fused = f32[16,64]{1,0} fusion(%table, %ids), kind=kLoop, calls=%fused_take\n"
+        "  ROOT %both = (f32[16,64]{1,0}, f32[64]{0}) fusion(%table, %ids), kind=kInput, "
+        "calls=%fused_take_and_sum\n}\n"
+    )
+    rows, table, ids = 4 * 16 * 64, 4 * 1000 * 64, 4 * 16
+    ops = {op.name: op for op in hlo_costs.parse(text)}
+    assert ops["plain"].operand_bytes == rows + ids
+    assert ops["fused"].operand_bytes == rows + ids
+    assert ops["both"].operand_bytes == table + ids
+
+
 def test_tpu_convolutions_that_are_batched_matmuls_count_one_tap_per_output():
     """XLA:TPU writes einsums as convolutions whose window spans a batch-like dimension
     (attention heads): over an input of size 1 padded on both sides, or base-dilated so one
