@@ -3,6 +3,7 @@ it), attention masks, and the key/value cache used for autoregressive decoding."
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -128,6 +129,87 @@ def _logits_in_float32_bwd(
 logits_in_float32.defvjp(_logits_in_float32_fwd, _logits_in_float32_bwd)
 
 
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``x`` summed over the axes that ``shape`` broadcasts (the gradient of a broadcast)."""
+    x = jnp.sum(x, axis=tuple(range(x.ndim - len(shape))))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def softmax_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dtype: DType,
+) -> jax.Array:
+    """``softmax(q k^T + bias, masked) v`` with float32 logits (:func:`logits_in_float32`),
+    whose backward pass keeps only the probabilities in ``dtype``, as flash attention's
+    does: the softmax gradient's row term ``sum_k P dP`` is ``sum_d dO O`` (``O = P V``),
+    read from the ``[batch, q_len, heads, head_dim]`` output and its cotangent, so the
+    float32 ``[batch, heads, q_len, k_len]`` logits are written once and never read back
+    by the backward pass. The logits' cotangent is rounded to ``dtype`` for the q / k
+    gradient matmuls (as in :func:`logits_in_float32`); the bias gradient is summed over
+    the batch from it in float32.
+
+    Args:
+      query: ``[batch, q_len, heads, head_dim]``.
+      key: ``[batch, k_len, heads, head_dim]``.
+      value: ``[batch, k_len, heads, head_dim]``.
+      bias: broadcastable to ``[batch, heads, q_len, k_len]``, or None.
+      mask: boolean, broadcastable to ``[batch, heads, q_len, k_len]``, or None.
+      dtype: the probabilities' and the output's dtype.
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``dtype``.
+    """
+    return _softmax_attention_fwd(query, key, value, bias, mask, dtype)[0]
+
+
+def _softmax_attention_fwd(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dtype: DType,
+) -> tuple[jax.Array, tuple[Any, ...]]:
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + jnp.asarray(bias, jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.asarray(-1e10, jnp.float32))
+    probs = jax.nn.softmax(logits).astype(dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.asarray(value, dtype))
+    return out, (query, key, value, bias, mask, probs, out)
+
+
+def _softmax_attention_bwd(
+    dtype: DType, residuals: tuple[Any, ...], d_out: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, None]:
+    query, key, value, bias, mask, probs, out = residuals
+    d_value = jnp.einsum("bhqk,bqhd->bkhd", probs, d_out).astype(value.dtype)
+    d_probs = jnp.einsum("bqhd,bkhd->bhqk", d_out, jnp.asarray(value, dtype))
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, q, h]
+    row = jnp.swapaxes(row, 1, 2)  # = sum_k P dP, [batch, heads, q_len]
+    d_logits = probs.astype(jnp.float32) * (d_probs.astype(jnp.float32) - row[..., None])
+    if mask is not None:
+        d_logits = jnp.where(mask, d_logits, 0.0)
+    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)
+    d_logits = d_logits.astype(jnp.promote_types(query.dtype, key.dtype))
+    return (
+        jnp.einsum("bhqk,bkhd->bqhd", d_logits, key).astype(query.dtype),
+        jnp.einsum("bhqk,bqhd->bkhd", d_logits, query).astype(key.dtype),
+        d_value,
+        d_bias,
+        None,
+    )
+
+
+softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+
+
 def dot_product_attention(
     query: jnp.ndarray,
     key: jnp.ndarray,
@@ -149,11 +231,14 @@ def dot_product_attention(
       bias: broadcastable to ``[batch, heads, q_len, k_len]`` (relative positions).
       mask: boolean, broadcastable to ``[batch, heads, q_len, k_len]``; False = blocked.
       dtype: the softmax weights' and the output's dtype.
-      float32_logits: logits, bias, mask and softmax in float32 (:func:`logits_in_float32`);
-        False: in the dtype of ``query`` and ``key``.
+      float32_logits: logits, bias, mask and softmax in float32 (:func:`logits_in_float32`;
+        without attention dropout: :func:`softmax_attention`, whose backward pass reads
+        the probabilities, not the logits); False: in the dtype of ``query`` and ``key``.
     Returns:
       ``[batch, q_len, heads, head_dim]``.
     """
+    if float32_logits and (deterministic or dropout_rate == 0.0):
+        return softmax_attention(query, key, value, bias, mask, dtype)
     if float32_logits:
         logits = logits_in_float32(query, key)
     else:
