@@ -8,5 +8,10 @@ layer's per-token routing).
                   between label and expert, sparsity per cluster
   counterfactual  the same weights evaluated with the routers replaced
   plots           the PNGs of those statistics
+  trace           per-token routing records (arrays and Parquet) of one or many checkpoints
+  vocabulary      token-id and token-category specialisation (OpenMoE, OLMoE, ST-MoE)
+  saturation      agreement of each checkpoint's routing with the final one's (OLMoE)
+  coactivation    expert pair co-activation, cross-layer routing consistency (OLMoE)
+  trace_plots     the PNGs of the trace analyses
 See docs/analysis.md.
 """

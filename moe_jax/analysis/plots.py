@@ -6,7 +6,8 @@ Positions (:func:`write_all`):
   ``[position, expert]``;
 * ``correlation_length.png``: ``xi_int``, ``corr_lag`` and ``xi_domain`` per layer, model
   vs shuffled;
-* ``probe_accuracy.png``: probe accuracy per layer and target, with chance and majority.
+* ``probe_accuracy.png``: probe accuracy per layer and target, with chance and majority;
+* ``drops_by_position.png``: the share of choices dropped by capacity by position, per layer.
 
 Languages (:func:`write_languages`):
 
@@ -115,6 +116,24 @@ def probe_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") ->
     _save(plt, fig, path)
 
 
+def drop_rate_lines(layers: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
+    """The share of choices dropped by capacity vs position, one line per layer, its
+    position-blind level (over all positions) dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, (name, stats) in enumerate(layers.items()):
+        drops = stats["drop_rate"]
+        colour = plt.get_cmap("tab10")(i % 10)
+        ax.plot(drops["choices"], "-", color=colour, label=name)
+        ax.axhline(drops["overall_choices"], ls="--", lw=0.8, color=colour)
+    ax.set_xlabel("token position")
+    ax.set_ylabel("share of choices dropped\n(dashed: all positions)")
+    ax.set_ylim(bottom=0)
+    plotting.legend_outside(ax)
+    ax.set_title(f"{title}: drops by position".strip(": "), fontsize=9)
+    _save(plt, fig, path)
+
+
 def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") -> list[str]:
     """Writes every PNG into ``out_dir``; returns their file names."""
     files = []
@@ -124,7 +143,8 @@ def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") 
         files.append(fname)
     correlation_bars(layers, storage.join(out_dir, "correlation_length.png"), title)
     probe_bars(layers, storage.join(out_dir, "probe_accuracy.png"), title)
-    return [*files, "correlation_length.png", "probe_accuracy.png"]
+    drop_rate_lines(layers, storage.join(out_dir, "drops_by_position.png"), title)
+    return [*files, "correlation_length.png", "probe_accuracy.png", "drops_by_position.png"]
 
 
 def language_heatmaps(result: dict[str, Any], labels: list[str], path: str) -> None:

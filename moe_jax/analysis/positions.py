@@ -22,6 +22,12 @@ Per MoE layer, from the per-token routing of :mod:`moe_jax.runtime.routing`:
    validation split) from the router inputs to position parity ``p mod 2`` and block index
    ``p // n`` for each ``n`` of ``block_sizes``, trained on some sequences, tested on
    held-out ones; accuracy next to chance (uniform ``1/C`` and the majority class).
+4. **Drops by position** (OpenMoE, arXiv:2402.01739: drops concentrate at the end of a
+   sequence): the share of the choices dropped by capacity and of the tokens with every
+   choice dropped at each position, next to both over all positions.
+5. **Consecutive tokens on one expert** (Mixtral, arXiv:2401.04088, Sec. 5): over pairs of
+   neighbouring tokens, P(the same first choice) and P(their top-k share an expert), next
+   to the same with each sequence's tokens shuffled.
 
 :func:`analyze` (gin ``positions_script.analyze``) restores a checkpoint, runs
 ``num_batches`` batches of the dataset through it and writes ``positions.json`` and the
@@ -204,7 +210,7 @@ def _json_floats(values: np.ndarray) -> list[float | None]:
 def shuffle_within_sequences(
     values: np.ndarray, segments: np.ndarray, rng: np.random.Generator
 ) -> np.ndarray:
-    """``values [n, length]`` with each sequence's tokens randomly permuted among that
+    """``values [n, length, ...]`` with each sequence's tokens randomly permuted among that
     sequence's slots (padding untouched)."""
     key = np.where(segments > 0, segments, segments.max(initial=0) + 1).astype(np.float64)
     dest = np.argsort(key, axis=1, kind="stable")  # slots grouped by sequence
@@ -232,6 +238,62 @@ def correlation_length(
     return {
         "model": correlation_stats(experts, segments, num_experts, max_lag, threshold),
         "shuffled": correlation_stats(shuffled, segments, num_experts, max_lag, threshold),
+    }
+
+
+# --------------------------------------------------------------------------- 4. drops, 5. runs
+def drop_rates(
+    kept: np.ndarray, positions: np.ndarray, valid: np.ndarray, num_positions: int
+) -> dict[str, Any]:
+    """Drops by position (OpenMoE: tokens late in a sequence are dropped more).
+
+    Args:
+      kept: ``bool [n, length, k]`` whether each choice reached its expert.
+      positions: ``int [n, length]``; valid: ``bool [n, length]``.
+
+    Returns:
+      ``{"choices": [num_positions], "tokens": [num_positions], "overall_choices",
+      "overall_tokens"}``: the share of the choices dropped by capacity and of the tokens
+      with every choice dropped at each position (0 where no token), and both over all
+      positions (what a position-blind capacity would give at every position).
+    """
+    pos = positions[valid]
+    tokens = np.maximum(np.bincount(pos, minlength=num_positions)[:num_positions], 1)
+    dropped = ~kept[valid]
+    choices = np.bincount(pos, weights=dropped.mean(-1), minlength=num_positions)
+    whole = np.bincount(pos, weights=dropped.all(-1).astype(float), minlength=num_positions)
+    return {
+        "choices": (choices[:num_positions] / tokens).tolist(),
+        "tokens": (whole[:num_positions] / tokens).tolist(),
+        "overall_choices": float(dropped.mean()) if valid.any() else 0.0,
+        "overall_tokens": float(dropped.all(-1).mean()) if valid.any() else 0.0,
+    }
+
+
+def consecutive_stats(expert_index: np.ndarray, segments: np.ndarray) -> dict[str, float]:
+    """Mixtral (arXiv:2401.04088, Sec. 5): over pairs of neighbouring tokens of one
+    sequence, ``top1_repeat`` = P(the same first choice) and ``topk_overlap`` = P(their
+    ``k`` choices share an expert) (``expert_index [n, length, k]``)."""
+    pair = (segments[:, :-1] > 0) & (segments[:, :-1] == segments[:, 1:])
+    if not pair.any():
+        return {"top1_repeat": float("nan"), "topk_overlap": float("nan")}
+    a, b = expert_index[:, :-1], expert_index[:, 1:]
+    overlap = (a[..., :, None] == b[..., None, :]).any(axis=(-1, -2))
+    return {
+        "top1_repeat": float((a[..., 0] == b[..., 0])[pair].mean()),
+        "topk_overlap": float(overlap[pair].mean()),
+    }
+
+
+def consecutive_runs(
+    expert_index: np.ndarray, segments: np.ndarray, rng: np.random.Generator
+) -> dict[str, dict[str, float]]:
+    """``{"model": consecutive_stats, "shuffled": the same with each sequence's tokens
+    permuted}``: the floor a router blind to the order of the tokens gives."""
+    shuffled = shuffle_within_sequences(expert_index, segments, rng)
+    return {
+        "model": consecutive_stats(expert_index, segments),
+        "shuffled": consecutive_stats(shuffled, segments),
     }
 
 
@@ -367,6 +429,8 @@ def analyze_layer(
         "correlation": correlation_length(
             first, layer.segments, num_experts, max_lag=max_lag, threshold=lag_threshold, rng=rng
         ),
+        "drop_rate": drop_rates(layer.kept, layer.positions, valid, len(tokens)),
+        "consecutive": consecutive_runs(layer.expert_index, layer.segments, rng),
         "probe": position_probes(
             layer.router_inputs,
             layer.positions,
@@ -386,7 +450,9 @@ corr_lag       leading lags whose correlation rho reaches lag_threshold (0: unco
 xi_domain      mean length of a run of one expert, in tokens (1/(1-b) when uncorrelated)
 A vs B         this model vs the same sequences with token positions shuffled
 probes         held-out accuracy of a linear probe from the router inputs to position
-               parity (p mod 2) and block index (p // n), vs chance 1/C and the majority class"""
+               parity (p mod 2) and block index (p // n), vs chance 1/C and the majority class
+repeat         share of neighbouring tokens with the same top-1 expert (Mixtral), A vs B
+dropped        share of the choices dropped by capacity: last position, all positions"""
 
 
 def summary_table(layers: dict[str, dict[str, Any]]) -> str:
@@ -394,7 +460,7 @@ def summary_table(layers: dict[str, dict[str, Any]]) -> str:
     lengths (model vs shuffled), probe accuracies."""
     lines = [SUMMARY_LEGEND, ""]
     for name, stats in layers.items():
-        c = stats["correlation"]
+        c, run, drops = stats["correlation"], stats["consecutive"], stats["drop_rate"]
         probes = "  ".join(
             f"{t} {p['accuracy']:.3f} (chance {p['chance']:.3f}, majority {p['majority']:.3f})"
             for t, p in stats["probe"].items()
@@ -404,7 +470,10 @@ def summary_table(layers: dict[str, dict[str, Any]]) -> str:
             f"(shuffled {stats['position_information']['shuffled_bits']:.3f}); "
             f"xi_int {c['model']['xi_int']:.2f} vs {c['shuffled']['xi_int']:.2f}, "
             f"corr_lag {c['model']['corr_lag']} vs {c['shuffled']['corr_lag']}, "
-            f"xi_domain {c['model']['xi_domain']:.2f} vs {c['shuffled']['xi_domain']:.2f}; {probes}"
+            f"xi_domain {c['model']['xi_domain']:.2f} vs {c['shuffled']['xi_domain']:.2f}; "
+            f"{probes}; "
+            f"repeat {run['model']['top1_repeat']:.3f} vs {run['shuffled']['top1_repeat']:.3f}; "
+            f"dropped {drops['choices'][-1]:.3f}, all {drops['overall_choices']:.3f}"
         )
     return "\n".join(lines)
 

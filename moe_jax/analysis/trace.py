@@ -91,7 +91,7 @@ class LayerTrace:
     @property
     def dropped(self) -> np.ndarray:
         """``bool [tokens]``: no choice reached its expert."""
-        return ~self.kept.any(axis=1)
+        return np.logical_not(self.kept.any(axis=1))
 
     def same_tokens(self, other: LayerTrace) -> bool:
         """Whether ``other`` routed the same tokens in the same order."""
@@ -151,7 +151,9 @@ def token_pieces(vocabulary: Any, ids: np.ndarray) -> dict[int, str]:
         return {int(i): str(int(i)) for i in ids}
     resolved = getattr(vocabulary, "resolved", vocabulary)
     tokenizer = getattr(resolved, "tokenizer", None)
-    size = tokenizer.get_piece_size() if tokenizer is not None else 0
+    if tokenizer is None:
+        return {int(i): resolved.decode([int(i)]) for i in ids}
+    size = tokenizer.get_piece_size()
     return {
         int(i): tokenizer.id_to_piece(int(i)) if i < size else resolved.decode([int(i)])
         for i in ids
@@ -251,7 +253,6 @@ def write(trace: Trace, out_dir: str) -> str:
     import pyarrow.parquet as pq
 
     path = storage.join(out_dir, file_name(trace))
-    storage.makedirs(out_dir)
     with storage.writing(path) as f:
         pq.write_table(to_table(trace), f)
     return path
@@ -357,13 +358,20 @@ def summary_line(trace: Trace) -> str:
     return f"{trace.run}@{trace.step}: " + "; ".join(parts)
 
 
+def output_dir(checkpoint_paths: Sequence[str], out_dir: str | None, sub: str = "") -> str:
+    """``out_dir``, or by default the first checkpoint's ``MODEL_DIR/analysis[/sub]``."""
+    if out_dir:
+        return storage.normalize(out_dir)
+    analysis_dir = RunDir.of_checkpoint(checkpoint_paths[0])[0].analysis_dir
+    return storage.normalize(storage.join(analysis_dir, sub) if sub else analysis_dir)
+
+
 def analyze(
     checkpoint_paths: Sequence[str], out_dir: str | None = None, all_steps: bool = False
 ) -> list[str]:
     """`moe-jax analyze trace`: writes one Parquet file per checkpoint to ``out_dir``
     (default ``MODEL_DIR/analysis/trace``) and returns their paths."""
-    run_dir = RunDir.of_checkpoint(checkpoint_paths[0])[0]
-    out_dir = storage.normalize(out_dir or storage.join(run_dir.analysis_dir, "trace"))
+    out_dir = output_dir(checkpoint_paths, out_dir, "trace")
     files = []
     for trace in collect(checkpoint_paths, all_steps):
         if jax.process_index() == 0:

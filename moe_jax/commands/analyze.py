@@ -3,6 +3,8 @@
     moe-jax analyze positions --checkpoint=MODEL_DIR/checkpoints/600 --out=/tmp/positions \\
         [--gin_file=...] [--gin.positions_script.analyze.num_batches=16]
     moe-jax analyze languages --checkpoint=RUN_A --checkpoint=RUN_B --all_steps --out=/tmp/languages
+    moe-jax analyze trace --checkpoint=RUN --all_steps --out=/tmp/trace
+    moe-jax analyze saturation --checkpoint=RUN --all_steps --out=/tmp/saturation
 
 Gin: the analysis' defaults (``gin/analysis/<analysis>.gin``), then the run's
 ``MODEL_DIR/config.gin`` (written by `moe-jax train`; model and data), then ``--gin_file``
@@ -36,9 +38,22 @@ ANALYSES: dict[str, tuple[str, str]] = {
         "per-token routing records as Parquet: example, position, token and piece, label, "
         "layer, top-k experts and probabilities, dropped",
     ),
+    "vocabulary": (
+        "moe_jax.analysis.vocabulary",
+        "token-id and token-category specialisation of the experts vs a random router "
+        "(OpenMoE, OLMoE, ST-MoE)",
+    ),
+    "saturation": (
+        "moe_jax.analysis.saturation",
+        "top-1 / top-k agreement of every checkpoint with the final one, per layer (OLMoE)",
+    ),
+    "coactivation": (
+        "moe_jax.analysis.coactivation",
+        "expert pair co-activation per layer and cross-layer routing consistency (OLMoE)",
+    ),
 }
 # Analyses reading per-token routing traces (gin defaults: gin/analysis/trace.gin).
-TRACED = frozenset({"trace"})
+TRACED = frozenset({"trace", "vocabulary", "saturation", "coactivation"})
 # Analyses taking several checkpoints (``--checkpoint`` repeated, ``--all_steps``).
 MULTI_CHECKPOINT = frozenset({"languages"}) | TRACED
 DEFAULTS_DIR = gin_text.REPO_GIN_DIR / "analysis"
@@ -59,7 +74,7 @@ def _usage() -> str:
         "",
         "analyses:",
     ]
-    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in ANALYSES.items()]
+    lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in ANALYSES.items()]
     return "\n".join(lines)
 
 

@@ -706,11 +706,11 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
 
 
 def _holds_saved_run(run_dir: RunDir) -> bool:
-    """``run_dir`` holds a run: a ``config.gin``, a ``metrics.jsonl`` or a step set aside
-    (`moe-jax train` writes its config before anything else). A ``LOCK``, ``checkpoints/``
+    """``run_dir`` holds a run (``checkpoints/`` or a ``LOCK``) that wrote a ``config.gin``,
+    a ``metrics.jsonl`` or set a step aside (`moe-jax train` writes its config first). A ``LOCK``, ``checkpoints/``
     and temporary files without them are what an interrupted `moe-jax import` leaves (it
     writes ``config.gin`` last; a live holder of the lock is refused when it is taken)."""
-    return (
+    return run_dir.holds_run() and (
         storage.exists(run_dir.config_file)
         or storage.exists(run_dir.metrics_file)
         or bool(run_dir.set_aside_steps())
@@ -860,6 +860,18 @@ def _import(args) -> int:
     return step
 
 
+# The data macros a trained run's config has and an imported one gets (the evaluation's
+# defaults, gin/runs/eval.gin), so that eval and analyze find them; --gin.NAME=... at import
+# or later overrides them.
+_HF_RUN_DATA = {
+    "MIXTURE_OR_TASK_NAME": "'mc4_span_corruption'",
+    "TASK_FEATURE_LENGTHS": "{'inputs': 512, 'targets': 114}",
+    "BATCH_SIZE": "32",
+    "USE_CACHED_TASKS": "False",
+    "MIXTURE_OR_TASK_MODULE": "None",
+}
+
+
 def _import_hf(args) -> int:
     """`moe-jax import --hf=DIR`: the folder's network as a generated gin config (with
     ``--gin_file`` / ``--gin.`` overrides), its weights as step 0, its ``spiece.model`` as
@@ -881,13 +893,27 @@ def _import_hf(args) -> int:
             f"vocab.get_vocabulary.path = {folder.spiece!r}",
             *args.gin_bindings,
         ]
+    else:
+        print(
+            f"[moe-jax] {args.hf} has no {hf.SPIECE}: the run tokenizes with the gin config's "
+            "vocabulary (--gin.vocab.get_vocabulary.kind=..., default: the embedded one)",
+            file=sys.stderr,
+            flush=True,
+        )
     gin_utils.parse_gin(args)
+    # the vocabulary and data are read on first use: the operative config leaves them out
+    kept = [
+        b
+        for b in (*args.gin_bindings, *args.gin_dot_bindings)
+        if b.startswith(("vocab.get_vocabulary.", *(f"{m} =" for m in _HF_RUN_DATA)))
+    ]
+    data = [f"{name} = {value}" for name, value in _HF_RUN_DATA.items()]
     created = not run_dir.exists()
     try:
         with run_lock.hold(run_dir):
             import_arrays(arrays, args.hf, run_dir, args.hf)
             if jax.process_index() == 0:
-                text = gin_utils.operative_config()
+                text = "\n".join([gin_utils.operative_config().rstrip(), *data, *kept, ""])
                 if folder.spiece:
                     storage.write_bytes(run_dir.vocabulary_file, storage.read_bytes(folder.spiece))
                     text = with_vocabulary_path(text, run_dir.vocabulary_file)

@@ -58,7 +58,11 @@ from moe_jax.runtime import (
     run_lock,
     summaries,
 )
-from moe_jax.runtime.checkpoint_checks import nonfinite_parameters
+from moe_jax.runtime.checkpoint_checks import (
+    UnreadableCheckpointError,
+    check_integrity,
+    nonfinite_leaves,
+)
 from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.runtime.train_state import TrainState
@@ -233,8 +237,10 @@ class TrainLoop:
         return {
             "step": self.step,
             "losses": self.losses,
-            "preempted": self.preempted,
+            # a signal during the last step's evaluation or save stops nothing, but is said
+            "preempted": self.preempted or self.preemption.signum is not None,
             "signal": self.preemption.signum,
+            "finished": self.step == self.settings.total_steps,
             "model_dir": self.run_dir.path,
             "last_checkpoint": self.run_dir.checkpoint_name(self.last_saved),
             "wall_sec": time.perf_counter() - self.start_time,
@@ -286,8 +292,10 @@ def train(
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
-      "wall_sec"}``; ``preempted``: stopped early by SIGTERM or Ctrl-C (``signal``, its
-      number) after saving ``last_checkpoint``.
+      "wall_sec", "finished"}``; ``preempted``: stopped by SIGTERM or Ctrl-C (``signal``, its
+      number) after saving ``last_checkpoint`` (early, or during the last step's evaluation
+      or save); ``finished``: at ``total_steps`` (a finished run started again returns at
+      once, ``losses`` empty).
 
     Raises:
       WriteFailedError: a write to ``model_dir`` failed; names the file and the last good
@@ -313,9 +321,13 @@ def train(
         progress=progress,
         profile_steps=profiling.check_profile_steps(profile_steps),
     )
-    run_dir = RunDir(model_dir)
+    _check_loop_settings(settings)
+    run_dir = RunDir(_checked_model_dir(model_dir))
     _check_total_steps(total_steps, run_dir)
     with _holding(run_dir):
+        finished = _finished_run(run_dir, total_steps)
+        if finished is not None:
+            return finished
         loop = setup_train_loop(
             model,
             train_dataset_cfg,
@@ -539,7 +551,12 @@ def _check_loss(loop: TrainLoop, step: int, metrics: Any) -> float:
 def _save(loop: TrainLoop) -> None:
     """Saves the state (async) with every process's data position, after checking its
     parameters are finite, and makes the metrics written so far durable."""
-    _check_parameters(loop.state.params, loop.step, loop.run_dir.checkpoint_name(loop.last_saved))
+    _check_state(
+        loop.state.params,
+        loop.state.opt_state,
+        loop.step,
+        loop.run_dir.checkpoint_name(loop.last_saved),
+    )
     meta = {
         "data_iterators": distributed.gather_from_processes(loop.data_state),
         "random_seed": loop.settings.random_seed,
@@ -657,19 +674,95 @@ def _check_total_steps(total_steps: Any, run_dir: RunDir) -> None:
         )
 
 
-def _check_parameters(params: Any, step: int, last_saved: str) -> None:
-    """Stops before saving parameters that hold NaN or Inf (a finite loss came before the
-    update that broke them): every checkpoint of a run has finite parameters.
+def _check_state(params: Any, opt_state: Any, step: int, last_saved: str) -> None:
+    """Stops before saving parameters or an optimizer state that hold NaN or Inf (a finite
+    loss came before the update that broke them): every checkpoint of a run is finite.
 
     Raises:
-      NonFiniteLossError: naming the step, a parameter and the last good checkpoint.
+      NonFiniteLossError: naming the step, the first such array and the last good checkpoint.
     """
-    bad = nonfinite_parameters(params)
-    if bad:
-        raise NonFiniteLossError(
-            f"parameters hold NaN or Inf after step {step} ({bad[0]}, {len(bad)} in all); "
-            f"not saved; last good checkpoint: {last_saved}"
-        )
+    for what, tree in (("parameters hold", params), ("the optimizer state holds", opt_state)):
+        bad = nonfinite_leaves(tree)
+        if bad:
+            raise NonFiniteLossError(
+                f"{what} NaN or Inf after step {step} ({bad[0]}, {len(bad)} in all); "
+                f"not saved; last good checkpoint: {last_saved}"
+            )
+
+
+# The loop's settings that count steps or checkpoints: (least value, what it means there).
+_AT_LEAST = {
+    "checkpoint_period": (1, "a positive integer"),
+    "keep_checkpoints": (1, "a positive integer, or None to keep every checkpoint"),
+    "log_period": (1, "a positive integer"),
+    "eval_period": (0, "0 (never) or a positive integer"),
+    "eval_steps": (1, "a positive integer"),
+    "accum_steps": (1, "a positive integer"),
+}
+
+
+def _check_loop_settings(settings: LoopSettings) -> None:
+    """Refuses a loop setting no run can use (``keep_checkpoints = 0`` would keep no
+    checkpoint, ``checkpoint_period = -1`` save every step), before anything is written.
+
+    Raises:
+      ConfigError: naming the first such ``train_script.train`` parameter and its value.
+    """
+    for name, (least, expected) in _AT_LEAST.items():
+        value = getattr(settings, name)
+        if value is None and name == "keep_checkpoints":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise errors.ConfigError(f"train_script.train.{name} = {value!r}; expected {expected}")
+
+
+def _checked_model_dir(model_dir: Any) -> str:
+    """``model_dir`` when it names a directory: an empty path (``MODEL_DIR=''``) would be
+    the working directory, and ``runs/smoke_cpu.gin`` leaves it ``None`` for the user to set.
+
+    Raises:
+      ConfigError: naming ``MODEL_DIR`` and its value.
+    """
+    if isinstance(model_dir, str) and model_dir.strip():
+        return model_dir
+    why = (
+        " (an empty path would put the run into the working directory)"
+        if isinstance(model_dir, str)
+        else "; pass --gin.MODEL_DIR=DIR (a new directory, or a run's to resume it)"
+    )
+    raise errors.ConfigError(
+        f"MODEL_DIR (train_script.train.model_dir) = {model_dir!r}: expected a directory{why}"
+    )
+
+
+def _finished_run(run_dir: RunDir, total_steps: int) -> dict[str, Any] | None:
+    """:func:`train`'s result for a run whose newest checkpoint is ``total_steps`` and
+    matches its integrity record (said in one line; nothing compiled, restored or written),
+    else None: the run trains (a step without a record, or a damaged one, is checked by
+    restoring it)."""
+    reached = run_dir.reached_step()
+    if reached != total_steps:
+        return None
+    try:
+        if not check_integrity(run_dir.step_dir(reached), reached):
+            return None
+    except UnreadableCheckpointError:
+        return None
+    _log(
+        f"MODEL_DIR={run_dir} already reached TRAIN_STEPS={total_steps} "
+        f"({run_dir.step_dir(reached)}): nothing to train; pass a larger TRAIN_STEPS to "
+        "continue it"
+    )
+    return {
+        "step": reached,
+        "losses": {},
+        "preempted": False,
+        "signal": None,
+        "model_dir": run_dir.path,
+        "last_checkpoint": run_dir.checkpoint_name(reached),
+        "wall_sec": 0.0,
+        "finished": True,
+    }
 
 
 def _check_random_seed(meta: dict[str, Any], random_seed: int, checkpoint: str) -> None:
@@ -728,7 +821,10 @@ def main(argv: list[str] | None = None) -> int:
         raise errors.Interrupted(
             result["signal"],
             (
-                f"at step {result['step']}: saved {result['last_checkpoint']}; "
+                f"at step {result['step']}, the run's last: saved {result['last_checkpoint']}; "
+                "the run is complete"
+                if result["finished"]
+                else f"at step {result['step']}: saved {result['last_checkpoint']}; "
                 "the same command resumes from it"
             ),
         )

@@ -32,12 +32,14 @@ import gin
 from moe_jax.moe.hierarchical import HierarchicalRouter, NoisyHierarchicalRouter
 from moe_jax.moe.options import (
     ACTIVATIONS,
+    BALANCE_SCOPES,
     CAPACITY_ORDERS,
     CAPACITY_RULES,
     DISPATCHES,
     GROUPED_MATMUL_OPTIONS,
     SCORE_FUNCTIONS,
     Activation,
+    BalanceScope,
     CapacityOrder,
     CapacityOrderOption,
     CapacityRule,
@@ -426,18 +428,32 @@ class ExecutionConfig:
 @dataclasses.dataclass(frozen=True)
 class AuxLossConfig:
     """Weights of the auxiliary losses sown into ``collections.AUX_LOSS_COLLECTION``
-    (``aux_loss``; 0 = only a metric)."""
+    (``aux_loss``; 0 = only a metric), and the load-balancing loss' scope.
+
+    Attributes:
+      balance_scope: the tokens over which the load-balancing loss measures each expert's
+        load and mean probability: ``batch`` (all the tokens of the layer's call at once: the
+        global batch of a step; the default), ``group`` (each routing group, the loss
+        averaged over groups, as T5X / Flaxformer) or ``sequence`` (each row of the batch,
+        averaged over rows: Megatron's ``seq_aux_loss``).
+    """
 
     load_balancing_loss_weight: float = 1e-2
     router_z_loss_weight: float = 1e-4
     importance_loss_weight: float = 0.0
     load_loss_weight: float = 0.0
     entropy_loss_weight: float = 0.0
+    balance_scope: BalanceScope = "batch"
+
+    def __post_init__(self) -> None:
+        _check_choice("AuxLossConfig.balance_scope", self.balance_scope, BALANCE_SCOPES)
 
     def weights(self) -> dict[str, float]:
         """``{loss name: weight}`` (names of ``moe.losses.auxiliary_losses``)."""
         return {
-            f.name.removesuffix("_weight"): getattr(self, f.name) for f in dataclasses.fields(self)
+            f.name.removesuffix("_weight"): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name.endswith("_weight")
         }
 
 

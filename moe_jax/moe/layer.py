@@ -147,7 +147,9 @@ class MoeLayer(nn.Module):
             x, router_output, weights, capacity, mesh, deterministic
         )
         self._sow_routing(router_output, kept, x, num_tokens, (batch, length))
-        self._sow_losses_and_metrics(router_output, mask, kept)
+        self._sow_losses_and_metrics(
+            router_output, mask, kept, self._balance_units(router_output, mask, batch, length)
+        )
         y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model)
         if cfg.num_shared_experts:
             y = y + SharedExperts(
@@ -278,8 +280,29 @@ class MoeLayer(nn.Module):
             kept = jnp.any(router_output.assigned > 0, axis=-1, keepdims=True)
         self.sow(ROUTING_COLLECTION, "kept", ungrouped(kept))
 
+    def _balance_units(
+        self, router_output: RouterOutput, mask: Array, batch: int, length: int
+    ) -> tuple[Array, Array, Array] | None:
+        """``(probs, assigned, mask)`` per unit of ``AuxLossConfig.balance_scope``: the
+        routing groups as they are (``group``), the rows of the batch (``sequence``:
+        ``[batch, length, experts]``), or None (``batch``: one loss over every token)."""
+        scope = self.config.losses.balance_scope
+        if scope == "batch":
+            return None
+        arrays = (router_output.probs, router_output.assigned, mask)
+        if scope == "group":
+            return arrays
+        num_tokens = batch * length
+        return tuple(  # type: ignore[return-value]
+            cap.from_groups(a, num_tokens).reshape((batch, length, *a.shape[2:])) for a in arrays
+        )
+
     def _sow_losses_and_metrics(
-        self, router_output: RouterOutput, mask: Array, kept: Array | None
+        self,
+        router_output: RouterOutput,
+        mask: Array,
+        kept: Array | None,
+        balance_units: tuple[Array, Array, Array] | None = None,
     ) -> None:
         if kept is None:  # expert choice: tokens no expert took
             untaken = (jnp.sum(router_output.assigned, axis=-1) == 0).astype(jnp.float32)
@@ -289,7 +312,7 @@ class MoeLayer(nn.Module):
             routed = router_output.routing.expert_index < self.config.routed_experts
             dropped = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1)
         weights = self.config.losses.weights()
-        for name, value in losses.auxiliary_losses(router_output, mask).items():
+        for name, value in losses.auxiliary_losses(router_output, mask, balance_units).items():
             if weights[name]:
                 self.sow(AUX_LOSS_COLLECTION, name, weights[name] * value)
             self.sow(MOE_METRICS_COLLECTION, name, value)

@@ -40,6 +40,19 @@ def load_balancing_loss(probs: Array, assigned: Array, padding_mask: Array) -> A
     )
 
 
+def load_balancing_loss_per_unit(probs: Array, assigned: Array, padding_mask: Array) -> Array:
+    """:func:`load_balancing_loss` of each unit (axis 0: a routing group or a sequence) over
+    its own real tokens, averaged over the units holding any: the loss asks every unit to be
+    balanced, not only their union (``balance_scope`` ``group`` / ``sequence``)."""
+    mask = padding_mask[..., None].astype(probs.dtype)
+    tokens = jnp.sum(padding_mask, axis=1)
+    load = jnp.sum(assigned * mask, axis=1) / jnp.maximum(tokens, 1.0)[:, None]
+    mean_probs = jnp.sum(probs * mask, axis=1) / jnp.maximum(tokens, 1.0)[:, None]
+    per_unit = probs.shape[-1] * jnp.sum(load * mean_probs, axis=-1)
+    real = (tokens > 0).astype(per_unit.dtype)
+    return jnp.sum(per_unit * real) / jnp.maximum(jnp.sum(real), 1.0)
+
+
 def router_z_loss(logits: Array, padding_mask: Array) -> Array:
     """ST-MoE: mean over tokens of ``logsumexp(logits)^2``."""
     return _token_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), padding_mask)
@@ -89,15 +102,30 @@ def routing_entropy(probs: Array, padding_mask: Array) -> Array:
     return _token_mean(-jnp.sum(probs * jnp.log(probs + _EPS), axis=-1), padding_mask)
 
 
-def auxiliary_losses(router_output: RouterOutput, padding_mask: Array) -> dict[str, Array]:
-    """Every unweighted auxiliary loss, by the name used in the sown collections."""
+def auxiliary_losses(
+    router_output: RouterOutput,
+    padding_mask: Array,
+    balance_units: tuple[Array, Array, Array] | None = None,
+) -> dict[str, Array]:
+    """Every unweighted auxiliary loss, by the name used in the sown collections.
+
+    Args:
+      balance_units: ``(probs, assigned, padding_mask)`` as ``[units, tokens_per_unit,
+        experts]`` (mask ``[units, tokens_per_unit]``): the load-balancing loss of each
+        unit, averaged (:func:`load_balancing_loss_per_unit`); None: one loss over every
+        token (``balance_scope='batch'``).
+    """
     probs, mask = router_output.probs, padding_mask
     if router_output.primary_logits is None:
         z_loss = router_z_loss(router_output.logits, mask)
     else:
         z_loss = hierarchical_z_loss(router_output.primary_logits, router_output.logits, mask)
+    if balance_units is None:
+        balance = load_balancing_loss(probs, router_output.assigned, mask)
+    else:
+        balance = load_balancing_loss_per_unit(*balance_units)
     return {
-        "load_balancing_loss": load_balancing_loss(probs, router_output.assigned, mask),
+        "load_balancing_loss": balance,
         "router_z_loss": z_loss,
         "importance_loss": cv_squared(expert_importance(router_output, mask)),
         "load_loss": load_loss(router_output, mask),

@@ -32,6 +32,9 @@ DispatchOption = Literal[Dispatch, "auto"]
 # also takes ``auto``.
 GroupedMatmul = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 GroupedMatmulOption = Literal[GroupedMatmul, "auto"]
+# ``AuxLossConfig.balance_scope``: the tokens over which the load-balancing loss measures
+# the load (losses.py).
+BalanceScope = Literal["batch", "group", "sequence"]
 
 ROUTER_TYPES: tuple[RouterType, ...] = get_args(RouterType)
 ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
@@ -41,3 +44,4 @@ CAPACITY_ORDERS: tuple[CapacityOrderOption, ...] = get_args(CapacityOrderOption)
 DISPATCHES: tuple[DispatchOption, ...] = get_args(DispatchOption)
 GROUPED_MATMULS: tuple[GroupedMatmul, ...] = get_args(GroupedMatmul)
 GROUPED_MATMUL_OPTIONS: tuple[GroupedMatmulOption, ...] = get_args(GroupedMatmulOption)
+BALANCE_SCOPES: tuple[BalanceScope, ...] = get_args(BalanceScope)

@@ -41,6 +41,9 @@ from moe_jax.runtime import (
 )
 from moe_jax.runtime.model_protocol import InputShapes, Model
 
+# Token positions and counts are int32 on the device: no feature of a batch holds more.
+MAX_BATCH_TOKENS = 2**31 - 1
+
 
 @gin.configurable(module="utils")
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,14 @@ class DatasetConfig:
                 "expected a positive integer"
             )
         _check_feature_lengths(self.task_feature_lengths)
+        tokens = self.batch_size * max(self.task_feature_lengths.values())
+        if tokens > MAX_BATCH_TOKENS:
+            feature = max(self.task_feature_lengths, key=self.task_feature_lengths.__getitem__)
+            raise errors.ConfigError(
+                f"DatasetConfig.batch_size (BATCH_SIZE) = {self.batch_size!r}: {tokens} "
+                f"{feature.rstrip('s')} tokens per batch; at most {MAX_BATCH_TOKENS} "
+                "(token positions are int32)"
+            )
         if self.module:
             # deferred on purpose: TensorFlow/seqio load only when data is read
             from moe_jax.data import tasks

@@ -1,13 +1,14 @@
 """Whether a checkpoint step can be used: its files against its integrity record, its
-parameters' names and shapes against the model's, its parameters finite.
+parameters' names and shapes against the model's, its parameters and optimizer state finite.
 
 Once a step is finalized, process 0 writes ``<step>/moe_jax_files.json`` (:func:`write_integrity`):
 every file's size and CRC32C (on GCS both come from one object listing; locally each file is
 read once). Before restoring, :func:`check_integrity` compares the files with it: a missing,
 resized or changed file raises :class:`UnreadableCheckpointError` (``damaged``) naming the
 step, the file and the cause in one line. A step without a record (written by an older
-version) counts as damaged when it cannot be decoded; restored parameters holding NaN or Inf
-are damage too (:func:`check_finite`: training never saves such a step).
+version) counts as damaged when it cannot be decoded; restored parameters or optimizer
+states holding NaN or Inf are damage too (:func:`check_finite`: training never saves such a
+step).
 :func:`check_compatible` refuses another model config's checkpoint with
 :class:`CheckpointMismatchError` naming the parameters.
 """
@@ -77,12 +78,13 @@ def check_compatible(
         )
 
 
-def nonfinite_parameters(params: PyTree) -> list[str]:
-    """Names of the floating-point parameters of ``params`` (global arrays on any mesh)
-    holding a NaN or an Inf, in tree order; one reduction per parameter, one fetch."""
+def nonfinite_leaves(tree: PyTree) -> list[str]:
+    """Names of the floating-point arrays of ``tree`` (parameters or an optimizer state;
+    global arrays on any mesh) holding a NaN or an Inf, in tree order; one reduction per
+    array, one fetch."""
     named = {
         name: leaf
-        for name, leaf in param_paths.named_leaves(params).items()
+        for name, leaf in param_paths.named_leaves(tree).items()
         if jnp.issubdtype(leaf.dtype, jnp.inexact)
     }
     finite = jax.device_get(
@@ -91,18 +93,19 @@ def nonfinite_parameters(params: PyTree) -> list[str]:
     return [name for name, ok in zip(named, finite, strict=True) if not ok]
 
 
-def check_finite(params: PyTree, step: int, step_dir: str) -> None:
-    """Refuses restored parameters holding NaN or Inf: training never saves such a step,
-    so they are damage (bytes changed where no integrity record could tell).
+def check_finite(tree: PyTree, step: int, step_dir: str, what: str = "parameter") -> None:
+    """Refuses restored parameters (or, ``what="optimizer state"``, an optimizer state)
+    holding NaN or Inf: training never saves such a step, so they are damage (bytes changed
+    where no integrity record could tell).
 
     Raises:
-      UnreadableCheckpointError: naming the step and the first such parameter.
+      UnreadableCheckpointError: naming the step and the first such array.
     """
-    bad = nonfinite_parameters(params)
+    bad = nonfinite_leaves(tree)
     if bad:
         raise UnreadableCheckpointError(
-            f"checkpoint step {step} is unreadable: {step_dir}: parameter {bad[0]} "
-            f"({len(bad)} of {len(param_paths.named_leaves(params))}) holds NaN or Inf",
+            f"checkpoint step {step} is unreadable: {step_dir}: {what} {bad[0]} "
+            f"({len(bad)} of {len(param_paths.named_leaves(tree))}) holds NaN or Inf",
             step,
         )
 

@@ -16,7 +16,8 @@ shardings, so a checkpoint saved from any mesh shape restores onto any other.
 
 Faults (docs/training.md, "Reliability"):
   * A step is checked before its arrays are used (:mod:`~moe_jax.runtime.checkpoint_checks`:
-    integrity record, parameter shapes, finite parameters). A damaged step
+    integrity record, parameter shapes, finite parameters and, when resuming, a finite
+    optimizer state). A damaged step
     (:class:`~moe_jax.runtime.checkpoint_checks.UnreadableCheckpointError`) is moved aside
     by `train` to ``MODEL_DIR/unreadable_checkpoints/<step>`` (never deleted), which falls
     back to the newest readable step (:func:`restore_latest_readable`) and names the steps
@@ -279,6 +280,7 @@ class Checkpointer:
             )
         check_finite(out["params"], step, step_dir)
         train = out["train"]
+        check_finite({"opt_state": train["opt_state"]}, step, step_dir, "optimizer state")
         state = TrainState(
             step=train["step"],
             params=out["params"],

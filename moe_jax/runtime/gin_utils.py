@@ -4,10 +4,10 @@ tells (a bound value, the operative config, bindings nothing read).
 
 gin already names the place of unknown configurables and parameters; :func:`parse_gin`
 adds it for macros referenced but never defined, and refuses macros set on the command line
-that nothing uses (a typo such as ``--gin.TRAIN_STEP=10`` would otherwise be silently
-ignored). A ``--gin_file`` that lies in a run directory goes through the gate of
-:mod:`~moe_jax.runtime.config_gate` first. The flags themselves are
-:mod:`~moe_jax.runtime.gin_flags`'.
+or in the user's own gin files that nothing uses (a typo such as ``--gin.TRAIN_STEP=10`` or
+``NUM_EXPERT = 8`` would otherwise be silently ignored). A ``--gin_file`` that lies in a
+run directory goes through the gate of :mod:`~moe_jax.runtime.config_gate` first. The flags
+themselves are :mod:`~moe_jax.runtime.gin_flags`'.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import difflib
 import importlib
 import logging
+import pathlib
 import re
 import tokenize
 from collections.abc import Iterable, Sequence
@@ -28,6 +29,7 @@ from gin import config_parser
 from moe_jax import storage
 from moe_jax.runtime import config_gate, run_config
 from moe_jax.runtime.gin_text import (
+    REPO_GIN_DIR,
     GinConfigError,
     InertDelegate,
     config_bindings,
@@ -108,7 +110,13 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
             else ""
         )
         raise GinConfigError(f"gin: {_readable(err)}{hint}") from None
-    _check_macros([resolve(f, roots) for f in _walk_files(parsed)], bindings)
+    own_files = [
+        path
+        for given in args.command_line_gin_files
+        if not _in_project_gin(path := resolve(given, roots))
+        and not config_gate.in_run_directory(path)
+    ]
+    _check_macros([resolve(f, roots) for f in _walk_files(parsed)], bindings, own_files)
     if finalize:
         try:
             gin.finalize()
@@ -171,7 +179,21 @@ def _statements(text: str, origin: str) -> Iterable[tuple[str, int, str]]:
         yield origin, lineno, line.split("#", 1)[0]
 
 
-def _check_macros(files: Sequence[str], bindings: Sequence[str]) -> None:
+def _in_project_gin(path: str) -> bool:
+    """``path`` is one of the project's own gin files (under ``gin/``)."""
+    return storage.is_local(path) and pathlib.Path(path).resolve().is_relative_to(REPO_GIN_DIR)
+
+
+def _check_macros(
+    files: Sequence[str], bindings: Sequence[str], own_files: Sequence[str] = ()
+) -> None:
+    """Refuses a macro used but never defined; and a macro that the command line or the
+    user's own gin files (``own_files``: given with ``--gin_file``, outside the project's
+    ``gin/`` and run directories) set but nothing uses (``NUM_EXPERT = 8``, a typo).
+
+    Raises:
+      GinConfigError: naming the macro, where it is set or used, and close names.
+    """
     lines: list[tuple[str, int, str]] = []
     for path in files:
         lines += _statements(storage.read_text(path), f"file {path!r}")
@@ -195,7 +217,12 @@ def _check_macros(files: Sequence[str], bindings: Sequence[str]) -> None:
                     f"gin: macro %{name} is used but never defined\n"
                     f"  In {origin}, line {lineno}\n    {text.strip()}"
                 )
-    for origin, _, text in binding_lines:
+    own_lines = [
+        (f"file {path!r}, line {lineno}", text)
+        for path in own_files
+        for _, lineno, text in _statements(storage.read_text(path), path)
+    ]
+    for origin, text in [*own_lines, *((origin, text) for origin, _, text in binding_lines)]:
         if (m := _MACRO_DEF.match(text)) and m.group(1).isupper() and m.group(1) not in referenced:
             close = difflib.get_close_matches(m.group(1), sorted(referenced), n=3)
             guess = f"did you mean {' or '.join(close)}? " if close else "typo? "

@@ -12,9 +12,13 @@ MoE gin files say the router is frozen: see :func:`moe_jax.moe.freeze.apply_rout
 
 from __future__ import annotations
 
+import numbers
+
 import gin
 import jax.numpy as jnp
 import optax
+
+from moe_jax import errors
 
 DECAYS = ("rsqrt", "cosine", "linear", "constant")
 OPTIMIZERS = ("adam", "adamw", "adafactor", "sgd")
@@ -34,6 +38,11 @@ def learning_rate_schedule(
     ``cosine`` and ``linear``: to ``final_learning_rate`` at ``total_steps``;
     ``constant``: stays at ``base``.
     """
+    _check_number("base_learning_rate", base_learning_rate)
+    _check_number("final_learning_rate", final_learning_rate)
+    _check_number("warmup_steps", warmup_steps)
+    if total_steps is not None:
+        _check_number("total_steps", total_steps)
     if decay not in DECAYS:
         raise ValueError(f"learning_rate_schedule.decay={decay!r}; expected one of {DECAYS}")
     if decay in ("cosine", "linear") and not total_steps:
@@ -60,6 +69,17 @@ def learning_rate_schedule(
         return jnp.where(step < warmup_steps, warm, after)
 
     return schedule
+
+
+def _check_number(name: str, value: object) -> None:
+    """Refuses a ``learning_rate_schedule`` setting that is not a real number (a string such
+    as ``'fast'`` would fail inside the schedule's arithmetic, far from its binding).
+
+    Raises:
+      ConfigError: naming the parameter and its value.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise errors.ConfigError(f"learning_rate_schedule.{name} = {value!r}; expected a number")
 
 
 @gin.configurable

@@ -83,9 +83,12 @@ class RunDir:
 
     def reached_step(self) -> int | None:
         """The newest checkpoint step (None: none), read from the folder names without
-        creating anything."""
+        creating anything; a plain file named like a step (``checkpoints/9``) is none."""
         steps = [int(name) for name in storage.listdir(self.checkpoints_dir) if name.isdigit()]
-        return max(steps, default=None)
+        for step in sorted(steps, reverse=True):
+            if storage.isdir(self.step_dir(step)):
+                return step
+        return None
 
     @property
     def unreadable_dir(self) -> str:

@@ -8,7 +8,9 @@ seconds: locally by touching it, on GCS by rewriting the object. A second traine
 this host that no longer exists (kill -9), or an empty file (a writer stopped between creating and
 writing it; the project's own locks are created whole), is taken over at once; a holder on another
 host (or one that stopped heartbeating) once its heartbeat is older than ``lease_sec`` (default 120
-s, ``MOE_JAX_LOCK_LEASE_SEC``). A clean exit removes the file.
+s, ``MOE_JAX_LOCK_LEASE_SEC``). A heartbeat more than ``lease_sec`` in the future (another host's
+clock ahead) cannot be compared with this host's clock: the lock is watched for two of its
+holder's heartbeat periods, and taken over when it did not change. A clean exit removes the file.
 
 Creation is atomic (:func:`moe_jax.storage.create_exclusive`): ``os.link`` of a finished
 temporary file on local and NFS-like file systems, an upload with ``ifGenerationMatch=0``
@@ -91,13 +93,19 @@ class RunLock:
                 raise errors.RunLockedError(
                     f"{self.run_dir} is being written by another trainer: host "
                     f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
-                    f"(heartbeat {age:.0f} s ago; its lock {self.path} expires "
+                    f"({beat}; its lock {self.path} expires "
                     f"{holder.get('lease_sec', self.lease_sec):.0f} s "
                     "after its last heartbeat). Stop it, or use another MODEL_DIR."
                 )
             self._remove_stale(holder, reason)
         raise errors.RunLockedError(f"could not take the lock {self.path} (contended)")
 
+                beat = (
+                    f"heartbeat {age:.0f} s ago"
+                    if age >= 0
+                    else f"heartbeat {-age:.0f} s in the future (clocks differ between hosts?)"
+                    " and still beating"
+                )
     def _create(self) -> bool:
         storage.makedirs(self.run_dir.path)
         return storage.create_exclusive(self.path, json.dumps(self.record).encode())
@@ -134,8 +142,29 @@ class RunLock:
     def _remove_stale(self, holder: dict[str, Any], reason: str) -> None:
         """Removes the lock if it still holds ``holder``'s record (a contender that took it
         over meanwhile keeps it)."""
+        if -age > lease:
+            return self._still(lease / 2, f"its heartbeat is {-age:.0f} s in the future")
         current, _ = self._read()
         if current != holder:
+    def _still(self, watch_sec: float, beat: str) -> str | None:
+        """Why the holder is dead when the lock's heartbeat, too far in the future to be
+        compared with this host's clock (another host's clock ahead, a touched file), does
+        not change for ``watch_sec`` (two of the holder's heartbeat periods), else None."""
+        print(
+            f"[moe-jax] {self.path}: {beat} (clocks differ between hosts?); watching it for "
+            f"{watch_sec:.1f} s to tell whether its holder is alive",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            first = storage.modified_time(self.path)
+            time.sleep(watch_sec)
+            if storage.modified_time(self.path) != first:
+                return None
+        except FileNotFoundError:
+            return "released meanwhile"  # nothing to remove: the next attempt creates it
+        return f"{beat} and did not change in {watch_sec:.1f} s"
+
             return
         if storage.is_local(self.path):  # rename first: of two contenders, one gets the file
             aside = f"{self.path}.stale.{self.record['pid']}"

@@ -11,7 +11,8 @@ Routing telemetry per MoE layer (``moe/<stack>/layers_<i>/<name>``), derived fro
 layers sow (no extra forward pass in training): ``dead_experts`` (experts receiving under
 ``1 / (10 E)`` of the assignments), ``shard_imbalance`` (max / mean tokens per device along
 the ``expert`` mesh axis: what makes the all-to-all wait; 1 = balanced or one shard),
-``expert_imbalance`` (max / mean tokens per expert), ``gate_margin`` (sown: mean top-1 minus
+``expert_imbalance`` (max / mean tokens per expert), ``max_violation`` (MaxVio,
+arXiv:2408.15664: ``expert_imbalance - 1``), ``gate_margin`` (sown: mean top-1 minus
 top-2 router probability). At each evaluation :class:`ChurnProbe` adds ``routing_churn``:
 the fraction of a fixed probe batch's tokens whose top-1 expert changed since the previous
 evaluation (one extra eval-mode forward pass of one batch).
@@ -102,10 +103,18 @@ def shard_imbalance(expert_load: np.ndarray, num_shards: int) -> np.ndarray:
     return per_shard.max(-1) / np.maximum(per_shard.mean(-1), 1e-12)
 
 
+def max_violation(expert_load: np.ndarray) -> np.ndarray:
+    """MaxVio (Wang et al., arXiv:2408.15664, eq. 4): ``max_i (load_i - mean load) / mean
+    load`` over ``[..., experts]`` -> ``[...]``; 0 when balanced, ``E - 1`` when one expert
+    gets every token."""
+    load = np.asarray(expert_load, np.float64)
+    return shard_imbalance(load, load.shape[-1]) - 1.0
+
+
 def routing_telemetry(metrics: dict[str, Any], expert_shards: int = 1) -> dict[str, Any]:
     """``metrics`` plus, for every ``<layer>/expert_load``, ``<layer>/dead_experts``,
-    ``<layer>/shard_imbalance`` (over ``expert_shards`` devices) and
-    ``<layer>/expert_imbalance``."""
+    ``<layer>/shard_imbalance`` (over ``expert_shards`` devices),
+    ``<layer>/expert_imbalance`` and ``<layer>/max_violation`` (:func:`max_violation`)."""
     out = dict(metrics)
     for key, value in metrics.items():
         if key.endswith(_LOAD_SUFFIX):
@@ -114,6 +123,7 @@ def routing_telemetry(metrics: dict[str, Any], expert_shards: int = 1) -> dict[s
             out[f"{layer}/dead_experts"] = int(dead_experts(load))
             out[f"{layer}/shard_imbalance"] = float(shard_imbalance(load, expert_shards))
             out[f"{layer}/expert_imbalance"] = float(shard_imbalance(load, load.shape[-1]))
+            out[f"{layer}/max_violation"] = float(max_violation(load))
     return out
 
 

@@ -34,7 +34,7 @@ def test_cli_writes_the_json_and_the_pngs(analysis):
     assert result["step"] == 1 and list(result["layers"]) == LAYERS
     assert result["dataset"]["split"] == "validation" and result["settings"]["num_batches"] == 2
     expected = {f"activation_{name.replace('/', '_')}.png" for name in LAYERS}
-    expected |= {"correlation_length.png", "probe_accuracy.png"}
+    expected |= {"correlation_length.png", "probe_accuracy.png", "drops_by_position.png"}
     assert set(result["files"]) == expected
     for name in expected:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -51,6 +51,17 @@ def test_cli_writes_the_json_and_the_pngs(analysis):
         for which in ("model", "shuffled"):
             c = stats["correlation"][which]
             assert c["xi_int"] >= 1.0 and c["xi_domain"] >= 1.0 and len(c["rho"]) == 16
+            consecutive = stats["consecutive"][which]
+            assert consecutive["topk_overlap"] >= consecutive["top1_repeat"]
+        # the lag-1 same-expert share is the first point of p_same (the shuffles differ)
+        p_same = stats["correlation"]["model"]["p_same"][0]
+        assert stats["consecutive"]["model"]["top1_repeat"] == pytest.approx(p_same)
+        drops = stats["drop_rate"]
+        assert len(drops["choices"]) == len(stats["activation_rate"]["tokens_per_position"])
+        tokens = np.asarray(stats["activation_rate"]["tokens_per_position"])
+        assert np.dot(drops["choices"], tokens) / tokens.sum() == pytest.approx(
+            drops["overall_choices"]
+        )
 
 
 def test_activation_rates_sum_to_k_at_every_position(analysis):

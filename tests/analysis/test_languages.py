@@ -69,7 +69,18 @@ def test_dead_experts_and_imbalance_on_hand_built_loads():
     )
     assert out["moe/encoder/layers_1/dead_experts"] == 1
     assert out["moe/encoder/layers_1/shard_imbalance"] == pytest.approx(1.2)
+    # MaxVio: (0.3 - 0.25) / 0.25
+    assert out["moe/encoder/layers_1/max_violation"] == pytest.approx(0.2)
     assert out["loss"] == 1.0
+
+
+def test_max_violation_is_zero_when_balanced_and_e_minus_1_for_one_expert():
+    assert summaries.max_violation(np.full(8, 0.25)) == 0.0
+    assert summaries.max_violation(np.eye(8)[3]) == pytest.approx(7.0)
+    np.testing.assert_allclose(
+        summaries.max_violation(np.array([[0.5, 0.5, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])),
+        [1.0, 0.0],
+    )
 
 
 def test_routing_churn_counts_changed_valid_tokens():

@@ -42,6 +42,7 @@ def test_training_logs_telemetry_and_zero_churn_when_nothing_changes(tmp_path):
             assert record[f"{key}/dead_experts"] == int((share < 0.1 / load.size).sum())
             assert record[f"{key}/shard_imbalance"] == 1.0  # one expert shard
             assert np.isclose(record[f"{key}/expert_imbalance"], load.max() / load.mean())
+            assert np.isclose(record[f"{key}/max_violation"], load.max() / load.mean() - 1)
             assert 0.0 <= record[f"{key}/gate_margin"] <= 1.0
         assert f"{key}/routing_churn" not in evals[0]  # nothing to compare yet
         assert evals[1][f"{key}/routing_churn"] == 0.0

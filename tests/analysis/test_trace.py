@@ -129,3 +129,60 @@ def test_cli_writes_a_row_per_token_and_layer(traced):
     assert all(
         piece == spm.id_to_piece(i) for piece, i in zip(pieces, ids, strict=True) if i < 8000
     )
+
+
+def _run(analysis: str, tiny_run, out, *extra: str) -> None:
+    """``analysis`` on 40 examples of the run's task itself (one dataset, not 20 labels')."""
+    rc = analyze.main(
+        [
+            analysis,
+            *extra,
+            f"--out={out}",
+            "--gin.trace_script.collect.max_examples=40",
+            "--gin.trace_script.collect.batch_size=8",
+            "--gin.trace_script.collect.use_labels=False",
+        ]
+    )
+    assert rc == 0
+
+
+def test_vocabulary_and_coactivation_commands(tiny_run, tmp_path):
+    import json
+
+    _run("vocabulary", tiny_run, tmp_path, f"--checkpoint={tiny_run}")
+    report = json.loads((tmp_path / "vocabulary.json").read_text())
+    (result,) = report["checkpoints"]
+    assert list(result["layers"]) == LAYERS and report["files"] == [
+        "vocabulary_tiny_run0_step1.png"
+    ]
+    for stats in result["layers"].values():
+        assert sum(stats["category_tokens"]) == stats["num_tokens"]
+        assert 0 < stats["random_router"] <= stats["token_consistency"] <= 1
+    # decoder position 0 is the start token, a special one
+    assert result["layers"]["decoder/layers_1"]["category_tokens"][0] >= 40
+    _run("coactivation", tiny_run, tmp_path, f"--checkpoint={tiny_run}")
+    report = json.loads((tmp_path / "coactivation.json").read_text())
+    (result,) = report["checkpoints"]
+    for stats in result["layers"].values():
+        matrix = np.asarray(stats["coactivation"])
+        assert matrix.shape == (4, 4) and (np.diag(matrix) == 0).all()
+        # top-2: every token choosing i chose exactly one other expert
+        np.testing.assert_allclose(matrix.sum(1)[matrix.sum(1) > 0], 1.0)
+    assert result["cross_layer"]["predictability"][0] == [1.0, None]
+    for name in report["files"]:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_saturation_command_and_its_refusal(tiny_run, tmp_path):
+    import json
+
+    step = f"--checkpoint={tiny_run}/checkpoints/1"
+    _run("saturation", tiny_run, tmp_path, step, step)
+    report = json.loads((tmp_path / "saturation.json").read_text())
+    (run,) = report["runs"]
+    assert run["steps"] == [1, 1] and report["files"] == ["saturation.png"]
+    for curves in run["layers"].values():  # a checkpoint agrees with itself
+        assert curves["top1"] == [1.0, 1.0] and curves["topk"] == [1.0, 1.0]
+        assert curves["top1_random"][0] < 1.0
+    with pytest.raises(ValueError, match="has one: pass --all_steps"):
+        _run("saturation", tiny_run, tmp_path, step)

@@ -21,6 +21,7 @@ from moe_jax.moe import (
     MoeLayer,
     TopKRouterConfig,
 )
+from moe_jax.moe import losses as moe_losses
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.config import from_dict
 from tests.moe.moe_testlib import SMALL, apply, init_params, make_inputs, metric
@@ -295,3 +296,55 @@ def test_encoder_keeps_t5x_choice_major_capacity():
     assert not np.array_equal(choice_major, token_major)
     np.testing.assert_array_equal(outputs(), choice_major)
     np.testing.assert_array_equal(outputs(causal=True), token_major)
+
+
+def test_per_unit_balancing_penalises_units_that_are_each_unbalanced():
+    # two groups of 4 tokens: group 0 all on expert 0, group 1 all on expert 1
+    probs = jnp.zeros((2, 4, 4)).at[0, :, 0].set(1.0).at[1, :, 1].set(1.0)
+    mask = jnp.ones((2, 4))
+    # over the batch the load is half and half: E * (0.5 * 0.5 + 0.5 * 0.5) = 2
+    np.testing.assert_allclose(moe_losses.load_balancing_loss(probs, probs, mask), 2.0)
+    # each group sends everything to one expert: E * 1 * 1 = 4
+    np.testing.assert_allclose(moe_losses.load_balancing_loss_per_unit(probs, probs, mask), 4.0)
+    # a unit without real tokens is left out of the mean
+    empty = jnp.ones((2, 4)).at[1].set(0.0)
+    np.testing.assert_allclose(moe_losses.load_balancing_loss_per_unit(probs, probs, empty), 4.0)
+
+
+@pytest.mark.parametrize("scope", ["batch", "group", "sequence"])
+def test_balance_scope_sets_the_tokens_the_balancing_loss_measures(scope):
+    from moe_jax.moe.collections import ROUTING_COLLECTION
+
+    layer = MoeLayer(replace(SMALL, losses=AuxLossConfig(balance_scope=scope)))
+    x = make_inputs(3, 8)  # 24 tokens: 2 groups of 16 (the second padded), 3 rows of 8
+    mask = jnp.ones((3, 8)).at[2, 5:].set(0)
+    params = init_params(layer, x)
+    fn = jax.jit(
+        lambda p, x, m: layer.apply(
+            {"params": p}, x, padding_mask=m, mutable=[MOE_METRICS_COLLECTION, ROUTING_COLLECTION]
+        )
+    )
+    _, state = fn(params, x, mask)
+    routing = {k: v[0] for k, v in state[ROUTING_COLLECTION].items()}
+    probs, index = routing["router_probs"], routing["expert_index"]
+    assigned = jax.nn.one_hot(index, 4).sum(-2)  # [3, 8, 4]; padding (index 4) -> none
+    if scope == "sequence":  # the rows of the batch
+        expected = moe_losses.load_balancing_loss_per_unit(probs, assigned, mask)
+    else:  # the layer's 2 groups of 16 tokens (the second: 8 slots of padding)
+        grouped = [
+            jnp.concatenate([a.reshape(24, *a.shape[2:]), jnp.zeros((8, *a.shape[2:]))]).reshape(
+                2, 16, *a.shape[2:]
+            )
+            for a in (probs, assigned, mask)
+        ]
+        per_unit = moe_losses.load_balancing_loss_per_unit
+        expected = (per_unit if scope == "group" else moe_losses.load_balancing_loss)(*grouped)
+    loss = metric(state, "load_balancing_loss")
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    whole = moe_losses.load_balancing_loss(probs, assigned, mask)  # every token at once
+    assert np.isclose(loss, whole, rtol=1e-5) == (scope == "batch")
+
+
+def test_bad_balance_scope_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"AuxLossConfig\.balance_scope"):
+        AuxLossConfig(balance_scope="tokens")
