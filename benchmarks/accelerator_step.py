@@ -160,16 +160,46 @@ def random_batch(abstract: dict[str, Any], vocab_size: int, seed: int = 0) -> di
     }
 
 
+# Steps traced back to back with --profile: the idle time between steps shows beside the
+# idle time inside them.
+PROFILED_STEPS = 3
+
+
+def dispatch_ahead(compiled: Any, state: Any, batch: Any, steps: int) -> tuple[Any, Any, list]:
+    """Runs ``steps`` steps as the train loop does: each step is dispatched before the
+    previous one's metrics are waited for (one step in flight, no other sync). Returns the
+    state, the last metrics and the time between consecutive steps' completions."""
+    import jax
+
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    last, times = time.perf_counter(), []
+    for _ in range(steps):
+        state, next_metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)  # the previous step (already done but the first)
+        metrics = next_metrics
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - last)
+    return state, metrics, times[1:]
+
+
 def top_kernels(trace_dir: str, limit: int = 15) -> dict[str, Any]:
     """The device's kernels by total time in the ``jax.profiler.trace`` output under
     ``trace_dir``: the complete ("X") events of the processes named ``/device:...``, grouped
     by name, with their count, total milliseconds, share of the summed kernel time and the
-    launch shape (``args.kernel_details``) of the first occurrence. Empty where the trace has
-    no device process (CPU)."""
-    paths = sorted(pathlib.Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"))
-    if not paths:
+    launch shape (``args.kernel_details``) of the first occurrence; and how busy the device
+    was over the traced steps (``profiling.device_timeline``: busy against span, the longest
+    idle gaps). Empty where the trace has no device process (CPU)."""
+    from moe_jax.runtime import profiling
+
+    path = profiling.trace_file(trace_dir)
+    if path is None:
         return {"trace": None, "device_kernel_ms": 0.0, "kernels": []}
-    events = json.loads(gzip.decompress(paths[-1].read_bytes()))["traceEvents"]
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    timeline = profiling.device_timeline(events)
     devices = {
         e["pid"]
         for e in events
@@ -187,8 +217,13 @@ def top_kernels(trace_dir: str, limit: int = 15) -> dict[str, Any]:
             details.setdefault(e["name"], str(e.get("args", {}).get("kernel_details", "")))
     summed = sum(total.values())
     return {
-        "trace": str(paths[-1]),
+        "trace": str(path),
         "device_kernel_ms": summed / 1e3,
+        "steps": PROFILED_STEPS,
+        "span_ms": timeline.span_ms,
+        "busy_ms": timeline.busy_ms,
+        "busy_fraction": timeline.busy_fraction,
+        "gaps": [dataclasses.asdict(g) for g in timeline.gaps],
         "kernels": [
             {
                 "name": name,
@@ -262,18 +297,19 @@ def measure_run(
     state, metrics = jax.block_until_ready(compiled(state, batch))
     done("first_step", time.perf_counter() - start)
 
-    times = []
+    blocking = []  # each step waited for before the next is dispatched
     for _ in range(steps):
         start = time.perf_counter()
         state, metrics = jax.block_until_ready(compiled(state, batch))
-        times.append(time.perf_counter() - start)
+        blocking.append(time.perf_counter() - start)
+    state, metrics, times = dispatch_ahead(compiled, state, batch, steps)
     median = statistics.median(times)
     stats = devices[0].memory_stats() or {}  # before the reference matmul allocates
     kernels = None
     if profile:
         trace_dir = os.path.join(profile, name)
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            state, metrics = jax.block_until_ready(compiled(state, batch))
+            state, metrics, _ = dispatch_ahead(compiled, state, batch, PROFILED_STEPS)
         kernels = top_kernels(trace_dir)
 
     shapes = cfg.input_shapes()
@@ -298,6 +334,7 @@ def measure_run(
         "activation_dtype": model.module.config.activation_dtype_name,
         "phases_s": phases,
         "step_s": {"min": min(times), "median": median, "steps": len(times), "all": times},
+        "step_s_blocking": {"min": min(blocking), "median": statistics.median(blocking)},
         "tokens_per_s": tokens / median,
         "final_loss": float(metrics["loss"]),
         "model_flops_per_step": flops,
@@ -495,7 +532,16 @@ def summary(report: dict[str, Any]) -> str:
             f"tokens/s, MFU {peak}, {mfu['of_matmul']:.1%} of the bf16 matmul; phases "
             + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases_s"].items())
         )
-        for k in (r["profile"] or {}).get("kernels", [])[:5]:
+        profile = r["profile"] or {}
+        if profile.get("span_ms"):
+            lines.append(
+                f"  device busy {profile['busy_fraction']:.0%} of {profile['steps']} steps "
+                f"({profile['busy_ms']:.1f} of {profile['span_ms']:.1f} ms); longest gaps: "
+                + ", ".join(
+                    f"{g['ms']:.2f} ms before {g['before'][:40]}" for g in profile["gaps"][:3]
+                )
+            )
+        for k in profile.get("kernels", [])[:5]:
             lines.append(f"  {k['share']:.0%} {k['ms']:.2f} ms x{k['count']} {k['name'][:100]}")
     layers = report["layers"]
     if layers and "rows" in layers:

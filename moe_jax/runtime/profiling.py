@@ -1,9 +1,14 @@
 """Device traces of chosen training steps (``train.profile_steps``), as MaxText's
 ``profiler`` / ``skip_first_n_steps_for_profiler``: ``jax.profiler`` around those steps,
-written where TensorBoard's Profile tab and Perfetto read them."""
+written where TensorBoard's Profile tab and Perfetto read them; and how busy a trace's
+devices were (:func:`device_timeline`: kernel time against the span, the idle gaps)."""
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import json
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -66,10 +71,105 @@ class StepProfiler:
             jax.block_until_ready(outputs)
             self.close()
             first, count = self.steps
-            self.log(f"traced steps {first}-{first + count - 1} into {self.log_dir}")
+            timeline = read_timeline(self.log_dir)
+            said = "" if timeline is None else f": {timeline.describe()}"
+            self.log(f"traced steps {first}-{first + count - 1} into {self.log_dir}{said}")
 
     def close(self) -> None:
         """Stops a trace still running (a run that ended or stopped inside the window)."""
         if self.active:
             self.active = False
             jax.profiler.stop_trace()
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """An interval with no kernel running on a device: ``ms`` long, after kernel
+    ``after`` and before kernel ``before``."""
+
+    ms: float
+    after: str
+    before: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTimeline:
+    """How busy a trace's devices were: the union of their kernels' intervals against the
+    span from the first kernel's start to the last one's end.
+
+    Attributes:
+      span_ms: first kernel start to last kernel end (all steps traced).
+      busy_ms: time with at least one kernel running (overlapping streams counted once).
+      kernel_ms: the kernels' durations summed (more than ``busy_ms`` where streams overlap).
+      gaps: the longest idle intervals, longest first.
+    """
+
+    span_ms: float
+    busy_ms: float
+    kernel_ms: float
+    gaps: tuple[Gap, ...]
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_ms / self.span_ms if self.span_ms else 0.0
+
+    def describe(self) -> str:
+        """One line: busy share, span, and the longest gap."""
+        if not self.span_ms:
+            return "no device kernels in the trace (a CPU run has none)"
+        line = f"devices busy {self.busy_fraction:.0%} of {self.span_ms:.1f} ms"
+        if self.gaps:
+            gap = self.gaps[0]
+            line += f"; longest idle gap {gap.ms:.2f} ms, after {gap.after}, before {gap.before}"
+        return line
+
+
+def trace_file(log_dir: str) -> pathlib.Path | None:
+    """The newest ``*.trace.json.gz`` that ``jax.profiler`` wrote under ``log_dir``."""
+    paths = sorted(pathlib.Path(log_dir).glob("plugins/profile/*/*.trace.json.gz"))
+    return paths[-1] if paths else None
+
+
+def device_timeline(events: list[dict[str, Any]], gaps: int = 10) -> DeviceTimeline:
+    """The :class:`DeviceTimeline` of a trace's events (``traceEvents`` of a
+    ``*.trace.json.gz``): kernels are the complete (``"X"``) events of the processes named
+    ``/device:...``, on any of their streams; ``gaps``: how many idle intervals to list."""
+    devices = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and str(e.get("args", {}).get("name", "")).startswith("/device:")
+    }
+    kernels = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in devices
+    )
+    if not kernels:
+        return DeviceTimeline(0.0, 0.0, 0.0, ())
+    busy = 0.0
+    idle: list[Gap] = []
+    start, end, last = kernels[0]
+    for k_start, k_end, name in kernels[1:]:
+        if k_start > end:  # nothing ran between end and k_start
+            busy += end - start
+            idle.append(Gap((k_start - end) / 1e3, last, name))
+            start, end = k_start, k_end
+        if k_end >= end:
+            end, last = k_end, name
+    busy += end - start
+    return DeviceTimeline(
+        span_ms=(end - kernels[0][0]) / 1e3,
+        busy_ms=busy / 1e3,
+        kernel_ms=sum(e - s for s, e, _ in kernels) / 1e3,
+        gaps=tuple(sorted(idle, key=lambda g: -g.ms)[:gaps]),
+    )
+
+
+def read_timeline(log_dir: str) -> DeviceTimeline | None:
+    """:func:`device_timeline` of the newest trace under ``log_dir`` (None: no trace)."""
+    path = trace_file(log_dir)
+    if path is None:
+        return None
+    return device_timeline(json.loads(gzip.decompress(path.read_bytes()))["traceEvents"])

@@ -48,6 +48,7 @@ def test_quick_run_reports_phases_rates_memory_and_the_estimate(quick):
     assert set(run["phases_s"]) == PHASES and all(t > 0 for t in run["phases_s"].values())
     step = run["step_s"]
     assert step["steps"] == 2 and 0 < step["min"] <= step["median"]
+    assert 0 < run["step_s_blocking"]["min"] <= run["step_s_blocking"]["median"]
     lengths = run["task_feature_lengths"]
     assert run["tokens_per_step"] == run["batch_size"] * (lengths["inputs"] + lengths["targets"])
     assert run["tokens_per_s"] == pytest.approx(run["tokens_per_step"] / step["median"])
@@ -116,10 +117,17 @@ def test_top_kernels_reads_the_device_process_of_a_trace(tmp_path):
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-        {"ph": "X", "pid": 1, "name": "scatter", "dur": 300.0, "args": {"kernel_details": "g"}},
-        {"ph": "X", "pid": 1, "name": "gemm", "dur": 50.0},
-        {"ph": "X", "pid": 1, "name": "gemm", "dur": 50.0},
-        {"ph": "X", "pid": 2, "name": "host op", "dur": 9000.0},
+        {
+            "ph": "X",
+            "pid": 1,
+            "name": "scatter",
+            "ts": 0.0,
+            "dur": 300.0,
+            "args": {"kernel_details": "g"},
+        },
+        {"ph": "X", "pid": 1, "name": "gemm", "ts": 300.0, "dur": 50.0},
+        {"ph": "X", "pid": 1, "name": "gemm", "ts": 400.0, "dur": 50.0},
+        {"ph": "X", "pid": 2, "name": "host op", "ts": 0.0, "dur": 9000.0},
     ]
     run_dir = tmp_path / "plugins" / "profile" / "2026_01_01"
     run_dir.mkdir(parents=True)
@@ -133,6 +141,8 @@ def test_top_kernels_reads_the_device_process_of_a_trace(tmp_path):
         ("gemm", 2, 0.25),
     ]
     assert found["kernels"][0]["kernel_details"] == "g"
+    assert (found["span_ms"], found["busy_ms"]) == (pytest.approx(0.45), pytest.approx(0.4))
+    assert found["gaps"] == [{"ms": pytest.approx(0.05), "after": "gemm", "before": "gemm"}]
 
 
 def test_the_gpu_session_measures_runs_the_benchmark_knows():
