@@ -121,7 +121,8 @@ class RouterWeights(nn.Module):
         if not self.use_bias:
             return logits
         b_init = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",))
-        return logits + self.param("b", b_init, (self.num_experts,), jnp.float32)
+        b = self.param("b", b_init, (self.num_experts,), jnp.float32)
+        return logits + jnp.asarray(b)
 
 
 def top_k(values: Array, k: int, select: Array | None = None) -> tuple[Array, Array]:
