@@ -57,6 +57,7 @@ from moe_jax.runtime import (
     run_config,
     run_lock,
     summaries,
+    wandb_logger,
 )
 from moe_jax.runtime.checkpoint_checks import (
     UnreadableCheckpointError,
@@ -293,9 +294,8 @@ def train(
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
       "wall_sec", "finished"}``; ``preempted``: stopped by SIGTERM or Ctrl-C (``signal``, its
-      number) after saving ``last_checkpoint`` (early, or during the last step's evaluation
-      or save); ``finished``: at ``total_steps`` (a finished run started again returns at
-      once, ``losses`` empty).
+      number) after saving ``last_checkpoint`` (also during the last step's evaluation);
+      ``finished``: at ``total_steps`` (a finished run started again: ``losses`` empty).
 
     Raises:
       WriteFailedError: a write to ``model_dir`` failed; names the file and the last good
@@ -303,8 +303,6 @@ def train(
       Interrupted: a second Ctrl-C (or one before the training loop) stopped the run before
         a checkpoint was saved; names the last checkpoint.
     """
-    if on_nonfinite not in ("stop", "skip"):
-        raise errors.ConfigError(f"train.on_nonfinite={on_nonfinite!r}; expected 'stop' or 'skip'")
     settings = LoopSettings(
         total_steps=total_steps,
         random_seed=random_seed,
@@ -325,8 +323,7 @@ def train(
     run_dir = RunDir(_checked_model_dir(model_dir))
     _check_total_steps(total_steps, run_dir)
     with _holding(run_dir):
-        finished = _finished_run(run_dir, total_steps)
-        if finished is not None:
+        if (finished := _finished_run(run_dir, total_steps)) is not None:
             return finished
         loop = setup_train_loop(
             model,
@@ -399,7 +396,9 @@ def setup_train_loop(
         eval_fn=run.jitted_eval_step if eval_cfg is not None and settings.eval_period else None,
         ckpt=ckpt,
         iterator=iterator,
-        writer=summaries.MetricsWriter(run_dir, int(dict(ctx.mesh.shape).get("expert", 1))),
+        writer=summaries.MetricsWriter(
+            run_dir, int(dict(ctx.mesh.shape).get("expert", 1)), wandb_logger.start(run_dir)
+        ),
         meter=summaries.ThroughputMeter(
             model.flops_per_step(input_shapes),
             tokens_per_step,
@@ -703,11 +702,16 @@ _AT_LEAST = {
 
 def _check_loop_settings(settings: LoopSettings) -> None:
     """Refuses a loop setting no run can use (``keep_checkpoints = 0`` would keep no
-    checkpoint, ``checkpoint_period = -1`` save every step), before anything is written.
+    checkpoint, ``checkpoint_period = -1`` save every step; an unknown ``on_nonfinite``),
+    before anything is written.
 
     Raises:
       ConfigError: naming the first such ``train_script.train`` parameter and its value.
     """
+    if settings.on_nonfinite not in ("stop", "skip"):
+        raise errors.ConfigError(
+            f"train.on_nonfinite={settings.on_nonfinite!r}; expected 'stop' or 'skip'"
+        )
     for name, (least, expected) in _AT_LEAST.items():
         value = getattr(settings, name)
         if value is None and name == "keep_checkpoints":
