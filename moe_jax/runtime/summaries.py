@@ -40,6 +40,7 @@ from moe_jax import hardware, param_paths, storage
 from moe_jax.runtime import builders, routing
 from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.wandb_logger import WandbLogger
 
 
 @gin.configurable
@@ -189,16 +190,18 @@ class ChurnProbe:
 
 class MetricsWriter:
     """TensorBoard (one event file per split: ``MODEL_DIR/train``, ``MODEL_DIR/eval``) and
-    ``MODEL_DIR/metrics.jsonl`` of a run; adds the routing telemetry
+    ``MODEL_DIR/metrics.jsonl`` of a run, and the same metrics to ``wandb`` when given (a
+    :class:`~moe_jax.runtime.wandb_logger.WandbLogger`); adds the routing telemetry
     (:func:`routing_telemetry`) for ``expert_shards`` devices along the ``expert`` mesh axis.
     Only process 0 writes."""
 
-    def __init__(self, run_dir: RunDir, expert_shards: int = 1):
+    def __init__(self, run_dir: RunDir, expert_shards: int = 1, wandb: WandbLogger | None = None):
         self.run_dir = run_dir
         self.expert_shards = expert_shards
         self.enabled = jax.process_index() == 0
         self._events: dict[str, EventWriter] = {}
         self._jsonl = storage.AppendFile(run_dir.metrics_file) if self.enabled else None
+        self._wandb = wandb if self.enabled else None
 
     def write(self, split: str, step: int, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -216,6 +219,8 @@ class MetricsWriter:
             **{k: v.tolist() for k, v in arrays.items()},
         }
         self._jsonl.append((json.dumps(record) + "\n").encode())  # one write per whole line
+        if self._wandb is not None:
+            self._wandb.log(split, step, scalars, arrays)
 
     def flush(self) -> None:
         """Makes everything written so far durable (on GCS: uploaded); called at each save."""
@@ -229,6 +234,8 @@ class MetricsWriter:
             events.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def read_metrics(run_dir: RunDir, split: str | None = None) -> list[dict[str, Any]]:
