@@ -26,6 +26,7 @@ Modules, one job each:
   router_init    the routers' initial weights of a run (`router_init.npz`)
   run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
   summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry
+  wandb_logger   the same metrics to Weights & Biases when a project is set (lazy import)
   routing        per-token routing of every MoE layer of a restored model (the layer's opt-in
                  ``routing`` collection)
   evaluation     mean eval metrics over a dataset; the run's recorded eval settings
