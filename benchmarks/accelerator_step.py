@@ -30,7 +30,8 @@ implementation (einsum, sort, dropless with the platform's grouped matmul) again
 FFN of the same useful FLOPs (``moe_layer.device_table``; :func:`layer_rows`). ``--quick``
 shrinks every model (``models/size_tiny.gin``, short sequences, batch 4) so that the whole
 benchmark runs on a CPU in seconds: the structure is checked by the tests, the numbers mean
-nothing (on a CPU it also compiles with XLA's cheapest code generation). Each run's JSON
+nothing (on a CPU it also compiles with XLA's cheapest code generation). The ``*_cudnn``
+runs are skipped where an earlier run found no GPU (the report's ``skipped``). Each run's JSON
 lists which of the packages a bare accelerator machine lacks (TensorFlow, seqio, TFDS, clu,
 google-crc32c) it imported: none.
 """
@@ -440,6 +441,15 @@ def run_child(name: str, argv: Sequence[str], timeout: float, quick: bool) -> di
         return {"run": name, **result}
 
 
+def not_for_this_platform(name: str, results: Sequence[dict[str, Any]]) -> str | None:
+    """Why run ``name`` cannot run where the earlier ``results`` ran, or None: cuDNN's
+    fused attention (the ``*_cudnn`` runs) exists only on NVIDIA GPUs."""
+    platform = next((r["platform"] for r in results if "platform" in r), None)
+    if name.endswith("_cudnn") and platform not in (None, "gpu"):
+        return f"cuDNN fused attention needs an NVIDIA GPU (this platform: {platform})"
+    return None
+
+
 def device_name(results: Sequence[dict[str, Any]]) -> str | None:
     """``"1 x NVIDIA H100 80GB HBM3 (gpu)"`` from the first run that got a device."""
     for r in results:
@@ -491,12 +501,17 @@ def main(argv: Sequence[str]) -> int:
         f"--matmul_n={args.matmul_n}",
         f"--layer_reps={args.layer_reps}",
     ]
-    results = []
+    results: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
     deadline = time.monotonic() + (args.budget or float("inf"))
     for name in chosen:
         left = deadline - time.monotonic()
         if left < MIN_RUN_S:
             results.append({"run": name, "error": "skipped: the time budget was spent"})
+            continue
+        if (reason := not_for_this_platform(name, results)) is not None:
+            skipped[name] = reason
+            print(f"[accelerator_step] {name} skipped: {reason}", file=sys.stderr, flush=True)
             continue
         print(f"[accelerator_step] {name}", file=sys.stderr, flush=True)
         results.append(run_child(name, passed, min(args.timeout, left), args.quick))
@@ -509,6 +524,7 @@ def main(argv: Sequence[str]) -> int:
         "quick": args.quick,
         "runs": runs,
         "layers": layers,
+        "skipped": skipped,
     }
     text = json.dumps(report, indent=1)
     if args.out:

@@ -4,12 +4,21 @@
 # 1. train the dense source (`dense_half`) with the first other runs; 2. upcycle it into
 # ROOT/upcycled/seed<N>; 3. train the rest (the upcycled run resumes at the dense step);
 # 4. collect accuracy / cross-entropy curves and the routing table + plot into ROOT/results.
-# Set PYTHON to the interpreter (default: python); every step is resumable.
+# Set PYTHON to the interpreter (default: the repository's .venv/bin/python, else python3
+# on PATH); works from any directory, without an activated venv; every step is resumable.
 set -euo pipefail
 ROOT=${1:?usage: configs/routing_cpu.sh ROOT [FAMILY] [PARALLEL]}
 FAMILY=${2:-configs/routing_cpu.toml}
 PARALLEL=${3:-3}
-PY=${PYTHON:-python}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -x "$here/../.venv/bin/python" ]; then
+  PY="$here/../.venv/bin/python"
+else
+  PY=$(command -v python3 || command -v python || true)
+  [ -n "$PY" ] || { echo "configs/routing_cpu.sh: no Python found: set PYTHON=/path/to/python" >&2; exit 1; }
+fi
 MOE=("$PY" -m moe_jax.cli)
 
 "${MOE[@]}" sweep run "$FAMILY" --root="$ROOT" --parallel="$PARALLEL" --only=dense_half,dense,top2_learned

@@ -62,7 +62,8 @@ def _usage() -> str:
 # not find cuda drivers", a CPU-features notice) and a cuInit error on a machine without a
 # GPU: they read as faults to a new user. Commands that read data import it quietly first
 # (its output hidden) and hide GPUs from it (data runs on the host; JAX owns accelerators),
-# as T5X and MaxText do. Set TF_CPP_MIN_LOG_LEVEL yourself (e.g. 0) to see those lines.
+# as T5X and MaxText do; so do the trainings `moe-jax sweep` starts (which inherit the level
+# set here). Set TF_CPP_MIN_LOG_LEVEL yourself to another level (e.g. 0) to see those lines.
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 NO_TENSORFLOW = frozenset({"synthetic", "sweep"})  # commands that never import it
 
@@ -80,10 +81,14 @@ EXPECTED_LIBRARY_ERRORS = (
 
 
 def quiet_startup(command: str, argv: list[str]) -> None:
-    """Unless the user set ``TF_CPP_MIN_LOG_LEVEL``: sets :data:`QUIET_ENV` and, for a
-    command that reads data, imports TensorFlow with file descriptor 2 pointed at
-    /dev/null and makes it see no GPU."""
-    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+    """Unless the user set ``TF_CPP_MIN_LOG_LEVEL`` to another level than
+    :data:`QUIET_ENV`'s (a sweep's trainings inherit that one from `moe-jax sweep`): sets
+    it and, for a command that reads data, imports TensorFlow with file descriptor 2
+    pointed at /dev/null and makes it see no GPU."""
+    if (
+        os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_ENV["TF_CPP_MIN_LOG_LEVEL"])
+        != QUIET_ENV["TF_CPP_MIN_LOG_LEVEL"]
+    ):
         return
     os.environ.update(QUIET_ENV)
     if command in NO_TENSORFLOW or "tensorflow" in sys.modules or {"-h", "--help"} & set(argv):

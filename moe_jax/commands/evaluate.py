@@ -8,8 +8,10 @@ Gin: ``runs/eval.gin``, then the first run's ``MODEL_DIR/config.gin`` when no ``
 is given (the line ``gin config: ...`` says which); otherwise ``runs/eval.gin`` then the
 ``--gin_file`` files. T5X's ``--gin.CHECKPOINT_PATH`` / ``--gin.EVAL_OUTPUT_DIR`` work as
 ``--checkpoint`` / ``--output_dir`` (from the command line and its own ``--gin_file``s; a
-run's recorded ``EVAL_OUTPUT_DIR`` is never where results go). A folder holding results of
-another comparison (other checkpoints or routers) is refused without ``--overwrite``.
+run's recorded ``EVAL_OUTPUT_DIR`` is never where results go; the default is
+``FIRST_MODEL_DIR/eval_results/<what is compared>``, ``run_names.comparison_folder``). A
+folder holding results of another comparison (other checkpoints or routers) is refused
+without ``--overwrite``.
 
 Each ``--checkpoint`` is a ``MODEL_DIR`` (latest step) or ``MODEL_DIR/STEP``, labelled by
 the shortest suffix of its path that tells it from the others (``learned/NUM_EXPERTS-8/seed0``
@@ -70,6 +72,7 @@ from moe_jax.runtime import (
     evaluation,
     gin_flags,
     gin_utils,
+    output_lock,
     router_init,
     run_config,
     run_names,
@@ -407,23 +410,27 @@ def evaluate(
         checkpoint_paths = [checkpoint_paths]
     names = counterfactual.check_variants(list(routers))
     first_run = RunDir.of_checkpoint(checkpoint_paths[0])[0]
+    ckpt_labels = checkpoint_labels(checkpoint_paths, labels)
+    default_dir = storage.join(
+        first_run.eval_results_dir, run_names.comparison_folder(ckpt_labels, names)
+    )
     comparison = _Comparison(
         model,
         dataset_cfg,
         eval_steps,
         router_seed,
         names,
-        storage.normalize(output_dir or first_run.eval_results_dir),
+        storage.normalize(output_dir or default_dir),
         configured.run_context(),
     )
-    ckpt_labels = checkpoint_labels(checkpoint_paths, labels)
     result_labels = [comparison.label(label, name) for label in ckpt_labels for name in names]
-    _check_comparison(comparison.output_dir, result_labels, overwrite)
-    results: dict[str, dict[str, Any]] = {}
-    for ckpt_label, path in zip(ckpt_labels, checkpoint_paths, strict=True):
-        results.update(_evaluate_checkpoint(comparison, path, ckpt_label))
-    if jax.process_index() == 0:
-        _write_comparison(comparison, results)
+    with output_lock.writing(comparison.output_dir):  # no other eval checks or writes it
+        _check_comparison(comparison.output_dir, result_labels, overwrite)
+        results: dict[str, dict[str, Any]] = {}
+        for ckpt_label, path in zip(ckpt_labels, checkpoint_paths, strict=True):
+            results.update(_evaluate_checkpoint(comparison, path, ckpt_label))
+        if jax.process_index() == 0:
+            _write_comparison(comparison, results)
     return results
 
 
@@ -572,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         "--output_dir",
         type=storage.normalize,
         default=None,
-        help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results; "
+        help="where JSON/PNG/table go (default: FIRST_MODEL_DIR/eval_results/COMPARED, e.g. "
+        "learned+frozen or learned.routers-learned+random; "
         "or gin EVAL_OUTPUT_DIR given on the command line, never a run's config's)",
     )
     parser.add_argument(

@@ -707,9 +707,10 @@ def check_target(directory: str, flag: str, overwrite: bool, own_run: str | None
 
 def _holds_saved_run(run_dir: RunDir) -> bool:
     """``run_dir`` holds a run (``checkpoints/`` or a ``LOCK``) that wrote a ``config.gin``,
-    a ``metrics.jsonl`` or set a step aside (`moe-jax train` writes its config first). A ``LOCK``, ``checkpoints/``
-    and temporary files without them are what an interrupted `moe-jax import` leaves (it
-    writes ``config.gin`` last; a live holder of the lock is refused when it is taken)."""
+    a ``metrics.jsonl`` or set a step aside (`moe-jax train` writes its config first). A
+    ``LOCK``, ``checkpoints/`` and temporary files without them are what an interrupted
+    `moe-jax import` leaves (it writes ``config.gin`` last; a live holder of the lock is
+    refused when it is taken)."""
     return run_dir.holds_run() and (
         storage.exists(run_dir.config_file)
         or storage.exists(run_dir.metrics_file)

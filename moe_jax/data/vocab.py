@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 EMBEDDED_SPM = pathlib.Path(__file__).resolve().parent / "embedded" / "udhr_spm.model"
 MT5_SPM = "gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model"
 KINDS = ("embedded", "sentencepiece", "byte")
+# What a refused read of a gs:// file says: the paper-scale configs need Google Cloud access.
+CLOUD_HINT = (
+    "; the paper-scale experiments read mC4 and the mT5 vocabulary from Google Cloud "
+    "Storage: without access, add --gin_file=experiments/cpu_scale.gin (the embedded corpus "
+    "and vocabulary)"
+)
 
 
 @functools.lru_cache(maxsize=16)
@@ -53,7 +59,15 @@ def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
         raise ValueError(
             f"get_vocabulary.kind='sentencepiece' needs get_vocabulary.path (e.g. {MT5_SPM!r})"
         )
-    if not tf.io.gfile.exists(path):
+    try:
+        found = tf.io.gfile.exists(path)
+    except tf.errors.OpError as err:  # no network, no credentials, a host not resolved
+        cause = (str(err.message).strip().splitlines() or [""])[0][:200]
+        raise InputFileError(
+            f"cannot read the SentencePiece model get_vocabulary.path={path!r} ({cause})"
+            + (CLOUD_HINT if path.startswith("gs://") else "")
+        ) from None
+    if not found:
         raise InputFileError(
             f"SentencePiece model not found: get_vocabulary.path={path!r} (kind={kind!r})"
         )

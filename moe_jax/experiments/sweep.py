@@ -72,7 +72,7 @@ import numpy as np
 
 from moe_jax import plotting, storage
 from moe_jax.errors import UserError
-from moe_jax.runtime import summaries
+from moe_jax.runtime import gin_text, summaries
 from moe_jax.runtime.run_dir import RunDir
 
 FAMILY_KEYS = frozenset(
@@ -139,6 +139,17 @@ def _require(cond: bool, path: str, message: str) -> None:
         raise FamilyError(f"{path}: {message}")
 
 
+def _require_folder_name(name: str, path: str, what: str) -> None:
+    """Refuses a run name or axis value that is not one folder name under ``--root`` (one
+    holding ``/`` or ``\\``, or ``.`` / ``..``: a MODEL_DIR outside the sweep's root)."""
+    _require(
+        name not in ("", ".", "..") and not set(name) & {"/", "\\"},
+        path,
+        f"{what} must be one folder name (no '/', '\\', '.' or '..'): it names MODEL_DIR "
+        "under --root",
+    )
+
+
 SET_ALIASES = {"steps": "bindings.TRAIN_STEPS"}
 _TABLES = ("bindings", "axes")  # tables whose keys may hold dots ("train_script.train.eval_period")
 
@@ -182,15 +193,28 @@ def apply_sets(raw: dict[str, Any], sets: Sequence[tuple[str, Any]], path: str) 
     return raw
 
 
+def family_file(path: str) -> str:
+    """Where family file ``path`` is: as given (from the working directory), else a relative
+    path inside the repository (``configs/fig7_cpu.toml`` from anywhere, as gin files are
+    found)."""
+    in_repo = gin_text.REPO_GIN_DIR.parent / path
+    if os.path.exists(path) or os.path.isabs(path) or not in_repo.is_file():
+        return path
+    return str(in_repo)
+
+
 def read_family_file(path: str, sets: Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
-    """The family file's TOML with the ``--set`` changes applied; a missing or bad file is
-    a :class:`FamilyError` naming it."""
+    """The family file's TOML (:func:`family_file`) with the ``--set`` changes applied; a
+    missing or bad file is a :class:`FamilyError` naming it."""
     try:
-        with open(path, "rb") as f:
+        with open(family_file(path), "rb") as f:
             return apply_sets(tomllib.load(f), sets, path)
     except FileNotFoundError:
-        raise FamilyError(f"{path}: no such family file") from None
-    except tomllib.TOMLDecodeError as err:
+        raise FamilyError(
+            f"{path}: no such family file (looked in the working directory and "
+            f"{gin_text.REPO_GIN_DIR.parent})"
+        ) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise FamilyError(f"{path}: not valid TOML ({err})") from None
 
 
@@ -221,6 +245,8 @@ def build_family(raw: dict[str, Any], path: str, gin_flags: Sequence[str] = ()) 
         _require(
             isinstance(values, list) and bool(values), path, f"axes.{axis} must be a non-empty list"
         )
+        for value in values:
+            _require_folder_name(f"{axis}-{value}", path, f"axes.{axis} value {value!r}")
     common_files = raw.get("gin_files", [])
     common_bindings = raw.get("bindings", {})
     specs = []
@@ -233,6 +259,7 @@ def build_family(raw: dict[str, Any], path: str, gin_flags: Sequence[str] = ()) 
             f"runs.{run_name}: unknown key(s) {unknown}; allowed: {sorted(RUN_KEYS)}",
         )
         _require(bool(run.get("gin_files")), path, f"runs.{run_name}.gin_files is missing or empty")
+        _require_folder_name(str(run_name), path, f"run name {run_name!r}")
         for point in itertools.product(*axes.values()):
             axis_values = tuple(zip(axes, point, strict=True))
             bindings = {**common_bindings, **run.get("bindings", {}), **dict(axis_values)}

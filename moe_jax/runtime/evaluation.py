@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import errors, storage
 from moe_jax.runtime import builders
 from moe_jax.runtime.run_dir import RunDir
 
@@ -38,7 +38,19 @@ def read_eval_settings(run_dir: RunDir) -> dict[str, Any] | None:
     """The run's recorded eval settings (:func:`record_eval_settings`), or None when it has
     none (a run trained before they were recorded, an imported one)."""
     path = run_dir.eval_settings_file
-    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+    if not storage.exists(path):
+        return None
+    try:
+        settings = json.loads(storage.read_text(path))
+    except ValueError as err:  # not JSON, not UTF-8
+        settings = err
+    if not isinstance(settings, dict) or not {"eval_steps", "dataset"} <= set(settings):
+        why = settings if isinstance(settings, ValueError) else "not eval settings"
+        raise errors.InputFileError(
+            f"{path} is unreadable ({why}); remove it, or pass --eval_settings=gin to "
+            "evaluate with runs/eval.gin's settings"
+        )
+    return settings
 
 
 def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:

@@ -4,13 +4,14 @@ read to measure how far learned routers drifted (frozen routers: exactly 0) and 
 
 from __future__ import annotations
 
+import zipfile
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from moe_jax import param_paths, storage
+from moe_jax import errors, param_paths, storage
 from moe_jax.runtime.run_dir import RunDir
 
 
@@ -37,4 +38,12 @@ def write(run_dir: RunDir, routers: dict[str, np.ndarray]) -> None:
 def load(run_dir: RunDir) -> dict[str, np.ndarray] | None:
     """``{router parameter name: initial array}`` of the run; None when it kept none."""
     path = run_dir.router_init_file
-    return storage.load_npz(path) if storage.exists(path) else None
+    if not storage.exists(path):
+        return None
+    try:
+        return storage.load_npz(path)
+    except (ValueError, EOFError, zipfile.BadZipFile) as err:  # bytes of another file
+        raise errors.InputFileError(
+            f"{path} is unreadable ({type(err).__name__}: {err}); it holds the routers' "
+            "initial weights: restore it, or remove it (router drift is then not reported)"
+        ) from None

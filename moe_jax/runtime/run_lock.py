@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from moe_jax import errors, storage
@@ -41,19 +41,29 @@ def lease_seconds() -> float:
     return float(os.environ.get("MOE_JAX_LOCK_LEASE_SEC", DEFAULT_LEASE_SEC))
 
 
-def _record(text: str) -> dict[str, Any] | None:
+def _holder(data: bytes) -> dict[str, Any]:
+    """The holder a lock file's bytes name: ``{}`` for an empty file (created but never
+    written: its writer died at once, see ``_dead``), one of unknown identity for bytes that
+    are not a lock's record (written by something else)."""
+    text = data.decode(errors="replace")
+    if not text.strip():
+        return {}
     try:
-        return json.loads(text or "{}")
+        record = json.loads(text)
     except ValueError:
-        return None
+        record = None
+    return record if isinstance(record, dict) else {"host": "?", "pid": "?", "since": "?"}
 
 
 class RunLock:
     """Holds ``MODEL_DIR/LOCK`` from :meth:`acquire` to :meth:`release` (a context manager)."""
 
-    def __init__(self, run_dir: RunDir, lease_sec: float | None = None):
+    writer = "another trainer"  # who holds it, and what to do, in the refusal
+    advice = "Stop it, or use another MODEL_DIR."
+
+    def __init__(self, run_dir: RunDir, lease_sec: float | None = None, path: str | None = None):
         self.run_dir = run_dir
-        self.path = run_dir.lock_file
+        self.path = path or run_dir.lock_file
         self.lease_sec = lease_seconds() if lease_sec is None else lease_sec
         self.record = {
             "host": socket.gethostname(),
@@ -90,38 +100,33 @@ class RunLock:
                 continue  # released meanwhile
             reason = self._dead(holder, age)
             if reason is None:
-                raise errors.RunLockedError(
-                    f"{self.run_dir} is being written by another trainer: host "
-                    f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
-                    f"({beat}; its lock {self.path} expires "
-                    f"{holder.get('lease_sec', self.lease_sec):.0f} s "
-                    "after its last heartbeat). Stop it, or use another MODEL_DIR."
-                )
-            self._remove_stale(holder, reason)
-        raise errors.RunLockedError(f"could not take the lock {self.path} (contended)")
-
                 beat = (
                     f"heartbeat {age:.0f} s ago"
                     if age >= 0
                     else f"heartbeat {-age:.0f} s in the future (clocks differ between hosts?)"
                     " and still beating"
                 )
+                raise errors.RunLockedError(
+                    f"{self.run_dir} is being written by {self.writer}: host "
+                    f"{holder.get('host')}, PID {holder.get('pid')}, since {holder.get('since')} "
+                    f"({beat}; its lock {self.path} expires "
+                    f"{holder.get('lease_sec', self.lease_sec):.0f} s "
+                    f"after its last heartbeat). {self.advice}"
+                )
+            self._remove_stale(holder, reason)
+        raise errors.RunLockedError(f"could not take the lock {self.path} (contended)")
+
     def _create(self) -> bool:
         storage.makedirs(self.run_dir.path)
         return storage.create_exclusive(self.path, json.dumps(self.record).encode())
 
     def _read(self) -> tuple[dict[str, Any] | None, float]:
         try:
-            text = storage.read_text(self.path)
+            data = storage.read_bytes(self.path)
             age = time.time() - storage.modified_time(self.path)
         except FileNotFoundError:
             return None, 0.0
-        if not text.strip():
-            return {}, age  # created but never written: its writer died at once (see _dead)
-        try:
-            return json.loads(text), age
-        except ValueError:  # written by something else: treat as a holder of unknown identity
-            return {"host": "?", "pid": "?", "since": "?"}, age
+        return _holder(data), age
 
     def _dead(self, holder: dict[str, Any], age: float) -> str | None:
         """Why ``holder`` is dead, or None when it may be alive."""
@@ -137,15 +142,10 @@ class RunLock:
         lease = float(holder.get("lease_sec", self.lease_sec))
         if age > lease:
             return f"no heartbeat for {age:.0f} s (lease {lease:.0f} s)"
-        return None
-
-    def _remove_stale(self, holder: dict[str, Any], reason: str) -> None:
-        """Removes the lock if it still holds ``holder``'s record (a contender that took it
-        over meanwhile keeps it)."""
         if -age > lease:
             return self._still(lease / 2, f"its heartbeat is {-age:.0f} s in the future")
-        current, _ = self._read()
-        if current != holder:
+        return None
+
     def _still(self, watch_sec: float, beat: str) -> str | None:
         """Why the holder is dead when the lock's heartbeat, too far in the future to be
         compared with this host's clock (another host's clock ahead, a touched file), does
@@ -165,6 +165,11 @@ class RunLock:
             return "released meanwhile"  # nothing to remove: the next attempt creates it
         return f"{beat} and did not change in {watch_sec:.1f} s"
 
+    def _remove_stale(self, holder: dict[str, Any], reason: str) -> None:
+        """Removes the lock if it still holds ``holder``'s record (a contender that took it
+        over meanwhile keeps it)."""
+        current, _ = self._read()
+        if current != holder:
             return
         if storage.is_local(self.path):  # rename first: of two contenders, one gets the file
             aside = f"{self.path}.stale.{self.record['pid']}"
@@ -172,9 +177,9 @@ class RunLock:
                 os.rename(self.path, aside)
             except FileNotFoundError:
                 return
-            with open(aside) as f:
+            with open(aside, "rb") as f:
                 moved = f.read()
-            if _record(moved) != holder and not os.path.exists(self.path):
+            if _holder(moved) != holder and not os.path.exists(self.path):
                 os.rename(aside, self.path)  # a live holder replaced the stale one meanwhile
                 return
             os.unlink(aside)
@@ -211,12 +216,13 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def hold(run_dir: RunDir) -> Iterator[RunLock | None]:
-    """Holds ``run_dir``'s lock on process 0 for the ``with`` block; every process raises
-    :class:`~moe_jax.errors.RunLockedError` when process 0 could not take it."""
+def hold(run_dir: RunDir, make: Callable[[RunDir], RunLock] = RunLock) -> Iterator[RunLock | None]:
+    """Holds ``run_dir``'s lock (``make(run_dir)``) on process 0 for the ``with`` block;
+    every process raises :class:`~moe_jax.errors.RunLockedError` when process 0 could not
+    take it."""
 
     def take() -> RunLock:
-        lock = RunLock(run_dir).acquire()
+        lock = make(run_dir).acquire()
         if lock.took_over:
             old = lock.took_over
             holder = (

@@ -10,6 +10,7 @@ plots) group runs by :func:`family_of`.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
@@ -78,3 +79,24 @@ def checked_labels(given: Sequence[str], count: int) -> list[str]:
 def file_stem(label: str) -> str:
     """A label as a file name: ``learned/seed0:init`` -> ``learned_seed0_init``."""
     return re.sub(r"[/:]", "_", label)
+
+
+# a folder name stays well below the 255 bytes file systems allow
+_MAX_FOLDER_NAME = 120
+
+
+def comparison_folder(labels: Sequence[str], routers: Sequence[str] = ("learned",)) -> str:
+    """The default output folder name of a comparison of runs ``labels`` (each with
+    ``routers``), so that different comparisons of one run never share a folder:
+    ``learned+frozen``; ``learned.routers-learned+random+hash``. A name over 120 characters
+    keeps its first label, the count and a hash of the whole
+    (``learned_seed0+8_more-1a2b3c4d``)."""
+    name = "+".join(file_stem(label) for label in labels)
+    if list(routers) != ["learned"]:
+        name += ".routers-" + "+".join(routers)
+    if name.startswith("."):  # a label such as '..' never names a folder above
+        name = "_" + name
+    if len(name) <= _MAX_FOLDER_NAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{file_stem(labels[0])[:60]}+{len(labels) - 1}_more-{digest}"

@@ -37,3 +37,29 @@ def test_scratch_folder_takes_temporary_files_and_is_removed(tmp_path, monkeypat
         assert os.path.dirname(left.name) == folder and scratch.outer_tempdir() == str(tmp_path)
     assert not os.path.exists(folder) and os.listdir(tmp_path) == []
     assert tempfile.gettempdir() == str(tmp_path)
+
+
+def _tensorflow_imported_quietly(level: str | None) -> bool:
+    """Whether `quiet_startup("train")` imports TensorFlow (its C++ lines hidden) in a fresh
+    interpreter whose TF_CPP_MIN_LOG_LEVEL is ``level``."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    if level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = level
+    code = "import sys; from moe_jax import cli; cli.quiet_startup('train', []); "
+    code += "print('tensorflow' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip() == "True"
+
+
+def test_a_sweeps_trainings_start_as_quietly_as_a_plain_train():
+    """`moe-jax sweep` sets TF_CPP_MIN_LOG_LEVEL=2 and its trainings inherit it: they still
+    import TensorFlow with its output hidden (no cuInit error); a level of the user's own
+    shows TensorFlow's lines."""
+    assert _tensorflow_imported_quietly(None)
+    assert _tensorflow_imported_quietly(cli.QUIET_ENV["TF_CPP_MIN_LOG_LEVEL"])
+    assert not _tensorflow_imported_quietly("0")

@@ -68,6 +68,19 @@ def test_missing_vocabulary_file_names_the_path_and_option(tmp_path):
         vocab.get_vocabulary(kind="wordpiece")
 
 
+def test_an_unreadable_vocabulary_location_is_one_line_naming_it():
+    """A location the file system refuses (here a scheme TensorFlow lacks; on a machine
+    without Google Cloud access, the mT5 vocabulary's ``gs://`` host) names the option and
+    the cause instead of TensorFlow's traceback."""
+    where = "hdfs://nowhere/sentencepiece.model"
+    with pytest.raises(InputFileError) as e:
+        vocab.get_vocabulary(kind="sentencepiece", path=where)
+    assert str(e.value).startswith(
+        f"cannot read the SentencePiece model get_vocabulary.path={where!r} ("
+    )
+    assert vocab.CLOUD_HINT not in str(e.value)  # said only of gs:// locations
+
+
 def test_mt5_gin_file_points_at_the_real_vocabulary_without_loading_it():
     gin.parse_config_files_and_bindings([str(REPO / "gin/data/vocab_mt5.gin")], [])
     assert gin.query_parameter("MT5_VOCABULARY_PATH/macro.value") == vocab.MT5_SPM

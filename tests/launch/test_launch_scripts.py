@@ -248,3 +248,26 @@ def test_local_multiprocess_dry_run_starts_one_process_per_rank():
         assert "JAX_NUM_CPU_DEVICES=2" in step
         assert "--coordinator_address=127.0.0.1:23456" in step
         assert f"--process_index={rank}" in step and "--process_count=3" in step
+
+
+@pytest.mark.skipif(
+    not (LAUNCH.parent / ".venv" / "bin" / "python").exists(), reason="no repository .venv"
+)
+def test_the_routing_script_runs_without_an_activated_venv(tmp_path):
+    """`configs/routing_cpu.sh` from another directory with no `python` on PATH uses the
+    repository's interpreter: here its first step reaches `moe-jax sweep`, which names the
+    missing family file."""
+    script = LAUNCH.parent / "configs" / "routing_cpu.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    env["PATH"] = "/usr/bin:/bin"  # no venv's bin, no `python`
+    done = subprocess.run(
+        ["bash", str(script), str(tmp_path / "root"), str(tmp_path / "none.toml")],
+        cwd=tmp_path,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"{tmp_path / 'none.toml'}: no such family file" in done.stderr

@@ -10,6 +10,7 @@ import pathlib
 import shutil
 
 import gin
+import numpy as np
 import pytest
 
 from moe_jax import cli, errors
@@ -18,6 +19,7 @@ from moe_jax.runtime import (
     config_gate,
     gin_flags,
     gin_text,
+    output_lock,
     run_config,
     run_lock,
 )
@@ -394,11 +396,16 @@ def test_outputs_go_where_the_command_line_says_and_never_replace_another_compar
     assert cli.main(["infer", f"--checkpoint={copy}", "--input=hello"]) == 0
     assert sorted(p.name for p in victim.iterdir()) == ["comparison.txt"]
     assert (victim / "comparison.txt").read_text() == "mine"
-    results = copy / "eval_results"
+    results = copy / "eval_results" / "run"  # the default folder is named by what is compared
     first = (results / "comparison.json").read_text()
     assert list(json.loads(first)) == ["run"]
-    # another comparison into the same folder: refused without --overwrite
+    # another comparison: its own default folder; into the same folder: refused
     routers = ["eval", f"--checkpoint={copy}", "--eval_steps=1", "--router=learned"]
+    assert cli.main([*routers, "--router=random"]) == 0
+    assert list(
+        json.loads((results.parent / "run.routers-learned+random" / "comparison.json").read_text())
+    ) == ["run:learned", "run:random"]
+    routers.append(f"--output_dir={results}")
     assert cli.main([*routers, "--router=random"]) == 1
     assert _last_line(capsys) == (
         f"moe-jax eval: error: {results / 'comparison.json'} holds another comparison (run; "
@@ -455,3 +462,138 @@ def test_import_into_a_run_a_trainer_holds_is_refused(run_and_export, tmp_path, 
         assert cli.main(argv) == 1
         assert "is being written by another trainer" in _last_line(capsys)
     assert sorted(os.listdir(live / "checkpoints")) == []  # the import wrote nothing
+
+
+def _dead_lock(run_dir: pathlib.Path) -> None:
+    """A ``LOCK`` left by a process of this host that no longer runs (kill -9)."""
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    record = {"host": socket.gethostname(), "pid": gone.pid, "since": "x", "lease_sec": 120.0}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "LOCK").write_text(json.dumps(record))
+
+
+def test_an_interrupted_import_is_retried_with_overwrite(run_and_export, tmp_path, capsys):
+    """What `import` killed at any point leaves (its dead LOCK, an empty or full
+    ``checkpoints/``, a temporary vocabulary file, no config.gin) is not another run: a retry
+    is refused as a non-empty folder and `--overwrite` imports into it."""
+    _, export_dir = run_and_export
+    reference = tmp_path / "reference"
+    assert cli.main(["import", f"--export={export_dir}", f"--model_dir={reference}"]) == 0
+    for name, full in (("empty", False), ("saved", True)):
+        half = tmp_path / name
+        if full:  # killed after the checkpoint, before config.gin
+            shutil.copytree(reference, half)
+            (half / "config.gin").unlink()
+        else:
+            (half / "checkpoints").mkdir(parents=True)
+        _dead_lock(half)
+        (half / "vocabulary.model.tmp.host.1.abcdef01").write_bytes(b"\0")
+        argv = ["import", f"--export={export_dir}", f"--model_dir={half}"]
+        assert cli.main(argv) == 1
+        line = _last_line(capsys)
+        assert "is not empty" in line and "an interrupted import's" in line, line
+        assert cli.main([*argv, "--overwrite"]) == 0, capsys.readouterr().err
+        assert (half / "config.gin").read_text() == (reference / "config.gin").read_text().replace(
+            str(reference), str(half)
+        )
+        assert sorted(os.listdir(half / "checkpoints")) == [str(STEPS)]
+        assert not (half / "LOCK").exists()
+
+
+def _rewritten_export(export_dir: pathlib.Path, dest: pathlib.Path, edit) -> pathlib.Path:
+    """A copy of ``export_dir`` whose weights / metadata / config.json ``edit(arrays,
+    metadata, config)`` changed in place."""
+    from safetensors import safe_open
+    from safetensors.numpy import load, save
+
+    shutil.copytree(export_dir, dest)
+    weights = dest / "model.safetensors"
+    arrays = load(weights.read_bytes())
+    with safe_open(str(weights), "np") as f:
+        metadata = dict(f.metadata())
+    config = json.loads((dest / "config.json").read_text())
+    edit(arrays, metadata, config)
+    weights.write_bytes(save(arrays, metadata=metadata))
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_an_export_that_is_not_what_it_declares_is_not_imported(run_and_export, tmp_path, capsys):
+    _, export_dir = run_and_export
+    name = "token_embedder/embedding"
+
+    def nan(arrays, metadata, config):
+        arrays[name] = arrays[name].copy()
+        arrays[name][0, 0] = np.nan
+
+    def half(arrays, metadata, config):
+        arrays[name] = arrays[name].astype(np.float16)
+
+    def step(arrays, metadata, config):
+        metadata["step"] = "1"
+
+    def other_model(arrays, metadata, config):
+        config["t5_config"]["dropout_rate"] = 0.5
+
+    expected = {
+        nan: f"array {name!r} holds NaN or Inf (1 of ",
+        half: f"array {name!r} has dtype float16 but config.json declares float32",
+        step: f"holds step 1 but config.json says step {STEPS}",
+        other_model: "describes another network than the export's config.gin (dropout_rate: 0.5",
+    }
+    for edit, message in expected.items():
+        bad = _rewritten_export(export_dir, tmp_path / edit.__name__, edit)
+        target = tmp_path / f"run_{edit.__name__}"
+        assert cli.main(["import", f"--export={bad}", f"--model_dir={target}"]) == 1
+        assert message in _last_line(capsys), edit.__name__
+        assert not target.exists()
+
+
+def test_a_second_eval_or_export_into_a_folder_being_written_is_refused(
+    run_and_export, tmp_path, capsys
+):
+    """The check and the writes of `eval` / `export` hold the output folder's lock: a second
+    command into the same folder meanwhile is refused, never replaces the first's results."""
+    run, _ = run_and_export
+    out = tmp_path / "out"
+    commands = {
+        "eval": ["eval", f"--checkpoint={run}", "--eval_steps=1", f"--output_dir={out}"],
+        "export": ["export", f"--checkpoint={run}", f"--out={out}"],
+    }
+    with output_lock.OutputLock(RunDir(str(out))):  # a first command of this process writes
+        for name, argv in commands.items():
+            assert cli.main(argv) == 1, name
+            line = _last_line(capsys)
+            assert f"{out} is being written by another command: host " in line, line
+            assert line.endswith("Wait for it to end, or write elsewhere."), line
+            assert sorted(os.listdir(out)) == [output_lock.WRITING_FILE]
+    assert os.listdir(out) == []  # nothing written; the first command's lock released
+    assert cli.main(commands["eval"]) == 0
+    assert sorted(os.listdir(out))[:2] == ["comparison.json", "comparison.txt"]
+    assert output_lock.WRITING_FILE not in os.listdir(out)
+
+
+def test_garbage_in_a_run_file_is_one_line_naming_it(run_and_export, tmp_path, capsys):
+    run, _ = run_and_export
+    garbage = bytes(range(256)) * 4
+    lock = tmp_path / "locked"
+    lock.mkdir()
+    (lock / "LOCK").write_bytes(garbage)
+    with pytest.raises(errors.RunLockedError, match=f"its lock {lock / 'LOCK'} expires"):
+        run_lock.RunLock(RunDir(str(lock))).acquire()
+    os.utime(lock / "LOCK", (1, 1))  # its lease over: taken over like any dead holder's
+    taken = run_lock.RunLock(RunDir(str(lock))).acquire()
+    assert taken.took_over and taken.took_over["host"] == "?"
+    taken.release()
+    for name in ("router_init.npz", "eval_settings.json"):
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        (copy / name).write_bytes(garbage)
+        argv = ["eval", f"--checkpoint={copy}", "--eval_steps=1", f"--output_dir={tmp_path}/o"]
+        assert cli.main(argv) == 1
+        line = _last_line(capsys)
+        assert line.startswith(f"moe-jax eval: error: {copy / name} is unreadable ("), line

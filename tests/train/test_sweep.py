@@ -96,6 +96,11 @@ bindings = {TRAIN_STEPS = 20, "router_mode.mode" = "learned"}
         ),
         ('name = "x"\n', r"needs at least one \[runs\.<name>\]"),
         ("[runs.a\n", r"not valid TOML"),
+        ('[runs.".."]\ngin_files = ["x.gin"]\n', r"run name '\.\.' must be one folder name"),
+        (
+            '[axes]\nNUM_EXPERTS = ["8/../../../elsewhere"]\n[runs.a]\ngin_files = ["x.gin"]\n',
+            r"axes\.NUM_EXPERTS value '8/\.\./\.\./\.\./elsewhere' must be one folder name",
+        ),
     ],
 )
 def test_bad_family_files_are_refused_naming_file_and_key(tmp_path, text, match):
@@ -107,8 +112,21 @@ def test_bad_family_files_are_refused_naming_file_and_key(tmp_path, text, match)
 
 def test_missing_or_bad_family_file_is_one_error_line(tmp_path, capsys):
     assert cli.main(["sweep", "collect", str(tmp_path / "nope.toml"), "--root", str(tmp_path)]) == 1
-    assert capsys.readouterr().err.strip() == (
-        f"moe-jax sweep: error: {tmp_path / 'nope.toml'}: no such family file"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(
+            f"moe-jax sweep: error: {tmp_path / 'nope.toml'}: no such family file (looked in the "
+            "working directory and "
+        )
+    )
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)))
+    assert cli.main(["sweep", "run", str(binary), "--root", str(tmp_path)]) == 1
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(f"moe-jax sweep: error: {binary}: not valid TOML (")
     )
     bad = write_family(tmp_path, "this is = = bad\n")
     assert cli.main(["sweep", "run", bad, "--root", str(tmp_path)]) == 1
@@ -116,6 +134,12 @@ def test_missing_or_bad_family_file_is_one_error_line(tmp_path, capsys):
         f"moe-jax sweep: error: {bad}: not valid TOML (Expected '=' after a key in a key/value "
         "pair (at line 1, column 6))"
     )
+
+
+def test_a_shipped_family_file_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    family = sweep.load_family("configs/fig7_cpu.toml")
+    assert family.name == "fig7_cpu" and len(family.runs) == 8
 
 
 def write_eval_records(model_dir: str, curve: dict[int, float]) -> None:
