@@ -7,6 +7,7 @@ import json
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -83,3 +84,41 @@ def test_a_model_switch_transformers_cannot_hold_is_refused_naming_the_option():
     placed = T5Config.from_dict({**_switch().to_dict(), "sparse_encoder_layers": [0, 2]})
     with pytest.raises(hf.HfError, match=r"encoder's sparse layers \[0, 2\] are not where"):
         hf.config_json(placed)
+
+
+def test_a_sharded_folder_reads_as_the_single_file(tmp_path):
+    folder = _copy(tmp_path, "t5_v1_1")
+    arrays = load_file(folder / "model.safetensors")
+    names = sorted(arrays)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for shard, part in shards.items():
+        save_file({n: arrays[n] for n in part}, folder / shard)
+    weight_map = {n: shard for shard, part in shards.items() for n in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "model.safetensors").unlink()
+    read = hf.read_folder(str(folder))
+    assert sorted(read.arrays) == names
+    assert all((read.arrays[n] == arrays[n]).all() for n in names)
+
+
+def test_mt5_with_its_sentencepiece_model_becomes_the_runs_vocabulary(tmp_path):
+    from moe_jax.data import vocab
+
+    folder = _copy(tmp_path, "t5_v1_1")
+    config = json.loads((folder / "config.json").read_text())
+    mt5 = {**config, "architectures": ["MT5ForConditionalGeneration"], "vocab_size": 8192}
+    (folder / "config.json").write_text(json.dumps(mt5))
+    arrays = load_file(folder / "model.safetensors")
+    arrays["shared.weight"] = np.resize(arrays["shared.weight"], (8192, 16))
+    save_file(arrays, folder / "model.safetensors")
+    shutil.copy(vocab.EMBEDDED_SPM, folder / "spiece.model")
+    run = tmp_path / "run"
+    assert cli.main(["import", f"--hf={folder}", f"--model_dir={run}"]) == 0
+    assert (run / "vocabulary.model").read_bytes() == vocab.EMBEDDED_SPM.read_bytes()
+    text = (run / "config.gin").read_text()
+    assert "vocab.get_vocabulary.kind = 'sentencepiece'" in text
+    assert "vocab.get_vocabulary.extra_ids = 0" in text  # mT5's model holds its sentinels
+    assert f"vocab.get_vocabulary.path = {str(run / 'vocabulary.model')!r}" in text
