@@ -151,8 +151,8 @@ def softmax_attention(
     read from the ``[batch, q_len, heads, head_dim]`` output and its cotangent, so the
     float32 ``[batch, heads, q_len, k_len]`` logits are written once and never read back
     by the backward pass. The logits' cotangent is rounded to ``dtype`` for the q / k
-    gradient matmuls (as in :func:`logits_in_float32`); the bias gradient is summed over
-    the batch from it in float32.
+    gradient matmuls (as in :func:`logits_in_float32`); the bias gradient is the float32
+    cotangent summed over the batch.
 
     Args:
       query: ``[batch, q_len, heads, head_dim]``.
@@ -180,7 +180,9 @@ def _softmax_attention_fwd(
         logits = logits + jnp.asarray(bias, jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.asarray(-1e10, jnp.float32))
-    probs = jax.nn.softmax(logits).astype(dtype)
+    # the barrier keeps the compiler from recomputing the probabilities from the float32
+    # logits in the backward pass (which would keep the logits alive and read them again)
+    probs = jax.lax.optimization_barrier(jax.nn.softmax(logits).astype(dtype))
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.asarray(value, dtype))
     return out, (query, key, value, bias, mask, probs, out)
 
