@@ -210,9 +210,10 @@ def t5_config(folder: Folder) -> T5Config:
                 f"{where}: feed_forward_proj={proj!r} is not supported; one of {tuple(_T5_FFN)}"
             )
         activations = _T5_FFN[proj]
-    untied = "lm_head.weight" in folder.arrays
     # transformers >= 5 writes v1.1 configs as tied without output scaling
     scaled = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True))
+    head, shared = folder.arrays.get("lm_head.weight"), folder.arrays.get("shared.weight")
+    untied = head is not None and not (scaled and np.array_equal(head, shared))
     moe: dict[str, Any] = {}
     if arch == SWITCH_ARCHITECTURE:
         moe = {
@@ -403,8 +404,8 @@ def to_export_arrays(folder: Folder, cfg: T5Config) -> dict[str, np.ndarray]:
     """``{export name: array}`` of ``folder``'s tensors for the network of ``cfg``.
 
     Raises:
-      HfError: naming a tensor ``cfg`` needs that the folder lacks, or whose shape
-        disagrees with ``config.json``.
+      HfError: naming a tensor ``cfg`` needs that the folder lacks, one whose shape
+        disagrees with ``config.json``, or tensors the network does not have.
     """
     arrays, out = dict(folder.arrays), {}
     for name, alias in _ALIASES:
@@ -412,7 +413,16 @@ def to_export_arrays(folder: Folder, cfg: T5Config) -> dict[str, np.ndarray]:
             arrays[name] = arrays[alias]
     if folder.config.get("tie_word_embeddings", True) and "shared.weight" in arrays:
         arrays.setdefault("lm_head.weight", arrays["shared.weight"])  # tied, not scaled
-    for tensor in tensors(cfg):
+    needed = tensors(cfg)
+    used = {name for tensor in needed for name in tensor.hf}
+    tied = {alias for _, alias in _ALIASES} | {"lm_head.weight"}
+    unknown = sorted(set(arrays) - used - tied)
+    if unknown:
+        raise HfError(
+            f"--hf={folder.path}: tensors {unknown[:4]} are not part of the model config.json "
+            f"describes ({len(unknown)} in all; e.g. router_bias=false with router biases)"
+        )
+    for tensor in needed:
         for name in tensor.hf:
             if name not in arrays:
                 raise HfError(f"--hf={folder.path}: tensor {name!r} is missing")

@@ -205,6 +205,7 @@ class MoeLayer(nn.Module):
                     cfg.routed_experts,
                     lambda rows, sizes: exchange.rows(rows, sizes, ffn, tokens),
                     plan.gather_gradients,
+                    plan.scatter_rows,
                 )
 
             def run_experts(buffers: Array) -> Array:
@@ -227,6 +228,7 @@ class MoeLayer(nn.Module):
                 choice_major_combine=plan.choice_major_combine,
                 capacity_order=self.resolved_capacity_order,
                 gather_gradients=plan.gather_gradients,
+                scatter_rows=plan.scatter_rows,
             )
             return (y,) if kept is None else (y, kept)
 

@@ -122,3 +122,21 @@ def test_mt5_with_its_sentencepiece_model_becomes_the_runs_vocabulary(tmp_path):
     assert "vocab.get_vocabulary.kind = 'sentencepiece'" in text
     assert "vocab.get_vocabulary.extra_ids = 0" in text  # mT5's model holds its sentinels
     assert f"vocab.get_vocabulary.path = {str(run / 'vocabulary.model')!r}" in text
+
+
+def test_tensors_the_config_does_not_describe_are_named(tmp_path, capsys):
+    folder = _copy(tmp_path, "switch_step2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "router_bias": False}))
+    line = _import_fails(folder, tmp_path, capsys)
+    assert "tensors ['decoder.block.1.layer.2.mlp.router.classifier.bias'" in line
+
+
+def test_a_tied_head_saved_beside_the_embedding_stays_tied_and_scaled(tmp_path):
+    folder = _copy(tmp_path, "t5_relu_tied")
+    arrays = load_file(folder / "model.safetensors")
+    save_file({**arrays, "lm_head.weight": arrays["shared.weight"]}, folder / "model.safetensors")
+    assert hf.t5_config(hf.read_folder(str(folder))).logits_via_embedding
+    arrays["lm_head.weight"] = arrays["shared.weight"] + 1.0  # a head of its own: untied
+    save_file(arrays, folder / "model.safetensors")
+    assert not hf.t5_config(hf.read_folder(str(folder))).logits_via_embedding
