@@ -213,7 +213,9 @@ def t5_config(folder: Folder) -> T5Config:
     # transformers >= 5 writes v1.1 configs as tied without output scaling
     scaled = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True))
     head, shared = folder.arrays.get("lm_head.weight"), folder.arrays.get("shared.weight")
-    untied = head is not None and not (scaled and np.array_equal(head, shared))
+    untied = head is not None and not (
+        scaled and shared is not None and np.array_equal(head, shared)
+    )
     moe: dict[str, Any] = {}
     if arch == SWITCH_ARCHITECTURE:
         moe = {
