@@ -21,16 +21,12 @@ between layers of different stacks.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import gin
-import jax
 import numpy as np
 
-from moe_jax import storage
 from moe_jax.analysis import trace as trace_lib
 from moe_jax.analysis import trace_plots
 
@@ -165,11 +161,11 @@ def analyze(
             }
         )
     report: dict[str, Any] = {"seed": seed, "checkpoints": results}
-    if jax.process_index() == 0:
-        out_dir = trace_lib.output_dir(checkpoint_paths, out_dir)
-        report["files"] = trace_plots.write_coactivation(report, out_dir)
-        storage.write_text(storage.join(out_dir, "coactivation.json"), json.dumps(report, indent=1))
-        for result in results:
-            print("\n".join(summary_lines(result)), flush=True)
-        print(f"[moe-jax] co-activation analysis in {out_dir}", file=sys.stderr)
+    trace_lib.write_report(
+        "coactivation",
+        report,
+        trace_lib.output_dir(checkpoint_paths, out_dir),
+        trace_plots.write_coactivation,
+        [line for result in results for line in summary_lines(result)],
+    )
     return report

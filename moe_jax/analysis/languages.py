@@ -320,7 +320,7 @@ def analyze(
     results = _route_checkpoints(
         paths, model, input_shapes, features, (row_labels, len(groups)), batch_size, seed
     )
-    out_dir = storage.normalize(out_dir or RunDir.of_checkpoint(paths[0])[0].analysis_dir)
+    out_dirs = output_dirs(paths, out_dir)
     report: dict[str, Any] = {
         "labels": list(groups),
         "split": split,
@@ -332,10 +332,25 @@ def analyze(
     if jax.process_index() == 0:
         for line in seed_summary_lines(report["seed_summary"]):
             print(line, flush=True)
-        report["files"] = plots.write_languages(report, out_dir)
-        storage.write_text(storage.join(out_dir, "languages.json"), json.dumps(report, indent=1))
-        print(f"[moe-jax] language analysis in {out_dir}", file=sys.stderr)
+        for folder in out_dirs:
+            report["files"] = plots.write_languages(report, folder)
+            storage.write_text(storage.join(folder, "languages.json"), json.dumps(report, indent=1))
+            print(f"[moe-jax] language analysis in {folder}", file=sys.stderr)
     return report
+
+
+def output_dirs(paths: Sequence[str], out_dir: str | None) -> list[str]:
+    """Where the analysis of checkpoints ``paths`` goes: ``out_dir`` (``--out``); by default
+    the run's ``MODEL_DIR/analysis`` or, for several runs, each run's
+    ``MODEL_DIR/analysis/<the runs compared>`` (``learned+frozen``,
+    ``run_names.comparison_folder``), so that every run holds the comparison it is part of."""
+    if out_dir:
+        return [storage.normalize(out_dir)]
+    runs = list(dict.fromkeys(RunDir.of_checkpoint(p)[0].path for p in paths))
+    if len(runs) == 1:
+        return [RunDir(runs[0]).analysis_dir]
+    name = run_names.comparison_folder(run_names.run_labels(runs))
+    return [storage.join(RunDir(run).analysis_dir, name) for run in runs]
 
 
 def _route_checkpoints(
@@ -360,14 +375,7 @@ def _route_checkpoints(
         restored = builders.restore_model(path, model, input_shapes, ctx)
         params, step = restored.params, restored.step
         if fn is None:
-            fn = routing.routing_fn(
-                model,
-                restored.params_shardings,
-                ctx.mesh,
-                ctx.rules,
-                ctx.batch_axes,
-                restored.collections_shardings,
-            )
+            fn = routing.restored_routing_fn(model, restored, ctx)
         layers = routing.collect_routing(
             fn, params, global_batches(features, batch_size, ctx), restored.collections
         )

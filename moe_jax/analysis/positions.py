@@ -502,14 +502,7 @@ def analyze(
     ctx = configured.run_context()
     restored = builders.restore_model(checkpoint_path, model, dataset_cfg.input_shapes(), ctx)
     step = restored.step
-    fn = routing.routing_fn(
-        model,
-        restored.params_shardings,
-        ctx.mesh,
-        ctx.rules,
-        ctx.batch_axes,
-        restored.collections_shardings,
-    )
+    fn = routing.restored_routing_fn(model, restored, ctx)
     batches = (
         builders.global_batch(b, ctx) for b in builders.eval_batches(dataset_cfg, num_batches)
     )

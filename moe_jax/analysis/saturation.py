@@ -17,17 +17,13 @@ of training and ~80% at 40%.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import gin
-import jax
 import numpy as np
 
-from moe_jax import storage
 from moe_jax.analysis import languages, trace_plots
 from moe_jax.analysis import trace as trace_lib
 from moe_jax.runtime.run_dir import RunDir
@@ -131,11 +127,11 @@ def analyze(
         "seed": seed,
         "runs": [run_saturation(traces, seed) for traces in by_run.values()],
     }
-    if jax.process_index() == 0:
-        out_dir = trace_lib.output_dir(checkpoint_paths, out_dir)
-        report["files"] = trace_plots.write_saturation(report, out_dir)
-        storage.write_text(storage.join(out_dir, "saturation.json"), json.dumps(report, indent=1))
-        for result in report["runs"]:
-            print("\n".join(summary_lines(result)), flush=True)
-        print(f"[moe-jax] saturation analysis in {out_dir}", file=sys.stderr)
+    trace_lib.write_report(
+        "saturation",
+        report,
+        trace_lib.output_dir(checkpoint_paths, out_dir),
+        trace_plots.write_saturation,
+        [line for result in report["runs"] for line in summary_lines(result)],
+    )
     return report

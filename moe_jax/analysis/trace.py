@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gin
@@ -318,14 +319,7 @@ def collect(
     for path, run_dir in zip(paths, run_dirs, strict=True):
         restored = builders.restore_model(path, model, input_shapes, ctx)
         if fn is None:
-            fn = routing.routing_fn(
-                model,
-                restored.params_shardings,
-                ctx.mesh,
-                ctx.rules,
-                ctx.batch_axes,
-                restored.collections_shardings,
-            )
+            fn = routing.restored_routing_fn(model, restored, ctx)
         routed = routing.collect_routing(
             fn,
             restored.params,
@@ -364,6 +358,23 @@ def output_dir(checkpoint_paths: Sequence[str], out_dir: str | None, sub: str = 
         return storage.normalize(out_dir)
     analysis_dir = RunDir.of_checkpoint(checkpoint_paths[0])[0].analysis_dir
     return storage.normalize(storage.join(analysis_dir, sub) if sub else analysis_dir)
+
+
+def write_report(
+    name: str,
+    report: dict[str, Any],
+    out_dir: str,
+    plots: Callable[[dict[str, Any], str], list[str]],
+    lines: Sequence[str],
+) -> None:
+    """On process 0: the PNGs of ``plots(report, out_dir)`` (their names go to
+    ``report["files"]``), ``out_dir/<name>.json`` and ``lines`` on stdout."""
+    if jax.process_index() != 0:
+        return
+    report["files"] = plots(report, out_dir)
+    storage.write_text(storage.join(out_dir, f"{name}.json"), json.dumps(report, indent=1))
+    print("\n".join(lines), flush=True)
+    print(f"[moe-jax] {name} analysis in {out_dir}", file=sys.stderr)
 
 
 def analyze(

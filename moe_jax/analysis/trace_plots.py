@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,16 +59,24 @@ def vocabulary_figure(result: dict[str, Any], categories: list[str]):
     return fig
 
 
-def write_vocabulary(report: dict[str, Any], out_dir: str) -> list[str]:
-    """One PNG per checkpoint; returns the file names."""
+def _per_checkpoint(
+    report: dict[str, Any], prefix: str, figure: Callable[[dict[str, Any]], Any], out_dir: str
+) -> list[str]:
+    """``figure(result)`` of each of ``report["checkpoints"]`` as
+    ``<prefix>_<run>_step<N>.png``; returns the file names."""
     files = []
     for result in report["checkpoints"]:
-        name = _file("vocabulary", result)
-        plotting.save(
-            vocabulary_figure(result, report["categories"]), storage.join(out_dir, name), dpi=100
-        )
+        name = _file(prefix, result)
+        plotting.save(figure(result), storage.join(out_dir, name), dpi=100)
         files.append(name)
     return files
+
+
+def write_vocabulary(report: dict[str, Any], out_dir: str) -> list[str]:
+    """One PNG per checkpoint; returns the file names."""
+    return _per_checkpoint(
+        report, "vocabulary", lambda r: vocabulary_figure(r, report["categories"]), out_dir
+    )
 
 
 def saturation_figure(report: dict[str, Any]):
@@ -131,9 +140,4 @@ def coactivation_figure(result: dict[str, Any]):
 
 def write_coactivation(report: dict[str, Any], out_dir: str) -> list[str]:
     """One PNG per checkpoint; returns the file names."""
-    files = []
-    for result in report["checkpoints"]:
-        name = _file("coactivation", result)
-        plotting.save(coactivation_figure(result), storage.join(out_dir, name), dpi=100)
-        files.append(name)
-    return files
+    return _per_checkpoint(report, "coactivation", coactivation_figure, out_dir)

@@ -21,17 +21,13 @@ Per MoE layer, over the tokens of a routing trace (:mod:`moe_jax.analysis.trace`
 
 from __future__ import annotations
 
-import json
-import sys
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
-import jax
 import numpy as np
 
-from moe_jax import storage
 from moe_jax.analysis import trace as trace_lib
 from moe_jax.analysis import trace_plots
 from moe_jax.analysis.positions import mutual_information_bits
@@ -200,11 +196,11 @@ def analyze(
         "settings": {"min_count": min_count, "top_tokens": top_tokens, "seed": seed},
         "checkpoints": results,
     }
-    if jax.process_index() == 0:
-        out_dir = trace_lib.output_dir(checkpoint_paths, out_dir)
-        report["files"] = trace_plots.write_vocabulary(report, out_dir)
-        storage.write_text(storage.join(out_dir, "vocabulary.json"), json.dumps(report, indent=1))
-        for result in results:
-            print("\n".join(summary_lines(result)), flush=True)
-        print(f"[moe-jax] vocabulary analysis in {out_dir}", file=sys.stderr)
+    trace_lib.write_report(
+        "vocabulary",
+        report,
+        trace_lib.output_dir(checkpoint_paths, out_dir),
+        trace_plots.write_vocabulary,
+        [line for result in results for line in summary_lines(result)],
+    )
     return report

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from moe_jax.models import layer_stacking
 from moe_jax.models.model import FEATURES
 from moe_jax.moe.collections import ROUTING_COLLECTION
 from moe_jax.runtime.model_protocol import Model
+
+if TYPE_CHECKING:
+    from moe_jax.runtime.builders import RestoredModel, RunContext
 
 _SKIPPED_PATH_PARTS = ("ffn", "moe")
 
@@ -145,6 +148,19 @@ def routing_fn(
             return jitted(params, batch, collections or {})
 
     return run
+
+
+def restored_routing_fn(model: Model, restored: RestoredModel, ctx: RunContext):
+    """:func:`routing_fn` of a model restored by ``builders.restore_model`` on ``ctx``'s
+    mesh (its parameters and state collections laid out as restored)."""
+    return routing_fn(
+        model,
+        restored.params_shardings,
+        ctx.mesh,
+        ctx.rules,
+        ctx.batch_axes,
+        restored.collections_shardings,
+    )
 
 
 def layer_order(name: str) -> tuple:
