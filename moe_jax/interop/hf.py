@@ -248,7 +248,8 @@ def t5_config(folder: Folder) -> T5Config:
 def switch_moe_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The MoE layers of a Switch ``config.json`` (as ``MoeConfig.to_dict`` gives them): top-1
     softmax routing (with the router bias, jitter), a fixed expert capacity per sequence,
-    ReLU experts, the router losses' coefficients as the auxiliary losses' weights."""
+    ReLU experts, the router losses' coefficients as the auxiliary losses' weights and the
+    load balance measured per sequence, as transformers measures it."""
     return {
         "num_experts": int(config.get("num_experts", 8)),
         "d_ff": int(config["d_ff"]),
@@ -267,6 +268,7 @@ def switch_moe_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "losses": {
             "load_balancing_loss_weight": float(config.get("router_aux_loss_coef", 1e-3)),
             "router_z_loss_weight": float(config.get("router_z_loss_coef", 1e-3)),
+            "balance_scope": "sequence",
         },
     }
 
