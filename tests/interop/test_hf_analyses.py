@@ -1,6 +1,6 @@
 """The routing analyses on an imported Switch model (the small random one of
 tests/fixtures/hf, tokenizing with the byte vocabulary): `analyze positions`, `eval
---router`, `analyze languages`."""
+--router`, `analyze languages`, `analyze trace`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pathlib
 import pytest
 
 from moe_jax import cli
+from moe_jax.analysis import trace
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 DATA = ["--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BATCH_SIZE=8"]
@@ -52,3 +53,16 @@ def test_analyze_languages_on_an_imported_switch_model(switch_run, tmp_path):
     assert cli.main([*args, "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}"]) == 0
     (result,) = json.loads((tmp_path / "languages.json").read_text())["checkpoints"]
     assert sorted(result["layers"]) == sorted(LAYERS)
+
+
+def test_analyze_trace_on_an_imported_switch_model(switch_run, tmp_path):
+    flags = ["--gin.trace_script.collect.max_examples=8", "--gin.trace_script.collect.batch_size=8"]
+    flags.append("--gin.trace_script.collect.use_labels=False")
+    args = ["analyze", "trace", f"--checkpoint={switch_run}", f"--out={tmp_path}", *flags]
+    assert cli.main([*args, DATA[0]]) == 0
+    (path,) = tmp_path.glob("trace_*_step0.parquet")
+    result = trace.read(str(path))
+    assert sorted(result.layers) == sorted(LAYERS)
+    for layer in result.layers.values():  # Switch: top-1
+        assert layer.k == 1 and (layer.experts < layer.num_experts).all()
+        assert layer.example.max() == 7 and (layer.probs > 0).all()
