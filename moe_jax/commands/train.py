@@ -741,9 +741,9 @@ def _checked_model_dir(model_dir: Any) -> str:
 
 def _finished_run(run_dir: RunDir, total_steps: int) -> dict[str, Any] | None:
     """:func:`train`'s result for a run whose newest checkpoint is ``total_steps`` and
-    matches its integrity record (said in one line; nothing compiled, restored or written),
-    else None: the run trains (a step without a record, or a damaged one, is checked by
-    restoring it)."""
+    matches its integrity record (said in one line, after the steps set aside earlier;
+    nothing compiled, restored or written), else None: the run trains (a step without a
+    record, or a damaged one, is checked by restoring it)."""
     reached = run_dir.reached_step()
     if reached != total_steps:
         return None
@@ -752,6 +752,7 @@ def _finished_run(run_dir: RunDir, total_steps: int) -> dict[str, Any] | None:
             return None
     except UnreadableCheckpointError:
         return None
+    _check_set_aside(run_dir, run_dir.set_aside_steps(), fresh=False)  # named at every start
     _log(
         f"MODEL_DIR={run_dir} already reached TRAIN_STEPS={total_steps} "
         f"({run_dir.step_dir(reached)}): nothing to train; pass a larger TRAIN_STEPS to "
