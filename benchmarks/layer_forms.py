@@ -57,15 +57,23 @@ FORMS: tuple[tuple[str, str], ...] = (
 )
 
 
-def compile_form(run: str, target: str, layers: str, remat: str, keep: pathlib.Path) -> dict:
+def compile_form(
+    run: str,
+    target: str,
+    layers: str,
+    remat: str,
+    keep: pathlib.Path,
+    bindings: tuple[str, ...] = (),
+) -> dict:
     """The compile report of one form (``keep/report.json``, with the HLO beside it as
-    ``keep/train.hlo.txt``), compiled unless both are there."""
+    ``keep/train.hlo.txt``), compiled unless both are there; ``bindings``: more flags
+    after the target's (``--gin.BATCH_SIZE=256``)."""
     report, hlo = keep / "report.json", keep / "train.hlo.txt"
     if not (report.exists() and hlo.exists()):
         chip, flags = TARGETS[target]
         cmd = [
             sys.executable, "-m", "moe_jax.cli", "compile", f"--target={chip}", "--no_eval",
-            f"--gin_file=experiments/{run}.gin", *flags,
+            f"--gin_file=experiments/{run}.gin", *flags, *bindings,
             f"--gin.SCAN_LAYERS={layers == 'scanned'}", f"--gin.REMAT_POLICY='{remat}'",
             f"--hlo_dir={keep}", f"--out={report}",
         ]  # fmt: skip

@@ -1,0 +1,80 @@
+"""Where the train step's device-memory traffic goes, compiled for one H100.
+
+    python benchmarks/step_traffic.py                        # base_dense and fig5_dense
+    python benchmarks/step_traffic.py --runs base_dense --hlo_dir DIR   # keep / reuse the HLO
+
+Each run (``gin/experiments/<run>.gin``, layers unrolled, no remat, the default XLA
+attention) is compiled by `moe-jax compile --no_eval` for one H100 at the batch
+``benchmarks/accelerator_step.py`` measures (a fresh process each; the compile and its HLO
+are ``layer_forms.compile_form``'s), and its optimised HLO read by ``moe_jax.hlo_costs``:
+the bytes of device memory read and written per step, split by the part of the model that
+moves them (``hlo_costs.bytes_by_part``), beside the memory per device and the compile
+report's roofline estimate. Read from executables compiled on this machine, not run: the
+traffic the step's own kernels cannot avoid, whatever their speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+
+import layer_forms
+import report
+
+from moe_jax import hlo_costs
+
+# run -> bindings after layer_forms' one-H100 target (batch 32, accelerator_step.py's for
+# Base: the run's 256 is sized for a mesh); Figure 5's d32 models at their own batch of 256
+RUNS: dict[str, tuple[str, ...]] = {
+    "base_dense": (),
+    "fig5_dense": ("--gin.BATCH_SIZE=256",),
+}
+TARGET = "1xH100"
+PARTS = 6  # the largest parts listed per run
+
+
+def traffic(run: str, keep: pathlib.Path) -> list[str]:
+    """One row: the run's memory, bytes per step, its largest parts and the estimate."""
+    step = layer_forms.compile_form(run, TARGET, "unrolled", "none", keep, RUNS[run])
+    ops = hlo_costs.parse(pathlib.Path(step["hlo"]).read_text())
+    total = hlo_costs.summary(ops)["bytes"]
+    parts = sorted(hlo_costs.bytes_by_part(ops).items(), key=lambda kv: -kv[1])[:PARTS]
+    with open(keep / "report.json") as f:
+        batch = json.load(f)["batch_size"]
+    return [
+        run,
+        str(batch),
+        f"{step['bytes']['total'] / 2**30:.2f}",
+        f"{total / 1e9:.1f}",
+        ", ".join(f"{name} {gb / 1e9:.1f}" for name, gb in parts),
+        f"{step['estimate']['step_s'] * 1e3:.1f}",
+    ]
+
+
+COLUMNS = [
+    "run",
+    "batch",
+    "GiB/device",
+    "HBM GB per step",
+    "largest parts (GB)",
+    "estimate ms (compiled, not run)",
+]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--hlo_dir", help="keep each run's report and HLO here (and reuse)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(args.hlo_dir or tmp)
+        table = [traffic(run, root / f"{run}__{TARGET}") for run in args.runs]
+    print(report.markdown_table(COLUMNS, table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
