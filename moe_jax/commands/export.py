@@ -46,7 +46,7 @@ import json
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gin
@@ -841,24 +841,34 @@ def _import(args) -> int:
     if has_vocab:  # the export's copy, not the path of the machine that exported it
         args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
+    with _importing(run_dir, args.overwrite):
+        step = import_export(args.export, run_dir, own_config=use_export_config)
+        if jax.process_index() == 0 and not own_run:
+            text = config_text if config_text is not None else gin_utils.operative_config()
+            if has_vocab:
+                copy = run_dir.vocabulary_file
+                storage.write_bytes(copy, storage.read_bytes(exported_vocab))
+                text = with_vocabulary_path(text, copy)
+            storage.write_text(run_dir.config_file, text)
+    return step
+
+
+@contextlib.contextmanager
+def _importing(run_dir: RunDir, overwrite: bool) -> Iterator[None]:
+    """Holds ``run_dir``'s lock while an import writes it (no trainer writes the run
+    meanwhile), after removing an interrupted import's checkpoints (``overwrite``: decided
+    under the lock); on failure removes the run directory the import created if it is
+    still empty (the lock's folder, refused before any write)."""
     created = not run_dir.exists()
     try:
-        with run_lock.hold(run_dir):  # no trainer writes the run meanwhile
-            if args.overwrite and not _holds_saved_run(run_dir):  # decided under the lock
+        with run_lock.hold(run_dir):
+            if overwrite and not _holds_saved_run(run_dir):
                 storage.rmtree(run_dir.checkpoints_dir)  # an interrupted import's
-            step = import_export(args.export, run_dir, own_config=use_export_config)
-            if jax.process_index() == 0 and not own_run:
-                text = config_text if config_text is not None else gin_utils.operative_config()
-                if has_vocab:
-                    copy = run_dir.vocabulary_file
-                    storage.write_bytes(copy, storage.read_bytes(exported_vocab))
-                    text = with_vocabulary_path(text, copy)
-                storage.write_text(run_dir.config_file, text)
+            yield
     except Exception:
         if created and jax.process_index() == 0 and not storage.listdir(run_dir.path):
-            storage.rmtree(run_dir.path)  # the lock's folder, refused before any write
+            storage.rmtree(run_dir.path)
         raise
-    return step
 
 
 # The data macros a trained run's config has and an imported one gets (the evaluation's
@@ -909,20 +919,14 @@ def _import_hf(args) -> int:
         if b.startswith(("vocab.get_vocabulary.", *(f"{m} =" for m in _HF_RUN_DATA)))
     ]
     data = [f"{name} = {value}" for name, value in _HF_RUN_DATA.items()]
-    created = not run_dir.exists()
-    try:
-        with run_lock.hold(run_dir):
-            import_arrays(arrays, args.hf, run_dir, args.hf)
-            if jax.process_index() == 0:
-                text = "\n".join([gin_utils.operative_config().rstrip(), *data, *kept, ""])
-                if folder.spiece:
-                    storage.write_bytes(run_dir.vocabulary_file, storage.read_bytes(folder.spiece))
-                    text = with_vocabulary_path(text, run_dir.vocabulary_file)
-                storage.write_text(run_dir.config_file, text)
-    except Exception:
-        if created and jax.process_index() == 0 and not storage.listdir(run_dir.path):
-            storage.rmtree(run_dir.path)  # the lock's folder, refused before any write
-        raise
+    with _importing(run_dir, args.overwrite):
+        import_arrays(arrays, args.hf, run_dir, args.hf)
+        if jax.process_index() == 0:
+            text = "\n".join([gin_utils.operative_config().rstrip(), *data, *kept, ""])
+            if folder.spiece:
+                storage.write_bytes(run_dir.vocabulary_file, storage.read_bytes(folder.spiece))
+                text = with_vocabulary_path(text, run_dir.vocabulary_file)
+            storage.write_text(run_dir.config_file, text)
     return 0
 
 
