@@ -3,8 +3,13 @@ next."""
 
 from __future__ import annotations
 
+import pathlib
+
 import gin
 import pytest
+
+# tiny Hugging Face models and transformers' outputs (scripts/make_hf_fixtures.py)
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 
 
 @pytest.fixture(autouse=True)

@@ -11,8 +11,8 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.analysis import trace
+from tests.interop.conftest import FIXTURES
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 DATA = ["--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BATCH_SIZE=8"]
 LAYERS = ["encoder/layers_1", "encoder/layers_3", "decoder/layers_1", "decoder/layers_3"]
 

@@ -14,8 +14,7 @@ from safetensors.numpy import load_file, save_file
 from moe_jax import cli
 from moe_jax.interop import hf
 from moe_jax.models.t5 import T5Config
-
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+from tests.interop.conftest import FIXTURES
 
 
 def _copy(tmp_path: pathlib.Path, case: str = "switch_step2") -> pathlib.Path:

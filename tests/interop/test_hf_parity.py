@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 
 import moe_jax
 from moe_jax import cli
+from tests.interop.conftest import FIXTURES
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 CASES = ("t5_v1_1", "t5_relu_tied", "switch_step2", "switch_step3_drops")
 
 

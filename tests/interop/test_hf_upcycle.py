@@ -4,15 +4,13 @@ for the dense model."""
 
 from __future__ import annotations
 
-import pathlib
-
 import numpy as np
 import pytest
 
 import moe_jax
 from moe_jax import cli
+from tests.interop.conftest import FIXTURES
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 # the fixture's shape (scripts/make_hf_fixtures.py) as gin/models/t5_moe.gin's macros
 SHAPE = [
     "--gin.EMBED_DIM=16",
