@@ -404,9 +404,12 @@ class ExecutionConfig:
       per_expert_loop: expert matmuls one expert at a time (``lax.map``); None = per platform.
       grouped_matmul: the dropless path's grouped matmul (``grouped_matmul.py``): ``xla``
         (``jax.lax.ragged_dot``), ``triton``, ``mosaic_gpu``, ``mosaic_tpu`` (tokamax
-        kernels) or ``auto`` (``xla``).
+        kernels) or ``auto`` (``triton`` for a GPU step on a GPU where pinned, else ``xla``).
       gather_gradients: the ``sort`` / dropless row moves' gradients gather through the
         inverse map instead of scatter-adding (``permute.take_rows``); None = per platform.
+      scatter_rows: the ``sort`` / dropless row moves and their gradients scatter rows
+        instead of gathering them (``permute.scatter_rows``); None = per platform (TPU,
+        unless ``gather_gradients=True``). Not both True.
         The layer runs the ``execution.ExecutionPlan`` that ``resolve_plan`` makes of these.
       data_axis / expert_axis / model_axis: mesh axis names (see expert_parallel.py).
     """
@@ -415,6 +418,7 @@ class ExecutionConfig:
     per_expert_loop: bool | None = None
     grouped_matmul: GroupedMatmulOption = "auto"
     gather_gradients: bool | None = None
+    scatter_rows: bool | None = None
     data_axis: str = "data"
     expert_axis: str = "expert"
     model_axis: str = "model"
@@ -422,6 +426,11 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         _check_choice("ExecutionConfig.dispatch", self.dispatch, DISPATCHES)
         _check_choice("ExecutionConfig.grouped_matmul", self.grouped_matmul, GROUPED_MATMUL_OPTIONS)
+        if self.scatter_rows and self.gather_gradients:
+            raise ValueError(
+                "ExecutionConfig.scatter_rows=True and gather_gradients=True: the row moves "
+                "either scatter or gather their gradients; set one"
+            )
 
 
 @gin.configurable

@@ -147,13 +147,16 @@ def sort_token_choice(
     choice_major_combine: bool = False,
     capacity_order: CapacityOrder = "choice_major",
     gather_gradients: bool = True,
+    scatter_rows: bool = False,
 ) -> tuple[Array, Array]:
     """Sort/gather dispatch, same contract as ``einsum_token_choice``.
 
     Both moves are ``permute.take_rows``: tokens into buffer slots and expert outputs back
     to assignments. With ``gather_gradients`` their gradients gather (each token's k
     slots; each slot's one assignment), else they scatter-add rows (JAX's gradient of a
-    gather); see ``ExecutionPlan.gather_gradients``.
+    gather); see ``ExecutionPlan.gather_gradients``. With ``scatter_rows`` both moves and
+    their gradients scatter instead (``permute.scatter_rows``;
+    ``ExecutionPlan.scatter_rows``).
 
     Two independent choices: ``capacity_order`` decides which assignments get buffer
     slots (the result); ``choice_major_combine`` only the memory layout of the combine,
@@ -182,7 +185,7 @@ def sort_token_choice(
     filled = (slot < counts[..., None]).reshape(groups, num_experts * capacity)
     source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(groups, num_experts * capacity)
     assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
-    buffers = take_rows(x, assignment // k, filled, flat_slot, kept, gather_gradients)
+    buffers = take_rows(x, assignment // k, filled, flat_slot, kept, gather_gradients, scatter_rows)
     outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
     outputs = outputs.reshape(groups, num_experts * capacity, d_model)
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
@@ -195,6 +198,7 @@ def sort_token_choice(
             order[..., None],
             filled[..., None],
             gather_gradients,
+            scatter_rows,
         ).reshape(groups, k, tokens, d_model)
         return jnp.einsum("gks,gksd->gsd", jnp.swapaxes(weights, 1, 2), gathered), kept
     gathered = take_rows(
@@ -204,6 +208,7 @@ def sort_token_choice(
         assignment[..., None],
         filled[..., None],
         gather_gradients,
+        scatter_rows,
     ).reshape(groups, tokens, k, d_model)
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
 
@@ -232,6 +237,7 @@ def ragged_token_choice(
     num_experts: int,
     ragged_fn: RaggedFn,
     gather_gradients: bool = True,
+    scatter_rows: bool = False,
 ) -> tuple[Array, Array]:
     """Dropless token choice through a grouped matmul over all groups' assignments.
 
@@ -239,7 +245,8 @@ def ragged_token_choice(
     returns ``[assignments, d_model]``; rows past ``sum(group_sizes)`` (unrouted
     assignments) are zeros going in and are ignored coming out, so a kernel may leave them
     unwritten. Both moves (tokens into sorted rows, rows back to assignments) are
-    ``permute.take_rows`` (``gather_gradients`` as in ``sort_token_choice``). Same contract
+    ``permute.take_rows`` (``gather_gradients``, ``scatter_rows`` as in
+    ``sort_token_choice``). Same contract
     as ``einsum_token_choice``.
     """
     groups, tokens, k = routing.expert_index.shape
@@ -258,10 +265,17 @@ def ragged_token_choice(
         rank.reshape(1, groups * tokens, k),
         routed.reshape(1, groups * tokens, k),
         gather_gradients,
+        scatter_rows,
     )
     outputs = ragged_fn(rows[0], counts)[None]
     outputs = take_rows(
-        outputs, rank, routed, perm[..., None], routed_sorted[..., None], gather_gradients
+        outputs,
+        rank,
+        routed,
+        perm[..., None],
+        routed_sorted[..., None],
+        gather_gradients,
+        scatter_rows,
     )
     kept = routing.expert_index < num_experts
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
@@ -280,6 +294,7 @@ def dispatch_combine(
     choice_major_combine: bool = False,
     capacity_order: CapacityOrder = "choice_major",
     gather_gradients: bool = True,
+    scatter_rows: bool = False,
 ) -> tuple[Array, Array | None]:
     """Runs ``expert_fn`` on the tokens ``routing`` sends to each expert.
 
@@ -293,6 +308,7 @@ def dispatch_combine(
         docstring).
       gather_gradients: the ``sort`` moves' gradients gather rather than scatter-add
         (``sort_token_choice``).
+      scatter_rows: the ``sort`` moves and their gradients scatter (``sort_token_choice``).
 
     Returns:
       ``[groups, tokens_per_group, d_model]`` and, for token choice, the
@@ -312,4 +328,5 @@ def dispatch_combine(
         choice_major_combine,
         capacity_order,
         gather_gradients,
+        scatter_rows,
     )

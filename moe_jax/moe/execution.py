@@ -64,6 +64,8 @@ class ExecutionPlan:
       gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
         gradients gather through the inverse map rather than scatter-add
         (``permute.take_rows``).
+      scatter_rows: under ``sort`` / ``ragged`` (token choice), the row moves and their
+        gradients scatter rows rather than gather them (``permute.scatter_rows``).
     """
 
     platform: Platform
@@ -73,6 +75,7 @@ class ExecutionPlan:
     exchange: ExchangeKind
     grouped_matmul: GroupedMatmul | Literal[False] = False
     gather_gradients: bool = False
+    scatter_rows: bool = False
 
     @property
     def dispatch(self) -> Dispatch:
@@ -92,7 +95,8 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     expert parallelism) or None (no mesh: the default device's platform).
 
     The options left to the platform (``ExecutionConfig.dispatch='auto'``,
-    ``per_expert_loop=None``, ``gather_gradients=None``, ``grouped_matmul='auto'``) and
+    ``per_expert_loop=None``, ``gather_gradients=None``, ``scatter_rows=None``,
+    ``grouped_matmul='auto'``) and
     the choices no option names are settled per platform from the compiled executables
     (benchmarks/RESULTS.md, "MoE layer"; "MoE layer on TPU and GPU targets"); each helper
     below says what it chose and why.
@@ -110,7 +114,8 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     )
     sort_token_choice = dispatch == "sort" and config.router.token_choice
     exchange: ExchangeKind = "ragged_all_to_all" if ragged else "all_to_all"
-    gather = _gather_gradients(execution.gather_gradients, platform)
+    scatter = _scatter_rows(execution.scatter_rows, execution.gather_gradients, platform)
+    gather = _gather_gradients(execution.gather_gradients, platform) and not scatter
     return ExecutionPlan(
         platform=platform,
         implementation="ragged" if ragged else dispatch,
@@ -119,6 +124,7 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
         exchange=exchange if expert_parallel else "local",
         grouped_matmul=_grouped_matmul(execution.grouped_matmul, platform) if ragged else False,
         gather_gradients=gather and (sort_token_choice or ragged),
+        scatter_rows=scatter and (sort_token_choice or ragged),
     )
 
 
@@ -192,6 +198,18 @@ def _gather_gradients(option: bool | None, platform: Platform) -> bool:
     compiler estimates 7-15% more cycles for the gathers at E = 64 / 8) and CPU (the
     gathers measured 1.55x slower at T5-Base, E = 8); docs/moe.md."""
     return platform == "gpu" if option is None else option
+
+
+def _scatter_rows(option: bool | None, gather_option: bool | None, platform: Platform) -> bool:
+    """``ExecutionConfig.scatter_rows``, None settled: on TPU, unless ``gather_gradients``
+    asks for gathers. XLA:TPU's cost model counts a row gather from a tiled ``[rows, d_model]``
+    array at about 7x the bytes it moves and a scatter-add of the same rows at about 1x;
+    compiled for one v5p chip (T5-Base shape, E = 8, bf16, fwd+bwd) the scattering layer
+    accesses fewer bytes (docs/moe.md, "The layer on TPU: row moves"). Not on CPU or GPU,
+    where scatter-adds serialise or go atomic (``permute``)."""
+    if option is not None:
+        return option
+    return platform == "tpu" and not gather_option
 
 
 def _grouped_matmul(option: GroupedMatmulOption, platform: Platform) -> GroupedMatmul:

@@ -6,7 +6,12 @@ plain gradient of a gather ``src[index]`` is a scatter-add into ``src``; XLA mus
 that indices collide and emits an atomic (GPU) or serialised (TPU) scatter. When the
 inverse map is known, the gradient is a gather of the output cotangent through it, with
 no scatter. :func:`gather_rows` takes both maps and uses the inverse for its VJP;
-:func:`take_rows` chooses between it and the plain gather (``ExecutionPlan.gather_gradients``).
+:func:`scatter_rows` is the mirror image, for a compiler whose gathers of rows cost more
+than its scatters (XLA:TPU's cost model counts a row gather from a tiled ``[n, d]`` array
+at about 7x its bytes, a scatter-add of the same rows at about 1x): the forward scatters
+each source row to the output rows that read it (through the inverse map), the VJP
+scatter-adds the cotangent rows back (through ``index``). :func:`take_rows` chooses
+between them and the plain gather (``ExecutionPlan.gather_gradients`` / ``scatter_rows``).
 """
 
 from __future__ import annotations
@@ -65,6 +70,43 @@ def _gather_rows_bwd(residuals, cotangent):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+def _scatter_add(rows: Array, destination: Array, valid: Array, size: int) -> Array:
+    """``[groups, size, d]``: zeros plus ``rows [groups, a, d]`` added at ``destination
+    [groups, a, r]`` (each row at up to ``r`` places) where ``valid [groups, a, r]``
+    (elsewhere dropped): one scatter-add per place, so ``rows`` is never repeated in memory
+    (a ``[groups, a, r, d]`` broadcast was the TPU compiler's costliest operation)."""
+    g = jnp.arange(rows.shape[0])[:, None]
+    out = jnp.zeros((rows.shape[0], size, rows.shape[-1]), rows.dtype)
+    for j in range(destination.shape[-1]):
+        where = jnp.where(valid[..., j], destination[..., j], size)  # past the end: dropped
+        out = out.at[g, where].add(rows, mode="drop")
+    return out
+
+
+@jax.custom_vjp
+def scatter_rows(
+    src: Array, index: Array, valid: Array, inverse: Array, inverse_valid: Array
+) -> Array:
+    """:func:`gather_rows`' result (same arguments and contract), computed by scattering:
+    source row ``i`` is added at each valid output row ``inverse[g, i]`` (each output row
+    is written by one source row at most, so this equals the gather). Its VJP w.r.t.
+    ``src`` scatter-adds the output cotangent rows at ``index``; the index arguments get
+    none. ``[groups, n, d]`` -> ``[groups, m, d]``, ``m = index.shape[1]``."""
+    return _scatter_add(src, inverse, inverse_valid, index.shape[1])
+
+
+def _scatter_rows_fwd(src, index, valid, inverse, inverse_valid):
+    return scatter_rows(src, index, valid, inverse, inverse_valid), (index, valid, src.shape[1])
+
+
+def _scatter_rows_bwd(residuals, cotangent):
+    index, valid, n = residuals
+    return _scatter_add(cotangent, index[..., None], valid[..., None], n), None, None, None, None
+
+
+scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
+
+
 def take_rows(
     src: Array,
     index: Array,
@@ -72,9 +114,13 @@ def take_rows(
     inverse: Array,
     inverse_valid: Array,
     gather_gradient: bool,
+    scatter: bool = False,
 ) -> Array:
-    """:func:`gather_rows` (``gather_gradient``) or the same gather differentiated by JAX
-    (its gradient a scatter-add into ``src``); same arguments and result."""
+    """:func:`scatter_rows` (``scatter``), :func:`gather_rows` (``gather_gradient``) or the
+    same gather differentiated by JAX (its gradient a scatter-add into ``src``); same
+    arguments and result."""
+    if scatter:
+        return scatter_rows(src, index, valid, inverse, inverse_valid)
     if gather_gradient:
         return gather_rows(src, index, valid, inverse, inverse_valid)
     return _masked_gather(src, index, valid)

@@ -69,6 +69,7 @@ SMOKE_MOE = {
         "grouped_matmul": "auto",
         "model_axis": "model",
         "per_expert_loop": None,
+        "scatter_rows": None,
     },
     "expert_dropout_rate": 0.0,
     "expert_granularity": 1,
@@ -129,6 +130,7 @@ def test_export_config_and_compile_choices_pinned():
         "exchange": "local",
         "grouped_matmul": False,
         "gather_gradients": False,
+        "scatter_rows": False,
     }
     tpu = aot.layer_choices("tpu", "bfloat16", config)
     assert tpu == {
@@ -140,6 +142,7 @@ def test_export_config_and_compile_choices_pinned():
         "exchange": "local",
         "grouped_matmul": False,
         "gather_gradients": False,
+        "scatter_rows": True,
     }
     # a decoder config of its own: its plan under "decoder", the encoder's keys unchanged
     decoder_moe = dataclasses.replace(
@@ -158,6 +161,7 @@ def test_export_config_and_compile_choices_pinned():
             "exchange": "local",
             "grouped_matmul": False,
             "gather_gradients": False,
+            "scatter_rows": False,
         },
     }
     same = dataclasses.replace(config, decoder_moe=config.moe)

@@ -117,13 +117,15 @@ def _equations(jaxpr):
                     yield from _equations(inner)
 
 
-@pytest.mark.parametrize("gather_gradients", [True, False])
+@pytest.mark.parametrize("moves", ["jax", "gather", "scatter"])
 @pytest.mark.parametrize("choice_major_combine", [False, True])
 @pytest.mark.parametrize("capacity", [1, 8])  # heavy drops, none
-def test_sort_gradients_equal_einsum(gather_gradients, choice_major_combine, capacity):
+def test_sort_gradients_equal_einsum(moves, choice_major_combine, capacity):
     """Gradients (inputs, combine weights, experts) of the sort dispatch in both combine
-    layouts, with either gradient of its row moves, equal the einsum reference's; with
-    ``gather_gradients`` its backward holds no scatter of rows (``permute.gather_rows``)."""
+    layouts, with each form of its row moves, equal the einsum reference's: gathers with
+    JAX's scatter-add gradients (``jax``), gathers both ways (``gather``: the backward holds
+    no scatter of rows, ``permute.gather_rows``), scatters both ways (``scatter``: no
+    gather of rows forward or backward, ``permute.scatter_rows``)."""
     groups, tokens, experts, k, d = 2, 8, 4, 2, 3
     keys = jax.random.split(jax.random.PRNGKey(capacity), 4)
     routing = TokenChoiceRouting(
@@ -144,7 +146,8 @@ def test_sort_gradients_equal_einsum(gather_gradients, choice_major_combine, cap
             capacity,
             lambda b: jnp.tanh(b * scale[None]),
             choice_major_combine=choice_major_combine,
-            gather_gradients=gather_gradients,
+            gather_gradients=moves == "gather",
+            scatter_rows=moves == "scatter",
         )
         return jnp.sum(jnp.sin(y))
 
@@ -159,10 +162,15 @@ def test_sort_gradients_equal_einsum(gather_gradients, choice_major_combine, cap
     backward = jax.make_jaxpr(jax.grad(functools.partial(loss, "sort")))(
         x, routing.combine_weights, scale
     )
-    scattered = [
-        eqn.outvars[0].aval.ndim
-        for eqn in _equations(backward.jaxpr)
-        if eqn.primitive.name.startswith("scatter")
-    ]
-    # with gather gradients only the int inverse permutation [groups, n] is scattered
-    assert all(ndim <= 2 for ndim in scattered) == gather_gradients, scattered
+    scattered, gathered = (
+        [
+            eqn.outvars[0].aval.ndim
+            for eqn in _equations(backward.jaxpr)
+            if eqn.primitive.name.startswith(kind)
+        ]
+        for kind in ("scatter", "gather")
+    )
+    # with gather gradients only the int inverse permutation [groups, n] is scattered;
+    # with scattered rows only int index arrays are gathered
+    assert all(ndim <= 2 for ndim in scattered) == (moves == "gather"), scattered
+    assert all(ndim <= 2 for ndim in gathered) == (moves == "scatter"), gathered

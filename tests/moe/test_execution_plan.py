@@ -80,8 +80,9 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
         cpu, gpu = _plan("cpu", dtype), _plan("gpu", dtype)
         assert cpu == ExecutionPlan("cpu", "sort", True, False, "local")
         assert gpu == ExecutionPlan("gpu", "sort", False, True, "local", gather_gradients=True)
-    assert _plan("tpu", "bfloat16") == ExecutionPlan("tpu", "sort", False, True, "local")
-    assert _plan("tpu", "float32") == ExecutionPlan("tpu", "sort", True, True, "local")
+    tpu = dict(scatter_rows=True)  # row moves scatter on TPU
+    assert _plan("tpu", "bfloat16") == ExecutionPlan("tpu", "sort", False, True, "local", **tpu)
+    assert _plan("tpu", "float32") == ExecutionPlan("tpu", "sort", True, True, "local", **tpu)
     for gpu in ("gpu", "cuda", "rocm"):
         assert resolve_plan(SMALL, gpu, "float32") == _plan("gpu", "float32")
     assert resolve_plan(SMALL, None, "float32") == _plan("cpu", "float32")  # default device
@@ -94,6 +95,14 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
     assert _plan("tpu", router=ExpertChoiceRouterConfig()).choice_major_combine is False
     # gradients of the row moves gather on GPU (elsewhere scatter-add); einsum has no moves
     assert _plan("tpu", gather_gradients=True).gather_gradients is True
+    assert _plan("tpu", gather_gradients=True).scatter_rows is False  # gathers both ways
+    assert _plan("tpu", dispatch="einsum").scatter_rows is False
+    assert not _plan("cpu").scatter_rows and not _plan("gpu", gather_gradients=False).scatter_rows
+    assert _plan("gpu", scatter_rows=True) == ExecutionPlan(
+        "gpu", "sort", False, True, "local", scatter_rows=True
+    )
+    with pytest.raises(ValueError, match=r"scatter_rows=True and gather_gradients=True"):
+        _plan("tpu", scatter_rows=True, gather_gradients=True)
     assert _plan("gpu", gather_gradients=False).gather_gradients is False
     assert _plan("gpu", dispatch="einsum", gather_gradients=True).gather_gradients is False
     # dropless: jax.lax.ragged_dot, except a GPU step on a GPU (tokamax Triton); a GPU target
@@ -118,7 +127,7 @@ def test_resolve_plan_exchange_under_expert_parallelism():
         assert _plan(platform, shape=(4, 1, 2)).exchange == "local"  # expert axis of size 1
     # dropless: rows cross the expert axis on TPU; padded buffers on CPU and GPU
     assert _plan("tpu", shape=ep, dropless=True) == ExecutionPlan(
-        "tpu", "ragged", False, False, "ragged_all_to_all", "xla"
+        "tpu", "ragged", False, False, "ragged_all_to_all", "xla", scatter_rows=True
     )
     for platform in ("cpu", "gpu"):
         plan = _plan(platform, shape=ep, dropless=True)
@@ -166,6 +175,7 @@ def test_auto_layer_traces_the_platform_choice(platform):
         dispatch=plan.dispatch,
         per_expert_loop=plan.per_expert_loop,
         gather_gradients=plan.gather_gradients,
+        scatter_rows=plan.scatter_rows,
     )
     explicit = _primitives(explicit_layer, None)
     assert auto == explicit
@@ -196,6 +206,6 @@ def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
         )
     assert jax.default_backend() == "cpu"
     plan = resolve_plan(layer.config, mesh.abstract_mesh, layer.dtype)
-    assert plan == ExecutionPlan("tpu", "sort", True, True, "local")
+    assert plan == ExecutionPlan("tpu", "sort", True, True, "local", scatter_rows=True)
     assert ("while(" in hlo) == plan.per_expert_loop
     assert ("scatter(" in hlo) == (plan.dispatch == "sort")

@@ -52,7 +52,9 @@ def _loss_and_grads(run, x, weights, combine_weights):
     return grad(x, weights, combine_weights)
 
 
-def _check_against_einsum(experts: int, k: int, matmul: RaggedDot, seed: int = 0) -> None:
+def _check_against_einsum(
+    experts: int, k: int, matmul: RaggedDot, seed: int = 0, scatter_rows: bool = False
+) -> None:
     routing = _routing(experts, k, seed)
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
     x = jax.random.normal(keys[0], (GROUPS, TOKENS, D_MODEL))
@@ -68,7 +70,7 @@ def _check_against_einsum(experts: int, k: int, matmul: RaggedDot, seed: int = 0
     def ragged(x, w, cw):
         r = dataclasses.replace(routing, combine_weights=cw)
         ffn = lambda rows, sizes: ragged_expert_ffn(w, rows, sizes, "relu", ragged_dot=matmul)  # noqa: E731
-        return ragged_token_choice(x, r, experts, ffn)[0]
+        return ragged_token_choice(x, r, experts, ffn, scatter_rows=scatter_rows)[0]
 
     (_, y_ref), g_ref = _loss_and_grads(reference, x, weights, routing.combine_weights)
     (_, y), g = _loss_and_grads(ragged, x, weights, routing.combine_weights)
@@ -92,6 +94,11 @@ def test_kernel_that_fails_to_trace_falls_back_to_the_reference_products(experts
     # tokamax's Triton kernel raises NotImplementedError on a CPU device: each of the three
     # products then runs jax.lax.ragged_dot_general with this module's dimension numbers
     _check_against_einsum(experts, k, ragged_dot("triton"), seed=experts + k)
+
+
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (64, 1)])
+def test_ragged_dispatch_with_scattered_row_moves_equals_einsum_reference(experts, k):
+    _check_against_einsum(experts, k, ragged_dot("xla"), seed=3, scatter_rows=True)
 
 
 def test_a_kernel_that_fails_to_trace_says_so_once(monkeypatch, caplog):

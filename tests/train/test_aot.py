@@ -175,6 +175,7 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
         "exchange": "all_to_all",  # the mesh's expert axis
         "grouped_matmul": False,
         "gather_gradients": False,
+        "scatter_rows": True,
     }
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
@@ -702,6 +703,7 @@ def test_gpu_compile_of_the_smoke_config(tmp_path):
         "exchange": "all_to_all",
         "grouped_matmul": False,
         "gather_gradients": True,
+        "scatter_rows": False,
     }
     step = report["steps"]["train"]
     assert step["collectives"]["all-to-all"]["count"] >= 2
