@@ -25,7 +25,10 @@ Modules, one job each:
                  C++ log line naming them
   router_init    the routers' initial weights of a run (`router_init.npz`)
   run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
+  output_lock    one writer per output folder of `eval` / `export` (`FOLDER/.writing`)
   summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry
+  profiling      device traces of chosen steps (`train.profile_steps`); how busy a trace's
+                 devices were
   wandb_logger   the same metrics to Weights & Biases when a project is set (lazy import)
   routing        per-token routing of every MoE layer of a restored model (the layer's opt-in
                  ``routing`` collection)
