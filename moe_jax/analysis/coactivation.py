@@ -27,8 +27,8 @@ from typing import Any
 import gin
 import numpy as np
 
+from moe_jax.analysis import languages, trace_plots
 from moe_jax.analysis import trace as trace_lib
-from moe_jax.analysis import trace_plots
 
 
 def chosen(experts: np.ndarray, num_experts: int) -> np.ndarray:
@@ -148,7 +148,7 @@ def analyze(
 ) -> dict[str, Any]:
     """Writes ``coactivation.json`` (``{"checkpoints": [{"run", "step", "layers": {name:
     analyze_layer(...)}, "cross_layer": cross_layer(...)}]}``) and one PNG per checkpoint
-    to ``out_dir`` (default ``MODEL_DIR/analysis``)."""
+    to ``out_dir`` (default: ``languages.output_dirs``)."""
     results = []
     for trace in trace_lib.collect(checkpoint_paths, all_steps):
         rng = np.random.default_rng(seed)
@@ -164,7 +164,7 @@ def analyze(
     trace_lib.write_report(
         "coactivation",
         report,
-        trace_lib.output_dir(checkpoint_paths, out_dir),
+        languages.output_dirs(checkpoint_paths, out_dir),
         trace_plots.write_coactivation,
         [line for result in results for line in summary_lines(result)],
     )

@@ -106,7 +106,7 @@ def analyze(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Writes ``saturation.json`` (``{"runs": [run_saturation(...)]}``) and
-    ``saturation.png`` to ``out_dir`` (default ``MODEL_DIR/analysis``). Each run needs
+    ``saturation.png`` to ``out_dir`` (default: ``languages.output_dirs``). Each run needs
     several checkpoints: ``--all_steps`` or ``--checkpoint`` repeated.
 
     Raises:
@@ -130,7 +130,7 @@ def analyze(
     trace_lib.write_report(
         "saturation",
         report,
-        trace_lib.output_dir(checkpoint_paths, out_dir),
+        languages.output_dirs(checkpoint_paths, out_dir),
         trace_plots.write_saturation,
         [line for result in report["runs"] for line in summary_lines(result)],
     )

@@ -113,6 +113,7 @@ class Trace:
     layers: dict[str, LayerTrace]
     labels: tuple[str, ...] = ()
     pieces: dict[int, str] = dataclasses.field(default_factory=dict)
+    model_dir: str = ""  # the run's MODEL_DIR ("" when read from a file)
 
 
 def layer_trace(
@@ -340,6 +341,7 @@ def collect(
             layers,
             tuple(groups) if labelled else (),
             pieces,
+            run_dir,
         )
 
 
@@ -352,42 +354,37 @@ def summary_line(trace: Trace) -> str:
     return f"{trace.run}@{trace.step}: " + "; ".join(parts)
 
 
-def output_dir(checkpoint_paths: Sequence[str], out_dir: str | None, sub: str = "") -> str:
-    """``out_dir``, or by default the first checkpoint's ``MODEL_DIR/analysis[/sub]``."""
-    if out_dir:
-        return storage.normalize(out_dir)
-    analysis_dir = RunDir.of_checkpoint(checkpoint_paths[0])[0].analysis_dir
-    return storage.normalize(storage.join(analysis_dir, sub) if sub else analysis_dir)
-
-
 def write_report(
     name: str,
     report: dict[str, Any],
-    out_dir: str,
+    folders: Sequence[str],
     plots: Callable[[dict[str, Any], str], list[str]],
     lines: Sequence[str],
 ) -> None:
-    """On process 0: the PNGs of ``plots(report, out_dir)`` (their names go to
-    ``report["files"]``), ``out_dir/<name>.json`` and ``lines`` on stdout."""
+    """On process 0, into each of ``folders`` (``languages.output_dirs``: ``--out``, or
+    each compared run's own): the PNGs of ``plots(report, folder)`` (their names go to
+    ``report["files"]``) and ``<name>.json``; then ``lines`` on stdout."""
     if jax.process_index() != 0:
         return
-    report["files"] = plots(report, out_dir)
-    storage.write_text(storage.join(out_dir, f"{name}.json"), json.dumps(report, indent=1))
     print("\n".join(lines), flush=True)
-    print(f"[moe-jax] {name} analysis in {out_dir}", file=sys.stderr)
+    for folder in folders:
+        report["files"] = plots(report, folder)
+        storage.write_text(storage.join(folder, f"{name}.json"), json.dumps(report, indent=1))
+        print(f"[moe-jax] {name} analysis in {folder}", file=sys.stderr)
 
 
 def analyze(
     checkpoint_paths: Sequence[str], out_dir: str | None = None, all_steps: bool = False
 ) -> list[str]:
     """`moe-jax analyze trace`: writes one Parquet file per checkpoint to ``out_dir``
-    (default ``MODEL_DIR/analysis/trace``) and returns their paths."""
-    out_dir = output_dir(checkpoint_paths, out_dir, "trace")
+    (default: its own run's ``MODEL_DIR/analysis/trace``) and returns their paths."""
     files = []
     for trace in collect(checkpoint_paths, all_steps):
         if jax.process_index() == 0:
-            files.append(write(trace, out_dir))
+            folder = out_dir or storage.join(RunDir(trace.model_dir).analysis_dir, "trace")
+            files.append(write(trace, storage.normalize(folder)))
             print(summary_line(trace), flush=True)
     if jax.process_index() == 0:
-        print(f"[moe-jax] routing traces in {out_dir}", file=sys.stderr)
+        folders = sorted({storage.parent(f) for f in files})
+        print(f"[moe-jax] routing traces in {', '.join(folders)}", file=sys.stderr)
     return files

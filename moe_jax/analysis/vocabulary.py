@@ -28,8 +28,8 @@ from typing import Any
 import gin
 import numpy as np
 
+from moe_jax.analysis import languages, trace_plots
 from moe_jax.analysis import trace as trace_lib
-from moe_jax.analysis import trace_plots
 from moe_jax.analysis.positions import mutual_information_bits
 
 CATEGORIES: tuple[str, ...] = (
@@ -180,7 +180,7 @@ def analyze(
 ) -> dict[str, Any]:
     """Writes ``vocabulary.json`` (``{"categories", "settings", "checkpoints": [{"run",
     "step", "layers": {name: analyze_layer(...)}}]}``) and one PNG per checkpoint to
-    ``out_dir`` (default ``MODEL_DIR/analysis``)."""
+    ``out_dir`` (default: ``languages.output_dirs``)."""
     results = []
     for trace in trace_lib.collect(checkpoint_paths, all_steps):
         rng = np.random.default_rng(seed)
@@ -199,7 +199,7 @@ def analyze(
     trace_lib.write_report(
         "vocabulary",
         report,
-        trace_lib.output_dir(checkpoint_paths, out_dir),
+        languages.output_dirs(checkpoint_paths, out_dir),
         trace_plots.write_vocabulary,
         [line for result in results for line in summary_lines(result)],
     )

@@ -55,12 +55,12 @@ def test_analyze_languages_on_an_imported_switch_model(switch_run, tmp_path):
     assert sorted(result["layers"]) == sorted(LAYERS)
 
 
-def test_analyze_trace_on_an_imported_switch_model(switch_run, tmp_path):
+def test_analyze_trace_on_an_imported_switch_model(switch_run):
     flags = ["--gin.trace_script.collect.max_examples=8", "--gin.trace_script.collect.batch_size=8"]
     flags.append("--gin.trace_script.collect.use_labels=False")
-    args = ["analyze", "trace", f"--checkpoint={switch_run}", f"--out={tmp_path}", *flags]
+    args = ["analyze", "trace", f"--checkpoint={switch_run}", *flags]
     assert cli.main([*args, DATA[0]]) == 0
-    (path,) = tmp_path.glob("trace_*_step0.parquet")
+    (path,) = (switch_run / "analysis" / "trace").glob("trace_*_step0.parquet")  # the default
     result = trace.read(str(path))
     assert sorted(result.layers) == sorted(LAYERS)
     for layer in result.layers.values():  # Switch: top-1
