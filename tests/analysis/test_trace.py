@@ -88,20 +88,21 @@ def test_a_table_of_two_checkpoints_is_refused(tmp_path):
         trace.from_table(pa.concat_tables(tables))
 
 
+def _run(analysis: str, tiny_run, out, *extra: str, labels: bool = False) -> None:
+    """``analysis`` on 40 examples: of the run's task itself (one data pipeline), or with
+    ``labels`` 2 of each of the 20 languages' tasks (20 pipelines)."""
+    flags = [
+        "--gin.trace_script.collect.max_examples=40",
+        "--gin.trace_script.collect.batch_size=8",
+        f"--gin.trace_script.collect.use_labels={labels}",
+    ]
+    assert analyze.main([analysis, *extra, f"--out={out}", *flags]) == 0
+
+
 @pytest.fixture(scope="module")
 def traced(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("trace")
-    rc = analyze.main(
-        [
-            "trace",
-            f"--checkpoint={tiny_run}",
-            "--all_steps",
-            f"--out={out}",
-            "--gin.trace_script.collect.max_examples=40",
-            "--gin.trace_script.collect.batch_size=8",
-        ]
-    )
-    assert rc == 0
+    _run("trace", tiny_run, out, f"--checkpoint={tiny_run}", "--all_steps")
     return out
 
 
@@ -111,8 +112,7 @@ def test_cli_writes_a_row_per_token_and_layer(traced):
     table = pq.read_table(files[0])
     back = trace.from_table(table)
     assert list(back.layers) == LAYERS and back.step == 1
-    # the embedded corpus' task has a label per example: 2 examples of each of 20 languages
-    assert len(back.labels) == 20 and table["label"].null_count == 0
+    assert back.labels == () and table["label"].null_count == table.num_rows  # use_labels off
     enc, dec = (back.layers[name] for name in LAYERS)
     assert enc.example.max() == dec.example.max() == 39
     assert enc.position.max() < 32 and dec.position.max() < 8 and dec.position.min() == 0
@@ -129,21 +129,6 @@ def test_cli_writes_a_row_per_token_and_layer(traced):
     assert all(
         piece == spm.id_to_piece(i) for piece, i in zip(pieces, ids, strict=True) if i < 8000
     )
-
-
-def _run(analysis: str, tiny_run, out, *extra: str) -> None:
-    """``analysis`` on 40 examples of the run's task itself (one dataset, not 20 labels')."""
-    rc = analyze.main(
-        [
-            analysis,
-            *extra,
-            f"--out={out}",
-            "--gin.trace_script.collect.max_examples=40",
-            "--gin.trace_script.collect.batch_size=8",
-            "--gin.trace_script.collect.use_labels=False",
-        ]
-    )
-    assert rc == 0
 
 
 def test_vocabulary_and_coactivation_commands(tiny_run, tmp_path):
@@ -186,3 +171,15 @@ def test_saturation_command_and_its_refusal(tiny_run, tmp_path):
         assert curves["top1_random"][0] < 1.0
     with pytest.raises(ValueError, match="has one: pass --all_steps"):
         _run("saturation", tiny_run, tmp_path, step)
+
+
+def test_trace_labels_each_example_with_its_language(tiny_run, tmp_path):
+    _run("trace", tiny_run, tmp_path, f"--checkpoint={tiny_run}", labels=True)
+    (path,) = tmp_path.glob("trace_*.parquet")
+    back = trace.read(str(path))
+    assert len(back.labels) == 20 and "de" in back.labels
+    for layer in back.layers.values():  # 2 examples per language, one after the other
+        first = np.searchsorted(layer.example, np.arange(40))  # each example's first token
+        names = np.asarray(back.labels)[layer.label[first]]
+        assert len(set(names)) == 20 and (names[0::2] == names[1::2]).all()
+        assert (layer.label == layer.label[first][layer.example]).all()  # one per example
