@@ -38,11 +38,21 @@ def vocabulary_of(model):
 
 def encode_inputs(texts: Sequence[str], vocabulary, length: int, batch_multiple: int) -> np.ndarray:
     """``int32[batch, length]`` encoder tokens (EOS-terminated, zero-padded; rows added to
-    a multiple of ``batch_multiple`` so the batch shards over the mesh)."""
+    a multiple of ``batch_multiple`` so the batch shards over the mesh). An input longer
+    than ``length - 1`` tokens is cut to them, with a warning on stderr naming it."""
     rows = -(-len(texts) // batch_multiple) * batch_multiple
     tokens = np.zeros((rows, length), np.int32)
     for i, text in enumerate(texts):
-        ids = [*list(vocabulary.encode(text))[: length - 1], vocabulary.eos_id]
+        encoded = list(vocabulary.encode(text))
+        if len(encoded) > length - 1 and jax.process_index() == 0:
+            print(
+                f"[moe-jax infer] warning: input {i + 1} ({text[:30]!r}...) has "
+                f"{len(encoded)} tokens; only its first {length - 1} are read "
+                f"(infer.task_feature_lengths['inputs'] = {length}, one for EOS)",
+                file=sys.stderr,
+                flush=True,
+            )
+        ids = [*encoded[: length - 1], vocabulary.eos_id]
         tokens[i, : len(ids)] = ids
     return tokens
 

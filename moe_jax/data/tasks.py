@@ -248,6 +248,14 @@ def register_group_task(name: str) -> bool:
     return False
 
 
+def reads_the_corpus(name: str) -> bool:
+    """Whether task ``name`` is one of the project's, which read the corpus gin selects
+    (``make_source``); a task of the user's own module reads what it defines."""
+    if name in TASK_NAMES:
+        return True
+    return re.fullmatch(rf"{TEXT_PREFIX}_.+_({'|'.join(OBJECTIVES)})", name) is not None
+
+
 def import_task_module(module: str | None) -> None:
     """Imports T5X's ``MIXTURE_OR_TASK_MODULE``: a module (dotted name on ``sys.path``, the
     working directory included) or a ``.py`` file that registers seqio tasks/mixtures.

@@ -27,6 +27,10 @@ from moe_jax.runtime.run_dir import RunDir
 
 # Modules a run directory's config file may import (gin runs an import when parsing).
 PROJECT_MODULES: tuple[str, ...] = ("moe_jax",)
+# The installed package: the folder holding this file, not what ``import moe_jax`` finds (a
+# ``moe_jax/`` folder earlier on the path, e.g. ``PYTHONPATH=.`` inside a run folder, is
+# imported as the package's ``__init__``, but never decides what the gate trusts).
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Bindings whose value names a module (or .py file) that is imported, i.e. run: the macro
 # and (configurable, parameter) pairs (T5X's MIXTURE_OR_TASK_MODULE, imported by
@@ -155,17 +159,7 @@ def _is_project_module(module: Any) -> bool:
         return False
     if spec is None or spec.origin is None:
         return False
-    origin = pathlib.Path(spec.origin).resolve()
-    return any(
-        (root := _package_root(m)) is not None and origin.is_relative_to(root)
-        for m in PROJECT_MODULES
-    )
-
-
-def _package_root(name: str) -> pathlib.Path | None:
-    """The folder of installed package ``name``."""
-    spec = importlib.util.find_spec(name)
-    return pathlib.Path(str(spec.origin)).resolve().parent if spec and spec.origin else None
+    return pathlib.Path(spec.origin).resolve().is_relative_to(PROJECT_ROOT)
 
 
 def _same_module(module: Any, trusted: Iterable[Any]) -> bool:

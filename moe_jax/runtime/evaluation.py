@@ -63,14 +63,20 @@ def eval_settings_bindings(settings: dict[str, Any]) -> list[str]:
 
 def describe_eval_settings(eval_steps: int, cfg: builders.DatasetConfig) -> str:
     """``8 batches of 16 x {'inputs': 64, 'targets': 16} from the validation split of task
-    mc4_span_corruption over the embedded UDHR corpus (20 languages)``."""
+    mc4_span_corruption over the embedded UDHR corpus (20 languages)``; a task of the user's
+    own module is named without a corpus (it reads what it defines)."""
     # deferred on purpose: TensorFlow/seqio load only when data is read
-    from moe_jax.data import sources
+    from moe_jax.data import sources, tasks
 
+    corpus = (
+        f" over {sources.describe_corpus()}"
+        if tasks.reads_the_corpus(cfg.mixture_or_task_name)
+        else ""
+    )
     return (
         f"{eval_steps} batch{'es' if eval_steps != 1 else ''} of {cfg.batch_size} x "
         f"{dict(cfg.task_feature_lengths)} from the {cfg.split} split of task "
-        f"{cfg.mixture_or_task_name} over {sources.describe_corpus()}"
+        f"{cfg.mixture_or_task_name}{corpus}"
     )
 
 

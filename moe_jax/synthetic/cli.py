@@ -177,7 +177,34 @@ def replot(args: argparse.Namespace) -> int:
     return 0
 
 
+def experiment_help(name: str) -> str:
+    """``moe-jax synthetic NAME --help``: the experiment, its options and each preset's
+    entries (what ``--set KEY=VALUE`` may change)."""
+    experiment = load(name)
+    lines = [
+        f"usage: moe-jax synthetic {name} [--preset {'|'.join(PRESETS)}] "
+        "[--seed N | --seeds 0,1,2] [--out DIR] [--set KEY=VALUE ...]",
+        "",
+        experiment.description,
+        "",
+        "options: --preset (default quick), --seed / --seeds (default "
+        + ", ".join(f"{p}: {','.join(map(str, s))}" for p, s in DEFAULT_SEEDS.items())
+        + "), --out (default results/synthetic), --set KEY=VALUE (an entry of the preset)",
+        "",
+        "presets:",
+    ]
+    for preset in PRESETS:
+        entries = experiment.presets.get(preset) or {}
+        lines.append(f"  {preset}: " + ", ".join(f"{k}={v!r}" for k, v in entries.items()))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = [a for a in argv if not a.startswith("-")][:1]
+    if named and named[0] in EXPERIMENTS and {"-h", "--help"} & set(argv):
+        print(experiment_help(named[0]))
+        return 0
     args = parser().parse_args(argv)
     if args.experiment == "list":
         width = max(map(len, EXPERIMENTS))

@@ -679,6 +679,8 @@ def markdown(table: list[dict[str, Any]], missing: list[str]) -> str:
         )
         seeds = f"{r['seeds']} seed{'s' * (r['seeds'] != 1)}"
         value = _labelled(r["preset"], "converged", f"{_cell(r['converged'], r['std'])} ({seeds})")
+        if r["preset"] == "quick" and r["quick"] is None:  # a quick run: its own column
+            quick, value = f"{_cell(r['converged'], r['std'])} ({seeds})", "-"
         lines.append(
             row(
                 [

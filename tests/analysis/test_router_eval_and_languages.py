@@ -10,6 +10,7 @@ import pytest
 
 from moe_jax import cli as moe_cli
 from moe_jax import errors, plotting
+from moe_jax.analysis import languages
 from moe_jax.commands import evaluate
 from moe_jax.data import sources
 from moe_jax.runtime import run_names
@@ -91,6 +92,19 @@ def test_bad_router_names_and_missing_initial_router(tiny_run, tmp_path, capsys)
         and f"{copy}/router_init.npz does not exist" in result["router_drift_missing"]
     )
     assert f"drift of {result['label']} is '-': {copy}/router_init.npz" in capsys.readouterr().out
+
+
+def test_languages_of_several_runs_go_into_each_run():
+    """By default one run's analysis is in its ``MODEL_DIR/analysis``; a comparison of runs
+    goes into each run, in a folder named by the runs compared."""
+    assert languages.output_dirs(
+        ["/r/learned/checkpoints/2", "/r/learned/checkpoints/3"], None
+    ) == ["/r/learned/analysis"]
+    assert languages.output_dirs(["/r/learned", "/r/frozen/checkpoints/3"], None) == [
+        "/r/learned/analysis/learned+frozen",
+        "/r/frozen/analysis/learned+frozen",
+    ]
+    assert languages.output_dirs(["/r/learned", "/r/frozen"], "/elsewhere") == ["/elsewhere"]
 
 
 @pytest.mark.slow  # 20 per-language data pipelines: about a minute of CPU

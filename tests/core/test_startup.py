@@ -63,3 +63,26 @@ def test_a_sweeps_trainings_start_as_quietly_as_a_plain_train():
     assert _tensorflow_imported_quietly(None)
     assert _tensorflow_imported_quietly(cli.QUIET_ENV["TF_CPP_MIN_LOG_LEVEL"])
     assert not _tensorflow_imported_quietly("0")
+
+
+def test_an_unusable_cache_folder_leaves_no_traceback_at_exit(tmp_path):
+    """With XDG_CACHE_HOME a file, matplotlib cannot make its cache folder: it is pointed at
+    one outside the scratch folder, so nothing fails at exit when it cleans up."""
+    import subprocess
+    import sys
+
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    code = (
+        "from moe_jax.runtime import scratch\n"
+        "from moe_jax import plotting\n"
+        "with scratch.scratch_tempdir():\n"
+        f"    plotting.pyplot().figure().savefig({str(tmp_path / 'a.png')!r})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MPLCONFIGDIR"}
+    env.update(XDG_CACHE_HOME=str(not_a_folder), TMPDIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert (tmp_path / "a.png").exists() and (tmp_path / "moe_jax_matplotlib").is_dir()

@@ -69,3 +69,21 @@ def test_an_unknown_module_is_named():
     no_file = re.escape("MIXTURE_OR_TASK_MODULE='/nowhere/t.py': no such file")
     with pytest.raises(ValueError, match=no_file):
         tasks.import_task_module("/nowhere/t.py")
+
+
+def test_the_eval_header_names_no_corpus_for_the_users_own_task(tmp_path):
+    """`moe-jax eval`'s header says which corpus a project task reads; a user's own task
+    reads what it defines, so none is named."""
+    from moe_jax.runtime import evaluation
+
+    path = tmp_path / "header_tasks.py"
+    path.write_text(MODULE.replace("__NAME__", "header_task"))
+    own = builders.DatasetConfig("header_task", LENGTHS, split="validation", module=str(path))
+    assert evaluation.describe_eval_settings(2, own) == (
+        "2 batches of 8 x {'inputs': 64, 'targets': 16} from the validation split of task "
+        "header_task"
+    )
+    project = builders.DatasetConfig("mc4_span_corruption", LENGTHS, split="validation")
+    assert evaluation.describe_eval_settings(2, project).endswith(
+        "of task mc4_span_corruption over the embedded UDHR corpus (20 languages)"
+    )

@@ -82,4 +82,6 @@ def test_the_readme_first_run_block_runs_as_written(tmp_path):
         "learned:random",
         "learned:hash",
     ]
+    for run in ("learned", "frozen"):  # the language analysis of both runs, in each
+        assert (scratch / run / "analysis" / "learned+frozen" / "languages.json").exists()
     assert (scratch / "fig2").is_dir() and any((scratch / "fig2").glob("*.png"))

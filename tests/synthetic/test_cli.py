@@ -13,7 +13,7 @@ import pytest
 
 from moe_jax import cli as moe_jax_cli
 from moe_jax.synthetic import cli
-from moe_jax.synthetic.experiments import EXPERIMENTS
+from moe_jax.synthetic.experiments import EXPERIMENTS, load
 
 
 def test_help_and_list_do_not_import_tensorflow():
@@ -27,6 +27,18 @@ def test_help_and_list_do_not_import_tensorflow():
     # one line each: the name, then its description
     for name, line in zip(EXPERIMENTS, lines, strict=True):
         assert line.split()[0] == name and len(line.split()) > 3
+
+
+def test_an_experiments_help_is_its_own(capsys):
+    """`moe-jax synthetic fig2 --help` describes fig2 and its presets' entries, not the
+    whole command."""
+    assert moe_jax_cli.main(["synthetic", "fig2", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: moe-jax synthetic fig2 [--preset quick|converged|paper]")
+    assert load("fig2").description in text
+    for preset, entries in load("fig2").presets.items():
+        assert f"  {preset}: " + ", ".join(f"{k}={v!r}" for k, v in entries.items()) in text
+    assert "positional arguments" not in text  # not `moe-jax synthetic --help`
 
 
 def _synthetic(capsys, *argv: str) -> tuple[int, str]:

@@ -258,7 +258,7 @@ def test_quick_results_are_labelled_quick_and_not_judged(tmp_path):
     the paper; a JSON without its preset is not judged either."""
     table = report.rows({"fig2": _fig2(0.3, 0.015, 1.4, 4.0, preset="quick")}, {})
     row = next(line for line in report.markdown(table, []).splitlines() if "Fig 2(a)" in line)
-    assert "| quick: 0.015 +- 0.001 (3 seeds) | not judged (quick preset) |" in row
+    assert "| 0.015 +- 0.001 (3 seeds) | - | not judged (quick preset) |" in row  # quick column
     assert "Verdicts: 0 magnitude within 2x, 0 direction reproduced, 0 not reproduced" in (
         report.markdown(table, [])
     )

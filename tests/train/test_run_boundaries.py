@@ -597,3 +597,29 @@ def test_garbage_in_a_run_file_is_one_line_naming_it(run_and_export, tmp_path, c
         assert cli.main(argv) == 1
         line = _last_line(capsys)
         assert line.startswith(f"moe-jax eval: error: {copy / name} is unreadable ("), line
+
+
+def test_a_shadow_package_on_the_path_does_not_decide_what_the_gate_trusts(tmp_path):
+    """`PYTHONPATH=.` in a folder holding ``moe_jax/__init__.py`` and ``moe_jax/payload.py``:
+    Python imports that ``__init__`` as the package (it runs), but the gate resolves the
+    project from its own installed files, so ``moe_jax.payload`` is not a project module."""
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "moe_jax"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("print('shadow init')\n")
+    (shadow / "payload.py").write_text("print('payload ran')\n")
+    code = (
+        "from moe_jax.runtime import config_gate as g; "
+        "print(g._is_project_module('moe_jax.payload'), g._is_project_module('moe_jax.data.tasks'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": "."},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.splitlines() == ["shadow init", "False True"], done.stdout
