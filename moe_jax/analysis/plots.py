@@ -117,6 +117,11 @@ def probe_bars(layers: dict[str, dict[str, Any]], path: str, title: str = "") ->
 
 
 def drop_rate_lines(layers: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
+    """Writes :func:`drop_rate_figure` to ``path``."""
+    _save(_pyplot(), drop_rate_figure(layers, title), path)
+
+
+def drop_rate_figure(layers: dict[str, dict[str, Any]], title: str = ""):
     """The share of choices dropped by capacity vs position, one line per layer, its
     position-blind level (over all positions) dashed."""
     plt = _pyplot()
@@ -131,7 +136,7 @@ def drop_rate_lines(layers: dict[str, dict[str, Any]], path: str, title: str = "
     ax.set_ylim(bottom=0)
     plotting.legend_outside(ax)
     ax.set_title(f"{title}: drops by position".strip(": "), fontsize=9)
-    _save(plt, fig, path)
+    return fig
 
 
 def write_all(layers: dict[str, dict[str, Any]], out_dir: str, title: str = "") -> list[str]:

@@ -17,6 +17,11 @@ def _layer(xi: float) -> dict:
         },
         "position_information": {"bits": 0.4, "shuffled_bits": 0.01},
         "probe": {"parity": {"accuracy": 0.9, "chance": 0.5, "majority": 0.5}},
+        "consecutive": {
+            "model": {"top1_repeat": 0.6, "topk_overlap": 0.9},
+            "shuffled": {"top1_repeat": 0.25, "topk_overlap": 0.7},
+        },
+        "drop_rate": {"choices": [0.0, 0.1, 0.4], "overall_choices": 0.1667},
     }
 
 
@@ -34,10 +39,23 @@ def test_every_correlation_panel_has_a_y_label_and_the_values():
 def test_console_names_are_explained_before_the_table():
     table = positions.summary_table({"encoder/layers_1": _layer(1.5)})
     legend, rows = table.split("\n\n", 1)
-    used = set(re.findall(r"\b(xi_int|corr_lag|xi_domain|I\(pos;expert\))", rows))
-    assert used == {"xi_int", "corr_lag", "xi_domain", "I(pos;expert)"}
+    used = set(re.findall(r"\b(xi_int|corr_lag|xi_domain|I\(pos;expert\)|repeat|dropped)", rows))
+    assert used == {"xi_int", "corr_lag", "xi_domain", "I(pos;expert)", "repeat", "dropped"}
     explained = {
         line.split()[0] for line in legend.splitlines() if line and not line.startswith(" ")
     }
     assert used <= explained
     assert "xi_int 1.50 vs 1.00" in rows
+    assert "repeat 0.600 vs 0.250" in rows and "dropped 0.400, all 0.167" in rows
+
+
+def test_the_drops_plot_has_its_axes_labelled_and_a_line_per_layer():
+    layers = {"encoder/layers_1": _layer(1.5), "decoder/layers_1": _layer(2.5)}
+    fig = plots.drop_rate_figure(layers, "run")
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "token position" and "dropped" in ax.get_ylabel()
+    solid = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+    dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert [list(line.get_ydata()) for line in solid] == [[0.0, 0.1, 0.4]] * 2
+    assert [line.get_ydata()[0] for line in dashed] == [0.1667] * 2  # over all positions
+    fig.clear()
