@@ -47,7 +47,8 @@ CONFIGS = {
 # The smoke model's MoE config as its export writes it (config.json's ``t5_config.moe``):
 # the values export format 1 wrote as MoeLayer's gin fields, in the nested form (the
 # options the top_k router lacks, ``num_expert_groups``, ``num_selected_groups`` and
-# ``router_seed``, were at their defaults).
+# ``router_seed``, were at their defaults; the options added since, at theirs: no fixed
+# ``expert_capacity``, no ``group_by_sequence``, ``balance_scope='batch'``, no ``router_bias``).
 SMOKE_MOE = {
     "accept_causal_leak": False,
     "activation": "gated_gelu",
@@ -56,6 +57,8 @@ SMOKE_MOE = {
         "capacity_rule": "t5x",
         "dropless": False,
         "eval_capacity_factor": 2.0,
+        "expert_capacity": None,
+        "group_by_sequence": False,
         "group_size": 256,
         "min_expert_capacity": 4,
         "train_capacity_factor": 1.25,
@@ -74,6 +77,7 @@ SMOKE_MOE = {
     "expert_dropout_rate": 0.0,
     "expert_granularity": 1,
     "losses": {
+        "balance_scope": "batch",
         "entropy_loss_weight": 0.0,
         "importance_loss_weight": 0.0,
         "load_balancing_loss_weight": 0.01,
@@ -92,6 +96,7 @@ SMOKE_MOE = {
         "num_limited_groups": None,
         "num_selected_experts": 2,
         "renormalize_gates": False,
+        "router_bias": False,
         "score_function": "softmax",
     },
     "shared_expert_d_ff": None,
