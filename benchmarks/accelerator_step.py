@@ -201,13 +201,7 @@ def top_kernels(trace_dir: str, limit: int = 15) -> dict[str, Any]:
         return {"trace": None, "device_kernel_ms": 0.0, "kernels": []}
     events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     timeline = profiling.device_timeline(events)
-    devices = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and str(e.get("args", {}).get("name", "")).startswith("/device:")
-    }
+    devices = profiling.device_processes(events)
     total: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
     details: dict[str, str] = {}

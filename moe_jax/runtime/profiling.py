@@ -130,17 +130,23 @@ def trace_file(log_dir: str) -> pathlib.Path | None:
     return paths[-1] if paths else None
 
 
-def device_timeline(events: list[dict[str, Any]], gaps: int = 10) -> DeviceTimeline:
-    """The :class:`DeviceTimeline` of a trace's events (``traceEvents`` of a
-    ``*.trace.json.gz``): kernels are the complete (``"X"``) events of the processes named
-    ``/device:...``, on any of their streams; ``gaps``: how many idle intervals to list."""
-    devices = {
+def device_processes(events: list[dict[str, Any]]) -> set[Any]:
+    """The ids of a trace's processes named ``/device:...`` (a GPU's or TPU's kernels; a
+    CPU trace has none)."""
+    return {
         e["pid"]
         for e in events
         if e.get("ph") == "M"
         and e.get("name") == "process_name"
         and str(e.get("args", {}).get("name", "")).startswith("/device:")
     }
+
+
+def device_timeline(events: list[dict[str, Any]], gaps: int = 10) -> DeviceTimeline:
+    """The :class:`DeviceTimeline` of a trace's events (``traceEvents`` of a
+    ``*.trace.json.gz``): kernels are the complete (``"X"``) events of the processes named
+    ``/device:...``, on any of their streams; ``gaps``: how many idle intervals to list."""
+    devices = device_processes(events)
     kernels = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
         for e in events
