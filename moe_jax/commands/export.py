@@ -519,7 +519,7 @@ def check_architecture(config: Mapping[str, Any], model: Any, path: str) -> None
     declared = config.get("t5_config")
     if config.get("version") != FORMAT_VERSION or not isinstance(declared, dict):
         return
-    built = _jsonable(model.module.config.to_dict())
+    declared, built = _flat(declared), _flat(_jsonable(model.module.config.to_dict()))
     differ = [k for k in sorted(set(declared) | set(built)) if declared.get(k) != built.get(k)]
     if differ:
         shown = "; ".join(
@@ -530,6 +530,17 @@ def check_architecture(config: Mapping[str, Any], model: Any, path: str) -> None
             f"{path} describes another network than the export's config.gin ({shown}); "
             "export the run again"
         )
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"moe.router.type": ...}`` of a nested config dict."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def read_export_config(export_dir: str) -> dict[str, Any]:
@@ -826,6 +837,8 @@ def _import(args) -> int:
         storage.join(args.export, CONFIG_GIN), args
     )
     use_export_config = not args.gin_file and exported_gin is not None
+    # the model is the export's config.gin alone: config.json must describe that network
+    export_model_only = use_export_config and not (args.gin_dot_bindings or args.gin_bindings)
     if not args.gin_file and not use_export_config:
         raise ExportError(
             f"--export={args.export}: no {CONFIG_GIN} there; pass the model's gin "
@@ -842,7 +855,7 @@ def _import(args) -> int:
         args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
     with _importing(run_dir, args.overwrite):
-        step = import_export(args.export, run_dir, own_config=use_export_config)
+        step = import_export(args.export, run_dir, own_config=export_model_only)
         if jax.process_index() == 0 and not own_run:
             text = config_text if config_text is not None else gin_utils.operative_config()
             if has_vocab:

@@ -543,7 +543,7 @@ def test_an_export_that_is_not_what_it_declares_is_not_imported(run_and_export, 
         nan: f"array {name!r} holds NaN or Inf (1 of ",
         half: f"array {name!r} has dtype float16 but config.json declares float32",
         step: f"holds step 1 but config.json says step {STEPS}",
-        other_model: "describes another network than the export's config.gin (dropout_rate: 0.5",
+        other_model: "describes another network than the export's config.gin (dropout_rate: 0.5 in",
     }
     for edit, message in expected.items():
         bad = _rewritten_export(export_dir, tmp_path / edit.__name__, edit)
