@@ -623,3 +623,25 @@ def test_a_shadow_package_on_the_path_does_not_decide_what_the_gate_trusts(tmp_p
         check=True,
     )
     assert done.stdout.splitlines() == ["shadow init", "False True"], done.stdout
+
+
+def test_tensorboard_files_are_read_as_tensors(run_and_export):
+    """docs/training.md: the run's TensorBoard metrics are TF2 summaries, i.e. tensors;
+    `EventAccumulator.Tensors` gives the values `metrics.jsonl` holds, `Scalars` nothing."""
+    import tensorflow as tf
+    from tensorboard.backend.event_processing import event_accumulator
+
+    run, _ = run_and_export
+    events = event_accumulator.EventAccumulator(
+        str(run / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    assert events.Tags()["scalars"] == [] and "loss" in events.Tags()["tensors"]
+    logged = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r.get("split") == "train" and "loss" in r
+    }
+    read = {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors("loss")}
+    assert logged and read.keys() == logged.keys()
+    np.testing.assert_allclose(list(read.values()), list(logged.values()), rtol=1e-6)
