@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.moe.options import CapacityOrder, Dispatch
-from moe_jax.moe.permute import take_rows
+from moe_jax.moe.permute import scatter_combine, take_rows
 from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
 
 Array = jax.Array
@@ -189,6 +189,10 @@ def sort_token_choice(
     outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
     outputs = outputs.reshape(groups, num_experts * capacity, d_model)
     weights = jnp.where(kept, routing.combine_weights, 0).astype(x.dtype)
+    if scatter_rows:  # each slot's output, weighted, scatter-added into its token
+        slot_weights = jnp.take_along_axis(weights.reshape(groups, n), assignment, axis=-1)
+        y = scatter_combine(outputs, slot_weights, assignment // k, filled, flat_slot, kept)
+        return y, kept
     if choice_major_combine:  # k gathers of `tokens` rows each: row j * tokens + t
         order = (assignment % k) * tokens + assignment // k
         gathered = take_rows(

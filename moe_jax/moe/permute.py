@@ -107,6 +107,45 @@ def _scatter_rows_bwd(residuals, cotangent):
 scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
 
 
+@jax.custom_vjp
+def scatter_combine(
+    rows: Array, weights: Array, index: Array, valid: Array, inverse: Array, inverse_valid: Array
+) -> Array:
+    """``out[g, t] = sum_m weights[g, m] * rows[g, m]`` over the rows ``m`` with
+    ``index[g, m] == t`` and ``valid[g, m]``: the weighted combine of expert outputs back
+    into their tokens as one scatter-add (no ``[tokens, k, d]`` intermediate).
+
+    Args:
+      rows: ``[groups, m, d]`` expert outputs (buffer slots or sorted rows).
+      weights: ``[groups, m]`` each row's combine weight.
+      index / valid: ``[groups, m]`` the token each row belongs to, and whether it does.
+      inverse / inverse_valid: ``[groups, tokens, r]`` each token's rows (as in
+        :func:`gather_rows`).
+
+    Returns:
+      ``[groups, tokens, d]``. Its VJP scatters the output cotangent into the rows
+      (through ``inverse``): ``d rows = weights * g``, ``d weights = sum(g * rows)``.
+    """
+    return _scatter_add(
+        weights[..., None] * rows, index[..., None], valid[..., None], inverse.shape[1]
+    )
+
+
+def _scatter_combine_fwd(rows, weights, index, valid, inverse, inverse_valid):
+    out = scatter_combine(rows, weights, index, valid, inverse, inverse_valid)
+    return out, (rows, weights, inverse, inverse_valid)
+
+
+def _scatter_combine_bwd(residuals, cotangent):
+    rows, weights, inverse, inverse_valid = residuals
+    g = _scatter_add(cotangent, inverse, inverse_valid, rows.shape[1])  # [groups, m, d]
+    d_weights = jnp.sum(g.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
+    return weights[..., None] * g, d_weights.astype(weights.dtype), None, None, None, None
+
+
+scatter_combine.defvjp(_scatter_combine_fwd, _scatter_combine_bwd)
+
+
 def take_rows(
     src: Array,
     index: Array,
