@@ -251,9 +251,7 @@ class EncoderDecoderModel:
         weights = batch.get("decoder_loss_weights")
         weights = (targets > 0) if weights is None else weights
         weights = jnp.asarray(weights, jnp.float32)
-        token = losses.cross_entropy_with_logits(
-            logits, targets, self.label_smoothing, self.z_loss
-        )
+        token = losses.cross_entropy_with_logits(logits, targets, self.label_smoothing, self.z_loss)
         token_loss, token_z = token.loss, token.z_term
         total = losses.normalize_loss(
             jnp.sum(token_loss * weights), weights, self.loss_normalizing_factor

@@ -172,9 +172,8 @@ class MoeLayer(nn.Module):
         mesh,
         deterministic: bool,
     ) -> tuple[Array, Array | None]:
-        """Dispatch, expert MLPs, combine, as ``execution.resolve_plan`` plans them for the
-        mesh's devices: ``[groups, tokens_per_group, d_model]`` -> same, plus the
-        kept-assignment mask (token choice)."""
+        """Dispatch, expert MLPs and combine as ``execution.resolve_plan`` plans them for the
+        mesh: ``[groups, tokens_per_group, d_model]`` -> same, plus the kept mask (token choice)."""
         cfg, axes = self.config, self.config.execution
         plan = resolve_plan(cfg, mesh, self.dtype)
         use_dropout = cfg.expert_dropout_rate > 0 and not deterministic
