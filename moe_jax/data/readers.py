@@ -9,9 +9,11 @@ built, so parsing a run's gin files imports neither TensorFlow nor seqio.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import seqio
 import tensorflow as tf
@@ -66,15 +68,34 @@ class _CheckedTfdsSource(seqio.TfdsDataSource):
         shard_info: seqio.ShardInfo | None = None,
         **unused,
     ) -> tf.data.Dataset:
-        try:
+        with self._naming_data_dir():
             return super().get_dataset(
                 split=split, shuffle=shuffle, seed=seed, shard_info=shard_info
             )
-        except (AssertionError, FileNotFoundError, tfds.core.DatasetNotFoundError) as e:
-            where = self._data_dir or "the default TFDS data_dir (~/tensorflow_datasets)"
+
+    def list_shards(self, split: str) -> Sequence[str]:
+        """The split's files (seqio asks for them before sharding a dataset by host)."""
+        with self._naming_data_dir():
+            return super().list_shards(split)
+
+    @contextlib.contextmanager
+    def _naming_data_dir(self) -> Iterator[None]:
+        """TFDS's failures to find the prepared dataset (an assertion, a missing file, a
+        builder whose split info is empty) as one ``FileNotFoundError`` naming the dataset,
+        the data dir and the option that sets it."""
+        try:
+            yield
+        except (AssertionError, KeyError, FileNotFoundError, tfds.core.DatasetNotFoundError) as e:
+            where = (
+                self._data_dir
+                or os.environ.get("TFDS_DATA_DIR")
+                or "the default TFDS data_dir (~/tensorflow_datasets)"
+            )
             raise FileNotFoundError(
                 f"TFDS dataset {self.tfds_dataset.name!r} is not prepared in {where}: set "
-                "make_source.data_dir (gin TFDS_DATA_DIR) to the directory holding it"
+                "make_source.data_dir (gin TFDS_DATA_DIR, or --tfds_data_dir) to the directory "
+                "or bucket holding it (a laptop run: experiments/cpu_scale.gin reads the "
+                "embedded corpus instead)"
             ) from e
 
     def num_input_examples(self, split: str) -> int | None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import gin
 import pytest
 
+# registers the data configurables (``make_source``, ...) that the tests bind with
+# ``gin.bind_parameter``, whichever test of a worker runs first
+from moe_jax.data import sources  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def _clear_gin():

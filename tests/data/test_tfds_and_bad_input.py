@@ -7,6 +7,7 @@ import re
 import gin
 import numpy as np
 import pytest
+import seqio
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -96,6 +97,19 @@ def test_data_dir_without_the_dataset_is_refused_with_its_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape("make_source.data_dir")) as e:
         pipeline.get_dataset("mc4_en_span_corruption", LENGTHS, "train", 1, False, 0)
     assert str(tmp_path) in str(e.value)
+
+
+def test_a_host_shard_of_an_unprepared_dataset_names_the_env_data_dir(tmp_path, monkeypatch):
+    """A sharded read (seqio lists the split's files first: TFDS's KeyError of an empty
+    split table) names the dataset and the data dir ``--tfds_data_dir`` set, in one line."""
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
+    gin.bind_parameter("make_source.corpus", "tfds")
+    with pytest.raises(FileNotFoundError, match=re.escape("c4/multilingual")) as e:
+        pipeline.get_dataset(
+            "mc4_en_span_corruption", LENGTHS, "train", 1, False, 0, seqio.ShardInfo(0, 2)
+        )
+    assert f"is not prepared in {tmp_path}" in str(e.value)
+    assert "--tfds_data_dir" in str(e.value)
 
 
 def test_unknown_corpus_or_language_is_refused():
