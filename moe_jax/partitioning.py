@@ -23,6 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moe_jax import errors, param_paths
 
 MESH_AXES: tuple[str, str, str] = ("data", "expert", "model")
+# The mesh axes a batch is split over: experts' devices do data parallelism outside the
+# MoE layers (see ``standard_logical_axis_rules``).
+BATCH_AXES: tuple[str, str] = ("data", "expert")
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -78,7 +81,7 @@ def standard_logical_axis_rules(
     ``embed`` falls through to replicated. ``d_model`` must divide by the axes' size.
     """
     model = "model" if tensor_parallel else None
-    batch_axes = ("data", "expert") if expert_parallel else "data"
+    batch_axes = BATCH_AXES if expert_parallel else "data"
     rules: list[tuple[str, str | tuple[str, ...] | None]] = list(additional_rules)
     rules += [
         ("batch", batch_axes),

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_jax import partitioning
 from moe_jax.data.vocab import get_vocabulary
 
 if TYPE_CHECKING:
@@ -279,7 +280,7 @@ class TrainIterator:
 def to_global_batch(
     local_batch: Mapping[str, np.ndarray],
     mesh: Mesh,
-    batch_axes: Sequence[str] = ("data", "expert"),
+    batch_axes: Sequence[str] = partitioning.BATCH_AXES,
 ) -> dict[str, jax.Array]:
     """Global ``[global_batch, length]`` arrays, batch dimension sharded over ``batch_axes``.
 

@@ -133,7 +133,7 @@ class RunContext:
 def run_context(
     mesh: jax.sharding.Mesh,
     rules: partitioning.LogicalRules,
-    batch_axes: Sequence[str] = ("data", "expert"),
+    batch_axes: Sequence[str] = partitioning.BATCH_AXES,
 ) -> RunContext:
     """The run's mesh, its logical axis rules (checked against the mesh) and the mesh axes
     the batch is split over (:func:`moe_jax.runtime.configured.run_context` reads them from

@@ -35,7 +35,7 @@ def model(model: Model = gin.REQUIRED) -> Model:
 
 @gin.configurable(denylist=["devices"])
 def run_context(
-    batch_axes: Sequence[str] = ("data", "expert"), devices: Sequence[jax.Device] | None = None
+    batch_axes: Sequence[str] = partitioning.BATCH_AXES, devices: Sequence[jax.Device] | None = None
 ) -> builders.RunContext:
     """:func:`builders.run_context` with the gin-bound mesh over ``devices`` (default: all
     global devices), the gin-bound logical axis rules and ``batch_axes``."""

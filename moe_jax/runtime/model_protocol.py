@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import flax.linen as nn
 import jax
 
-Batch = Mapping[str, jax.Array]
-InputShapes = Mapping[str, tuple[int, ...]]
+from moe_jax.models.model import Batch, InputShapes
+
 Metrics = dict[str, jax.Array]
 
 

@@ -105,7 +105,7 @@ def routing_fn(
     params_shardings: Any,
     mesh: jax.sharding.Mesh,
     rules: partitioning.LogicalRules,
-    batch_axes: tuple[str, ...] = ("data", "expert"),
+    batch_axes: tuple[str, ...] = partitioning.BATCH_AXES,
     collections_shardings: Any = None,
 ):
     """Jitted ``(params, batch, collections=None) -> {layer: {name: array}}``: the

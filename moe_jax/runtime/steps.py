@@ -28,10 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax import hardware, partitioning
 from moe_jax.moe import freeze
-from moe_jax.runtime.model_protocol import Model
+from moe_jax.runtime.model_protocol import Batch, Model
 from moe_jax.runtime.train_state import PyTree, TrainState
 
-Batch = dict[str, jax.Array]
 Metrics = dict[str, Any]
 
 
@@ -165,7 +164,7 @@ def jit_train_step(
     state_shardings: TrainState,
     mesh: Mesh,
     rules: partitioning.LogicalRules,
-    batch_axes: tuple[str, ...] = ("data", "expert"),
+    batch_axes: tuple[str, ...] = partitioning.BATCH_AXES,
     *,
     accum_steps: int = 1,
     skip_nonfinite: bool = False,
@@ -197,7 +196,7 @@ def jit_eval_step(
     params_shardings: PyTree,
     mesh: Mesh,
     rules: partitioning.LogicalRules,
-    batch_axes: tuple[str, ...] = ("data", "expert"),
+    batch_axes: tuple[str, ...] = partitioning.BATCH_AXES,
     collections_shardings: PyTree = None,
     eval_fn: Callable[..., Metrics] | None = None,
 ) -> EvalStep:
