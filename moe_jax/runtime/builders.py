@@ -129,17 +129,18 @@ class RunContext:
     rules: partitioning.LogicalRules
     batch_axes: tuple[str, ...]
 
-
-def run_context(
-    mesh: jax.sharding.Mesh,
-    rules: partitioning.LogicalRules,
-    batch_axes: Sequence[str] = partitioning.BATCH_AXES,
-) -> RunContext:
-    """The run's mesh, its logical axis rules (checked against the mesh) and the mesh axes
-    the batch is split over (:func:`moe_jax.runtime.configured.run_context` reads them from
-    gin for the commands)."""
-    partitioning.validate_rules(rules, mesh)
-    return RunContext(mesh=mesh, rules=rules, batch_axes=tuple(batch_axes))
+    @classmethod
+    def checked(
+        cls,
+        mesh: jax.sharding.Mesh,
+        rules: partitioning.LogicalRules,
+        batch_axes: Sequence[str] = partitioning.BATCH_AXES,
+    ) -> RunContext:
+        """The run's mesh, its logical axis rules (checked against the mesh) and the mesh
+        axes the batch is split over (:func:`moe_jax.runtime.configured.run_context` reads
+        them from gin for the commands)."""
+        partitioning.validate_rules(rules, mesh)
+        return cls(mesh=mesh, rules=rules, batch_axes=tuple(batch_axes))
 
 
 def global_batch(local_batch: dict[str, np.ndarray], ctx: RunContext) -> dict[str, jax.Array]:

@@ -37,9 +37,9 @@ def model(model: Model = gin.REQUIRED) -> Model:
 def run_context(
     batch_axes: Sequence[str] = partitioning.BATCH_AXES, devices: Sequence[jax.Device] | None = None
 ) -> builders.RunContext:
-    """:func:`builders.run_context` with the gin-bound mesh over ``devices`` (default: all
-    global devices), the gin-bound logical axis rules and ``batch_axes``."""
-    return builders.run_context(
+    """:meth:`builders.RunContext.checked` with the gin-bound mesh over ``devices``
+    (default: all global devices), the gin-bound logical axis rules and ``batch_axes``."""
+    return builders.RunContext.checked(
         partitioning.make_mesh(devices=devices),
         partitioning.standard_logical_axis_rules(),
         batch_axes,
