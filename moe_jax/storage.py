@@ -64,6 +64,12 @@ def is_local(path: PathLike) -> bool:
     return not _URL.match(os.fspath(path))
 
 
+def gcs_bucket(path: PathLike) -> str | None:
+    """The bucket of a ``gs://bucket/...`` URL; None for a local path or another store."""
+    scheme, _, rest = str(path).partition("://")
+    return rest.split("/", 1)[0] if scheme == "gs" and not is_local(path) else None
+
+
 def normalize(path: PathLike) -> str:
     """A path as a run uses it: a URL as given without a trailing slash; a local path made
     absolute (``~`` expanded), so that it names the same place from any working directory

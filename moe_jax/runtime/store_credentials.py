@@ -24,11 +24,9 @@ def open_quietly(path: str) -> None:
     """Opens TensorStore's credentials for ``path``'s bucket with the native log line
     dropped (nothing for a local path, or for a bucket already probed). A failed
     probe is not reported here: the checkpoint read or write that follows reports it."""
-    if storage.is_local(path) or os.environ.get("MOE_JAX_TRACEBACK"):
-        return
-    scheme, _, rest = path.partition("://")
-    if scheme == "gs":
-        _probe(rest.split("/", 1)[0])
+    bucket = storage.gcs_bucket(path)
+    if bucket is not None and not os.environ.get("MOE_JAX_TRACEBACK"):
+        _probe(bucket)
 
 
 @functools.cache

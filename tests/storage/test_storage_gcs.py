@@ -23,6 +23,13 @@ def test_normalize_makes_local_paths_absolute_and_keeps_urls(tmp_path, monkeypat
     assert storage.is_local("run1") and not storage.is_local("gs://bkt/run")
 
 
+def test_the_bucket_of_a_gcs_url_and_of_nothing_else():
+    assert storage.gcs_bucket("gs://bkt/run/checkpoints") == "bkt"
+    assert storage.gcs_bucket("gs://bkt") == "bkt"
+    assert storage.gcs_bucket("s3://bkt/run") is None
+    assert storage.gcs_bucket("/tmp/gs://x") is None and storage.gcs_bucket("run1") is None
+
+
 def test_whole_writes_reads_listing_and_moves(root):
     path = storage.join(root, "a", "config.gin")
     storage.write_text(path, "x = 1\n")
