@@ -99,7 +99,7 @@ class EncoderDecoderModel:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: EncoderDecoder,
         vocabulary: Any = None,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import flax.linen as nn
 import jax
 
 from moe_jax.models.model import Batch, InputShapes
+from moe_jax.models.t5 import EncoderDecoder
 
 Metrics = dict[str, jax.Array]
 
@@ -25,7 +25,7 @@ class Model(Protocol):
     decoding, and its parameter and FLOP accounting."""
 
     @property
-    def module(self) -> nn.Module:
+    def module(self) -> EncoderDecoder:
         """The Flax network (``module.config``: its ``T5Config``)."""
         ...
 
