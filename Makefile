@@ -1,7 +1,8 @@
 # moe-jax: two commands on a fresh machine with Python 3.11.
 #   make smoke   runs the main job on the embedded defaults
 #   make test    runs the test suite (everything not marked slow)
-# Also: make docs (the site, into site/), make lint, make bench, make test-slow.
+# Also: make test-quick (the model and MoE tests, for the edit-test loop), make docs (the
+# site, into site/), make lint, make bench, make test-slow.
 # Each creates .venv from pyproject.toml when it is missing or older than pyproject.toml.
 
 PYTHON ?= python3.11
@@ -13,7 +14,7 @@ COMPILERS := $(VENV)/compilers
 # The pins of pyproject.toml's compile-tpu / compile-gpu extras (one place).
 extra = $(shell $(PYTHON) -c "import tomllib; print(' '.join(repr(p) for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: smoke test test-slow bench bench-compiled docs lint clean-venv compilers
+.PHONY: smoke test test-quick test-slow bench bench-compiled docs lint clean-venv compilers
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -38,6 +39,11 @@ smoke: $(STAMP)
 
 test: $(STAMP) $(COMPILERS)/tpu/.installed
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile -q --timeout=600 --durations=30
+
+# What a change to the model or the MoE layer needs (tests/models, tests/moe; not slow):
+# about 2.5 minutes on a 2-core CPU. `make test` runs these and everything else.
+test-quick: $(STAMP) $(COMPILERS)/tpu/.installed
+	$(PY) -m pytest tests/models tests/moe -m "not slow" -n 2 --dist loadfile -q --timeout=600
 
 test-slow: $(STAMP) compilers
 	$(PY) -m pytest -m slow -q
