@@ -39,7 +39,6 @@ from moe_jax.models.embedding import Embed
 from moe_jax.models.mlp import MlpBlock
 from moe_jax.models.normalization import RMSNorm
 from moe_jax.models.relative_position import RelativePositionBiases
-from moe_jax.moe import legacy_gin
 from moe_jax.moe.config import MoeConfig
 from moe_jax.moe.config import default_config as default_moe_config
 from moe_jax.moe.config import from_dict as moe_config_from_dict
@@ -300,13 +299,11 @@ class T5Config:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> T5Config:
-        """The config of :meth:`to_dict`'s output (every field passed: no gin binding read;
-        a field's earlier name, ``legacy_gin.T5CONFIG_RENAMES``, read as its current one).
+        """The config of :meth:`to_dict`'s output (every field passed: no gin binding read).
 
         Raises:
           ValueError: naming an unknown field.
         """
-        data = {legacy_gin.T5CONFIG_RENAMES.get(k, k): v for k, v in data.items()}
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"T5Config has no field {', '.join(unknown)}")

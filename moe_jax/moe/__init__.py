@@ -24,7 +24,6 @@ Modules, one job each:
   losses           auxiliary routing losses and routing statistics
   freeze           learned vs frozen routers (optimizer side); data-initialised routers
   upcycle          sparse upcycling: MoE parameters from a dense model's
-  legacy_gin       translation of ``MoeLayer.*`` bindings of older run directories
 
 Importing this package registers every gin configurable of the MoE layer (``MoeConfig``
 and its parts, the router configs, ``freeze.router_mode``...).

@@ -91,9 +91,6 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
     for given in args.command_line_gin_files:  # e.g. train --gin_file=RUN/config.gin
         if (path := resolve(given, roots)) and config_gate.in_run_directory(path):
             config_gate.check_run_config(path, args)
-    files = [
-        run_config.new_form_config(f) if f and config_gate.in_run_directory(f) else f for f in files
-    ]
     bindings = [*args.gin_bindings, *args.gin_dot_bindings]
     for binding in args.gin_bindings:
         _check_binding(binding, f"--gin_bindings={binding!r}")
@@ -103,13 +100,7 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         with _quiet_include_search():
             parsed = gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, OSError) as err:
-        hint = (
-            "\n(MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, "
-            "<Router>Config.*, CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
-            if "'MoeLayer'" in str(err)
-            else ""
-        )
-        raise GinConfigError(f"gin: {_readable(err)}{hint}") from None
+        raise GinConfigError(_parse_error(err)) from None
     own_files = [
         path
         for given in args.command_line_gin_files
@@ -139,6 +130,24 @@ def _check_binding(binding: str, origin: str) -> None:
         ) from None
     except (SyntaxError, ValueError) as err:
         raise GinConfigError(f"gin: {origin}: cannot parse it: {_readable(err)}") from None
+
+
+# gin's error of a binding whose configurable is unknown, in a file: (configurable, file,
+# line number, line).
+_UNKNOWN_IN_FILE = re.compile(
+    r"No configurable matching '([^']+)'\.\n  In file \"(.*)\", line (\d+)\n +(.*)"
+)
+
+
+def _parse_error(err: BaseException) -> str:
+    """The message of gin's parse error ``err``: one line naming the file, line and binding
+    of an unknown configurable (a run's config.gin of another version, an old name)."""
+    found = _UNKNOWN_IN_FILE.match(str(err))
+    if found:
+        selector, path, line, binding = found.groups()
+        return f"gin: {run_config.unknown_configurable(path, line, binding.strip(), selector)}"
+    hint = f"\n({run_config.MOE_LAYER_HINT})" if "'MoeLayer'" in str(err) else ""
+    return f"gin: {_readable(err)}{hint}"
 
 
 _AST_NODE = re.compile(r"malformed node or string on line \d+: <ast\.\w+ object at 0x[0-9a-f]+>")

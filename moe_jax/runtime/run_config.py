@@ -5,25 +5,28 @@ found by the commands that read a run (eval, infer, analyze, export, import).
 config differs from the run's config as last accepted is refused (:func:`config_changes`)
 unless ``--allow_config_change``, which keeps the new one as ``config.step-N.gin``. A command
 reading a run takes the config as of its checkpoint's step (:func:`run_config_file`),
-through the gate of :mod:`~moe_jax.runtime.config_gate` and in the new form of a config
-written before ``MoeConfig`` (:func:`new_form_config`).
+through the gate of :mod:`~moe_jax.runtime.config_gate`.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 
+import gin
+from gin import config_parser
+
 from moe_jax import storage
-from moe_jax.moe import legacy_gin
 from moe_jax.runtime import config_gate
-from moe_jax.runtime.gin_text import GinConfigError, config_bindings, resolve, search_paths
+from moe_jax.runtime.gin_text import (
+    GinConfigError,
+    config_bindings,
+    parse_statements,
+    resolve,
+    search_paths,
+)
 from moe_jax.runtime.run_dir import RunDir
 
 # Bindings that may differ when a run resumes: its length, periods and paths.
@@ -37,10 +40,54 @@ class ConfigChangedError(GinConfigError):
     """A run would resume with another gin config than it was trained with."""
 
 
+# What to bind instead of ``MoeLayer.*`` (the MoE settings became MoeConfig and its parts).
+MOE_LAYER_HINT = (
+    "MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, <Router>Config.*, "
+    "CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md"
+)
+
+
+def unknown_configurable(path: str, line: object, binding: str, selector: str) -> str:
+    """The one-line message of ``binding`` (line ``line`` of the gin file ``path``), which
+    names ``selector``, a configurable this version does not have."""
+    message = f"{path}, line {line}: `{binding}`: no configurable {selector!r} in this version"
+    run = config_gate.in_run_directory(path)
+    if selector.rsplit(".", 1)[-1] == "MoeLayer":
+        # run directories of the unreleased development snapshots of 2026-11-21..25
+        message += (
+            " (MoeLayer.* is the MoE settings of the unreleased development snapshots of "
+            "2026-11-21..25, whose runs are not read since they became MoeConfig.*: train the "
+            "run again; CHANGELOG.md)"
+            if run
+            else f" ({MOE_LAYER_HINT})"
+        )
+    elif run:
+        message += " (the run's config was written by another version)"
+    return message
+
+
+def unknown_configurables(text: str, origin: str) -> list[tuple[int, str, str]]:
+    """``(line, binding, configurable)`` of each binding of the gin config ``text`` (read
+    from ``origin``) whose configurable gin does not know (call once the configurables are
+    imported, e.g. after :func:`~moe_jax.runtime.gin_utils.parse_gin`)."""
+    found = []
+    for statement in parse_statements(text, origin):
+        if not isinstance(statement, config_parser.BindingStatement) or not statement.arg_name:
+            continue  # a macro, an import or an include
+        try:
+            known = gin.config._REGISTRY.get_match(statement.selector) is not None
+        except KeyError:  # ambiguous: several configurables of that name
+            known = True
+        if not known:
+            location = statement.location
+            found.append((location.line_num, location.line_content.strip(), statement.selector))
+    return found
+
+
 def _macros_resolved(bindings: dict[str, object]) -> dict[str, object]:
     """``bindings`` (of :func:`config_bindings`) with each value that is a macro of the same
     config (``"%NAME"``) replaced by the macro's value, so that ``k = %K`` with ``K = 2``
-    equals ``k = 2`` (a config translated from ``MoeLayer.*`` binds literals)."""
+    equals ``k = 2`` (the same value, written another way)."""
 
     def value(v: object, depth: int = 0) -> object:
         if isinstance(v, str) and v.startswith("%") and v[1:] in bindings and depth < 10:
@@ -81,15 +128,35 @@ def record_run_config(
       the path the operative config is kept at: the recorded one it equals, or
       ``config.step-N.gin`` when this resumption changed something and ``allow_change`` let it.
 
+    A recorded config binding a configurable this version does not have (a run of another
+    version) cannot be compared: it is refused, naming the file and the first such binding,
+    unless ``allow_change`` (which lists each unknown configurable as changed).
+
     Raises:
-      ConfigChangedError: listing the differing bindings, when ``allow_change`` is False.
+      ConfigChangedError: listing the differing bindings, or naming a binding of an unknown
+        configurable, when ``allow_change`` is False.
     """
     first = run_dir.config_file
     if not storage.exists(first):
         storage.write_text(first, operative)
         return first
     recorded = run_dir.recorded_config(step)
-    changes = config_changes(legacy_gin.translate(storage.read_text(recorded))[0], operative)
+    saved = storage.read_text(recorded)
+    unknown = unknown_configurables(saved, recorded)
+    if unknown and not allow_change:
+        raise ConfigChangedError(
+            unknown_configurable(recorded, *unknown[0])
+            + "; the run's config cannot be compared with this one (pass "
+            "--allow_config_change to resume with the current config, kept as "
+            "config.step-N.gin)"
+        )
+    changes = [
+        *(
+            f"{selector}.*: no such configurable in this version"
+            for selector in dict.fromkeys(selector for _, _, selector in unknown)
+        ),
+        *config_changes(saved, operative),
+    ]
     if not changes:
         return recorded
     if not allow_change:
@@ -109,41 +176,6 @@ def record_run_config(
     return kept
 
 
-def new_form_config(path: str) -> str:
-    """``path``, or, when it is in an earlier form (``MoeLayer.*`` bindings of a run written
-    before ``MoeConfig``, ``T5Config.dtype``, MoE config parts left None), a local copy
-    translated by :func:`moe_jax.moe.legacy_gin.translate` (said on stderr, with the options
-    it leaves out), removed when the process exits.
-
-    Raises:
-      GinConfigError: naming ``path`` and an option that cannot be translated.
-    """
-    text = storage.read_text(path)
-    try:
-        translated, warnings = legacy_gin.translate(text)
-    except legacy_gin.LegacyOptionError as err:
-        raise GinConfigError(f"{path}: {err}") from None
-    if translated == text:
-        return path
-    folder = tempfile.mkdtemp(prefix="moe_jax_config_")
-    atexit.register(shutil.rmtree, folder, True)
-    copy = os.path.join(folder, "config.gin")
-    storage.write_text(copy, translated)
-    written = (
-        "binds MoeLayer.* (written before MoeConfig)"
-        if legacy_gin.binds_moe_layer(text)
-        else "was written by an earlier version"
-    )
-    print(
-        f"[moe-jax] {path} {written}; read in the new form from {copy}",
-        file=sys.stderr,
-        flush=True,
-    )
-    for warning in warnings:
-        print(f"[moe-jax] warning: {path}: {warning}", file=sys.stderr, flush=True)
-    return copy
-
-
 def run_config_file(
     run_dir: RunDir, args: argparse.Namespace, step: int | None = None
 ) -> str | None:
@@ -159,9 +191,7 @@ def run_config_file(
 
 def checked_config(path: str, args: argparse.Namespace) -> str | None:
     """The config file at ``path`` that came with a run or an export (None when there is
-    none), passed through :func:`~moe_jax.runtime.config_gate.check_run_config`; a config
-    written before ``MoeConfig`` (``MoeLayer.*`` bindings) as a local copy in the new form
-    (:func:`new_form_config`).
+    none), passed through :func:`~moe_jax.runtime.config_gate.check_run_config`.
 
     Raises:
       GinConfigError: as :func:`~moe_jax.runtime.config_gate.check_run_config`.
@@ -169,7 +199,7 @@ def checked_config(path: str, args: argparse.Namespace) -> str | None:
     if not storage.exists(path):
         return None
     config_gate.check_run_config(path, args)
-    return new_form_config(path)
+    return path
 
 
 def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:

@@ -21,6 +21,17 @@ SMALL = MoeConfig(
 )
 
 
+# The references the model file binds (gin/models/t5_moe.gin: the MoE config and each of its
+# parts built from its own bindings), for tests that parse router files without it.
+MODEL_FILE_REFERENCES: dict[str, str] = {
+    "T5Config.moe": "@MoeConfig()",
+    "MoeConfig.router": "@TopKRouterConfig()",
+    "MoeConfig.capacity": "@CapacityConfig()",
+    "MoeConfig.execution": "@ExecutionConfig()",
+    "MoeConfig.losses": "@AuxLossConfig()",
+}
+
+
 def make_inputs(batch: int = 4, length: int = 8, d_model: int = 8, seed: int = 0) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(seed), (batch, length, d_model))
 

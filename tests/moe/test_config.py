@@ -1,11 +1,10 @@
 """``MoeConfig`` and the router configs: an option a router does not have cannot be written
 (gin names the file and line, construction names the option and the router), every option
-reaches its router, the configs survive serialisation, and old ``MoeLayer.*`` bindings
-translate (options their router ignored are left out, each with a warning)."""
+reaches its router, the configs survive serialisation, and a ``MoeLayer.*`` binding is
+refused with the names that replace it."""
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 
 import gin
@@ -13,7 +12,7 @@ import pytest
 
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import config as moe_config
-from moe_jax.moe import legacy_gin, options
+from moe_jax.moe import options
 from moe_jax.moe.config import (
     CapacityConfig,
     ExpertChoiceRouterConfig,
@@ -23,9 +22,10 @@ from moe_jax.moe.config import (
     TopKRouterConfig,
 )
 from moe_jax.runtime import builders, gin_flags, gin_text, gin_utils
+from tests.moe.moe_testlib import MODEL_FILE_REFERENCES
 
 ROUTERS = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
-# (router config, option): the combinations the old layer accepted and silently ignored.
+# (router config, option, value): options those routers do not have.
 IGNORED_BEFORE = [
     ("NoisyTopKRouterConfig", "jitter_noise", "0.5"),
     ("ExpertChoiceRouterConfig", "batch_prioritized_routing", "True"),
@@ -63,12 +63,6 @@ def test_an_option_the_router_lacks_is_refused_at_parse_naming_file_line_option_
     assert router in message and option in message and str(path) in message and "line 3" in message
     with pytest.raises(TypeError, match=f"{option}"):
         getattr(moe_config, router)(**{option: True})
-    old_name = {"init_stddev": "router_init_stddev"}.get(option, option)
-    router_type = getattr(moe_config, router).router_type
-    with pytest.raises(
-        legacy_gin.LegacyOptionError, match=f"MoeLayer.{old_name}: the '{router_type}' router"
-    ):
-        legacy_gin.config_from_fields(router_type=router_type, **{old_name: True})
 
 
 @pytest.mark.parametrize("router", list(moe_config.ROUTER_CONFIGS))
@@ -160,27 +154,6 @@ def test_encoder_and_decoder_configs_from_gin_scopes_and_back_from_a_dict():
     assert moe_config.from_dict(decoder.to_dict()) == decoder
 
 
-def test_old_bindings_translate_and_ignored_options_are_left_out_with_a_warning():
-    text = (
-        "NUM_EXPERTS = 4\nMoeLayer.num_experts = %NUM_EXPERTS\n"
-        "MoeLayer.router_type = 'noisy_top_k'\nMoeLayer.jitter_noise = 0.5\n"
-        "MoeLayer.renormalize_gates = False\nMoeLayer.dropless = True\n"
-        "MoeLayer.causal = False\nMoeLayer.load_loss_weight = 0.1\n"
-    )
-    translated, warnings = legacy_gin.translate(text)
-    assert "MoeLayer" not in translated.replace("# MoeLayer.*", "")
-    assert warnings == [
-        "MoeLayer.jitter_noise = 0.5 had no effect on the 'noisy_top_k' router; left out"
-    ]
-    gin.parse_config(translated)
-    config = MoeConfig()
-    assert config.router == NoisyTopKRouterConfig() and config.num_experts == 4
-    assert config.capacity.dropless and config.losses.load_loss_weight == 0.1
-    assert legacy_gin.translate("MODEL_DIR = '/x'\n") == ("MODEL_DIR = '/x'\n", [])
-    flat = legacy_gin.legacy_fields(config)
-    assert legacy_gin.config_from_fields(**flat) == dataclasses.replace(config)
-
-
 def test_a_config_built_in_python_reads_no_binding_of_its_parts():
     """Only gin's references build a part from its bindings: a part (or ``T5Config.moe``)
     left out gets its type's defaults, whatever gin binds."""
@@ -197,34 +170,10 @@ def test_a_config_built_in_python_reads_no_binding_of_its_parts():
 
 def test_the_model_file_binds_every_part_reference():
     bindings = gin_utils.config_bindings((ROUTERS.parent / "models" / "t5_moe.gin").read_text())
-    assert legacy_gin.PART_REFERENCES.items() <= bindings.items()
+    assert MODEL_FILE_REFERENCES.items() <= bindings.items()
 
 
-def test_a_config_written_before_the_part_references_builds_the_same_model():
-    """A run's config.gin of the previous form (parts and ``T5Config.moe`` None, built from
-    their bindings then; ``T5Config.dtype``) reads in the current form; a dense one leaves
-    ``moe`` to its default, None; a config in the current form stays as it is."""
-    before = (
-        "MODEL/T5Config.dtype = 'bfloat16'\nMODEL/T5Config.moe = None\n"
-        "MODEL/T5Config.num_sparse_encoder_layers = 1\n"
-        "MODEL/MoeConfig.capacity = None\nMODEL/MoeConfig.num_experts = 4\n"
-        "MODEL/MoeConfig.router = @TopKRouterConfig()\nMODEL/CapacityConfig.group_size = 64\n"
-    )
-    translated, warnings = legacy_gin.translate(before)
-    assert warnings == [] and "MODEL/MoeConfig.capacity = @CapacityConfig()" in translated
-    gin.parse_config(translated)
-    with gin.config_scope("MODEL"):
-        config = T5Config()
-    assert config.activation_dtype_name == "bfloat16"
-    assert config.moe is not None and config.moe.num_experts == 4
-    assert config.moe.capacity.group_size == 64
-    dense = "MODEL/T5Config.dtype = 'float32'\nMODEL/T5Config.moe = None\n"
-    current = "MODEL/T5Config.activation_dtype_name = 'float32'\n"
-    assert legacy_gin.translate(dense) == (current, [])  # moe: its default, None
-    assert legacy_gin.translate(current + "MODEL/T5Config.moe = None\n")[0].endswith("None\n")
-
-
-def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names():
+def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names(tmp_path):
     args = gin_flags.parse_flags(
         builders.build_parser("test", "test"),
         ["--gin_file=runs/smoke_cpu.gin", "--gin.MoeLayer.jitter_noise=0.1"],
@@ -233,3 +182,17 @@ def test_an_old_moelayer_binding_in_a_gin_file_is_refused_with_the_new_names():
         gin_text.GinConfigError, match=r"(?s)'MoeLayer'.*MoeConfig\.\*, <Router>Config"
     ):
         gin_utils.parse_gin(args)
+    # in a file: one line naming the file, line and binding
+    path = tmp_path / "study.gin"
+    path.write_text("# the study\nMoeLayer.jitter_noise = 0.1\n")
+    args = gin_flags.parse_flags(
+        builders.build_parser("test", "test"),
+        ["--gin_file=runs/smoke_cpu.gin", f"--gin_file={path}"],
+    )
+    with pytest.raises(gin_text.GinConfigError) as err:
+        gin_utils.parse_gin(args)
+    assert str(err.value) == (
+        f"gin: {path}, line 2: `MoeLayer.jitter_noise = 0.1`: no configurable 'MoeLayer' in "
+        "this version (MoeLayer takes no gin bindings: the MoE settings are MoeConfig.*, "
+        "<Router>Config.*, CapacityConfig.*, ExecutionConfig.*, AuxLossConfig.*; docs/moe.md)"
+    )

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from moe_jax.models.t5 import T5Config
-from moe_jax.moe import MoeConfig, MoeLayer, freeze, legacy_gin
+from moe_jax.moe import MoeConfig, MoeLayer, freeze
 from moe_jax.moe.collections import (
     AUX_LOSS_COLLECTION,
     BIAS_COLLECTION,
     MOE_METRICS_COLLECTION,
     ROUTING_COLLECTION,
 )
-from tests.moe.moe_testlib import make_inputs
+from tests.moe.moe_testlib import MODEL_FILE_REFERENCES, make_inputs
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
 IDS = jnp.arange(32).reshape(4, 8)
@@ -35,7 +35,7 @@ def _layer(path: pathlib.Path) -> tuple[MoeLayer, dict[str, str]]:
     try:
         gin.add_config_file_search_path(str(GIN_DIR.parents[1]))  # files that include others
         # the references the model files bind (T5Config.moe, MoeConfig's parts)
-        gin.parse_config([f"{name} = {ref}" for name, ref in legacy_gin.PART_REFERENCES.items()])
+        gin.parse_config([f"{name} = {ref}" for name, ref in MODEL_FILE_REFERENCES.items()])
         gin.parse_config_file(str(path))
         modes = {"router": freeze.router_mode(), "bias": freeze.bias_mode()}
         for name, value in (
