@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import gin
 
+from moe_jax import storage
 from moe_jax.errors import InputFileError
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
         cause = (str(err.message).strip().splitlines() or [""])[0][:200]
         raise InputFileError(
             f"cannot read the SentencePiece model get_vocabulary.path={path!r} ({cause})"
-            + (CLOUD_HINT if path.startswith("gs://") else "")
+            + (CLOUD_HINT if storage.gcs_bucket(path) is not None else "")
         ) from None
     if not found:
         raise InputFileError(

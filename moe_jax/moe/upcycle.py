@@ -31,13 +31,14 @@ no token is dropped (``dropless``, or capacity for every assignment), no shared 
 noise (``noise_std = 0``), and for each token the gates of its selected experts holding
 segment ``j`` sum to ``1/m`` for every ``j`` (all experts of a segment index are equal at
 step 0; with ``m = 1``: the selected gates sum to 1). That holds for a router that selects by the
-tied scores with gates summing to 1 (``top_k`` with ``MoeLayer.renormalize_gates=True`` or sigmoid
-scores, ``noisy_top_k`` in eval, the bias router, whose bias starts at 0: whole virtual groups are
-selected), and for ``hash`` (``m k`` consecutive experts, gates ``1/(m k)``: each segment index
-``k`` times); with ``m = 1``, also for ``random`` with renormalised gates. It does not hold for
-``random`` with ``m > 1`` (its own untied matrix picks segments unevenly), for ``expert_choice``
-(each expert picks tokens; a token's segments need not all be picked), nor for group-limited routing
-whose limited groups split a virtual group (``m`` must divide the experts per limited group).
+tied scores with gates summing to 1 (``top_k`` with ``TopKRouterConfig.renormalize_gates=True``
+or sigmoid scores, ``noisy_top_k`` in eval, the bias router, whose bias starts at 0: whole
+virtual groups are selected), and for ``hash`` (``m k`` consecutive experts, gates
+``1/(m k)``: each segment index ``k`` times); with ``m = 1``, also for ``random`` with
+renormalised gates. It does not hold for ``random`` with ``m > 1`` (its own untied matrix
+picks segments unevenly), for ``expert_choice`` (each expert picks tokens; a token's segments
+need not all be picked), nor for group-limited routing whose limited groups split a virtual
+group (``m`` must divide the experts per limited group).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def upcycle_params(
 ) -> PyTree:
     """The MoE parameter tree ``moe_init`` (unboxed arrays) with every parameter that has a
     dense counterpart taken from ``dense`` (``{"encoder/layers_0/ffn/mlp/wi_0": array}``);
-    ``granularity``: ``MoeLayer.expert_granularity`` m (experts are virtual groups of m
+    ``granularity``: ``MoeConfig.expert_granularity`` m (experts are virtual groups of m
     segments of the dense MLP and the routers' columns are tied per group; module docstring).
 
     Raises:
@@ -142,8 +143,9 @@ def upcycle_params(
             what = (
                 f"each expert must have the dense MLP's shape {tuple(leaf.shape[1:])}"
                 if m == 1
-                else f"with MoeLayer.expert_granularity={m} each expert must be 1/{m} of the dense "
-                f"MLP's hidden units, {tuple(leaf.shape[1:])}, and the experts a multiple of {m}"
+                else f"with MoeConfig.expert_granularity={m} each expert must be 1/{m} of the "
+                f"dense MLP's hidden units, {tuple(leaf.shape[1:])}, and the experts a multiple "
+                f"of {m}"
             )
             raise UpcycleShapeError(
                 f"upcycle: parameter {name}: dense {source} {tuple(value.shape)} vs "

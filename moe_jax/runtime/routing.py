@@ -20,7 +20,7 @@ import numpy as np
 
 from moe_jax import param_paths, partitioning
 from moe_jax.models import layer_stacking
-from moe_jax.models.model import FEATURES
+from moe_jax.models.model import FEATURES, Batch
 from moe_jax.moe.collections import ROUTING_COLLECTION
 from moe_jax.runtime.model_protocol import Model
 
@@ -70,7 +70,7 @@ class LayerRouting:
 
 
 def _positions_and_segments(
-    tokens: jax.Array, valid: jax.Array, batch: Mapping[str, jax.Array], prefix: str
+    tokens: jax.Array, valid: jax.Array, batch: Batch, prefix: str
 ) -> tuple[jax.Array, jax.Array]:
     """``[batch, length]`` positions and segment ids (0 = padding) of one stack's tokens:
     the packed features when present, else the column index and one segment per row."""
@@ -172,7 +172,7 @@ def layer_order(name: str) -> tuple:
 
 
 def collect_routing(
-    fn, params: Any, batches: Iterable[Mapping[str, jax.Array]], collections: Any = None
+    fn, params: Any, batches: Iterable[Batch], collections: Any = None
 ) -> dict[str, LayerRouting]:
     """Runs ``fn`` (from :func:`routing_fn`; ``collections``: the state collections it is
     given) over global ``batches`` and concatenates the rows: ``{"encoder/layers_3":
