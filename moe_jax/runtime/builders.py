@@ -1,8 +1,9 @@
 """What `train`, `eval`, `infer`, `analyze` and `compile` share: one place that builds a run.
 
 - :class:`DatasetConfig`: one dataset of a run and its global input shapes.
-- :class:`RunContext` / :func:`run_context`: the mesh, the logical axis rules (checked
-  against the mesh) and the batch axes.
+- :class:`RunContext` (:meth:`RunContext.checked`): the mesh, the logical axis rules (checked
+  against the mesh) and the batch axes; :func:`moe_jax.runtime.configured.run_context`
+  makes it from the gin bindings.
 - :func:`build_train_setup`: the abstract train state with its shardings and the jitted
   train step (state donated) and eval step, for a model, input shapes, a run context and
   the optimizer (router updates masked for a frozen router). ``compile`` lowers exactly
