@@ -35,6 +35,7 @@ from moe_jax import errors, hardware, partitioning
 from moe_jax.moe import freeze
 from moe_jax.runtime import (
     checkpoints,
+    compute_copies,
     distributed,
     gin_flags,
     steps,
@@ -201,6 +202,25 @@ def abstract_variables(model: Model, input_shapes: InputShapes) -> dict[str, Any
 def abstract_params(model: Model, input_shapes: InputShapes) -> Any:
     """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
     return abstract_variables(model, input_shapes)["params"]
+
+
+def compute_dtypes(
+    model: Model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext
+) -> Any:
+    """The parameters the train step keeps compute copies of, with their dtypes
+    (:func:`compute_copies.compute_dtypes` of the model's train loss, traced on one
+    abstract batch under ``ctx``'s mesh and rules)."""
+    variables = abstract_variables(model, input_shapes)
+    params = variables.pop("params")
+    rng = jax.ShapeDtypeStruct((2,), np.uint32)
+
+    def loss(params: Any, collections: Any, batch: Any, rng: jax.Array) -> Any:
+        return model.train_loss_fn(params, collections, batch, jax.random.wrap_key_data(rng))
+
+    with partitioning.activate(ctx.mesh, ctx.rules):
+        return compute_copies.compute_dtypes(
+            loss, params, variables, abstract_batch(ctx, input_shapes, pack=False), rng
+        )
 
 
 def collections_shardings(
@@ -377,7 +397,14 @@ def build_train_setup(
     ``tx``'s schedule, logged) with the balancing biases ``bias_mode`` (``freeze.BIAS_MODES``).
     """
     tx = freeze.apply_router_mode(tx, mode=router_mode)
-    init_fn = functools.partial(train_state.init_train_state, model, tx, input_shapes, seed)
+    init_fn = functools.partial(
+        train_state.init_train_state,
+        model,
+        tx,
+        input_shapes,
+        seed,
+        compute_dtypes(model, input_shapes, ctx),
+    )
     abstract = jax.eval_shape(init_fn)
     shardings = train_state.state_shardings(
         abstract,

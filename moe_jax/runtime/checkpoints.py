@@ -38,6 +38,7 @@ Faults (docs/training.md, "Reliability"):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +62,7 @@ from moe_jax.runtime.checkpoint_checks import (
     write_integrity,
 )
 from moe_jax.runtime.run_dir import RunDir
-from moe_jax.runtime.train_state import TrainState
+from moe_jax.runtime.train_state import TrainState, with_compute_copies
 
 PyTree = Any
 
@@ -288,7 +289,9 @@ class Checkpointer:
             rng=train["rng"],
             collections=train.get("collections", {}),
         )
-        return layer_stacking.convert(state, target), meta
+        copies = target.compute_params  # not saved: made from the parameters
+        state = layer_stacking.convert(state, dataclasses.replace(target, compute_params={}))
+        return with_compute_copies(state, copies), meta
 
     def restore_params(
         self, step: int, target: PyTree, collections: PyTree | None = None

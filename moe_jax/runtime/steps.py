@@ -1,9 +1,11 @@
 """The train step and the eval step, MaxText-style: one readable function each, and the
 jitted step objects a run calls.
 
-``train_step(state, batch)``: forward + backward (over ``accum_steps`` microbatches),
-optimizer update, the model's state collections as updated by the forward pass (averaged
-over microbatches; kept as they were where the bias mode freezes them), and, when
+``train_step(state, batch)``: forward + backward (over ``accum_steps`` microbatches; the
+forward pass reads the parameters' compute copies where the state has them), optimizer
+update (writing the master parameters and their compute copies), the model's state
+collections as updated by the forward pass (averaged over microbatches; kept as they were
+where the bias mode freezes them), and, when
 ``skip_nonfinite``, the update is dropped for a step whose loss or gradients are not finite.
 :func:`jit_train_step` makes a :class:`TrainStep` of it (state donated); :func:`jit_eval_step`
 an :class:`EvalStep` of the model's ``eval_fn``. Both run, and lower ahead of time
@@ -28,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax import hardware, partitioning
 from moe_jax.moe import freeze
+from moe_jax.runtime import compute_copies
 from moe_jax.runtime.model_protocol import Batch, Model
 from moe_jax.runtime.train_state import PyTree, TrainState
 
@@ -63,15 +66,16 @@ def train_step(
     and ``skipped``). ``bias_mode``: of the balancing biases (``freeze.BIAS_MODES``)."""
     grad_fn = jax.value_and_grad(model.train_loss_fn, has_aux=True)
     rng = state.dropout_rng()
+    params = compute_copies.forward_params(state.params, state.compute_params)
     if accum_steps == 1:
-        (_, (metrics, collections)), grads = grad_fn(state.params, state.collections, batch, rng)
+        (_, (metrics, collections)), grads = grad_fn(params, state.collections, batch, rng)
     else:
         micro = _split_microbatches(batch, accum_steps)
 
         def microbatch_grads(index):
             microbatch = jax.tree.map(lambda x: x[index], micro)
             (_, (m, c)), g = grad_fn(
-                state.params, state.collections, microbatch, jax.random.fold_in(rng, index)
+                params, state.collections, microbatch, jax.random.fold_in(rng, index)
             )
             return g, m, c
 
@@ -89,13 +93,17 @@ def train_step(
         if num_tokens is not None:
             metrics["num_tokens"] = num_tokens  # a count: summed, not averaged
 
+    # a copied parameter's gradient comes in its copy's dtype
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
     new_state = dataclasses.replace(
         state,
         step=state.step + 1,
-        params=optax.apply_updates(state.params, updates),
+        params=new_params,
         opt_state=opt_state,
         collections=freeze.updated_collections(state.collections, collections, bias_mode),
+        compute_params=compute_copies.copies_of(new_params, state.compute_params),
     )
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)

@@ -10,6 +10,7 @@ train step's forward pass updates and the optimizer never sees. Dropout keys are
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -20,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax import partitioning
+from moe_jax.runtime import compute_copies
 from moe_jax.runtime.model_protocol import InputShapes, Model
 
 PyTree = Any
@@ -29,13 +31,16 @@ PyTree = Any
 class TrainState:
     """step: int32[]; params: the model's parameter tree; opt_state: optax state;
     rng: uint32[2] raw key data of the run's base key; collections: ``{name: tree}`` of
-    non-parameter state collections (empty for most models)."""
+    non-parameter state collections (empty for most models); compute_params: the
+    parameters the forward pass reads in a lower precision, cast (a pruned parameter
+    tree, :mod:`~moe_jax.runtime.compute_copies`; empty with float32 activations)."""
 
     step: jax.Array
     params: PyTree
     opt_state: PyTree
     rng: jax.Array
     collections: PyTree = flax.struct.field(default_factory=dict)
+    compute_params: PyTree = flax.struct.field(default_factory=dict)
 
     def dropout_rng(self) -> jax.Array:
         """The dropout key of the current step (a typed key)."""
@@ -43,9 +48,15 @@ class TrainState:
 
 
 def init_train_state(
-    model: Model, tx: optax.GradientTransformation, input_shapes: InputShapes, seed: int
+    model: Model,
+    tx: optax.GradientTransformation,
+    input_shapes: InputShapes,
+    seed: int,
+    compute_dtypes: PyTree = None,
 ) -> TrainState:
-    """A fresh state: parameters from ``model.get_initial_variables(PRNGKey(seed), ...)``.
+    """A fresh state: parameters from ``model.get_initial_variables(PRNGKey(seed), ...)``,
+    with compute copies of those ``compute_dtypes`` names
+    (:func:`compute_copies.compute_dtypes`; None: none).
 
     Run under ``jax.jit`` with ``out_shardings`` from :func:`state_shardings` so that each
     device only materialises its shards.
@@ -59,7 +70,21 @@ def init_train_state(
         opt_state=tx.init(params),
         rng=run_key,
         collections=variables,
+        compute_params=compute_copies.copies_of(params, compute_dtypes or {}),
     )
+
+
+def with_compute_copies(state: TrainState, like: PyTree) -> TrainState:
+    """``state`` (restored or converted, its own copies ignored) with the compute copies of
+    its parameters that ``like`` names, laid out by ``like``'s leaves' shardings (the
+    ``compute_params`` of the abstract state a run trains)."""
+    if not like:
+        return dataclasses.replace(state, compute_params={})
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, like)
+    copies = jax.jit(
+        lambda params: compute_copies.copies_of(params, like), out_shardings=shardings
+    )(state.params)
+    return dataclasses.replace(state, compute_params=copies)
 
 
 def param_shardings(
@@ -75,11 +100,11 @@ def state_shardings(
     mesh: Mesh,
     collections_sharding: PyTree | None = None,
 ) -> TrainState:
-    """Shardings for a whole state: parameters by their rules; an optimizer-state leaf whose
-    tree path ends with a parameter's path and has its shape (Adam's moments) follows that
-    parameter; other leaves (Adafactor's factored moments, counts), step and rng are
-    replicated; state collections by their rules (``collections_sharding``; replicated
-    when None)."""
+    """Shardings for a whole state: parameters by their rules; an optimizer-state leaf or
+    compute copy whose tree path ends with a parameter's path and has its shape (Adam's
+    moments) follows that parameter; other leaves (Adafactor's factored moments, counts),
+    step and rng are replicated; state collections by their rules
+    (``collections_sharding``; replicated when None)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     by_path = {
         path: (leaf.shape, sharding)
@@ -98,6 +123,7 @@ def state_shardings(
         return replicated
 
     opt_shardings = jax.tree_util.tree_map_with_path(follow_param, abstract_state.opt_state)
+    copy_shardings = jax.tree_util.tree_map_with_path(follow_param, abstract_state.compute_params)
     if collections_sharding is None:
         collections_sharding = jax.tree.map(lambda _: replicated, abstract_state.collections)
     return TrainState(
@@ -106,6 +132,7 @@ def state_shardings(
         opt_state=opt_shardings,
         rng=replicated,  # type: ignore[arg-type]  # the state's tree of shardings
         collections=collections_sharding,
+        compute_params=copy_shardings,
     )
 
 
