@@ -14,7 +14,7 @@ first device. Each run goes in a fresh process (so that peak memory is its own) 
 reports:
 
 - the phases to the first step: gin (parse, model), setup (abstract state, shardings),
-  compile (``.lower().compile()`` through ``moe_jax.runtime.aot.compile_train``, the
+  compile (``.lower().compile()`` through ``moe_jax.compile.aot.compile_train``, the
   compile report's own path), ``init_state()``, the first step;
 - step time min / median over ``--steps`` steps, tokens/s (encoder + decoder positions);
 - model FLOPs per step (``EncoderDecoderModel.flops_per_step``, active experts only) as a
@@ -247,8 +247,8 @@ def measure_run(
     import jax
 
     from moe_jax import hardware
-    from moe_jax.commands.compile import parse_gin_for_compile
-    from moe_jax.runtime import aot, builders, configured, gin_flags
+    from moe_jax.compile import aot
+    from moe_jax.runtime import builders, configured, gin_flags
 
     run = RUNS[name]
     phases: dict[str, float] = {}
@@ -262,7 +262,7 @@ def measure_run(
     bindings = run.bindings + (QUICK_BINDINGS if quick else ())
     argv += [f"--gin_bindings={b}" for b in bindings]
     args = gin_flags.parse_flags(builders.build_parser("accelerator_step", ""), argv)
-    parse_gin_for_compile(args)
+    aot.parse_gin_for_compile(args)
     train_args = aot.train_bindings()
     model, cfg = train_args["model"], train_args["train_dataset_cfg"]
     done("gin", time.perf_counter() - start)

@@ -14,10 +14,10 @@ in a fresh process, one at a time, and keeps each report as
 (``source``: the last commit that changed ``moe_jax/`` or ``gin/``; ``source_date``: its
 date; the table's ``code`` column). An existing report is kept unless ``--force``;
 ``--hlo_dir`` keeps each pair's HLO in ``DIR/<run>__<target>/``; a failed compile leaves
-``.err`` with its last lines. ``recount`` redoes what the HLO text gives
-(collectives, the MoE layers' share, the roofline estimate: ``aot.hlo_analysis``) for every
-report whose HLO was kept, without compiling again. ``table`` renders the reports; a pair
-without one is listed as not compiled. Numbers are those of the executable compiled for the
+``.err`` with its last lines. ``recount`` redoes what the HLO text gives (collectives, the
+MoE layers' share, the roofline estimate: ``step_analysis.hlo_analysis``) for every report
+whose HLO was kept, without compiling again. ``table`` renders the reports; a pair without
+one is listed as not compiled. Numbers are those of the executable compiled for the
 target (memory_analysis, cost_analysis, HLO) and a roofline estimate from the chip table,
 not measurements.
 """
@@ -211,7 +211,7 @@ def recount(hlo_dir: str) -> None:
     """Re-analyses the kept HLO of every report that has one (see the module docstring)."""
     sys.path.insert(0, str(REPO))
     from moe_jax import hardware
-    from moe_jax.runtime import aot
+    from moe_jax.compile import step_analysis, targets
 
     for run, target in pairs():
         path, hlo = (
@@ -221,10 +221,10 @@ def recount(hlo_dir: str) -> None:
         if not (path.exists() and hlo.exists()):
             continue
         report = json.loads(path.read_text())
-        step, parsed = report["steps"]["train"], hardware.parse_target(TARGETS[target][0])
+        step, parsed = report["steps"]["train"], targets.parse_target(TARGETS[target][0])
         facts = hardware.device_facts(range(report["devices"]), parsed.chip, parsed.num_chips)
         step.update(
-            aot.hlo_analysis(
+            step_analysis.hlo_analysis(
                 hlo.read_text(),
                 facts,
                 flops_per_step=step["flops_per_step"],

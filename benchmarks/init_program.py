@@ -46,13 +46,15 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = .*? ([a-z][\w-]*)\(", re.M
 def train_setup(gin_file: str, scan: bool, devices: list) -> Any:
     """The ``TrainSetup`` of ``gin_file`` (``experiments/X.gin`` at batch 32) with
     ``SCAN_LAYERS = scan`` on the first of ``devices``."""
-    from moe_jax.commands.compile import parse_gin_for_compile
-    from moe_jax.runtime import aot, builders, configured, gin_flags
+    from moe_jax.compile import aot
+    from moe_jax.runtime import builders, configured, gin_flags
 
     argv = [f"--gin_file={gin_file}", f"--gin_bindings=SCAN_LAYERS = {scan}"]
     if gin_file.startswith("experiments/"):
         argv.append("--gin_bindings=BATCH_SIZE = 32")
-    parse_gin_for_compile(gin_flags.parse_flags(builders.build_parser("init_program", ""), argv))
+    aot.parse_gin_for_compile(
+        gin_flags.parse_flags(builders.build_parser("init_program", ""), argv)
+    )
     args = aot.train_bindings()
     ctx = configured.run_context(devices=devices[:1])
     return configured.train_setup(args["model"], args["train_dataset_cfg"].input_shapes(), ctx)
@@ -62,9 +64,9 @@ def measure(gin_file: str, target: str, scan: bool, lowering: str) -> dict:
     """Compiles the initial state's program of ``gin_file`` for ``target`` in this process:
     seconds to lower and compile, the optimized HLO's instruction count and its threefry
     kernel calls."""
-    from moe_jax import hardware
+    from moe_jax.compile import targets
 
-    setup = train_setup(gin_file, scan, hardware.target_devices(hardware.parse_target(target)))
+    setup = train_setup(gin_file, scan, targets.target_devices(targets.parse_target(target)))
     start = time.perf_counter()
     lowered = setup.lower_init(kernel_random=lowering == "kernel")
     lowered_s = time.perf_counter() - start

@@ -8,7 +8,7 @@ For each run (``gin/experiments/<run>.gin``) and target, the train step is compi
 `moe-jax compile --no_eval` (a fresh process each, JAX's compilation cache off) in four
 forms: layers unrolled or scanned (``SCAN_LAYERS``), without activation checkpointing or
 with ``'minimal'`` (``REMAT_POLICY``: keep the projections' outputs, recompute the rest in
-the backward pass). Its optimised HLO is then read by ``moe_jax.hlo_costs`` with every loop
+the backward pass). Its optimised HLO is then read by ``moe_jax.compile.hlo_costs`` with every loop
 body counted once per trip (scanned layers, and XLA:TPU's windowed einsum loops that
 multiply FSDP-sharded weights in steps), which XLA's own cost analysis does not do:
 
@@ -38,7 +38,7 @@ import tempfile
 import fresh_process
 import report
 
-from moe_jax import hlo_costs
+from moe_jax.compile import hlo_costs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ factor 1.25, T5X capacity rule, one routing group, bfloat16 compute, float32 par
 on ONE device of the target, for each dispatch and E, beside a dense ReLU FFN of the same
 expert-matmul FLOPs (hidden = d_ff x E x capacity / tokens). Nothing runs: every number is
 read from the compiled executable (``cost_analysis()``, ``memory_analysis()``, the
-optimised HLO through ``moe_jax.hlo_costs``).
+optimised HLO through ``moe_jax.compile.hlo_costs``).
 
 Columns: FLOPs and bytes as ``cost_analysis()`` reports them (TPU only: the GPU client
 returns none); ``HLO bytes``: one read of every operand and one write of every result of
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from layer_configs import ROUTING_OPTIONS, layer_config
 
-from moe_jax import hardware, hlo_costs
+from moe_jax.compile import collectives, hlo_costs, targets
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
@@ -68,13 +68,13 @@ GPU_TARGET_CONFIGS = {"h100": pathlib.Path(__file__).with_name("h100_sxm.txtpb")
 
 def target_devices(target: str) -> np.ndarray:
     """Devices of ``tpu:<chip>:<topology>`` (e.g. ``tpu:v5p:2x2x1``), ``gpu:h100`` (one
-    H100 SXM, ``h100_sxm.txtpb``) or ``gpu:<chip>:<count>`` (``hardware.target_devices``),
+    H100 SXM, ``h100_sxm.txtpb``) or ``gpu:<chip>:<count>`` (``targets.target_devices``),
     from this CPU."""
     from jax.experimental import topologies
 
     kind, _, name = target.partition(":")
     if kind == "tpu" or target.count(":") == 2:
-        return np.array(hardware.target_devices(hardware.parse_target(target)))
+        return np.array(targets.target_devices(targets.parse_target(target)))
     if kind == "gpu" and name in GPU_TARGET_CONFIGS:
         return np.array(
             topologies.get_topology_desc(
@@ -193,11 +193,13 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
 
 
 def all_to_all_traffic(ops: list[hlo_costs.Op]) -> dict[str, float]:
-    """The all-to-alls, plain and ragged, of a compiled step (``hlo_costs.collectives``, the
+    """The all-to-alls, plain and ragged, of a compiled step (``collectives.collectives``, the
     count and bytes of ``moe-jax compile``'s report): ``count``, ``ragged`` (how many of them
     are ragged), ``bytes`` moved per device, ``async`` (how many have work scheduled between
     their start and done), ``ops_between`` and ``flops_between`` (that work)."""
-    found = [c for c in hlo_costs.collectives(ops) if c.kind in ("all-to-all", "ragged-all-to-all")]
+    found = [
+        c for c in collectives.collectives(ops) if c.kind in ("all-to-all", "ragged-all-to-all")
+    ]
     return {
         "count": len(found),
         "ragged": sum(c.kind == "ragged-all-to-all" for c in found),
@@ -218,7 +220,7 @@ def expert_parallel_rows(devices: np.ndarray, experts: int, dispatches: list[str
 
     ``MiB sent``: the bytes of the all-to-alls (``all_to_all_traffic``: their operands, for a
     ragged all-to-all its first operand, the rows it may send: the routed rows leave, the
-    rest of the buffer does not; the definition of ``moe_jax.hlo_costs``).
+    rest of the buffer does not; the definition of ``moe_jax.compile.collectives``).
     """
     n = devices.size
     mesh = jax.sharding.Mesh(devices.reshape(1, n, 1), ("data", "expert", "model"))

@@ -76,7 +76,7 @@ def _compile_table() -> str:
 
 
 # The commit (and its date) from which `moe-jax compile` counts each collective once
-# (moe_jax/hlo_costs.py).
+# (moe_jax/compile/collectives.py).
 COLLECTIVES_COUNTED_ONCE = ("2026-11-25T22:16:30+00:00", "1c11bc6")
 
 
@@ -106,7 +106,7 @@ def _older_code_note(compile_table: types.ModuleType) -> str:
             "fusions, done) counted once, so the all-gathers (possibly the "
             "collective-permutes) of their FSDP Base rows are over-counted. `moe-jax compile` "
             "now counts each collective once, with the bytes moved per device that "
-            "`moe_jax/hlo_costs.py` defines."
+            "`moe_jax/compile/collectives.py` defines."
         )
     return note
 
@@ -426,8 +426,8 @@ SECTIONS: tuple[Section, ...] = (
         "Expert parallelism compiled for an 8-GPU node and v5p slices",
         "The layer with its experts split over the devices of the target: all-to-alls, bytes "
         "sent, overlap with compute, and dropless (padded or ragged) exchange. Bytes sent: "
-        "the collective bytes of `moe_jax/hlo_costs.py` (an all-to-all's operands, a ragged "
-        "all-to-all's first operand), the count `moe-jax compile` reports.",
+        "the collective bytes of `moe_jax/compile/collectives.py` (an all-to-all's operands, "
+        "a ragged all-to-all's first operand), the count `moe-jax compile` reports.",
         (
             "moe_compiled.py",
             "--target",

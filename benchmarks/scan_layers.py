@@ -72,14 +72,15 @@ def measure_init(flags: list[str]) -> dict:
     """Seconds to compile the initial state's program of the gin-configured run on 8 CPU
     devices and, when its state takes less than half the available memory, to run it."""
     from moe_jax import hardware
+    from moe_jax.compile import targets
 
-    devices = hardware.target_devices(hardware.parse_target("cpu:8"))
+    devices = targets.target_devices(targets.parse_target("cpu:8"))
     import jax
 
-    from moe_jax.commands import compile as compile_command
-    from moe_jax.runtime import aot, builders, configured, gin_flags
+    from moe_jax.compile import aot
+    from moe_jax.runtime import builders, configured, gin_flags
 
-    compile_command.parse_gin_for_compile(
+    aot.parse_gin_for_compile(
         gin_flags.parse_flags(builders.build_parser("scan_layers", ""), flags)
     )
     args = aot.train_bindings()

@@ -6,7 +6,7 @@
 Each run (``gin/experiments/<run>.gin``, layers unrolled, no remat, the default XLA
 attention) is compiled by `moe-jax compile --no_eval` for one H100 at the batch
 ``benchmarks/accelerator_step.py`` measures (a fresh process each; the compile and its HLO
-are ``layer_forms.compile_form``'s), and its optimised HLO read by ``moe_jax.hlo_costs``:
+are ``layer_forms.compile_form``'s), and its optimised HLO read by ``moe_jax.compile.hlo_costs``:
 the bytes of device memory read and written per step, split by the part of the model that
 moves them (``hlo_costs.bytes_by_part``), beside the memory per device and the compile
 report's roofline estimate. Read from executables compiled on this machine, not run: the
@@ -24,7 +24,7 @@ import tempfile
 import layer_forms
 import report
 
-from moe_jax import hlo_costs
+from moe_jax.compile import hlo_costs
 
 # run -> bindings after layer_forms' one-H100 target (batch 32, accelerator_step.py's for
 # Base: the run's 256 is sized for a mesh); Figure 5's d32 models at their own batch of 256

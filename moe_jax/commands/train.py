@@ -43,8 +43,8 @@ import jax
 import numpy as np
 
 from moe_jax import errors, partitioning, storage
+from moe_jax.compile import aot
 from moe_jax.runtime import (
-    aot,
     builders,
     checkpoints,
     configured,

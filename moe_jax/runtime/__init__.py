@@ -36,7 +36,6 @@ Modules, one job each:
   run_names      how runs are named (``<family>/seed<N>``) and labelled (shortest distinct
                  path suffix) in every command
   scratch        a command's temporary files in a folder of its own, removed at its end
-  aot            ahead-of-time compile for a TPU/GPU/CPU target: memory, fit, step time
 
 Nothing here imports TensorFlow/seqio at import time.
 """

@@ -15,13 +15,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "moe_jax"
 # Bottom up, as the package docstring of moe_jax lists them: a module may import from its
 # own layer and those below.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset(
-        {"errors", "storage", "hardware", "partitioning", "param_paths", "plotting", "hlo_costs"}
-    ),
+    frozenset({"errors", "storage", "hardware", "partitioning", "param_paths", "plotting"}),
     frozenset({"moe", "data", "synthetic"}),
     frozenset({"models"}),
     frozenset({"runtime"}),
-    frozenset({"analysis", "interop"}),
+    frozenset({"compile", "analysis", "interop"}),
     frozenset({"commands"}),
     frozenset({"experiments"}),
     frozenset({"cli", "smoke"}),

@@ -10,9 +10,10 @@ import gin
 import pytest
 
 from moe_jax.commands import export
+from moe_jax.compile import aot
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import ExecutionConfig
-from moe_jax.runtime import aot, builders, gin_flags, gin_utils
+from moe_jax.runtime import builders, gin_flags, gin_utils
 
 SHAPES = {"encoder_input_tokens": (8, 64), "decoder_input_tokens": (8, 16)}
 # name: (gin files and flags, training FLOPs per example, forward FLOPs per example)

@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax import hlo_costs
+from moe_jax.compile import aot, contention
 from moe_jax.models.relative_position import (
     RelativePositionBiases,
     relative_position_bucket,
 )
-from moe_jax.runtime import aot
 
 
 def _buckets(query_length: int, key_length: int, bidirectional: bool) -> np.ndarray:
@@ -71,9 +70,9 @@ def test_gradient_sums_each_buckets_pairs_accurately():
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
-def _contended(fn, *args) -> list[hlo_costs.Scatter]:
+def _contended(fn, *args) -> list[contention.Scatter]:
     with aot.source_keyed_cache():  # this program's source lines, not a cached one's
-        return hlo_costs.contended_scatters(jax.jit(fn).lower(*args).compile().as_text())
+        return contention.contended_scatters(jax.jit(fn).lower(*args).compile().as_text())
 
 
 def test_the_guard_flags_a_gathers_gradient_and_not_the_bias():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax import hardware, hlo_costs
+from moe_jax.compile import collectives, hlo_costs, hlo_text, targets
 from moe_jax.moe import MoeConfig, MoeLayer
 from moe_jax.moe.dispatch import sort_token_choice
 from moe_jax.moe.permute import take_rows
@@ -40,7 +40,7 @@ def test_hlo_costs_count_matmul_flops_and_operand_bytes():
     totals = hlo_costs.summary(ops)
     assert totals["flops"] == 2 * 64 * 32 * 48
     assert totals["bytes"] >= 4 * (64 * 32 + 32 * 48 + 64 * 48)
-    assert hlo_costs.shape_bytes("(bf16[8,640,768]{2,1,0}, s32[2])") == 8 * 640 * 768 * 2 + 8
+    assert hlo_text.shape_bytes("(bf16[8,640,768]{2,1,0}, s32[2])") == 8 * 640 * 768 * 2 + 8
     assert hlo_costs.summary_of(ops, "dot_general")["flops"] == totals["flops"]
     assert hlo_costs.summary_of(ops, "MoeLayer")["bytes"] == 0
 
@@ -71,7 +71,7 @@ def test_hlo_costs_count_an_async_copy_once_and_only_device_memory():
     assert {
         op.name: op.alternate_memory_bytes / 2**20 for op in ops if op.alternate_memory_bytes
     } == {"copy-done.1": 2, "negate": 2}
-    assert hlo_costs.shape_bytes("bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}") == 2**21
+    assert hlo_text.shape_bytes("bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}") == 2**21
 
 
 def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
@@ -85,7 +85,7 @@ def test_hlo_costs_collectives_of_gpu_async_ops_and_ragged_all_to_all():
   ROOT %done = bf16[256,128]{1,0} all-to-all-done(%start)
 }
 """  # noqa: E501 -- verbatim compiler HLO lines
-    found = hlo_costs.collectives(hlo_costs.parse(hlo))
+    found = collectives.collectives(hlo_costs.parse(hlo))
     # a ragged all-to-all sends at most its first operand (the second is the receive buffer);
     # GPU's async all-to-all-start counts, with the matmul scheduled before its done
     assert [(c.kind, c.bytes, c.overlapped_ops) for c in found] == [
@@ -103,7 +103,7 @@ COST_OVER_HLO_BYTES_BOUND = 4.0
 
 def test_layer_compiled_for_tpu_has_no_whole_buffer_traffic():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
-    devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5p:2x2x1")))
+    devices = np.array(targets.target_devices(targets.parse_target("tpu:v5p:2x2x1")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), ("data", "expert", "model"))
     # top-2, routing groups of 4096 tokens: one group
     layer = MoeLayer(MoeConfig(num_experts=8, d_ff=256), dtype=jnp.bfloat16)
@@ -149,7 +149,7 @@ def test_scattered_row_moves_access_fewer_bytes_on_tpu():
     # (ExecutionPlan). A token's 2 assignments into 4096 + 1024 buffer rows (d_model 768),
     # fwd + bwd, as in a T5-Base routing group. (From 3 MiB down, 2048 tokens, the gathers
     # cost less: 19 vs 34 MB.)
-    devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5p:2x2x1")))
+    devices = np.array(targets.target_devices(targets.parse_target("tpu:v5p:2x2x1")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), ("data", "expert", "model"))
     tokens, k, slots, d = 4096, 2, 5120, 768
     x = jax.ShapeDtypeStruct((1, tokens, d), jnp.bfloat16)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from moe_jax import hardware
+from moe_jax.compile import targets
 from moe_jax.moe import ExecutionConfig, ExpertChoiceRouterConfig, MoeLayer, RouterConfig
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.execution import (
@@ -192,7 +192,7 @@ def test_auto_layer_traces_the_platform_choice(platform):
 
 def test_layer_compiled_for_a_tpu_topology_takes_the_tpu_choice():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
-    devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
+    devices = np.array(targets.target_devices(targets.parse_target("tpu:v5e:2x2")))
     mesh = jax.sharding.Mesh(devices[:1].reshape(1, 1, 1), AXES)
     layer = MoeLayer(SMALL)
     x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)

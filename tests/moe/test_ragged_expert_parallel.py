@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moe_jax import hardware, hlo_costs, partitioning
+from moe_jax import partitioning
+from moe_jax.compile import collectives, hlo_costs, targets
 from moe_jax.moe import CapacityConfig, ExecutionConfig, MoeConfig, MoeLayer, TopKRouterConfig
 from moe_jax.moe import expert_parallel as ep
 from moe_jax.moe import layer as layer_module
@@ -149,7 +150,7 @@ def _compile_for_tpu(mesh, capacity: CapacityConfig):
 
 def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     # the TPU compiler of `make compilers` (make test installs it): never skipped
-    devices = np.array(hardware.target_devices(hardware.parse_target("tpu:v5e:2x2")))
+    devices = np.array(targets.target_devices(targets.parse_target("tpu:v5e:2x2")))
     mesh = jax.sharding.Mesh(devices.reshape(1, 4, 1), ("data", "expert", "model"))
     # 4 experts per device > k = 2: the ragged receive buffer (4 x a device's 1024 rows) is
     # half the padded buffers (4 x 4 experts x 512 tokens); at experts per device <= k they
@@ -157,7 +158,7 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     ragged = _compile_for_tpu(mesh, CapacityConfig(dropless=True))
     # capacity = group: CPU's dropless layout
     padded = _compile_for_tpu(mesh, CapacityConfig(train_capacity_factor=16.0))
-    found = hlo_costs.collectives(hlo_costs.parse(ragged.as_text()))
+    found = collectives.collectives(hlo_costs.parse(ragged.as_text()))
     kinds = [c.kind for c in found]
     assert kinds.count("ragged-all-to-all") == 4  # there and back, forward and backward
     # first operands: a device's (token, choice) rows (bfloat16), there and for the cotangent
@@ -172,7 +173,7 @@ def test_ragged_dropless_compiled_for_tpu_exchanges_rows():
     ]
     # what else crosses devices is sizes and offsets, and the router's gradient (no psum of rows)
     assert sum(c.bytes for c in found if c.kind != "ragged-all-to-all") < rows / 8
-    padded_found = hlo_costs.collectives(hlo_costs.parse(padded.as_text()))
+    padded_found = collectives.collectives(hlo_costs.parse(padded.as_text()))
     assert [c.kind for c in padded_found].count("all-to-all") == 4
     assert sum(c.bytes for c in padded_found if c.kind == "all-to-all") == 4 * 8 * rows
     assert ragged.memory_analysis().temp_size_in_bytes < padded.memory_analysis().temp_size_in_bytes

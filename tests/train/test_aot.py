@@ -1,5 +1,5 @@
-"""`moe-jax compile` (moe_jax/runtime/aot.py), target parsing and the chip table
-(moe_jax/hardware.py), and `train`'s up-front memory check.
+"""`moe-jax compile` (moe_jax/compile/), target parsing (moe_jax/compile/targets.py) and the
+chip table (moe_jax/hardware.py), and `train`'s up-front memory check.
 
 The TPU compiles run in a subprocess (the compiler pins JAX to describe, never open, the
 TPU) with the libtpu that `make compilers` installs (`make test` installs it first).
@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-from moe_jax import cli, hardware, hlo_costs
+from moe_jax import cli, hardware
 from moe_jax.commands import compile as compile_command
-from moe_jax.runtime import aot
+from moe_jax.compile import collectives, hlo_costs, step_analysis, targets
+from moe_jax.compile import report as compile_report
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -50,11 +51,11 @@ def compile_cli(tmp_path, *flags: str) -> tuple[int, str, dict | None]:
 
 
 def test_parse_target_and_chip_table():
-    v5e = hardware.parse_target("tpu:v5e:4x4")
+    v5e = targets.parse_target("tpu:v5e:4x4")
     assert (v5e.platform, v5e.chip.name, v5e.num_chips) == ("tpu", "v5e", 16)
     assert v5e.chip.hbm_bytes == 16 * hardware.GiB
-    assert hardware.parse_target("gpu:h100:8").num_chips == 8
-    assert hardware.parse_target("cpu:8").chip is None
+    assert targets.parse_target("gpu:h100:8").num_chips == 8
+    assert targets.parse_target("cpu:8").chip is None
     # Cloud TPU accelerator types: TensorCores for v4/v5p (2 per chip), chips for v5e/v6e;
     # v4 chips show as two devices to libtpu, so half the chips give the slice's device count
     for accelerator, (chip, topology) in {
@@ -64,7 +65,7 @@ def test_parse_target_and_chip_table():
         "v6e-8": ("v6e", "2x4"),
         "v4-32": ("v4", "2x2x2"),
     }.items():
-        target = hardware.parse_target(f"tpu:{accelerator}")
+        target = targets.parse_target(f"tpu:{accelerator}")
         assert (target.chip.name, target.topology) == (chip, topology), accelerator
     for bad, named in [
         ("tpu:v9:2x2", "v9"),
@@ -74,8 +75,8 @@ def test_parse_target_and_chip_table():
         ("cpu:0", "PLATFORM"),
         ("tpu:v5p-6", "tpu:v5p:TOPOLOGY"),
     ]:
-        with pytest.raises(hardware.TargetError, match=named) as err:
-            hardware.parse_target(bad)
+        with pytest.raises(targets.TargetError, match=named) as err:
+            targets.parse_target(bad)
         assert "tpu:v5e:4x4" in str(err.value) and "gpu:h100:8" in str(err.value)  # known ones
     # a single chip, a 3-D v5e, sides that are not powers of two: refused with the chip's valid list
     for bad in (
@@ -87,13 +88,13 @@ def test_parse_target_and_chip_table():
         "tpu:v5litepod-1",
     ):
         chip = "v5e" if "litepod" in bad else bad.split(":")[1]
-        with pytest.raises(hardware.TargetError) as err:
-            hardware.parse_target(bad)
-        assert all(t in str(err.value) for t in hardware.TPU_TOPOLOGIES[chip]), str(err.value)
+        with pytest.raises(targets.TargetError) as err:
+            targets.parse_target(bad)
+        assert all(t in str(err.value) for t in targets.TPU_TOPOLOGIES[chip]), str(err.value)
     # every listed topology is accepted, and so is what a Cloud TPU name maps to
-    for chip, topologies in hardware.TPU_TOPOLOGIES.items():
+    for chip, topologies in targets.TPU_TOPOLOGIES.items():
         for topology in topologies:
-            assert hardware.parse_target(f"tpu:{chip}:{topology}").topology == topology
+            assert targets.parse_target(f"tpu:{chip}:{topology}").topology == topology
     # device kinds: the longest prefix wins (v5e shows as "TPU v5 lite", v5p as "TPU v5")
     assert hardware.chip_of_device_kind("TPU v5 lite").name == "v5e"
     assert hardware.chip_of_device_kind("TPU v5").name == "v5p"
@@ -136,7 +137,7 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
     step = report["steps"]["train"]
     # the counts are those of the kept HLO (the TPU's async forms: -start/-done pairs once)
     hlo = (tmp_path / "train.hlo.txt").read_text()
-    assert step["collectives"] == hlo_costs.collective_totals(hlo_costs.parse(hlo))
+    assert step["collectives"] == collectives.collective_totals(hlo_costs.parse(hlo))
     assert "all-to-all" in hlo
     # the experts' loop (per_expert_loop below) runs its body once per expert of a device
     # (two over (2,2,1); over (1,4,1) one, and XLA drops the loop): the report's per-step
@@ -217,7 +218,7 @@ def test_train_refuses_a_step_bigger_than_the_machine(tmp_path, capsys, monkeypa
         raise AssertionError("a run's fit check read the HLO text")
 
     # the check reads the compiled step's memory only: the HLO text is `moe-jax compile`'s
-    monkeypatch.setattr(aot, "hlo_analysis", no_hlo_text)
+    monkeypatch.setattr(step_analysis, "hlo_analysis", no_hlo_text)
     code = cli.main(
         [
             "train",
@@ -245,7 +246,7 @@ def test_compiler_options_follow_the_platform():
 
 def test_collectives_of_a_compiled_program_match_its_shapes():
     """An all-to-all, a psum, an all-gather and a psum-scatter compiled over 4 CPU devices:
-    each counted once, with the bytes moved per device that hlo_costs defines (operands; the
+    each counted once, with the bytes moved per device that collectives defines (operands; the
     result for the all-gather), in `moe-jax compile`'s report as in the benchmark's table."""
     import jax
     import numpy as np
@@ -268,7 +269,7 @@ def test_collectives_of_a_compiled_program_match_its_shapes():
     sharded = jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     compiled = jax.jit(sharded).lower(*args).compile()
     facts = hardware.device_facts([None] * 4, hardware.CHIPS["h100"], 4)
-    report = aot.analyze(
+    report = step_analysis.analyze(
         compiled, facts, state_bytes=0, flops_per_step=1e9, tokens_per_step=1, num_devices=4
     )
     found = report["collectives"]
@@ -301,7 +302,7 @@ def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
             "  %g = f32[2,128]{1,0} parameter(2)\n"
         )
         entry = "ENTRY %main {\n" + params + "".join(lines) + "}\n"
-        return hlo_costs.collective_totals(hlo_costs.parse(called + entry))
+        return collectives.collective_totals(hlo_costs.parse(called + entry))
 
     sync = "  %a = f32[8,128]{1,0} all-to-all(%p), dimensions={0}\n"
     pair = [
@@ -346,7 +347,7 @@ def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
     ops = hlo_costs.parse(
         fused + "ENTRY %main {\n  %g = f32[2,128]{1,0} parameter(0)\n" + "".join(chain) + "}\n"
     )
-    assert [c.overlapped_ops for c in hlo_costs.collectives(ops)] == [1]  # the dot
+    assert [c.overlapped_ops for c in collectives.collectives(ops)] == [1]  # the dot
     shapes = ["f32[32]{0}"] * 5 + ["f32[32,4]{0,1}"]
     operands = "".join(f"  %o{i} = {t} parameter({i})\n" for i, t in enumerate(shapes))
     plain = (
@@ -367,8 +368,6 @@ def test_collectives_counts_an_async_pair_once_and_reads_past_tuple_comments():
 def test_gemm_custom_calls_count_their_flops():
     """A cuBLAS GEMM (how XLA:GPU writes a dot; its dimensions in backend_config) counts as
     the dot it replaces: 2 x result elements x contracted size."""
-    from moe_jax import hlo_costs
-
     dot = (
         "ENTRY %main {\n  %a = bf16[128,32]{1,0} parameter(0)\n  %b = bf16[32,96]{1,0} "
         "parameter(1)\n"
@@ -605,9 +604,6 @@ def test_matmul_flops_are_split_by_operand_type_fused_ones_included():
     """A bfloat16 dot inside a fusion (as XLA:TPU writes one) and a float32 cuBLAS GEMM (the
     float32 attention logits of a bf16 step on a GPU): each counted under its operands'
     type, and the report says the shares."""
-    from moe_jax import hlo_costs
-    from moe_jax.commands.compile import matmul_type_line
-
     text = (
         "%fused_dot (p0: bf16[128,32], p1: bf16[32,96]) -> bf16[128,96] {\n"
         "  %p0 = bf16[128,32]{1,0} parameter(0)\n  %p1 = bf16[32,96]{1,0} parameter(1)\n"
@@ -624,8 +620,11 @@ def test_matmul_flops_are_split_by_operand_type_fused_ones_included():
     )
     by_type = hlo_costs.matmul_flops_by_type(text)
     assert by_type == {"bf16": 2 * 128 * 96 * 32, "f32": 2 * 64 * 64 * 16}
-    assert matmul_type_line(by_type) == "  matmul FLOPs by operand type: bf16 85.7%, f32 14.3%"
-    assert matmul_type_line({}) == "  matmul FLOPs by operand type: no matmuls"
+    assert (
+        compile_report.matmul_type_line(by_type)
+        == "  matmul FLOPs by operand type: bf16 85.7%, f32 14.3%"
+    )
+    assert compile_report.matmul_type_line({}) == "  matmul FLOPs by operand type: no matmuls"
 
 
 def test_report_says_what_the_estimate_counts_and_leaves_out_and_uses_plain_units():
@@ -640,12 +639,12 @@ def test_report_says_what_the_estimate_counts_and_leaves_out_and_uses_plain_unit
     )
     facts = hardware.device_facts([None] * 8, hardware.CHIPS["h100"], 8)
     args = {"flops_per_step": 6.4e15, "tokens_per_step": 2**20, "num_devices": 8}
-    from_text = aot.hlo_analysis(hlo, facts, bytes_accessed=None, **args)
+    from_text = step_analysis.hlo_analysis(hlo, facts, bytes_accessed=None, **args)
     text_bytes = from_text["per_step"]["bytes"]
     from_text = from_text["estimate"]
-    known = aot.hlo_analysis(hlo, facts, bytes_accessed=4e12, **args)["estimate"]
+    known = step_analysis.hlo_analysis(hlo, facts, bytes_accessed=4e12, **args)["estimate"]
     no_hbm = dataclasses.replace(facts, hbm_bandwidth=None)
-    unknown = aot.hlo_analysis(hlo, no_hbm, bytes_accessed=None, **args)["estimate"]
+    unknown = step_analysis.hlo_analysis(hlo, no_hbm, bytes_accessed=None, **args)["estimate"]
     assert text_bytes >= 4 * 1024 * 1024  # at least the all-reduce's result, written
     assert from_text["hbm_s"] == pytest.approx(text_bytes / facts.hbm_bandwidth)
     assert known["hbm_s"] == pytest.approx(4e12 / facts.hbm_bandwidth)
@@ -653,31 +652,31 @@ def test_report_says_what_the_estimate_counts_and_leaves_out_and_uses_plain_unit
     assert known["step_s"] > from_text["step_s"] >= unknown["step_s"] > 0
     assert from_text["covers"] == ["compute", "HBM (HLO text)", "collectives"]
     assert known["covers"] == ["compute", "HBM", "collectives"]
-    text_line = compile_command.estimate_line(from_text)
+    text_line = compile_report.estimate_line(from_text)
     assert "HBM bytes counted from the HLO text" in text_line and "only" not in text_line
     assert "HBM (HLO text) " in text_line.split(":", 2)[-1]
-    line = compile_command.estimate_line(unknown)
+    line = compile_report.estimate_line(unknown)
     assert (
         "compute and collectives only" in line
         and "HBM" in line.split(":")[0]
         and "HBM 0" not in line
     )
-    known_line = compile_command.estimate_line(known)
+    known_line = compile_report.estimate_line(known)
     assert "only" not in known_line and "HLO text" not in known_line and "HBM " in known_line
     for est in (unknown, from_text, known):
-        text = compile_command.estimate_line(est)
+        text = compile_report.estimate_line(est)
         rate = re.search(r"([\d,]+) tokens/s", text).group(1)
         assert "e+" not in text and float(rate.replace(",", "")) == pytest.approx(
             2**20 / est["step_s"], rel=5e-3
         )
-    assert [compile_command.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == [
+    assert [compile_report.plain(v) for v in (5355860, 1190.4, 8.93e-05, 0.5)] == [
         "5,360,000",
         "1,190",
         "0.0000893",
         "0.500",
     ]
     assert [
-        compile_command.quantity(v, u)
+        compile_report.quantity(v, u)
         for v, u in ((7.06e8, "FLOP"), (34.6e6, "B"), (None, "B"), (512, "B"))
     ] == ["706 MFLOP", "34.6 MB", "unknown", "512 B"]
 

@@ -1,5 +1,5 @@
 """No contended scatter in the train step of any documented run (`moe-jax compile`'s
-``contended_scatters``, read from the optimized HLO by ``hlo_costs.contended_scatters``).
+``contended_scatters``, read from the optimized HLO by ``contention.contended_scatters``).
 
 A scatter adding many updates into few elements is invisible to a roofline estimate and
 to XLA:CPU, but its atomic adds serialise on a GPU: the gradient of the relative-position
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_jax import hardware
+from moe_jax.compile import targets
 from tests.train.test_aot import compile_cli
 
 SMALL = [
@@ -45,7 +45,7 @@ def _cases():
 
 @pytest.mark.parametrize("run,platform", list(_cases()))
 def test_no_contended_scatter_in_a_documented_train_step(tmp_path, run, platform):
-    if platform == "gpu" and not (hardware.compilers_dir() / "gpu").is_dir():
+    if platform == "gpu" and not (targets.compilers_dir() / "gpu").is_dir():
         pytest.skip("no GPU compiler (make compilers)")
     code, output, report = compile_cli(
         tmp_path,

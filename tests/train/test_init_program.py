@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from moe_jax import hardware
+from moe_jax.compile import targets
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FLAG = "jax_threefry_gpu_kernel_lowering"
@@ -46,7 +47,7 @@ def test_the_kernel_lowering_is_set_for_gpus_only_and_only_inside_the_block():
 
 
 @pytest.mark.skipif(
-    not (hardware.compilers_dir() / "gpu").is_dir(), reason="no GPU compiler (make compilers)"
+    not (targets.compilers_dir() / "gpu").is_dir(), reason="no GPU compiler (make compilers)"
 )
 def test_the_gpu_init_program_calls_the_threefry_kernel_instead_of_inlining_it():
     """The smoke model's initial state compiled for one H100 (in fresh processes, by
@@ -66,11 +67,11 @@ def test_the_gpu_init_program_calls_the_threefry_kernel_instead_of_inlining_it()
 FALLBACK_CHILD = """
 import dataclasses, json, re, sys
 from moe_jax import hardware
-devices = hardware.target_devices(hardware.parse_target("gpu:h100:1"))
-from moe_jax.commands.compile import parse_gin_for_compile
-from moe_jax.runtime import aot, builders, configured, gin_flags
+from moe_jax.compile import aot, targets
+devices = targets.target_devices(targets.parse_target("gpu:h100:1"))
+from moe_jax.runtime import builders, configured, gin_flags
 flags = ["--gin_file=runs/smoke_cpu.gin"]
-parse_gin_for_compile(gin_flags.parse_flags(builders.build_parser("t", ""), flags))
+aot.parse_gin_for_compile(gin_flags.parse_flags(builders.build_parser("t", ""), flags))
 args = aot.train_bindings()
 ctx = configured.run_context(devices=devices)
 setup = configured.train_setup(args["model"], args["train_dataset_cfg"].input_shapes(), ctx)
@@ -84,7 +85,7 @@ print(json.dumps(found))
 
 
 @pytest.mark.skipif(
-    not (hardware.compilers_dir() / "gpu").is_dir(), reason="no GPU compiler (make compilers)"
+    not (targets.compilers_dir() / "gpu").is_dir(), reason="no GPU compiler (make compilers)"
 )
 def test_the_init_program_falls_back_to_sharded_generation_when_the_kernel_form_does_not_fit(
     tmp_path,

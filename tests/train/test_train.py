@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from moe_jax.commands import train
+from moe_jax.compile import aot
 from moe_jax.models.t5 import EncoderDecoder
 from moe_jax.runtime import (
-    aot,
     builders,
     checkpoint_checks,
     checkpoints,

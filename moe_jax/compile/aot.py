@@ -3,20 +3,16 @@ needed.
 
 :func:`compile_run` builds the run's exact train and eval steps (same model, optimizer with
 frozen-router masking, shardings, donation: ``configured.train_setup``) over the
-target's devices from abstract shapes, compiles both, and reports per device: parameter +
-optimizer bytes, temporaries, the total against the chip's HBM, the collectives of the HLO
-by kind (count, and bytes moved as :mod:`moe_jax.hlo_costs` defines them), FLOPs and bytes
-per step, a roofline estimate of step time and tokens/s, and the MoE layers' choices for
-the target. What a compiler does not report is left as None (unknown), never zero: GPU
-executables compiled without a GPU have no cost analysis.
-:func:`check_fits` is `moe-jax train`'s check before its first step. The command is
-:mod:`moe_jax.commands.compile`.
+target's devices from abstract shapes, compiles both, and reports for each what
+:mod:`moe_jax.compile.step_analysis` reads of it, with the MoE layers' choices for the
+target and, when the run does not fit, what to change (:func:`fit_advice`);
+:mod:`moe_jax.compile.report` prints the report. :func:`check_fits` is `moe-jax train`'s
+check before its first step. The command is :mod:`moe_jax.commands.compile`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import pathlib
 import re
@@ -24,19 +20,18 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import gin
 import numpy as np
 
-from moe_jax import hardware, hlo_costs
+from moe_jax import hardware
+from moe_jax.compile.report import gib
+from moe_jax.compile.step_analysis import analyze, memory_fit
 from moe_jax.errors import UserError
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe.config import default_config as default_moe_config
 from moe_jax.moe.execution import resolve_plan
-from moe_jax.runtime import builders, configured, gin_utils, steps
+from moe_jax.runtime import builders, configured, gin_text, gin_utils, steps
 from moe_jax.runtime.model_protocol import Model
-
-MOE_SOURCE = "/ffn/moe/"  # JAX source path of the ops of a T5 block's MoE layer (models/t5.py)
-# What the HBM term counts where the compiler has no cost analysis: ``hlo_costs.summary``.
-HLO_TEXT = "HLO text"
 
 
 class DoesNotFitError(UserError, ValueError):
@@ -54,151 +49,6 @@ def per_device_bytes(abstract_tree: Any) -> int:
             for leaf in jax.tree.leaves(abstract_tree)
         )
     )
-
-
-def memory_fit(compiled: Any, facts: hardware.DeviceFacts, state_bytes: int) -> dict[str, Any]:
-    """``bytes`` (the compiled step's memory per device by kind, from its
-    ``memory_analysis``) and whether it ``fits`` the device's memory: all a run needs to know
-    before it starts, without reading the HLO text."""
-    mem = compiled.memory_analysis()
-    total = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
-    return {
-        "bytes": {
-            "params_and_optimizer": state_bytes,
-            "arguments": mem.argument_size_in_bytes,
-            "outputs": mem.output_size_in_bytes,
-            "aliased": mem.alias_size_in_bytes,
-            "temporaries": mem.temp_size_in_bytes,
-            "total": total,
-            "device_memory": facts.hbm_bytes,
-        },
-        "fits": total <= facts.hbm_bytes,
-    }
-
-
-def analyze(
-    compiled: Any,
-    facts: hardware.DeviceFacts,
-    *,
-    state_bytes: int,
-    flops_per_step: float,
-    tokens_per_step: int,
-    num_devices: int,
-) -> dict[str, Any]:
-    """Memory (:func:`memory_fit`), collectives, cost and a roofline step time of one
-    compiled step (per device)."""
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    return {
-        **memory_fit(compiled, facts, state_bytes),
-        "flops_per_step": flops_per_step,
-        "hlo_flops_per_device": cost.get("flops"),
-        "hlo_bytes_accessed_per_device": cost.get("bytes accessed"),
-        **hlo_analysis(
-            compiled.as_text(),
-            facts,
-            flops_per_step=flops_per_step,
-            bytes_accessed=cost.get("bytes accessed"),
-            tokens_per_step=tokens_per_step,
-            num_devices=num_devices,
-        ),
-    }
-
-
-def hlo_analysis(
-    hlo_text: str,
-    facts: hardware.DeviceFacts,
-    *,
-    flops_per_step: float,
-    bytes_accessed: float | None,
-    tokens_per_step: int,
-    num_devices: int,
-) -> dict[str, Any]:
-    """What the compiled HLO text gives (read once by ``hlo_costs.parse``): its
-    ``collectives`` by kind (``hlo_costs.collective_totals``: count and bytes moved per
-    device, as defined there), the ``moe_layers``' share, the ``contended_scatters``
-    (``hlo_costs.contended_scatters``: scatters adding more than
-    ``hlo_costs.CONTENTION_LIMIT`` updates per element they write, which the roofline cannot
-    see: on a GPU such a scatter's atomic adds serialise), ``per_step``: the step's matmul
-    ``flops``, device-memory ``bytes`` and TPU estimated ``cycles`` from the HLO text with
-    every loop body counted once per trip (``hlo_costs.summary``; ``looped``: whether any
-    work runs in a loop, where XLA's cost analysis, counting a body once, falls short;
-    ``bytes_by_part``: the bytes by part of the model, ``hlo_costs.bytes_by_part``), the
-    ``matmul_flops_by_type``
-    (``hlo_costs.matmul_flops_by_type``: float32 matmuls in a bfloat16 step run slower than
-    the estimate's bf16 peak) and the roofline ``estimate`` ``max(FLOPs / peak, bytes
-    accessed / HBM bandwidth) + collective bytes / interconnect bandwidth``, with the
-    model's FLOPs split evenly over the devices (XLA's cost analysis counts a loop body
-    once) and the chip's bf16 peak.
-
-    The HBM term charges ``bytes_accessed``, XLA's cost analysis; where the compiler gives
-    none (GPU executables compiled without a GPU) the HLO text's bytes per step
-    (``per_step.bytes``) instead, and ``covers`` says so (``'HBM (HLO text)'``). A chip
-    without an HBM bandwidth (CPU): ``hbm_s`` is None and the estimate covers compute and
-    collectives only (``covers`` says which terms it holds; ``step_s`` and
-    ``tokens_per_s`` are then bounds)."""
-    ops = hlo_costs.parse(hlo_text)
-    coll = hlo_costs.collective_totals(ops)
-    totals = hlo_costs.summary(ops)
-    compute_s = flops_per_step / num_devices / facts.peak_flops
-    hbm_bytes = totals["bytes"] if bytes_accessed is None else bytes_accessed
-    hbm_s = hbm_bytes / facts.hbm_bandwidth if facts.hbm_bandwidth else None
-    comm_s = (
-        sum(c["bytes"] for c in coll.values()) / facts.interconnect_bandwidth
-        if facts.interconnect_bandwidth
-        else None
-    )
-    step_s = max(compute_s, hbm_s or 0.0) + (comm_s or 0.0)
-    hbm = "HBM" if bytes_accessed is not None else f"HBM ({HLO_TEXT})"
-    covers = (
-        ["compute"]
-        + ([hbm] if hbm_s is not None else [])
-        + (["collectives"] if comm_s is not None else [])
-    )
-    return {
-        "collectives": coll,
-        "moe_layers": moe_layer_costs(ops),
-        "contended_scatters": [
-            {**dataclasses.asdict(s), "contention": s.contention, "text": s.describe()}
-            for s in hlo_costs.contended_scatters(hlo_text)
-        ],
-        "matmul_flops_by_type": hlo_costs.matmul_flops_by_type(hlo_text),
-        "per_step": {
-            "flops": totals["flops"],
-            "bytes": totals["bytes"],
-            "cycles": totals["cycles"],
-            "looped": any(op.trips > 1 for op in ops),
-            "bytes_by_part": hlo_costs.bytes_by_part(ops),
-        },
-        "estimate": {
-            "compute_s": compute_s,
-            "hbm_s": hbm_s,
-            "collectives_s": comm_s,
-            "covers": covers,
-            "step_s": step_s,
-            "tokens_per_s": tokens_per_step / step_s if step_s else None,
-        },
-    }
-
-
-def moe_layer_costs(ops: list[hlo_costs.Op]) -> dict[str, float]:
-    """The MoE layers' share of a compiled step, from its scheduled operations ``ops``
-    (``hlo_costs.parse``: one read of each operand, one write of each result): ``hlo_bytes``
-    of the operations whose JAX source lies in a MoE layer (module path ``.../ffn/moe/...``,
-    forward and backward) against the step's ``step_hlo_bytes``, the part of them that
-    gathers, scatters or sorts (``indexed_bytes``) and their matmul ``flops``."""
-    step, moe = hlo_costs.summary(ops), hlo_costs.summary_of(ops, MOE_SOURCE)
-    return {
-        "hlo_bytes": moe["bytes"],
-        "step_hlo_bytes": step["bytes"],
-        "indexed_bytes": moe["indexed_bytes"],
-        "flops": moe["flops"],
-    }
 
 
 def fit_advice(
@@ -254,8 +104,6 @@ def layer_choices(target: Any, dtype: Any, config: T5Config) -> dict[str, Any]:
 
 def train_bindings() -> dict[str, Any]:
     """The evaluated gin arguments of ``train_script.train`` (model, dataset configs, ...)."""
-    import gin
-
     return gin.get_bindings("train_script.train")
 
 
@@ -438,7 +286,7 @@ def compile_run(
     progress=print,
 ) -> dict[str, Any]:
     """Compiles the gin-configured run's train (and eval) step for ``devices``; the report
-    that :func:`moe_jax.commands.compile.format_report` prints and ``--out`` writes.
+    that :func:`moe_jax.compile.report.format_report` prints and ``--out`` writes.
     ``hlo_dir``: where to write each compiled step's HLO text (``<step>.hlo.txt``)."""
     args = train_bindings()
     model, cfg = args["model"], args["train_dataset_cfg"]
@@ -510,6 +358,14 @@ def _leaves(tree):
     return jax.tree.leaves(tree)
 
 
-def gib(n: float) -> str:
-    """``n`` bytes as ``1.23 GiB``."""
-    return f"{n / hardware.GiB:.2f} GiB"
+def parse_gin_for_compile(args) -> None:
+    """``gin_utils.parse_gin``, with the run-only macros a compile does not need (``MODEL_DIR``,
+    ``TRAIN_STEPS``) given placeholders where the gin files leave them required."""
+    gin_utils.parse_gin(args, finalize=False)
+    for macro, placeholder in (("MODEL_DIR", "/tmp/moe_jax_compile"), ("TRAIN_STEPS", 1)):
+        if str(gin_utils.bound_value(f"{macro}/macro.value", None)) == "%gin.REQUIRED":
+            gin.bind_parameter(f"{macro}/macro.value", placeholder)
+    try:
+        gin.finalize()
+    except ValueError as err:
+        raise gin_text.GinConfigError(f"gin: {err}") from None
