@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
     import jax
 
     from moe_jax.commands import train
-    from moe_jax.runtime import builders, gin_flags, gin_utils, summaries
+    from moe_jax.runtime import builders, gin_flags, gin_utils
+    from moe_jax.runtime.metrics import read_metrics
     from moe_jax.runtime.run_dir import RunDir
 
     windows: dict[str, list[dict]] = {name: [] for name in LOOPS}
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> int:
             )
             gin_utils.parse_gin(flags)
             train.train()
-            records = summaries.read_metrics(RunDir(model_dir), "train")[1:]
+            records = read_metrics(RunDir(model_dir), "train")[1:]
             windows[name] += records
             rate = np.median([w["steps_per_sec"] for w in records])
             print(f"round {round_index + 1}: {name}: {rate:.2f} steps/s", file=sys.stderr)

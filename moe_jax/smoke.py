@@ -13,7 +13,8 @@ import tempfile
 import time
 
 from moe_jax.commands import evaluate, train
-from moe_jax.runtime import builders, gin_flags, gin_utils, scratch, summaries
+from moe_jax.runtime import builders, gin_flags, gin_utils, scratch
+from moe_jax.runtime.progress import add_progress_flag
 
 
 def _fresh_model_dir() -> str:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = builders.build_parser("moe-jax smoke", __doc__.splitlines()[0])
-    summaries.add_progress_flag(parser)
+    add_progress_flag(parser)
     args = gin_flags.parse_flags(parser, ["--gin_file=runs/smoke_cpu.gin", *argv])
     if not any(b.replace(" ", "").startswith("MODEL_DIR=") for b in args.gin_dot_bindings):
         args.gin_dot_bindings.append(f"MODEL_DIR = {_fresh_model_dir()!r}")

@@ -77,11 +77,11 @@ from moe_jax.runtime import (
     run_config,
     run_names,
     steps,
-    summaries,
 )
 from moe_jax.runtime.gin_text import GinConfigError
 from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.routing import layer_order
+from moe_jax.runtime.routing_telemetry import routing_telemetry
 from moe_jax.runtime.run_dir import RunDir
 
 _MOE_KEY = re.compile(r"^moe/(.+)/([^/]+)$")
@@ -448,7 +448,7 @@ def _evaluate_checkpoint(
         params, interceptor = counterfactual.variant(
             name, restored.params, run_dir, c.router_seed, c.model.module.config
         )
-        metrics = summaries.routing_telemetry(
+        metrics = routing_telemetry(
             evaluation.run_eval(
                 _eval_fn(c, name, interceptor, restored),
                 params,

@@ -56,7 +56,6 @@ from moe_jax.runtime import (
     router_init,
     run_config,
     run_lock,
-    summaries,
     wandb_logger,
 )
 from moe_jax.runtime.checkpoint_checks import (
@@ -64,8 +63,12 @@ from moe_jax.runtime.checkpoint_checks import (
     check_integrity,
     nonfinite_leaves,
 )
+from moe_jax.runtime.metrics import MetricsWriter, drop_records_after
 from moe_jax.runtime.model_protocol import Model
+from moe_jax.runtime.progress import Progress, add_progress_flag
+from moe_jax.runtime.routing_telemetry import ChurnProbe
 from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.throughput import ThroughputMeter, peak_flops_per_device
 from moe_jax.runtime.train_state import TrainState
 
 
@@ -157,10 +160,10 @@ class LoopSettings:
         for debugging and as the baseline of ``benchmarks/train_loop.py``).
       routing_churn: at each evaluation, also route the first eval batch and log per MoE
         layer the fraction of its tokens whose top-1 expert changed since the previous
-        evaluation (``summaries.ChurnProbe``).
+        evaluation (``routing_telemetry.ChurnProbe``).
       progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
         and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
-        (``--progress``; :class:`~moe_jax.runtime.summaries.Progress`).
+        (``--progress``; :class:`~moe_jax.runtime.progress.Progress`).
       profile_steps: ``(first step, count)``: trace those steps on the devices into
         ``MODEL_DIR/profile`` (:class:`~moe_jax.runtime.profiling.StepProfiler`); None: no
         trace.
@@ -197,9 +200,9 @@ class TrainLoop:
     eval_fn: Callable[..., Any] | None  # None: no evaluation in the loop
     ckpt: checkpoints.Checkpointer
     iterator: Any  # the training stream (make_iterator)
-    writer: summaries.MetricsWriter
-    meter: summaries.ThroughputMeter
-    ticker: summaries.Progress
+    writer: MetricsWriter
+    meter: ThroughputMeter
+    ticker: Progress
     preemption: distributed.PreemptionWatcher
     profiler: profiling.StepProfiler
     state: TrainState
@@ -212,7 +215,7 @@ class TrainLoop:
     unchecked: tuple[int, Any] | None = None  # (step, its metrics) whose loss is not read yet
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
     preempted: bool = False  # SIGTERM or Ctrl-C: save at this step and stop
-    churn: summaries.ChurnProbe | None = None  # built at the first evaluation
+    churn: ChurnProbe | None = None  # built at the first evaluation
     start_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -396,15 +399,15 @@ def setup_train_loop(
         eval_fn=run.jitted_eval_step if eval_cfg is not None and settings.eval_period else None,
         ckpt=ckpt,
         iterator=iterator,
-        writer=summaries.MetricsWriter(
+        writer=MetricsWriter(
             run_dir, int(dict(ctx.mesh.shape).get("expert", 1)), wandb_logger.start(run_dir)
         ),
-        meter=summaries.ThroughputMeter(
+        meter=ThroughputMeter(
             model.flops_per_step(input_shapes),
             tokens_per_step,
-            summaries.peak_flops_per_device() * jax.device_count(),
+            peak_flops_per_device() * jax.device_count(),
         ),
-        ticker=summaries.Progress(step, settings.total_steps, settings.progress),
+        ticker=Progress(step, settings.total_steps, settings.progress),
         preemption=distributed.PreemptionWatcher(),
         profiler=profiling.StepProfiler(settings.profile_steps, run_dir.profile_dir, _log),
         state=state,
@@ -525,7 +528,7 @@ def _record_run(
     if restart:
         _log(restart)
     if jax.process_index() == 0:
-        summaries.drop_records_after(run_dir, step)
+        drop_records_after(run_dir, step)
         if eval_cfg is not None:
             evaluation.record_eval_settings(run_dir, eval_steps, eval_cfg)
 
@@ -649,10 +652,10 @@ def _last_checkpoint(run_dir: RunDir) -> str:
 
 def _churn_probe(
     model: Model, run: builders.TrainSetup, eval_cfg: builders.DatasetConfig, run_dir: RunDir
-) -> summaries.ChurnProbe:
+) -> ChurnProbe:
     """The routing-churn probe of a run: the first eval batch is its fixed probe batch."""
     probe_batch = next(builders.eval_batches(eval_cfg, 1))
-    return summaries.ChurnProbe(
+    return ChurnProbe(
         model, run.shardings.params, run.ctx, probe_batch, run_dir, run.shardings.collections
     )
 
@@ -813,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         "or the newest config.step-N.gin); the new one is kept as "
         "MODEL_DIR/config.step-N.gin and later resumes compare with it",
     )
-    summaries.add_progress_flag(parser)
+    add_progress_flag(parser)
     args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)
     distributed.initialize(args)
     gin_utils.parse_gin(args)

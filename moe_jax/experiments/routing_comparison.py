@@ -22,7 +22,7 @@ import numpy as np
 
 from moe_jax import plotting, storage
 from moe_jax.experiments import sweep
-from moe_jax.runtime import summaries
+from moe_jax.runtime.metrics import read_metrics
 from moe_jax.runtime.run_dir import RunDir
 
 QUANTITIES = ("accuracy", "cross_entropy", "dropped_fraction", "max_load")
@@ -32,7 +32,7 @@ _LOAD = re.compile(r"^moe/(.+)/expert_load$")
 
 def last_eval(run_dir: RunDir) -> dict[str, Any] | None:
     """The last eval record of ``MODEL_DIR/metrics.jsonl`` (None if it has none)."""
-    records = summaries.read_metrics(run_dir, "eval")
+    records = read_metrics(run_dir, "eval")
     return max(records, key=lambda r: r["step"], default=None)
 
 

@@ -72,7 +72,8 @@ import numpy as np
 
 from moe_jax import plotting, storage
 from moe_jax.errors import UserError
-from moe_jax.runtime import gin_text, summaries
+from moe_jax.runtime import gin_text
+from moe_jax.runtime.metrics import read_metrics
 from moe_jax.runtime.run_dir import RunDir
 
 FAMILY_KEYS = frozenset(
@@ -382,7 +383,7 @@ def read_eval_curve(run_dir: RunDir, metric: str) -> dict[int, float]:
     """``{step: value}`` of ``metric`` over the eval records of ``MODEL_DIR/metrics.jsonl``."""
     return {
         int(record["step"]): float(record[metric])  # a resumed run's later record wins
-        for record in summaries.read_metrics(run_dir, "eval")
+        for record in read_metrics(run_dir, "eval")
         if metric in record
     }
 

@@ -26,7 +26,13 @@ Modules, one job each:
   router_init    the routers' initial weights of a run (`router_init.npz`)
   run_lock       one trainer per run directory (`MODEL_DIR/LOCK`, a heartbeat lease)
   output_lock    one writer per output folder of `eval` / `export` (`FOLDER/.writing`)
-  summaries      TensorBoard + JSON-lines metrics, progress bar, MFU, routing telemetry
+  metrics        a run's metrics to TensorBoard, `metrics.jsonl` and W&B together; read
+                 back; cut at a step on resume
+  event_files    TensorBoard event files: written, framed as TFRecords, cut after a step
+  throughput     steps/s, tokens/s and MFU against the devices' peak
+  progress       a progress bar, or one timestamped line per logged step (`--progress`)
+  routing_telemetry  per-MoE-layer load statistics (dead experts, imbalance, MaxVio) and
+                 routing churn on a probe batch
   profiling      device traces of chosen steps (`train.profile_steps`); how busy a trace's
                  devices were
   wandb_logger   the same metrics to Weights & Biases when a project is set (lazy import)

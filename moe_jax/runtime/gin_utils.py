@@ -49,7 +49,7 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.data.sources",
     "moe_jax.data.vocab",
     "moe_jax.runtime.optimizers",
-    "moe_jax.runtime.summaries",
+    "moe_jax.runtime.throughput",
     "moe_jax.commands.train",
     "moe_jax.commands.evaluate",
     "moe_jax.commands.infer",

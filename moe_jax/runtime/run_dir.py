@@ -6,8 +6,8 @@
       config.gin                    the operative gin config of the run's first start
       config.step-<N>.gin           a config change accepted when resuming at step N
       LOCK                          the trainer's lock (run_lock.py)
-      metrics.jsonl                 one JSON record per logged step (summaries.py)
-      train/, eval/                 TensorBoard event files, one folder per split
+      metrics.jsonl                 one JSON record per logged step (metrics.py)
+      train/, eval/                 TensorBoard event files, one folder per split (event_files.py)
       eval_settings.json            the in-training evaluation's settings (evaluation.py)
       router_init.npz               the routers' initial weights (router_init.py)
       routing_probe.npz             the routing-churn probe's last top-1 choices

@@ -1,7 +1,7 @@
 """Weights & Biases beside TensorBoard (``--gin.WANDB_PROJECT=NAME``).
 
 When :class:`WandbSettings` names a project, :func:`start` opens a W&B run on process 0 and
-:class:`moe_jax.runtime.summaries.MetricsWriter` sends it every metric it writes to
+:class:`moe_jax.runtime.metrics.MetricsWriter` sends it every metric it writes to
 TensorBoard, under the same step: scalars as ``<split>/<name>`` (``train/loss``,
 ``eval/moe/encoder/layers_1/max_violation``), arrays (the expert load per layer) as
 histograms. The run's config is ``MODEL_DIR/config.gin``: its text (``gin_config``) and one
@@ -79,7 +79,7 @@ class WandbLogger:
     def log(
         self, split: str, step: int, scalars: Mapping[str, float], arrays: Mapping[str, np.ndarray]
     ) -> None:
-        """One logged step's metrics, as :class:`~moe_jax.runtime.summaries.MetricsWriter`
+        """One logged step's metrics, as :class:`~moe_jax.runtime.metrics.MetricsWriter`
         writes them to TensorBoard."""
         import wandb
 

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from moe_jax.analysis import languages
-from moe_jax.runtime import run_names, summaries
+from moe_jax.runtime import run_names
+from moe_jax.runtime.routing_telemetry import (
+    dead_experts,
+    max_violation,
+    routing_churn,
+    routing_telemetry,
+    shard_imbalance,
+)
 
 
 def _rows(labels_per_row: list[int], length: int = 6):
@@ -56,15 +63,15 @@ def test_sparsity_and_share_of_one_expert_per_language():
 def test_dead_experts_and_imbalance_on_hand_built_loads():
     # 8 experts, top-2 loads summing to 2: expert 7 gets 1/100 of the assignments (< 1/80).
     load = np.array([0.3, 0.3, 0.3, 0.3, 0.3, 0.28, 0.2, 0.02])
-    assert summaries.dead_experts(load) == 1
-    assert summaries.dead_experts(np.full(8, 0.25)) == 0
+    assert dead_experts(load) == 1
+    assert dead_experts(np.full(8, 0.25)) == 0
     # 2 shards: experts 0-3 get 1.2, 4-7 get 0.8 -> max / mean = 1.2 / 1.0.
-    assert summaries.shard_imbalance(load, 2) == pytest.approx(1.2)
-    assert summaries.shard_imbalance(load, 1) == pytest.approx(1.0)
-    assert summaries.shard_imbalance(load, 8) == pytest.approx(0.3 / 0.25)
+    assert shard_imbalance(load, 2) == pytest.approx(1.2)
+    assert shard_imbalance(load, 1) == pytest.approx(1.0)
+    assert shard_imbalance(load, 8) == pytest.approx(0.3 / 0.25)
     with pytest.raises(ValueError, match="3 shards"):
-        summaries.shard_imbalance(load, 3)
-    out = summaries.routing_telemetry(
+        shard_imbalance(load, 3)
+    out = routing_telemetry(
         {"moe/encoder/layers_1/expert_load": load, "loss": 1.0}, expert_shards=2
     )
     assert out["moe/encoder/layers_1/dead_experts"] == 1
@@ -75,10 +82,10 @@ def test_dead_experts_and_imbalance_on_hand_built_loads():
 
 
 def test_max_violation_is_zero_when_balanced_and_e_minus_1_for_one_expert():
-    assert summaries.max_violation(np.full(8, 0.25)) == 0.0
-    assert summaries.max_violation(np.eye(8)[3]) == pytest.approx(7.0)
+    assert max_violation(np.full(8, 0.25)) == 0.0
+    assert max_violation(np.eye(8)[3]) == pytest.approx(7.0)
     np.testing.assert_allclose(
-        summaries.max_violation(np.array([[0.5, 0.5, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])),
+        max_violation(np.array([[0.5, 0.5, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])),
         [1.0, 0.0],
     )
 
@@ -86,10 +93,10 @@ def test_max_violation_is_zero_when_balanced_and_e_minus_1_for_one_expert():
 def test_routing_churn_counts_changed_valid_tokens():
     previous = np.array([[0, 1, 2, 3], [1, 1, 0, 0]])
     valid = np.array([[True, True, True, False], [True, True, True, True]])
-    assert summaries.routing_churn(previous, previous, valid) == 0.0
+    assert routing_churn(previous, previous, valid) == 0.0
     swapped = np.select([previous == 0, previous == 1], [1, 0], previous)  # experts 0 <-> 1
     changed = ((previous == 0) | (previous == 1))[valid].mean()
-    assert summaries.routing_churn(previous, swapped, valid) == pytest.approx(changed)
+    assert routing_churn(previous, swapped, valid) == pytest.approx(changed)
 
 
 def test_seed_summary_groups_a_familys_seeds_at_shared_steps(tmp_path):

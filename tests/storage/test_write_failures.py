@@ -16,7 +16,7 @@ import time
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.runtime import summaries
+from moe_jax.runtime.metrics import drop_records_after
 from moe_jax.runtime.run_dir import RunDir
 
 WRITER = textwrap.dedent("""
@@ -64,7 +64,7 @@ def test_writes_over_a_size_limit_fail_whole_and_name_the_file(tmp_path):
 def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(tmp_path, capsys):
     lines = [json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) for step in (1, 2, 3)]
     pathlib.Path(RunDir(tmp_path).metrics_file).write_text("\n".join(lines) + "\n" + lines[0][:17])
-    summaries.drop_records_after(RunDir(tmp_path), 2)
+    drop_records_after(RunDir(tmp_path), 2)
     assert pathlib.Path(RunDir(tmp_path).metrics_file).read_text() == "\n".join(lines[:2]) + "\n"
     assert capsys.readouterr().err == (
         f"[moe-jax] warning: {RunDir(tmp_path).metrics_file}, line 4: not a whole JSON record "

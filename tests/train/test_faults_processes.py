@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 
 from moe_jax import cli, errors
-from moe_jax.runtime import checkpoints, summaries
+from moe_jax.runtime import checkpoints
+from moe_jax.runtime.metrics import read_metrics
 from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_processes import FLAGS, env, finish, wait_for_step
 
@@ -96,7 +97,7 @@ def assert_resumes_exactly(run, reference, restored_step: int) -> None:
 
 def losses(model_dir) -> dict[int, float]:
     """``{step: loss}`` of metrics.jsonl (local or gs://), asserting each step is logged once."""
-    records = summaries.read_metrics(RunDir(model_dir))
+    records = read_metrics(RunDir(model_dir))
     steps = [r["step"] for r in records if r["split"] == "train"]
     assert len(steps) == len(set(steps)), f"steps logged twice: {sorted(steps)}"
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}

@@ -18,7 +18,9 @@ import pytest
 
 from moe_jax import cli, errors, storage
 from moe_jax.commands import export
-from moe_jax.runtime import checkpoint_checks, checkpoints, run_config, run_lock, summaries
+from moe_jax.runtime import checkpoint_checks, checkpoints, run_config, run_lock
+from moe_jax.runtime.event_files import unpack_records
+from moe_jax.runtime.metrics import read_metrics
 from moe_jax.runtime.run_dir import RunDir
 from tests.train.test_faults_processes import error_lines, losses, params_at
 from tests.train.test_processes import finish, start, wait_for_step
@@ -32,7 +34,7 @@ def event_steps(model_dir: str, split: str = "train", tag: str = "loss") -> list
     folder = storage.join(model_dir, split)
     steps = []
     for name in storage.listdir(folder):
-        for record in summaries.unpack_records(storage.read_bytes(storage.join(folder, name))):
+        for record in unpack_records(storage.read_bytes(storage.join(folder, name))):
             event = event_pb2.Event.FromString(record)
             steps += [event.step for value in event.summary.value if value.tag == tag]
     return sorted(steps)
@@ -82,7 +84,7 @@ def test_gcs_damaged_checkpoint_falls_back_and_changed_config_is_refused(gcs_dir
     assert len(warnings) == 1 and "resuming from step 3 instead" in warnings[0]
     assert sorted(resumed["losses"]) == list(range(4, 10))
     assert RunDir(gcs_dir).set_aside_steps() == [6]
-    steps = [r["step"] for r in summaries.read_metrics(RunDir(gcs_dir), "train")]
+    steps = [r["step"] for r in read_metrics(RunDir(gcs_dir), "train")]
     assert steps == sorted(set(steps)) and steps[-1] == 9
     # the next start names the step set aside
     run(gcs_dir, 9)

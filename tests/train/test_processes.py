@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from moe_jax import param_paths
-from moe_jax.runtime import checkpoints, router_init, summaries
+from moe_jax.runtime import checkpoints, router_init
+from moe_jax.runtime.metrics import read_metrics
 from moe_jax.runtime.run_dir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,7 @@ def start(model_dir, *flags: str, devices: int = 1) -> subprocess.Popen:
 
 def logged_steps(model_dir) -> list[int]:
     """The steps of ``MODEL_DIR/metrics.jsonl`` (local or gs://; [] before the first)."""
-    return [r["step"] for r in summaries.read_metrics(RunDir(model_dir))]
+    return [r["step"] for r in read_metrics(RunDir(model_dir))]
 
 
 def wait_for_step(proc, model_dir, step: int, timeout: float = 240) -> None:

@@ -16,7 +16,8 @@ import pytest
 from moe_jax import cli
 from moe_jax.commands import train
 from moe_jax.moe.collections import BIAS_COLLECTION
-from moe_jax.runtime import builders, checkpoints, configured, gin_flags, gin_utils, summaries
+from moe_jax.runtime import builders, checkpoints, configured, gin_flags, gin_utils
+from moe_jax.runtime.routing_telemetry import ChurnProbe
 from moe_jax.runtime.run_dir import RunDir
 
 # A bias-router run trained once for the module (minutes on 2 cores); the round trip of the
@@ -119,7 +120,7 @@ def test_churn_probe_routes_with_the_bias(bias_run, tmp_path):
             1,
         )
     )
-    probe = summaries.ChurnProbe(
+    probe = ChurnProbe(
         model,
         restored.params_shardings,
         ctx,

@@ -13,7 +13,8 @@ import gin
 import numpy as np
 import pytest
 
-from moe_jax.runtime import summaries, wandb_logger
+from moe_jax.runtime import wandb_logger
+from moe_jax.runtime.metrics import MetricsWriter, read_metrics
 from moe_jax.runtime.run_dir import RunDir
 
 CONFIG = """\
@@ -80,7 +81,7 @@ def test_the_writer_sends_every_metric_and_a_resumed_run_continues_its_wandb_run
     settings = wandb_logger.WandbSettings(project="moe", name="tiny", tags=("cpu", "test"))
     logger = wandb_logger.start(run_dir, settings)
     assert logger is not None
-    writer = summaries.MetricsWriter(run_dir, 1, logger)
+    writer = MetricsWriter(run_dir, 1, logger)
     load = np.array([0.5, 0.25, 0.75, 0.5])
     writer.write("train", 3, {"loss": 2.5, "moe": {"encoder/layers_1": {"expert_load": load}}})
     writer.write("eval", 3, {"accuracy": 0.125})
@@ -100,13 +101,13 @@ def test_the_writer_sends_every_metric_and_a_resumed_run_continues_its_wandb_run
     key = "train/moe/encoder/layers_1"
     assert float(rows[3][f"{key}/max_violation"]) == pytest.approx(0.5)
     assert rows[3][f"{key}/expert_load/_type"] == '"histogram"'
-    tensorboard = summaries.read_metrics(run_dir, "train")
+    tensorboard = read_metrics(run_dir, "train")
     assert tensorboard[0]["moe/encoder/layers_1/max_violation"] == pytest.approx(0.5)
 
     # a second start (a resumed run) reuses the id and logs on
     again = wandb_logger.start(run_dir, settings)
     assert again is not None and again.run_id == run_id
-    writer = summaries.MetricsWriter(run_dir, 1, again)
+    writer = MetricsWriter(run_dir, 1, again)
     writer.write("train", 4, {"loss": 2.0})
     writer.close()
     runs = [r.run for r in wandb_records(tmp_path) if r.WhichOneof("record_type") == "run"]
@@ -165,7 +166,7 @@ def test_a_training_run_and_its_resumption_log_to_one_wandb_run(tmp_path):
     assert str(tmp_path) in config["MODEL_DIR"]  # MODEL_DIR/config.gin, one key per binding
     assert config["train.total_steps"] == '"%TRAIN_STEPS"' and "MODEL_DIR" in config["gin_config"]
     rows = history(records)
-    tensorboard = summaries.read_metrics(RunDir(str(tmp_path)), "train")
+    tensorboard = read_metrics(RunDir(str(tmp_path)), "train")
     assert [r["step"] for r in tensorboard] == [1, 2] and sorted(rows) == [1, 2]
     for record in tensorboard:  # every TensorBoard scalar, the same value
         row = rows[record["step"]]

@@ -1,0 +1,47 @@
+"""The trainer's throughput meter: steps/s, tokens/s and model FLOPs utilisation (MFU)
+against the devices' peak (:func:`peak_flops_per_device`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import gin
+import jax
+
+from moe_jax import hardware
+
+
+@gin.configurable
+def peak_flops_per_device(override: float | None = None) -> float:
+    """Peak FLOP/s of one device: ``override`` when bound, else the chip's dense bf16 peak
+    (``moe_jax.hardware.CHIPS``, by device kind), else (CPU) the measured rate of a jitted
+    float32 2048x2048 matmul."""
+    if override:
+        return float(override)
+    return hardware.device_facts(jax.devices()).peak_flops
+
+
+class ThroughputMeter:
+    """Steps/s, tokens/s and MFU over the steps since the last :meth:`rates` call."""
+
+    def __init__(self, flops_per_step: float, tokens_per_step: int, peak_flops_total: float):
+        self.flops_per_step = flops_per_step
+        self.tokens_per_step = tokens_per_step
+        self.peak_flops_total = peak_flops_total
+        self._start, self._steps = time.perf_counter(), 0
+
+    def tick(self) -> None:
+        self._steps += 1
+
+    def rates(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        steps_per_sec = self._steps / elapsed
+        out = {
+            "steps_per_sec": steps_per_sec,
+            "step_time_sec": 1 / max(steps_per_sec, 1e-9),
+            "tokens_per_sec": steps_per_sec * self.tokens_per_step,
+            "mfu": steps_per_sec * self.flops_per_step / self.peak_flops_total,
+        }
+        self._start, self._steps = time.perf_counter(), 0
+        return out
