@@ -11,8 +11,10 @@ Expert parallelism only (no single-device table), over all devices of the target
 
 Compiles forward + backward with a cotangent (``value_and_grad`` of ``sum(y * r)``) of the
 MoE layer at the T5-Base shape (8 x 512 tokens, d_model 768, d_ff 2048, top-2, capacity
-factor 1.25, T5X capacity rule, one routing group, bfloat16 compute, float32 parameters)
-on ONE device of the target, for each dispatch and E, beside a dense ReLU FFN of the same
+factor 1.25, T5X capacity rule, one routing group, bfloat16 compute; the weights as the
+train step passes them: the bfloat16 compute copies of those the layer reads cast,
+``moe_jax.runtime.compute_copies``, with ``--weights float32`` float32 weights cast at each
+call) on ONE device of the target, for each dispatch and E, beside a dense ReLU FFN of the same
 expert-matmul FLOPs (hidden = d_ff x E x capacity / tokens). Nothing runs: every number is
 read from the compiled executable (``cost_analysis()``, ``memory_analysis()``, the
 optimised HLO through ``moe_jax.compile.hlo_costs``).
@@ -23,13 +25,13 @@ each scheduled operation (what the program moves if every op streams its operand
 temporaries; roofline time ``max(FLOPs / peak, bytes / HBM bandwidth)`` with either bytes;
 the TPU compiler's own estimate (sum of ``estimated_cycles``); each as a ratio to the dense
 FFN; the number of gather, scatter and sort operations. ``floor``: the dense FFN's HLO bytes
-plus 8 bytes (read a float32 weight, write its float32 gradient) per parameter the layer has
-beyond the dense FFN's, as a ratio to the dense FFN: what the layer would move with a free
-dispatch. ``--ops N`` lists the N largest operations of each compiled layer; ``--breakdown``
-splits each layer's HLO bytes into matmuls, gathers / scatters / sorts, whole-weight casts
-and gradients, collectives and the rest, beside the dense FFN's (``hlo_costs.categorize``);
-``--options`` adds the routing options of docs/moe.md ("Routing of current MoE models") as
-``sort`` rows.
+plus, per parameter the layer has beyond the dense FFN's, one read of the weight and one
+write of its gradient in the weight's dtype (4 bytes for a bfloat16 copy, 8 for float32),
+as a ratio to the dense FFN: what the layer would move with a free dispatch. ``--ops N``
+lists the N largest operations of each compiled layer; ``--breakdown`` splits each layer's
+HLO bytes into matmuls, gathers / scatters / sorts, whole-weight casts and gradients,
+collectives and the rest, beside the dense FFN's (``hlo_costs.categorize``); ``--options``
+adds the routing options of docs/moe.md ("Routing of current MoE models") as ``sort`` rows.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from moe_jax.compile import collectives, hlo_costs, targets
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.capacity import expert_capacity
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
+from moe_jax.runtime import compute_copies
 
 TOKENS = (8, 512)
 D_MODEL, D_FF = 768, 2048
@@ -101,7 +104,7 @@ class Row:
     temp_bytes: float
     cycles: float
     sparse_core_ops: int
-    params: int
+    param_bytes: int
     ops: list[hlo_costs.Op] = dataclasses.field(repr=False)
     weight_sizes: frozenset[int] = frozenset()
 
@@ -162,7 +165,11 @@ def dense_step(hidden: int):
     return apply, params, x
 
 
-def compile_row(name: str, apply, params, x, mesh) -> Row:
+def compile_row(name: str, apply, params, x, mesh, weights: str = "copies") -> Row:
+    """The fwd+bwd of ``apply`` compiled on ``mesh``; ``weights='copies'``: each weight
+    ``apply`` only reads cast passed in that dtype, as the train step's compute copies
+    (``compute_copies.read_as_copies``); ``'float32'``: float32, cast at each call."""
+
     def loss(p, x, r):
         y, state = apply(p, x)
         return jnp.sum(y.astype(jnp.float32) * r), state
@@ -172,6 +179,8 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
 
     r = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     with jax.set_mesh(mesh):
+        if weights == "copies":  # as the train step passes them
+            params = compute_copies.read_as_copies(apply, params, x)
         compiled = jax.jit(step).lower(params, x, r).compile()
     cost = compiled.cost_analysis() or {}
     ops = hlo_costs.parse(compiled.as_text())
@@ -184,7 +193,7 @@ def compile_row(name: str, apply, params, x, mesh) -> Row:
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
         cycles=totals["cycles"],
         sparse_core_ops=int(totals["sparse_core_ops"]),
-        params=sum(p.size for p in jax.tree.leaves(params)),
+        param_bytes=sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(params)),
         ops=ops,
         weight_sizes=frozenset(
             p.size for p in jax.tree.leaves(params) if p.ndim >= 2 and p.size > 2**16
@@ -328,6 +337,13 @@ def main() -> None:
         action="store_true",
         help="add the routing options of layer_configs.ROUTING_OPTIONS as `sort` rows",
     )
+    parser.add_argument(
+        "--weights",
+        choices=("copies", "float32"),
+        default="copies",
+        help="the layer's weights as the train step passes them (bfloat16 compute copies of "
+        "those it reads cast), or float32 weights cast at each call",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
     parser.add_argument(
         "--expert-parallel",
@@ -359,19 +375,21 @@ def main() -> None:
     for experts in args.experts:
         capacity = expert_capacity(tokens, experts, 2, 1.25, 4, "t5x")
         hidden = D_FF * experts * capacity // tokens
-        rows = [compile_row(f"dense FFN (d_ff {hidden})", *dense_step(hidden), mesh)]
+        rows = [compile_row(f"dense FFN (d_ff {hidden})", *dense_step(hidden), mesh, args.weights)]
         for dispatch in args.dispatch:
             start = time.perf_counter()
-            rows.append(compile_row(dispatch, *moe_step(experts, dispatch), mesh))
+            rows.append(compile_row(dispatch, *moe_step(experts, dispatch), mesh, args.weights))
             rows[-1].name += f" (compile {time.perf_counter() - start:.0f} s)"
         for label, options in ROUTING_OPTIONS.items() if args.options else ():
-            rows.append(compile_row(f"sort, {label}", *moe_step(experts, "sort", **options), mesh))
+            layer = moe_step(experts, "sort", **options)
+            rows.append(compile_row(f"sort, {label}", *layer, mesh, args.weights))
         dense = rows[0]
         for row in rows:
             cost_ms, hlo_ms = (
                 row.roofline_ms(chip, row.cost_bytes),
                 row.roofline_ms(chip, row.hlo_bytes),
             )
+            floor = dense.hlo_bytes + 2 * (row.param_bytes - dense.param_bytes)
             dense_cost_ms, dense_hlo_ms = (
                 dense.roofline_ms(chip, dense.cost_bytes),
                 dense.roofline_ms(chip, dense.hlo_bytes),
@@ -382,7 +400,7 @@ def main() -> None:
                 f"| {'' if cost_ms is None else f'{cost_ms:.3f}'} / {hlo_ms:.3f} | "
                 f"{_ratio(cost_ms, dense_cost_ms)} / {_ratio(hlo_ms, dense_hlo_ms)} | "
                 f"{_ratio(row.cycles or None, dense.cycles)} | "
-                f"{_ratio(dense.hlo_bytes + 8 * (row.params - dense.params), dense.hlo_bytes)} | "
+                f"{_ratio(floor, dense.hlo_bytes)} | "
                 f"{row.sparse_core_ops} | {row.indexed_ops()} |",
                 flush=True,
             )

@@ -61,6 +61,7 @@ from moe_jax.moe.capacity import expert_capacity, group_layout
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, BIAS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.grouped_matmul import fallbacks
 from moe_jax.moe.options import GROUPED_MATMULS
+from moe_jax.runtime import compute_copies
 
 TOKENS = (8, 512)
 MATMUL_N = 2048
@@ -135,8 +136,9 @@ def moe_run(
 ) -> tuple:
     """Fwd+bwd of a training-mode MoeLayer configured by ``layer_config`` (no auxiliary
     losses) on ``tokens`` (batch, length) inputs of ``dtype`` (the layer computes in it;
-    parameters float32); a balancing bias is passed in, updated and returned, as in a
-    train step."""
+    parameters float32, those it reads cast passed cast, as the train step's compute copies:
+    ``compute_copies.read_as_copies``); a balancing bias is passed in, updated and returned,
+    as in a train step."""
     parts.setdefault("losses", dict(load_balancing_loss_weight=0.0, router_z_loss_weight=0.0))
     layer = MoeLayer(layer_config(experts, d_ff, dispatch, **parts), dtype=dtype)
     x = jax.random.normal(jax.random.PRNGKey(0), (*tokens, d_model), dtype)
@@ -153,7 +155,7 @@ def moe_run(
         return y, {name: written[name] for name in state}
 
     grad = _grad_fn(apply, x.shape, loss)
-    return grad, (variables["params"], x)
+    return grad, (compute_copies.read_as_copies(apply, variables["params"], x), x)
 
 
 # name: (the parts of layer_config changed, useful FLOPs relative to plain top-2 at T5-Base /
@@ -238,19 +240,20 @@ def dense_run(
     d_model: int, hidden: int, loss: str, tokens: int = TOKENS[0] * TOKENS[1], dtype=jnp.float32
 ) -> tuple:
     """Fwd+bwd of a dense ReLU FFN ``[tokens, d_model] -> hidden -> d_model`` computing in
-    ``dtype`` from float32 parameters (as the MoE layer does)."""
+    ``dtype``, its float32 parameters passed as the train step's compute copies (as the MoE
+    layer's)."""
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     x = jax.random.normal(keys[0], (tokens, d_model), dtype)
-    params = (
-        jax.random.normal(keys[1], (d_model, hidden)) * 0.02,
-        jax.random.normal(keys[2], (hidden, d_model)) * 0.02,
-    )
+    params = {
+        "wi": jax.random.normal(keys[1], (d_model, hidden)) * 0.02,
+        "wo": jax.random.normal(keys[2], (hidden, d_model)) * 0.02,
+    }
 
     def apply(p, x):
-        wi, wo = (w.astype(dtype) for w in p)
+        wi, wo = p["wi"].astype(dtype), p["wo"].astype(dtype)
         return jnp.maximum(x @ wi, 0) @ wo, ()
 
-    return _grad_fn(apply, x.shape, loss), (params, x)
+    return _grad_fn(apply, x.shape, loss), (compute_copies.read_as_copies(apply, params, x), x)
 
 
 # ----------------------------------------------------------------------------- device table
@@ -307,7 +310,8 @@ def measure_layers(
     dense ReLU FFN of the capacity layer's useful FLOPs and a ``[matmul_n]^3`` matmul in
     ``dtype``, all in the same rounds (best of ``reps`` after a warm-up, one of each per
     round). Top-2, capacity factor 1.25 (training), T5X rule, groups of ``group_size``;
-    parameters float32, activations ``dtype``.
+    activations ``dtype``, weights as the train step passes them (bfloat16 compute copies
+    with bfloat16 activations).
 
     Useful FLOPs: 3 (fwd + bwd) x 2 matmuls x 2 x rows x d_model x d_ff, with rows = the
     capacity slots (E x capacity x groups) for ``einsum`` / ``sort`` and the dense FFN, and

@@ -454,7 +454,8 @@ SECTIONS: tuple[Section, ...] = (
         "moe_compiled_sort_gpu",
         "The `sort` dispatch compiled for an H100: bytes and indexed operations",
         "Forward + backward of the `sort` layer (T5-Base shape, 8 x 512 tokens in one group, "
-        "bfloat16 compute, float32 parameters) compiled for one H100 from a CPU host beside a "
+        "bfloat16 compute, the weights as the train step passes them: bfloat16 compute copies) "
+        "compiled for one H100 from a CPU host beside a "
         "dense FFN of equal expert-matmul FLOPs; the last column counts the gather, scatter "
         "and sort operations of the compiled step.",
         ("moe_compiled.py", "--target", "gpu:h100", "--dispatch", "sort", "--breakdown"),

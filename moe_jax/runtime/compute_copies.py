@@ -76,6 +76,22 @@ def forward_params(params: PyTree, copies: PyTree) -> PyTree:
     return traverse_util.unflatten_dict(flat)
 
 
+def read_as_copies(loss_fn: Callable[..., Any], params: PyTree, *args: Any) -> PyTree:
+    """``params`` as a train step with compute copies passes them to ``loss_fn``: each
+    parameter of :func:`compute_dtypes` in its compute dtype (arrays cast, shape structs
+    retyped), the others as they are. For benchmarks of one layer or function."""
+    dtypes = traverse_util.flatten_dict(compute_dtypes(loss_fn, params, *args))
+    flat = traverse_util.flatten_dict(params)
+    for path, dtype in dtypes.items():
+        leaf = flat[path]
+        flat[path] = (
+            jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+            if isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf.astype(dtype)
+        )
+    return traverse_util.unflatten_dict(flat)
+
+
 def _dtype(leaf: Any) -> np.dtype:
     """The dtype a leaf of a copies-like tree names (a dtype, an array, a shape struct)."""
     return np.dtype(getattr(leaf, "dtype", leaf))
