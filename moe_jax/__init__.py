@@ -17,7 +17,8 @@ and no modules import each other in a loop (``tests/core/test_layout.py`` checks
   compile    ahead-of-time compile for a TPU/GPU/CPU target: targets, the compiled-step
              report, costs and collectives read from compiled HLO, the contention guard
   analysis   routing analyses over checkpoints (positions, languages, counterfactual routers)
-  interop    Hugging Face T5 / Switch Transformers checkpoints; ``moe_jax.load`` for notebooks
+  interop    the export format (safetensors + JSON config); Hugging Face T5 / Switch
+             Transformers checkpoints; ``moe_jax.load`` for notebooks
   commands   the `moe-jax` binaries (train, eval, infer, compile, export / import, upcycle,
              analyze)
   experiments  tooling over many runs: sweeps and routing comparisons

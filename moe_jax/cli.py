@@ -44,8 +44,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moe_jax.commands.upcycle",
         "an MoE run from a dense run's checkpoint (sparse upcycling)",
     ),
-    "export": ("moe_jax.commands.export:export_main", "write a checkpoint as safetensors + JSON"),
-    "import": ("moe_jax.commands.export:import_main", "read an export into a new run directory"),
+    "export": ("moe_jax.commands.export", "write a checkpoint as safetensors + JSON"),
+    "import": ("moe_jax.commands.import_run", "read an export into a new run directory"),
 }
 
 

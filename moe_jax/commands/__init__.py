@@ -6,7 +6,9 @@ Each module's ``main(argv)`` is one command of :mod:`moe_jax.cli`:
   infer      `moe-jax infer`: decoding from a checkpoint
   compile    `moe-jax compile`: compile a run for its TPU/GPU/CPU target, report memory
              and fit (:mod:`moe_jax.compile`)
-  export     `moe-jax export` / `moe-jax import`: checkpoint <-> safetensors + JSON config
+  export     `moe-jax export`: a checkpoint as safetensors + JSON config (or a Hugging Face
+             folder)
+  import_run `moe-jax import`: an export or a Hugging Face folder as a new run directory
   upcycle    `moe-jax upcycle`: an MoE run from a dense run's checkpoint
   analyze    `moe-jax analyze`: routing analyses over checkpoints (:mod:`moe_jax.analysis`)
 

@@ -3,7 +3,7 @@
 A Hugging Face model folder (``config.json``, ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``, optionally ``spiece.model``) maps onto the network of
 :class:`~moe_jax.models.t5.T5Config` one tensor to one array of the project's export
-format (:mod:`moe_jax.commands.export`, T5X's layout), so that `moe-jax import --hf` and
+format (:mod:`moe_jax.interop.export_format`, T5X's layout), so that `moe-jax import --hf` and
 `moe-jax export --format=hf` reuse the export's reading and writing of checkpoints:
 
 Hugging Face tensors (``nn.Linear`` weights ``[out, in]``) -> export names (kernels
@@ -75,7 +75,7 @@ class Tensor:
     """One exported array and the Hugging Face tensor(s) it is.
 
     Attributes:
-      export: the export name (:mod:`moe_jax.commands.export`).
+      export: the export name (:mod:`moe_jax.interop.export_format`).
       hf: the Hugging Face tensor names (one per expert for ``experts``).
       kind: ``copy``; ``transpose`` (2-D); ``experts``: the experts' ``[out, in]`` weights
         transposed and stacked into ``[experts, in, out]``.

@@ -54,6 +54,7 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.commands.evaluate",
     "moe_jax.commands.infer",
     "moe_jax.commands.export",
+    "moe_jax.commands.import_run",
 )
 
 _SEARCH_PATHS_ADDED: set[str] = set()

@@ -9,8 +9,8 @@ import dataclasses
 import gin
 import pytest
 
-from moe_jax.commands import export
 from moe_jax.compile import aot
+from moe_jax.interop import export_format
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import ExecutionConfig
 from moe_jax.runtime import builders, gin_flags, gin_utils
@@ -123,7 +123,7 @@ def test_flops_per_example_pinned(name):
 
 def test_export_config_and_compile_choices_pinned():
     model = _model(CONFIGS["smoke"][0])
-    t5 = export.architecture(model)["t5_config"]
+    t5 = export_format.architecture(model)["t5_config"]
     assert t5["decoder_moe"] is None and t5["moe"] == SMOKE_MOE
     assert T5Config.from_dict(t5).moe == model.module.config.moe
     config = model.module.config

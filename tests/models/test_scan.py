@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec
 
 from moe_jax import param_paths
 from moe_jax.analysis import counterfactual, languages
-from moe_jax.commands import evaluate, export
+from moe_jax.commands import evaluate
+from moe_jax.interop import export_format
 from moe_jax.models import layer_stacking
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, layer_groups
@@ -297,10 +298,10 @@ def test_exports_and_router_readers_see_the_layers_of_a_scanned_model():
     what it gives for the same parameters unrolled."""
     _, _, variables, converted = _pair(True)
     params, flat = variables["params"], converted["params"]
-    arrays = export.arrays_for_export(params)
-    _close(arrays, export.arrays_for_export(flat), rtol=0, atol=0)
+    arrays = export_format.arrays_for_export(params)
+    _close(arrays, export_format.arrays_for_export(flat), rtol=0, atol=0)
     abstract = jax.eval_shape(lambda: params)
-    _close(export.params_from_export(arrays, abstract, "test"), params, rtol=0, atol=0)
+    _close(export_format.params_from_export(arrays, abstract, "test"), params, rtol=0, atol=0)
     assert "encoder/layers_3/mlp/router/router_weights/w/kernel" in arrays
     initial = {
         name: np.asarray(leaf) * 0.5 for name, leaf in param_paths.router_params(params).items()

@@ -10,7 +10,7 @@ import gin
 from safetensors.numpy import load_file
 
 from moe_jax import cli
-from moe_jax.commands import export
+from moe_jax.interop import export_format
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import HashRouterConfig, TopKRouterConfig
 
@@ -56,12 +56,12 @@ def test_decoder_with_its_own_router_trains_evaluates_and_exports(tmp_path):
     assert metrics["moe/encoder/layers_1/router_z_loss"] > 0 and metrics["loss"] > 0
 
     assert cli.main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
-    exported = json.loads((out / export.CONFIG_JSON).read_text())["t5_config"]
+    exported = json.loads((out / export_format.CONFIG_JSON).read_text())["t5_config"]
     assert (exported["moe"]["router"]["type"], exported["decoder_moe"]["router"]["type"]) == (
         "top_k",
         "hash",
     )
     assert T5Config.from_dict(exported) == config
-    arrays = load_file(out / export.WEIGHTS_FILE)
+    arrays = load_file(out / export_format.WEIGHTS_FILE)
     assert "encoder/layers_1/mlp/router/router_weights/w/kernel" in arrays
     assert not any(n.startswith("decoder/") and "/router/" in n for n in arrays)  # hash: no weights

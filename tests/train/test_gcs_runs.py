@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from moe_jax import cli, errors, storage
-from moe_jax.commands import export
+from moe_jax.interop import export_format
 from moe_jax.runtime import checkpoint_checks, checkpoints, run_config, run_lock
 from moe_jax.runtime.event_files import unpack_records
 from moe_jax.runtime.metrics import read_metrics
@@ -178,7 +178,7 @@ def test_gcs_run_reads_like_its_local_copy(tmp_path, gcs_dir, capsys):
         outputs[name] = {
             "eval": _eval_numbers(f"{out}/eval"),
             "infer": storage.read_text(f"{out}/infer.jsonl"),
-            "export": export.safetensors_arrays(f"{out}/export/model.safetensors"),
+            "export": export_format.safetensors_arrays(f"{out}/export/model.safetensors"),
             "imported": [np.asarray(x) for x in jax.tree.leaves(params_at(f"{out}/imported", 3))],
             "positions": sorted(storage.listdir(f"{out}/positions")),
         }

@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from moe_jax import cli, param_paths
-from moe_jax.commands import export
 from moe_jax.data import sources, vocab
+from moe_jax.interop import export_format
 from moe_jax.runtime import checkpoints, router_init
 from moe_jax.runtime.run_dir import RunDir
 
@@ -111,8 +111,8 @@ def _params(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
 def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_path, capsys):
     out, back = tmp_path / "export", tmp_path / "imported"
     assert cli.main(["export", f"--checkpoint={text_run}", f"--out={out}"]) == 0
-    arrays = load_file(out / export.WEIGHTS_FILE)
-    config = json.loads((out / export.CONFIG_JSON).read_text())
+    arrays = load_file(out / export_format.WEIGHTS_FILE)
+    config = json.loads((out / export_format.CONFIG_JSON).read_text())
     # T5X/Flaxformer names and layouts (size_tiny: d_model 32, 4 heads x 8, 4 experts, d_ff 64)
     assert arrays["encoder/layers_0/attention/query/kernel"].shape == (32, 32)
     assert arrays["decoder/layers_1/encoder_decoder_attention/out/kernel"].shape == (32, 32)
@@ -121,11 +121,11 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert arrays["decoder/decoder_norm/scale"].shape == (32,)
     assert set(arrays) == set(config["arrays"]) and config["step"] == STEPS
     assert config["t5_config"]["moe"]["num_experts"] == 4 and config["t5_config"]["emb_dim"] == 32
-    assert config["version"] == export.FORMAT_VERSION == 2 and config["routing"] == {
+    assert config["version"] == export_format.FORMAT_VERSION == 2 and config["routing"] == {
         "router_mode": "learned"
     }
     # the initial routers, under the routers' exported names, beside the model
-    initial = load_file(out / export.ROUTER_INIT_FILE)
+    initial = load_file(out / export_format.ROUTER_INIT_FILE)
     assert (
         sorted(initial)
         == config["router_init"]["arrays"]
@@ -137,13 +137,18 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     )  # trained
 
     # self-contained: the vocabulary travels with the export, config.json names no local path
-    assert (out / export.VOCAB_FILE).read_bytes() == vocab.EMBEDDED_SPM.read_bytes()
-    assert config["vocabulary"]["file"] == export.VOCAB_FILE and "path" not in config["vocabulary"]
+    assert (out / export_format.VOCAB_FILE).read_bytes() == vocab.EMBEDDED_SPM.read_bytes()
+    assert (
+        config["vocabulary"]["file"] == export_format.VOCAB_FILE
+        and "path" not in config["vocabulary"]
+    )
     moved = tmp_path / "moved_export"
     out.rename(moved)
     assert cli.main(["import", f"--export={moved}", f"--model_dir={back}"]) == 0
-    assert (back / export.VOCAB_FILE).read_bytes() == (moved / export.VOCAB_FILE).read_bytes()
-    assert f"vocab.get_vocabulary.path = {str(back / export.VOCAB_FILE)!r}" in (
+    assert (back / export_format.VOCAB_FILE).read_bytes() == (
+        moved / export_format.VOCAB_FILE
+    ).read_bytes()
+    assert f"vocab.get_vocabulary.path = {str(back / export_format.VOCAB_FILE)!r}" in (
         (back / "config.gin").read_text().splitlines()
     )
     original, imported = _params(text_run), _params(back)
@@ -201,4 +206,4 @@ def test_export_of_an_unreadable_checkpoint_says_so(text_run, tmp_path, capsys):
     assert cli.main(["export", f"--checkpoint={broken}", f"--out={tmp_path / 'out'}"]) == 1
     err = capsys.readouterr().err
     assert f"cannot read the checkpoint at '{broken}'" in err
-    assert not (tmp_path / "out" / export.WEIGHTS_FILE).exists()
+    assert not (tmp_path / "out" / export_format.WEIGHTS_FILE).exists()

@@ -214,7 +214,7 @@ def test_two_processes_export_what_one_process_exports(tmp_path):
     half of every expert kernel, the export gathers them, and process 0 alone writes."""
     from safetensors.numpy import load_file
 
-    from moe_jax.commands import export
+    from moe_jax.interop import export_format
 
     run = tmp_path / "run"
     code, out = finish(start(run, "--gin.TRAIN_STEPS=1", "--gin.NUM_EXPERTS=8"))
@@ -240,15 +240,17 @@ def test_two_processes_export_what_one_process_exports(tmp_path):
     assert code == 0, out[-3000:]
     assert not (tmp_path / "two_1").exists()  # only process 0 writes
     one, two = tmp_path / "one", tmp_path / "two_0"
-    for name in (export.WEIGHTS_FILE, export.ROUTER_INIT_FILE):
+    for name in (export_format.WEIGHTS_FILE, export_format.ROUTER_INIT_FILE):
         a, b = load_file(one / name), load_file(two / name)
         assert a.keys() == b.keys()
         for key in a:
             np.testing.assert_array_equal(b[key], a[key], err_msg=key)
     assert (
-        load_file(one / export.WEIGHTS_FILE)["encoder/layers_1/mlp/expert/wi_0/kernel"].shape[0]
+        load_file(one / export_format.WEIGHTS_FILE)[
+            "encoder/layers_1/mlp/expert/wi_0/kernel"
+        ].shape[0]
         == 8
     )
-    assert json.loads((one / export.CONFIG_JSON).read_text()) == json.loads(
-        (two / export.CONFIG_JSON).read_text()
+    assert json.loads((one / export_format.CONFIG_JSON).read_text()) == json.loads(
+        (two / export_format.CONFIG_JSON).read_text()
     )
