@@ -19,13 +19,16 @@ import seqio
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from moe_jax.data.preprocessors import plain_tf
+
 _HASH_BUCKETS = 10_000  # held-out validation resolution: fractions in steps of 1e-4
 Groups = tuple[tuple[str, tuple[str, ...]], ...]  # sources.Groups: ((label, (pattern, ...)), ...)
 SplitFiles = tuple[tuple[str, tuple[str, ...]], ...]  # ((split, (file, ...)), ...)
 
 
+@plain_tf
 def _read_text_lines(path: tf.Tensor) -> tf.data.Dataset:
-    return tf.data.TextLineDataset(path).map(lambda line: {"text": line})
+    return tf.data.TextLineDataset(path).map(plain_tf(lambda line: {"text": line}))
 
 
 def _count_lines(paths: Sequence[str]) -> int:
@@ -157,11 +160,13 @@ class TextFilesSource(seqio.TextLineDataSource):
             cut = round(self._validation_fraction * _HASH_BUCKETS)
             held_out = split == "validation"
             ds = ds.filter(
-                lambda line: tf.equal(
-                    tf.strings.to_hash_bucket_fast(line, _HASH_BUCKETS) < cut, held_out
+                plain_tf(
+                    lambda line: tf.equal(
+                        tf.strings.to_hash_bucket_fast(line, _HASH_BUCKETS) < cut, held_out
+                    )
                 )
             )
-        return ds.map(lambda line: {"text": line}, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds.map(plain_tf(lambda line: {"text": line}), num_parallel_calls=tf.data.AUTOTUNE)
 
 
 @functools.lru_cache(maxsize=256)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import seqio
 import tensorflow as tf
 
-from moe_jax.data.preprocessors import split_tokens
+from moe_jax.data.preprocessors import plain_tf, split_tokens
 
 NOISE_DENSITY = 0.15
 MEAN_NOISE_SPAN_LENGTH = 3.0
@@ -170,6 +170,7 @@ def span_corruption(
     vocabulary = output_features["targets"].vocabulary
 
     @seqio.map_over_dataset(num_seeds=2)
+    @plain_tf
     def _corrupt(x: Mapping[str, tf.Tensor], seeds: tf.Tensor) -> dict[str, tf.Tensor]:
         tokens = x["targets"]
         mask = random_spans_noise_mask(

@@ -105,6 +105,7 @@ class GinVocabulary(seqio.Vocabulary):
     def decode(self, ids: Iterable[int]) -> str:
         return self.resolved.decode(ids)
 
+    @preprocessors.plain_tf
     def encode_tf(self, s: tf.Tensor) -> tf.Tensor:
         return self.resolved.encode_tf(s)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import unicodedata
@@ -167,3 +168,27 @@ def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
     # span corruption: targets open with <extra_id_0>
     sentinel = vocab.get_vocabulary().vocab_size - 1
     np.testing.assert_array_equal(batch["decoder_target_tokens"][:, 0], sentinel)
+
+
+@pytest.mark.parametrize(
+    "task, expected",
+    [("mc4_span_corruption", "9bf919bbbf6b21e1"), ("mc4_prefix_lm", "1f1373ddd707df66")],
+)
+def test_streams_are_the_batches_they_were_with_autograph(task, expected):
+    """The project's tf.data functions are traced without autograph's conversion
+    (``preprocessors.plain_tf``): the first batches of both objectives are byte for byte
+    those of the pipeline whose functions autograph converted (digests taken from it)."""
+    it = pipeline.TrainIterator(
+        task,
+        LENGTHS,
+        batch_size=4,
+        seed=0,
+        shard_info=seqio.ShardInfo(0, 1),
+        shuffle_buffer_size=128,
+    )
+    digest = hashlib.sha256()
+    with it:
+        for batch in _take(it, 3):
+            for name in sorted(batch):
+                digest.update(name.encode() + np.ascontiguousarray(batch[name]).tobytes())
+    assert digest.hexdigest()[:16] == expected
