@@ -12,6 +12,8 @@ Modules, one job each:
   optimizers     optax optimizers and learning-rate schedules from gin
   model_protocol the Model protocol: what the runtime and the commands call on a model
   train_state    the train state pytree (step, params, optimizer state, RNG)
+  compute_copies the parameters' low-precision copies the train step reads and the update
+                 writes (which ones: read from the loss's jaxpr)
   builders       what every command builds the same way: run context, sharded state
                  layout, jitted steps, dataset configs, a restored model (reads no gin)
   configured     what gin chooses for a run (mesh and rules, optimizer, router and bias
