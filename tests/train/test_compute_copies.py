@@ -15,7 +15,15 @@ from flax import traverse_util
 
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder
-from moe_jax.runtime import builders, checkpoints, configured, gin_flags, gin_utils, steps
+from moe_jax.runtime import (
+    builders,
+    checkpoints,
+    compute_copies,
+    configured,
+    gin_flags,
+    gin_utils,
+    steps,
+)
 from moe_jax.runtime.run_dir import RunDir
 from tests.models.conftest import random_batch
 
@@ -133,3 +141,31 @@ def test_checkpoints_hold_no_copies_and_restore_makes_them(bf16, tmp_path):
     _, m_restored = run.jitted_train_step(restored, batch)
     _, m_saved = run.jitted_train_step(state, batch)
     assert float(m_restored["loss"]) == float(m_saved["loss"])
+
+
+def test_read_as_copies_casts_what_is_only_read_cast_and_keeps_the_rest():
+    """A weight read cast to bfloat16 twice gets a copy; one also read in float32, one
+    never cast and an integer table do not."""
+
+    def fn(p, x):
+        y = x @ p["w"].astype(jnp.bfloat16) + x @ p["w"].astype(jnp.bfloat16)
+        mixed = x.astype(jnp.float32) @ p["mixed"] + (x @ p["mixed"].astype(x.dtype))
+        return y.astype(jnp.float32) + mixed + p["bias"] + p["ids"].astype(jnp.float32)
+
+    params = {
+        "w": jnp.ones((4, 4)),
+        "mixed": jnp.ones((4, 4)),
+        "bias": jnp.ones((4,)),
+        "ids": jnp.ones((4,), jnp.int32),
+    }
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    assert compute_copies.compute_dtypes(fn, params, x) == {"w": jnp.dtype(jnp.bfloat16)}
+    read = compute_copies.read_as_copies(fn, params, x)
+    assert {k: v.dtype for k, v in read.items()} == {
+        "w": jnp.bfloat16,
+        "mixed": jnp.float32,
+        "bias": jnp.float32,
+        "ids": jnp.int32,
+    }
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    assert compute_copies.read_as_copies(fn, abstract, x)["w"].dtype == jnp.bfloat16
