@@ -27,7 +27,8 @@ Hugging Face tensors (``nn.Linear`` weights ``[out, in]``) -> export names (kern
 
 (``{s}``: ``encoder`` or ``decoder``; ``{f}``: the feed-forward sublayer, 1 in the encoder
 and 2 in the decoder.) Transposes are exact, so a round trip is bit for bit. Weights are
-read with ``safetensors.numpy``: no torch.
+read with ``safetensors`` into NumPy (bfloat16 and float8 as ``ml_dtypes``' types,
+:func:`load_safetensors`) and converted to float32: no torch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import ml_dtypes
 import numpy as np
 
 from moe_jax import storage
@@ -63,6 +65,21 @@ _ALIASES = (
 )
 
 Kind = Literal["copy", "transpose", "experts"]
+# safetensors dtype -> NumPy dtype (``safetensors.numpy`` reads neither bfloat16 nor float8)
+_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 class HfError(UserError, ValueError):
@@ -120,6 +137,32 @@ def architecture(config: Mapping[str, Any], where: str) -> str:
     return str(names[0])
 
 
+def load_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file (its bytes) as a NumPy array of the file's dtype,
+    bfloat16 (most released mT5 / Switch folders) and float8 as ``ml_dtypes``' types.
+
+    Raises:
+      HfError: ``where`` (the file) and why: the file is not safetensors, or a tensor's
+        dtype (named) is not one of :data:`_DTYPES`.
+    """
+    from safetensors import SafetensorError, deserialize
+
+    try:
+        views = deserialize(data)
+    except SafetensorError as err:
+        raise HfError(f"{where}: {err}") from None
+    arrays = {}
+    for name, view in views:
+        if view["dtype"] not in _DTYPES:
+            raise HfError(
+                f"{where}: tensor {name!r} has dtype {view['dtype']}; moe-jax reads "
+                f"{', '.join(_DTYPES)}"
+            )
+        dtype = np.dtype(_DTYPES[view["dtype"]])
+        arrays[name] = np.frombuffer(view["data"], dtype).reshape(view["shape"])
+    return arrays
+
+
 def read_folder(path: str) -> Folder:
     """``config.json``, every tensor (``model.safetensors``, or the shards a
     ``model.safetensors.index.json`` lists) and ``spiece.model`` of a model folder.
@@ -127,9 +170,6 @@ def read_folder(path: str) -> Folder:
     Raises:
       HfError: naming the file that is missing or unreadable.
     """
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     config_path = storage.join(path, CONFIG_JSON)
     if not storage.exists(config_path):
         raise HfError(f"--hf={path}: {config_path} does not exist (not a Hugging Face model?)")
@@ -154,9 +194,10 @@ def read_folder(path: str) -> Folder:
     for name in files:
         file = storage.join(path, name)
         try:
-            arrays.update(load(storage.read_bytes(file)))
-        except (SafetensorError, OSError) as err:
+            data = storage.read_bytes(file)
+        except OSError as err:
             raise HfError(f"--hf={path}: cannot read {file}: {err}") from None
+        arrays.update(load_safetensors(data, f"--hf={path}: cannot read {file}"))
     spiece = storage.join(path, SPIECE)
     return Folder(path, config, arrays, spiece if storage.exists(spiece) else None)
 
@@ -248,8 +289,8 @@ def t5_config(folder: Folder) -> T5Config:
 def switch_moe_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The MoE layers of a Switch ``config.json`` (as ``MoeConfig.to_dict`` gives them): top-1
     softmax routing (with the router bias, jitter), a fixed expert capacity per sequence,
-    ReLU experts, the router losses' coefficients as the auxiliary losses' weights and the
-    load balance measured per sequence, as transformers measures it."""
+    ReLU experts, and transformers' router losses (``router_losses='hf_stack'``: per stack
+    and sequence, ``losses.hf_stack_losses``) weighted by its coefficients."""
     return {
         "num_experts": int(config.get("num_experts", 8)),
         "d_ff": int(config["d_ff"]),
@@ -269,6 +310,7 @@ def switch_moe_config(config: Mapping[str, Any]) -> dict[str, Any]:
             "load_balancing_loss_weight": float(config.get("router_aux_loss_coef", 1e-3)),
             "router_z_loss_weight": float(config.get("router_z_loss_coef", 1e-3)),
             "balance_scope": "sequence",
+            "router_losses": "hf_stack",
         },
     }
 

@@ -16,8 +16,14 @@ from jax.extend import core as jax_core
 
 from moe_jax import param_paths
 from moe_jax.models import accounting, decoding, layer_stacking, losses
-from moe_jax.models.t5 import EncoderDecoder
-from moe_jax.moe.collections import AUX_LOSS_COLLECTION, BIAS_COLLECTION, MOE_METRICS_COLLECTION
+from moe_jax.models.t5 import EncoderDecoder, T5Config
+from moe_jax.moe import losses as moe_losses
+from moe_jax.moe.collections import (
+    AUX_LOSS_COLLECTION,
+    BIAS_COLLECTION,
+    MOE_METRICS_COLLECTION,
+    ROUTER_STACK_COLLECTION,
+)
 
 Batch = Mapping[str, jax.Array]
 InputShapes = Mapping[str, tuple[int, ...]]
@@ -59,6 +65,27 @@ def _collection_by_path(tree: Any) -> dict[tuple[str, ...], jax.Array]:
         names = tuple(param_paths.path_name(path, skip_indices=True).split("/"))
         out.setdefault(names, []).append(jnp.asarray(leaf, jnp.float32))
     return {k: sum(v[1:], v[0]) / len(v) for k, v in out.items()}
+
+
+def stack_router_losses(config: T5Config, sums: Any) -> dict[str, dict[str, jax.Array]]:
+    """``{stack: {loss name: unweighted value}}``: Hugging Face's router losses
+    (``losses.hf_stack_losses``) of each stack whose MoE layers sowed their
+    ``router_stack`` sums (``AuxLossConfig.router_losses='hf_stack'``); 0, as transformers
+    gives, for a stack whose every layer is sparse (its ``sparse_step`` is 1)."""
+    by_layer: dict[tuple[str, ...], dict[str, jax.Array]] = {}
+    for path, value in _collection_by_path(sums).items():
+        by_layer.setdefault(path[:-1], {})[path[-1]] = value
+    out = {}
+    for stack in ("encoder", "decoder"):
+        layers = [value for path, value in by_layer.items() if path[0] == stack]
+        depth = config.num_encoder_layers if stack == "encoder" else config.num_decoder_layers
+        if not layers:
+            continue
+        if len(config.sparse_layers(stack)) == depth:
+            out[stack] = dict.fromkeys(moe_losses.HF_STACK_LOSSES, jnp.zeros((), jnp.float32))
+        else:
+            out[stack] = moe_losses.hf_stack_losses(layers)
+    return out
 
 
 def initialising_module(module: nn.Module) -> nn.Module:
@@ -123,6 +150,12 @@ class EncoderDecoderModel:
         self.z_loss = z_loss
         self.loss_normalizing_factor = loss_normalizing_factor
         self._init_programs: dict[tuple[Any, ...], InitProgram] = {}
+
+    @property
+    def vocabulary_source(self) -> Any:
+        """The vocabulary as given: a vocabulary, a vocab size, or the function returning
+        one (not called here)."""
+        return self._vocabulary
 
     @functools.cached_property
     def vocabulary(self) -> Any:
@@ -240,7 +273,12 @@ class EncoderDecoderModel:
             *(batch.get(k) for k in FEATURES[4:]),
             enable_dropout=enable_dropout,
             rngs=rngs,
-            mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, *updated],
+            mutable=[
+                AUX_LOSS_COLLECTION,
+                MOE_METRICS_COLLECTION,
+                ROUTER_STACK_COLLECTION,
+                *updated,
+            ],
         )
         return cast(tuple[jax.Array, dict[str, Any]], out)  # with mutable: (output, collections)
 
@@ -265,6 +303,14 @@ class EncoderDecoderModel:
             value = jnp.sum(loss)
             aux_total = aux_total + value
             metrics[path[-1]] = metrics.get(path[-1], 0.0) + value
+        config = self.module.config
+        stacks = stack_router_losses(config, state.get(ROUTER_STACK_COLLECTION, {}))
+        for stack, values in stacks.items():  # AuxLossConfig.router_losses='hf_stack'
+            coefficients = config.moe_config(stack).losses.weights()
+            for name, value in values.items():
+                aux_total = aux_total + coefficients[name] * value
+                metrics[name] = metrics.get(name, 0.0) + coefficients[name] * value
+                metrics[f"{stack}_{name}"] = value
         for path, value in _collection_by_path(state.get(MOE_METRICS_COLLECTION, {})).items():
             metrics["moe/" + "/".join(p for p in path if p not in ("ffn", "moe"))] = value
         metrics["aux_loss"] = aux_total
@@ -289,7 +335,9 @@ class EncoderDecoderModel:
 
         Metrics (per step, already normalised): ``loss`` (= ``cross_entropy`` + ``z_loss``
         + ``aux_loss``), ``cross_entropy``, ``z_loss``, ``aux_loss`` and each sown aux loss
-        by name summed over layers, ``accuracy`` (weighted token accuracy),
+        by name summed over layers (with ``AuxLossConfig.router_losses='hf_stack'`` the
+        weighted stack losses, and each stack's unweighted ones as
+        ``<encoder|decoder>_<loss name>``), ``accuracy`` (weighted token accuracy),
         ``num_tokens`` (sum of loss weights), and every sown MoE metric per layer as
         ``moe/<encoder|decoder>/layers_<i>/<name>`` (``expert_load`` is ``[num_experts]``).
         """

@@ -8,6 +8,10 @@ from __future__ import annotations
 AUX_LOSS_COLLECTION = "aux_loss"
 # Sown: the unweighted auxiliary losses and the routing statistics (``losses.py``).
 MOE_METRICS_COLLECTION = "moe_metrics"
+# Sown with ``AuxLossConfig.router_losses='hf_stack'``: each MoE layer's per-sequence sums of
+# its router logits (``losses.sequence_router_sums``); the model forms each stack's losses
+# from them (``losses.hf_stack_losses``).
+ROUTER_STACK_COLLECTION = "router_stack"
 # State, not a parameter: the auxiliary-loss-free balancing bias ``[experts]`` of
 # ``TopKRouterConfig.bias_update_rate`` (``selection.py``), updated by the training forward pass.
 BIAS_COLLECTION = "router_bias"

@@ -37,6 +37,7 @@ from moe_jax.moe.options import (
     CAPACITY_RULES,
     DISPATCHES,
     GROUPED_MATMUL_OPTIONS,
+    ROUTER_LOSSES,
     SCORE_FUNCTIONS,
     Activation,
     BalanceScope,
@@ -45,6 +46,7 @@ from moe_jax.moe.options import (
     CapacityRule,
     DispatchOption,
     GroupedMatmulOption,
+    RouterLosses,
     RouterType,
     ScoreFunction,
 )
@@ -445,6 +447,12 @@ class AuxLossConfig:
         global batch of a step; the default), ``group`` (each routing group, the loss
         averaged over groups, as T5X / Flaxformer) or ``sequence`` (each row of the batch,
         averaged over rows: Megatron's ``seq_aux_loss``).
+      router_losses: ``per_layer`` (the default): each MoE layer's load-balancing and z-loss
+        over its real tokens, summed over layers; ``hf_stack``: Hugging Face Switch
+        Transformers' definitions (``losses.hf_stack_losses``), computed once per stack
+        over the router logits of all its sparse layers (``balance_scope`` unused), with
+        the two weights as ``router_aux_loss_coef`` / ``router_z_loss_coef``. Needs a
+        top-1 softmax ``TopKRouterConfig``.
     """
 
     load_balancing_loss_weight: float = 1e-2
@@ -453,9 +461,11 @@ class AuxLossConfig:
     load_loss_weight: float = 0.0
     entropy_loss_weight: float = 0.0
     balance_scope: BalanceScope = "batch"
+    router_losses: RouterLosses = "per_layer"
 
     def __post_init__(self) -> None:
         _check_choice("AuxLossConfig.balance_scope", self.balance_scope, BALANCE_SCOPES)
+        _check_choice("AuxLossConfig.router_losses", self.router_losses, ROUTER_LOSSES)
 
     def weights(self) -> dict[str, float]:
         """``{loss name: weight}`` (names of ``moe.losses.auxiliary_losses``)."""
@@ -552,10 +562,27 @@ class MoeConfig:
                 "MoeConfig.num_shared_experts: shared experts are for token-choice routers; "
                 f"with {type(router).__name__} experts already take any number of tokens"
             )
+        self._check_hf_stack()
         if self.capacity.dropless and not router.token_choice:
             raise ValueError(
                 "CapacityConfig.dropless=True needs a token-choice router, "
                 f"not {type(router).__name__}"
+            )
+
+    def _check_hf_stack(self) -> None:
+        """``router_losses='hf_stack'`` is defined for top-1 softmax routing (transformers
+        counts each token's argmax expert)."""
+        router = self.router
+        if self.losses.router_losses == "hf_stack" and not (
+            router.router_type == "top_k"
+            and getattr(router, "score_function", "softmax") == "softmax"
+            and self.choices_per_token == 1
+        ):
+            raise ValueError(
+                "AuxLossConfig.router_losses='hf_stack' is Switch Transformers' top-1 softmax "
+                f"routing: it needs TopKRouterConfig(num_selected_experts=1, score_function="
+                f"'softmax') and expert_granularity=1, not {router!r} with expert_granularity="
+                f"{self.expert_granularity}"
             )
 
     @property

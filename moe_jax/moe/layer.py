@@ -4,7 +4,9 @@
 d_model]`` -> router -> dispatch into expert buffers -> experts -> combine ->
 ``[batch, length, d_model]``. Dropped tokens get a zero output: the model's residual
 connection carries them through. Auxiliary losses are sown, already weighted, into the
-``aux_loss`` collection; statistics and the unweighted losses into ``moe_metrics``.
+``aux_loss`` collection; statistics and the unweighted losses into ``moe_metrics``; with
+``AuxLossConfig.router_losses='hf_stack'`` the load-balancing and z-losses are the stack's
+(the model's), and the layer sows its share into ``router_stack`` instead.
 Opt-in, only when the caller makes the ``routing`` collection mutable (never in training):
 per-token routing for analyses (moe_jax/analysis), see :meth:`MoeLayer._sow_routing`. The
 collections' names are the constants of ``collections.py``.
@@ -25,6 +27,7 @@ from moe_jax.moe import losses
 from moe_jax.moe.collections import (
     AUX_LOSS_COLLECTION,
     MOE_METRICS_COLLECTION,
+    ROUTER_STACK_COLLECTION,
     ROUTING_COLLECTION,
 )
 from moe_jax.moe.config import MoeConfig
@@ -150,6 +153,7 @@ class MoeLayer(nn.Module):
         self._sow_losses_and_metrics(
             router_output, mask, kept, self._balance_units(router_output, mask, batch, length)
         )
+        self._sow_stack_sums(router_output.logits, batch, length)
         y = cap.from_groups(y, num_tokens).reshape(batch, length, d_model)
         if cfg.num_shared_experts:
             y = y + SharedExperts(
@@ -298,6 +302,17 @@ class MoeLayer(nn.Module):
             cap.from_groups(a, num_tokens).reshape((batch, length, *a.shape[2:])) for a in arrays
         )
 
+    def _sow_stack_sums(self, logits: Array, batch: int, length: int) -> None:
+        """With ``AuxLossConfig.router_losses='hf_stack'``: sows this layer's per-sequence
+        sums of its router logits, every position included
+        (``losses.sequence_router_sums``), into ``router_stack``, from which the model forms
+        the stack's losses."""
+        if self.config.losses.router_losses != "hf_stack":
+            return
+        logits = cap.from_groups(logits, batch * length).reshape(batch, length, -1)
+        for name, value in losses.sequence_router_sums(logits).items():
+            self.sow(ROUTER_STACK_COLLECTION, name, value)
+
     def _sow_losses_and_metrics(
         self,
         router_output: RouterOutput,
@@ -313,6 +328,8 @@ class MoeLayer(nn.Module):
             routed = router_output.routing.expert_index < self.config.routed_experts
             dropped = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1)
         weights = self.config.losses.weights()
+        if self.config.losses.router_losses == "hf_stack":  # the model adds the stack's
+            weights.update(dict.fromkeys(losses.HF_STACK_LOSSES, 0.0))
         for name, value in losses.auxiliary_losses(router_output, mask, balance_units).items():
             if weights[name]:
                 self.sow(AUX_LOSS_COLLECTION, name, weights[name] * value)

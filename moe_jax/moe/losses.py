@@ -1,11 +1,14 @@
 """Auxiliary routing losses and routing statistics (unweighted; the layer applies the
-gin weights). All averages run over real tokens only (``padding_mask`` 1) of all groups.
+gin weights). All averages run over real tokens only (``padding_mask`` 1) of all groups,
+except Hugging Face's stack losses (:func:`hf_stack_losses`), which count every position.
 
 Shapes: ``probs``, ``logits``, ``assigned``, ``gates`` are ``[groups, tokens_per_group,
 experts]``; ``padding_mask`` is ``[groups, tokens_per_group]``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,8 @@ from moe_jax.moe.routers import RouterOutput
 
 Array = jax.Array
 _EPS = 1e-9
+# The losses that ``AuxLossConfig.router_losses='hf_stack'`` defines per stack, not per layer.
+HF_STACK_LOSSES = ("load_balancing_loss", "router_z_loss")
 
 
 def _token_mean(values: Array, padding_mask: Array) -> Array:
@@ -56,6 +61,50 @@ def load_balancing_loss_per_unit(probs: Array, assigned: Array, padding_mask: Ar
 def router_z_loss(logits: Array, padding_mask: Array) -> Array:
     """ST-MoE: mean over tokens of ``logsumexp(logits)^2``."""
     return _token_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), padding_mask)
+
+
+def sequence_router_sums(logits: Array) -> dict[str, Array]:
+    """One sparse layer's part of Hugging Face's stack losses (:func:`hf_stack_losses`):
+    float32 ``logits [batch, length, experts]`` of every position, padding included ->
+    ``z_sum [batch]`` (each sequence's sum of ``logsumexp(logits)^2``), ``prob_sum [batch,
+    experts]`` (its sum of the softmax) and ``top1_count [batch, experts]`` (its tokens
+    whose largest logit is each expert's; no gradient)."""
+    top1 = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return {
+        "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)), axis=1),
+        "prob_sum": jnp.sum(jax.nn.softmax(logits, axis=-1), axis=1),
+        "top1_count": jax.lax.stop_gradient(jnp.sum(top1, axis=1)),
+    }
+
+
+def hf_stack_losses(layer_sums: Sequence[Mapping[str, Array]]) -> dict[str, Array]:
+    """Hugging Face Switch Transformers' router losses of one stack (unweighted), from the
+    :func:`sequence_router_sums` of each of its sparse layers.
+
+    transformers (``SwitchTransformersForConditionalGeneration.forward``) concatenates the
+    layers' logits ``[batch, length, experts]`` along the length into ``[batch, n,
+    experts]`` (``n`` = sparse layers x length, padding counted) and computes
+
+    * ``router_z_loss`` (``router_z_loss_func``): the mean of ``logsumexp^2`` over all
+      ``batch x n`` positions;
+    * ``load_balancing_loss`` (``load_balancing_loss_func`` of the softmax and the argmax
+      experts): ``E^2`` times the mean over sequences ``b`` and experts ``e`` of ``f_be
+      P_be``, ``f_be`` the fraction of the sequence's ``n`` positions whose argmax is ``e``
+      (before capacity), ``P_be`` their mean probability of ``e``: ``E sum_e f_be P_be``
+      averaged over sequences.
+    """
+    total = {
+        name: sum((s[name] for s in layer_sums[1:]), layer_sums[0][name])
+        for name in ("z_sum", "prob_sum", "top1_count")
+    }
+    positions = jnp.sum(total["top1_count"], axis=-1)  # n per sequence: one argmax each
+    fraction = total["top1_count"] / positions[:, None]
+    mean_probs = total["prob_sum"] / positions[:, None]
+    num_experts = fraction.shape[-1]
+    return {
+        "load_balancing_loss": num_experts * jnp.mean(jnp.sum(fraction * mean_probs, axis=-1)),
+        "router_z_loss": jnp.sum(total["z_sum"]) / jnp.sum(positions),
+    }
 
 
 def cv_squared(values: Array) -> Array:

@@ -35,6 +35,9 @@ GroupedMatmulOption = Literal[GroupedMatmul, "auto"]
 # ``AuxLossConfig.balance_scope``: the tokens over which the load-balancing loss measures
 # the load (losses.py).
 BalanceScope = Literal["batch", "group", "sequence"]
+# ``AuxLossConfig.router_losses``: where the load-balancing and router z-losses are defined
+# (losses.py): per layer, or per stack as Hugging Face's Switch Transformers.
+RouterLosses = Literal["per_layer", "hf_stack"]
 
 ROUTER_TYPES: tuple[RouterType, ...] = get_args(RouterType)
 ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
@@ -45,3 +48,4 @@ DISPATCHES: tuple[DispatchOption, ...] = get_args(DispatchOption)
 GROUPED_MATMULS: tuple[GroupedMatmul, ...] = get_args(GroupedMatmul)
 GROUPED_MATMUL_OPTIONS: tuple[GroupedMatmulOption, ...] = get_args(GroupedMatmulOption)
 BALANCE_SCOPES: tuple[BalanceScope, ...] = get_args(BalanceScope)
+ROUTER_LOSSES: tuple[RouterLosses, ...] = get_args(RouterLosses)

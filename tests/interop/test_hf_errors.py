@@ -75,7 +75,8 @@ def _switch(**moe) -> T5Config:
 
 
 def test_a_model_switch_transformers_cannot_hold_is_refused_naming_the_option():
-    top2 = _switch(router={"type": "top_k", "num_selected_experts": 2})
+    # top-2 with moe-jax's own losses (transformers' router losses are top-1's)
+    top2 = _switch(router={"type": "top_k", "num_selected_experts": 2}, losses={})
     with pytest.raises(hf.HfError, match="num_selected_experts=2"):
         hf.config_json(top2)
     with pytest.raises(hf.HfError, match=r"MoeConfig\.activation='gated_gelu'"):

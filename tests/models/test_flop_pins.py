@@ -49,7 +49,8 @@ CONFIGS = {
 # the values export format 1 wrote as MoeLayer's gin fields, in the nested form (the
 # options the top_k router lacks, ``num_expert_groups``, ``num_selected_groups`` and
 # ``router_seed``, were at their defaults; the options added since, at theirs: no fixed
-# ``expert_capacity``, no ``group_by_sequence``, ``balance_scope='batch'``, no ``router_bias``).
+# ``expert_capacity``, no ``group_by_sequence``, ``balance_scope='batch'``, no ``router_bias``,
+# ``router_losses='per_layer'``).
 SMOKE_MOE = {
     "accept_causal_leak": False,
     "activation": "gated_gelu",
@@ -83,6 +84,7 @@ SMOKE_MOE = {
         "importance_loss_weight": 0.0,
         "load_balancing_loss_weight": 0.01,
         "load_loss_weight": 0.0,
+        "router_losses": "per_layer",
         "router_z_loss_weight": 0.0001,
     },
     "num_experts": 4,

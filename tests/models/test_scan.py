@@ -21,7 +21,13 @@ from moe_jax.interop import export_format
 from moe_jax.models import layer_stacking
 from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.models.t5 import EncoderDecoder, layer_groups
-from moe_jax.moe.config import CapacityConfig, MoeConfig, RandomRouterConfig, TopKRouterConfig
+from moe_jax.moe.config import (
+    AuxLossConfig,
+    CapacityConfig,
+    MoeConfig,
+    RandomRouterConfig,
+    TopKRouterConfig,
+)
 from moe_jax.runtime import builders, checkpoints, configured, routing, train_state
 from moe_jax.runtime.run_dir import RunDir
 from tests.models.conftest import random_batch, tiny_config
@@ -198,6 +204,52 @@ def test_scanned_model_gives_the_unrolled_loss_gradients_and_state(moe):
         predict(scanned, variables["params"], state),
         predict(unrolled, converted["params"], ref_state),
     )
+
+
+def test_hf_stack_router_losses_of_a_scanned_model_are_the_unrolled_ones():
+    """``router_losses='hf_stack'``: each stack's losses come from its sparse layers' sums,
+    read per layer from a scan's stacked collection as from unrolled layers."""
+    moe = MoeConfig(
+        num_experts=4,
+        d_ff=32,
+        activation="relu",
+        router=TopKRouterConfig(num_selected_experts=1),
+        capacity=CapacityConfig(group_size=8),
+        losses=AuxLossConfig(router_losses="hf_stack"),
+    )
+    models = [
+        EncoderDecoderModel(
+            EncoderDecoder(
+                tiny_config(
+                    num_encoder_layers=4,
+                    num_decoder_layers=4,
+                    num_sparse_encoder_layers=2,
+                    num_sparse_decoder_layers=2,
+                    scan_layers=scan,
+                    scan_min_layers=2,
+                    moe=moe,
+                )
+            )
+        )
+        for scan in (True, False)
+    ]
+    variables = nn.unbox(models[0].get_initial_variables(jax.random.key(0), SHAPES))
+    batch = random_batch(1, *SHAPES["encoder_input_tokens"], SHAPES["decoder_input_tokens"][1])
+    unstacked = layer_stacking.unstack_layers(variables)["params"]
+    scanned = jax.jit(models[0].eval_fn)(variables["params"], batch)
+    unrolled = jax.jit(models[1].eval_fn)(unstacked, batch)
+    names = [
+        f"{s}_{n}" for s in ("encoder", "decoder") for n in ("router_z_loss", "load_balancing_loss")
+    ]
+    assert all(float(scanned[name]) > 0 for name in names)
+    _close({n: scanned[n] for n in names}, {n: unrolled[n] for n in names})
+    weights = moe.losses
+    expected = sum(
+        weights.router_z_loss_weight * scanned[f"{s}_router_z_loss"]
+        + weights.load_balancing_loss_weight * scanned[f"{s}_load_balancing_loss"]
+        for s in ("encoder", "decoder")
+    )
+    np.testing.assert_allclose(scanned["aux_loss"], expected, rtol=1e-6)
 
 
 def test_routing_of_a_scanned_model_is_per_layer_as_unrolled():

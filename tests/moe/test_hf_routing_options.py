@@ -1,18 +1,25 @@
 """The options that place and route MoE layers as Hugging Face's Switch Transformers do:
 the ``switch`` layout and explicit sparse layer lists, the router bias, a fixed expert
-capacity per sequence."""
+capacity per sequence, transformers' router losses (``router_losses='hf_stack'``)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe_jax.models.t5 import T5Config, sparse_layer_indices
 from moe_jax.moe import MoeLayer, TopKRouterConfig
-from moe_jax.moe.config import CapacityConfig
+from moe_jax.moe import losses as moe_losses
+from moe_jax.moe.collections import (
+    AUX_LOSS_COLLECTION,
+    MOE_METRICS_COLLECTION,
+    ROUTER_STACK_COLLECTION,
+)
+from moe_jax.moe.config import AuxLossConfig, CapacityConfig, MoeConfig
 
 from .moe_testlib import SMALL, apply, init_params, make_inputs
 
@@ -96,3 +103,74 @@ def test_fixed_capacity_fills_each_sequence_in_token_order(by_sequence):
 def test_expert_capacity_must_be_positive():
     with pytest.raises(ValueError, match=r"CapacityConfig\.expert_capacity=0 must be >= 1"):
         CapacityConfig(expert_capacity=0)
+
+
+def _hf_reference(layer_logits: list[np.ndarray]) -> tuple[float, float]:
+    """transformers' ``router_z_loss_func`` and ``load_balancing_loss_func`` (of the
+    softmax and the argmax experts) on the layers' logits concatenated along the length
+    (``_unpack_router_logits``), transcribed in float64 NumPy."""
+    logits = np.concatenate(layer_logits, axis=1).astype(np.float64)  # [batch, n, experts]
+    num_groups, tokens_per_group, num_experts = logits.shape
+    top = logits.max(-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    z_loss = np.sum(log_z**2) / (num_groups * tokens_per_group)
+    probs = np.exp(logits - log_z[..., None])
+    expert_mask = np.eye(num_experts)[logits.argmax(-1)]
+    tokens_per_group_and_expert = expert_mask.mean(-2)
+    router_prob_per_group_and_expert = probs.mean(-2)
+    aux = np.mean(tokens_per_group_and_expert * router_prob_per_group_and_expert) * num_experts**2
+    return float(z_loss), float(aux)
+
+
+def test_hf_stack_losses_are_transformers_definitions():
+    rng = np.random.default_rng(0)
+    layers = [rng.normal(0, 2, (3, 7, 4)).astype(np.float32) for _ in range(3)]
+    out = moe_losses.hf_stack_losses(
+        [moe_losses.sequence_router_sums(jnp.asarray(x)) for x in layers]
+    )
+    z_loss, aux = _hf_reference(layers)
+    np.testing.assert_allclose(float(out["router_z_loss"]), z_loss, rtol=1e-6)
+    np.testing.assert_allclose(float(out["load_balancing_loss"]), aux, rtol=1e-6)
+    # one stack of 3 layers is not the mean of the 3 layers' own losses
+    alone = [_hf_reference([x])[1] for x in layers]
+    assert not np.isclose(aux, np.mean(alone), rtol=1e-3)
+
+
+def _hf_stack_layer() -> MoeLayer:
+    return MoeLayer(
+        replace(
+            SMALL,
+            router=TopKRouterConfig(num_selected_experts=1, router_bias=True),
+            capacity=CapacityConfig(expert_capacity=2, group_by_sequence=True),
+            losses=AuxLossConfig(router_losses="hf_stack"),
+        )
+    )
+
+
+def test_hf_stack_layer_sows_sums_of_every_position_instead_of_its_two_losses():
+    layer = _hf_stack_layer()
+    x = make_inputs(batch=3, length=5)
+    mask = jnp.ones((3, 5)).at[1, 3:].set(0).at[2, 1:].set(0)
+    params = init_params(layer, x, padding_mask=mask)
+    collections = [AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION, ROUTER_STACK_COLLECTION]
+    _, state = jax.jit(
+        lambda p: layer.apply({"params": p}, x, padding_mask=mask, mutable=collections)
+    )(params)
+    assert AUX_LOSS_COLLECTION not in state  # the other losses weigh 0
+    assert {"load_balancing_loss", "router_z_loss"} <= set(state[MOE_METRICS_COLLECTION])
+    router = params["router"]["weights"]
+    logits = jnp.einsum("bld,de->ble", x, router["w"]) + router["b"]  # padding included
+    expected = moe_losses.sequence_router_sums(logits)
+    sown = {k: v[0] for k, v in state[ROUTER_STACK_COLLECTION].items()}
+    assert set(sown) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(sown[name], value, rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(sown["top1_count"].sum(-1), [5, 5, 5])
+
+
+def test_hf_stack_needs_top1_softmax_routing():
+    with pytest.raises(ValueError, match=r"router_losses='hf_stack' is Switch Transformers'"):
+        MoeConfig(losses=AuxLossConfig(router_losses="hf_stack"))  # top-2 by default
+    with pytest.raises(ValueError, match=r"AuxLossConfig\.router_losses"):
+        AuxLossConfig(router_losses="hf")
+    assert AuxLossConfig().router_losses == "per_layer"
