@@ -3,8 +3,10 @@
 Every parameter and activation of the project's Flax modules is annotated with *logical*
 axis names (``batch``, ``length``, ``embed``, ``mlp``, ``heads``, ``kv``, ``vocab``,
 ``expert``, ...). A list of rules maps each logical name to a *mesh* axis (``data``,
-``expert``, ``model``) or to ``None`` (replicated). Rules and mesh shape are gin bindings,
-so data, expert and tensor parallelism are all chosen from gin files.
+``expert``, ``model``) or to ``None`` (replicated). Rules and mesh shape are gin bindings
+(``standard_logical_axis_rules.*``; ``make_mesh.*``, which fill ``RunSpec.mesh``:
+:mod:`moe_jax.runtime.configured`), so data, expert and tensor parallelism are all chosen
+from gin files.
 """
 
 from __future__ import annotations
@@ -112,7 +114,6 @@ def standard_logical_axis_rules(
     return tuple(rules)
 
 
-@gin.configurable
 def make_mesh(
     mesh_shape: Sequence[int] = (-1, 1, 1),
     axis_names: Sequence[str] = MESH_AXES,

@@ -20,25 +20,30 @@ that step's update).
 Faults (docs/training.md, "Reliability"): one trainer per ``MODEL_DIR`` (``run_lock``);
 an unreadable latest checkpoint is moved aside and the newest readable one used; a failed
 write anywhere in ``MODEL_DIR`` (a checkpoint, ``metrics.jsonl``, TensorBoard, configs)
-stops the run (exit 74) naming the file and the last good checkpoint; a resumption whose gin
-config differs from the run's (``config.gin``, or the newest ``config.step-N.gin`` an
-accepted change wrote) is refused unless ``--allow_config_change``, and an accepted data
-change is applied (the stream restarts at the resumed step); parameters holding NaN/Inf are
-never saved; a start refused before its first checkpoint leaves no ``MODEL_DIR``;
-``metrics.jsonl`` and TensorBoard records past the restored step are dropped on resume.
+stops the run (exit 74) naming the file and the last good checkpoint; a resumption whose
+run differs from the one recorded (``run.json``, or the newest ``run.step-N.json`` an
+accepted change wrote; compared field by field, :mod:`~moe_jax.runtime.run_record`) is
+refused unless ``--allow_config_change``, and an accepted data change is applied (the
+stream restarts at the resumed step); parameters holding NaN/Inf are never saved; a start
+refused before its first checkpoint leaves no ``MODEL_DIR``; ``metrics.jsonl`` and
+TensorBoard records past the restored step are dropped on resume.
+
+The run itself is one value, built from gin once, at :func:`train`'s start:
+:class:`~moe_jax.runtime.run_spec.RunSpec` (:func:`~moe_jax.runtime.configured.train_spec`
+says which gin name fills which field); the loop reads its settings from it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import gin
 import jax
 import numpy as np
 
@@ -54,8 +59,8 @@ from moe_jax.runtime import (
     gin_utils,
     profiling,
     router_init,
-    run_config,
     run_lock,
+    run_record,
     wandb_logger,
 )
 from moe_jax.runtime.checkpoint_checks import (
@@ -68,6 +73,7 @@ from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.progress import Progress, add_progress_flag
 from moe_jax.runtime.routing_telemetry import ChurnProbe
 from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.run_spec import LoopSpec, RunSpec
 from moe_jax.runtime.throughput import ThroughputMeter, peak_flops_per_device
 from moe_jax.runtime.train_state import TrainState
 
@@ -139,63 +145,15 @@ def _resumed_iterator(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopSettings:
-    """The loop's settings: :func:`train`'s gin parameters of the same names (defaults there).
-
-    Attributes:
-      checkpoint_period: save every N steps and at the end (only those: no step-1
-        checkpoint); keep the last ``keep_checkpoints``.
-      log_period: write the logged step's train metrics and the throughput since the last
-        log every N steps.
-      eval_period: evaluate ``eval_steps`` batches of ``train_eval_dataset_cfg`` every N steps
-        and at the final step ``total_steps``, as T5X does (0: never).
-      accum_steps: gradient accumulation microbatches per step.
-      on_nonfinite: ``'stop'`` (raise naming the step and last good checkpoint) or ``'skip'``.
-        The loss is checked one step late, so a stop comes with the next step already
-        dispatched (never saved: a checkpoint is written only after its step's loss is
-        checked).
-      sync_every_step: fetch every step's metrics and check its loss before dispatching
-        the next step (a synchronous loop: the device idles while the host works;
-        for debugging and as the baseline of ``benchmarks/train_loop.py``).
-      routing_churn: at each evaluation, also route the first eval batch and log per MoE
-        layer the fraction of its tokens whose top-1 expert changed since the previous
-        evaluation (``routing_telemetry.ChurnProbe``).
-      progress: ``'bar'`` (a progress bar), ``'lines'`` (a timestamped line per logged step
-        and evaluation) or ``'auto'``: the bar where stderr is a terminal, else lines
-        (``--progress``; :class:`~moe_jax.runtime.progress.Progress`).
-      profile_steps: ``(first step, count)``: trace those steps on the devices into
-        ``MODEL_DIR/profile`` (:class:`~moe_jax.runtime.profiling.StepProfiler`); None: no
-        trace.
-    """
-
-    total_steps: int
-    random_seed: int
-    checkpoint_period: int
-    keep_checkpoints: int | None
-    async_checkpointing: bool
-    log_period: int
-    eval_period: int
-    eval_steps: int
-    accum_steps: int
-    on_nonfinite: str
-    sync_every_step: bool
-    routing_churn: bool
-    progress: str
-    profile_steps: tuple[int, int] | None = None
-
-
 @dataclasses.dataclass
 class TrainLoop:
     """What the pieces of the loop share: built by :func:`setup_train_loop`, advanced a step
     at a time by :func:`training_loop_iteration`, run to its end by :func:`train_loop`."""
 
-    settings: LoopSettings
+    spec: RunSpec
     run_dir: RunDir
     model: Model
     run: builders.TrainSetup
-    train_cfg: builders.DatasetConfig
-    eval_cfg: builders.DatasetConfig | None
     step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
     eval_fn: Callable[..., Any] | None  # None: no evaluation in the loop
     ckpt: checkpoints.Checkpointer
@@ -224,6 +182,11 @@ class TrainLoop:
     @property
     def ctx(self) -> builders.RunContext:
         return self.run.ctx
+
+    @property
+    def settings(self) -> LoopSpec:
+        """The loop's settings (:class:`~moe_jax.runtime.run_spec.LoopSpec`)."""
+        return self.spec.loop
 
     def close(self) -> None:
         """Stops the stream and the progress bar, waits for the last save (raising its
@@ -255,44 +218,27 @@ class TrainLoop:
 _STOP_AFTER_STEPS: int | None = None
 
 
-@gin.configurable(
-    module="train_script",
-    denylist=["allow_config_change", "command_line_bindings", "progress"],
-)
 def train(
     *,
-    model: Model = gin.REQUIRED,
-    train_dataset_cfg: builders.DatasetConfig = gin.REQUIRED,
-    train_eval_dataset_cfg: builders.DatasetConfig | None = None,
-    model_dir: str = gin.REQUIRED,
-    total_steps: int = gin.REQUIRED,
-    random_seed: int = 0,
-    checkpoint_period: int = 1000,
-    keep_checkpoints: int | None = 3,
-    async_checkpointing: bool = True,
-    log_period: int = 100,
-    eval_period: int = 0,
-    eval_steps: int = 10,
-    accum_steps: int = 1,
-    on_nonfinite: str = "stop",
-    sync_every_step: bool = False,
-    routing_churn: bool = True,
-    profile_steps: tuple[int, int] | None = None,
     allow_config_change: bool = False,
     command_line_bindings: Sequence[str] = (),
     progress: str = "auto",
 ) -> dict[str, Any]:
-    """Trains ``model`` to ``total_steps``, resuming from ``model_dir``'s latest checkpoint:
-    :func:`setup_train_loop`, then :func:`train_loop`, holding the run directory's lock.
-    The loop's settings (``total_steps``, ``checkpoint_period``, ``log_period``, ...) are
-    :class:`LoopSettings`', which says what each does.
+    """Trains the run gin describes (built once, here:
+    :func:`~moe_jax.runtime.configured.train_spec` gives its
+    :class:`~moe_jax.runtime.run_spec.RunSpec` and ``MODEL_DIR``) to ``spec.loop.total_steps``,
+    resuming from ``MODEL_DIR``'s latest checkpoint: :func:`setup_train_loop`, then
+    :func:`train_loop`, holding the run directory's lock. What each loop setting does:
+    :class:`~moe_jax.runtime.run_spec.LoopSpec`.
 
     Args:
-      allow_config_change: resume although the operative gin config differs from the run's
-        config as last accepted (``--allow_config_change``; kept as ``config.step-N.gin``,
+      allow_config_change: resume although the run differs from the one last accepted
+        (``--allow_config_change``; kept as ``run.step-N.json`` and ``config.step-N.gin``,
         which later resumptions compare with).
       command_line_bindings: the command line's gin binding lines; one binding a model
-        config the built model never reads is refused (not a gin parameter).
+        config the built model never reads is refused.
+      progress: ``'bar'``, ``'lines'`` or ``'auto'`` (``--progress``;
+        :class:`~moe_jax.runtime.progress.Progress`).
 
     Returns:
       ``{"step", "losses": {step: loss}, "last_checkpoint", "preempted", "signal", "model_dir",
@@ -301,39 +247,22 @@ def train(
       ``finished``: at ``total_steps`` (a finished run started again: ``losses`` empty).
 
     Raises:
-      WriteFailedError: a write to ``model_dir`` failed; names the file and the last good
+      WriteFailedError: a write to ``MODEL_DIR`` failed; names the file and the last good
         checkpoint.
       Interrupted: a second Ctrl-C (or one before the training loop) stopped the run before
         a checkpoint was saved; names the last checkpoint.
     """
-    settings = LoopSettings(
-        total_steps=total_steps,
-        random_seed=random_seed,
-        checkpoint_period=checkpoint_period,
-        keep_checkpoints=keep_checkpoints,
-        async_checkpointing=async_checkpointing,
-        log_period=log_period,
-        eval_period=eval_period,
-        eval_steps=eval_steps,
-        accum_steps=accum_steps,
-        on_nonfinite=on_nonfinite,
-        sync_every_step=sync_every_step,
-        routing_churn=routing_churn,
-        progress=progress,
-        profile_steps=profiling.check_profile_steps(profile_steps),
-    )
-    _check_loop_settings(settings)
+    spec, model_dir = configured.train_spec()
+    _check_loop_settings(spec.loop)
     run_dir = RunDir(_checked_model_dir(model_dir))
-    _check_total_steps(total_steps, run_dir)
+    _check_total_steps(spec.loop.total_steps, run_dir)
     with _holding(run_dir):
-        if (finished := _finished_run(run_dir, total_steps)) is not None:
+        if (finished := _finished_run(run_dir, spec.loop.total_steps)) is not None:
             return finished
         loop = setup_train_loop(
-            model,
-            train_dataset_cfg,
-            train_eval_dataset_cfg,
+            spec,
             run_dir,
-            settings,
+            progress=progress,
             allow_config_change=allow_config_change,
             command_line_bindings=command_line_bindings,
         )
@@ -341,44 +270,38 @@ def train(
 
 
 def setup_train_loop(
-    model: Model,
-    train_cfg: builders.DatasetConfig,
-    eval_cfg: builders.DatasetConfig | None,
+    spec: RunSpec,
     run_dir: RunDir,
-    settings: LoopSettings,
     *,
+    progress: str = "auto",
     allow_config_change: bool = False,
     command_line_bindings: Sequence[str] = (),
 ) -> TrainLoop:
-    """Builds the run (mesh, sharded state layout, the train step compiled and checked to
-    fit), restores the newest readable checkpoint of ``run_dir`` or initialises, starts the
-    data stream where the checkpoint left it, and records the run's config (refusing a
-    changed one unless ``allow_config_change``); the caller holds the run's lock."""
+    """Builds the run ``spec`` describes (mesh, sharded state layout, the train step
+    compiled and checked to fit), restores the newest readable checkpoint of ``run_dir`` or
+    initialises, starts the data stream where the checkpoint left it, and records the run's
+    config (refusing a changed one unless ``allow_config_change``); the caller holds the
+    run's lock."""
+    settings, train_cfg, eval_cfg = spec.loop, spec.data.train, spec.data.eval
+    model = spec.model.build()
     model.check_vocabulary()
-    ctx = configured.run_context()
+    ctx = spec.mesh.context()
     input_shapes = train_cfg.input_shapes()
-    run = configured.train_setup(
-        model,
-        input_shapes,
-        ctx,
-        seed=settings.random_seed,
-        accum_steps=settings.accum_steps,
-        skip_nonfinite=settings.on_nonfinite == "skip",
-    )
+    run = spec.train_setup(model, ctx)
     _refuse_unread_bindings(command_line_bindings)
     _log("compiling the train step (and checking that it fits)")
     step_fn = aot.check_fits(run, train_cfg, model)  # before any state exists
     ckpt = checkpoints.Checkpointer(
         run_dir,
-        save_period=settings.checkpoint_period,
-        keep=settings.keep_checkpoints,
-        async_save=settings.async_checkpointing,
+        save_period=settings.checkpoint.period,
+        keep=settings.checkpoint.keep,
+        async_save=settings.checkpoint.async_save,
         remove_partial_saves=True,
     )
-    state, meta, latest = _restore_or_init(ckpt, run, settings.random_seed)
+    state, meta, latest = _restore_or_init(ckpt, run, spec.seed)
     _log("starting the data pipeline")
     iterator, restart = _resumed_iterator(train_cfg, meta, latest)
-    _record_run(run_dir, latest or 0, allow_config_change, restart, eval_cfg, settings.eval_steps)
+    _record_run(run_dir, spec, latest or 0, allow_config_change, restart)
     _log(
         f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
         f"{jax.process_count()} process(es), {jax.device_count()} devices"
@@ -389,14 +312,12 @@ def setup_train_loop(
     )
     step = int(jax.device_get(state.step))
     return TrainLoop(
-        settings=settings,
+        spec=spec,
         run_dir=run_dir,
         model=model,
         run=run,
-        train_cfg=train_cfg,
-        eval_cfg=eval_cfg,
         step_fn=step_fn,
-        eval_fn=run.jitted_eval_step if eval_cfg is not None and settings.eval_period else None,
+        eval_fn=run.jitted_eval_step if eval_cfg is not None and settings.eval.period else None,
         ckpt=ckpt,
         iterator=iterator,
         writer=MetricsWriter(
@@ -407,7 +328,7 @@ def setup_train_loop(
             tokens_per_step,
             peak_flops_per_device() * jax.device_count(),
         ),
-        ticker=Progress(step, settings.total_steps, settings.progress),
+        ticker=Progress(step, settings.total_steps, progress),
         preemption=distributed.PreemptionWatcher(),
         profiler=profiling.StepProfiler(settings.profile_steps, run_dir.profile_dir, _log),
         state=state,
@@ -426,7 +347,7 @@ def train_loop(loop: TrainLoop) -> dict[str, Any]:
     """
     try:
         loop.batch = builders.global_batch(
-            builders.first_batch(loop.iterator, loop.train_cfg), loop.ctx
+            builders.first_batch(loop.iterator, loop.spec.data.train), loop.ctx
         )
         while loop.step < loop.end and not loop.preempted:
             training_loop_iteration(loop)
@@ -461,8 +382,8 @@ def training_loop_iteration(loop: TrainLoop) -> None:
     loop.preempted = loop.preemption.reached(loop.step)
     step = loop.step
     log_now = step % s.log_period == 0 or step == loop.end
-    save_now = step % s.checkpoint_period == 0 or step == loop.end or loop.preempted
-    eval_now = loop.eval_fn is not None and (step % s.eval_period == 0 or step == s.total_steps)
+    save_now = step % s.checkpoint.period == 0 or step == loop.end or loop.preempted
+    eval_now = loop.eval_fn is not None and (step % s.eval.period == 0 or step == s.total_steps)
     if not (s.sync_every_step or log_now or save_now or eval_now):
         return
     loss = _check_loss(loop, *loop.unchecked)  # waits for this step
@@ -508,20 +429,15 @@ def _restore_or_init(
 
 
 def _record_run(
-    run_dir: RunDir,
-    step: int,
-    allow_config_change: bool,
-    restart: str | None,
-    eval_cfg: builders.DatasetConfig | None,
-    eval_steps: int,
+    run_dir: RunDir, spec: RunSpec, step: int, allow_config_change: bool, restart: str | None
 ) -> None:
-    """Records the run's gin config at ``step`` (process 0 decides; a changed config is
-    refused unless ``allow_config_change``), says why the data stream restarts (once the
-    change is accepted), drops the metrics logged after ``step`` and records the eval
-    settings (for `moe-jax eval` to reproduce this run's evaluation)."""
+    """Records the run's spec and gin config at ``step`` (``run_record.record_run``: process
+    0 decides; a changed field is refused unless ``allow_config_change``), says why the data
+    stream restarts (once the change is accepted), drops the metrics logged after ``step``
+    and records the eval settings (for `moe-jax eval` to reproduce this run's evaluation)."""
     distributed.process_zero_decides(
-        lambda: run_config.record_run_config(
-            run_dir, gin_utils.operative_config(), step, allow_change=allow_config_change
+        lambda: run_record.record_run(
+            run_dir, spec, gin_utils.operative_config(), step, allow_change=allow_config_change
         ),
         lambda: errors.UserError("refused on process 0 (see its message)"),
     )
@@ -529,8 +445,8 @@ def _record_run(
         _log(restart)
     if jax.process_index() == 0:
         drop_records_after(run_dir, step)
-        if eval_cfg is not None:
-            evaluation.record_eval_settings(run_dir, eval_steps, eval_cfg)
+        if spec.data.eval is not None:
+            evaluation.record_eval_settings(run_dir, spec.loop.eval.steps, spec.data.eval)
 
 
 def _check_loss(loop: TrainLoop, step: int, metrics: Any) -> float:
@@ -561,7 +477,7 @@ def _save(loop: TrainLoop) -> None:
     )
     meta = {
         "data_iterators": distributed.gather_from_processes(loop.data_state),
-        "random_seed": loop.settings.random_seed,
+        "random_seed": loop.spec.seed,
     }
     if loop.ckpt.save(loop.state, meta, force=True):
         loop.last_saved = loop.step
@@ -571,13 +487,13 @@ def _save(loop: TrainLoop) -> None:
 def _evaluate(loop: TrainLoop) -> None:
     """Evaluates the state on ``eval_steps`` batches (and the routing churn since the last
     evaluation) and logs it."""
-    eval_cfg = loop.eval_cfg
+    eval_cfg = loop.spec.data.eval
     assert loop.eval_fn is not None and eval_cfg is not None  # eval_fn needs an eval dataset
     state = loop.state
     metrics = evaluation.run_eval(
-        loop.eval_fn, state.params, eval_cfg, loop.ctx, loop.settings.eval_steps, state.collections
+        loop.eval_fn, state.params, eval_cfg, loop.ctx, loop.settings.eval.steps, state.collections
     )
-    if loop.settings.routing_churn:
+    if loop.settings.eval.routing_churn:
         loop.churn = loop.churn or _churn_probe(loop.model, loop.run, eval_cfg, loop.run_dir)
         metrics.update(loop.churn(state.params, state.collections))
     loop.writer.write("eval", loop.step, metrics)
@@ -692,18 +608,24 @@ def _check_state(params: Any, opt_state: Any, step: int, last_saved: str) -> Non
             )
 
 
-# The loop's settings that count steps or checkpoints: (least value, what it means there).
-_AT_LEAST = {
-    "checkpoint_period": (1, "a positive integer"),
-    "keep_checkpoints": (1, "a positive integer, or None to keep every checkpoint"),
-    "log_period": (1, "a positive integer"),
-    "eval_period": (0, "0 (never) or a positive integer"),
-    "eval_steps": (1, "a positive integer"),
-    "accum_steps": (1, "a positive integer"),
-}
+# The loop's settings that count steps or checkpoints: (gin parameter of train_script.train,
+# its LoopSpec field, least value, what it means there).
+_AT_LEAST = (
+    ("checkpoint_period", "checkpoint.period", 1, "a positive integer"),
+    (
+        "keep_checkpoints",
+        "checkpoint.keep",
+        1,
+        "a positive integer, or None to keep every checkpoint",
+    ),
+    ("log_period", "log_period", 1, "a positive integer"),
+    ("eval_period", "eval.period", 0, "0 (never) or a positive integer"),
+    ("eval_steps", "eval.steps", 1, "a positive integer"),
+    ("accum_steps", "accum_steps", 1, "a positive integer"),
+)
 
 
-def _check_loop_settings(settings: LoopSettings) -> None:
+def _check_loop_settings(settings: LoopSpec) -> None:
     """Refuses a loop setting no run can use (``keep_checkpoints = 0`` would keep no
     checkpoint, ``checkpoint_period = -1`` save every step; an unknown ``on_nonfinite``),
     before anything is written.
@@ -715,8 +637,8 @@ def _check_loop_settings(settings: LoopSettings) -> None:
         raise errors.ConfigError(
             f"train.on_nonfinite={settings.on_nonfinite!r}; expected 'stop' or 'skip'"
         )
-    for name, (least, expected) in _AT_LEAST.items():
-        value = getattr(settings, name)
+    for name, field, least, expected in _AT_LEAST:
+        value = operator.attrgetter(field)(settings)
         if value is None and name == "keep_checkpoints":
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -812,9 +734,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow_config_change",
         action="store_true",
-        help="resume although the gin config differs from the run's (config.gin "
-        "or the newest config.step-N.gin); the new one is kept as "
-        "MODEL_DIR/config.step-N.gin and later resumes compare with it",
+        help="resume although the run's config differs from the one recorded (run.json "
+        "or the newest run.step-N.json; config.gin for a run of an older version); the new "
+        "one is kept as MODEL_DIR/run.step-N.json and config.step-N.gin and later resumes "
+        "compare with it",
     )
     add_progress_flag(parser)
     args = gin_flags.parse_flags(parser, sys.argv[1:] if argv is None else argv)

@@ -5,8 +5,9 @@
     out.logits                                      # float32 [batch, target_length, vocab]
     out.experts["encoder/layers_1"]                 # int32 [batch, input_length, k], -1: dropped
 
-Loading parses the run's ``config.gin`` (with ``runs/export.gin``): it replaces the gin
-config of the process, as every `moe-jax` command does. The forward pass is
+Loading parses the run's ``config.gin`` (with ``runs/export.gin``), the model the run's
+``run.json``'s when it has one: it replaces the gin config of the process, as every
+`moe-jax` command does. The forward pass is
 deterministic (no dropout; the evaluation capacity factor) on the devices of the gin
 config's mesh.
 """
@@ -102,7 +103,8 @@ def _tokens(array: Any, name: str) -> np.ndarray:
 
 def load(path: str) -> Run:
     """The run at ``path`` (``MODEL_DIR``: its latest checkpoint; ``MODEL_DIR/STEP`` or
-    ``MODEL_DIR/checkpoints/STEP``), built from its ``config.gin``.
+    ``MODEL_DIR/checkpoints/STEP``), its model built from its ``run.json`` (else from its
+    ``config.gin``).
 
     Raises:
       moe_jax.errors.UserError: naming the path when it holds no run or checkpoint.

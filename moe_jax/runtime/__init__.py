@@ -6,6 +6,10 @@ Modules, one job each:
   gin_utils      gin parsing of the command line's files and bindings, errors naming the line
   config_gate    the gate refusing code named by a config from a run directory or an export
   run_config     the run's recorded gin config: kept, compared on resume, found by commands
+  run_spec       the run as one typed value (`RunSpec`: model, data, loop, mesh, optimizer,
+                 router and bias modes, seed), its exact JSON and its field-by-field diff
+  run_record     the run's spec kept (`run.json` beside `config.gin`), compared field by
+                 field on resume, read back by the commands for the run's model
   run_dir        the layout of a run directory: `RunDir` names every path in `MODEL_DIR`
   distributed    `jax.distributed` start-up from flags/environment; process-0 decisions;
                  objects gathered from every process; preemption notices
@@ -16,8 +20,8 @@ Modules, one job each:
                  writes (which ones: read from the loss's jaxpr)
   builders       what every command builds the same way: run context, sharded state
                  layout, jitted steps, dataset configs, a restored model (reads no gin)
-  configured     what gin chooses for a run (mesh and rules, optimizer, router and bias
-                 modes), read for the commands and passed to builders
+  configured     the front door: the `RunSpec` and what else gin chooses for a run (mesh and
+                 rules, optimizer, router and bias modes), read once for the commands
   steps          the train and eval steps and their jitted step objects
   checkpoints    orbax checkpoints: async saves, keep-K, restores onto any mesh
   checkpoint_checks  whether a checkpoint step can be used: integrity record, parameter

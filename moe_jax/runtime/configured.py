@@ -1,14 +1,22 @@
-"""What gin chooses for a run, read for the commands after they parse gin (as T5X's
-binaries bind the partitioner and trainer that ``train()`` takes as arguments): the library
-(:func:`~moe_jax.runtime.builders.build_train_setup`, the model configs) reads no gin and
-takes these as arguments.
+"""What gin chooses for a run, read once at the commands' front door (as T5X's binaries
+bind the partitioner and trainer that ``train()`` takes as arguments): the library
+(:func:`~moe_jax.runtime.builders.build_train_setup`, the model configs,
+:class:`~moe_jax.runtime.run_spec.RunSpec`) reads no gin and takes these as arguments.
 
-:func:`run_context`: the mesh (``make_mesh`` bindings) over the given devices, the logical
-axis rules (``standard_logical_axis_rules`` bindings) and ``run_context.batch_axes``.
+:func:`train_spec` (gin: ``train_script.train``): the run as a
+:class:`~moe_jax.runtime.run_spec.RunSpec` and its ``MODEL_DIR``; each of its gin parameters
+fills the spec field named in its docstring, and the rest of the spec comes from
+:func:`model_spec` (the model ``%MODEL`` built), :func:`mesh_spec` (``make_mesh.*``,
+``standard_logical_axis_rules.*``, ``run_context.batch_axes``), :func:`optimizer_spec`
+(``create_optimizer.*``, ``learning_rate_schedule.*``), ``make_source.*`` (the data source)
+and ``router_mode.mode`` / ``bias_mode.mode``. The spec's ``OptimizerSpec``,
+``ScheduleSpec`` and ``MeshSpec`` are registered here as the configurables
+``create_optimizer``, ``learning_rate_schedule`` and ``make_mesh``.
 
-:func:`train_setup`: the run's train setup with the gin-configured optimizer
-(``create_optimizer``, ``learning_rate_schedule``), router mode (``router_mode.mode``) and
-balancing-bias mode (``bias_mode.mode``).
+:func:`run_context`: the mesh and rules of :func:`mesh_spec` over the given devices.
+
+:func:`train_setup`: the run's train setup with the gin-configured optimizer, router mode
+and balancing-bias mode (for code that builds a step without a spec: ``compile``, tests).
 
 :func:`model`: the model ``configured.model.model`` is bound to (``gin/runs/load.gin``:
 ``%MODEL``), for code that takes no command's configurable (``moe_jax.load``).
@@ -16,15 +24,32 @@ balancing-bias mode (``bias_mode.mode``).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
+from typing import Any
 
 import gin
 import jax
 
-from moe_jax import partitioning
+from moe_jax import errors, partitioning
+from moe_jax.data import sources
+from moe_jax.models.model import EncoderDecoderModel
 from moe_jax.moe import freeze
-from moe_jax.runtime import builders, optimizers
+from moe_jax.runtime import builders, gin_utils, profiling
 from moe_jax.runtime.model_protocol import Model
+from moe_jax.runtime.run_spec import (
+    CheckpointSettings,
+    DataSpec,
+    EvalSettings,
+    LoopSpec,
+    MeshSpec,
+    ModelSpec,
+    OptimizerSpec,
+    RunSpec,
+    ScheduleSpec,
+    VocabularySpec,
+)
 
 
 @gin.configurable(module="configured")
@@ -33,17 +58,155 @@ def model(model: Model = gin.REQUIRED) -> Model:
     return model
 
 
-@gin.configurable(denylist=["devices"])
-def run_context(
-    batch_axes: Sequence[str] = partitioning.BATCH_AXES, devices: Sequence[jax.Device] | None = None
-) -> builders.RunContext:
-    """:meth:`builders.RunContext.checked` with the gin-bound mesh over ``devices``
-    (default: all global devices), the gin-bound logical axis rules and ``batch_axes``."""
-    return builders.RunContext.checked(
-        partitioning.make_mesh(devices=devices),
-        partitioning.standard_logical_axis_rules(),
-        batch_axes,
+@gin.configurable("train", module="train_script")
+def train_spec(
+    *,
+    model: Model = gin.REQUIRED,
+    train_dataset_cfg: builders.DatasetConfig = gin.REQUIRED,
+    train_eval_dataset_cfg: builders.DatasetConfig | None = None,
+    model_dir: str = gin.REQUIRED,
+    total_steps: int = gin.REQUIRED,
+    random_seed: int = 0,
+    checkpoint_period: int = 1000,
+    keep_checkpoints: int | None = 3,
+    async_checkpointing: bool = True,
+    log_period: int = 100,
+    eval_period: int = 0,
+    eval_steps: int = 10,
+    accum_steps: int = 1,
+    on_nonfinite: str = "stop",
+    sync_every_step: bool = False,
+    routing_churn: bool = True,
+    profile_steps: tuple[int, int] | None = None,
+) -> tuple[RunSpec, str]:
+    """The run ``train_script.train``'s bindings describe, and its ``MODEL_DIR``
+    (``model_dir``). Each parameter fills one field: ``model`` -> ``model``
+    (:func:`model_spec`), ``train_dataset_cfg`` / ``train_eval_dataset_cfg`` ->
+    ``data.train`` / ``data.eval``, ``random_seed`` -> ``seed``, ``total_steps``,
+    ``accum_steps``, ``log_period``, ``on_nonfinite``, ``sync_every_step``,
+    ``profile_steps`` -> ``loop.*`` of the same names, ``checkpoint_period`` /
+    ``keep_checkpoints`` / ``async_checkpointing`` -> ``loop.checkpoint.period`` / ``keep`` /
+    ``async_save``, ``eval_period`` / ``eval_steps`` / ``routing_churn`` ->
+    ``loop.eval.period`` / ``steps`` / ``routing_churn``.
+
+    Raises:
+      ConfigError: naming ``train.profile_steps`` when it is not two integers >= 1, or the
+        model's vocabulary when a run cannot record it.
+    """
+    loop = LoopSpec(
+        total_steps=total_steps,
+        accum_steps=accum_steps,
+        log_period=log_period,
+        on_nonfinite=on_nonfinite,
+        sync_every_step=sync_every_step,
+        profile_steps=profiling.check_profile_steps(profile_steps),
+        checkpoint=CheckpointSettings(checkpoint_period, keep_checkpoints, async_checkpointing),
+        eval=EvalSettings(eval_period, eval_steps, routing_churn),
     )
+    data = DataSpec(train_dataset_cfg, train_eval_dataset_cfg, data_source())
+    spec = RunSpec(
+        model=model_spec(model),
+        data=data,
+        loop=loop,
+        mesh=mesh_spec(),
+        optimizer=optimizer_spec(),
+        router_mode=freeze.router_mode(),
+        bias_mode=freeze.bias_mode(),
+        seed=random_seed,
+    )
+    return spec, model_dir
+
+
+def model_spec(model: Model) -> ModelSpec:
+    """The spec of a gin-built ``EncoderDecoderModel``: its network config, loss settings
+    and vocabulary (``@vocab.get_vocabulary`` as gin binds its arguments, or a size).
+
+    Raises:
+      ConfigError: another model type, or a vocabulary that is neither.
+    """
+    # deferred on purpose: TensorFlow/seqio load only when data is read
+    from moe_jax.data import vocab
+
+    if not isinstance(model, EncoderDecoderModel):
+        raise errors.ConfigError(
+            f"MODEL = {model!r}: a run records an EncoderDecoderModel (gin/models/t5_dense.gin)"
+        )
+    source = model.vocabulary_source
+    if source is vocab.get_vocabulary:
+        vocabulary: VocabularySpec | int = VocabularySpec(
+            **gin_utils.bound_arguments(vocab.get_vocabulary)
+        )
+    elif isinstance(source, int) and not isinstance(source, bool):
+        vocabulary = source
+    else:
+        raise errors.ConfigError(
+            f"EncoderDecoderModel.vocabulary = {source!r}: a run records "
+            "@vocab.get_vocabulary (its kind, path and extra ids) or a vocabulary size"
+        )
+    return ModelSpec(
+        network=model.module.config,
+        vocabulary=vocabulary,
+        label_smoothing=model.label_smoothing,
+        z_loss=model.z_loss,
+        loss_normalizing_factor=model.loss_normalizing_factor,
+    )
+
+
+def data_source() -> dict[str, Any]:
+    """``make_source``'s settings as gin binds them, as JSON values (lists for tuples)."""
+    return json.loads(json.dumps(sources.make_source_settings()))
+
+
+# The gin names of the optimizer and the mesh's shape are the spec's own classes, registered
+# here under the names the gin files bind (the library's functions of those names,
+# ``optimizers.create_optimizer`` and ``partitioning.make_mesh``, read no gin): gin builds
+# them, and lists their bindings in the operative config, as it does ``T5Config``.
+gin.configurable("learning_rate_schedule", module="moe_jax.runtime.optimizers")(ScheduleSpec)
+gin.configurable("create_optimizer", module="moe_jax.runtime.optimizers")(OptimizerSpec)
+gin.configurable(
+    "make_mesh",
+    module="moe_jax.partitioning",
+    allowlist=["mesh_shape", "axis_names", "max_expert_partitions"],
+)(MeshSpec)
+
+
+@gin.configurable("run_context")  # its gin name from before: run_context.batch_axes
+def mesh_spec(batch_axes: Sequence[str] = partitioning.BATCH_AXES) -> MeshSpec:
+    """The mesh gin binds: its shape (``make_mesh.*``), the logical axis rules
+    (``standard_logical_axis_rules.*``) and the batch axes (``run_context.batch_axes``)."""
+    return MeshSpec(
+        rules=_tuples(partitioning.standard_logical_axis_rules()), batch_axes=tuple(batch_axes)
+    )
+
+
+def _tuples(value: Any) -> Any:
+    """``value`` with every list or tuple inside made a tuple (as a spec holds them)."""
+    return tuple(map(_tuples, value)) if isinstance(value, (list, tuple)) else value
+
+
+def optimizer_spec() -> OptimizerSpec:
+    """The optimizer gin binds (``create_optimizer.*``), its learning rate a number or the
+    schedule it is bound to (default: ``learning_rate_schedule.*``'s).
+
+    Raises:
+      ConfigError: ``create_optimizer.learning_rate`` bound to anything else.
+    """
+    spec = OptimizerSpec()
+    rate = spec.learning_rate
+    if rate is None:
+        return dataclasses.replace(spec, learning_rate=ScheduleSpec())
+    if isinstance(rate, bool) or not isinstance(rate, (ScheduleSpec, int, float)):
+        raise errors.ConfigError(
+            f"create_optimizer.learning_rate = {rate!r}: a run records a number or "
+            "@learning_rate_schedule()"
+        )
+    return spec
+
+
+def run_context(devices: Sequence[jax.Device] | None = None) -> builders.RunContext:
+    """:meth:`MeshSpec.context <moe_jax.runtime.run_spec.MeshSpec.context>` of
+    :func:`mesh_spec` over ``devices`` (default: all global devices)."""
+    return mesh_spec().context(devices)
 
 
 def train_setup(
@@ -57,7 +220,7 @@ def train_setup(
 ) -> builders.TrainSetup:
     """:func:`builders.build_train_setup` with the optimizer, router mode and bias mode that
     gin binds."""
-    tx, learning_rate_fn = optimizers.create_optimizer()
+    tx, learning_rate_fn = optimizer_spec().build()
     return builders.build_train_setup(
         model,
         input_shapes,

@@ -1,6 +1,7 @@
 """Gin parsing of the binaries: the command line's gin files and bindings into gin's config,
 with every error naming its file (or ``--gin...`` flag) and line, and what a parsed config
-tells (a bound value, the operative config, bindings nothing read).
+tells (a bound value, a configurable's arguments, the operative config, bindings nothing
+read).
 
 gin already names the place of unknown configurables and parameters; :func:`parse_gin`
 adds it for macros referenced but never defined, and refuses macros set on the command line
@@ -16,18 +17,19 @@ import argparse
 import contextlib
 import difflib
 import importlib
+import inspect
 import logging
 import pathlib
 import re
 import tokenize
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import gin
 from gin import config_parser
 
 from moe_jax import storage
-from moe_jax.runtime import config_gate, run_config
+from moe_jax.runtime import config_gate, run_config, run_record
 from moe_jax.runtime.gin_text import (
     REPO_GIN_DIR,
     GinConfigError,
@@ -50,7 +52,8 @@ CONFIGURABLE_MODULES: tuple[str, ...] = (
     "moe_jax.data.vocab",
     "moe_jax.runtime.optimizers",
     "moe_jax.runtime.throughput",
-    "moe_jax.commands.train",
+    "moe_jax.runtime.wandb_logger",
+    "moe_jax.runtime.configured",
     "moe_jax.commands.evaluate",
     "moe_jax.commands.infer",
     "moe_jax.commands.export",
@@ -75,7 +78,9 @@ def import_configurables(modules: Sequence[str] = CONFIGURABLE_MODULES) -> None:
 
 def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
     """Parses the gin files and bindings of ``args`` (from
-    :func:`~moe_jax.runtime.gin_flags.parse_flags`).
+    :func:`~moe_jax.runtime.gin_flags.parse_flags`), ``%MODEL`` bound to the model of
+    ``args.recorded_model`` when a command reading a run set it
+    (:func:`~moe_jax.runtime.run_config.run_gin_files`).
 
     Raises:
       GinConfigError: naming the file/flag and line of a syntax error, an unknown
@@ -109,11 +114,25 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         and not config_gate.in_run_directory(path)
     ]
     _check_macros([resolve(f, roots) for f in _walk_files(parsed)], bindings, own_files)
+    if args.recorded_model:
+        bind_recorded_model(args.recorded_model)
     if finalize:
         try:
             gin.finalize()
         except ValueError as err:
             raise GinConfigError(f"gin: {err}") from None
+
+
+def bind_recorded_model(path: str) -> None:
+    """Binds the ``MODEL`` macro to the model of the run's spec at ``path`` (``run.json``,
+    :mod:`~moe_jax.runtime.run_record`), so that every ``%MODEL`` of the parsed files is the
+    model the run trained, whatever its ``config.gin`` says.
+
+    Raises:
+      InputFileError: naming the file when it is unreadable or describes no model this
+        version builds.
+    """
+    gin.bind_parameter("MODEL/gin.macro.value", run_record.read_model(path).build())
 
 
 def _check_binding(binding: str, origin: str) -> None:
@@ -253,6 +272,19 @@ def bound_value(name: str, default: Any) -> Any:
         return gin.query_parameter(name)
     except ValueError:
         return default
+
+
+def bound_arguments(fn: Callable[..., Any], selector: str | None = None) -> dict[str, Any]:
+    """The keyword arguments gin would give ``fn`` (its ``selector``, e.g. a scoped
+    ``warm/learning_rate_schedule``; default ``fn`` itself): its bindings, references and
+    macros evaluated, and its defaults where nothing binds them."""
+    arguments = {
+        name: p.default
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    arguments.update(gin.get_bindings(selector or fn))
+    return arguments
 
 
 # Modules whose configurables build the model: a command-line binding of one of them that

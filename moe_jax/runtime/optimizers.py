@@ -1,4 +1,6 @@
-"""optax optimizers and learning-rate schedules, chosen in gin.
+"""optax optimizers and learning-rate schedules, built from their settings (no gin here:
+the gin names below fill ``RunSpec.optimizer``, ``run_spec.OptimizerSpec`` and
+``ScheduleSpec``, registered by :mod:`moe_jax.runtime.configured`).
 
     create_optimizer.name = 'adafactor'          # or 'adam', 'adamw', 'sgd'
     create_optimizer.learning_rate = @learning_rate_schedule()
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import numbers
 
-import gin
 import jax.numpy as jnp
 import optax
 
@@ -24,7 +25,6 @@ DECAYS = ("rsqrt", "cosine", "linear", "constant")
 OPTIMIZERS = ("adam", "adamw", "adafactor", "sgd")
 
 
-@gin.configurable
 def learning_rate_schedule(
     base_learning_rate: float = 1e-2,
     warmup_steps: int = 1000,
@@ -82,7 +82,6 @@ def _check_number(name: str, value: object) -> None:
         raise errors.ConfigError(f"learning_rate_schedule.{name} = {value!r}; expected a number")
 
 
-@gin.configurable
 def create_optimizer(
     name: str = "adafactor",
     learning_rate: float | optax.Schedule | None = None,
@@ -95,8 +94,8 @@ def create_optimizer(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """An optax optimizer by name and its learning-rate schedule (for logging).
 
-    ``learning_rate``: a float or schedule; default the gin-configured
-    :func:`learning_rate_schedule`.
+    ``learning_rate``: a float or schedule; default :func:`learning_rate_schedule`'s
+    defaults.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"create_optimizer.name={name!r}; expected one of {OPTIMIZERS}")

@@ -165,6 +165,15 @@ def record_run_config(
             f"step {step} would change {len(changes)} binding(s) (pass --allow_config_change to "
             "resume with them; kept as config.step-N.gin):\n  " + "\n  ".join(changes)
         )
+    return keep_accepted_config(run_dir, step, recorded, changes, operative)
+
+
+def keep_accepted_config(
+    run_dir: RunDir, step: int, recorded: str, changes: Sequence[str], operative: str
+) -> str:
+    """Writes ``operative``, a config accepted with ``--allow_config_change`` when resuming at
+    ``step``, as ``config.step-N.gin``, headed by the ``changes`` (``"name: old -> new"``)
+    from the ``recorded`` file it replaces; returns its path."""
     kept = run_dir.accepted_config_file(step)
     storage.write_text(
         kept,
@@ -205,9 +214,27 @@ def checked_config(path: str, args: argparse.Namespace) -> str | None:
 def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
     """:func:`run_config_file` of the run ``checkpoint`` (``MODEL_DIR[/STEP]``) belongs to, as
     of its step (the latest when none is given)."""
+    run_dir, step = _run_and_step(checkpoint)
+    return run_config_file(run_dir, args, step)
 
+
+def recorded_model_file(args: argparse.Namespace, checkpoint: str) -> str | None:
+    """The spec (``run.json`` or ``run.step-N.json``, :mod:`~moe_jax.runtime.run_record`) of
+    the run ``checkpoint`` belongs to as of its step, whose model a command reading the run
+    builds (:func:`~moe_jax.runtime.gin_utils.parse_gin` binds ``%MODEL`` to it); None when
+    the run has none, or when the command line binds anything or names a gin file (gin then
+    builds the model from the run's config and the command line)."""
+    if args.command_line_bindings or args.command_line_gin_files:
+        return None
+    run_dir, step = _run_and_step(checkpoint)
+    return run_dir.recorded_spec(step)
+
+
+def _run_and_step(checkpoint: str) -> tuple[RunDir, int | None]:
+    """The run ``checkpoint`` (``MODEL_DIR[/STEP]``) belongs to and its step (the run's
+    latest when none is given)."""
     run_dir, step = RunDir.of_checkpoint(checkpoint)
-    return run_config_file(run_dir, args, run_dir.reached_step() if step is None else step)
+    return run_dir, run_dir.reached_step() if step is None else step
 
 
 def run_gin_files(
@@ -219,14 +246,16 @@ def run_gin_files(
     command: str = "moe-jax",
 ) -> list[str]:
     """The gin files of a command reading a run's checkpoint (eval, infer, analyze, export)
-    and a line on stderr saying which config that is.
+    and a line on stderr saying which config that is, and where its model comes from.
 
     ``defaults`` (the command's own files, e.g. ``runs/eval.gin``; resolved against the
     search paths) come first, then the run's ``MODEL_DIR/config.gin``, so the run's macros
     (task, feature lengths, batch size) win over the defaults'. The run's config is used when
     no ``args.gin_file`` are given, or with ``extend_run_config`` before them (``analyze``:
     the command line overrides the run); it goes through
-    :func:`~moe_jax.runtime.config_gate.check_run_config`.
+    :func:`~moe_jax.runtime.config_gate.check_run_config`. The model is the run's spec's
+    when the run's config is used and :func:`recorded_model_file` finds it
+    (``args.recorded_model``).
 
     Raises:
       FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint, or
@@ -262,8 +291,10 @@ def run_gin_files(
         if config
         else ", ".join(gin_files)
     )
+    args.recorded_model = recorded_model_file(args, checkpoint) if config and checkpoint else None
+    model = f"; model: the run's {args.recorded_model}" if args.recorded_model else ""
     print(
-        f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'})",
+        f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'}){model}",
         file=sys.stderr,
         flush=True,
     )

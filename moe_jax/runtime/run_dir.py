@@ -5,6 +5,9 @@
       unreadable_checkpoints/<step> damaged steps set aside at a start, never deleted
       config.gin                    the operative gin config of the run's first start
       config.step-<N>.gin           a config change accepted when resuming at step N
+      run.json                      the run's RunSpec as of its first start (run_record.py)
+      run.step-<N>.json             its spec as accepted at step N (a change, or a run an
+                                    older version started, first resumed at N)
       LOCK                          the trainer's lock (run_lock.py)
       metrics.jsonl                 one JSON record per logged step (metrics.py)
       train/, eval/                 TensorBoard event files, one folder per split (event_files.py)
@@ -31,6 +34,7 @@ import jax
 from moe_jax import errors, storage
 
 _ACCEPTED_CONFIG = re.compile(r"config\.step-(\d+)\.gin")
+_ACCEPTED_SPEC = re.compile(r"run\.step-(\d+)\.json")
 
 
 class UnwritableModelDirError(errors.UserError, PermissionError):
@@ -122,12 +126,35 @@ class RunDir:
     def recorded_config(self, step: int | None = None) -> str:
         """The run's gin config as of ``step``: the newest ``config.step-N.gin`` with N <=
         ``step`` (any N when ``step`` is None), else ``config.gin``."""
+        return self._newest_accepted(_ACCEPTED_CONFIG, step) or self.config_file
+
+    @property
+    def spec_file(self) -> str:
+        """``MODEL_DIR/run.json``: the run's spec as of its first start."""
+        return self._file("run.json")
+
+    def accepted_spec_file(self, step: int) -> str:
+        """``MODEL_DIR/run.step-<step>.json``: the run's spec as accepted at ``step``."""
+        return self._file(f"run.step-{step}.json")
+
+    def recorded_spec(self, step: int | None = None) -> str | None:
+        """The run's spec as of ``step``: the newest ``run.step-N.json`` with N <= ``step``
+        (any N when ``step`` is None), else ``run.json``; None when neither exists (a run of
+        an older version, before its first resumption)."""
+        found = self._newest_accepted(_ACCEPTED_SPEC, step)
+        if found is None and storage.exists(self.spec_file):
+            found = self.spec_file
+        return found
+
+    def _newest_accepted(self, pattern: re.Pattern[str], step: int | None) -> str | None:
+        """The file named ``pattern`` (its group: a step) of the largest step <= ``step``
+        (any step when None); None when there is none."""
         accepted = {
             int(m.group(1)): name
             for name in storage.listdir(self.path)
-            if (m := _ACCEPTED_CONFIG.fullmatch(name)) and (step is None or int(m.group(1)) <= step)
+            if (m := pattern.fullmatch(name)) and (step is None or int(m.group(1)) <= step)
         }
-        return self._file(accepted[max(accepted)]) if accepted else self.config_file
+        return self._file(accepted[max(accepted)]) if accepted else None
 
     # ---------------------------------------------------------------- what a run writes
 

@@ -26,6 +26,7 @@ from moe_jax.runtime import (
     run_lock,
 )
 from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.run_spec import RunSpec
 from tests.train.test_train import parse, run
 
 
@@ -96,8 +97,8 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
     saved = (tmp_path / "config.gin").read_text()
     with pytest.raises(
         run_config.ConfigChangedError,
-        match=r"(?s)resuming at step 3 would change 1 binding.*--allow_config_change.*"
-        r"learning_rate_schedule.base_learning_rate: 0.003 -> 0.5",
+        match=r"(?s)resuming at step 3 would change 1 field.*--allow_config_change.*"
+        r"optimizer.learning_rate.base_learning_rate: 0.003 -> 0.5",
     ):
         run(tmp_path, 6, "--gin.learning_rate_schedule.base_learning_rate=0.5")
     assert RunDir(tmp_path).reached_step() == 3  # nothing trained
@@ -111,24 +112,26 @@ def test_changed_config_on_resume_is_refused_unless_allowed(tmp_path):
     result = train.train(allow_config_change=True)
     assert result["step"] == 5
     assert (tmp_path / "config.gin").read_text() == saved  # never overwritten
+    spec = RunSpec.from_json((tmp_path / "run.step-3.json").read_text())
+    assert spec.optimizer.learning_rate.base_learning_rate == 0.5
     kept = (tmp_path / "config.step-3.gin").read_text()
     assert kept.splitlines()[:3] == [
-        "# resumed at step 3 with --allow_config_change; changed from config.gin:",
-        "#   learning_rate_schedule.base_learning_rate: 0.003 -> 0.5",
+        "# resumed at step 3 with --allow_config_change; changed from run.json:",
+        "#   optimizer.learning_rate.base_learning_rate: 0.003 -> 0.5",
         saved.splitlines()[0],
     ], kept[:500]
-    assert "learning_rate_schedule.base_learning_rate = 0.5" in kept
     # the accepted change is the run's config now: repeating it needs no flag...
     assert run(tmp_path, 6, "--gin.learning_rate_schedule.base_learning_rate=0.5")["step"] == 6
     assert sorted(p.name for p in tmp_path.glob("config*.gin")) == [
         "config.gin",
         "config.step-3.gin",
     ]
+    assert sorted(p.name for p in tmp_path.glob("run*.json")) == ["run.json", "run.step-3.json"]
     # ...and a plain resume that would silently go back to 0.003 is refused like any change
     with pytest.raises(
         run_config.ConfigChangedError,
-        match=r"(?s)another gin config \(.*config.step-3.gin\); resuming at step 6 "
-        r"would change 1 binding.*base_learning_rate: 0.5 -> 0.003",
+        match=r"(?s)another config \(.*run.step-3.json\); resuming at step 6 "
+        r"would change 1 field.*base_learning_rate: 0.5 -> 0.003",
     ):
         run(tmp_path, 7)
     assert RunDir(tmp_path).reached_step() == 6

@@ -19,6 +19,7 @@ from moe_jax.data import sources, vocab
 from moe_jax.interop import export_format
 from moe_jax.runtime import checkpoints, router_init
 from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.run_spec import RunSpec
 
 STEPS = 2
 TRAIN = [
@@ -65,9 +66,9 @@ def _eval(capsys, *flags: str) -> tuple[dict, str]:
 
 
 def test_training_on_a_folder_of_text_files(text_run):
-    config = (text_run / "config.gin").read_text()
-    assert "make_source.corpus = 'text'" in config and "'de': '" in config
-    assert "MIXTURE_OR_TASK_NAME = 'text_span_corruption'" in config
+    spec = RunSpec.from_json((text_run / "run.json").read_text())
+    assert spec.data.source["corpus"] == "text" and "de" in spec.data.source["train_patterns"]
+    assert spec.data.train.mixture_or_task_name == "text_span_corruption"
     losses = [
         json.loads(line)["loss"]
         for line in (text_run / "metrics.jsonl").read_text().splitlines()

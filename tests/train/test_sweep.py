@@ -15,6 +15,7 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.experiments import sweep
+from moe_jax.runtime.run_spec import RunSpec
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -280,7 +281,7 @@ def test_run_trains_each_run_once_then_collect_plots_them(tmp_path, capsys):
     for run in ("learned", "frozen"):
         model_dir = pathlib.Path(root, run, "seed0")
         assert (model_dir / "DONE").exists() and (model_dir / "checkpoints" / "2").is_dir()
-        assert f"router_mode.mode = '{run}'" in (model_dir / "config.gin").read_text()
+        assert RunSpec.from_json((model_dir / "run.json").read_text()).router_mode == run
     capsys.readouterr()
     assert sweep.main(["run", path, "--root", root]) == 0  # everything DONE: nothing runs
     assert "0 to run" in capsys.readouterr().out
