@@ -296,3 +296,61 @@ def test_chaos_sigkill_at_random_moments_then_exact_result(tmp_path, store, requ
     for a, b in zip(params_at(run, steps), params_at(tmp_path / "clean", steps), strict=True):
         np.testing.assert_array_equal(a, b)
     print(f"chaos: survived {survived} SIGKILLs (seed {seed}); losses and final parameters exact")
+
+
+def test_ctrl_c_during_import_is_never_a_silent_success(tmp_path, reference):
+    """SIGINT at several moments of `moe-jax import` (the export of ``reference``): each ends
+    with exit 130 and its one line, or, landing after the import finished, with the
+    `imported` line; never exit 0 without it. The retry with ``--overwrite`` then imports."""
+    export = tmp_path / "export"
+    code, out = finish(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moe_jax.cli",
+                "export",
+                f"--checkpoint={reference}",
+                f"--out={export}",
+            ],
+            env=env(1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    )
+    assert code == 0, out[-2000:]
+    stopped = 0
+    for index, delay in enumerate((0.5, 2.0, 4.0, 6.0)):
+        target = tmp_path / f"back{index}"
+        command = [
+            sys.executable,
+            "-m",
+            "moe_jax.cli",
+            "import",
+            f"--export={export}",
+            f"--model_dir={target}",
+        ]
+        proc = subprocess.Popen(
+            command, env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        code, out = finish(proc)
+        imported = f"imported {export} as step" in out
+        assert code != 0 or imported, f"exit 0 without the import:\n{out[-2000:]}"
+        if code == 128 + signal.SIGINT and not imported:
+            stopped += 1
+            line = f"moe-jax import: stopped by Ctrl-C (SIGINT): {cli.INTERRUPTED_DETAIL}"
+            assert stop_lines(out, "import") == [line], out[-2000:]
+            assert_quiet(out)
+            retry = subprocess.Popen(
+                [*command, "--overwrite"],
+                env=env(1),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            code, out = finish(retry)
+            assert code == 0 and f"imported {export} as step" in out, out[-2000:]
+    assert stopped, "no SIGINT landed before the import finished: lengthen the delays"
