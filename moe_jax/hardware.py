@@ -93,15 +93,24 @@ def available_memory_bytes() -> int:
 
 
 def device_facts(
-    devices: Sequence, chip: Chip | None = None, num_chips: int | None = None
+    devices: Sequence,
+    chip: Chip | None = None,
+    num_chips: int | None = None,
+    *,
+    measure: bool = True,
 ) -> DeviceFacts:
     """Per-device facts of ``devices``: the chip's (from ``chip`` or the devices' kind) divided
     by the devices per chip (libtpu shows a v4 chip as 2 TensorCore devices); on CPU the
-    machine's available memory shared by the devices and the measured matmul rate."""
+    machine's available memory shared by the devices and the measured matmul rate (NaN
+    with ``measure`` False, for a caller that reads only the memory: the measurement takes
+    a CPU second or two)."""
     chip = chip or chip_of_device_kind(devices[0].device_kind)
     if chip is None:
         return DeviceFacts(
-            available_memory_bytes() // len(devices), measured_matmul_flops(), None, None
+            available_memory_bytes() // len(devices),
+            measured_matmul_flops() if measure else float("nan"),
+            None,
+            None,
         )
     per_chip = max(1, len(devices) // num_chips) if num_chips else 1
     return DeviceFacts(

@@ -63,6 +63,7 @@ from moe_jax.runtime import (
     run_record,
     wandb_logger,
 )
+from moe_jax.runtime.background import Background
 from moe_jax.runtime.checkpoint_checks import (
     UnreadableCheckpointError,
     check_integrity,
@@ -143,6 +144,33 @@ def _resumed_iterator(
         f"the training data changed at step {latest} ({'; '.join(changes)}): reading the new "
         f"stream from its batch {latest}"
     )
+
+
+# Whether a run without a checkpoint builds its data pipeline while its step compiles
+# (:func:`_stream_built_meanwhile`); tests compare with the stream built after the state.
+_STREAM_MEANWHILE = True
+
+
+@contextlib.contextmanager
+def _stream_built_meanwhile(
+    run_dir: RunDir, cfg: builders.DatasetConfig
+) -> Iterator[Background[Any] | None]:
+    """For a run without a checkpoint, its training stream (``make_iterator(cfg)``, the
+    stream a fresh start reads) built on a background thread during the block, while the
+    main thread compiles the train step and initialises the state: importing seqio and
+    tracing the ``tf.data`` preprocessors hold the GIL, but the XLA compile and the
+    pipeline's first batches (``tf.data`` 's own threads) do not. The stream waits, built,
+    for :func:`setup_train_loop` to take it, which raises its errors where a stream built
+    there would have; one the block did not take (it raised first) is closed at its end."""
+    if not _STREAM_MEANWHILE or run_dir.reached_step() is not None:
+        yield None
+        return
+    early = Background(lambda: make_iterator(cfg), "training data pipeline")
+    try:
+        yield early
+    finally:
+        if not early.taken:
+            early.discard(lambda iterator: iterator.close())
 
 
 @dataclasses.dataclass
@@ -259,13 +287,15 @@ def train(
     with _holding(run_dir):
         if (finished := _finished_run(run_dir, spec.loop.total_steps)) is not None:
             return finished
-        loop = setup_train_loop(
-            spec,
-            run_dir,
-            progress=progress,
-            allow_config_change=allow_config_change,
-            command_line_bindings=command_line_bindings,
-        )
+        with _stream_built_meanwhile(run_dir, spec.data.train) as early_stream:
+            loop = setup_train_loop(
+                spec,
+                run_dir,
+                progress=progress,
+                allow_config_change=allow_config_change,
+                command_line_bindings=command_line_bindings,
+                early_stream=early_stream,
+            )
         return train_loop(loop)
 
 
@@ -276,12 +306,14 @@ def setup_train_loop(
     progress: str = "auto",
     allow_config_change: bool = False,
     command_line_bindings: Sequence[str] = (),
+    early_stream: Background[Any] | None = None,
 ) -> TrainLoop:
     """Builds the run ``spec`` describes (mesh, sharded state layout, the train step
     compiled and checked to fit), restores the newest readable checkpoint of ``run_dir`` or
-    initialises, starts the data stream where the checkpoint left it, and records the run's
-    config (refusing a changed one unless ``allow_config_change``); the caller holds the
-    run's lock."""
+    initialises, starts the data stream where the checkpoint left it (a fresh start takes
+    ``early_stream``'s, built meanwhile: :func:`_stream_built_meanwhile`), and records the
+    run's config (refusing a changed one unless ``allow_config_change``); the caller holds
+    the run's lock."""
     settings, train_cfg, eval_cfg = spec.loop, spec.data.train, spec.data.eval
     model = spec.model.build()
     model.check_vocabulary()
@@ -299,8 +331,13 @@ def setup_train_loop(
         remove_partial_saves=True,
     )
     state, meta, latest = _restore_or_init(ckpt, run, spec.seed)
-    _log("starting the data pipeline")
-    iterator, restart = _resumed_iterator(train_cfg, meta, latest)
+    if early_stream is not None and meta is None:
+        if not early_stream.done:
+            _log("waiting for the data pipeline (built while the train step compiled)")
+        iterator, restart = early_stream.result(), None  # its errors raised here, as they were
+    else:
+        _log("starting the data pipeline")
+        iterator, restart = _resumed_iterator(train_cfg, meta, latest)
     _record_run(run_dir, spec, latest or 0, allow_config_change, restart)
     _log(
         f"{model.num_params(state.params):,} parameters; mesh {dict(ctx.mesh.shape)}; "
@@ -326,7 +363,8 @@ def setup_train_loop(
         meter=ThroughputMeter(
             model.flops_per_step(input_shapes),
             tokens_per_step,
-            peak_flops_per_device() * jax.device_count(),
+            # on CPU a measured matmul: at the first log, not before the first step
+            lambda: peak_flops_per_device() * jax.device_count(),
         ),
         ticker=Progress(step, settings.total_steps, progress),
         preemption=distributed.PreemptionWatcher(),

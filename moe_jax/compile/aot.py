@@ -251,7 +251,7 @@ def check_fits(run: builders.TrainSetup, cfg: builders.DatasetConfig, model: Mod
     donated: the executable ``train`` runs, so the step is compiled once. Only its memory
     is read (:func:`memory_fit`): the HLO text's analysis is ``moe-jax compile``'s."""
     devices = list(run.ctx.mesh.devices.flat)
-    facts = hardware.device_facts(devices)
+    facts = hardware.device_facts(devices, measure=False)  # the fit reads only the memory
     compiled, step = compile_train(run, cfg, model, facts, analysis=False)
     if not step["fits"]:
         b = step["bytes"]

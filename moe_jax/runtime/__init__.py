@@ -48,6 +48,8 @@ Modules, one job each:
   run_names      how runs are named (``<family>/seed<N>``) and labelled (shortest distinct
                  path suffix) in every command
   scratch        a command's temporary files in a folder of its own, removed at its end
+  background     start-up work on a background thread (a new run's data pipeline while its
+                 step compiles), its result or its error handed to the thread that waits
 
 Nothing here imports TensorFlow/seqio at import time.
 """
