@@ -137,20 +137,23 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 
 @gin.configurable(
-    module="coactivation_script", denylist=["checkpoint_paths", "out_dir", "all_steps"]
+    module="coactivation_script", denylist=["checkpoint_paths", "out_dir", "all_steps", "trace_dir"]
 )
 def analyze(
     checkpoint_paths: Sequence[str],
     out_dir: str | None = None,
     all_steps: bool = False,
+    trace_dir: str | None = None,
     *,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Writes ``coactivation.json`` (``{"checkpoints": [{"run", "step", "layers": {name:
     analyze_layer(...)}, "cross_layer": cross_layer(...)}]}``) and one PNG per checkpoint
-    to ``out_dir`` (default: ``languages.output_dirs``)."""
+    to ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir`` (``--trace``): read
+    each checkpoint's routing from that trace folder instead of routing the data again
+    (``trace.traces``)."""
     results = []
-    for trace in trace_lib.collect(checkpoint_paths, all_steps):
+    for trace in trace_lib.traces(checkpoint_paths, all_steps, trace_dir):
         rng = np.random.default_rng(seed)
         results.append(
             {

@@ -97,17 +97,22 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
-@gin.configurable(module="saturation_script", denylist=["checkpoint_paths", "out_dir", "all_steps"])
+@gin.configurable(
+    module="saturation_script", denylist=["checkpoint_paths", "out_dir", "all_steps", "trace_dir"]
+)
 def analyze(
     checkpoint_paths: Sequence[str],
     out_dir: str | None = None,
     all_steps: bool = False,
+    trace_dir: str | None = None,
     *,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Writes ``saturation.json`` (``{"runs": [run_saturation(...)]}``) and
     ``saturation.png`` to ``out_dir`` (default: ``languages.output_dirs``). Each run needs
-    several checkpoints: ``--all_steps`` or ``--checkpoint`` repeated.
+    several checkpoints: ``--all_steps`` or ``--checkpoint`` repeated. ``trace_dir``
+    (``--trace``): read each checkpoint's routing from that trace folder instead of routing
+    the data again (``trace.traces``; it must hold every compared step).
 
     Raises:
       ValueError: a run with a single checkpoint.
@@ -121,7 +126,7 @@ def analyze(
             "or several --checkpoint of the run"
         )
     by_run: dict[str, list[trace_lib.Trace]] = {}
-    for trace in trace_lib.collect(paths):
+    for trace in trace_lib.traces(paths, trace_dir=trace_dir):
         by_run.setdefault(trace.run, []).append(trace)
     report: dict[str, Any] = {
         "seed": seed,

@@ -30,7 +30,7 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import storage
+from moe_jax import errors, storage
 from moe_jax.analysis import languages
 from moe_jax.runtime import builders, configured, routing, run_names
 from moe_jax.runtime.run_dir import RunDir
@@ -245,16 +245,16 @@ def from_table(table) -> Trace:
     return Trace(runs[0], int(steps[0]), layers, tuple(label_names), pieces)
 
 
-def file_name(trace: Trace) -> str:
-    """``trace_<run>_step<N>.parquet``."""
-    return f"trace_{run_names.file_stem(trace.run)}_step{trace.step}.parquet"
+def file_name(run: str, step: int) -> str:
+    """``trace_<run>_step<N>.parquet``: the file of run label ``run``'s ``step``."""
+    return f"trace_{run_names.file_stem(run)}_step{step}.parquet"
 
 
 def write(trace: Trace, out_dir: str) -> str:
     """Writes ``trace`` to ``out_dir/`` :func:`file_name`; returns the path."""
     import pyarrow.parquet as pq
 
-    path = storage.join(out_dir, file_name(trace))
+    path = storage.join(out_dir, file_name(trace.run, trace.step))
     with storage.writing(path) as f:
         pq.write_table(to_table(trace), f)
     return path
@@ -266,6 +266,51 @@ def read(path: str) -> Trace:
     import pyarrow.parquet as pq
 
     return from_table(pq.read_table(pa.BufferReader(storage.read_bytes(path))))
+
+
+def checkpoint_steps(checkpoint_paths: Sequence[str]) -> list[tuple[str, str, int]]:
+    """``(MODEL_DIR, run label, step)`` of each checkpoint path (a bare ``MODEL_DIR``: its
+    newest step), labelled as :func:`collect` labels them (``run_names.run_labels``).
+
+    Raises:
+      errors.CheckpointError: a ``MODEL_DIR`` without checkpoints.
+    """
+    split = [RunDir.of_checkpoint(path) for path in checkpoint_paths]
+    labels = run_names.run_labels([run_dir.path for run_dir, _ in split])
+    out = []
+    for (run_dir, given), label in zip(split, labels, strict=True):
+        step = run_dir.reached_step() if given is None else given
+        if step is None:
+            raise errors.CheckpointError(f"--checkpoint={run_dir.path}: no checkpoints")
+        out.append((run_dir.path, label, step))
+    return out
+
+
+def read_folder(trace_dir: str, checkpoint_paths: Sequence[str]) -> list[Trace]:
+    """The :class:`Trace` of each checkpoint path, in order, read from ``trace_dir`` (a
+    folder written by :func:`analyze`) instead of routing the data again.
+
+    Raises:
+      errors.InputFileError: the folder holds no trace of one or more of the checkpoints.
+    """
+    wanted = checkpoint_steps(checkpoint_paths)
+    paths = [storage.join(trace_dir, file_name(label, step)) for _, label, step in wanted]
+    missing = [
+        f"{label}@{step}"
+        for (_, label, step), path in zip(wanted, paths, strict=True)
+        if not storage.exists(path)
+    ]
+    if missing:
+        held = [storage.basename(p) for p in storage.glob(trace_dir, "trace_*.parquet")]
+        raise errors.InputFileError(
+            f"--trace={trace_dir} holds no trace of {', '.join(dict.fromkeys(missing))} "
+            f"(it holds {', '.join(held) or 'none'}); write them with `moe-jax analyze trace "
+            f"--checkpoint=... --out={trace_dir}`"
+        )
+    return [
+        dataclasses.replace(read(path), model_dir=run_dir)
+        for (run_dir, _, _), path in zip(wanted, paths, strict=True)
+    ]
 
 
 # -------------------------------------------------------------------------------- collecting
@@ -343,6 +388,18 @@ def collect(
             pieces,
             run_dir,
         )
+
+
+def traces(
+    checkpoint_paths: Sequence[str], all_steps: bool = False, trace_dir: str | None = None
+) -> Iterator[Trace]:
+    """Each checkpoint's :class:`Trace` (every saved step of its run with ``all_steps``):
+    read from ``trace_dir`` (``--trace``: a folder of `moe-jax analyze trace`), else routed
+    by :func:`collect`. The analyses of traces take their tokens' routing from here."""
+    if trace_dir is None:
+        return collect(checkpoint_paths, all_steps)
+    paths = languages.expand_checkpoints(checkpoint_paths, all_steps)
+    return iter(read_folder(storage.normalize(trace_dir), paths))
 
 
 def summary_line(trace: Trace) -> str:

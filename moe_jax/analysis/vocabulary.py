@@ -168,11 +168,14 @@ def summary_lines(result: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-@gin.configurable(module="vocabulary_script", denylist=["checkpoint_paths", "out_dir", "all_steps"])
+@gin.configurable(
+    module="vocabulary_script", denylist=["checkpoint_paths", "out_dir", "all_steps", "trace_dir"]
+)
 def analyze(
     checkpoint_paths: Sequence[str],
     out_dir: str | None = None,
     all_steps: bool = False,
+    trace_dir: str | None = None,
     *,
     min_count: int = 5,
     top_tokens: int = 8,
@@ -180,9 +183,11 @@ def analyze(
 ) -> dict[str, Any]:
     """Writes ``vocabulary.json`` (``{"categories", "settings", "checkpoints": [{"run",
     "step", "layers": {name: analyze_layer(...)}}]}``) and one PNG per checkpoint to
-    ``out_dir`` (default: ``languages.output_dirs``)."""
+    ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir`` (``--trace``): read each
+    checkpoint's routing from that trace folder instead of routing the data again
+    (``trace.traces``)."""
     results = []
-    for trace in trace_lib.collect(checkpoint_paths, all_steps):
+    for trace in trace_lib.traces(checkpoint_paths, all_steps, trace_dir):
         rng = np.random.default_rng(seed)
         layers = {
             name: analyze_layer(

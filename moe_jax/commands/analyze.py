@@ -5,6 +5,7 @@
     moe-jax analyze languages --checkpoint=RUN_A --checkpoint=RUN_B --all_steps --out=/tmp/languages
     moe-jax analyze trace --checkpoint=RUN --all_steps --out=/tmp/trace
     moe-jax analyze saturation --checkpoint=RUN --all_steps --out=/tmp/saturation
+    moe-jax analyze vocabulary --checkpoint=RUN --trace=/tmp/trace   # read, not routed again
 
 Gin: the analysis' defaults (``gin/analysis/<analysis>.gin``), then the run's
 ``MODEL_DIR/config.gin`` (written by `moe-jax train`; model and data), then ``--gin_file``
@@ -54,6 +55,8 @@ ANALYSES: dict[str, tuple[str, str]] = {
 }
 # Analyses reading per-token routing traces (gin defaults: gin/analysis/trace.gin).
 TRACED = frozenset({"trace", "vocabulary", "saturation", "coactivation"})
+# Analyses that can read a trace folder instead of routing the data again (``--trace``).
+TRACE_READERS = frozenset({"vocabulary", "saturation", "coactivation"})
 # Analyses taking several checkpoints (``--checkpoint`` repeated, ``--all_steps``).
 MULTI_CHECKPOINT = frozenset({"languages"}) | TRACED
 DEFAULTS_DIR = gin_text.REPO_GIN_DIR / "analysis"
@@ -118,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="output directory (default: MODEL_DIR/analysis)",
     )
+    if analysis in TRACE_READERS:
+        parser.add_argument(
+            "--trace",
+            type=storage.normalize,
+            default=None,
+            metavar="DIR",
+            help="read the checkpoints' routing from this folder of `moe-jax analyze trace` "
+            "instead of routing the data again",
+        )
     args = gin_flags.parse_flags(parser, rest)
     if analysis not in MULTI_CHECKPOINT and len(args.checkpoint) > 1:
         parser.error(f"{analysis} takes one --checkpoint")
@@ -130,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     distributed.initialize(args)
     gin_utils.parse_gin(args)
-    if analysis in MULTI_CHECKPOINT:
+    if analysis in TRACE_READERS:
+        module.analyze(args.checkpoint, args.out, args.all_steps, args.trace)
+    elif analysis in MULTI_CHECKPOINT:
         module.analyze(args.checkpoint, args.out, args.all_steps)
     else:
         module.analyze(args.checkpoint[0], args.out)

@@ -1,5 +1,6 @@
-"""Per-token routing traces: planted routings survive the Parquet round trip, and
-`moe-jax analyze trace` writes one row per real token and MoE layer of a tiny checkpoint."""
+"""Per-token routing traces: planted routings survive the Parquet round trip,
+`moe-jax analyze trace` writes one row per real token and MoE layer of a tiny checkpoint,
+and the analyses of traces read with ``--trace`` report what they report routing again."""
 
 from __future__ import annotations
 
@@ -99,6 +100,16 @@ def _run(analysis: str, tiny_run, out, *extra: str, labels: bool = False) -> Non
     assert analyze.main([analysis, *extra, f"--out={out}", *flags]) == 0
 
 
+def _same_from_trace(analysis: str, tiny_run, traced, out, *checkpoints: str) -> None:
+    """``analysis`` of ``checkpoints`` read from the trace folder ``traced`` reports what the
+    routed run already in ``out`` reported."""
+    import json
+
+    _run(analysis, tiny_run, out / "read", *checkpoints, f"--trace={traced}")
+    read = json.loads((out / "read" / f"{analysis}.json").read_text())
+    assert read == json.loads((out / f"{analysis}.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def traced(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("trace")
@@ -131,7 +142,7 @@ def test_cli_writes_a_row_per_token_and_layer(traced):
     )
 
 
-def test_vocabulary_and_coactivation_commands(tiny_run, tmp_path):
+def test_vocabulary_and_coactivation_commands(tiny_run, traced, tmp_path):
     import json
 
     _run("vocabulary", tiny_run, tmp_path, f"--checkpoint={tiny_run}")
@@ -145,6 +156,7 @@ def test_vocabulary_and_coactivation_commands(tiny_run, tmp_path):
         assert 0 < stats["random_router"] <= stats["token_consistency"] <= 1
     # decoder position 0 is the start token, a special one
     assert result["layers"]["decoder/layers_1"]["category_tokens"][0] >= 40
+    _same_from_trace("vocabulary", tiny_run, traced, tmp_path, f"--checkpoint={tiny_run}")
     _run("coactivation", tiny_run, tmp_path, f"--checkpoint={tiny_run}")
     report = json.loads((tmp_path / "coactivation.json").read_text())
     (result,) = report["checkpoints"]
@@ -156,9 +168,10 @@ def test_vocabulary_and_coactivation_commands(tiny_run, tmp_path):
     assert result["cross_layer"]["predictability"][0] == [1.0, None]
     for name in report["files"]:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    _same_from_trace("coactivation", tiny_run, traced, tmp_path, f"--checkpoint={tiny_run}")
 
 
-def test_saturation_command_and_its_refusal(tiny_run, tmp_path):
+def test_saturation_command_and_its_refusal(tiny_run, traced, tmp_path):
     import json
 
     step = f"--checkpoint={tiny_run}/checkpoints/1"
@@ -169,6 +182,7 @@ def test_saturation_command_and_its_refusal(tiny_run, tmp_path):
     for curves in run["layers"].values():  # a checkpoint agrees with itself
         assert curves["top1"] == [1.0, 1.0] and curves["topk"] == [1.0, 1.0]
         assert curves["top1_random"][0] < 1.0
+    _same_from_trace("saturation", tiny_run, traced, tmp_path, step, step)
     with pytest.raises(ValueError, match="has one: pass --all_steps"):
         _run("saturation", tiny_run, tmp_path, step)
 
@@ -183,3 +197,18 @@ def test_trace_labels_each_example_with_its_language(tiny_run, tmp_path):
         names = np.asarray(back.labels)[layer.label[first]]
         assert len(set(names)) == 20 and (names[0::2] == names[1::2]).all()
         assert (layer.label == layer.label[first][layer.example]).all()  # one per example
+
+
+def test_a_trace_folder_without_a_compared_step_is_one_error_line(tiny_run, traced, capsys):
+    from moe_jax import cli
+
+    steps = [f"--checkpoint={tiny_run}/checkpoints/{step}" for step in (1, 2)]
+    argv = ["saturation", *steps, f"--trace={traced}", f"--out={traced}/saturation"]
+    assert cli.run_command("analyze", analyze.main, argv) == 1
+    *_, line = capsys.readouterr().err.strip().splitlines()  # after the gin config line
+    assert line.startswith(f"moe-jax analyze: error: --trace={traced} holds no trace of ")
+    assert "tiny_run0@2 (it holds trace_tiny_run0_step1.parquet)" in line
+    empty = traced / "empty"
+    argv = ["vocabulary", f"--checkpoint={tiny_run}", f"--trace={empty}", f"--out={empty}"]
+    assert cli.run_command("analyze", analyze.main, argv) == 1
+    assert "holds no trace of tiny_run0@1 (it holds none)" in capsys.readouterr().err
