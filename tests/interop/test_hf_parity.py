@@ -13,19 +13,14 @@ from safetensors.numpy import load_file
 
 import moe_jax
 from moe_jax import cli
-from tests.interop.conftest import FIXTURES
+from tests.interop.conftest import FIXTURES, import_fixtures
 
 CASES = ("t5_v1_1", "t5_relu_tied", "switch_step2", "switch_step3_drops")
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
-    """Each fixture imported into a run directory."""
-    runs = {}
-    for case in CASES:
-        runs[case] = tmp_path_factory.mktemp(case) / "run"
-        assert cli.main(["import", f"--hf={FIXTURES / case}", f"--model_dir={runs[case]}"]) == 0
-    return runs
+    return import_fixtures(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

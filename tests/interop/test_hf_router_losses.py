@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax import cli
 from moe_jax.moe import losses as moe_losses
 from moe_jax.moe.collections import ROUTING_COLLECTION
 from moe_jax.runtime import routing
-from tests.interop.conftest import FIXTURES
+from tests.interop.conftest import FIXTURES, import_fixtures
 
 CASES = ("switch_step2", "switch_step3_drops")
 # transformers' name -> moe-jax's
@@ -26,11 +25,7 @@ NAMES = {"z_loss": "router_z_loss", "aux_loss": "load_balancing_loss"}
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
-    runs = {}
-    for case in CASES:
-        runs[case] = tmp_path_factory.mktemp(case) / "run"
-        assert cli.main(["import", f"--hf={FIXTURES / case}", f"--model_dir={runs[case]}"]) == 0
-    return runs
+    return import_fixtures(tmp_path_factory, CASES)
 
 
 def _batch(inputs: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import time
 
 import gin
 import numpy as np
@@ -34,9 +35,24 @@ def _offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
 
 
-def wandb_records(model_dir: pathlib.Path) -> list:
-    """Every record of the offline runs under ``model_dir/wandb`` (W&B's leveldb-style log:
-    a 7-byte file header, 32 KiB blocks of chunks with 7-byte headers), in run order."""
+def wandb_records(model_dir: pathlib.Path, runs: int = 1, timeout: float = 60.0) -> list:
+    """Every record of the offline runs under ``model_dir/wandb``, in run order, once
+    ``runs`` run records and as many finished runs are on disk: W&B's service process
+    writes the log after ``finish()`` returns, later on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _read_records(model_dir)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if (kinds.count("run") >= runs and kinds.count("exit") >= runs) or (
+            time.monotonic() > deadline
+        ):
+            return records
+        time.sleep(0.2)
+
+
+def _read_records(model_dir: pathlib.Path) -> list:
+    """The records of W&B's leveldb-style logs under ``model_dir/wandb``: a 7-byte file
+    header, 32 KiB blocks of chunks with 7-byte headers."""
     from wandb.proto import wandb_internal_pb2
 
     records = []
@@ -110,9 +126,10 @@ def test_the_writer_sends_every_metric_and_a_resumed_run_continues_its_wandb_run
     writer = MetricsWriter(run_dir, 1, again)
     writer.write("train", 4, {"loss": 2.0})
     writer.close()
-    runs = [r.run for r in wandb_records(tmp_path) if r.WhichOneof("record_type") == "run"]
+    records = wandb_records(tmp_path, runs=2)
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert [r.run_id for r in runs] == [run_id, run_id]
-    assert float(history(wandb_records(tmp_path))[4]["train/loss"]) == 2.0
+    assert float(history(records)[4]["train/loss"]) == 2.0
 
 
 def test_no_project_no_wandb_run_and_no_import(tmp_path):
@@ -157,7 +174,7 @@ def test_a_training_run_and_its_resumption_log_to_one_wandb_run(tmp_path):
     _train(tmp_path, 1)
     run_id = (tmp_path / "wandb_run_id").read_text()
     _train(tmp_path, 2)  # resumes from step 1
-    records = wandb_records(tmp_path)
+    records = wandb_records(tmp_path, runs=2)
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert [(r.run_id, r.project, list(r.tags)) for r in runs] == [
         (run_id, "moe-jax-test", ["tiny"])
