@@ -145,8 +145,11 @@ def test_full_disk_at_metrics_keeps_whole_lines_then_resume_continues(tmp_path, 
     run = tmp_path / "run"
     code, out = finish(start(run, "--gin.TRAIN_STEPS=9", PERIOD))
     assert code == 0, out[-2000:]
-    # 9 lines of ~2.2 kB: the line of step 12 crosses 25,000 bytes, before its checkpoint
-    code, out = finish(start(run, "--gin.TRAIN_STEPS=12", PERIOD, file_size_limit=25_000))
+    # 9 lines of about 2.3 kB: the lines of steps 10 and 11 fit under the limit, the line
+    # of step 12 crosses it, before its checkpoint
+    size = (run / "metrics.jsonl").stat().st_size
+    limit = int(size + 2.5 * size / 9)
+    code, out = finish(start(run, "--gin.TRAIN_STEPS=12", PERIOD, file_size_limit=limit))
     assert code == errors.EXIT_WRITE_FAILED, out[-3000:]
     assert error_lines(out) == [
         f"moe-jax train: error: cannot write {run}/metrics.jsonl: File too "
