@@ -205,22 +205,22 @@ def abstract_params(model: Model, input_shapes: InputShapes) -> Any:
 
 
 def compute_dtypes(
-    model: Model,
-    input_shapes: Mapping[str, tuple[int, int]],
-    ctx: RunContext,
-    *,
-    always_trace: bool = False,
+    model: Model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext
 ) -> Any:
-    """The parameters the train step keeps compute copies of, with their dtypes
-    (:func:`compute_copies.compute_dtypes` of the model's train loss, traced on one
-    abstract batch under ``ctx``'s mesh and rules). ``{}`` without the trace (a trace of
-    the network before the train step's) when the activations are no narrower than the
-    parameters (float32 activations): no parameter is read cast to a narrower dtype then;
-    ``always_trace`` traces anyway (the tests check that the trace finds none)."""
+    """The parameters the train step keeps compute copies of, with their dtypes:
+    :func:`traced_compute_dtypes`, or ``{}`` without that trace (a trace of the network
+    before the train step's) when the activations are no narrower than the parameters
+    (float32 activations): no parameter is read cast to a narrower dtype then."""
     config = model.module.config
     wide = np.dtype(config.activation_dtype).itemsize >= np.dtype(config.parameter_dtype).itemsize
-    if wide and not always_trace:
-        return {}
+    return {} if wide else traced_compute_dtypes(model, input_shapes, ctx)
+
+
+def traced_compute_dtypes(
+    model: Model, input_shapes: Mapping[str, tuple[int, int]], ctx: RunContext
+) -> Any:
+    """:func:`compute_copies.compute_dtypes` of the model's train loss, traced on one
+    abstract batch under ``ctx``'s mesh and rules."""
     variables = abstract_variables(model, input_shapes)
     params = variables.pop("params")
     rng = jax.ShapeDtypeStruct((2,), np.uint32)

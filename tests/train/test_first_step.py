@@ -118,7 +118,7 @@ def test_float32_activations_skip_the_trace_that_would_find_no_copy(flags, monke
     network fewer before the first step), and the trace it skips finds none either."""
     try:
         _, model, ctx = _setup(*flags)
-        assert builders.compute_dtypes(model, SHAPES, ctx, always_trace=True) == {}
+        assert builders.traced_compute_dtypes(model, SHAPES, ctx) == {}
         traced = []
         monkeypatch.setattr(model, "train_loss_fn", lambda *args: traced.append(args))
         assert builders.compute_dtypes(model, SHAPES, ctx) == {}
