@@ -12,6 +12,7 @@ layer's per-token routing).
   vocabulary      token-id and token-category specialisation (OpenMoE, OLMoE, ST-MoE)
   saturation      agreement of each checkpoint's routing with the final one's (OLMoE)
   coactivation    expert pair co-activation, cross-layer routing consistency (OLMoE)
+  seeds           mean and spread of any statistic over a run family's seeds
   trace_plots     the PNGs of the trace analyses
 See docs/analysis.md.
 """

@@ -16,7 +16,13 @@ Across layers of one stack (they route the same tokens), ``cross_layer.predictab
 best map from i's experts to j's (``sum_e max_f n(e, f) / n``; 1: j's expert is a function
 of i's), with ``cross_layer.random``: the same with layer j's choices permuted over tokens
 (the accuracy of always predicting j's commonest expert, plus the sample-size bias). None
-between layers of different stacks.
+between layers of different stacks. Each layer's entry repeats its row's step to the next
+layer of its stack as ``predicts_next`` and ``predicts_next_random`` (None for a stack's
+last layer).
+
+Runs of one family (``learned/seed0``, ``learned/seed1``, ...) also get ``seed_summary``:
+the mean and standard deviation over the seeds of :data:`SEED_STATISTICS` per step and
+layer (:mod:`moe_jax.analysis.seeds`).
 """
 
 from __future__ import annotations
@@ -27,8 +33,18 @@ from typing import Any
 import gin
 import numpy as np
 
-from moe_jax.analysis import languages, trace_plots
+from moe_jax.analysis import languages, seeds, trace_plots
 from moe_jax.analysis import trace as trace_lib
+
+# The per-layer statistics averaged over a family's seeds (``seed_summary``).
+SEED_STATISTICS = (
+    "top_partner",
+    "top_partner_random",
+    "max_pair",
+    "max_pair_random",
+    "predicts_next",
+    "predicts_next_random",
+)
 
 
 def chosen(experts: np.ndarray, num_experts: int) -> np.ndarray:
@@ -112,6 +128,20 @@ def cross_layer(
     return {"layers": names, "predictability": model, "random": floor}
 
 
+def next_layer(cross: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per layer of :func:`cross_layer`'s result: ``{"predicts_next", "predicts_next_random"}``,
+    its predictability of the next layer when that layer routed the same tokens, else None."""
+    names = cross["layers"]
+    out = {}
+    for i, name in enumerate(names):
+        last = i + 1 == len(names)
+        out[name] = {
+            "predicts_next": None if last else cross["predictability"][i][i + 1],
+            "predicts_next_random": None if last else cross["random"][i][i + 1],
+        }
+    return out
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """One line per layer, then the cross-layer predictability of consecutive layers."""
     lines = []
@@ -148,27 +178,32 @@ def analyze(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Writes ``coactivation.json`` (``{"checkpoints": [{"run", "step", "layers": {name:
-    analyze_layer(...)}, "cross_layer": cross_layer(...)}]}``) and one PNG per checkpoint
+    analyze_layer(...) | next_layer(...)[name]}, "cross_layer": cross_layer(...)}],
+    "seed_summary"}``) and one PNG per checkpoint
     to ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir`` (``--trace``): read
     each checkpoint's routing from that trace folder instead of routing the data again
     (``trace.traces``)."""
     results = []
     for trace in trace_lib.traces(checkpoint_paths, all_steps, trace_dir):
         rng = np.random.default_rng(seed)
+        layers = {name: analyze_layer(layer, rng) for name, layer in trace.layers.items()}
+        cross = cross_layer(trace.layers, rng)
+        for name, values in next_layer(cross).items():
+            layers[name].update(values)
         results.append(
-            {
-                "run": trace.run,
-                "step": trace.step,
-                "layers": {name: analyze_layer(layer, rng) for name, layer in trace.layers.items()},
-                "cross_layer": cross_layer(trace.layers, rng),
-            }
+            {"run": trace.run, "step": trace.step, "layers": layers, "cross_layer": cross}
         )
-    report: dict[str, Any] = {"seed": seed, "checkpoints": results}
+    report: dict[str, Any] = {
+        "seed": seed,
+        "checkpoints": results,
+        "seed_summary": seeds.checkpoint_summary(results, SEED_STATISTICS),
+    }
     trace_lib.write_report(
         "coactivation",
         report,
         languages.output_dirs(checkpoint_paths, out_dir),
         trace_plots.write_coactivation,
-        [line for result in results for line in summary_lines(result)],
+        [line for result in results for line in summary_lines(result)]
+        + seeds.summary_lines(report["seed_summary"]),
     )
     return report

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,7 +41,7 @@ import jax
 import numpy as np
 
 from moe_jax import param_paths, partitioning, storage
-from moe_jax.analysis import counterfactual, plots
+from moe_jax.analysis import counterfactual, plots, seeds
 from moe_jax.analysis.positions import mutual_information_bits
 from moe_jax.models import layer_stacking
 from moe_jax.runtime import builders, checkpoints, configured, routing, run_names
@@ -227,37 +226,8 @@ def expand_checkpoints(paths: Sequence[str], all_steps: bool) -> list[str]:
     return out
 
 
+# The per-layer statistics averaged over a family's seeds (``seed_summary`` in languages.json).
 SEED_STATISTICS = ("bits", "shuffled_label_bits", "sparsity")
-
-
-def seed_summary(checkpoints: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per run family (``run_names.family_of``) and step held by two or more of its seeds: for each
-    layer, the mean and standard deviation (ddof 1) over the seeds of ``SEED_STATISTICS``
-    (``{"bits": [mean, std], ...}``), sorted by family and step."""
-    groups: dict[tuple[str, int], list[Mapping[str, Any]]] = defaultdict(list)
-    for result in checkpoints:
-        groups[(run_names.family_of(result["run"]), result["step"])].append(result)
-    summary = []
-    for (family, step), results in sorted(groups.items()):
-        if len(results) < 2:
-            continue
-        layers = {
-            name: {
-                key: [float(np.mean(v)), float(np.std(v, ddof=1))]
-                for key in SEED_STATISTICS
-                for v in [[r["layers"][name][key] for r in results]]
-            }
-            for name in results[0]["layers"]
-        }
-        summary.append(
-            {
-                "family": family,
-                "step": step,
-                "seeds": sorted(r["run"] for r in results),
-                "layers": layers,
-            }
-        )
-    return summary
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
@@ -327,10 +297,10 @@ def analyze(
         "max_examples_per_label": max_examples_per_label,
         "num_examples": {label: int(np.sum(row_labels == i)) for i, label in enumerate(groups)},
         "checkpoints": results,
-        "seed_summary": seed_summary(results),
+        "seed_summary": seeds.checkpoint_summary(results, SEED_STATISTICS),
     }
     if jax.process_index() == 0:
-        for line in seed_summary_lines(report["seed_summary"]):
+        for line in seeds.summary_lines(report["seed_summary"]):
             print(line, flush=True)
         for folder in out_dirs:
             report["files"] = plots.write_languages(report, folder)
@@ -397,14 +367,3 @@ def _route_checkpoints(
         if jax.process_index() == 0:
             print("\n".join(summary_lines(result)), flush=True)
     return results
-
-
-def seed_summary_lines(summary: list[dict[str, Any]]) -> list[str]:
-    """One line per family, step and layer of :func:`seed_summary`'s result: each statistic's
-    mean +- standard deviation over the seeds."""
-    return [
-        f"{entry['family']} ({len(entry['seeds'])} seeds)@{entry['step']} {name}: "
-        + "; ".join(f"{key} {mean:.3f} +- {std:.3f}" for key, (mean, std) in stats.items())
-        for entry in summary
-        for name, stats in entry["layers"].items()
-    ]

@@ -12,7 +12,9 @@ is compared token by token with the run's last checkpoint, per MoE layer:
   from the load alone).
 
 Curves over ``step / final step`` show saturation; OLMoE reports ~60% top-8 agreement at 1%
-of training and ~80% at 40%.
+of training and ~80% at 40%. Runs of one family (``learned/seed0``, ``learned/seed1``,
+...) with the same steps also get ``seed_summary``: each curve's mean and standard
+deviation over the seeds, step by step (:func:`moe_jax.analysis.seeds.curve_summary`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import gin
 import numpy as np
 
-from moe_jax.analysis import languages, trace_plots
+from moe_jax.analysis import languages, seeds, trace_plots
 from moe_jax.analysis import trace as trace_lib
 from moe_jax.runtime.run_dir import RunDir
 
@@ -108,7 +110,8 @@ def analyze(
     *,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Writes ``saturation.json`` (``{"runs": [run_saturation(...)]}``) and
+    """Writes ``saturation.json`` (``{"runs": [run_saturation(...)], "seed_summary":
+    seeds.curve_summary(...)}``) and
     ``saturation.png`` to ``out_dir`` (default: ``languages.output_dirs``). Each run needs
     several checkpoints: ``--all_steps`` or ``--checkpoint`` repeated. ``trace_dir``
     (``--trace``): read each checkpoint's routing from that trace folder instead of routing
@@ -132,11 +135,13 @@ def analyze(
         "seed": seed,
         "runs": [run_saturation(traces, seed) for traces in by_run.values()],
     }
+    report["seed_summary"] = seeds.curve_summary(report["runs"])
     trace_lib.write_report(
         "saturation",
         report,
         languages.output_dirs(checkpoint_paths, out_dir),
         trace_plots.write_saturation,
-        [line for result in report["runs"] for line in summary_lines(result)],
+        [line for result in report["runs"] for line in summary_lines(result)]
+        + seeds.curve_lines(report["seed_summary"], "topk"),
     )
     return report

@@ -79,20 +79,43 @@ def write_vocabulary(report: dict[str, Any], out_dir: str) -> list[str]:
     )
 
 
+def _run_curves(ax, run: dict[str, Any], name: str, colour) -> None:
+    """One run's top-1 and top-k agreement (solid) and its random router's (dotted)."""
+    fraction = np.asarray(run["steps"]) / max(run["final_step"], 1)
+    curves = run["layers"][name]
+    style = dict(color=colour, ms=3)
+    ax.plot(fraction, curves["top1"], "-o", label=f"{run['run']} top-1", **style)
+    ax.plot(fraction, curves["topk"], "-s", label=f"{run['run']} top-k", alpha=0.6, **style)
+    ax.plot(fraction, curves["top1_random"], ":", color=colour)
+    ax.plot(fraction, curves["topk_random"], ":", color=colour, alpha=0.6)
+
+
+def _family_curves(ax, family: dict[str, Any], name: str, colour) -> None:
+    """A family's mean top-k agreement over its seeds with a band of one standard
+    deviation (solid), and its random router's mean (dotted)."""
+    fraction = np.asarray(family["steps"]) / max(family["steps"][-1], 1)
+    curves = family["layers"][name]
+    mean, std = np.asarray(curves["topk"], float).T
+    label = f"{family['family']} top-k ({len(family['seeds'])} seeds)"
+    ax.plot(fraction, mean, "-s", color=colour, ms=3, label=label)
+    ax.fill_between(fraction, mean - std, mean + std, color=colour, alpha=0.2)
+    ax.plot(fraction, np.asarray(curves["topk_random"], float)[:, 0], ":", color=colour)
+
+
 def saturation_figure(report: dict[str, Any]):
-    """Per layer: agreement with the final checkpoint vs share of training."""
+    """Per layer: agreement with the final checkpoint vs share of training; a run family
+    with a ``seed_summary`` as its seeds' mean top-k agreement and spread, other runs one
+    by one."""
     names = list(report["runs"][0]["layers"])
     fig, axes = _grid(len(names), 4.2, 3.4)
     colours = plotting.pyplot().get_cmap("tab10")
-    for r, run in enumerate(report["runs"]):
-        fraction = np.asarray(run["steps"]) / max(run["final_step"], 1)
+    families = report.get("seed_summary") or []
+    summarised = {run for family in families for run in family["seeds"]}
+    shown: list[tuple[Callable, dict[str, Any]]] = [(_family_curves, f) for f in families]
+    shown += [(_run_curves, r) for r in report["runs"] if r["run"] not in summarised]
+    for i, (draw, entry) in enumerate(shown):
         for ax, name in zip(axes, names, strict=True):
-            curves = run["layers"][name]
-            style = dict(color=colours(r % 10), ms=3)
-            ax.plot(fraction, curves["top1"], "-o", label=f"{run['run']} top-1", **style)
-            ax.plot(fraction, curves["topk"], "-s", label=f"{run['run']} top-k", alpha=0.6, **style)
-            ax.plot(fraction, curves["top1_random"], ":", color=colours(r % 10))
-            ax.plot(fraction, curves["topk_random"], ":", color=colours(r % 10), alpha=0.6)
+            draw(ax, entry, name, colours(i % 10))
     for ax, name in zip(axes, names, strict=True):
         ax.set_title(name, fontsize=9)
         ax.set_ylim(0, 1.02)

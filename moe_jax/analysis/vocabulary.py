@@ -17,6 +17,10 @@ Per MoE layer, over the tokens of a routing trace (:mod:`moe_jax.analysis.trace`
   [categories, experts]`` (the share of each category's tokens by top-1 expert).
 * ``expert_tokens``: per expert, the ``top_tokens`` pieces with the highest share of their
   occurrences routed to it (OLMoE's vocabulary specialisation ``#(x -> e) / #x``).
+
+Runs of one family (``learned/seed0``, ``learned/seed1``, ...) also get ``seed_summary``:
+the mean and standard deviation over the seeds of :data:`SEED_STATISTICS` per step and
+layer (:mod:`moe_jax.analysis.seeds`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import gin
 import numpy as np
 
-from moe_jax.analysis import languages, trace_plots
+from moe_jax.analysis import languages, seeds, trace_plots
 from moe_jax.analysis import trace as trace_lib
 from moe_jax.analysis.positions import mutual_information_bits
 
@@ -40,6 +44,14 @@ CATEGORIES: tuple[str, ...] = (
     "capitalized",
     "word",
     "subword",
+)
+# The per-layer statistics averaged over a family's seeds (``seed_summary``).
+SEED_STATISTICS = (
+    "token_consistency",
+    "random_router",
+    "category_bits",
+    "category_shuffled_bits",
+    "category_excess_bits",
 )
 
 
@@ -182,7 +194,7 @@ def analyze(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Writes ``vocabulary.json`` (``{"categories", "settings", "checkpoints": [{"run",
-    "step", "layers": {name: analyze_layer(...)}}]}``) and one PNG per checkpoint to
+    "step", "layers": {name: analyze_layer(...)}}], "seed_summary"}``) and one PNG per checkpoint to
     ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir`` (``--trace``): read each
     checkpoint's routing from that trace folder instead of routing the data again
     (``trace.traces``)."""
@@ -200,12 +212,14 @@ def analyze(
         "categories": list(CATEGORIES),
         "settings": {"min_count": min_count, "top_tokens": top_tokens, "seed": seed},
         "checkpoints": results,
+        "seed_summary": seeds.checkpoint_summary(results, SEED_STATISTICS),
     }
     trace_lib.write_report(
         "vocabulary",
         report,
         languages.output_dirs(checkpoint_paths, out_dir),
         trace_plots.write_vocabulary,
-        [line for result in results for line in summary_lines(result)],
+        [line for result in results for line in summary_lines(result)]
+        + seeds.summary_lines(report["seed_summary"]),
     )
     return report

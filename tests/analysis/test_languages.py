@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_jax.analysis import languages
+from moe_jax.analysis import languages, seeds
 from moe_jax.runtime import run_names
 from moe_jax.runtime.routing_telemetry import (
     dead_experts,
@@ -125,7 +125,7 @@ def test_seed_summary_groups_a_familys_seeds_at_shared_steps(tmp_path):
     assert run_names.family_of("learned/seed12") == "learned"
     assert run_names.family_of("dense_run") == "dense_run"
     assert run_names.family_of("sweep/seeds") == "sweep/seeds"
-    summary = languages.seed_summary(checkpoints)
+    summary = seeds.checkpoint_summary(checkpoints, languages.SEED_STATISTICS)
     assert [(s["family"], s["step"], len(s["seeds"])) for s in summary] == [("learned", 100, 3)]
     mean, std = summary[0]["layers"]["decoder/layers_3"]["bits"]
     assert mean == pytest.approx(0.4) and std == pytest.approx(0.2)
