@@ -23,9 +23,10 @@ from moe_jax.runtime import run_names
 
 def mean_std(values: Sequence[float | None]) -> list[float] | None:
     """``[mean, std (ddof 1)]`` of two or more values; None when any value is None."""
-    if any(v is None for v in values):
+    present = [v for v in values if v is not None]
+    if len(present) < len(values):
         return None
-    return [float(np.mean(values)), float(np.std(values, ddof=1))]
+    return [float(np.mean(present)), float(np.std(present, ddof=1))]
 
 
 def _families(runs: Sequence[Mapping[str, Any]], key: Any) -> list[tuple[Any, list]]:
