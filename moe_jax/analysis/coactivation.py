@@ -177,12 +177,12 @@ def analyze(
     *,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Writes ``coactivation.json`` (``{"checkpoints": [{"run", "step", "layers": {name:
-    analyze_layer(...) | next_layer(...)[name]}, "cross_layer": cross_layer(...)}],
-    "seed_summary"}``) and one PNG per checkpoint
-    to ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir`` (``--trace``): read
-    each checkpoint's routing from that trace folder instead of routing the data again
-    (``trace.traces``)."""
+    """Writes ``coactivation.json`` (``{"checkpoints": [{"run", "step", "data", "layers":
+    {name: analyze_layer(...) | next_layer(...)[name]}, "cross_layer": cross_layer(...)}],
+    "seed_summary"}``) and one PNG per checkpoint to ``out_dir`` (default:
+    ``languages.output_dirs``); ``trace_dir`` (``--trace``): read each checkpoint's routing
+    from that trace folder instead of routing the data again (``trace.traces``); ``data``:
+    the routed data's settings (``Trace.data``)."""
     results = []
     for trace in trace_lib.traces(checkpoint_paths, all_steps, trace_dir):
         rng = np.random.default_rng(seed)
@@ -191,7 +191,13 @@ def analyze(
         for name, values in next_layer(cross).items():
             layers[name].update(values)
         results.append(
-            {"run": trace.run, "step": trace.step, "layers": layers, "cross_layer": cross}
+            {
+                "run": trace.run,
+                "step": trace.step,
+                "data": trace.data,
+                "layers": layers,
+                "cross_layer": cross,
+            }
         )
     report: dict[str, Any] = {
         "seed": seed,

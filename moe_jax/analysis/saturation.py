@@ -67,7 +67,7 @@ def agreement(
 
 def run_saturation(traces: Sequence[trace_lib.Trace], seed: int = 0) -> dict[str, Any]:
     """The curves of one run's ``traces`` (any order) against its last step: ``{"run",
-    "final_step", "steps": [...], "layers": {name: {"top1": [...], "topk": [...],
+    "final_step", "data", "steps": [...], "layers": {name: {"top1": [...], "topk": [...],
     "top1_random": [...], "topk_random": [...]}}}``, ascending steps."""
     ordered = sorted(traces, key=lambda t: t.step)
     final = ordered[-1]
@@ -80,6 +80,7 @@ def run_saturation(traces: Sequence[trace_lib.Trace], seed: int = 0) -> dict[str
     return {
         "run": final.run,
         "final_step": final.step,
+        "data": final.data,
         "steps": [t.step for t in ordered],
         "layers": layers,
     }

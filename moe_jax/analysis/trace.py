@@ -14,7 +14,9 @@ decoder input tokens (the previous target token; id 0 at position 0 starts the s
 The data (gin ``trace_script.collect``): the first examples of the run's task, unpacked and
 unshuffled, so that every checkpoint of a run routes the same tokens in the same order (the
 saturation analysis compares them token by token); for a task with labels, the first
-examples of each label's task.
+examples of each label's task. Those settings travel with the trace (:attr:`Trace.data`, the
+Parquet file's metadata), and the analyses' reports repeat them; a ``--trace`` folder whose
+files were made from different data is refused.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class LayerTrace:
 class Trace:
     """One checkpoint's per-token routing: ``layers`` by name (``"encoder/layers_1"``),
     encoder layers first, by depth; ``labels``: the task's label names (empty: none);
-    ``pieces``: the piece of every token id in the trace."""
+    ``pieces``: the piece of every token id in the trace; ``data``: the routed data's
+    settings (:func:`collect`'s task, split, feature lengths, examples, labels, seed; empty
+    for a file written without them)."""
 
     run: str
     step: int
@@ -114,6 +118,11 @@ class Trace:
     labels: tuple[str, ...] = ()
     pieces: dict[int, str] = dataclasses.field(default_factory=dict)
     model_dir: str = ""  # the run's MODEL_DIR ("" when read from a file)
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# the Parquet schema metadata key of ``Trace.data`` (JSON)
+DATA_KEY = b"moe_jax.trace.data"
 
 
 def layer_trace(
@@ -203,7 +212,8 @@ def to_table(trace: Trace):
                 schema=_schema(),
             )
         )
-    return pa.concat_tables(tables)
+    table = pa.concat_tables(tables)
+    return table.replace_schema_metadata({DATA_KEY: json.dumps(trace.data, sort_keys=True)})
 
 
 def from_table(table) -> Trace:
@@ -242,7 +252,8 @@ def from_table(table) -> Trace:
             kept=column("kept", bool),
             num_experts=int(part["num_experts"][0].as_py()),
         )
-    return Trace(runs[0], int(steps[0]), layers, tuple(label_names), pieces)
+    data = json.loads((table.schema.metadata or {}).get(DATA_KEY, b"{}"))
+    return Trace(runs[0], int(steps[0]), layers, tuple(label_names), pieces, data=data)
 
 
 def file_name(run: str, step: int) -> str:
@@ -307,13 +318,53 @@ def read_folder(trace_dir: str, checkpoint_paths: Sequence[str]) -> list[Trace]:
             f"(it holds {', '.join(held) or 'none'}); write them with `moe-jax analyze trace "
             f"--checkpoint=... --out={trace_dir}`"
         )
-    return [
+    read_traces = [
         dataclasses.replace(read(path), model_dir=run_dir)
         for (run_dir, _, _), path in zip(wanted, paths, strict=True)
     ]
+    check_same_data(read_traces, paths)
+    return read_traces
+
+
+def check_same_data(read_traces: Sequence[Trace], paths: Sequence[str]) -> None:
+    """Refuses traces made from different data (files without settings are not compared).
+
+    Raises:
+      errors.InputFileError: naming two files and the settings that differ.
+    """
+    known = [(t, p) for t, p in zip(read_traces, paths, strict=True) if t.data]
+    for t, path in known[1:]:
+        first, first_path = known[0]
+        differ = sorted(k for k in {*t.data, *first.data} if t.data.get(k) != first.data.get(k))
+        if differ:
+            shown = "; ".join(f"{k}: {first.data.get(k)!r} vs {t.data.get(k)!r}" for k in differ)
+            raise errors.InputFileError(
+                f"--trace: {storage.basename(first_path)} and {storage.basename(path)} route "
+                f"different data ({shown}); trace every compared checkpoint with the same "
+                "trace_script.collect settings"
+            )
 
 
 # -------------------------------------------------------------------------------- collecting
+def routed_examples(data: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray, tuple]:
+    """The examples :func:`collect` routes for its settings ``data``: ``features`` (``int
+    [examples, length]`` per feature), ``row_labels`` (``int [examples]``) and the label
+    names (empty: the task has none, or ``use_labels`` is off)."""
+    # deferred on purpose: TensorFlow/seqio load only when data is read
+    from moe_jax.data import labels as data_labels
+
+    task = data["mixture_or_task_name"]
+    groups: dict[str, str] = {"": task}
+    if data["use_labels"]:
+        with contextlib.suppress(data_labels.NoLabelsError):  # a task without labels
+            groups = data_labels.label_groups(task)
+    per_label = max(1, data["max_examples"] // len(groups))
+    features, row_labels = languages.labelled_examples(
+        groups, data["task_feature_lengths"], data["split"], per_label, data["seed"]
+    )
+    return features, row_labels, (() if list(groups) == [""] else tuple(groups))
+
+
 @gin.configurable(module="trace_script", denylist=["checkpoint_paths", "all_steps"])
 def collect(
     checkpoint_paths: Sequence[str],
@@ -337,17 +388,16 @@ def collect(
       max_examples: unpacked examples routed (split evenly over the labels, if any).
       use_labels: label each example when the task has labels (``moe_jax.data.labels``).
     """
-    # deferred on purpose: TensorFlow/seqio load only when data is read
-    from moe_jax.data import labels as data_labels
-
-    groups: dict[str, str] = {"": mixture_or_task_name}
-    if use_labels:
-        with contextlib.suppress(data_labels.NoLabelsError):  # a task without labels
-            groups = data_labels.label_groups(mixture_or_task_name)
-    labelled = list(groups) != [""]
-    features, row_labels = languages.labelled_examples(
-        groups, task_feature_lengths, split, max(1, max_examples // len(groups)), seed
-    )
+    data = {
+        "mixture_or_task_name": mixture_or_task_name,
+        "split": split,
+        "task_feature_lengths": dict(task_feature_lengths),
+        "max_examples": max_examples,
+        "use_labels": use_labels,
+        "seed": seed,
+    }
+    features, row_labels, labels = routed_examples(data)
+    data["examples"] = n = len(row_labels)
     input_shapes = {
         "encoder_input_tokens": (batch_size, task_feature_lengths["inputs"]),
         "decoder_input_tokens": (batch_size, task_feature_lengths["targets"]),
@@ -361,7 +411,6 @@ def collect(
         np.concatenate([features[f].ravel() for f in TOKEN_FEATURES.values()]),
     )
     fn = None
-    n = len(row_labels)
     for path, run_dir in zip(paths, run_dirs, strict=True):
         restored = builders.restore_model(path, model, input_shapes, ctx)
         if fn is None:
@@ -376,18 +425,11 @@ def collect(
             name: layer_trace(
                 layer.first_rows(n),
                 features[TOKEN_FEATURES[name.split("/")[0]]],
-                row_labels if labelled else None,
+                row_labels if labels else None,
             )
             for name, layer in routed.items()
         }
-        yield Trace(
-            run_label[run_dir],
-            restored.step,
-            layers,
-            tuple(groups) if labelled else (),
-            pieces,
-            run_dir,
-        )
+        yield Trace(run_label[run_dir], restored.step, layers, labels, pieces, run_dir, data)
 
 
 def traces(

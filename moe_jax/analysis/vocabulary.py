@@ -194,10 +194,10 @@ def analyze(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Writes ``vocabulary.json`` (``{"categories", "settings", "checkpoints": [{"run",
-    "step", "layers": {name: analyze_layer(...)}}], "seed_summary"}``) and one PNG per checkpoint to
-    ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir`` (``--trace``): read each
-    checkpoint's routing from that trace folder instead of routing the data again
-    (``trace.traces``)."""
+    "step", "data", "layers": {name: analyze_layer(...)}}], "seed_summary"}``) and one PNG
+    per checkpoint to ``out_dir`` (default: ``languages.output_dirs``); ``trace_dir``
+    (``--trace``): read each checkpoint's routing from that trace folder instead of routing
+    the data again (``trace.traces``); ``data``: the routed data's settings (``Trace.data``)."""
     results = []
     for trace in trace_lib.traces(checkpoint_paths, all_steps, trace_dir):
         rng = np.random.default_rng(seed)
@@ -207,7 +207,7 @@ def analyze(
             )
             for name, layer in trace.layers.items()
         }
-        results.append({"run": trace.run, "step": trace.step, "layers": layers})
+        results.append({"run": trace.run, "step": trace.step, "data": trace.data, "layers": layers})
     report: dict[str, Any] = {
         "categories": list(CATEGORIES),
         "settings": {"min_count": min_count, "top_tokens": top_tokens, "seed": seed},

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from moe_jax import errors
 from moe_jax.analysis import trace
 from moe_jax.commands import analyze
 from moe_jax.data import vocab
@@ -64,11 +65,13 @@ def test_parquet_round_trip_keeps_every_array(tmp_path):
         {"encoder/layers_1": layer},
         (),
         {i: f"p{i}" for i in range(5, 12)},
+        data={"split": "train", "task_feature_lengths": {"inputs": 4, "targets": 4}},
     )
     path = trace.write(original, str(tmp_path))
     assert path.endswith("trace_learned_seed0_step300.parquet")
     back = trace.read(path)
     assert (back.run, back.step, back.labels) == ("learned/seed0", 300, ())
+    assert back.data == original.data
     got = back.layers["encoder/layers_1"]
     for name in ("example", "position", "token_id", "label", "experts", "probs", "kept"):
         np.testing.assert_array_equal(getattr(got, name), getattr(layer, name), err_msg=name)
@@ -76,6 +79,28 @@ def test_parquet_round_trip_keeps_every_array(tmp_path):
     table = pq.read_table(path)
     assert table.column_names == trace._schema().names
     assert table["label"].null_count == 7 and table["dropped"].to_pylist().count(True) == 1
+
+
+def test_traces_of_different_data_are_refused_naming_the_setting():
+    layer = trace.layer_trace(planted_routing(), np.zeros((2, 4), np.int32), None)
+
+    def made(step: int, **data) -> trace.Trace:
+        return trace.Trace("a", step, {"encoder/layers_1": layer}, data=data)
+
+    paths = ["t/trace_a_step1.parquet", "t/trace_a_step2.parquet", "t/trace_a_step3.parquet"]
+    same = [
+        made(1, split="train", max_examples=40),
+        made(2),
+        made(3, split="train", max_examples=40),
+    ]
+    trace.check_same_data(same, paths)  # a file without settings is not compared
+    other = [*same[:2], made(3, split="train", max_examples=80)]
+    with pytest.raises(
+        errors.InputFileError,
+        match=r"trace_a_step1.parquet and trace_a_step3.parquet route "
+        r"different data \(max_examples: 40 vs 80\)",
+    ):
+        trace.check_same_data(other, paths)
 
 
 def test_a_table_of_two_checkpoints_is_refused(tmp_path):
@@ -124,6 +149,9 @@ def test_cli_writes_a_row_per_token_and_layer(traced):
     back = trace.from_table(table)
     assert list(back.layers) == LAYERS and back.step == 1
     assert back.labels == () and table["label"].null_count == table.num_rows  # use_labels off
+    assert back.data["max_examples"] == back.data["examples"] == 40
+    assert back.data["use_labels"] is False and back.data["split"] == "train"
+    assert back.data["task_feature_lengths"] == {"inputs": 32, "targets": 8}
     enc, dec = (back.layers[name] for name in LAYERS)
     assert enc.example.max() == dec.example.max() == 39
     assert enc.position.max() < 32 and dec.position.max() < 8 and dec.position.min() == 0
