@@ -281,6 +281,7 @@ def t5_config(folder: Folder) -> T5Config:
             "logits_via_embedding": not untied and bool(scaled),
             "relpos_num_buckets": int(config.get("relative_attention_num_buckets", 32)),
             "relpos_max_distance": int(config.get("relative_attention_max_distance", 128)),
+            "padding_semantics": "hf",  # padding computed, and routed, as transformers does
             **moe,
         }
     )
