@@ -230,7 +230,8 @@ def _required(config: Mapping[str, Any], name: str, where: str) -> Any:
 
 
 def t5_config(folder: Folder) -> T5Config:
-    """The :class:`T5Config` of the network ``folder`` holds (float32).
+    """The :class:`T5Config` of the network ``folder`` holds (float32), computing padding
+    positions as transformers does (``padding_semantics='hf'``).
 
     Raises:
       HfError: naming the ``config.json`` option moe-jax does not implement.

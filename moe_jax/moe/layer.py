@@ -273,7 +273,8 @@ class MoeLayer(nn.Module):
           ``router_probs [batch, length, experts]`` float32 the router's distribution over
             experts (``RouterOutput.probs``);
           ``expert_index [batch, length, k]`` int32 chosen experts, best first, before
-            capacity (``num_experts`` = padding); token-choice routers only;
+            capacity (``num_experts`` = padding, unless ``route_padding``); token-choice
+            routers only;
           ``kept [batch, length, k]`` bool whether each choice reached its expert (False:
             dropped by capacity, or padding unless ``route_padding``); expert choice:
             ``[batch, length, 1]`` whether any expert took the token.
