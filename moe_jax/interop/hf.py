@@ -230,7 +230,8 @@ def _required(config: Mapping[str, Any], name: str, where: str) -> Any:
 
 
 def t5_config(folder: Folder) -> T5Config:
-    """The :class:`T5Config` of the network ``folder`` holds (float32).
+    """The :class:`T5Config` of the network ``folder`` holds (float32), computing padding
+    positions as transformers does (``padding_semantics='hf'``).
 
     Raises:
       HfError: naming the ``config.json`` option moe-jax does not implement.
@@ -281,6 +282,7 @@ def t5_config(folder: Folder) -> T5Config:
             "logits_via_embedding": not untied and bool(scaled),
             "relpos_num_buckets": int(config.get("relative_attention_num_buckets", 32)),
             "relpos_max_distance": int(config.get("relative_attention_max_distance", 128)),
+            "padding_semantics": "hf",  # padding computed, and routed, as transformers does
             **moe,
         }
     )

@@ -34,8 +34,9 @@ class Forward:
       logits: ``float32 [batch, target_length, vocab]``.
       experts: ``{MoE layer ("encoder/layers_1"): int32 [batch, length, k]}``: the experts
         each token was sent to, best first; -1 where the expert's capacity dropped the
-        choice and on padding. ``length``: the inputs' for encoder layers, the targets'
-        for decoder layers.
+        choice, and on padding unless ``T5Config.padding_semantics`` is ``'hf'`` (an
+        imported run's), which routes it. ``length``: the inputs' for encoder layers, the
+        targets' for decoder layers.
     """
 
     logits: np.ndarray

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import gin
@@ -46,6 +46,9 @@ from moe_jax.moe.layer import MoeLayer
 
 SPARSE_LAYOUTS = ("bottom", "middle", "top", "mixed", "switch")
 SPARSE_LAYER_TYPES = ("moe", "dense")
+# ``T5Config.padding_semantics``: how padding positions (token id 0) are computed.
+PaddingSemantics = Literal["mask", "hf"]
+PADDING_SEMANTICS: tuple[PaddingSemantics, ...] = ("mask", "hf")
 
 # What each layer keeps for the backward pass (``T5Config.remat_policy``); anything not kept
 # is recomputed from the layer's input. ``None``: no rematerialisation (keep everything).
@@ -184,6 +187,17 @@ class T5Config:
       decoder_moe: the decoder's MoE config when it differs from the encoder's (Flaxformer's
         ``sparse_decoder``; gin: ``T5Config.decoder_moe = @decoder/MoeConfig()`` with
         ``decoder/...`` bindings). Checked for routing that reads later tokens of a group.
+      padding_semantics: how padding positions (token id 0) are computed. ``'mask'``: a
+        padding position attends to nothing (its whole attention row is masked) and the MoE
+        layers route it nowhere. ``'hf'``: as Hugging Face transformers computes them
+        (``moe-jax import --hf`` sets it): attention masks only padding keys (a padding
+        query attends to the real tokens; the decoder's self-attention is causal only, as
+        transformers' without a ``decoder_attention_mask``) and the MoE layers route padding
+        like a real token, so it takes expert capacity (``MoeLayer.route_padding``). Real
+        tokens compute the same in both as long as padding cannot take their capacity
+        (capacity per sequence, ``group_by_sequence``, filled in token order: padding comes
+        after its sequence's real tokens); the losses read real tokens only, except the
+        ``hf_stack`` router losses, which read every position.
     """
 
     vocab_size: int = 32128
@@ -214,6 +228,7 @@ class T5Config:
     scan_min_layers: int = 6
     moe: MoeConfig | None = None
     decoder_moe: MoeConfig | None = None
+    padding_semantics: PaddingSemantics = "mask"
 
     def __post_init__(self) -> None:
         for name in (
@@ -242,6 +257,11 @@ class T5Config:
             )
         if self.sparse_layer_type == "dense" and not self.flop_matched_mlp_dim:
             raise ValueError("T5Config.sparse_layer_type='dense' needs flop_matched_mlp_dim")
+        if self.padding_semantics not in PADDING_SEMANTICS:
+            raise ValueError(
+                f"T5Config.padding_semantics={self.padding_semantics!r} is not one of "
+                f"{PADDING_SEMANTICS}"
+            )
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"T5Config.remat_policy={self.remat_policy!r} is not one of {tuple(REMAT_POLICIES)}"
@@ -441,10 +461,13 @@ class FeedForwardBlock(nn.Module):
         cfg = self.config
         y = RMSNorm(dtype=cfg.activation_dtype, param_dtype=cfg.parameter_dtype, name="pre_norm")(x)
         if self.sparse and cfg.sparse_layer_type == "moe":
-            moe = cfg.moe_config("decoder" if self.is_decoder else "encoder")
-            y = MoeLayer(moe, causal=self.is_decoder, dtype=cfg.activation_dtype, name="moe")(
-                y, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic
-            )
+            y = MoeLayer(
+                cfg.moe_config("decoder" if self.is_decoder else "encoder"),
+                causal=self.is_decoder,
+                dtype=cfg.activation_dtype,
+                route_padding=cfg.padding_semantics == "hf",
+                name="moe",
+            )(y, token_ids=token_ids, padding_mask=padding_mask, deterministic=deterministic)
         else:
             width = cfg.flop_matched_mlp_dim if self.sparse else cfg.mlp_dim
             assert width is not None  # T5Config refuses a dense sparse layer without its width
@@ -723,11 +746,17 @@ class Decoder(nn.Module):
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
-def encoder_mask(tokens: jnp.ndarray, segment_ids: jnp.ndarray | None) -> AttentionMask:
-    """Encoder self-attention mask (``[batch, 1, Le, Le]``): non-padding, same segment."""
+def encoder_mask(
+    tokens: jnp.ndarray,
+    segment_ids: jnp.ndarray | None,
+    padding_semantics: PaddingSemantics = "mask",
+) -> AttentionMask:
+    """Encoder self-attention mask (``[batch, 1, Le, Le]``): non-padding, same segment.
+    ``padding_semantics='hf'`` masks padding keys only (``T5Config.padding_semantics``)."""
     valid = tokens > 0
+    queries = jnp.ones_like(valid) if padding_semantics == "hf" else valid
     segments = None if segment_ids is None else (segment_ids, segment_ids)
-    return AttentionMask.from_padding(valid, valid, segments=segments)
+    return AttentionMask.from_padding(queries, valid, segments=segments)
 
 
 def decoder_masks(
@@ -736,16 +765,18 @@ def decoder_masks(
     decoder_target_tokens: jnp.ndarray | None,
     encoder_segment_ids: jnp.ndarray | None,
     decoder_segment_ids: jnp.ndarray | None,
+    padding_semantics: PaddingSemantics = "mask",
 ) -> tuple[AttentionMask, AttentionMask]:
     """(causal self-attention mask ``[batch, 1, Ld, Ld]``, cross mask ``[batch, 1, Ld, Le]``).
 
     Decoder padding is read from ``decoder_target_tokens > 0`` (the inputs start with the
-    pad id 0 as BOS, so they cannot tell); without targets every decoder position counts.
-    Packed segments are kept apart.
+    pad id 0 as BOS, so they cannot tell); without targets, or with
+    ``padding_semantics='hf'`` (``T5Config.padding_semantics``: only the encoder's padding
+    keys are masked), every decoder position counts. Packed segments are kept apart.
     """
     dec_valid = (
         jnp.ones_like(decoder_input_tokens, bool)
-        if decoder_target_tokens is None
+        if decoder_target_tokens is None or padding_semantics == "hf"
         else decoder_target_tokens > 0
     )
     self_segments = cross_segments = None
@@ -786,7 +817,9 @@ class EncoderDecoder(nn.Module):
         enable_dropout: bool = True,
     ) -> jnp.ndarray:
         """``[batch, Le]`` tokens -> encoded ``[batch, Le, d_model]``."""
-        mask = encoder_mask(encoder_input_tokens, encoder_segment_ids)
+        mask = encoder_mask(
+            encoder_input_tokens, encoder_segment_ids, self.config.padding_semantics
+        )
         return self.encoder(encoder_input_tokens, mask, deterministic=not enable_dropout)
 
     def decode(
@@ -816,6 +849,7 @@ class EncoderDecoder(nn.Module):
                 decoder_target_tokens,
                 encoder_segment_ids,
                 decoder_segment_ids,
+                self.config.padding_semantics,
             )
             padding_mask = None if decoder_target_tokens is None else decoder_target_tokens > 0
         return self.decoder(

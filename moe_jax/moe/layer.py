@@ -52,11 +52,18 @@ class MoeLayer(nn.Module):
         routing group (``MoeConfig.check_causal``) and resolves ``capacity_order='auto'``
         to ``token_major``.
       dtype: compute dtype of dispatch and experts (router logits are float32).
+      route_padding: route padding tokens like real ones (Hugging Face's Switch
+        Transformers; ``T5Config.padding_semantics='hf'``): the router reads every token
+        as real, so padding takes expert capacity in its place of the capacity order. The
+        losses and statistics the layer sows still read real tokens only
+        (``padding_mask``); ``dropped_fraction`` is the real tokens'. False: padding is
+        routed nowhere.
     """
 
     config: MoeConfig
     causal: bool = False
     dtype: Any = jnp.float32
+    route_padding: bool = False
 
     @property
     def resolved_capacity_order(self) -> CapacityOrder:
@@ -100,7 +107,8 @@ class MoeLayer(nn.Module):
 
         Args:
           token_ids: ``[batch, length]`` int (the ``hash`` router needs them).
-          padding_mask: ``[batch, length]``, 1 = real token, 0 = padding (never routed).
+          padding_mask: ``[batch, length]``, 1 = real token, 0 = padding (routed only
+            with ``route_padding``).
           deterministic: False in training (train capacity factor, noise, dropout).
         """
         cfg, axes = self.config, self.config.execution
@@ -142,7 +150,8 @@ class MoeLayer(nn.Module):
                 cfg.capacity.expert_capacity,
             )
 
-        router_output = self._router(mesh)(x, mask, ids, capacity, deterministic)
+        route_mask = jnp.ones_like(mask) if self.route_padding else mask
+        router_output = self._router(mesh)(x, route_mask, ids, capacity, deterministic)
         weights = ExpertWeights(
             cfg.routed_experts, cfg.expert_d_ff, cfg.activation, self.dtype, name="expert"
         )(d_model)
@@ -264,10 +273,11 @@ class MoeLayer(nn.Module):
           ``router_probs [batch, length, experts]`` float32 the router's distribution over
             experts (``RouterOutput.probs``);
           ``expert_index [batch, length, k]`` int32 chosen experts, best first, before
-            capacity (``num_experts`` = padding); token-choice routers only;
+            capacity (``num_experts`` = padding, unless ``route_padding``); token-choice
+            routers only;
           ``kept [batch, length, k]`` bool whether each choice reached its expert (False:
-            dropped by capacity, or padding); expert choice: ``[batch, length, 1]`` whether
-            any expert took the token.
+            dropped by capacity, or padding unless ``route_padding``); expert choice:
+            ``[batch, length, 1]`` whether any expert took the token.
         """
         if self.is_initializing() or not self.is_mutable_collection(ROUTING_COLLECTION):
             return
@@ -326,6 +336,9 @@ class MoeLayer(nn.Module):
         else:
             assert not isinstance(router_output.routing, ExpertChoiceRouting)
             routed = router_output.routing.expert_index < self.config.routed_experts
+            if self.route_padding:  # padding is routed too: count the real tokens'
+                real = mask[..., None] > 0
+                routed, kept = routed & real, kept & real
             dropped = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1)
         weights = self.config.losses.weights()
         if self.config.losses.router_losses == "hf_stack":  # the model adds the stack's

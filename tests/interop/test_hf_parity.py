@@ -25,23 +25,23 @@ def imported(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_experts_agree_with_transformers(imported, case):
+    """At every position of the padded batch, padding included: the import sets
+    ``T5Config.padding_semantics='hf'``, so padding is computed, and routed (taking
+    capacity after its sequence's real tokens), as transformers does."""
     expected = np.load(FIXTURES / case / "expected.npz")
     inputs, targets = expected["inputs"], expected["targets"]
     out = moe_jax.load(str(imported[case])).forward(inputs, targets)
     assert out.logits.dtype == np.float32 and out.logits.shape == expected["logits"].shape
-    real = targets > 0
-    hf_logits = expected["logits"][real]
+    hf_logits = expected["logits"]
     # float32 rounding: transformers' own float32 run differs from float64 by about 1e-6
-    np.testing.assert_allclose(out.logits[real], hf_logits, atol=1e-5 * np.abs(hf_logits).max())
+    np.testing.assert_allclose(out.logits, hf_logits, atol=1e-5 * np.abs(hf_logits).max())
     hf_layers = {k.removeprefix("experts/") for k in expected.files if k.startswith("experts/")}
     ours = {name.replace("layers_", "") for name in out.experts}
     assert ours == hf_layers  # the same sparse layers
     for name, experts in out.experts.items():
-        stack = name.split("/")[0]
-        mask = (inputs if stack == "encoder" else targets) > 0
         hf = expected[f"experts/{name.replace('layers_', '')}"]
-        assert experts.shape == (*mask.shape, 1)
-        np.testing.assert_array_equal(experts[..., 0][mask], hf[mask])
+        assert experts.shape == (*hf.shape, 1)
+        np.testing.assert_array_equal(experts[..., 0], hf, err_msg=name)
 
 
 def test_capacity_drops_tokens_in_the_drop_case(imported):
@@ -49,6 +49,8 @@ def test_capacity_drops_tokens_in_the_drop_case(imported):
     expected = np.load(FIXTURES / "switch_step3_drops" / "expected.npz")
     real = expected["inputs"] > 0
     assert np.sum(expected["experts/encoder/1"][real] == -1) >= 3
+    # and padding that took an expert's capacity
+    assert np.any(expected["experts/decoder/1"][expected["targets"] == 0] >= 0)
 
 
 @pytest.mark.parametrize("case", CASES)

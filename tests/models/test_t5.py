@@ -12,7 +12,13 @@ import pytest
 
 from moe_jax.models import accounting
 from moe_jax.models.model import EncoderDecoderModel
-from moe_jax.models.t5 import EncoderDecoder, T5Config, sparse_layer_indices
+from moe_jax.models.t5 import (
+    EncoderDecoder,
+    T5Config,
+    decoder_masks,
+    encoder_mask,
+    sparse_layer_indices,
+)
 from tests.models.conftest import random_batch, tiny_config
 
 
@@ -54,6 +60,8 @@ def test_bad_layouts_and_config_values_are_named():
         tiny_config(activation_dtype_name="float16")
     with pytest.raises(ValueError, match="flop_matched_mlp_dim"):
         tiny_config(num_sparse_encoder_layers=1, sparse_layer_type="dense")
+    with pytest.raises(ValueError, match=r"T5Config\.padding_semantics='huggingface'"):
+        tiny_config(padding_semantics="huggingface")
 
 
 def _t5_formula(vocab, d, heads, head_dim, d_ff, n_enc, n_dec, buckets=32, tied=False, n_in=2):
@@ -170,6 +178,44 @@ def test_packed_segments_do_not_attend_across():
     # sanity: without segment ids the second example would see the first
     unsegmented = _logits(model, params, {k: v for k, v in packed.items() if "segment" not in k})
     assert not np.allclose(unsegmented[:, 3:], out[:, 3:], atol=1e-3)
+
+
+def test_hf_padding_semantics_mask_padding_keys_only():
+    """``padding_semantics='hf'``: every query row attends to the real keys (the encoder's
+    padding too), the decoder's self-attention is causal only; ``'mask'`` blocks padding
+    rows and columns."""
+    tokens, targets = np.array([[5, 6, 1, 0]]), np.array([[7, 1, 0]])
+    real_keys = np.broadcast_to(tokens[:, None, None, :] > 0, (1, 1, 4, 4))
+    both = real_keys & np.swapaxes(real_keys, -1, -2)
+    np.testing.assert_array_equal(encoder_mask(tokens, None, "hf").dense, real_keys)
+    np.testing.assert_array_equal(encoder_mask(tokens, None).dense, both)
+    decoder_inputs = np.array([[0, 7, 1]])
+    self_mask, cross_mask = decoder_masks(tokens, decoder_inputs, targets, None, None, "hf")
+    np.testing.assert_array_equal(self_mask.dense[0, 0], np.tril(np.ones((3, 3), bool)))
+    np.testing.assert_array_equal(cross_mask.dense, real_keys[:, :, :3])
+    self_mask, cross_mask = decoder_masks(tokens, decoder_inputs, targets, None, None)
+    assert not self_mask.dense[0, 0, 2].any() and not cross_mask.dense[0, 0, 2].any()
+
+
+def test_hf_padding_semantics_keep_real_tokens_and_compute_padding_like_them():
+    """On a padded batch ``'hf'`` gives the real tokens ``'mask'``'s logits and loss, and
+    the padded decoder positions the logits of a batch whose targets mark no padding."""
+    batch = random_batch(3)
+    batch["encoder_input_tokens"][1, 5:] = 0
+    batch["decoder_target_tokens"][1, 3:] = 0
+    batch["decoder_input_tokens"][1, 4:] = 0
+    batch["decoder_loss_weights"] = (batch["decoder_target_tokens"] > 0).astype(np.float32)
+    masked, params = _init(tiny_config())
+    hf = EncoderDecoderModel(EncoderDecoder(tiny_config(padding_semantics="hf")))
+    out, base = _logits(hf, params, batch), _logits(masked, params, batch)
+    real = batch["decoder_target_tokens"] > 0
+    np.testing.assert_allclose(out[real], base[real], atol=1e-5)
+    assert not np.allclose(out[~real], base[~real], atol=1e-3)
+    unmarked = _logits(masked, params, {**batch, "decoder_target_tokens": None})
+    np.testing.assert_allclose(out, unmarked, atol=1e-5)
+    np.testing.assert_allclose(
+        hf.loss_fn(params, batch, None)[0], masked.loss_fn(params, batch, None)[0], rtol=1e-6
+    )
 
 
 def test_bfloat16_activations_keep_float32_params(batch):

@@ -21,7 +21,7 @@ from moe_jax.moe.collections import (
 )
 from moe_jax.moe.config import AuxLossConfig, CapacityConfig, MoeConfig
 
-from .moe_testlib import SMALL, apply, init_params, make_inputs
+from .moe_testlib import SMALL, apply, init_params, make_inputs, metric
 
 
 def test_switch_layout_puts_sparse_layers_where_layer_mod_step_is_one():
@@ -174,3 +174,27 @@ def test_hf_stack_needs_top1_softmax_routing():
     with pytest.raises(ValueError, match=r"AuxLossConfig\.router_losses"):
         AuxLossConfig(router_losses="hf")
     assert AuxLossConfig().router_losses == "per_layer"
+
+
+def test_routed_padding_takes_capacity_after_the_real_tokens_of_its_sequence():
+    """``route_padding`` (``T5Config.padding_semantics='hf'``): padding goes to its expert
+    like a real token and fills the capacity left after its sequence's real tokens; the
+    real tokens' outputs and statistics do not change."""
+    capacity = CapacityConfig(expert_capacity=3, group_by_sequence=True)
+    x = make_inputs(batch=2, length=6)
+    mask = jnp.ones((2, 6)).at[0, 2:].set(0).at[1, 5:].set(0)  # 2 and 5 real tokens
+    params = _favouring_expert(init_params(_top1(capacity), x, padding_mask=mask), 1)
+    runs = {}
+    for route_padding in (False, True):
+        layer = MoeLayer(_top1(capacity).config, route_padding=route_padding)
+        y, state = apply(layer, params, x, padding_mask=mask)
+        served = np.abs(np.asarray(y)).sum(-1) > 0  # dropped or unrouted tokens give zeros
+        runs[route_padding] = (np.asarray(y), served, state)
+    real, first_three = np.asarray(mask) > 0, np.broadcast_to(np.arange(6) < 3, (2, 6))
+    np.testing.assert_array_equal(runs[False][1], real & first_three)
+    # row 0: its 2 real tokens, then 1 padding token fill the 3 places; row 1: 3 real tokens
+    np.testing.assert_array_equal(runs[True][1], first_three)
+    np.testing.assert_array_equal(runs[True][0][real], runs[False][0][real])
+    for name in ("dropped_fraction", "expert_load", "load_balancing_loss"):
+        np.testing.assert_allclose(metric(runs[True][2], name), metric(runs[False][2], name))
+    np.testing.assert_allclose(metric(runs[True][2], "dropped_fraction"), 2 / 7)  # row 1's 2
