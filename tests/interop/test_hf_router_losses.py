@@ -104,7 +104,7 @@ def test_router_probabilities_of_real_tokens_are_transformers(imported, case):
         enable_dropout=False,
         mutable=[ROUTING_COLLECTION],
     )
-    for layer, sown in routing.sown_by_layer(state).items():
+    for layer, sown in routing.sown_by_layer(run.model, state).items():
         stack, index = layer.split("/layers_")
         real = (inputs if stack == "encoder" else targets) > 0
         hf_logits = expected[f"router_logits/{stack}/{index}"]
