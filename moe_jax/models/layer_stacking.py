@@ -98,36 +98,40 @@ def _inner(sharding: Any) -> Any:
     return sharding
 
 
-def _unstack(x: jax.Array, repeats: int) -> tuple[jax.Array, ...]:
-    return tuple(x[r] for r in range(repeats))
+def _index(x: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
-def _entries(leaf: Any, repeats: int) -> list[Any]:
-    """The ``repeats`` entries of a stacked leaf along its leading axis: a
-    ``ShapeDtypeStruct`` keeps its sharding's other axes, an ``nn.Partitioned`` box its other
-    logical axis names, a sharded ``jax.Array`` is split by one program per leaf into arrays
-    sharded as its other axes (a copy on the devices that hold it); a leaf without the
-    repeats' leading axis is each entry as it is."""
+def _take(leaf: Any, index: int, repeats: int) -> Any:
+    """Entry ``index`` of a stacked leaf: a ``ShapeDtypeStruct`` keeps its sharding's other
+    axes, an ``nn.Partitioned`` box its other logical axis names, a sharded ``jax.Array``
+    is copied by one program per leaf shape (the index an argument) into an array sharded
+    as its other axes; a leaf without the repeats' leading axis as it is."""
     if isinstance(leaf, meta.Partitioned):
         if not leaf.names or leaf.names[0] != LAYERS_AXIS:
-            return [leaf] * repeats
-        return [
-            leaf.replace(value=value).remove_axis(0, {nn.PARTITION_NAME: LAYERS_AXIS})
-            for value in _entries(leaf.value, repeats)
-        ]
+            return leaf
+        taken = leaf.replace(value=_take(leaf.value, index, repeats))
+        return taken.remove_axis(0, {nn.PARTITION_NAME: LAYERS_AXIS})
     if not _is_array(leaf) or not leaf.shape or leaf.shape[0] != repeats:
-        return [leaf] * repeats
+        return leaf
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        entry = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_inner(leaf.sharding))
-        return [entry] * repeats
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_inner(leaf.sharding))
     if (
         isinstance(leaf, jax.Array)
         and not isinstance(leaf, jax.core.Tracer)
         and isinstance(leaf.sharding, NamedSharding)
     ):
-        shardings = (_inner(leaf.sharding),) * repeats
-        return list(jax.jit(_unstack, static_argnums=1, out_shardings=shardings)(leaf, repeats))
-    return [leaf[r] for r in range(repeats)]
+        return jax.jit(_index, out_shardings=_inner(leaf.sharding))(leaf, index)
+    return leaf[index]
+
+
+def _take_tree(tree: PyTree, index: int, repeats: int) -> PyTree:
+    """:func:`_take` of every leaf (or box) of ``tree``."""
+    return jax.tree.map(
+        lambda leaf: _take(leaf, index, repeats),
+        tree,
+        is_leaf=lambda x: isinstance(x, meta.Partitioned),
+    )
 
 
 def _stack(leaves: list[Any]) -> Any:
@@ -169,12 +173,8 @@ def unstack_layers(tree: PyTree) -> PyTree:
                 indices = layer_indices(position)
                 if indices is None:
                     raise ValueError(f"{key}/{position} is not a scanned block position")
-                leaves, treedef = jax.tree.flatten(
-                    subtree, is_leaf=lambda x: isinstance(x, meta.Partitioned)
-                )
-                entries = [_entries(leaf, len(indices)) for leaf in leaves]
                 for r, i in enumerate(indices):
-                    out[f"layers_{i}"] = jax.tree.unflatten(treedef, [e[r] for e in entries])
+                    out[f"layers_{i}"] = _take_tree(subtree, r, len(indices))
         return out
 
     return _map_dicts(visit, tree)
@@ -208,8 +208,8 @@ def unstack_names(named: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, leaf in named.items():
         names = layer_names(name)
-        entries = [leaf] if len(names) == 1 else _entries(leaf, len(names))
-        out.update(zip(names, entries, strict=True))
+        for r, per_layer in enumerate(names):
+            out[per_layer] = leaf if len(names) == 1 else _take(leaf, r, len(names))
     return out
 
 
