@@ -8,6 +8,7 @@ an error message, an export and a metrics file are the same.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -46,3 +47,16 @@ def is_router_param(path: tuple[Any, ...] | str) -> bool:
 def router_params(tree: Any) -> dict[str, Any]:
     """``{path_name: leaf}`` of the router parameters of ``tree``."""
     return {name: leaf for name, leaf in named_leaves(tree).items() if is_router_param(name)}
+
+
+def router_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """The branches of a tree of nested mappings (parameters) that hold router parameters:
+    every subtree under a ``router`` key, inside the mappings that lead to it (the rest
+    left out)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if key == ROUTER:
+            out[key] = value
+        elif isinstance(value, Mapping) and (branch := router_tree(value)):
+            out[key] = branch
+    return out

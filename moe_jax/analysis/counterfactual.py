@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import param_paths, storage
-from moe_jax.models import layer_stacking
 from moe_jax.moe.config import ROUTER_CONFIGS, TopKRouterConfig
 from moe_jax.moe.routers import HashRouter, RouterOutput, TokenChoiceRouting
 from moe_jax.runtime import router_init
+from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.synthetic.routers import shuffle_columns
 
@@ -54,16 +54,27 @@ def check_variants(names: list[str]) -> list[str]:
 
 
 def _map_routers(params: Any, fn: Callable[[str, jax.Array], jax.Array]) -> Any:
-    """``params`` with every router leaf ``x`` (:func:`moe_jax.param_paths.is_router_param`)
-    replaced by ``fn(name, x)``, per layer (a scanned leaf's layers each with their own
-    name, :func:`moe_jax.models.layer_stacking.map_layers`); all other leaves are the same
-    objects."""
+    """``params`` (per layer, or a ``{per-layer name: leaf}`` view) with every router leaf
+    ``x`` (:func:`moe_jax.param_paths.is_router_param`) replaced by ``fn(name, x)``; all
+    other leaves are the same objects."""
 
     def visit(path, leaf):
         name = param_paths.path_name(path)
-        return (
-            layer_stacking.map_layers(fn, name, leaf) if param_paths.is_router_param(name) else leaf
-        )
+        return fn(name, leaf) if param_paths.is_router_param(name) else leaf
+
+    return jax.tree_util.tree_map_with_path(visit, params)
+
+
+def _with_routers(params: Any, routers: Any) -> Any:
+    """``params`` with each leaf that ``routers`` (a subtree in the same layout) holds
+    replaced by it, on the replaced leaf's sharding; all other leaves are the same objects."""
+    new = param_paths.named_leaves(routers)
+
+    def visit(path, leaf):
+        value = new.get(param_paths.path_name(path))
+        if value is None:
+            return leaf
+        return jax.device_put(value, leaf.sharding) if isinstance(leaf, jax.Array) else value
 
     return jax.tree_util.tree_map_with_path(visit, params)
 
@@ -73,8 +84,9 @@ def _is_kernel(name: str, leaf: Any) -> bool:
 
 
 def shuffle_router_inputs(params: Any, seed: int = 0) -> Any:
-    """Every router kernel ``w [d_model, experts]`` with its input rows (the paper's
-    "columns of W", ``W [experts, d_model]``) permuted, one permutation per kernel."""
+    """Every router kernel ``w [d_model, experts]`` of per-layer ``params`` with its input
+    rows (the paper's "columns of W", ``W [experts, d_model]``) permuted, one permutation
+    per kernel."""
     key = jax.random.PRNGKey(seed)
 
     def shuffle(name: str, w: jax.Array) -> jax.Array:
@@ -88,9 +100,8 @@ def shuffle_router_inputs(params: Any, seed: int = 0) -> Any:
 
 
 def replace_routers(params: Any, new: dict[str, np.ndarray], what: str) -> Any:
-    """Router leaves replaced by ``new[name]`` (per-layer names; stacked ones are split);
-    a router leaf missing there is refused."""
-    new = layer_stacking.unstack_names(new)
+    """Router leaves of per-layer ``params`` replaced by ``new[name]`` (per-layer names); a
+    router leaf missing there is refused."""
 
     def replace(name: str, w: jax.Array) -> jax.Array:
         if name not in new:
@@ -119,7 +130,8 @@ def init_stddevs(config: Any) -> dict[str, float]:
 def random_routers(
     params: Any, seed: int = 0, stddev: float | dict[str, float] = DEFAULT_INIT_STDDEV
 ) -> Any:
-    """Router kernels replaced by fresh ``normal(0, stddev)`` draws (one key per kernel);
+    """Router kernels of per-layer ``params`` replaced by fresh ``normal(0, stddev)`` draws
+    (one key per kernel);
     ``stddev`` per stack (``{"encoder": s, "decoder": s}``, :func:`init_stddevs`) or one."""
     key = jax.random.PRNGKey(seed)
 
@@ -201,10 +213,11 @@ def hash_routing(seed: int = 0) -> Interceptor:
 
 
 def variant(
-    name: str, params: Any, run_dir: RunDir, seed: int = 0, config: Any = None
+    name: str, model: Model, params: Any, run_dir: RunDir, seed: int = 0
 ) -> tuple[Any, Interceptor | None]:
-    """(parameters, interceptor or None) that evaluate ``params`` with router ``name``;
-    ``config``: the model's ``T5Config`` (the ``random`` router's init stddevs).
+    """(parameters, interceptor or None) that evaluate ``params`` (``model``'s, in its
+    layout) with router ``name``; the router weights are replaced per layer
+    (``model.per_layer``) and put back in the model's layout.
 
     Raises:
       ValueError: an unknown name (listing the valid ones), or ``init`` for a run without
@@ -213,6 +226,11 @@ def variant(
     check_variants([name])
     if name == "learned":
         return params, None
+    if name == "hash":
+        return params, hash_routing(seed)
+    if name == "uniform":
+        return params, uniform_gates
+    routers = model.per_layer(param_paths.router_tree(params))
     if name == "init":
         initial = router_init.load(run_dir)
         if not initial:
@@ -220,16 +238,12 @@ def variant(
                 f"--router=init: the run {run_dir} saved no initial router "
                 f"({run_dir.router_init_file} is missing)"
             )
-        return replace_routers(params, initial, storage.basename(run_dir.router_init_file)), None
-    if name == "random":
-        return random_routers(
-            params, seed, DEFAULT_INIT_STDDEV if config is None else init_stddevs(config)
-        ), None
-    if name == "shuffled":
-        return shuffle_router_inputs(params, seed), None
-    if name == "hash":
-        return params, hash_routing(seed)
-    return params, uniform_gates
+        new = replace_routers(routers, initial, storage.basename(run_dir.router_init_file))
+    elif name == "random":
+        new = random_routers(routers, seed, init_stddevs(model.module.config))
+    else:
+        new = shuffle_router_inputs(routers, seed)
+    return _with_routers(params, model.own_layout(new)), None
 
 
 def intercepted(fn: Callable[..., Any], interceptor: Interceptor | None) -> Callable[..., Any]:

@@ -40,11 +40,10 @@ import gin
 import jax
 import numpy as np
 
-from moe_jax import param_paths, partitioning, storage
+from moe_jax import partitioning, storage
 from moe_jax.analysis import counterfactual, plots, seeds
 from moe_jax.analysis.positions import mutual_information_bits
-from moe_jax.models import layer_stacking
-from moe_jax.runtime import builders, checkpoints, configured, routing, run_names
+from moe_jax.runtime import builders, checkpoints, configured, router_init, routing, run_names
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.synthetic import metrics as synthetic_metrics
 
@@ -136,12 +135,13 @@ def analyze_layer(
     return stats
 
 
-def router_kernels(params: Any) -> dict[str, np.ndarray]:
+def router_kernels(routers: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """``{"encoder/layers_3": w [d_model, experts]}``: each MoE layer's single router kernel
-    (layers whose router has several kernels, e.g. noisy top-k, are left out)."""
+    of ``routers`` (``{per-layer name: weights}``,
+    :func:`moe_jax.runtime.router_init.per_layer_routers`; layers whose router has several
+    kernels, e.g. noisy top-k, are left out)."""
 
     kernels: dict[str, list[np.ndarray]] = {}
-    routers = layer_stacking.unstack_names(param_paths.router_params(params))
     for name, leaf in routers.items():
         if name.endswith("/w") and np.ndim(leaf) == 2:
             parts = name.split("/router/")[0].split("/")
@@ -349,7 +349,8 @@ def _route_checkpoints(
         layers = routing.collect_routing(
             fn, params, global_batches(features, batch_size, ctx), restored.collections
         )
-        shuffled = router_kernels(counterfactual.shuffle_router_inputs(params, seed))
+        routers = router_init.per_layer_routers(model, params)
+        shuffled = router_kernels(counterfactual.shuffle_router_inputs(routers, seed))
         n = len(row_labels)
         rng = np.random.default_rng(seed)
         result = {

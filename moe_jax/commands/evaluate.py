@@ -54,16 +54,15 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
 import jax
 import numpy as np
 
-from moe_jax import errors, param_paths, plotting, storage
+from moe_jax import errors, plotting, storage
 from moe_jax.analysis import counterfactual
-from moe_jax.models import layer_stacking
 from moe_jax.runtime import (
     builders,
     config_gate,
@@ -99,17 +98,16 @@ def routing_by_layer(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def router_drift(
-    params, initial: dict[str, np.ndarray] | None, layers: Sequence[str]
+    routers: Mapping[str, Any], initial: dict[str, np.ndarray] | None, layers: Sequence[str]
 ) -> dict[str, float]:
     """Per MoE layer, ``||W - W0|| / ||W0||`` over that layer's router parameters
-    (0 for a frozen router); empty when the run kept no initial router weights."""
+    (``routers``: ``{per-layer name: weights}``,
+    :func:`moe_jax.runtime.router_init.per_layer_routers`; 0 for a frozen router); empty
+    when the run kept no initial router weights."""
 
     if not initial:
         return {}
-    current = layer_stacking.unstack_names(
-        {k: np.asarray(jax.device_get(v)) for k, v in param_paths.router_params(params).items()}
-    )
-    initial = layer_stacking.unstack_names(initial)  # saved by a scanned run: stacked
+    current = {k: np.asarray(jax.device_get(v)) for k, v in routers.items()}
     drift = {}
     for layer in layers:
         names = [k for k in current if k.startswith(layer + "/") and k in initial]
@@ -446,7 +444,7 @@ def _evaluate_checkpoint(
     results = {}
     for name in c.routers:
         params, interceptor = counterfactual.variant(
-            name, restored.params, run_dir, c.router_seed, c.model.module.config
+            name, c.model, restored.params, run_dir, c.router_seed
         )
         metrics = routing_telemetry(
             evaluation.run_eval(
@@ -471,7 +469,9 @@ def _evaluate_checkpoint(
                 layer: {k: np.asarray(v).tolist() for k, v in stats.items()}
                 for layer, stats in routing.items()
             },
-            "router_drift": router_drift(params, initial, list(routing)),
+            "router_drift": router_drift(
+                router_init.per_layer_routers(c.model, params), initial, list(routing)
+            ),
             "eval_settings": {
                 "eval_steps": c.eval_steps,
                 "dataset": dataclasses.asdict(c.dataset_cfg),

@@ -44,7 +44,6 @@ from moe_jax.interop.export_format import (
     safetensors_bytes,
     vocabulary_file,
 )
-from moe_jax.models import layer_stacking
 from moe_jax.moe import freeze
 from moe_jax.runtime import (
     builders,
@@ -79,10 +78,7 @@ def export_checkpoint(
     """
     params, step = _restore_for_export(checkpoint_path, model)
     arrays = arrays_for_export(params)
-    per_layer = [
-        n for name in param_paths.named_leaves(params) for n in layer_stacking.layer_names(name)
-    ]
-    names = {v: k for k, v in name_map(per_layer).items()}
+    names = {v: k for k, v in name_map(list(param_paths.named_leaves(params))).items()}
     initial = router_init.load(RunDir.of_checkpoint(checkpoint_path)[0])
     exported_routers = arrays_for_export(initial) if initial else {}
     config = {
@@ -109,15 +105,18 @@ def export_checkpoint(
 
 
 def _restore_for_export(checkpoint_path: str, model: Any) -> tuple[Any, int]:
-    """The parameters of ``checkpoint_path`` on the gin config's mesh, and their step.
+    """The parameters of ``checkpoint_path`` per layer (``Model.per_layer``) on the gin
+    config's mesh, and their step.
 
     Raises:
       ExportError: the checkpoint cannot be read (names it and the cause).
     """
     ctx = configured.run_context()
-    target = train_state.abstract_with_shardings(
-        builders.abstract_params(model, PROBE_SHAPES),
-        train_state.param_shardings(model, PROBE_SHAPES, ctx.mesh, ctx.rules),
+    target = model.per_layer(
+        train_state.abstract_with_shardings(
+            builders.abstract_params(model, PROBE_SHAPES),
+            train_state.param_shardings(model, PROBE_SHAPES, ctx.mesh, ctx.rules),
+        )
     )
     try:
         params, _, step, _ = checkpoints.restore_from(checkpoint_path, target)

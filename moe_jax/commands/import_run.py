@@ -137,15 +137,16 @@ def write_checkpoint(
     """Writes an orbax checkpoint of ``model`` with parameters ``arrays`` (exported names;
     read from ``where``) at ``step`` into ``run_dir``, with a fresh optimizer state and RNG
     from ``random_seed``, its metadata naming ``source``; and ``router_init.npz`` from
-    ``initial_routers(abstract params)`` when given. Nothing is written when the arrays do
+    ``initial_routers(abstract per-layer params)`` when given. Nothing is written when the arrays do
     not fit.
 
     Raises:
       ExportError: the arrays do not fit the model, or the run has a checkpoint at ``step``.
     """
     run = configured.train_setup(model, PROBE_SHAPES, configured.run_context(), seed=random_seed)
-    host_params = params_from_export(arrays, run.abstract_state.params, where)
-    routers = initial_routers(run.abstract_state.params) if initial_routers else {}
+    abstract = model.per_layer(run.abstract_state.params)
+    host_params = model.own_layout(params_from_export(arrays, abstract, where))
+    routers = initial_routers(abstract) if initial_routers else {}
     run_dir.check_writable()  # only once the arrays fit the model
     params = jax.tree.map(
         lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),

@@ -330,7 +330,7 @@ def setup_train_loop(
         async_save=settings.checkpoint.async_save,
         remove_partial_saves=True,
     )
-    state, meta, latest = _restore_or_init(ckpt, run, spec.seed)
+    state, meta, latest = _restore_or_init(ckpt, run, model, spec.seed)
     if early_stream is not None and meta is None:
         if not early_stream.done:
             _log("waiting for the data pipeline (built while the train step compiled)")
@@ -445,7 +445,7 @@ def _loop_end(step: int, total_steps: int) -> int:
 
 
 def _restore_or_init(
-    ckpt: checkpoints.Checkpointer, run: builders.TrainSetup, random_seed: int
+    ckpt: checkpoints.Checkpointer, run: builders.TrainSetup, model: Model, random_seed: int
 ) -> tuple[TrainState, dict[str, Any] | None, int | None]:
     """``(state, its checkpoint's metadata, its step)`` of the newest readable checkpoint
     (damaged newer ones set aside), or of a fresh initialisation (``None, None``; the
@@ -458,7 +458,7 @@ def _restore_or_init(
     if restored is None:
         _log("initialising the parameters and optimizer state")
         state = run.init_state()
-        router_init.save(run_dir, state.params)
+        router_init.save(run_dir, model, state.params)
         return state, None, None
     state, meta, latest = restored
     _check_random_seed(meta, random_seed, run_dir.checkpoint_name(latest))

@@ -34,7 +34,6 @@ import gin
 import jax
 
 from moe_jax import param_paths, storage
-from moe_jax.models import layer_stacking
 from moe_jax.moe import capacity
 from moe_jax.moe.config import MoeConfig, TopKRouterConfig
 from moe_jax.moe.upcycle import upcycle_params
@@ -153,7 +152,7 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
         step = ckpt.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"upcycle: --checkpoint={path!r} holds no finished checkpoint")
-        shapes = ckpt.read_meta(step)["params"]
+        shapes = checkpoints.per_layer_shapes(ckpt.read_meta(step)["params"])
     finally:
         ckpt.close()
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -163,9 +162,9 @@ def _dense_params(path: str) -> tuple[dict[str, Any], int]:
         *parents, leaf = name.split("/")
         for key in parents:
             node = node.setdefault(key, {})
-        node[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32, sharding=device)
+        node[leaf] = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=device)
     params, _, step, _ = checkpoints.restore_from(run_dir.step_dir(step), target)
-    return layer_stacking.unstack_names(param_paths.named_leaves(params)), step
+    return param_paths.named_leaves(params), step
 
 
 def _train_argument(name: str) -> Any:
@@ -203,13 +202,12 @@ def upcycle(
     state, shardings = run.init_state(), run.shardings
     params = upcycle_params(
         dense,
-        layer_stacking.unstack_layers(jax.device_get(state.params)),
+        model.per_layer(jax.device_get(state.params)),
         granularity=granularities.pop(),
         noise_std=noise_std,
         rng=jax.random.PRNGKey(seed),
     )
-    params = layer_stacking.stack_layers(params, layer_stacking.tree_layout(state.params))
-    params = jax.device_put(params, shardings.params)
+    params = jax.device_put(model.own_layout(params), shardings.params)
     with jax.set_mesh(run.ctx.mesh):
         opt_state = jax.jit(run.tx.init, out_shardings=shardings.opt_state)(params)
     step = 0 if reset_step else dense_step
@@ -234,7 +232,7 @@ def upcycle(
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
-    router_init.save(run_dir, params)
+    router_init.save(run_dir, model, params)
     if jax.process_index() == 0:
         storage.write_text(run_dir.config_file, gin.config_str())
         eval_cfg = _train_argument("train_eval_dataset_cfg")

@@ -44,7 +44,6 @@ import numpy as np
 
 from moe_jax import param_paths, storage
 from moe_jax.errors import UserError
-from moe_jax.models import layer_stacking
 from moe_jax.runtime import output_lock
 from moe_jax.runtime.run_dir import RunDir
 
@@ -151,9 +150,9 @@ def export_shape(exported: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def arrays_for_export(params) -> dict[str, np.ndarray]:
-    """``{exported name: host array in T5X layout}`` of a parameter tree (or of a flat
-    ``{moe-jax name: array}`` dict), one array per layer (a scanned model's stacked layers
-    split). Arrays sharded over several processes are gathered whole onto every process (a
+    """``{exported name: host array in T5X layout}`` of a per-layer parameter tree
+    (``Model.per_layer``; or a flat ``{moe-jax name: array}`` dict of per-layer names).
+    Arrays sharded over several processes are gathered whole onto every process (a
     collective: every process must call this)."""
     from jax.experimental import multihost_utils
 
@@ -162,9 +161,7 @@ def arrays_for_export(params) -> dict[str, np.ndarray]:
             return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return np.asarray(jax.device_get(leaf))
 
-    flat = layer_stacking.unstack_names(
-        {name: host(leaf) for name, leaf in param_paths.named_leaves(params).items()}
-    )
+    flat = {name: host(leaf) for name, leaf in param_paths.named_leaves(params).items()}
     mapping = name_map(list(flat))
     return {
         mapping[name]: leaf.reshape(export_shape(mapping[name], leaf.shape))
@@ -173,15 +170,15 @@ def arrays_for_export(params) -> dict[str, np.ndarray]:
 
 
 def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where: str):
-    """The parameter tree of ``abstract_params``'s structure filled from exported
-    ``arrays``, each reshaped back to the model's layout (a scanned model's layers stacked).
+    """The per-layer parameter tree of ``abstract_params``'s structure (per layer,
+    ``Model.per_layer``) filled from exported ``arrays``, each reshaped back from T5X's
+    layout to the model's (host arrays).
 
     Raises:
       ExportError: naming missing or extra arrays, or an array whose shape differs from the
         one the gin config's model expects (both shapes named).
     """
-    per_layer = layer_stacking.unstack_layers(abstract_params)
-    flat = param_paths.named_leaves(per_layer)
+    flat = param_paths.named_leaves(abstract_params)
     mapping = name_map(list(flat))
     missing = sorted(mapping[n] for n in flat if mapping[n] not in arrays)
     extra = sorted(set(arrays) - set(mapping.values()))
@@ -203,8 +200,7 @@ def params_from_export(arrays: Mapping[str, np.ndarray], abstract_params, where:
                 f"{list(expected)} in the gin config's model (moe-jax parameter {name})"
             )
         leaves.append(array.reshape(leaf.shape).astype(leaf.dtype, copy=False))
-    filled = jax.tree.unflatten(jax.tree.structure(per_layer), leaves)
-    return layer_stacking.stack_layers(filled, layer_stacking.tree_layout(abstract_params))
+    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
 
 
 def _jsonable(value: Any) -> Any:
@@ -286,8 +282,9 @@ def safetensors_metadata(data: bytes) -> dict[str, str]:
 def read_router_init(
     export_dir: str, config: Mapping[str, Any], abstract_params
 ) -> dict[str, np.ndarray]:
-    """``{moe-jax router parameter name: initial weights}`` from the export's
+    """``{per-layer moe-jax router parameter name: initial weights}`` from the export's
     ``router_init.safetensors``; empty when its ``config`` lists none (:func:`listed_files`).
+    ``abstract_params``: the model's parameters per layer (``Model.per_layer``).
 
     Raises:
       ExportError: the file is unreadable, or its arrays are not the routers of the gin
@@ -302,7 +299,7 @@ def read_router_init(
         arrays = safetensors_arrays(path)
     except (SafetensorError, OSError) as err:
         raise ExportError(f"--export={export_dir}: cannot read {path}: {err}") from None
-    routers = param_paths.router_params(layer_stacking.unstack_layers(abstract_params))
+    routers = param_paths.router_params(abstract_params)
     return params_from_export(arrays, routers, path)
 
 

@@ -75,7 +75,7 @@ class Run:
         apply = jax.jit(functools.partial(_apply, self.model.module))
         logits, state = apply(self.params, self.collections, enc, dec_inputs, dec)
         experts = {}
-        for layer, sown in routing.sown_by_layer(state).items():
+        for layer, sown in routing.sown_by_layer(self.model, state).items():
             index, kept = np.asarray(sown["expert_index"]), np.asarray(sown["kept"])
             experts[layer] = np.where(kept, index, -1).astype(np.int32)
         return Forward(np.asarray(logits, np.float32), experts)

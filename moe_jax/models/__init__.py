@@ -7,9 +7,10 @@ Modules (one job each):
   attention           multi-head dot-product attention, masks, KV cache for decoding
   mlp                 gated-GELU / ReLU feed-forward block
   t5                  T5Config, encoder/decoder layers and stacks, MoE placement, scanned runs
-  layer_stacking      stacking/unstacking scanned layers' trees (checkpoints, per-layer views)
+  layer_stacking      scanned layers' trees to per-layer ones and back (behind the model and
+                      the checkpoint boundary)
   losses              cross-entropy with z-loss and label smoothing, token accuracy
   decoding            greedy and temperature sampling over a KV cache
   accounting          parameter counts and analytic FLOPs
-  model               EncoderDecoderModel: init, loss_fn, eval_fn, predict_batch
+  model               EncoderDecoderModel: init, loss_fn, eval_fn, predict_batch, per_layer
 """

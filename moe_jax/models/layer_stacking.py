@@ -2,8 +2,12 @@
 
 A scanned run of layers keeps one copy of its block of layers, each leaf with a leading
 axis of one entry per repeat: ``encoder/scan_0/layers_3_7_11/ffn/...`` holds layers 3, 7
-and 11 (entries 0, 1, 2) of the block position they share. Unscanned, the same values are
-``encoder/layers_3/ffn/...``, ``encoder/layers_7/ffn/...``, ``encoder/layers_11/ffn/...``.
+and 11 (entries 0, 1, 2) of the block position they share. Per layer, the same values are
+``encoder/layers_3/ffn/...``, ``encoder/layers_7/ffn/...``, ``encoder/layers_11/ffn/...``:
+the one layout everything outside the model and the checkpoint boundary sees. Only
+:mod:`moe_jax.models` (``EncoderDecoderModel.per_layer`` / ``own_layout``), the checkpoint
+boundary (:mod:`moe_jax.runtime.checkpoints`) and the reader of a run's initial routers
+(:mod:`moe_jax.runtime.router_init`, whose older files may be stacked) use this module.
 
 The functions here convert any tree whose dictionaries follow module paths: parameters,
 optimizer state (whose moments mirror the parameters), variable collections (sown tuples
@@ -11,11 +15,11 @@ included) and abstract trees of ``jax.ShapeDtypeStruct`` with their shardings.
 A leaf whose leading axis is not the repeats' count is the same in both forms: Adafactor's
 ``(1,)`` placeholder for the moments a parameter does not keep.
 
-:func:`unstack_layers` gives the per-layer form (names as an unscanned model's: what the
-routing metrics and analyses read), :func:`unstack_names` and :func:`map_layers` the same
-for ``{name: leaf}`` views (exports, router weights); :func:`stack_layers` gives the
-scanned form of a :func:`layout`; :func:`checkpoint_target` and :func:`convert` let a
-checkpoint saved in one form restore into a model of the other.
+:func:`unstack_layers` gives the per-layer form, :func:`unstack_names` the same for
+``{name: leaf}`` views (older stacked files); :func:`stack_layers` gives the scanned form
+of a :func:`layout` (of a tree's names, :func:`tree_layout`, or of a network's runs of
+layers, :func:`runs_layout`); :func:`checkpoint_target` and :func:`convert` let a
+checkpoint saved in one form restore into a tree of the other.
 """
 
 from __future__ import annotations
@@ -55,14 +59,54 @@ def layer_indices(name: str) -> tuple[int, ...] | None:
     return None if match is None else tuple(int(i) for i in match.group(1).split("_"))
 
 
+def block_positions(start: int, period: int, repeats: int) -> list[tuple[int, ...]]:
+    """The layers of each block position of a scanned run of layers (``T5Config.layer_groups``'
+    ``(start, period, repeats)``): position ``j`` holds ``start + j``, ``start + j + period``,
+    ... (one layer per repeat)."""
+    return [tuple(range(start + j, start + period * repeats, period)) for j in range(period)]
+
+
+def scan_group_name(k: int) -> str:
+    """``scan_<k>``: the ``k``-th scanned run of a stack."""
+    return f"scan_{k}"
+
+
+def runs_layout(runs: Mapping[str, Sequence[tuple[int, int, int]]]) -> Layout:
+    """The :data:`Layout` of stacks whose layers run as ``runs`` (``{stack: (start, period,
+    repeats) runs}``, ``T5Config.layer_groups``): each run with ``repeats > 1`` a scan group
+    ``scan_<k>`` of :func:`block_positions`; ``{}`` for a network without scanned runs."""
+    out: Layout = {}
+    for stack, groups in runs.items():
+        scanned = [group for group in groups if group[2] > 1]
+        if scanned:
+            out[stack] = tuple(
+                (scan_group_name(k), tuple(scanned_name(p) for p in block_positions(*group)))
+                for k, group in enumerate(scanned)
+            )
+    return out
+
+
 def _is_array(leaf: Any) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
+def _inner(sharding: Any) -> Any:
+    """``sharding`` of a stacked leaf for one of its entries: a ``NamedSharding`` without its
+    leading axis; any other as it is."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    return sharding
+
+
+def _index(x: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
+
+
 def _take(leaf: Any, index: int, repeats: int) -> Any:
-    """Entry ``index`` of a stacked leaf (a ``ShapeDtypeStruct`` keeps its sharding's other
-    axes, an ``nn.Partitioned`` box its other logical axis names); a leaf without the
-    repeats' leading axis as it is."""
+    """Entry ``index`` of a stacked leaf: a ``ShapeDtypeStruct`` keeps its sharding's other
+    axes, an ``nn.Partitioned`` box its other logical axis names, a sharded ``jax.Array``
+    is copied by one program per leaf shape (the index an argument) into an array sharded
+    as its other axes; a leaf without the repeats' leading axis as it is."""
     if isinstance(leaf, meta.Partitioned):
         if not leaf.names or leaf.names[0] != LAYERS_AXIS:
             return leaf
@@ -71,10 +115,13 @@ def _take(leaf: Any, index: int, repeats: int) -> Any:
     if not _is_array(leaf) or not leaf.shape or leaf.shape[0] != repeats:
         return leaf
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        sharding = leaf.sharding
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_inner(leaf.sharding))
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and isinstance(leaf.sharding, NamedSharding)
+    ):
+        return jax.jit(_index, out_shardings=_inner(leaf.sharding))(leaf, index)
     return leaf[index]
 
 
@@ -158,22 +205,12 @@ def layer_names(name: str) -> list[str]:
 def unstack_names(named: Mapping[str, Any]) -> dict[str, Any]:
     """``{leaf name: leaf}`` with each scanned leaf split into its layers' entries under
     their :func:`layer_names` (a name outside a scan group as it is)."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, leaf in named.items():
         names = layer_names(name)
         for r, per_layer in enumerate(names):
             out[per_layer] = leaf if len(names) == 1 else _take(leaf, r, len(names))
     return out
-
-
-def map_layers(fn: Callable[[str, Any], Any], name: str, leaf: Any) -> Any:
-    """``fn(per-layer name, per-layer leaf)`` of each layer of leaf ``name`` restacked (on
-    ``leaf``'s devices and sharding); ``fn(name, leaf)`` outside a scan group."""
-    names = layer_names(name)
-    if len(names) == 1:
-        return fn(name, leaf)
-    stacked = _stack([fn(n, _take(leaf, r, len(names))) for r, n in enumerate(names)])
-    return jax.device_put(stacked, leaf.sharding) if isinstance(leaf, jax.Array) else stacked
 
 
 def layout(names: Iterable[str]) -> Layout:

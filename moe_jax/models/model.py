@@ -250,6 +250,35 @@ class EncoderDecoderModel:
             self._init_programs[cache_key] = InitProgram(jaxpr, jax.tree.structure(out))
         return self._init_programs[cache_key]
 
+    # ----------------------------------------------------------------- layer layout
+    def per_layer(self, tree: Any) -> Any:
+        """``tree`` in the one layout outside the model: each layer under its own name
+        (``encoder/layers_3/...``). ``tree`` follows this network's module paths in its own
+        layout (parameters, optimizer state, variable collections, abstract
+        ``ShapeDtypeStruct`` trees with their shardings, subtrees of any of these); a
+        scanned block's leaves (``encoder/scan_0/layers_3_7_11/...``, leading axis one
+        entry per layer) are split into their layers' entries (device arrays: a copy, laid
+        out as the stacked leaf's other axes). An unscanned network's tree is returned
+        equal."""
+        return layer_stacking.unstack_layers(tree)
+
+    def own_layout(self, tree: Any) -> Any:
+        """A per-layer ``tree`` (:meth:`per_layer`'s form) in this network's layout: the
+        layers of each scanned block position stacked on a new leading axis (all of a
+        position's layers, or none of them, must be there). An unscanned network's tree
+        is returned equal.
+
+        Raises:
+          ValueError: naming the block position of which only some layers are there.
+        """
+        return layer_stacking.stack_layers(tree, self._scan_layout)
+
+    @functools.cached_property
+    def _scan_layout(self) -> layer_stacking.Layout:
+        config = self.module.config
+        stacks = ("encoder", "decoder")
+        return layer_stacking.runs_layout({s: config.layer_groups(s) for s in stacks})
+
     # ----------------------------------------------------------------- losses and metrics
     def _forward(
         self,

@@ -14,8 +14,9 @@ With ``T5Config.scan_layers`` a run of layers that repeats a block (the 12 ident
 of a dense stack; the dense-dense-dense-MoE block of the ``mixed`` layout) is one
 ``nn.scan`` over the block (:func:`layer_groups`): traced and compiled once, its
 parameters stacked on a leading ``layers`` axis under ``scan_<k>/layers_<i>_<j>_...``
-(the block position that holds layers ``i, j, ...``; :mod:`moe_jax.models.layer_stacking`
-converts between both forms). Outputs are the same as the unrolled layers'.
+(the block position that holds layers ``i, j, ...``). Outside the model every tree is per
+layer (``encoder/layers_<i>/...``): ``EncoderDecoderModel.per_layer`` / ``own_layout``
+convert (:mod:`moe_jax.models.layer_stacking`). Outputs are the same as the unrolled layers'.
 """
 
 from __future__ import annotations
@@ -613,7 +614,7 @@ def run_layers(
         if repeats == 1:
             x = plain(config, sparse=start in sparse, name=f"layers_{start}")(x, *args, *static)
             continue
-        positions = [range(start + j, start + period * repeats, period) for j in range(period)]
+        positions = layer_stacking.block_positions(start, period, repeats)
         scan = nn.scan(
             ScannedBlock,
             variable_axes={True: 0},
@@ -628,7 +629,7 @@ def run_layers(
             sparse=tuple(p[0] in sparse for p in positions),
             names=tuple(layer_stacking.scanned_name(p) for p in positions),
             static=static,
-            name=f"scan_{scans}",
+            name=layer_stacking.scan_group_name(scans),
         )(x, *args)
         scans += 1
     return x

@@ -8,6 +8,15 @@ Layout of one step (``MODEL_DIR/checkpoints/<step>/``, :meth:`RunDir.step_dir
   ``meta``    JSON: step, parameter shapes by name (to refuse another model's checkpoint),
               each process's data-iterator state, the run's seed and gin config.
 
+Every item is per layer (``encoder/layers_3/...``, :meth:`EncoderDecoderModel.per_layer
+<moe_jax.models.model.EncoderDecoderModel.per_layer>`), whether the run's layers are
+scanned or not: the parameters, the optimizer state (its moments mirror the parameters)
+and the state collections; compute copies are never saved. A scanned run's stacked leaves
+are split at each save, leaf by leaf, into per-layer device arrays: a transient copy of
+those leaves (for a fully scanned model, about its parameters and optimizer state) held
+until the save has copied them to host memory. A restore reads any checkpoint, per layer
+or stacked (written before checkpoints were per layer), into the target's layout.
+
 Saves are asynchronous (training continues while the arrays are written) every
 ``save_period`` steps; the last ``keep`` are kept. Orbax writes a step under a temporary
 name and renames it when complete, so a step half-written by a killed process is never
@@ -40,10 +49,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
@@ -155,17 +165,18 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, state: TrainState, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Starts an async save of ``state`` at its step (all processes call it).
+        """Starts an async save of ``state`` (in its model's layout) at its step, per layer
+        (all processes call it).
 
         Raises:
           WriteFailedError: this save, or the previous one still being written, failed.
         """
         step = int(jax.device_get(state.step))
-        train = _train_item(state)
+        params = layer_stacking.unstack_layers(state.params)  # per layer, as every item
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            train=ocp.args.StandardSave(train),
-            meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(state.params)}),
+            params=ocp.args.StandardSave(params),
+            train=ocp.args.StandardSave(layer_stacking.unstack_layers(_train_item(state))),
+            meta=ocp.args.JsonSave({**meta, "step": step, "params": param_shapes(params)}),
         )
         saved = False
         with self._write_errors(step):
@@ -260,7 +271,8 @@ class Checkpointer:
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state at ``step`` laid out as ``target`` (``ShapeDtypeStruct`` leaves with the
-        current mesh's shardings), and its metadata; refuses another model's checkpoint.
+        current mesh's shardings, in the model's layout), and its metadata; refuses another
+        model's checkpoint.
 
         Raises:
           UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
@@ -298,11 +310,12 @@ class Checkpointer:
     ) -> tuple[PyTree, PyTree, dict[str, Any]]:
         """What a forward pass needs at ``step`` (eval, infer, analyze), without the
         optimizer state: ``(params, collections, meta)``, the parameters laid out as
-        ``target`` and the non-parameter state collections (``TrainState.collections``,
-        e.g. MoE balancing biases) as ``collections`` (None or ``{}``: the model has none;
-        ``{}`` is returned). Only the ``collections`` part of the ``train`` item is read
-        (orbax partial restore), so this needs a manager that has not saved a ``train``
-        item itself (``read_only=True``, as :func:`restore_from` opens it).
+        ``target`` (in the model's layout, or per layer) and the non-parameter state
+        collections (``TrainState.collections``, e.g. MoE balancing biases) as
+        ``collections`` (None or ``{}``: the model has none; ``{}`` is returned). Only the
+        ``collections`` part of the ``train`` item is read (orbax partial restore), so this
+        needs a manager that has not saved a ``train`` item itself (``read_only=True``, as
+        :func:`restore_from` opens it).
 
         Raises:
           UnreadableCheckpointError: a file of the step is missing, truncated or unreadable.
@@ -351,6 +364,15 @@ class Checkpointer:
             self._manager.close()
         if self._failed:
             self._remove_partial()
+
+
+def per_layer_shapes(saved: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """``{per-layer parameter name: shape}`` of a checkpoint's metadata ``params``
+    (:meth:`Checkpointer.read_meta`); an older scanned run's stacked parameters
+    (``encoder/scan_0/layers_3_7_11/...``) split into their layers'."""
+    stacked = {name: jax.ShapeDtypeStruct(tuple(s), np.float32) for name, s in saved.items()}
+    per_layer = layer_stacking.unstack_names(stacked)
+    return {name: tuple(leaf.shape) for name, leaf in per_layer.items()}
 
 
 def restore_latest_readable(

@@ -62,6 +62,16 @@ class Model(Protocol):
         """``{collection: tree of logical PartitionSpec}`` of the state collections."""
         ...
 
+    def per_layer(self, tree: Any) -> Any:
+        """``tree`` (any tree following the network's module paths, in its own layout)
+        with every layer under its own name ``<stack>/layers_<i>``: the one layout that
+        checkpoints, exports, analyses and upcycling see."""
+        ...
+
+    def own_layout(self, tree: Any) -> Any:
+        """A :meth:`per_layer` tree in the network's own layout (scanned blocks stacked)."""
+        ...
+
     def train_loss_fn(
         self, params: Any, state: Mapping[str, Any], batch: Batch, dropout_rng: jax.Array | None
     ) -> tuple[jax.Array, tuple[Metrics, dict]]:

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import param_paths, partitioning
-from moe_jax.models import layer_stacking
 from moe_jax.models.model import FEATURES, Batch
 from moe_jax.moe.collections import ROUTING_COLLECTION
 from moe_jax.runtime.model_protocol import Model
@@ -88,12 +87,12 @@ def _layer_name(path) -> tuple[str, str]:
     return "/".join(n for n in names[:-1] if n not in _SKIPPED_PATH_PARTS), names[-1]
 
 
-def sown_by_layer(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def sown_by_layer(model: Model, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``{layer ("encoder/layers_3"): {sown name: value}}`` of the ``routing`` collection in
-    the variables ``state`` an ``apply`` returned (a scanned model's layers each under its
-    own name)."""
+    the variables ``state`` an ``apply`` of ``model``'s network returned (per layer,
+    :meth:`Model.per_layer <moe_jax.runtime.model_protocol.Model.per_layer>`)."""
     out: dict[str, dict[str, Any]] = {}
-    sown = layer_stacking.unstack_layers(state.get(ROUTING_COLLECTION, {}))
+    sown = model.per_layer(state.get(ROUTING_COLLECTION, {}))
     for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
         layer, name = _layer_name(path)
         out.setdefault(layer, {})[name] = leaf
@@ -123,7 +122,7 @@ def routing_fn(
             enable_dropout=False,
             mutable=[ROUTING_COLLECTION],
         )
-        out: dict[str, dict[str, jax.Array]] = sown_by_layer(state)
+        out: dict[str, dict[str, jax.Array]] = sown_by_layer(model, state)
         enc = batch["encoder_input_tokens"]
         dec_targets = batch["decoder_target_tokens"]
         out["_positions"] = {}

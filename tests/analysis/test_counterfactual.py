@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from moe_jax.analysis import counterfactual
+from moe_jax.models.model import EncoderDecoderModel
+from moe_jax.models.t5 import EncoderDecoder
 from moe_jax.moe import MoeLayer
 from moe_jax.moe.collections import MOE_METRICS_COLLECTION, ROUTING_COLLECTION
 from moe_jax.moe.routers import HashRouter, TopKRouter
 from moe_jax.runtime.run_dir import RunDir
+from tests.models.conftest import tiny_config
 from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
@@ -60,13 +63,14 @@ def test_random_and_init_replace_only_router_weights(tmp_path):
             jax.tree.leaves(params["expert"]), jax.tree.leaves(fresh["expert"]), strict=True
         )
     )
+    model = EncoderDecoderModel(EncoderDecoder(tiny_config()))  # unrolled: params as they are
     with pytest.raises(ValueError, match="saved no initial router"):
-        counterfactual.variant("init", params, RunDir(tmp_path))
+        counterfactual.variant("init", model, params, RunDir(tmp_path))
     with pytest.raises(
         ValueError, match="valid routers: learned, init, random, hash, uniform, shuffled"
     ):
-        counterfactual.variant("best", params, RunDir(tmp_path))
-    same, interceptor = counterfactual.variant("learned", params, RunDir(tmp_path))
+        counterfactual.variant("best", model, params, RunDir(tmp_path))
+    same, interceptor = counterfactual.variant("learned", model, params, RunDir(tmp_path))
     assert same is params and interceptor is None
 
 

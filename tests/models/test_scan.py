@@ -7,14 +7,16 @@ other, optimizer state and state collections included."""
 from __future__ import annotations
 
 import functools
+import os
 
 import flax.linen as nn
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec
 
-from moe_jax import param_paths
+from moe_jax import param_paths, storage
 from moe_jax.analysis import counterfactual, languages
 from moe_jax.commands import evaluate
 from moe_jax.interop import export_format
@@ -28,7 +30,15 @@ from moe_jax.moe.config import (
     RandomRouterConfig,
     TopKRouterConfig,
 )
-from moe_jax.runtime import builders, checkpoints, configured, routing, train_state
+from moe_jax.runtime import (
+    builders,
+    checkpoints,
+    configured,
+    router_init,
+    routing,
+    train_state,
+)
+from moe_jax.runtime.checkpoint_checks import param_shapes, write_integrity
 from moe_jax.runtime.run_dir import RunDir
 from tests.models.conftest import random_batch, tiny_config
 
@@ -94,7 +104,7 @@ def _pair(moe: bool):
     """(scanned model, unrolled model, scanned variables, the same converted)."""
     scanned, unrolled = _model(True, moe), _model(False, moe)
     variables = nn.unbox(scanned.get_initial_variables(jax.random.key(0), SHAPES))
-    return scanned, unrolled, variables, layer_stacking.unstack_layers(variables)
+    return scanned, unrolled, variables, scanned.per_layer(variables)
 
 
 @pytest.mark.parametrize(
@@ -121,8 +131,8 @@ def test_scanned_model_has_the_unrolled_parameters_stacked(moe):
     assert all("layers" not in s for n, s in specs.items() if n not in stacked)
     position = "layers_1_3" if moe else "layers_0_1_2_3"
     assert f"encoder/scan_0/{position}/self_attention/attention/query" in stacked
-    # converting back gives the scanned tree
-    again = layer_stacking.stack_layers(converted, layer_stacking.tree_layout(variables))
+    # converting back (the layout the model's config gives) gives the scanned tree
+    again = scanned.own_layout(converted)
     assert jax.tree.structure(again) == jax.tree.structure(variables)
     _close(again, variables, rtol=0, atol=0)
 
@@ -184,14 +194,14 @@ def test_scanned_model_gives_the_unrolled_loss_gradients_and_state(moe):
     assert set(metrics) == set(ref_metrics)  # per layer: moe/encoder/layers_1/...
     assert any("/layers_3/" in name for name in metrics) == moe
     _close(metrics, ref_metrics)
-    _close(layer_stacking.unstack_layers(grads), ref_grads, rtol=1e-4, atol=1e-7)
-    _close(layer_stacking.unstack_layers(new_state), ref_state)
+    _close(scanned.per_layer(grads), ref_grads, rtol=1e-4, atol=1e-7)
+    _close(scanned.per_layer(new_state), ref_state)
     if moe:  # the bias moved, per layer as unrolled
         moved = jax.tree.map(np.allclose, new_state["router_bias"], variables["router_bias"])
         assert not any(jax.tree.leaves(moved))
     # eval metrics and greedy decoding (each jitted: one compile instead of one per op)
     state = {k: x for k, x in variables.items() if k != "params"}
-    ref_state = layer_stacking.unstack_layers(state)
+    ref_state = scanned.per_layer(state)
     _close(
         jax.jit(scanned.eval_fn)(variables["params"], batch, state),
         jax.jit(unrolled.eval_fn)(converted["params"], batch, ref_state),
@@ -294,12 +304,6 @@ def test_names_and_leaves_convert_per_layer():
     per_layer = layer_stacking.unstack_names(named)
     np.testing.assert_array_equal(per_layer["encoder/layers_3/ffn/w"], [3.0, 4.0, 5.0])
     assert set(per_layer) == {"encoder/layers_1/ffn/w", "encoder/layers_3/ffn/w", "x/y"}
-    mapped = layer_stacking.map_layers(
-        lambda name, w: w + int(name.split("/")[1].split("_")[1]),
-        "encoder/scan_0/layers_1_3/ffn/w",
-        named["encoder/scan_0/layers_1_3/ffn/w"],
-    )
-    np.testing.assert_array_equal(mapped, [[1.0, 2.0, 3.0], [6.0, 7.0, 8.0]])
     # Adafactor's (1,) placeholders are the same in both forms
     tree = {"encoder": {"scan_0": {"layers_0_1": {"v": np.zeros((2, 5)), "v_row": np.zeros(1)}}}}
     flat = layer_stacking.unstack_layers(tree)
@@ -310,25 +314,40 @@ def test_names_and_leaves_convert_per_layer():
     assert jax.tree.map(np.shape, back) == jax.tree.map(np.shape, tree)
 
 
-@pytest.mark.parametrize(
-    "saved_scanned",
-    [True, pytest.param(False, marks=pytest.mark.slow)],
-    ids=["scanned_saved", "unrolled_saved"],
-)
-def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scanned):
-    """Train state (Adafactor: factored moments and (1,) placeholders), parameters and the
-    router_bias collection, through `train`'s restore and the eval/infer/analyze one."""
-    ctx = configured.run_context()
-    source, target = _model(saved_scanned, True), _model(not saved_scanned, True)
-    state = configured.train_setup(source, SHAPES, ctx).init_state()
-    writer = checkpoints.Checkpointer(RunDir(str(tmp_path)), async_save=False)
-    writer.save(state, {"data_iterators": []}, force=True)
-    writer.wait_until_finished()
-    writer.close()
-    expected = layer_stacking.unstack_layers(state)
+def _saved_names(step_dir: str, item: str) -> list[str]:
+    """The leaf names of an orbax item of a checkpoint step, as its metadata lists them."""
+    metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, item))
+    return list(param_paths.named_leaves(metadata.item_metadata.tree))
 
+
+def _save_stacked(run_dir: RunDir, state: train_state.TrainState) -> None:
+    """Step 0 of ``run_dir`` as scanned runs wrote checkpoints before every checkpoint was
+    per layer: each item in the scanned model's own layout."""
+    item = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+    manager = ocp.CheckpointManager(run_dir.checkpoints_dir)
+    try:
+        manager.save(
+            0,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state.params),
+                train=ocp.args.StandardSave({**item, "collections": state.collections}),
+                meta=ocp.args.JsonSave(
+                    {"data_iterators": [], "step": 0, "params": param_shapes(state.params)}
+                ),
+            ),
+        )
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+    write_integrity(run_dir.step_dir(0))
+
+
+def _check_restores(run_dir: RunDir, target: EncoderDecoderModel, expected) -> None:
+    """``train``'s restore and the eval/infer/analyze one of ``run_dir``'s step 0 into
+    ``target`` give ``expected`` (per layer) in ``target``'s layout and shardings."""
+    ctx = configured.run_context()
     abstract = configured.train_setup(target, SHAPES, ctx).abstract_state
-    reader = checkpoints.Checkpointer(RunDir(str(tmp_path)), read_only=True)
+    reader = checkpoints.Checkpointer(run_dir, read_only=True)
     restored, _ = reader.restore(0, abstract)
     reader.close()
     assert jax.tree.structure(restored) == jax.tree.structure(abstract)
@@ -337,37 +356,99 @@ def test_checkpoint_restores_into_a_model_of_the_other_form(tmp_path, saved_scan
         restored,
         abstract,
     )
-    _close(layer_stacking.unstack_layers(restored), expected, rtol=0, atol=0)
+    _close(target.per_layer(restored), expected, rtol=0, atol=0)
+    model = builders.restore_model(run_dir.path, target, SHAPES, ctx)
+    _close(target.per_layer(model.params), expected.params, rtol=0, atol=0)
+    _close(target.per_layer(model.collections), expected.collections, rtol=0, atol=0)
 
-    model = builders.restore_model(str(tmp_path), target, SHAPES, ctx)
-    _close(layer_stacking.unstack_layers(model.params), expected.params, rtol=0, atol=0)
-    _close(layer_stacking.unstack_layers(model.collections), expected.collections, rtol=0, atol=0)
+
+@pytest.mark.parametrize(
+    "saved_scanned",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["scanned_saved", "unrolled_saved"],
+)
+def test_checkpoints_are_per_layer_and_restore_into_either_form(tmp_path, saved_scanned):
+    """Train state (Adafactor: factored moments and (1,) placeholders), parameters and the
+    router_bias collection are written per layer whatever the run's form (the orbax items'
+    own metadata, and the checkpoint's parameter list), and restore through `train`'s
+    restore and the eval/infer/analyze one into a model of either form."""
+    ctx = configured.run_context()
+    source, other = _model(saved_scanned, True), _model(not saved_scanned, True)
+    state = configured.train_setup(source, SHAPES, ctx).init_state()
+    run_dir = RunDir(str(tmp_path))
+    writer = checkpoints.Checkpointer(run_dir, async_save=False)
+    writer.save(state, {"data_iterators": []}, force=True)
+    writer.wait_until_finished()
+    meta = writer.read_meta(0)
+    writer.close()
+    expected = source.per_layer(state)
+    per_layer = param_paths.named_leaves(expected.params)
+    assert (
+        _saved_names(run_dir.step_dir(0), "params") == sorted(per_layer) == sorted(meta["params"])
+    )
+    train_names = _saved_names(run_dir.step_dir(0), "train")
+    assert "opt_state/0/v_row/encoder/layers_3/ffn/moe/expert/wi_0" in train_names
+    assert "collections/router_bias/encoder/layers_3/ffn/moe/router/bias" in train_names
+    assert not [n for n in train_names if "scan_" in n]
+    for target in (source, other):
+        _check_restores(run_dir, target, expected)
 
 
-def test_exports_and_router_readers_see_the_layers_of_a_scanned_model():
+def test_an_older_stacked_checkpoint_restores_into_either_form(tmp_path):
+    """Scanned runs' checkpoints written before checkpoints were per layer (parameters,
+    optimizer state and collections stacked) keep restoring, into either form, and list
+    their parameters per layer to what reads a checkpoint's shapes (upcycle)."""
+    ctx = configured.run_context()
+    scanned = _model(True, True)
+    state = configured.train_setup(scanned, SHAPES, ctx).init_state()
+    run_dir = RunDir(str(tmp_path))
+    _save_stacked(run_dir, state)
+    assert "encoder/scan_0/layers_1_3/ffn/moe/expert/wi_0" in _saved_names(
+        run_dir.step_dir(0), "params"
+    )
+    expected = scanned.per_layer(state)
+    for target in (scanned, _model(False, True)):
+        _check_restores(run_dir, target, expected)
+    reader = checkpoints.Checkpointer(run_dir, read_only=True)
+    shapes = checkpoints.per_layer_shapes(reader.read_meta(0)["params"])
+    reader.close()
+    assert shapes == {n: x.shape for n, x in param_paths.named_leaves(expected.params).items()}
+
+
+def test_exports_and_router_readers_see_the_layers_of_a_scanned_model(tmp_path):
     """What reads parameters by per-layer name (export and import, router drift, the
     languages analysis' router kernels, counterfactual routers) gives for a scanned model
-    what it gives for the same parameters unrolled."""
-    _, _, variables, converted = _pair(True)
+    what it gives for the same parameters unrolled; a scanned run's older, stacked
+    ``router_init.npz`` is read per layer."""
+    scanned, unrolled, variables, converted = _pair(True)
     params, flat = variables["params"], converted["params"]
-    arrays = export_format.arrays_for_export(params)
+    arrays = export_format.arrays_for_export(scanned.per_layer(params))
     _close(arrays, export_format.arrays_for_export(flat), rtol=0, atol=0)
-    abstract = jax.eval_shape(lambda: params)
-    _close(export_format.params_from_export(arrays, abstract, "test"), params, rtol=0, atol=0)
+    abstract = scanned.per_layer(jax.eval_shape(lambda: params))
+    imported = scanned.own_layout(export_format.params_from_export(arrays, abstract, "test"))
+    _close(imported, params, rtol=0, atol=0)
     assert "encoder/layers_3/mlp/router/router_weights/w/kernel" in arrays
-    initial = {
-        name: np.asarray(leaf) * 0.5 for name, leaf in param_paths.router_params(params).items()
-    }  # as router_init.npz of a scanned run: stacked
+    routers = router_init.per_layer_routers(scanned, params)
+    assert routers.keys() == param_paths.router_params(flat).keys()
+    run_dir = RunDir(str(tmp_path))
+    stacked = {k: np.asarray(v) * 0.5 for k, v in param_paths.router_params(params).items()}
+    storage.save_npz(run_dir.router_init_file, stacked)  # as scanned runs wrote it
+    initial = router_init.load(run_dir)
+    assert initial is not None and initial.keys() == routers.keys()
     layers = ["encoder/layers_1", "encoder/layers_3", "decoder/layers_1", "decoder/layers_3"]
-    drift = evaluate.router_drift(params, initial, layers)
-    assert drift == evaluate.router_drift(flat, layer_stacking.unstack_names(initial), layers)
+    drift = evaluate.router_drift(routers, initial, layers)
     assert sorted(drift) == sorted(layers) and all(v == pytest.approx(1.0) for v in drift.values())
-    _close(languages.router_kernels(params), languages.router_kernels(flat), rtol=0, atol=0)
-    for scanned_routers, flat_routers in (
-        (counterfactual.random_routers(params, 3), counterfactual.random_routers(flat, 3)),
-        (
-            counterfactual.replace_routers(params, initial, "test"),
-            counterfactual.replace_routers(flat, initial, "test"),
-        ),
-    ):
-        _close(layer_stacking.unstack_layers(scanned_routers), flat_routers, rtol=0, atol=0)
+    _close(
+        languages.router_kernels(routers),
+        languages.router_kernels(param_paths.router_params(flat)),
+        rtol=0,
+        atol=0,
+    )
+    for name in ("init", "random", "shuffled"):
+        new, _ = counterfactual.variant(name, scanned, params, run_dir, seed=3)
+        ref, _ = counterfactual.variant(name, unrolled, flat, run_dir, seed=3)
+        assert jax.tree.structure(new) == jax.tree.structure(params)
+        _close(scanned.per_layer(new), ref, rtol=0, atol=0)
+        before = router_init.per_layer_routers(unrolled, flat)
+        after = router_init.per_layer_routers(unrolled, ref)
+        assert [k for k, w in after.items() if not np.allclose(w, before[k])]

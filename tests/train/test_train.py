@@ -10,8 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
+from moe_jax import param_paths
 from moe_jax.commands import train
 from moe_jax.compile import aot
 from moe_jax.models.t5 import EncoderDecoder
@@ -63,6 +65,50 @@ def test_interrupted_run_continues_exactly(tmp_path, monkeypatch):
     assert np.isfinite(list(full["losses"].values())).all()
     # the run keeps its routers' initial weights for drift measurements
     assert router_init.load(RunDir(tmp_path / "full"))
+
+
+# one scan of [dense, MoE] x 2 per stack
+SCANNED = (
+    "--gin.SCAN_LAYERS=True",
+    "--gin.T5Config.scan_min_layers=2",
+    "--gin.NUM_ENCODER_LAYERS=4",
+    "--gin.NUM_DECODER_LAYERS=4",
+    "--gin.NUM_SPARSE_LAYERS=2",
+)
+
+
+def _saved_names(step_dir: str) -> list[str]:
+    """The leaf names of a checkpoint step's parameters and train state (orbax's metadata)."""
+    return [
+        f"{item}/{name}"
+        for item in ("params", "train")
+        for name in param_paths.named_leaves(
+            ocp.PyTreeCheckpointer().metadata(f"{step_dir}/{item}").item_metadata.tree
+        )
+    ]
+
+
+def test_a_scanned_run_checkpoints_per_layer_and_continues_exactly(tmp_path, monkeypatch):
+    """A run with scanned layers saves its parameters and optimizer state per layer, as an
+    unrolled run does, and an interrupted run matches the uninterrupted one step for step."""
+    scans = []
+
+    def record(next_fun, args, kwargs, context):
+        scans.append(context.module.name)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        full = run(tmp_path / "full", 6, *SCANNED)
+    assert "scan_0" in scans  # the layers did run scanned
+    with monkeypatch.context() as stopped:
+        stopped.setattr(train, "_STOP_AFTER_STEPS", 3)
+        first = run(tmp_path / "resumed", 6, *SCANNED)
+    names = _saved_names(RunDir(tmp_path / "resumed").step_dir(3))
+    assert "params/encoder/layers_3/ffn/moe/expert/wi_0" in names
+    assert "train/opt_state/0/mu/decoder/layers_2/ffn/mlp/wo" in names
+    assert [n for n in names if "scan_" in n] == []
+    second = run(tmp_path / "resumed", 6, *SCANNED)
+    assert {**first["losses"], **second["losses"]} == full["losses"]  # bit-identical
 
 
 def test_a_run_traces_the_network_once_to_initialise_and_once_for_its_step(tmp_path, monkeypatch):
