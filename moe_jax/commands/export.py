@@ -45,7 +45,6 @@ from moe_jax.interop.export_format import (
     vocabulary_file,
 )
 from moe_jax.models import layer_stacking
-from moe_jax.moe import freeze
 from moe_jax.runtime import (
     builders,
     checkpoints,
@@ -91,7 +90,7 @@ def export_checkpoint(
         "source_checkpoint": storage.normalize(checkpoint_path),
         "step": step,
         **architecture(model),
-        "routing": {"router_mode": freeze.router_mode()},
+        "routing": {"router_mode": configured.router_mode()},
         "num_parameters": int(sum(a.size for a in arrays.values())),
         "arrays": {
             name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}

@@ -25,7 +25,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -133,7 +132,6 @@ def layer_groups(
 PATH_SALTED_ROUTERS = ("random",)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class T5Config:
     """Every hyperparameter of the network (gin: ``T5Config.<field> = ...``).
@@ -760,7 +758,6 @@ def decoder_masks(
     return self_mask, cross_mask
 
 
-@gin.configurable
 class EncoderDecoder(nn.Module):
     """The full network; call signature follows T5X's ``EncoderDecoder``.
 
