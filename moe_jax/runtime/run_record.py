@@ -13,7 +13,7 @@ and gets its spec as ``run.step-N.json`` at that first resumption.
 
 The commands that read a run (eval, infer, analyze, export, ``moe_jax.load``) build its
 model from its spec (:func:`read_model`) when their command line changes nothing
-(:func:`~moe_jax.runtime.run_config.recorded_model_file`).
+(:func:`~moe_jax.runtime.run_config.recorded_spec_file`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ and import back (identical parameters and eval outputs), and the refusals on the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -143,9 +144,18 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
         config["vocabulary"]["file"] == export_format.VOCAB_FILE
         and "path" not in config["vocabulary"]
     )
+    # the run's spec travels with it, and the import restores it (its vocabulary the copy)
+    assert config["run_spec"] == export_format.RUN_SPEC_FILE
+    assert (out / export_format.RUN_SPEC_FILE).read_text() == (text_run / "run.json").read_text()
     moved = tmp_path / "moved_export"
     out.rename(moved)
     assert cli.main(["import", f"--export={moved}", f"--model_dir={back}"]) == 0
+    spec = RunSpec.from_json((text_run / "run.json").read_text())
+    copy = str(back / export_format.VOCAB_FILE)
+    vocabulary = dataclasses.replace(spec.model.vocabulary, path=copy)
+    assert RunSpec.from_json((back / "run.json").read_text()) == dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, vocabulary=vocabulary)
+    )
     assert (back / export_format.VOCAB_FILE).read_bytes() == (
         moved / export_format.VOCAB_FILE
     ).read_bytes()
@@ -170,6 +180,7 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
     assert f"gin config: the run's {text_run}/config.gin" in err
     second, err = _eval(capsys, f"--checkpoint={back}", f"--output_dir={tmp_path / 'e2'}")
     assert f"gin config: the run's {back}/config.gin" in err
+    assert f"model: the run's {back}/run.json" in err
     (a,), (b,) = first.values(), second.values()
     assert a["step"] == b["step"] == STEPS and np.isfinite(a["metrics"]["loss"])
     assert a["metrics"] == b["metrics"] and a["routing"] == b["routing"]

@@ -13,6 +13,7 @@ import gin
 import pytest
 
 from moe_jax.commands import analyze
+from moe_jax.data import sources, vocab
 from moe_jax.runtime import (
     builders,
     configured,
@@ -188,6 +189,39 @@ def test_commands_read_the_model_from_the_run_spec(tmp_path, capsys):
     assert f"model: the run's {tmp_path / 'run.step-5.json'}" in err
     model, err = _eval_model(capsys, tmp_path, "--gin.DROPOUT_RATE=0.125")
     assert model.module.config.dropout_rate == 0.125 and "model:" not in err
+
+
+def test_commands_read_the_data_from_the_run_spec(tmp_path, capsys):
+    """A run's data (its raw-text source, vocabulary, task, feature lengths and batch size)
+    is its spec's too, whatever its config.gin says; a command-line binding reads the config
+    instead."""
+    spec = spec_of()
+    (tmp_path / "config.gin").write_text(gin_utils.operative_config())
+    (tmp_path / "checkpoints/3").mkdir(parents=True)
+    source = {**spec.data.source, "corpus": "text", "train_patterns": {"en": "/data/en/*.txt"}}
+    train = dataclasses.replace(
+        spec.data.train,
+        mixture_or_task_name="text_en_span_corruption",
+        task_feature_lengths={"inputs": 16, "targets": 4},
+        batch_size=2,
+    )
+    model = dataclasses.replace(spec.model, vocabulary=run_spec.VocabularySpec("byte", None, 7))
+    recorded = dataclasses.replace(
+        spec, model=model, data=dataclasses.replace(spec.data, train=train, source=source)
+    )
+    (tmp_path / "run.json").write_text(recorded.to_json())
+    _eval_model(capsys, tmp_path)
+    dataset = gin.get_bindings("eval_script.evaluate")["dataset_cfg"]
+    assert (dataset.mixture_or_task_name, dataset.batch_size) == ("text_en_span_corruption", 2)
+    assert dict(dataset.task_feature_lengths) == {"inputs": 16, "targets": 4}
+    assert dataset.split == "validation"  # the command's own setting (runs/eval.gin)
+    assert sources.make_source_settings()["train_patterns"] == {"en": "/data/en/*.txt"}
+    assert sources.corpus_groups() == ("en",)
+    assert vocab.selected_vocabulary().vocab_size == 256 + 3 + 7  # bytes, specials, sentinels
+    _eval_model(capsys, tmp_path, "--gin.EVAL_OUTPUT_DIR='/tmp/unused'")
+    dataset = gin.get_bindings("eval_script.evaluate")["dataset_cfg"]
+    assert dataset.mixture_or_task_name == spec.data.train.mixture_or_task_name
+    assert sources.make_source_settings()["corpus"] == spec.data.source["corpus"] == "embedded"
 
 
 GIN_FILES = sorted(
