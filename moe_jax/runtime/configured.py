@@ -1,7 +1,18 @@
-"""What gin chooses for a run, read once at the commands' front door (as T5X's binaries
-bind the partitioner and trainer that ``train()`` takes as arguments): the library
-(:func:`~moe_jax.runtime.builders.build_train_setup`, the model configs,
-:class:`~moe_jax.runtime.run_spec.RunSpec`) reads no gin and takes these as arguments.
+"""Gin at the commands' front door: every name gin files bind is registered here, and what
+gin chooses for a run is read here once (as T5X's binaries bind the partitioner and trainer
+that ``train()`` takes as arguments). The library (``moe_jax.moe``, ``moe_jax.models``,
+``moe_jax.data``, ``moe_jax.partitioning``, the runtime's library modules) imports no gin
+and takes these as arguments.
+
+The registry: the library's classes (``MoeConfig`` and its parts, the router configs,
+``T5Config``, ``EncoderDecoder``, ``EncoderDecoderModel``, ``utils.DatasetConfig``,
+``WandbSettings``) are registered in place under the module they have always had, so gin
+builds the library's own class; its functions (``sources.make_source``,
+``vocab.get_vocabulary``, ``pipeline.get_dataset``, ``freeze.router_mode`` /
+``bias_mode``, ``partitioning.standard_logical_axis_rules``, ``peak_flops_per_device``)
+are registered as the gin wrappers this module holds under the same names. The data's tasks
+read the source and vocabulary these wrappers give (``sources.select_settings``,
+``vocab.select_vocabulary``).
 
 :func:`train_spec` (gin: ``train_script.train``): the run as a
 :class:`~moe_jax.runtime.run_spec.RunSpec` and its ``MODEL_DIR``; each of its gin parameters
