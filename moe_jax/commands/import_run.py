@@ -234,6 +234,11 @@ def _import(args) -> int:
     if has_vocab:  # the export's copy, not the path of the machine that exported it
         args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
+    spec = (  # read before anything is written
+        _imported_spec(args.export, run_dir, has_vocab)
+        if export_model_only and RUN_SPEC_FILE in listed
+        else None
+    )
     with _importing(run_dir, args.overwrite):
         step = import_export(args.export, run_dir, own_config=export_model_only)
         if jax.process_index() == 0 and not own_run:
@@ -243,14 +248,15 @@ def _import(args) -> int:
                 storage.write_bytes(copy, storage.read_bytes(exported_vocab))
                 text = with_vocabulary_path(text, copy)
             storage.write_text(run_dir.config_file, text)
-            if export_model_only and RUN_SPEC_FILE in listed:
-                _restore_run_spec(args.export, run_dir, has_vocab)
+            if spec is not None:
+                storage.write_text(run_dir.spec_file, spec)
     return step
 
 
-def _restore_run_spec(export_dir: str, run_dir: RunDir, has_vocab: bool) -> None:
-    """Writes the export's ``run.json`` as ``run_dir``'s spec (the run it was exported from,
-    as of the exported step), its vocabulary's path the run's copy when ``has_vocab``.
+def _imported_spec(export_dir: str, run_dir: RunDir, has_vocab: bool) -> str:
+    """The text of the export's ``run.json`` (the spec of the run it was exported from, as
+    of the exported step) as ``run_dir``'s spec: its vocabulary's path the run's copy when
+    ``has_vocab``.
 
     Raises:
       InputFileError: naming the export's ``run.json`` when it is no run's spec.
@@ -259,7 +265,7 @@ def _restore_run_spec(export_dir: str, run_dir: RunDir, has_vocab: bool) -> None
     vocabulary = recorded["model"].get("vocabulary")
     if has_vocab and isinstance(vocabulary, dict):
         vocabulary["path"] = run_dir.vocabulary_file
-    storage.write_text(run_dir.spec_file, json.dumps(recorded, indent=1) + "\n")
+    return json.dumps(recorded, indent=1) + "\n"
 
 
 @contextlib.contextmanager
