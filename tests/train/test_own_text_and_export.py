@@ -207,6 +207,11 @@ def test_import_into_another_shape_names_the_array_and_both_shapes(text_run, tmp
         err,
     ), err
     assert not (tmp_path / "x").exists()  # refused before anything is written
+    # an export whose run.json is no run's spec: refused naming it, nothing written
+    (out / export_format.RUN_SPEC_FILE).write_text("[1, 2]")
+    assert cli.main(["import", f"--export={out}", f"--model_dir={tmp_path / 'y'}"]) == 1
+    assert f"{out / export_format.RUN_SPEC_FILE} is unreadable" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
 
 
 def test_export_of_an_unreadable_checkpoint_says_so(text_run, tmp_path, capsys):
