@@ -1,4 +1,5 @@
-"""The MoE layer's configuration: frozen, gin-configurable values the model carries.
+"""The MoE layer's configuration: frozen values the model carries, each type a gin name
+(registered by :mod:`moe_jax.runtime.configured`; this module reads no gin).
 
 A :class:`MoeConfig` has four named parts besides the experts' shape:
 
