@@ -46,7 +46,7 @@ RUNS: dict[str, list[str]] = {
     "base_learned": ["--gin_file=experiments/base_learned.gin"],
     "base_frozen": ["--gin_file=experiments/base_frozen.gin"],
     "base_dense": ["--gin_file=experiments/base_dense.gin"],
-    # item 4's memory options one at a time, on the 16 GiB chip they are for
+    # the memory options one at a time, on the 16 GiB chip they are for
     "base_learned_no_fsdp": [
         "--gin_file=experiments/base_learned.gin",
         "--gin.partitioning.standard_logical_axis_rules.fsdp=False",

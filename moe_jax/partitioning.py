@@ -17,7 +17,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -58,7 +57,6 @@ KNOWN_LOGICAL_AXES: frozenset[str] = frozenset(
 )
 
 
-@gin.configurable
 def standard_logical_axis_rules(
     expert_parallel: bool = True,
     tensor_parallel: bool = True,

@@ -33,6 +33,7 @@ from moe_jax.interop.export_format import (
     FORMAT_VERSION,
     PROBE_SHAPES,
     ROUTER_INIT_FILE,
+    RUN_SPEC_FILE,
     VOCAB_FILE,
     WEIGHTS_FILE,
     ExportError,
@@ -44,7 +45,6 @@ from moe_jax.interop.export_format import (
     safetensors_bytes,
     vocabulary_file,
 )
-from moe_jax.moe import freeze
 from moe_jax.runtime import (
     builders,
     checkpoints,
@@ -61,12 +61,21 @@ from moe_jax.runtime.checkpoint_checks import CheckpointMismatchError
 from moe_jax.runtime.run_dir import RunDir
 
 
-@gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir", "config_gin"])
+@gin.configurable(
+    module="export_script", denylist=["checkpoint_path", "out_dir", "config_gin", "run_spec"]
+)
 def export_checkpoint(
-    checkpoint_path: str, out_dir: str, config_gin: str | None = None, *, model: Any = gin.REQUIRED
+    checkpoint_path: str,
+    out_dir: str,
+    config_gin: str | None = None,
+    run_spec: str | None = None,
+    *,
+    model: Any = gin.REQUIRED,
 ) -> dict[str, Any]:
     """Writes the export of ``checkpoint_path`` (``MODEL_DIR``, ``MODEL_DIR/STEP``) to
-    ``out_dir``; returns the ``config.json`` content.
+    ``out_dir``, with the run's ``config_gin`` (None: the operative config) and its spec
+    ``run_spec`` (``run.json`` as of the step; None: none) beside it; returns the
+    ``config.json`` content.
 
     Multi-host: every process restores its shards on the mesh of the gin config
     (``partitioning.make_mesh``, as `moe-jax eval` does), each array is then gathered whole
@@ -87,7 +96,7 @@ def export_checkpoint(
         "source_checkpoint": storage.normalize(checkpoint_path),
         "step": step,
         **architecture(model),
-        "routing": {"router_mode": freeze.router_mode()},
+        "routing": {"router_mode": configured.router_mode()},
         "num_parameters": int(sum(a.size for a in arrays.values())),
         "arrays": {
             name: {"shape": list(a.shape), "dtype": str(a.dtype), "moe_jax_name": names[name]}
@@ -98,9 +107,10 @@ def export_checkpoint(
             if exported_routers
             else None
         ),
+        "run_spec": RUN_SPEC_FILE if run_spec else None,
     }
     if jax.process_index() == 0:
-        _write_export(out_dir, config, arrays, exported_routers, model, config_gin)
+        _write_export(out_dir, config, arrays, exported_routers, model, (config_gin, run_spec))
     return config
 
 
@@ -136,10 +146,12 @@ def _write_export(
     arrays: Mapping[str, np.ndarray],
     exported_routers: Mapping[str, np.ndarray],
     model: Any,
-    config_gin: str | None,
+    run_files: tuple[str | None, str | None],
 ) -> None:
     """Writes the export's files to ``out_dir`` (weights, initial routers, vocabulary,
-    ``config.json``, ``config.gin``) and removes an earlier export's files it no longer has."""
+    ``config.json``, ``config.gin``, ``run.json``: ``run_files`` holds the run's config and
+    spec) and removes an earlier export's files it no longer has."""
+    config_gin, run_spec = run_files
     step = config["step"]
     storage.write_bytes(
         storage.join(out_dir, WEIGHTS_FILE),
@@ -166,7 +178,9 @@ def _write_export(
         storage.join(out_dir, CONFIG_GIN),
         storage.read_text(config_gin) if config_gin else gin_utils.operative_config(),
     )
-    for stale in {ROUTER_INIT_FILE, VOCAB_FILE} - set(listed_files(config)):
+    if run_spec:
+        storage.write_text(storage.join(out_dir, RUN_SPEC_FILE), storage.read_text(run_spec))
+    for stale in {ROUTER_INIT_FILE, VOCAB_FILE, RUN_SPEC_FILE} - set(listed_files(config)):
         storage.remove(storage.join(out_dir, stale))  # an earlier export's, overwritten
 
 
@@ -187,7 +201,8 @@ def _export_checked(args) -> dict[str, Any]:
     gin_utils.parse_gin(args)
     if args.format == "hf":
         return export_hf(args.checkpoint, args.out)
-    return export_checkpoint(args.checkpoint, args.out, config)
+    # the run's spec travels with its config when the model is the spec's (args.recorded_spec)
+    return export_checkpoint(args.checkpoint, args.out, config, args.recorded_spec)
 
 
 @gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir"])

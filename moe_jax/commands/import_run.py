@@ -39,6 +39,7 @@ from moe_jax.interop.export_format import (
     CONFIG_GIN,
     CONFIG_JSON,
     PROBE_SHAPES,
+    RUN_SPEC_FILE,
     VOCAB_FILE,
     WEIGHTS_FILE,
     ExportError,
@@ -62,6 +63,7 @@ from moe_jax.runtime import (
     router_init,
     run_config,
     run_lock,
+    run_record,
     train_state,
 )
 from moe_jax.runtime.run_dir import RunDir
@@ -228,10 +230,16 @@ def _import(args) -> int:
         args.gin_file = [exported_gin]
     args.gin_file = [str(gin_text.REPO_GIN_DIR / "runs/export.gin"), *args.gin_file]
     exported_vocab = storage.join(args.export, VOCAB_FILE)
-    has_vocab = VOCAB_FILE in listed_files(read_export_config(args.export))
+    listed = listed_files(read_export_config(args.export))
+    has_vocab = VOCAB_FILE in listed
     if has_vocab:  # the export's copy, not the path of the machine that exported it
         args.gin_bindings = [*args.gin_bindings, f"vocab.get_vocabulary.path = {exported_vocab!r}"]
     gin_utils.parse_gin(args)
+    spec = (  # read before anything is written
+        _imported_spec(args.export, run_dir, has_vocab)
+        if export_model_only and RUN_SPEC_FILE in listed
+        else None
+    )
     with _importing(run_dir, args.overwrite):
         step = import_export(args.export, run_dir, own_config=export_model_only)
         if jax.process_index() == 0 and not own_run:
@@ -241,7 +249,24 @@ def _import(args) -> int:
                 storage.write_bytes(copy, storage.read_bytes(exported_vocab))
                 text = with_vocabulary_path(text, copy)
             storage.write_text(run_dir.config_file, text)
+            if spec is not None:
+                storage.write_text(run_dir.spec_file, spec)
     return step
+
+
+def _imported_spec(export_dir: str, run_dir: RunDir, has_vocab: bool) -> str:
+    """The text of the export's ``run.json`` (the spec of the run it was exported from, as
+    of the exported step) as ``run_dir``'s spec: its vocabulary's path the run's copy when
+    ``has_vocab``.
+
+    Raises:
+      InputFileError: naming the export's ``run.json`` when it is no run's spec.
+    """
+    recorded = run_record.read_spec(storage.join(export_dir, RUN_SPEC_FILE))
+    vocabulary = recorded["model"].get("vocabulary")
+    if has_vocab and isinstance(vocabulary, dict):
+        vocabulary["path"] = run_dir.vocabulary_file
+    return json.dumps(recorded, indent=1) + "\n"
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def vocabulary_of(model):
     # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import vocab
 
-    return vocab.get_vocabulary()
+    return vocab.selected_vocabulary()
 
 
 def encode_inputs(texts: Sequence[str], vocabulary, length: int, batch_multiple: int) -> np.ndarray:

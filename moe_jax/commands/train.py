@@ -75,7 +75,7 @@ from moe_jax.runtime.progress import Progress, add_progress_flag
 from moe_jax.runtime.routing_telemetry import ChurnProbe
 from moe_jax.runtime.run_dir import RunDir
 from moe_jax.runtime.run_spec import LoopSpec, RunSpec
-from moe_jax.runtime.throughput import ThroughputMeter, peak_flops_per_device
+from moe_jax.runtime.throughput import ThroughputMeter
 from moe_jax.runtime.train_state import TrainState
 
 
@@ -364,7 +364,7 @@ def setup_train_loop(
             model.flops_per_step(input_shapes),
             tokens_per_step,
             # on CPU a measured matmul: at the first log, not before the first step
-            lambda: peak_flops_per_device() * jax.device_count(),
+            lambda: configured.peak_flops_per_device() * jax.device_count(),
         ),
         ticker=Progress(step, settings.total_steps, progress),
         preemption=distributed.PreemptionWatcher(),

@@ -11,8 +11,9 @@ fine-grained experts, routers/fine_grained.gin: each group of ``m`` experts as t
 segments of its hidden units, the router's columns tied per group; moe_jax/moe/upcycle.py)
 (``--noise_std`` adds noise), routers as the gin files say (learned / frozen, their
 initialisation from the run's seed), copies every other weight, starts a fresh optimizer
-state and writes ``OUT/checkpoints/<step>`` and ``OUT/config.gin`` (every binding of the
-gin files, ``MODEL_DIR`` = OUT). The step is the dense run's (``--reset_step``: 0); the
+state and writes ``OUT/checkpoints/<step>``, ``OUT/config.gin`` (every binding of the
+gin files, ``MODEL_DIR`` = OUT) and ``OUT/run.json`` (the run's spec, which its first
+``train`` compares with). The step is the dense run's (``--reset_step``: 0); the
 data stream continues from that step. The dense run is only read. See docs/moe.md.
 
 What it preserves: the upcycled model computes the dense model's outputs at step 0 only
@@ -181,6 +182,7 @@ def upcycle(
 
     if storage.listdir(out):
         raise FileExistsError(f"upcycle: --out={out!r} is not empty; give a new directory")
+    spec = configured.train_spec()[0]  # the run's run.json (refused here, before any write)
     model = _train_argument("model")
     dataset_cfg = _train_argument("train_dataset_cfg")
     seed = int(_train_argument("random_seed"))
@@ -235,6 +237,7 @@ def upcycle(
     router_init.save(run_dir, model, params)
     if jax.process_index() == 0:
         storage.write_text(run_dir.config_file, gin.config_str())
+        storage.write_text(run_dir.spec_file, spec.to_json())
         eval_cfg = _train_argument("train_eval_dataset_cfg")
         if eval_cfg is not None:
             evaluation.record_eval_settings(run_dir, _train_argument("eval_steps"), eval_cfg)

@@ -1,8 +1,8 @@
 """seqio data pipeline: mC4 tasks, span corruption, vocabularies, the embedded corpus.
 
 Modules (one job each; see docs/data.md):
-  vocab            gin-selected vocabulary (embedded SentencePiece, mT5 SentencePiece, bytes)
-  sources          gin-selected data source (embedded UDHR corpus, TFDS c4/multilingual, text)
+  vocab            the vocabulary (embedded SentencePiece, mT5 SentencePiece, bytes)
+  sources          the raw-text source (embedded UDHR corpus, TFDS c4/multilingual, text)
   readers          the seqio sources each corpus is read with (built by sources)
   preprocessors    text cleaning, token splitting, the prefix-LM objective
   span_corruption  the T5/mT5 span-corruption objective as a seqio preprocessor
@@ -10,6 +10,8 @@ Modules (one job each; see docs/data.md):
   pipeline         get_dataset, the resumable TrainIterator, to_global_batch
   labels           known latent clusters of a corpus (languages): label -> its own task
 
-Importing this package does not import TensorFlow or seqio, nor do ``vocab``, ``sources``
-and ``pipeline`` (the modules gin files configure) until data is read.
+No module here reads gin (``moe_jax.runtime.configured`` registers the names gin files
+bind and selects the source and vocabulary the tasks read). Importing this package does not
+import TensorFlow or seqio, nor do ``vocab``, ``sources`` and ``pipeline`` until data is
+read.
 """

@@ -22,7 +22,7 @@ class NoLabelsError(ValueError):
 
 
 def _corpus_option() -> str:
-    """``make_source.<option>=<value>`` naming the corpus gin selects."""
+    """``make_source.<option>=<value>`` naming the selected corpus."""
     settings = sources.make_source_settings()
     if settings["corpus"] == "tfds":
         return f"make_source.tfds_name={settings['tfds_name']!r}"
@@ -32,7 +32,7 @@ def _corpus_option() -> str:
 
 
 def corpus_labels() -> tuple[str, ...]:
-    """The group labels of the corpus gin selects (``sources.corpus_groups()``): languages
+    """The group labels of the selected corpus (``sources.corpus_groups()``): languages
     of the embedded corpus and mC4, the labels of the text corpus.
 
     Raises:

@@ -23,13 +23,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import gin
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax import partitioning
-from moe_jax.data.vocab import get_vocabulary
+from moe_jax.data.vocab import selected_vocabulary
 
 if TYPE_CHECKING:
     import seqio
@@ -82,7 +81,6 @@ def get_provider(mixture_or_task_name: str) -> seqio.DatasetProviderBase:
         ) from e
 
 
-@gin.configurable
 def get_dataset(
     mixture_or_task_name: str,
     task_feature_lengths: Mapping[str, int],
@@ -119,7 +117,7 @@ def get_dataset(
     import tensorflow as tf
 
     provider = get_provider(mixture_or_task_name)
-    get_vocabulary()  # a missing model file is reported here, not inside tf.data tracing
+    selected_vocabulary()  # a missing model file is reported here, not inside tf.data tracing
     lengths = dict(task_feature_lengths)
     kwargs: dict[str, Any] = {}
     if isinstance(provider, seqio.Task):

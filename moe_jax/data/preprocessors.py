@@ -4,7 +4,7 @@ Shapes: ``targets`` below is a 1-D int32 token sequence ``[n]`` (no EOS yet: seq
 ``append_eos_after_trim`` adds it last), ``inputs`` likewise.
 
 The functions the project hands to ``tf.data`` (here, in ``span_corruption``, ``readers``
-and ``tasks.GinVocabulary.encode_tf``) are marked :data:`plain_tf`: TensorFlow ops only,
+and ``tasks.SelectedVocabulary.encode_tf``) are marked :data:`plain_tf`: TensorFlow ops only,
 no Python ``if``/``for`` over tensors, so autograph has nothing to convert in them, and
 ``tf.data`` does not convert them (nor what they call) each time a pipeline is built: about
 a CPU second of `moe-jax smoke`'s start, the same batches.

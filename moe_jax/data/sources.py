@@ -1,8 +1,8 @@
-"""Data sources with the features and split names of TFDS ``c4/multilingual``, chosen from gin.
+"""Data sources with the features and split names of TFDS ``c4/multilingual``.
 
-``make_source(language)`` returns the raw-text source of one language (``None``: all
-languages) with canonical splits ``train`` and ``validation``; each example is
-``{"text": tf.string scalar}``. The corpus is a gin binding:
+``make_source(language, **settings)`` returns the raw-text source of one language
+(``None``: all languages) with canonical splits ``train`` and ``validation``; each example
+is ``{"text": tf.string scalar}``. The settings choose the corpus:
 
 * ``corpus="embedded"`` (default, every local run): the UDHR corpus committed under
   ``moe_jax/data/embedded/udhr`` (20 languages; ``SOURCE.md`` there), read with
@@ -20,24 +20,26 @@ languages) with canonical splits ``train`` and ``validation``; each example is
   by a hash of each line (the same line always lands in the same split). A pattern matching no file
   is refused naming the pattern.
 
-``corpus_groups()`` lists the group labels of the corpus gin selects (embedded and mC4:
-language codes; text: the labels of ``train_patterns``); ``make_source(label)`` reads one.
+The settings every task reads with are those :func:`select_settings` was given (the front
+door, :mod:`moe_jax.runtime.configured`, selects gin's ``make_source.*`` bindings, or a
+recorded run's ``data.source``); :func:`make_source_settings` returns them with defaults
+filled in. ``corpus_groups()`` lists the group labels of the selected corpus (embedded and
+mC4: language codes; text: the labels of ``train_patterns``); :func:`selected_source`
+reads one group of it.
 
-Tasks hold a ``tasks.CorpusSource``, which resolves ``make_source`` when data is requested,
-so gin bindings parsed after ``moe_jax.data.tasks`` was imported take effect. This module
-imports neither TensorFlow nor seqio (``moe_jax.data.readers`` builds the sources), so gin
-files that configure the data can be parsed where only the model is needed.
+Tasks hold a ``tasks.CorpusSource``, which resolves :func:`selected_source` when data is
+requested, so a selection made after ``moe_jax.data.tasks`` was imported takes effect. This
+module reads no gin and imports neither TensorFlow nor seqio (``moe_jax.data.readers``
+builds the sources), so gin files that configure the data can be parsed where only the
+model is needed.
 """
 
 from __future__ import annotations
 
-import inspect
 import pathlib
 import re
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
-
-import gin
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import seqio
@@ -127,21 +129,33 @@ def _groups(patterns: Patterns | None, option: str) -> Groups:
     return tuple(groups)
 
 
-@gin.configurable
-def make_source(
-    language: str | None,
+def source_settings(
     corpus: str = "embedded",
     tfds_name: str = "c4/multilingual:3.1.0",
     data_dir: str | None = None,
     train_patterns: Patterns | None = None,
     validation_patterns: Patterns | None = None,
     validation_fraction: float | None = None,
-) -> seqio.DataSource:
-    """The raw-text source of ``language`` (a group label; ``None``: all groups).
+) -> dict[str, Any]:
+    """:func:`make_source`'s settings as a dict, defaults filled in (gin: ``make_source.*``).
 
     ``train_patterns`` / ``validation_patterns`` / ``validation_fraction`` configure
     ``corpus='text'`` (module docstring; ``validation_fraction`` applies only without
     ``validation_patterns``) and are ignored otherwise.
+    """
+    return {
+        "corpus": corpus,
+        "tfds_name": tfds_name,
+        "data_dir": data_dir,
+        "train_patterns": train_patterns,
+        "validation_patterns": validation_patterns,
+        "validation_fraction": validation_fraction,
+    }
+
+
+def make_source(language: str | None, **settings: Any) -> seqio.DataSource:
+    """The raw-text source of ``language`` (a group label; ``None``: all groups) under
+    ``settings`` (:func:`source_settings`' keyword arguments).
 
     Raises:
       ValueError: naming ``make_source.corpus`` / the language when they are unknown.
@@ -150,31 +164,42 @@ def make_source(
     # deferred on purpose: TensorFlow/seqio load only when data is read
     from moe_jax.data import readers
 
-    train = _groups(train_patterns, "make_source.train_patterns")
-    validation = _groups(validation_patterns, "make_source.validation_patterns")
+    options = source_settings(**settings)
+    corpus = options["corpus"]
+    train = _groups(options["train_patterns"], "make_source.train_patterns")
+    validation = _groups(options["validation_patterns"], "make_source.validation_patterns")
     if corpus == "embedded":
         return readers.embedded_source(_embedded_files(language))
     if corpus == "tfds":
-        splits = _tfds_split_map(tfds_name, language)
-        return readers.tfds_source(tfds_name, data_dir, tuple(splits.items()))
+        splits = _tfds_split_map(options["tfds_name"], language)
+        return readers.tfds_source(options["tfds_name"], options["data_dir"], tuple(splits.items()))
     if corpus == "text":
-        return readers.text_source(language, train, validation, validation_fraction)
+        return readers.text_source(language, train, validation, options["validation_fraction"])
     raise ValueError(f"make_source.corpus={corpus!r} is not one of {CORPORA}")
 
 
-def make_source_settings() -> dict:
-    """``make_source``'s keyword arguments as gin binds them (defaults filled in)."""
-    settings = {
-        name: p.default
-        for name, p in inspect.signature(make_source).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    settings.update(gin.get_bindings(make_source))
-    return settings
+# The provider of the selected settings (select_settings); none selected: the defaults.
+_SELECTED: list[Callable[[], Mapping[str, Any]]] = [dict]
+
+
+def select_settings(provider: Callable[[], Mapping[str, Any]]) -> None:
+    """Makes ``provider()`` (:func:`source_settings`' keyword arguments, read at each use)
+    the settings every task's source is read with."""
+    _SELECTED[0] = provider
+
+
+def make_source_settings() -> dict[str, Any]:
+    """The selected settings (:func:`select_settings`), defaults filled in."""
+    return source_settings(**_SELECTED[0]())
+
+
+def selected_source(language: str | None) -> seqio.DataSource:
+    """``make_source(language)`` with the selected settings."""
+    return make_source(language, **make_source_settings())
 
 
 def describe_corpus() -> str:
-    """The corpus gin selects, in words: ``the embedded UDHR corpus (20 languages)``,
+    """The selected corpus, in words: ``the embedded UDHR corpus (20 languages)``,
     ``TFDS c4/multilingual:3.1.0``, ``the text files train_patterns=...``."""
     settings = make_source_settings()
     corpus = settings["corpus"]
@@ -186,13 +211,13 @@ def describe_corpus() -> str:
 
 
 def is_text_corpus() -> bool:
-    """Whether gin selects the user's text files (``make_source.corpus = 'text'``)."""
+    """Whether the user's text files are selected (``make_source.corpus = 'text'``)."""
     return make_source_settings()["corpus"] == "text"
 
 
 def corpus_groups() -> tuple[str, ...]:
-    """The group labels of the corpus gin selects (``make_source``'s bindings), each a valid
-    ``make_source(label)``: the embedded corpus' languages, mC4's languages (``('en',)``
+    """The group labels of the selected corpus, each a valid ``selected_source(label)``:
+    the embedded corpus' languages, mC4's languages (``('en',)``
     for a one-language TFDS config such as ``c4/en``) or the text corpus' labels in
     ``make_source.train_patterns`` order (``('text',)`` for a bare pattern)."""
     settings = make_source_settings()

@@ -13,10 +13,10 @@ Task names (usable as gin ``MIXTURE_OR_TASK_NAME``)::
     text_<label>_prefix_lm         {label: pattern}); registered when first asked for
 
 ``<lang>`` is the TFDS ``c4/multilingual`` split name, lower-cased, ``-`` -> ``_`` (labels
-likewise). Every task reads whatever corpus gin selects
-(``moe_jax.data.sources.make_source``: the embedded UDHR corpus by default, TFDS
+likewise). Every task reads the selected corpus
+(``moe_jax.data.sources.selected_source``: the embedded UDHR corpus by default, TFDS
 ``c4/multilingual`` for the paper's runs, the user's files with ``corpus='text'``) and
-tokenizes with ``moe_jax.data.vocab.get_vocabulary()``. ``group_task(label)`` names the task
+tokenizes with ``moe_jax.data.vocab.selected_vocabulary()``. ``group_task(label)`` names the task
 of one group of the selected corpus (``sources.corpus_groups()`` lists them).
 
 Other tasks: T5X's ``MIXTURE_OR_TASK_MODULE`` names a module that registers the user's own
@@ -40,7 +40,7 @@ import seqio
 import tensorflow as tf
 
 from moe_jax.data import preprocessors, sources, span_corruption
-from moe_jax.data.vocab import get_vocabulary
+from moe_jax.data.vocab import selected_vocabulary
 
 OBJECTIVES = {
     "span_corruption": span_corruption.span_corruption,
@@ -61,15 +61,16 @@ def task_name(objective: str, language: str | None = None, prefix: str = "mc4") 
     return f"{prefix}_{lang}{objective}"
 
 
-class GinVocabulary(seqio.Vocabulary):
-    """A ``seqio.Vocabulary`` that delegates every call to the current ``get_vocabulary()``."""
+class SelectedVocabulary(seqio.Vocabulary):
+    """A ``seqio.Vocabulary`` that delegates every call to the current
+    ``vocab.selected_vocabulary()``."""
 
     def __init__(self) -> None:
         super().__init__(extra_ids=0)
 
     @property
     def resolved(self) -> seqio.Vocabulary:
-        return get_vocabulary()
+        return selected_vocabulary()
 
     @property
     def bos_id(self) -> int | None:
@@ -126,18 +127,19 @@ class GinVocabulary(seqio.Vocabulary):
         return self.decode_tf(ids)
 
     def __eq__(self, other: object) -> bool:
-        other = other.resolved if isinstance(other, GinVocabulary) else other
+        other = other.resolved if isinstance(other, SelectedVocabulary) else other
         return self.resolved == other
 
     def __hash__(self) -> int:
-        return id(GinVocabulary)
+        return id(SelectedVocabulary)
 
     def __str__(self) -> str:
-        return f"GinVocabulary({self.resolved})"
+        return f"SelectedVocabulary({self.resolved})"
 
 
 class CorpusSource(seqio.DataSource):
-    """A ``seqio.DataSource`` delegating to ``make_source(language)`` at use time."""
+    """A ``seqio.DataSource`` delegating to ``sources.selected_source(language)`` at use
+    time."""
 
     def __init__(self, language: str | None):
         self._language = language
@@ -145,7 +147,7 @@ class CorpusSource(seqio.DataSource):
 
     @property
     def resolved(self) -> seqio.DataSource:
-        return sources.make_source(self._language)
+        return sources.selected_source(self._language)
 
     @property
     def supports_arbitrary_sharding(self) -> bool:
@@ -177,7 +179,7 @@ class CorpusSource(seqio.DataSource):
 
 
 def output_features() -> dict[str, seqio.Feature]:
-    vocabulary = GinVocabulary()
+    vocabulary = SelectedVocabulary()
     return {
         "inputs": seqio.Feature(vocabulary, add_eos=True, required=False),
         "targets": seqio.Feature(vocabulary, add_eos=True),
@@ -220,7 +222,7 @@ def register_tasks() -> tuple[str, ...]:
 
 
 def group_task(label: str, objective: str = "span_corruption") -> str:
-    """The registered task reading only group ``label`` of the corpus gin selects (one of
+    """The registered task reading only group ``label`` of the selected corpus (one of
     ``sources.corpus_groups()``): ``mc4_<lang>_<objective>`` for the embedded corpus and
     mC4, ``text_<label>_<objective>`` (registered now if new) for the text corpus."""
     groups = sources.corpus_groups()
@@ -235,8 +237,8 @@ def group_task(label: str, objective: str = "span_corruption") -> str:
 
 
 def register_group_task(name: str) -> bool:
-    """Registers ``text_<label>_<objective>`` when ``name`` is one for a label of the text
-    corpus gin selects; True when ``name`` is (now) registered."""
+    """Registers ``text_<label>_<objective>`` when ``name`` is one for a label of the
+    selected text corpus; True when ``name`` is (now) registered."""
     if name in seqio.TaskRegistry.names():
         return True
     match = re.fullmatch(rf"{TEXT_PREFIX}_(.+)_({'|'.join(OBJECTIVES)})", name)
@@ -250,7 +252,7 @@ def register_group_task(name: str) -> bool:
 
 
 def reads_the_corpus(name: str) -> bool:
-    """Whether task ``name`` is one of the project's, which read the corpus gin selects
+    """Whether task ``name`` is one of the project's, which read the selected corpus
     (``make_source``); a task of the user's own module reads what it defines."""
     if name in TASK_NAMES:
         return True

@@ -1,6 +1,7 @@
-"""Vocabularies, chosen from gin.
+"""Vocabularies.
 
-``get_vocabulary()`` is the single place the project decides which vocabulary it uses:
+``get_vocabulary(kind, path, extra_ids)`` is the single place the project decides which
+vocabulary it uses:
 
 * ``kind="embedded"`` (default): the SentencePiece model committed under
   ``moe_jax/data/embedded/udhr_spm.model`` (8000 pieces) plus ``extra_ids`` sentinels.
@@ -9,19 +10,23 @@
   (whose 100 sentinels are already pieces of the model: bind ``extra_ids = 0``).
 * ``kind="byte"``: ``seqio.ByteVocabulary`` (no file at all).
 
-Tasks are registered at import time, before gin files are parsed, so their features hold a
-``tasks.GinVocabulary``: a ``seqio.Vocabulary`` that resolves ``get_vocabulary()`` on each
-use. This module imports seqio and TensorFlow only when a vocabulary is loaded, so gin files
-that configure it can be parsed where only the model is needed.
+The vocabulary the tasks tokenize with is :func:`selected_vocabulary`: the one
+:func:`select_vocabulary` was given (the front door, :mod:`moe_jax.runtime.configured`,
+selects ``get_vocabulary`` with gin's ``vocab.get_vocabulary.*`` bindings, or a recorded
+run's ``model.vocabulary``).
+Tasks are registered at import time, before gin files are parsed, so their features hold
+a ``tasks.SelectedVocabulary``: a ``seqio.Vocabulary`` that resolves
+:func:`selected_vocabulary` on each use. This module reads no gin and imports seqio and
+TensorFlow only when a vocabulary is loaded, so gin files that configure it can be parsed
+where only the model is needed.
 """
 
 from __future__ import annotations
 
 import functools
 import pathlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import gin
 
 from moe_jax import storage
 from moe_jax.errors import InputFileError
@@ -75,7 +80,6 @@ def _load(kind: str, path: str | None, extra_ids: int) -> seqio.Vocabulary:
     return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
 
 
-@gin.configurable
 def get_vocabulary(
     kind: str = "embedded", path: str | None = None, extra_ids: int = 100
 ) -> seqio.Vocabulary:
@@ -93,3 +97,18 @@ def get_vocabulary(
       ValueError: naming the option for an unknown ``kind`` or a missing ``path``.
     """
     return _load(kind, path, extra_ids)
+
+
+# The provider of the selected vocabulary (select_vocabulary); none selected: the default.
+_SELECTED: list[Callable[[], seqio.Vocabulary]] = [get_vocabulary]
+
+
+def select_vocabulary(provider: Callable[[], seqio.Vocabulary]) -> None:
+    """Makes ``provider`` (called at each use) the vocabulary of
+    :func:`selected_vocabulary`."""
+    _SELECTED[0] = provider
+
+
+def selected_vocabulary() -> seqio.Vocabulary:
+    """The selected vocabulary (:func:`select_vocabulary`; default: ``get_vocabulary()``)."""
+    return _SELECTED[0]()

@@ -52,6 +52,7 @@ ROUTER_INIT_FILE = "router_init.safetensors"
 CONFIG_JSON = "config.json"
 CONFIG_GIN = "config.gin"
 VOCAB_FILE = "vocabulary.model"
+RUN_SPEC_FILE = "run.json"
 FORMAT = "moe-jax-export"
 # 2: the MoE layers' configs inside ``t5_config`` (``moe``, ``decoder_moe``); 1 wrote
 # ``routing.moe_layer`` (MoeLayer's gin fields). Import reads either (from ``config.gin``).
@@ -237,13 +238,14 @@ def vocabulary_file(model) -> str | None:
 
 def listed_files(config: Mapping[str, Any]) -> list[str]:
     """The files an export's ``config.json`` lists beside ``model.safetensors``,
-    ``config.json`` and ``config.gin``: its initial routers and vocabulary, when it has them.
-    ``import`` reads only these, whatever else the directory holds."""
+    ``config.json`` and ``config.gin``: its initial routers, vocabulary and run spec, when
+    it has them. ``import`` reads only these, whatever else the directory holds."""
     return [
         name
         for name, entry in (
             (ROUTER_INIT_FILE, config.get("router_init")),
             (VOCAB_FILE, (config.get("vocabulary") or {}).get("file")),
+            (RUN_SPEC_FILE, config.get("run_spec")),
         )
         if entry
     ]

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
@@ -107,7 +106,6 @@ def _compiled(jaxpr: jax_core.ClosedJaxpr) -> Any:
     return jax.jit(jax_core.jaxpr_as_fun(jaxpr))
 
 
-@gin.configurable
 class EncoderDecoderModel:
     """Mirror of T5X's ``EncoderDecoderModel`` for :class:`EncoderDecoder`.
 

@@ -26,7 +26,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -137,7 +136,6 @@ def layer_groups(
 PATH_SALTED_ROUTERS = ("random",)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class T5Config:
     """Every hyperparameter of the network (gin: ``T5Config.<field> = ...``).
@@ -792,7 +790,6 @@ def decoder_masks(
     return self_mask, cross_mask
 
 
-@gin.configurable
 class EncoderDecoder(nn.Module):
     """The full network; call signature follows T5X's ``EncoderDecoder``.
 

@@ -25,8 +25,8 @@ Modules, one job each:
   freeze           learned vs frozen routers (optimizer side); data-initialised routers
   upcycle          sparse upcycling: MoE parameters from a dense model's
 
-Importing this package registers every gin configurable of the MoE layer (``MoeConfig``
-and its parts, the router configs, ``freeze.router_mode``...).
+Nothing here reads gin: :mod:`moe_jax.runtime.configured` registers the gin names of the
+MoE layer (``MoeConfig`` and its parts, the router configs, ``freeze.router_mode``...).
 """
 
 from moe_jax.moe import freeze

@@ -1,4 +1,5 @@
-"""The MoE layer's configuration: frozen, gin-configurable values the model carries.
+"""The MoE layer's configuration: frozen values the model carries, each type a gin name
+(registered by :mod:`moe_jax.runtime.configured`; this module reads no gin).
 
 A :class:`MoeConfig` has four named parts besides the experts' shape:
 
@@ -27,7 +28,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import flax.linen as nn
-import gin
 
 from moe_jax.moe.hierarchical import HierarchicalRouter, NoisyHierarchicalRouter
 from moe_jax.moe.options import (
@@ -133,7 +133,6 @@ def _check_stddev(config: Any) -> None:
         raise ValueError(f"{type(config).__name__}.init_stddev={config.init_stddev} must be > 0")
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TopKRouterConfig(RouterConfig):
     """Learned token-choice top-k router (T5X / Switch / GShard; DeepSeek-V3 options).
@@ -179,7 +178,6 @@ class TopKRouterConfig(RouterConfig):
             )
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class NoisyTopKRouterConfig(RouterConfig):
     """Noisy top-k gating (Shazeer et al., 2017): learned, input-dependent noise in training.
@@ -200,7 +198,6 @@ class NoisyTopKRouterConfig(RouterConfig):
         _check_stddev(self)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ExpertChoiceRouterConfig(RouterConfig):
     """Expert choice (Zhou et al., 2022): each expert takes its top-C tokens of a group.
@@ -223,7 +220,6 @@ class ExpertChoiceRouterConfig(RouterConfig):
         _check_stddev(self)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class HashRouterConfig(RouterConfig):
     """Hash routing (Roller et al., 2021): fixed experts per token id; no parameters.
@@ -238,7 +234,6 @@ class HashRouterConfig(RouterConfig):
     seed: int = 0
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RandomRouterConfig(RouterConfig):
     """Random routing: experts drawn per token from a fixed seed; gates from a frozen
@@ -262,7 +257,6 @@ class RandomRouterConfig(RouterConfig):
         _check_stddev(self)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class HierarchicalRouterConfig(RouterConfig):
     """Hierarchical MoE (Shazeer et al., 2017, App. B): a primary gate picks
@@ -317,7 +311,6 @@ class HierarchicalRouterConfig(RouterConfig):
         return self.num_selected_groups * self.num_selected_experts
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class NoisyHierarchicalRouterConfig(HierarchicalRouterConfig):
     """:class:`HierarchicalRouterConfig` with Shazeer's noisy gating at both levels."""
@@ -341,7 +334,6 @@ ROUTER_CONFIGS: dict[str, type[RouterConfig]] = {
 }
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CapacityConfig:
     """How many assignments each expert takes per routing group.
@@ -395,7 +387,6 @@ class CapacityConfig:
         return "token_major" if causal else "choice_major"
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
     """How the expert path runs; the same results either way.
@@ -435,7 +426,6 @@ class ExecutionConfig:
             )
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class AuxLossConfig:
     """Weights of the auxiliary losses sown into ``collections.AUX_LOSS_COLLECTION``
@@ -483,7 +473,6 @@ _PARTS: dict[str, type] = {
 }
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """One MoE layer's configuration (gin: ``MoeConfig.<field> = ...``).

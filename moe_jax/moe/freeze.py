@@ -12,7 +12,6 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import gin
 import jax
 import optax
 
@@ -31,17 +30,17 @@ def router_labels(params: Any) -> Any:
     )
 
 
-@gin.configurable
 def router_mode(mode: str = "learned") -> str:
-    """The gin-chosen router mode: ``learned`` (trained like the rest) or ``frozen``."""
+    """``mode`` checked as a router mode: ``learned`` (trained like the rest) or ``frozen``
+    (gin: ``router_mode.mode``)."""
     if mode not in ROUTER_MODES:
         raise ValueError(f"router_mode.mode={mode!r} is unknown; choose one of {ROUTER_MODES}")
     return mode
 
 
-@gin.configurable
 def bias_mode(mode: str = "updated") -> str:
-    """Whether the auxiliary-loss-free balancing biases (``TopKRouterConfig.bias_update_rate``) keep
+    """``mode`` checked as a bias mode (gin: ``bias_mode.mode``): whether the
+    auxiliary-loss-free balancing biases (``TopKRouterConfig.bias_update_rate``) keep
     updating (``updated``, default; with a frozen router: "frozen + balanced") or stay at
     their current value (``frozen``; from initialisation: zero, no balancing)."""
     if mode not in BIAS_MODES:
@@ -59,7 +58,7 @@ def updated_collections(old: Any, new: Any, mode: str) -> Any:
 
 
 def apply_router_mode(
-    tx: optax.GradientTransformation, params: Any = None, mode: str | None = None
+    tx: optax.GradientTransformation, params: Any = None, *, mode: str
 ) -> optax.GradientTransformation:
     """``tx`` for ``learned``; for ``frozen``, ``tx`` on every non-router leaf and
     ``optax.set_to_zero()`` on router leaves.
@@ -68,10 +67,10 @@ def apply_router_mode(
       tx: the full optimizer (weight decay included).
       params: unused (labels are computed from the tree ``tx.init`` receives); accepted
         so callers can pass it.
-      mode: overrides the gin-bound ``router_mode``.
+      mode: a :func:`router_mode`.
     """
     del params
-    mode = router_mode() if mode is None else router_mode(mode)
+    mode = router_mode(mode)
     if mode == "learned":
         return tx
     return optax.multi_transform({_OTHER: tx, _ROUTER: optax.set_to_zero()}, router_labels)

@@ -20,7 +20,8 @@ Modules, one job each:
                  writes (which ones: read from the loss's jaxpr)
   builders       what every command builds the same way: run context, sharded state
                  layout, jitted steps, dataset configs, a restored model (reads no gin)
-  configured     the front door: the `RunSpec` and what else gin chooses for a run (mesh and
+  configured     the front door: registers every gin name users bind (the library imports
+                 no gin); the `RunSpec` and what else gin chooses for a run (mesh and
                  rules, optimizer, router and bias modes), read once for the commands
   steps          the train and eval steps and their jitted step objects
   checkpoints    orbax checkpoints: async saves, keep-K, restores onto any mesh

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 import optax
@@ -47,7 +46,6 @@ from moe_jax.runtime.model_protocol import InputShapes, Model
 MAX_BATCH_TOKENS = 2**31 - 1
 
 
-@gin.configurable(module="utils")
 @dataclasses.dataclass(frozen=True)
 class DatasetConfig:
     """One dataset of a run, as T5X's ``utils.DatasetConfig`` (bind with a scope:

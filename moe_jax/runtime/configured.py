@@ -1,7 +1,18 @@
-"""What gin chooses for a run, read once at the commands' front door (as T5X's binaries
-bind the partitioner and trainer that ``train()`` takes as arguments): the library
-(:func:`~moe_jax.runtime.builders.build_train_setup`, the model configs,
-:class:`~moe_jax.runtime.run_spec.RunSpec`) reads no gin and takes these as arguments.
+"""Gin at the commands' front door: every name gin files bind is registered here, and what
+gin chooses for a run is read here once (as T5X's binaries bind the partitioner and trainer
+that ``train()`` takes as arguments). The library (``moe_jax.moe``, ``moe_jax.models``,
+``moe_jax.data``, ``moe_jax.partitioning``, the runtime's library modules) imports no gin
+and takes these as arguments.
+
+The registry: the library's classes (``MoeConfig`` and its parts, the router configs,
+``T5Config``, ``EncoderDecoder``, ``EncoderDecoderModel``, ``utils.DatasetConfig``,
+``WandbSettings``) are registered in place under the module they have always had, so gin
+builds the library's own class; its functions (``sources.make_source``,
+``vocab.get_vocabulary``, ``pipeline.get_dataset``, ``freeze.router_mode`` /
+``bias_mode``, ``partitioning.standard_logical_axis_rules``, ``peak_flops_per_device``)
+are registered as the gin wrappers this module holds under the same names. The data's tasks
+read the source and vocabulary these wrappers give (``sources.select_settings``,
+``vocab.select_vocabulary``).
 
 :func:`train_spec` (gin: ``train_script.train``): the run as a
 :class:`~moe_jax.runtime.run_spec.RunSpec` and its ``MODEL_DIR``; each of its gin parameters
@@ -33,10 +44,12 @@ import gin
 import jax
 
 from moe_jax import errors, partitioning
-from moe_jax.data import sources
+from moe_jax.data import pipeline, sources, vocab
+from moe_jax.models import t5
 from moe_jax.models.model import EncoderDecoderModel
+from moe_jax.moe import config as moe_config
 from moe_jax.moe import freeze
-from moe_jax.runtime import builders, gin_utils, profiling
+from moe_jax.runtime import builders, gin_utils, profiling, throughput, wandb_logger
 from moe_jax.runtime.model_protocol import Model
 from moe_jax.runtime.run_spec import (
     CheckpointSettings,
@@ -50,6 +63,50 @@ from moe_jax.runtime.run_spec import (
     ScheduleSpec,
     VocabularySpec,
 )
+
+
+# Every configurable name the gin files, run directories and users bind, registered here
+# under the module and name it has always had (``MoeConfig``, ``T5Config``,
+# ``utils.DatasetConfig``, ``sources.make_source``, ...): the library modules import no gin.
+# Classes are registered in place (``gin.configurable`` wraps their ``__init__``), so the
+# class gin builds is the library's own; a function's gin wrapper is kept here, and the
+# library is given what it returns.
+def _register(obj: Any, module: str | None = None, name: str | None = None) -> Any:
+    """``obj`` registered with gin as ``module.name`` (default: its own)."""
+    return gin.configurable(name or obj.__name__, module=module or obj.__module__)(obj)
+
+
+for _cls in (
+    moe_config.TopKRouterConfig,
+    moe_config.NoisyTopKRouterConfig,
+    moe_config.ExpertChoiceRouterConfig,
+    moe_config.HashRouterConfig,
+    moe_config.RandomRouterConfig,
+    moe_config.HierarchicalRouterConfig,
+    moe_config.NoisyHierarchicalRouterConfig,
+    moe_config.CapacityConfig,
+    moe_config.ExecutionConfig,
+    moe_config.AuxLossConfig,
+    moe_config.MoeConfig,
+    t5.T5Config,
+    t5.EncoderDecoder,
+    EncoderDecoderModel,
+    wandb_logger.WandbSettings,
+):
+    _register(_cls)
+_register(builders.DatasetConfig, module="utils")
+
+get_dataset = _register(pipeline.get_dataset)
+get_vocabulary = _register(vocab.get_vocabulary)
+make_source = _register(sources.source_settings, module=sources.__name__, name="make_source")
+router_mode = _register(freeze.router_mode)
+bias_mode = _register(freeze.bias_mode)
+standard_logical_axis_rules = _register(partitioning.standard_logical_axis_rules)
+peak_flops_per_device = _register(throughput.peak_flops_per_device)
+
+# What the data's tasks read until a command selects a recorded run's: gin's bindings.
+sources.select_settings(make_source)
+vocab.select_vocabulary(get_vocabulary)
 
 
 @gin.configurable(module="configured")
@@ -110,8 +167,8 @@ def train_spec(
         loop=loop,
         mesh=mesh_spec(),
         optimizer=optimizer_spec(),
-        router_mode=freeze.router_mode(),
-        bias_mode=freeze.bias_mode(),
+        router_mode=router_mode(),
+        bias_mode=bias_mode(),
         seed=random_seed,
     )
     return spec, model_dir
@@ -124,17 +181,14 @@ def model_spec(model: Model) -> ModelSpec:
     Raises:
       ConfigError: another model type, or a vocabulary that is neither.
     """
-    # deferred on purpose: TensorFlow/seqio load only when data is read
-    from moe_jax.data import vocab
-
     if not isinstance(model, EncoderDecoderModel):
         raise errors.ConfigError(
             f"MODEL = {model!r}: a run records an EncoderDecoderModel (gin/models/t5_dense.gin)"
         )
     source = model.vocabulary_source
-    if source is vocab.get_vocabulary:
+    if source is get_vocabulary:
         vocabulary: VocabularySpec | int = VocabularySpec(
-            **gin_utils.bound_arguments(vocab.get_vocabulary)
+            **gin_utils.bound_arguments(get_vocabulary)
         )
     elif isinstance(source, int) and not isinstance(source, bool):
         vocabulary = source
@@ -154,7 +208,7 @@ def model_spec(model: Model) -> ModelSpec:
 
 def data_source() -> dict[str, Any]:
     """``make_source``'s settings as gin binds them, as JSON values (lists for tuples)."""
-    return json.loads(json.dumps(sources.make_source_settings()))
+    return json.loads(json.dumps(make_source()))
 
 
 # The gin names of the optimizer and the mesh's shape are the spec's own classes, registered
@@ -174,9 +228,7 @@ gin.configurable(
 def mesh_spec(batch_axes: Sequence[str] = partitioning.BATCH_AXES) -> MeshSpec:
     """The mesh gin binds: its shape (``make_mesh.*``), the logical axis rules
     (``standard_logical_axis_rules.*``) and the batch axes (``run_context.batch_axes``)."""
-    return MeshSpec(
-        rules=_tuples(partitioning.standard_logical_axis_rules()), batch_axes=tuple(batch_axes)
-    )
+    return MeshSpec(rules=_tuples(standard_logical_axis_rules()), batch_axes=tuple(batch_axes))
 
 
 def _tuples(value: Any) -> Any:
@@ -227,8 +279,8 @@ def train_setup(
         ctx,
         tx,
         learning_rate_fn,
-        router_mode=freeze.router_mode(),
-        bias_mode=freeze.bias_mode(),
+        router_mode=router_mode(),
+        bias_mode=bias_mode(),
         seed=seed,
         accum_steps=accum_steps,
         skip_nonfinite=skip_nonfinite,

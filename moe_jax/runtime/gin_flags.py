@@ -157,7 +157,7 @@ def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
     # what the user gave, kept apart from what a command adds (a run's config, its settings)
     args.command_line_bindings = [*args.gin_bindings, *dot_bindings]
     args.command_line_gin_files = list(args.gin_file)
-    args.recorded_model = None  # a run's spec whose model is %MODEL (run_config.run_gin_files)
+    args.recorded_spec = None  # a run's spec whose model is %MODEL (run_config.run_gin_files)
     if args.tfds_data_dir:
         os.environ["TFDS_DATA_DIR"] = args.tfds_data_dir
     return args

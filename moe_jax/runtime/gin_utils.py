@@ -40,19 +40,10 @@ from moe_jax.runtime.gin_text import (
 )
 
 # Modules whose configurables the gin files may name. Imported before parsing so that
-# gin files need no `import` lines (T5X binaries do the same for t5x.*). None of them imports
-# TensorFlow or seqio: the data modules load them when data is read.
+# gin files need no `import` lines (T5X binaries do the same for t5x.*): the library's names
+# (all registered by the front door, ``configured``) and the commands' own settings. None of
+# them imports TensorFlow or seqio: the data modules load them when data is read.
 CONFIGURABLE_MODULES: tuple[str, ...] = (
-    "moe_jax.partitioning",
-    "moe_jax.moe",
-    "moe_jax.moe.layer",
-    "moe_jax.models.model",
-    "moe_jax.data.pipeline",
-    "moe_jax.data.sources",
-    "moe_jax.data.vocab",
-    "moe_jax.runtime.optimizers",
-    "moe_jax.runtime.throughput",
-    "moe_jax.runtime.wandb_logger",
     "moe_jax.runtime.configured",
     "moe_jax.commands.evaluate",
     "moe_jax.commands.infer",
@@ -78,9 +69,9 @@ def import_configurables(modules: Sequence[str] = CONFIGURABLE_MODULES) -> None:
 
 def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
     """Parses the gin files and bindings of ``args`` (from
-    :func:`~moe_jax.runtime.gin_flags.parse_flags`), ``%MODEL`` bound to the model of
-    ``args.recorded_model`` when a command reading a run set it
-    (:func:`~moe_jax.runtime.run_config.run_gin_files`).
+    :func:`~moe_jax.runtime.gin_flags.parse_flags`), with the model and data of the spec
+    ``args.recorded_spec`` when a command reading a run set it
+    (:func:`~moe_jax.runtime.run_config.run_gin_files`; :func:`bind_recorded_run`).
 
     Raises:
       GinConfigError: naming the file/flag and line of a syntax error, an unknown
@@ -114,8 +105,8 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
         and not config_gate.in_run_directory(path)
     ]
     _check_macros([resolve(f, roots) for f in _walk_files(parsed)], bindings, own_files)
-    if args.recorded_model:
-        bind_recorded_model(args.recorded_model)
+    if args.recorded_spec:
+        bind_recorded_run(args.recorded_spec)
     if finalize:
         try:
             gin.finalize()
@@ -123,16 +114,51 @@ def parse_gin(args: argparse.Namespace, *, finalize: bool = True) -> None:
             raise GinConfigError(f"gin: {err}") from None
 
 
-def bind_recorded_model(path: str) -> None:
-    """Binds the ``MODEL`` macro to the model of the run's spec at ``path`` (``run.json``,
-    :mod:`~moe_jax.runtime.run_record`), so that every ``%MODEL`` of the parsed files is the
-    model the run trained, whatever its ``config.gin`` says.
+def bind_recorded_run(path: str) -> None:
+    """Binds what the run's spec at ``path`` (``run.json``, :mod:`~moe_jax.runtime.run_record`)
+    records over what its ``config.gin`` says: ``%MODEL`` to its model, and its data
+    (:func:`recorded_data_bindings`), so that a command reads the run as it trained.
 
     Raises:
       InputFileError: naming the file when it is unreadable or describes no model this
         version builds.
     """
-    gin.bind_parameter("MODEL/gin.macro.value", run_record.read_model(path).build())
+    model = run_record.read_model(path)
+    gin.bind_parameter("MODEL/gin.macro.value", model.build())
+    for name, value in recorded_data_bindings(run_record.read_spec(path)).items():
+        gin.bind_parameter(name, value)
+
+
+def recorded_data_bindings(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The gin bindings of a recorded spec's (its JSON dict) data: its raw-text source
+    (``make_source.*`` of ``data.source``), its vocabulary's arguments
+    (``vocab.get_vocabulary.*`` of ``model.vocabulary``, when it records them) and its
+    training stream's task, feature lengths, batch size and cache use (the macros
+    ``MIXTURE_OR_TASK_NAME``, ``TASK_FEATURE_LENGTHS``, ``BATCH_SIZE``, ``USE_CACHED_TASKS``
+    the commands' datasets read). The task module stays the config's, which the config
+    gate checked."""
+    bindings: dict[str, Any] = {
+        f"sources.make_source.{name}": value
+        for name, value in recorded["data"].get("source", {}).items()
+    }
+    vocabulary = recorded["model"].get("vocabulary")
+    if isinstance(vocabulary, dict):
+        bindings.update({f"vocab.get_vocabulary.{k}": v for k, v in vocabulary.items()})
+    train = recorded["data"]["train"]
+    for macro, field in _DATA_MACROS.items():
+        if field in train:
+            bindings[f"{macro}/gin.macro.value"] = train[field]
+    return bindings
+
+
+# The data macros of the commands' datasets (gin/runs/eval.gin) and the field of the
+# recorded training stream each takes.
+_DATA_MACROS = {
+    "MIXTURE_OR_TASK_NAME": "mixture_or_task_name",
+    "TASK_FEATURE_LENGTHS": "task_feature_lengths",
+    "BATCH_SIZE": "batch_size",
+    "USE_CACHED_TASKS": "use_cached",
+}
 
 
 def _check_binding(binding: str, origin: str) -> None:

@@ -218,7 +218,7 @@ def checkpoint_config(checkpoint: str, args: argparse.Namespace) -> str | None:
     return run_config_file(run_dir, args, step)
 
 
-def recorded_model_file(args: argparse.Namespace, checkpoint: str) -> str | None:
+def recorded_spec_file(args: argparse.Namespace, checkpoint: str) -> str | None:
     """The spec (``run.json`` or ``run.step-N.json``, :mod:`~moe_jax.runtime.run_record`) of
     the run ``checkpoint`` belongs to as of its step, whose model a command reading the run
     builds (:func:`~moe_jax.runtime.gin_utils.parse_gin` binds ``%MODEL`` to it); None when
@@ -254,8 +254,8 @@ def run_gin_files(
     no ``args.gin_file`` are given, or with ``extend_run_config`` before them (``analyze``:
     the command line overrides the run); it goes through
     :func:`~moe_jax.runtime.config_gate.check_run_config`. The model is the run's spec's
-    when the run's config is used and :func:`recorded_model_file` finds it
-    (``args.recorded_model``).
+    when the run's config is used and :func:`recorded_spec_file` finds it
+    (``args.recorded_spec``).
 
     Raises:
       FileNotFoundError: naming ``checkpoint`` when it is no run directory's checkpoint, or
@@ -291,8 +291,8 @@ def run_gin_files(
         if config
         else ", ".join(gin_files)
     )
-    args.recorded_model = recorded_model_file(args, checkpoint) if config and checkpoint else None
-    model = f"; model: the run's {args.recorded_model}" if args.recorded_model else ""
+    args.recorded_spec = recorded_spec_file(args, checkpoint) if config and checkpoint else None
+    model = f"; model: the run's {args.recorded_spec}" if args.recorded_spec else ""
     print(
         f"[{command}] gin config: {used} (defaults: {', '.join(defaults) or 'none'}){model}",
         file=sys.stderr,

@@ -1,6 +1,6 @@
 """What `train` records of a run, and what a resumption compares: ``MODEL_DIR/run.json``
 (the run's :class:`~moe_jax.runtime.run_spec.RunSpec`) beside ``config.gin`` (the operative
-gin text, which the commands still parse for their data and their own settings).
+gin text, which the commands parse for their own settings).
 
 The first start writes both. A resumption compares the recorded spec as of its step
 (``run.json``, or the newest ``run.step-N.json``) with the new one field by field; a changed
@@ -11,9 +11,11 @@ dotted path (``optimizer.learning_rate.base_learning_rate: 0.003 -> 0.5``), unle
 compared by its gin text as before (:func:`~moe_jax.runtime.run_config.record_run_config`),
 and gets its spec as ``run.step-N.json`` at that first resumption.
 
-The commands that read a run (eval, infer, analyze, export, ``moe_jax.load``) build its
-model from its spec (:func:`read_model`) when their command line changes nothing
-(:func:`~moe_jax.runtime.run_config.recorded_model_file`).
+The commands that read a run (eval, infer, analyze, export, ``moe_jax.load``) take its
+model (:func:`read_model`) and its data from its spec when their command line changes
+nothing (:func:`~moe_jax.runtime.run_config.recorded_spec_file`,
+:func:`~moe_jax.runtime.gin_utils.bind_recorded_run`). ``export`` carries the spec,
+``import`` restores it and ``upcycle`` writes one for the run it creates.
 """
 
 from __future__ import annotations

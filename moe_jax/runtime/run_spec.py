@@ -12,7 +12,7 @@
 Every group is a frozen dataclass; :meth:`RunSpec.to_json` / :meth:`RunSpec.from_json`
 round-trip it exactly, and :func:`diff` lists what differs between two specs as dotted
 field paths (``optimizer.learning_rate.base_learning_rate``). Gin builds a spec once, at the
-command's front door (:mod:`~moe_jax.runtime.run_spec_gin`, which says which gin name fills
+command's front door (:mod:`~moe_jax.runtime.configured`, which says which gin name fills
 which field); nothing here reads gin. :data:`RESUMABLE` names the fields a resumed run may
 change (its length, periods and paths).
 """

@@ -8,15 +8,14 @@ import functools
 import time
 from collections.abc import Callable
 
-import gin
 import jax
 
 from moe_jax import hardware
 
 
-@gin.configurable
 def peak_flops_per_device(override: float | None = None) -> float:
-    """Peak FLOP/s of one device: ``override`` when bound, else the chip's dense bf16 peak
+    """Peak FLOP/s of one device: ``override`` when given (gin:
+    ``peak_flops_per_device.override``), else the chip's dense bf16 peak
     (``moe_jax.hardware.CHIPS``, by device kind), else (CPU) the measured rate of a jitted
     float32 2048x2048 matmul."""
     if override:

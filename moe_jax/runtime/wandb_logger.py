@@ -21,7 +21,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import gin
 import jax
 import numpy as np
 
@@ -31,7 +30,6 @@ from moe_jax.runtime.run_dir import RunDir
 RUN_ID_FILE = "wandb_run_id"
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class WandbSettings:
     """Where a run's metrics go on W&B (gin macros ``WANDB_PROJECT``, ``WANDB_ENTITY``,

@@ -12,6 +12,7 @@ import pytest
 
 from moe_jax import cli
 from moe_jax.data import labels, sources
+from moe_jax.runtime import configured  # noqa: F401  (registers the gin names)
 
 EN = [
     "All human beings are born free",

@@ -162,7 +162,7 @@ def test_cli_writes_a_row_per_token_and_layer(traced):
         assert (layer.experts < 4).all() and (layer.probs > 0).all()
     # decoder layers route the decoder's input: id 0 starts every example
     assert (dec.token_id[dec.position == 0] == 0).all()
-    spm = vocab.get_vocabulary().tokenizer
+    spm = vocab.selected_vocabulary().tokenizer
     pieces = table["piece"].to_pylist()
     ids = table["token_id"].to_pylist()
     assert all(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import gin
 import pytest
 
-# registers the data configurables (``make_source``, ...) that the tests bind with
+# registers the gin names (``make_source``, ...) that the tests bind with
 # ``gin.bind_parameter``, whichever test of a worker runs first
-from moe_jax.data import sources  # noqa: F401
+from moe_jax.runtime import configured  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from moe_jax.data import vocab
 def original_tokens(batch: dict[str, np.ndarray]) -> list[int]:
     """Row 0's original tokens: inputs with each sentinel replaced by the target span that
     follows the same sentinel in ``decoder_target_tokens`` (pad 0 and EOS 1 dropped)."""
-    size = vocab.get_vocabulary().vocab_size
+    size = vocab.selected_vocabulary().vocab_size
     inputs = batch["encoder_input_tokens"][0]
     targets = batch["decoder_target_tokens"][0]
     fills, key = {}, None

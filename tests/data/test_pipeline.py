@@ -17,6 +17,7 @@ import tensorflow_datasets as tfds
 
 from moe_jax import partitioning
 from moe_jax.data import pipeline, sources, vocab
+from moe_jax.runtime import configured
 from tests.data.span_lib import original_tokens
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -125,7 +126,7 @@ def test_gin_files_drive_the_pipeline():
             "MIXTURE_OR_TASK_NAME = 'mc4_el_prefix_lm'",
         ],
     )
-    ds = pipeline.get_dataset(
+    ds = configured.get_dataset(
         split="train", batch_size=2, shuffle=True, seed=0, shuffle_buffer_size=16
     )
     batch = next(ds.as_numpy_iterator())
@@ -144,7 +145,7 @@ def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
     gin.parse_config_files_and_bindings(
         ["gin/data/mc4.gin", "gin/data/vocab_byte.gin"], ["vocab.get_vocabulary.path = None"]
     )
-    source = sources.make_source(None)
+    source = sources.selected_source(None)
     assert isinstance(source, seqio.TfdsDataSource)
     assert source.tfds_dataset.name == "c4/multilingual:3.1.0"
     read = []
@@ -156,7 +157,7 @@ def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
 
     with tfds.testing.mock_data(as_dataset_fn=c4_text):
         batch = next(
-            pipeline.get_dataset(
+            configured.get_dataset(
                 split="train", batch_size=2, shuffle=False, seed=0, pack=False
             ).as_numpy_iterator()
         )
@@ -166,7 +167,7 @@ def test_mc4_gin_file_selects_the_papers_data(monkeypatch):
     assert batch["encoder_input_tokens"].shape == (2, 512)
     assert batch["decoder_target_tokens"].shape == (2, 114)
     # span corruption: targets open with <extra_id_0>
-    sentinel = vocab.get_vocabulary().vocab_size - 1
+    sentinel = vocab.selected_vocabulary().vocab_size - 1
     np.testing.assert_array_equal(batch["decoder_target_tokens"][:, 0], sentinel)
 
 

@@ -37,7 +37,7 @@ def _first_text(task: str) -> str:
             task, LENGTHS, "train", 1, shuffle=False, seed=0, pack=False
         ).as_numpy_iterator()
     )
-    return vocab.get_vocabulary().decode(original_tokens(batch))
+    return vocab.selected_vocabulary().decode(original_tokens(batch))
 
 
 def test_a_py_file_registers_the_task_when_the_dataset_config_is_built(tmp_path):

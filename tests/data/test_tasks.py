@@ -52,7 +52,7 @@ def test_registration_is_idempotent_and_names_follow_mc4_splits():
 @pytest.mark.parametrize("language", ["en", "ru", "hi"])
 def test_span_corruption_task_reconstructs_corpus_text(language):
     task = seqio.get_mixture_or_task(tasks.task_name("span_corruption", language))
-    v = vocab.get_vocabulary()
+    v = vocab.selected_vocabulary()
     corpus = _corpus_text(language)
     examples = list(
         task.get_dataset(LENGTHS, split="train", shuffle=True, seed=0).take(20).as_numpy_iterator()
@@ -68,7 +68,7 @@ def test_span_corruption_task_reconstructs_corpus_text(language):
 
 def test_prefix_lm_task_splits_a_corpus_segment():
     task = seqio.get_mixture_or_task("mc4_ja_prefix_lm")
-    v = vocab.get_vocabulary()
+    v = vocab.selected_vocabulary()
     corpus = _corpus_text("ja")
     for ex in task.get_dataset(LENGTHS, split="validation", shuffle=False).as_numpy_iterator():
         assert 1 <= len(ex["inputs"]) <= 64 and 2 <= len(ex["targets"]) <= 16
@@ -78,7 +78,7 @@ def test_prefix_lm_task_splits_a_corpus_segment():
 
 def test_all_language_task_mixes_scripts():
     task = seqio.get_mixture_or_task("mc4_prefix_lm")
-    v = vocab.get_vocabulary()
+    v = vocab.selected_vocabulary()
     texts = [
         v.decode(ex["targets"].tolist())
         for ex in task.get_dataset(LENGTHS, split="validation", shuffle=True, seed=1)
@@ -114,6 +114,6 @@ def test_packed_batches_have_the_encdec_features(task):
     more = [b["encoder_segment_ids"].max() for b in ds.take(6).as_numpy_iterator()]
     assert max(more) >= 2
     np.testing.assert_array_equal(batch["decoder_loss_weights"], batch["decoder_target_tokens"] > 0)
-    assert batch["encoder_input_tokens"].max() < vocab.get_vocabulary().vocab_size
+    assert batch["encoder_input_tokens"].max() < vocab.selected_vocabulary().vocab_size
     starts = batch["decoder_positions"] == 0
     np.testing.assert_array_equal(batch["decoder_input_tokens"][starts], 0)  # BOS = pad

@@ -54,7 +54,7 @@ def test_held_out_fraction_splits_every_line_into_exactly_one_split(corpus):
     _parse_text_gin([f"TEXT_TRAIN_FILES = '{corpus}/*/*.txt'", "TEXT_VALIDATION_FRACTION = 0.2"])
     assert sources.corpus_groups() == ("text",)
     assert sources.describe_corpus().startswith("the text files train_patterns=")
-    source = sources.make_source(None)
+    source = sources.selected_source(None)
     train, validation = _lines(source, "train"), _lines(source, "validation")
     everything = _file_lines(*corpus.glob("*/*.txt"))
     assert sorted(train + validation) == everything  # nothing lost, nothing in both
@@ -70,10 +70,10 @@ def test_labelled_groups_read_their_own_files_and_validation_patterns(corpus):
         ]
     )
     assert sources.corpus_groups() == ("en", "de")
-    de = sources.make_source("de")
+    de = sources.selected_source("de")
     assert _lines(de, "train") == _file_lines(*(corpus / "de").glob("*.txt"))
     assert _lines(de, "validation") == _file_lines(corpus / "de-validation.txt")
-    assert _lines(sources.make_source(None), "validation") == _file_lines(
+    assert _lines(sources.selected_source(None), "validation") == _file_lines(
         corpus / "en-validation.txt", corpus / "de-validation.txt"
     )
     # The group's task tokenizes only German text: its targets + inputs give back German lines.
@@ -83,7 +83,7 @@ def test_labelled_groups_read_their_own_files_and_validation_patterns(corpus):
         name, LENGTHS, "validation", 1, shuffle=False, seed=0, pack=False, num_epochs=1
     ).as_numpy_iterator()
     german = _normalized((corpus / "de-validation.txt").read_text())
-    texts = [_normalized(vocab.get_vocabulary().decode(original_tokens(b))) for b in batches]
+    texts = [_normalized(vocab.selected_vocabulary().decode(original_tokens(b))) for b in batches]
     assert len(texts) > 3 and all(text in german for text in texts)
 
 

@@ -71,7 +71,7 @@ def test_bad_documents_are_skipped_replaced_or_split():
     gin.bind_parameter("make_source.corpus", "tfds")
     with tfds.testing.mock_data(as_dataset_fn=_feed_bad_docs):
         batches = _examples("mc4_en_span_corruption")
-    v = vocab.get_vocabulary()
+    v = vocab.selected_vocabulary()
     for b in batches:
         assert (b["encoder_input_tokens"] > 0).sum() <= 64
         assert (b["decoder_target_tokens"] > 0).sum() <= 16

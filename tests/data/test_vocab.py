@@ -18,7 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_embedded_vocabulary_has_sentinels_and_covers_every_language():
-    v = vocab.get_vocabulary()
+    v = vocab.selected_vocabulary()
     assert v.vocab_size == 8100 and v.extra_ids == 100
     assert v.decode([v.vocab_size - 1]) == "<extra_id_0>"
     assert v.decode([v.vocab_size - 100]) == "<extra_id_99>"

@@ -10,7 +10,7 @@ import gin
 import jax
 import pytest
 
-import moe_jax.moe  # noqa: F401  (registers MoeConfig with gin)
+import moe_jax.runtime.configured  # noqa: F401  (registers MoeConfig with gin)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}

@@ -12,6 +12,7 @@ import pytest
 from moe_jax import param_paths
 from moe_jax.moe import MoeLayer, freeze
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION
+from moe_jax.runtime import configured
 from tests.moe.moe_testlib import SMALL, init_params, make_inputs
 
 
@@ -57,7 +58,7 @@ def test_router_mode_from_gin_and_bad_mode_named():
     with gin.unlock_config():
         gin.parse_config("router_mode.mode = 'frozen'")
     try:
-        assert freeze.router_mode() == "frozen"
+        assert configured.router_mode() == "frozen"
     finally:
         gin.clear_config()
     with pytest.raises(ValueError, match=r"router_mode.mode"):

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from moe_jax.models.t5 import T5Config
-from moe_jax.moe import MoeConfig, MoeLayer, freeze
+from moe_jax.moe import MoeConfig, MoeLayer
 from moe_jax.moe.collections import (
     AUX_LOSS_COLLECTION,
     BIAS_COLLECTION,
     MOE_METRICS_COLLECTION,
     ROUTING_COLLECTION,
 )
+from moe_jax.runtime import configured
 from tests.moe.moe_testlib import MODEL_FILE_REFERENCES, make_inputs
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin" / "routers"
@@ -37,7 +38,7 @@ def _layer(path: pathlib.Path) -> tuple[MoeLayer, dict[str, str]]:
         # the references the model files bind (T5Config.moe, MoeConfig's parts)
         gin.parse_config([f"{name} = {ref}" for name, ref in MODEL_FILE_REFERENCES.items()])
         gin.parse_config_file(str(path))
-        modes = {"router": freeze.router_mode(), "bias": freeze.bias_mode()}
+        modes = {"router": configured.router_mode(), "bias": configured.bias_mode()}
         for name, value in (
             ("MoeConfig.num_experts", 4),
             ("MoeConfig.d_ff", 16),

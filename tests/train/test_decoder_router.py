@@ -13,6 +13,7 @@ from moe_jax import cli
 from moe_jax.interop import export_format
 from moe_jax.models.t5 import T5Config
 from moe_jax.moe import HashRouterConfig, TopKRouterConfig
+from moe_jax.runtime import configured  # noqa: F401  (registers the gin names)
 
 TRAIN = [
     "--gin_file=runs/smoke_cpu.gin",

@@ -9,7 +9,7 @@ from moe_jax.data import vocab
 
 
 def test_an_input_cut_to_the_task_length_is_said(capsys):
-    vocabulary = vocab.get_vocabulary()
+    vocabulary = vocab.selected_vocabulary()
     long, short = "Everyone has the right to life. " * 300, "hello"
     tokens = infer.encode_inputs([short, long], vocabulary, 32, batch_multiple=4)
     assert tokens.shape == (4, 32)

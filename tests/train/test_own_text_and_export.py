@@ -4,6 +4,7 @@ and import back (identical parameters and eval outputs), and the refusals on the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -143,9 +144,18 @@ def test_export_then_import_gives_identical_parameters_and_eval(text_run, tmp_pa
         config["vocabulary"]["file"] == export_format.VOCAB_FILE
         and "path" not in config["vocabulary"]
     )
+    # the run's spec travels with it, and the import restores it (its vocabulary the copy)
+    assert config["run_spec"] == export_format.RUN_SPEC_FILE
+    assert (out / export_format.RUN_SPEC_FILE).read_text() == (text_run / "run.json").read_text()
     moved = tmp_path / "moved_export"
     out.rename(moved)
     assert cli.main(["import", f"--export={moved}", f"--model_dir={back}"]) == 0
+    spec = RunSpec.from_json((text_run / "run.json").read_text())
+    copy = str(back / export_format.VOCAB_FILE)
+    vocabulary = dataclasses.replace(spec.model.vocabulary, path=copy)
+    assert RunSpec.from_json((back / "run.json").read_text()) == dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, vocabulary=vocabulary)
+    )
     assert (back / export_format.VOCAB_FILE).read_bytes() == (
         moved / export_format.VOCAB_FILE
     ).read_bytes()
@@ -196,6 +206,11 @@ def test_import_into_another_shape_names_the_array_and_both_shapes(text_run, tmp
         err,
     ), err
     assert not (tmp_path / "x").exists()  # refused before anything is written
+    # an export whose run.json is no run's spec: refused naming it, nothing written
+    (out / export_format.RUN_SPEC_FILE).write_text("[1, 2]")
+    assert cli.main(["import", f"--export={out}", f"--model_dir={tmp_path / 'y'}"]) == 1
+    assert f"{out / export_format.RUN_SPEC_FILE} is unreadable" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
 
 
 def test_export_of_an_unreadable_checkpoint_says_so(text_run, tmp_path, capsys):

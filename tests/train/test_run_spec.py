@@ -5,15 +5,20 @@ by field."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
+import pathlib
 
 import gin
 import pytest
 
+from moe_jax.commands import analyze
+from moe_jax.data import sources, vocab
 from moe_jax.runtime import (
     builders,
     configured,
     gin_flags,
+    gin_text,
     gin_utils,
     optimizers,
     run_config,
@@ -184,3 +189,60 @@ def test_commands_read_the_model_from_the_run_spec(tmp_path, capsys):
     assert f"model: the run's {tmp_path / 'run.step-5.json'}" in err
     model, err = _eval_model(capsys, tmp_path, "--gin.DROPOUT_RATE=0.125")
     assert model.module.config.dropout_rate == 0.125 and "model:" not in err
+
+
+def test_commands_read_the_data_from_the_run_spec(tmp_path, capsys):
+    """A run's data (its raw-text source, vocabulary, task, feature lengths and batch size)
+    is its spec's too, whatever its config.gin says; a command-line binding reads the config
+    instead."""
+    spec = spec_of()
+    (tmp_path / "config.gin").write_text(gin_utils.operative_config())
+    (tmp_path / "checkpoints/3").mkdir(parents=True)
+    source = {**spec.data.source, "corpus": "text", "train_patterns": {"en": "/data/en/*.txt"}}
+    train = dataclasses.replace(
+        spec.data.train,
+        mixture_or_task_name="text_en_span_corruption",
+        task_feature_lengths={"inputs": 16, "targets": 4},
+        batch_size=2,
+    )
+    model = dataclasses.replace(spec.model, vocabulary=run_spec.VocabularySpec("byte", None, 7))
+    recorded = dataclasses.replace(
+        spec, model=model, data=dataclasses.replace(spec.data, train=train, source=source)
+    )
+    (tmp_path / "run.json").write_text(recorded.to_json())
+    _eval_model(capsys, tmp_path)
+    dataset = gin.get_bindings("eval_script.evaluate")["dataset_cfg"]
+    assert (dataset.mixture_or_task_name, dataset.batch_size) == ("text_en_span_corruption", 2)
+    assert dict(dataset.task_feature_lengths) == {"inputs": 16, "targets": 4}
+    assert dataset.split == "validation"  # the command's own setting (runs/eval.gin)
+    assert sources.make_source_settings()["train_patterns"] == {"en": "/data/en/*.txt"}
+    assert sources.corpus_groups() == ("en",)
+    assert vocab.selected_vocabulary().vocab_size == 256 + 3 + 7  # bytes, specials, sentinels
+    _eval_model(capsys, tmp_path, "--gin.EVAL_OUTPUT_DIR='/tmp/unused'")
+    dataset = gin.get_bindings("eval_script.evaluate")["dataset_cfg"]
+    assert dataset.mixture_or_task_name == spec.data.train.mixture_or_task_name
+    assert sources.make_source_settings()["corpus"] == spec.data.source["corpus"] == "embedded"
+
+
+GIN_FILES = sorted(
+    str(path.relative_to(gin_text.REPO_GIN_DIR)) for path in gin_text.REPO_GIN_DIR.rglob("*.gin")
+)
+
+
+# What a file needs besides the smoke config: the values it leaves to the user.
+NEEDS = {
+    "data/text.gin": ("--gin.TEXT_TRAIN_FILES='/tmp/unused/*.txt'",),
+    "runs/pretrain.gin": ("--gin.TRAIN_STEPS=10",),
+    "routers/expert_choice.gin": ("--gin.MoeConfig.accept_causal_leak=True",),
+}
+
+
+@pytest.mark.parametrize("gin_file", GIN_FILES)
+def test_every_gin_file_parses_and_builds_a_run_spec(gin_file):
+    """Each of the project's gin files, read after the smoke config, binds only registered
+    names and gives a spec that round-trips through ``run.json`` (the analyses' files once
+    ``moe-jax analyze`` has imported their module)."""
+    if gin_file.startswith("analysis/"):
+        importlib.import_module(analyze.ANALYSES[pathlib.Path(gin_file).stem][0])
+    spec = spec_of(f"--gin_file={gin_file}", *NEEDS.get(gin_file, ()))
+    assert RunSpec.from_json(spec.to_json()) == spec

@@ -16,6 +16,7 @@ from moe_jax.commands import train, upcycle
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.runtime import builders, checkpoints, configured, gin_flags, gin_utils
 from moe_jax.runtime.run_dir import RunDir
+from moe_jax.runtime.run_spec import RunSpec
 
 TINY = [
     "--gin_file=runs/smoke_cpu.gin",
@@ -136,6 +137,9 @@ def test_upcycle_writes_a_config_that_keeps_every_token_unless_told(tmp_path, ca
     model, state, _ = _upcycled(tmp_path, renormalized)
     err = capsys.readouterr().err
     assert "CapacityConfig.dropless = True" in (tmp_path / "moe" / "config.gin").read_text()
+    # its run.json is the run the config describes, which its first train compares with
+    spec = RunSpec.from_json((tmp_path / "moe" / "run.json").read_text())
+    assert spec.model.network.moe.capacity.dropless and spec.model.network.moe.num_experts == 4
     assert "binds CapacityConfig.dropless = True" in err and "warning" not in err, err
     np.testing.assert_allclose(
         _logits(model, state.params, batch), dense_logits, rtol=1e-5, atol=1e-5
