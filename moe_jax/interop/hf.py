@@ -578,7 +578,7 @@ def gin_config(cfg: T5Config, source: str) -> str:
     lines = [
         f"# The network of the Hugging Face model {source} (moe-jax import --hf).",
         "include 'gin/models/t5_dense.gin'",
-        "import moe_jax.moe",
+        "import moe_jax.runtime.configured",
     ]
     fields = cfg.to_dict()
     moe = fields.pop("moe")
