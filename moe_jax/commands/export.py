@@ -185,24 +185,24 @@ def _write_export(
 
 
 def _export(args) -> dict[str, Any]:
+    distributed.initialize(args)  # before the lock: process 0 decides it for all processes
     with output_lock.writing(args.out):  # no other export checks or writes it meanwhile
         check_target(args.out, "--out", args.overwrite)  # never into a run directory
         return _export_checked(args)
 
 
 def _export_checked(args) -> dict[str, Any]:
-    distributed.initialize(args)
     run_files = run_config.run_gin_files(
         args, args.checkpoint, ["runs/export.gin"], command="moe-jax export"
     )
     config = run_config.checkpoint_config(args.checkpoint, args)
     config = config if config in run_files else None  # copied into the export as it is
+    spec = run_config.run_spec_file(args.checkpoint) if config else None  # and its spec
     args.gin_file = run_files
     gin_utils.parse_gin(args)
     if args.format == "hf":
         return export_hf(args.checkpoint, args.out)
-    # the run's spec travels with its config when the model is the spec's (args.recorded_spec)
-    return export_checkpoint(args.checkpoint, args.out, config, args.recorded_spec)
+    return export_checkpoint(args.checkpoint, args.out, config, spec)
 
 
 @gin.configurable(module="export_script", denylist=["checkpoint_path", "out_dir"])

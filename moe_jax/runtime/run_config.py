@@ -226,6 +226,13 @@ def recorded_spec_file(args: argparse.Namespace, checkpoint: str) -> str | None:
     builds the model from the run's config and the command line)."""
     if args.command_line_bindings or args.command_line_gin_files:
         return None
+    return run_spec_file(checkpoint)
+
+
+def run_spec_file(checkpoint: str) -> str | None:
+    """The spec of the run ``checkpoint`` (``MODEL_DIR[/STEP]``) belongs to as of its step,
+    whatever the command line binds (an export carries it beside the run's config.gin);
+    None when the run has none."""
     run_dir, step = _run_and_step(checkpoint)
     return run_dir.recorded_spec(step)
 
