@@ -3,8 +3,9 @@
     python benchmarks/step_traffic.py                        # base_dense and fig5_dense
     python benchmarks/step_traffic.py --runs base_dense --hlo_dir DIR   # keep / reuse the HLO
 
-Each run (``gin/experiments/<run>.gin``, layers unrolled, no remat, the default XLA
-attention) is compiled by `moe-jax compile --no_eval` for one H100 at the batch
+Each run (``gin/experiments/<run>.gin``, layers unrolled, no remat), with the default XLA
+attention and with the project's Pallas flash kernel (``--attention``), is compiled by
+`moe-jax compile --no_eval` for one H100 at the batch
 ``benchmarks/accelerator_step.py`` measures (a fresh process each; the compile and its HLO
 are ``layer_forms.compile_form``'s), and its optimised HLO read by ``moe_jax.compile.hlo_costs``:
 the bytes of device memory read and written per step, split by the part of the model that
@@ -33,12 +34,17 @@ RUNS: dict[str, tuple[str, ...]] = {
     "fig5_dense": ("--gin.BATCH_SIZE=256",),
 }
 TARGET = "1xH100"
+# attention kernels compiled per run: the default, and the fused Pallas kernel (cuDNN's
+# cannot be compiled without a GPU: jax asks the device for its cuDNN version)
+KERNELS = ("xla", "pallas")
 PARTS = 6  # the largest parts listed per run
 
 
-def traffic(run: str, keep: pathlib.Path) -> list[str]:
-    """One row: the run's memory, bytes per step, its largest parts and the estimate."""
-    step = layer_forms.compile_form(run, TARGET, "unrolled", "none", keep, RUNS[run])
+def traffic(run: str, kernel: str, keep: pathlib.Path) -> list[str]:
+    """One row: the run's memory with attention by ``kernel`` (``T5Config.attention_kernel``),
+    bytes per step, its largest parts and the estimate."""
+    bindings = (*RUNS[run], f"--gin.T5Config.attention_kernel='{kernel}'")
+    step = layer_forms.compile_form(run, TARGET, "unrolled", "none", keep, bindings)
     ops = hlo_costs.parse(pathlib.Path(step["hlo"]).read_text())
     total = hlo_costs.summary(ops)["bytes"]
     parts = sorted(hlo_costs.bytes_by_part(ops).items(), key=lambda kv: -kv[1])[:PARTS]
@@ -46,6 +52,7 @@ def traffic(run: str, keep: pathlib.Path) -> list[str]:
         batch = json.load(f)["batch_size"]
     return [
         run,
+        kernel,
         str(batch),
         f"{step['bytes']['total'] / 2**30:.2f}",
         f"{total / 1e9:.1f}",
@@ -56,6 +63,7 @@ def traffic(run: str, keep: pathlib.Path) -> list[str]:
 
 COLUMNS = [
     "run",
+    "attention",
     "batch",
     "GiB/device",
     "HBM GB per step",
@@ -67,11 +75,19 @@ COLUMNS = [
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument(
+        "--attention", nargs="+", default=list(KERNELS), choices=list(KERNELS),
+        help="T5Config.attention_kernel of each row (the project's Pallas kernel beside XLA's)",
+    )  # fmt: skip
     parser.add_argument("--hlo_dir", help="keep each run's report and HLO here (and reuse)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(args.hlo_dir or tmp)
-        table = [traffic(run, root / f"{run}__{TARGET}") for run in args.runs]
+        table = [
+            traffic(run, kernel, root / f"{run}__{kernel}__{TARGET}")
+            for run in args.runs
+            for kernel in args.attention
+        ]
     print(report.markdown_table(COLUMNS, table))
     return 0
 

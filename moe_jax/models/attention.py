@@ -59,12 +59,20 @@ class AttentionMask:
         (segments), which only ``dense`` describes.
       key_lengths: int32 ``[batch]``, the same for keys; None with ``query_lengths``.
       causal: query ``i`` sees keys ``<= i`` only (static; already in ``dense``).
+      query_segments: int32 ``[batch, q_len]``, ``0`` on padding queries, a row's segment
+        id (1 when unpacked) on the others; None when only ``dense`` is known.
+      key_segments: int32 ``[batch, k_len]``, the same for keys: query ``i`` sees key ``j``
+        when ``query_segments[i] == key_segments[j] != 0`` (and ``j <= i`` when
+        ``causal``), exactly ``dense`` (the form :mod:`moe_jax.models.flash_attention`
+        takes, packed rows included).
     """
 
     dense: jax.Array
     query_lengths: jax.Array | None = None
     key_lengths: jax.Array | None = None
     causal: bool = flax.struct.field(pytree_node=False, default=False)
+    query_segments: jax.Array | None = None
+    key_segments: jax.Array | None = None
 
     @classmethod
     def from_padding(
@@ -84,13 +92,22 @@ class AttentionMask:
             None if segments is None else make_attention_mask(*segments, jnp.equal),
         )
         assert dense is not None  # the padding mask is always there
+        q_ids, k_ids = (jnp.ones_like(query_valid), jnp.ones_like(key_valid))
+        if segments is not None:  # seqio's ids: 1, 2, ... on real tokens
+            q_ids, k_ids = segments
+        query_segments = jnp.where(query_valid, q_ids, 0).astype(jnp.int32)
+        key_segments = jnp.where(key_valid, k_ids, 0).astype(jnp.int32)
         if segments is not None:
-            return cls(dense, causal=causal)
+            return cls(
+                dense, causal=causal, query_segments=query_segments, key_segments=key_segments
+            )
         return cls(
             dense,
             query_lengths=jnp.sum(query_valid, axis=-1, dtype=jnp.int32),
             key_lengths=jnp.sum(key_valid, axis=-1, dtype=jnp.int32),
             causal=causal,
+            query_segments=query_segments,
+            key_segments=key_segments,
         )
 
 
@@ -261,8 +278,11 @@ def dot_product_attention(
 # use ``dot_product_attention``): ``xla`` is ``dot_product_attention`` (every platform);
 # ``cudnn`` is cuDNN's fused (flash) attention through ``jax.nn.dot_product_attention``
 # (NVIDIA GPUs, bfloat16/float16 activations, no attention dropout), which never writes
-# the ``[batch, heads, q_len, k_len]`` logits to memory.
-AttentionKernel = Literal["xla", "cudnn"]
+# the ``[batch, heads, q_len, k_len]`` logits to memory; ``pallas`` is the project's own
+# flash kernel (:mod:`moe_jax.models.flash_attention`: Triton on NVIDIA GPUs, Pallas's
+# interpreter elsewhere; no attention dropout), which takes padding and packed segments as
+# ids and reduces the shared bias's gradient over the batch in a kernel.
+AttentionKernel = Literal["xla", "cudnn", "pallas"]
 ATTENTION_KERNELS: tuple[AttentionKernel, ...] = get_args(AttentionKernel)
 
 
@@ -273,7 +293,7 @@ def fused_attention(
     bias: jnp.ndarray | None,
     mask: AttentionMask | None,
     dtype: DType,
-    implementation: AttentionKernel = "cudnn",
+    implementation: Literal["xla", "cudnn"] = "cudnn",
 ) -> jnp.ndarray:
     """``dot_product_attention`` (unscaled, softmax in float32) as cuDNN's fused kernel
     (``implementation="xla"``: the same call through jax's reference, for checks on CPU).
@@ -315,6 +335,43 @@ def fused_attention(
     )
 
 
+def _pallas_attention(
+    query: jnp.ndarray,
+    key: jnp.ndarray,
+    value: jnp.ndarray,
+    bias: jnp.ndarray | None,
+    mask: AttentionMask | None,
+    dtype: DType,
+) -> jnp.ndarray:
+    """``[batch, q_len, heads, head_dim]`` attention through
+    :func:`moe_jax.models.flash_attention.flash_attention`, ``mask`` as its segment ids
+    (None: every key of every row); a per-example bias is broadcast-free only when shared
+    over the batch (``[1, heads, q_len, k_len]``), as T5's relative-position bias is."""
+    from moe_jax.models.flash_attention import flash_attention
+
+    batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+    if mask is None:
+        q_segments = jnp.ones((batch, q_len), jnp.int32)
+        k_segments = jnp.ones((batch, k_len), jnp.int32)
+        causal = False
+    elif mask.query_segments is None or mask.key_segments is None:
+        raise ValueError(
+            "T5Config.attention_kernel='pallas' needs the mask's segment ids "
+            "(AttentionMask.from_padding); this mask has only its dense form"
+        )
+    else:
+        q_segments, k_segments, causal = mask.query_segments, mask.key_segments, mask.causal
+    return flash_attention(
+        jnp.asarray(query, dtype),
+        jnp.asarray(key, dtype),
+        jnp.asarray(value, dtype),
+        bias,
+        q_segments,
+        k_segments,
+        causal=causal,
+    )
+
+
 class MultiHeadDotProductAttention(nn.Module):
     """Multi-head attention with ``num_heads x head_dim`` independent of d_model.
 
@@ -336,7 +393,8 @@ class MultiHeadDotProductAttention(nn.Module):
       float32_logits: the logits and their softmax in float32, q.k accumulated in float32
         from q and k in ``dtype`` (:func:`logits_in_float32`; recommended with bf16).
       kernel: one of :data:`ATTENTION_KERNELS` (``cudnn`` needs a bfloat16/float16
-        ``dtype`` and no attention dropout; decoding steps always use ``xla``).
+        ``dtype``; ``cudnn`` and ``pallas`` no attention dropout; decoding steps always
+        use ``xla``).
     """
 
     num_heads: int
@@ -431,13 +489,15 @@ class MultiHeadDotProductAttention(nn.Module):
                 f"T5Config.attention_kernel={self.kernel!r} is unknown; "
                 f"choose one of {ATTENTION_KERNELS}"
             )
+        if self.kernel != "xla" and not decode and dropout_rng is not None:
+            raise ValueError(
+                f"T5Config.attention_kernel={self.kernel!r} has no attention dropout: "
+                "set T5Config.dropout_rate = 0.0 or attention_kernel = 'xla'"
+            )
         if self.kernel == "cudnn" and not decode:
-            if dropout_rng is not None:
-                raise ValueError(
-                    "T5Config.attention_kernel='cudnn' has no attention dropout: "
-                    "set T5Config.dropout_rate = 0.0 or attention_kernel = 'xla'"
-                )
             heads_out = fused_attention(query, key, value, bias, mask, self.dtype)
+        elif self.kernel == "pallas" and not decode:
+            heads_out = _pallas_attention(query, key, value, bias, mask, self.dtype)
         else:
             heads_out = dot_product_attention(
                 query,

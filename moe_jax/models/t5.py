@@ -156,8 +156,10 @@ class T5Config:
         accumulated in float32 from bfloat16 q and k: ``attention.logits_in_float32``);
         False: in the activations' dtype.
       attention_kernel: who computes attention (``attention.ATTENTION_KERNELS``):
-        ``'xla'`` (every platform) or ``'cudnn'`` (cuDNN's fused attention on NVIDIA GPUs,
-        bfloat16 activations, no attention dropout; its softmax is always float32).
+        ``'xla'`` (every platform), ``'cudnn'`` (cuDNN's fused attention on NVIDIA GPUs,
+        bfloat16 activations, no attention dropout; its softmax is always float32) or
+        ``'pallas'`` (the project's flash kernel, ``models/flash_attention.py``: Triton on
+        NVIDIA GPUs, Pallas's interpreter elsewhere; no attention dropout; float32 softmax).
       relpos_num_buckets, relpos_max_distance: T5 relative position buckets.
       num_sparse_encoder_layers, num_sparse_decoder_layers: sparse layers per stack.
       sparse_layout: ``bottom``, ``middle``, ``top``, ``mixed`` or ``switch`` (see
