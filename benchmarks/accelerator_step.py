@@ -31,9 +31,9 @@ FFN of the same useful FLOPs (``moe_layer.device_table``; :func:`layer_rows`). `
 shrinks every model (``models/size_tiny.gin``, short sequences, batch 4) so that the whole
 benchmark runs on a CPU in seconds: the structure is checked by the tests, the numbers mean
 nothing (on a CPU it also compiles with XLA's cheapest code generation). The ``*_cudnn``
-runs are skipped where an earlier run found no GPU (the report's ``skipped``). Each run's JSON
-lists which of the packages a bare accelerator machine lacks (TensorFlow, seqio, TFDS, clu,
-google-crc32c) it imported: none.
+and ``*_pallas`` runs are skipped where an earlier run found no GPU (the report's
+``skipped``). Each run's JSON lists which of the packages a bare accelerator machine
+lacks (TensorFlow, seqio, TFDS, clu, google-crc32c) it imported: none.
 """
 
 from __future__ import annotations
@@ -82,16 +82,21 @@ RUNS: dict[str, Run] = {
     "fig5_frozen": Run(("experiments/fig5_frozen.gin",)),
     "fig5_dense": Run(("experiments/fig5_dense.gin",)),
 }
-# Each run again with cuDNN's fused attention (``T5Config.attention_kernel``; NVIDIA GPUs).
-CUDNN = "T5Config.attention_kernel = 'cudnn'"
+# Each run again with a fused attention kernel (``T5Config.attention_kernel``; NVIDIA GPUs):
+# cuDNN's, and the project's Pallas (Triton) flash kernel.
+FUSED_ATTENTION = {
+    "cudnn": "cuDNN fused attention",
+    "pallas": "the Pallas flash-attention kernel",
+}
 RUNS.update(
     {
-        f"{name}_cudnn": dataclasses.replace(
+        f"{name}_{kernel}": dataclasses.replace(
             run,
-            bindings=(*run.bindings, CUDNN),
-            note="; ".join(filter(None, (run.note, "cuDNN fused attention"))),
+            bindings=(*run.bindings, f"T5Config.attention_kernel = '{kernel}'"),
+            note="; ".join(filter(None, (run.note, what))),
         )
         for name, run in list(RUNS.items())
+        for kernel, what in FUSED_ATTENTION.items()
     }
 )
 # The Base pair again with scanned layers (``T5Config.scan_layers``), without and with
@@ -436,11 +441,13 @@ def run_child(name: str, argv: Sequence[str], timeout: float, quick: bool) -> di
 
 
 def not_for_this_platform(name: str, results: Sequence[dict[str, Any]]) -> str | None:
-    """Why run ``name`` cannot run where the earlier ``results`` ran, or None: cuDNN's
-    fused attention (the ``*_cudnn`` runs) exists only on NVIDIA GPUs."""
+    """Why run ``name`` cannot run where the earlier ``results`` ran, or None: the fused
+    attention kernels (the ``*_cudnn`` and ``*_pallas`` runs) are NVIDIA GPU kernels
+    (elsewhere the Pallas one runs in Pallas's interpreter: no step time to measure)."""
     platform = next((r["platform"] for r in results if "platform" in r), None)
-    if name.endswith("_cudnn") and platform not in (None, "gpu"):
-        return f"cuDNN fused attention needs an NVIDIA GPU (this platform: {platform})"
+    kernel = name.rsplit("_", 1)[-1]
+    if kernel in FUSED_ATTENTION and platform not in (None, "gpu"):
+        return f"{FUSED_ATTENTION[kernel]} needs an NVIDIA GPU (this platform: {platform})"
     return None
 
 

@@ -64,10 +64,10 @@ fi
 
 left=$((budget - ($(date +%s) - start)))
 # Most informative first: the Base pair as it runs by default (unrolled), the dense step's
-# attention traffic cut two ways (cuDNN's fused attention; bfloat16 logits), the MoE
-# layer, Figure 5's trio (cuDNN attention: XLA's does not fit 80 GB), then the Base pair
-# scanned with 'minimal' remat.
-runs="${RUNS:-base_dense,base_learned,base_dense_cudnn,base_dense_bf16_logits,moe_layer,fig5_dense_cudnn,fig5_learned_cudnn,fig5_frozen_cudnn,base_dense_scanned_minimal,base_learned_scanned_minimal}"
+# attention traffic cut by a fused kernel (the project's Pallas flash kernel; cuDNN's), the
+# MoE layer, Figure 5's trio with the Pallas kernel, then with cuDNN's, the MoE step with the
+# Pallas kernel, bfloat16 logits, then the Base pair scanned with 'minimal' remat.
+runs="${RUNS:-base_dense,base_learned,base_dense_pallas,base_dense_cudnn,moe_layer,fig5_dense_pallas,fig5_learned_pallas,fig5_frozen_pallas,fig5_dense_cudnn,base_learned_pallas,base_dense_bf16_logits,base_dense_scanned_minimal,base_learned_scanned_minimal}"
 "$python" benchmarks/accelerator_step.py \
   --runs "$runs" \
   --steps 10 --budget "$left" --profile "$out/trace" --out "$out/accelerator.json" \

@@ -28,7 +28,7 @@ def quick(tmp_path_factory) -> dict:
         sys.executable,
         str(BENCHMARKS / "accelerator_step.py"),
         "--quick",
-        "--runs=fig5_learned,fig5_learned_cudnn,moe_layer",
+        "--runs=fig5_learned,fig5_learned_cudnn,fig5_learned_pallas,moe_layer",
         "--steps=2",
         "--layer_reps=1",
         f"--out={out}",
@@ -67,11 +67,14 @@ def test_quick_run_reports_phases_rates_memory_and_the_estimate(quick):
     assert run["final_loss"] == pytest.approx(run["final_loss"])  # finite, not NaN
 
 
-def test_cudnn_runs_are_skipped_where_there_is_no_gpu(quick):
-    """On this CPU the cuDNN variant is skipped with its reason, not a failed run."""
+def test_fused_attention_runs_are_skipped_where_there_is_no_gpu(quick):
+    """On this CPU the cuDNN and Pallas variants are skipped with their reason, not failed."""
     assert [r["run"] for r in quick["runs"]] == ["fig5_learned"]
     assert quick["skipped"] == {
-        "fig5_learned_cudnn": "cuDNN fused attention needs an NVIDIA GPU (this platform: cpu)"
+        "fig5_learned_cudnn": "cuDNN fused attention needs an NVIDIA GPU (this platform: cpu)",
+        "fig5_learned_pallas": (
+            "the Pallas flash-attention kernel needs an NVIDIA GPU (this platform: cpu)"
+        ),
     }
 
 
