@@ -50,6 +50,7 @@ from moe_jax.compile.hlo_text import (
     run_counts,
     shape_bytes,
 )
+from moe_jax.models.flash_attention import KERNEL_MATMULS
 
 # Instructions whose called computations are scheduled themselves (their instructions are
 # ops of their own), rather than fused into the caller.
@@ -195,13 +196,26 @@ def _collective(line: Line, computation: str, module: Module) -> tuple[str, floa
 
 
 def _is_matmul(line: Line) -> bool:
-    """A ``dot``, a ``convolution`` or a GEMM library call (cuBLAS, cuDNN, Triton)."""
+    """A ``dot``, a ``convolution``, a GEMM library call (cuBLAS, cuDNN, Triton) or one of
+    the flash-attention kernels (:func:`_flash_kernel`)."""
     if line.opcode in ("dot", "convolution"):
         return True
     if line.opcode != "custom-call":
         return False
     target = re.search(r'custom_call_target="([^"]*)"', line.attributes)
-    return target is not None and target.group(1).startswith(_GEMM_TARGETS)
+    if target is not None and target.group(1).startswith(_GEMM_TARGETS):
+        return True
+    return bool(_flash_kernel(line))
+
+
+def _flash_kernel(line: Line) -> str:
+    """The name of the :mod:`moe_jax.models.flash_attention` kernel a Pallas call runs (its
+    op name: ``.../jvp(<kernel>)/pallas_call``, ``.../transpose(jvp(<kernel>))/pallas_call``),
+    or ``""``."""
+    op_name = re.search(r'op_name="([^"]*/pallas_call)"', line.attributes)
+    if op_name is None:
+        return ""
+    return next((k for k in KERNEL_MATMULS if f"({k})" in op_name.group(1)), "")
 
 
 def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:
@@ -249,9 +263,17 @@ def _tap_fraction(line: Line, lhs: list[int]) -> float:
 
 def _matmul_flops(line: Line, types: dict[str, str]) -> float:
     """Dense FLOPs of a ``dot`` (2 x result elements x contracted size), a ``convolution``
-    (2 x result elements x kernel elements per output feature) or a GEMM custom call."""
+    (2 x result elements x kernel elements per output feature), a GEMM custom call, or a
+    flash-attention kernel (its matmuls over q ``[batch, q_len, heads, head_dim]`` and k
+    ``[batch, k_len, heads, head_dim]``, its first two operands; causal ones counted whole)."""
     out = math.prod(dims(line.result_type))
     lhs = dims(types.get(line.operands[0], "")) if line.operands else []
+    kernel = _flash_kernel(line)
+    if kernel:
+        keys = dims(types.get(line.operands[1], "")) if len(line.operands) > 1 else []
+        if len(lhs) != 4 or len(keys) != 4:
+            return 0.0
+        return 2.0 * KERNEL_MATMULS[kernel] * math.prod(lhs) * keys[1]
     if line.opcode == "convolution":
         rhs = dims(types.get(line.operands[1], "")) if len(line.operands) > 1 else []
         labels = re.search(r"dim_labels=\w*_(\w+)->", line.attributes)

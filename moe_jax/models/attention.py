@@ -345,8 +345,13 @@ def _pallas_attention(
 ) -> jnp.ndarray:
     """``[batch, q_len, heads, head_dim]`` attention through
     :func:`moe_jax.models.flash_attention.flash_attention`, ``mask`` as its segment ids
-    (None: every key of every row); a per-example bias is broadcast-free only when shared
-    over the batch (``[1, heads, q_len, k_len]``), as T5's relative-position bias is."""
+    (None: every key of every row), the bias shared over the batch
+    (``[1, heads, q_len, k_len]``), as T5's relative-position bias is.
+
+    Under a mesh (``jax.set_mesh``) the kernel runs on each device's share, in
+    ``shard_map``: the batch split as the logical axis rules split ``batch`` and the heads
+    as they split ``heads`` (the lengths and head_dim whole: a compiler cannot partition a
+    custom kernel itself); the bias gradient is summed over the batch's devices."""
     from moe_jax.models.flash_attention import flash_attention
 
     batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
@@ -361,15 +366,27 @@ def _pallas_attention(
         )
     else:
         q_segments, k_segments, causal = mask.query_segments, mask.key_segments, mask.causal
-    return flash_attention(
-        jnp.asarray(query, dtype),
-        jnp.asarray(key, dtype),
-        jnp.asarray(value, dtype),
-        bias,
-        q_segments,
-        k_segments,
-        causal=causal,
-    )
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: Any, qs: jax.Array, ks: jax.Array):
+        return flash_attention(q, k, v, b, qs, ks, causal=causal)
+
+    query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
+    args = (query, key, value, bias, q_segments, k_segments)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return attend(*args)
+    # no rules in force: every device computes the whole (replicated) attention
+    spec = nn.logical_to_mesh_axes(("batch", "heads")) or (None, None)
+    batch_axes, head_axes = spec[0], spec[1]
+    rows = jax.P(batch_axes, None, head_axes, None)
+    ids = jax.P(batch_axes, None)
+    return jax.shard_map(
+        attend,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, None if bias is None else jax.P(None, head_axes), ids, ids),
+        out_specs=rows,
+        check_vma=False,
+    )(*args)
 
 
 class MultiHeadDotProductAttention(nn.Module):

@@ -41,6 +41,19 @@ Array = jax.Array
 # Masked scores: finite, so a fully masked row gives exp(0) * 0 rather than NaN.
 _MASKED = -1e30
 
+# The kernels by name (``pallas_call(name=...)``, seen in the compiled program's op names)
+# -> the ``[q_len, k_len] x head_dim`` matmuls each runs per (batch, head): the forward
+# ``q k^T`` and ``P v``; dK/dV recompute ``S`` and ``dP`` and form dV and dK; dQ recomputes
+# both and forms dQ; the bias gradient recomputes both. ``moe_jax.compile.hlo_costs``
+# counts their FLOPs from this (a compiled Triton call carries none); a causal kernel skips
+# the tiles above the diagonal, about half of these.
+KERNEL_MATMULS = {
+    "t5_flash_attention_forward": 2,
+    "t5_flash_attention_dkv": 4,
+    "t5_flash_attention_dq": 3,
+    "t5_flash_attention_dbias": 2,
+}
+
 
 def _segments_mask(
     q_seg: Array, k_seg: Array, q_start: Array, k_start: Array, causal: bool

@@ -2,11 +2,13 @@
 the XLA path computes: outputs and the gradients of q, k, v and the batch-shared bias,
 through Pallas's interpreter on CPU, for padding, causal, cross and packed masks and
 lengths that are not a multiple of the tile; the T5 model gives the same loss and
-gradients with either kernel; compiled for an H100 its attention is Triton kernels and no
-``[batch, heads, q_len, k_len]`` array is left in the program."""
+gradients with either kernel; compiled for an H100 its attention is Triton kernels, no
+``[batch, heads, q_len, k_len]`` array is left in the program, and the compiled program's
+reader counts the kernels' FLOPs."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -14,9 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax import partitioning
 from moe_jax.compile import targets
-from moe_jax.models.attention import AttentionMask, dot_product_attention
-from moe_jax.models.flash_attention import flash_attention
+from moe_jax.models.attention import (
+    AttentionMask,
+    MultiHeadDotProductAttention,
+    dot_product_attention,
+)
+from moe_jax.models.flash_attention import KERNEL_MATMULS, flash_attention
 from moe_jax.models.t5 import EncoderDecoder
 
 from .conftest import random_batch, tiny_config
@@ -143,12 +150,42 @@ def test_the_model_computes_the_same_loss_and_gradients_with_either_kernel(packe
         )
 
 
+def test_under_a_mesh_each_device_attends_its_share_and_the_bias_gradient_is_summed():
+    """On a (data 4, expert 1, model 2) mesh of CPU devices with the standard rules, the
+    kernel runs in ``shard_map`` (batch over data, heads over model): the attention
+    module's output and the gradients of its weights and of the shared bias equal the XLA
+    path's, unsharded."""
+    devices = np.array(jax.devices()[:8]).reshape(4, 1, 2)
+    mesh = jax.sharding.Mesh(devices, partitioning.MESH_AXES)
+    x = jax.random.normal(jax.random.key(5), (4, 12, 32))
+    bias = jax.random.normal(jax.random.key(6), (1, 4, 12, 12))
+    valid = jnp.arange(12)[None] < jnp.array([[12], [7], [9], [3]])
+    mask = AttentionMask.from_padding(valid, valid, causal=True)
+    weights = jnp.asarray(valid, jnp.float32)[:, :, None]
+
+    def loss(kernel, params, bias):
+        layer = MultiHeadDotProductAttention(num_heads=4, head_dim=8, kernel=kernel)
+        out = layer.apply({"params": params}, x, x, mask, bias, deterministic=True)
+        return jnp.sum(jnp.sin(out) * weights)
+
+    layer = MultiHeadDotProductAttention(num_heads=4, head_dim=8)
+    params = layer.init(jax.random.key(7), x, x, mask, bias, deterministic=True)["params"]
+    want = jax.value_and_grad(functools.partial(loss, "xla"), argnums=(0, 1))(params, bias)
+    with partitioning.activate(mesh, partitioning.standard_logical_axis_rules()):
+        step = jax.jit(jax.value_and_grad(functools.partial(loss, "pallas"), argnums=(0, 1)))
+        assert "sdy.manual_computation" in step.lower(params, bias).as_text()  # shard_map
+        got = step(params, bias)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
+
+
 H100_CHILD = """
 import json, re
 from moe_jax.compile import targets
 devices = targets.target_devices(targets.parse_target("gpu:h100:1"))
 import jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
+from moe_jax.compile import hlo_costs
 from moe_jax.models.t5 import EncoderDecoder, T5Config
 s = SingleDeviceSharding(devices[0])
 shapes = dict(encoder_input_tokens=(8, 128), decoder_input_tokens=(8, 64),
@@ -174,6 +211,9 @@ for kernel in ("xla", "pallas"):
     found[kernel] = {
         "triton_calls": text.count('custom_call_target="__gpu$xla.gpu.triton"'),
         "score_arrays": sum(text.count(s) for s in scores),
+        "kernel_flops": sum(
+            op.flops for op in hlo_costs.parse(text) if "t5_flash_attention" in op.source
+        ),
     }
 print(json.dumps(found))
 """
@@ -199,3 +239,11 @@ def test_compiled_for_an_h100_attention_is_triton_kernels_without_score_arrays(t
     assert found["xla"]["triton_calls"] == 0 and found["xla"]["score_arrays"] > 0
     assert found["pallas"]["score_arrays"] == 0
     assert found["pallas"]["triton_calls"] == 4 * 4 + 3 * 2
+    # the roofline's FLOPs of the kernels: their matmuls per (batch, head), 2 * 8 * 4 * 16
+    # per [q, k] element (batch 8, 4 heads of 16), the cross attention without dbias
+    per_pair = 2 * 8 * 4 * 16 * sum(KERNEL_MATMULS.values())
+    cross = (
+        2 * 8 * 4 * 16 * (sum(KERNEL_MATMULS.values()) - KERNEL_MATMULS["t5_flash_attention_dbias"])
+    )
+    want = 2 * (per_pair * 128 * 128 + per_pair * 64 * 64 + cross * 64 * 128)
+    assert found["pallas"]["kernel_flops"] == want and found["xla"]["kernel_flops"] == 0
