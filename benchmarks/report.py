@@ -488,9 +488,10 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "step_traffic",
         "Train step compiled for one H100: device-memory traffic by part",
-        "The default train step (layers unrolled, no remat, XLA attention, bfloat16 "
-        "activations, Adam) of T5-Base dense at batch 32 x 512/114 and of Figure 5's dense "
-        "d32 model at batch 256, compiled for one H100 and read from its optimised HLO: "
+        "The default train step (layers unrolled, no remat, bfloat16 activations, Adam) of "
+        "T5-Base dense at batch 32 x 512/114 and of Figure 5's dense d32 model at batch 256, "
+        "with XLA's attention (the default) and with the project's Pallas flash-attention "
+        "kernel, compiled for one H100 and read from its optimised HLO: "
         "bytes of device memory read and written per step (each operand read once, each "
         "result written once, slices and gathers as taken), split by the part of the model "
         "that moves them, beside the memory per device and the roofline estimate. Estimates "
