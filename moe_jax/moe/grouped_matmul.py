@@ -10,9 +10,10 @@ Its three products run through one kernel, each with its own dimension numbers o
 
 Kernels (``ExecutionConfig.grouped_matmul``, settled by ``execution.resolve_plan``): ``xla``
 is ``jax.lax.ragged_dot_general`` (every platform; XLA:TPU lowers it to a Mosaic grouped
-matmul, XLA:GPU of jaxlib 0.10.2 to one dense matmul per expert over all rows). ``pallas`` is the project's own Pallas kernel
-(:mod:`moe_jax.moe.grouped_matmul_pallas`): Triton on NVIDIA GPUs, Pallas's interpreter on
-CPU (slow; for tests). The others are tokamax's Pallas kernels
+matmul, XLA:GPU of jaxlib 0.10.2 to one dense matmul per expert over all rows).
+``pallas`` is the project's own Pallas kernel (:mod:`moe_jax.moe.grouped_matmul_pallas`):
+Triton on NVIDIA GPUs, Pallas's interpreter on CPU (slow; for tests); ``auto`` never picks
+it (not yet measured on a GPU). The others are tokamax's Pallas kernels
 (``tokamax.ragged_dot_general``): ``triton`` and ``mosaic_gpu`` (NVIDIA GPUs),
 ``mosaic_tpu``. tokamax (and through it Triton / Mosaic) is imported only when a kernel is
 asked for, so a CPU run never pays for it.
@@ -21,8 +22,8 @@ A kernel is tied to the jax it was written against: :data:`TOKAMAX_PINS` lists t
 versions each tokamax kernel is known to trace and run with, and ``grouped_matmul='auto'``
 picks one only there (:func:`kernel_unsupported`). A kernel that raises while tracing one
 of the three products (tokamax checks the process's device: "Not supported on cpu";
-``pallas`` has no TPU lowering; a Pallas API that moved) leaves that product to ``xla`` and logs one warning per kernel and
-process naming the kernel, the product and the error.
+``pallas`` has no TPU lowering; a Pallas API that moved) leaves that product to ``xla`` and
+logs one warning per kernel and process naming the kernel, the product and the error.
 """
 
 from __future__ import annotations
