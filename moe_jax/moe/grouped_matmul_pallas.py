@@ -26,7 +26,8 @@ shrink to the next power of two of a smaller dimension (at least 16, Triton's sm
 dot). bf16 inputs are multiplied with float32 accumulation; the result is cast to the
 requested dtype. The kernels use only ``pl.pallas_call``, ``pl.BlockSpec``,
 ``pl.program_id``, ``pl.ds``, ref indexing, ``jax.lax`` loops and ``jax.lax.dot_general``:
-no Triton-specific primitive. ``interpret=True`` runs them in Pallas's interpreter (CPU).
+no Triton-specific primitive, nothing jax 0.10.2 deprecates (``pl.dot``) or has moved
+(``pl.load`` / ``pl.store``); only the backend's ``CompilerParams``. ``interpret=True`` runs them in Pallas's interpreter (CPU).
 """
 
 from __future__ import annotations
