@@ -27,7 +27,8 @@ dot). bf16 inputs are multiplied with float32 accumulation; the result is cast t
 requested dtype. The kernels use only ``pl.pallas_call``, ``pl.BlockSpec``,
 ``pl.program_id``, ``pl.ds``, ref indexing, ``jax.lax`` loops and ``jax.lax.dot_general``:
 no Triton-specific primitive, nothing jax 0.10.2 deprecates (``pl.dot``) or has moved
-(``pl.load`` / ``pl.store``); only the backend's ``CompilerParams``. ``interpret=True`` runs them in Pallas's interpreter (CPU).
+(``pl.load`` / ``pl.store``); of the Triton module only its ``CompilerParams``.
+``interpret=True`` runs them in Pallas's interpreter (CPU).
 """
 
 from __future__ import annotations
