@@ -93,9 +93,11 @@ H100_CHILD = """
 import json, re, sys
 from moe_jax.compile import targets
 devices = targets.target_devices(targets.parse_target("gpu:h100:1"))
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
+from moe_jax.moe import CapacityConfig, ExecutionConfig, MoeConfig, MoeLayer, grouped_matmul
 from moe_jax.moe.experts import ragged_expert_ffn
 from moe_jax.moe.grouped_matmul import ragged_dot
+from tests.moe.moe_testlib import compile_fwd_bwd
 rows, experts, d_model, d_ff = 4096, 8, 768, 2048
 mesh = jax.sharding.Mesh(devices, ("d",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -115,6 +117,20 @@ for name in sys.argv[1:]:
         "dot": len(re.findall(r"= \\S+ dot\\(", hlo)),
         "kernels": sorted(set(re.findall(r"grouped_matmul\\w*", hlo))),
     }
+# the MoE layer's dropless path, its plan's platform taken from the H100 mesh
+config = MoeConfig(
+    num_experts=32,
+    d_ff=d_ff,
+    capacity=CapacityConfig(group_size=1024, dropless=True),
+    execution=ExecutionConfig(grouped_matmul="pallas"),
+)
+layer_mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 1), ("data", "expert", "model"))
+x = jax.ShapeDtypeStruct((2, 512, d_model), jnp.bfloat16)
+hlo = compile_fwd_bwd(MoeLayer(config, dtype=jnp.bfloat16), x, layer_mesh).as_text()
+found["layer"] = {
+    "triton": len(re.findall(r'custom_call_target="__gpu\\$xla\\.gpu\\.triton"', hlo)),
+    "fallbacks": grouped_matmul.fallbacks(),
+}
 print(json.dumps(found))
 """
 
@@ -126,7 +142,8 @@ def test_the_kernels_compile_for_an_h100_as_triton_calls_without_dense_matmuls()
     """The experts' FFN (forward and gradients, bfloat16, 4096 rows, E = 8) compiled for one
     H100 from this CPU: with ``pallas`` its six products (two forward, two input and two
     weight gradients) are Triton custom calls and nothing else multiplies; ``xla``'s are
-    dense matmuls over all rows (what the kernel replaces)."""
+    dense matmuls over all rows (what the kernel replaces). The dropless MoE layer with
+    ``grouped_matmul='pallas'`` compiled for the H100 runs its six products the same way."""
     proc = subprocess.run(
         [sys.executable, "-c", H100_CHILD, "pallas", "xla"],
         capture_output=True,
@@ -144,3 +161,4 @@ def test_the_kernels_compile_for_an_h100_as_triton_calls_without_dense_matmuls()
         "grouped_matmul_weight_gradient",
     } <= set(found["pallas"]["kernels"]), found
     assert found["xla"]["triton"] == 0 and found["xla"]["cublas"] + found["xla"]["dot"] >= 6
+    assert found["layer"] == {"triton": 6, "fallbacks": {}}, found
