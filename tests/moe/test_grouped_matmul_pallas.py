@@ -102,22 +102,6 @@ rows, experts, d_model, d_ff = 4096, 8, 768, 2048
 mesh = jax.sharding.Mesh(devices, ("d",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-found = {}
-for name in sys.argv[1:]:
-    matmul = ragged_dot(name, "gpu")
-    def loss(w, x, sizes):
-        y = ragged_expert_ffn(w, x, sizes, "relu", ragged_dot=matmul)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
-    w = {"wi": spec((experts, d_model, d_ff)), "wo": spec((experts, d_ff, d_model))}
-    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    hlo = step.lower(w, spec((rows, d_model)), spec((experts,), jnp.int32)).compile().as_text()
-    found[name] = {
-        "triton": len(re.findall(r'custom_call_target="__gpu\\$xla\\.gpu\\.triton"', hlo)),
-        "cublas": len(re.findall(r'custom_call_target="__cublas', hlo)),
-        "dot": len(re.findall(r"= \\S+ dot\\(", hlo)),
-        "kernels": sorted(set(re.findall(r"grouped_matmul\\w*", hlo))),
-    }
-# the MoE layer's dropless path, its plan's platform taken from the H100 mesh
 config = MoeConfig(
     num_experts=32,
     d_ff=d_ff,
@@ -125,40 +109,70 @@ config = MoeConfig(
     execution=ExecutionConfig(grouped_matmul="pallas"),
 )
 layer_mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 1), ("data", "expert", "model"))
-x = jax.ShapeDtypeStruct((2, 512, d_model), jnp.bfloat16)
-hlo = compile_fwd_bwd(MoeLayer(config, dtype=jnp.bfloat16), x, layer_mesh).as_text()
-found["layer"] = {
-    "triton": len(re.findall(r'custom_call_target="__gpu\\$xla\\.gpu\\.triton"', hlo)),
-    "fallbacks": grouped_matmul.fallbacks(),
-}
+found = {}
+for name in sys.argv[1:]:
+    if name == "layer":  # the dropless MoE layer, its plan's platform from the H100 mesh
+        x = jax.ShapeDtypeStruct((2, 512, d_model), jnp.bfloat16)
+        hlo = compile_fwd_bwd(MoeLayer(config, dtype=jnp.bfloat16), x, layer_mesh).as_text()
+    else:  # the experts' FFN through grouped matmul `name`
+        matmul = ragged_dot(name, "gpu")
+        def loss(w, x, sizes):
+            y = ragged_expert_ffn(w, x, sizes, "relu", ragged_dot=matmul)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        w = {"wi": spec((experts, d_model, d_ff)), "wo": spec((experts, d_ff, d_model))}
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        hlo = step.lower(w, spec((rows, d_model)), spec((experts,), jnp.int32)).compile().as_text()
+    found[name] = {
+        "triton": len(re.findall(r'custom_call_target="__gpu\\$xla\\.gpu\\.triton"', hlo)),
+        "cublas": len(re.findall(r'custom_call_target="__cublas', hlo)),
+        "dot": len(re.findall(r"= \\S+ dot\\(", hlo)),
+        "kernels": sorted(set(re.findall(r"grouped_matmul\\w*", hlo))),
+        "fallbacks": grouped_matmul.fallbacks(),
+    }
 print(json.dumps(found))
 """
 
 
-@pytest.mark.skipif(
+def _compiled_for_an_h100(*names: str) -> dict:
+    """What ``H100_CHILD`` found compiling each of ``names`` (a grouped matmul or ``layer``)
+    for one H100, in a fresh process (``target_devices`` must come before JAX starts)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", H100_CHILD, *names], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1])
+
+
+NO_GPU_COMPILER = pytest.mark.skipif(
     not (targets.compilers_dir() / "gpu").is_dir(), reason="no GPU compiler (make compilers)"
 )
+
+
+@NO_GPU_COMPILER
 def test_the_kernels_compile_for_an_h100_as_triton_calls_without_dense_matmuls():
     """The experts' FFN (forward and gradients, bfloat16, 4096 rows, E = 8) compiled for one
     H100 from this CPU: with ``pallas`` its six products (two forward, two input and two
     weight gradients) are Triton custom calls and nothing else multiplies; ``xla``'s are
-    dense matmuls over all rows (what the kernel replaces). The dropless MoE layer with
-    ``grouped_matmul='pallas'`` compiled for the H100 runs its six products the same way."""
-    proc = subprocess.run(
-        [sys.executable, "-c", H100_CHILD, "pallas", "xla"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    found = json.loads(lines[-1])
-    assert found["pallas"]["triton"] == 6, found
-    assert found["pallas"]["cublas"] == 0 and found["pallas"]["dot"] == 0, found
+    dense matmuls over all rows (what the kernel replaces)."""
+    found = _compiled_for_an_h100("pallas", "xla")
+    pallas, xla = found["pallas"], found["xla"]
+    assert pallas["triton"] == 6 and pallas["cublas"] == 0 and pallas["dot"] == 0, found
     assert {
         "grouped_matmul",
         "grouped_matmul_transposed",
         "grouped_matmul_weight_gradient",
-    } <= set(found["pallas"]["kernels"]), found
-    assert found["xla"]["triton"] == 0 and found["xla"]["cublas"] + found["xla"]["dot"] >= 6
-    assert found["layer"] == {"triton": 6, "fallbacks": {}}, found
+    } <= set(pallas["kernels"]), found
+    assert pallas["fallbacks"] == {}, found
+    assert xla["triton"] == 0 and xla["cublas"] + xla["dot"] >= 6, found
+
+
+@pytest.mark.slow
+@NO_GPU_COMPILER
+def test_the_dropless_layer_compiled_for_an_h100_runs_the_pallas_kernels():
+    """The dropless MoE layer with ``grouped_matmul='pallas'`` (E = 32, forward and
+    gradients) compiled for one H100: its six expert products are the Triton kernels, no
+    product fell back to ``xla``; only the router's matmuls are left as dots."""
+    layer = _compiled_for_an_h100("layer")["layer"]
+    assert layer["triton"] == 6 and layer["fallbacks"] == {}, layer
+    assert layer["dot"] == 3, layer  # the router's logits and their two gradients
