@@ -368,8 +368,12 @@ def measure_run(
 
 
 LAYER_IMPLEMENTATIONS = ("einsum", "sort", "dropless", "dropless:xla")
-# tokamax's kernels, measured where the device has them.
-KERNEL_IMPLEMENTATIONS = {"gpu": ("dropless:triton",), "tpu": ("dropless:mosaic_tpu",)}
+# The grouped-matmul kernels measured where the device has them: tokamax's, and on GPU the
+# project's Pallas (Triton) kernel.
+KERNEL_IMPLEMENTATIONS = {
+    "gpu": ("dropless:triton", "dropless:pallas"),
+    "tpu": ("dropless:mosaic_tpu",),
+}
 
 
 def layer_rows(quick: bool, reps: int) -> list[dict[str, Any]]:

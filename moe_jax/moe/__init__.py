@@ -16,7 +16,8 @@ Modules, one job each:
   capacity         routing groups and expert capacity
   dispatch         dispatch to expert buffers and combine back (einsum, sort, ragged)
   permute          row moves whose gradient gathers through the inverse map
-  grouped_matmul   the dropless path's grouped matmul (jax.lax.ragged_dot or tokamax)
+  grouped_matmul   the dropless path's grouped matmul (jax.lax.ragged_dot, the project's
+                   Pallas kernel of grouped_matmul_pallas, or tokamax)
   expert_parallel  the exchange interface: local, or experts split over the expert mesh
                    axis (all-to-all of padded buffers, ragged all-to-all of rows)
   experts          the experts' weights (ExpertWeights) and feed-forward computation

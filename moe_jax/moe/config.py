@@ -396,8 +396,9 @@ class ExecutionConfig:
         for, see ``execution.resolve_plan``).
       per_expert_loop: expert matmuls one expert at a time (``lax.map``); None = per platform.
       grouped_matmul: the dropless path's grouped matmul (``grouped_matmul.py``): ``xla``
-        (``jax.lax.ragged_dot``), ``triton``, ``mosaic_gpu``, ``mosaic_tpu`` (tokamax
-        kernels) or ``auto`` (``triton`` for a GPU step on a GPU where pinned, else ``xla``).
+        (``jax.lax.ragged_dot``), ``pallas`` (the project's Triton kernel), ``triton``,
+        ``mosaic_gpu``, ``mosaic_tpu`` (tokamax kernels) or ``auto`` (``triton`` for a GPU
+        step on a GPU where pinned, else ``xla``; never ``pallas``, not yet measured).
       gather_gradients: the ``sort`` / dropless row moves' gradients gather through the
         inverse map instead of scatter-adding (``permute.take_rows``); None = per platform.
       scatter_rows: the ``sort`` / dropless row moves and their gradients scatter rows

@@ -60,7 +60,8 @@ class ExecutionPlan:
         ``[groups, experts, capacity, d_model]`` all-to-all'd over the ``expert`` mesh
         axis) or ``ragged_all_to_all`` (only the routed rows cross it).
       grouped_matmul: under ``ragged``, the grouped matmul (``options.GroupedMatmul``:
-        ``xla`` = ``jax.lax.ragged_dot``, else a tokamax kernel).
+        ``xla`` = ``jax.lax.ragged_dot``, ``pallas`` = the project's kernel, else a
+        tokamax kernel).
       gather_gradients: under ``sort`` / ``ragged`` (token choice), the row moves'
         gradients gather through the inverse map rather than scatter-add
         (``permute.take_rows``).
@@ -229,7 +230,8 @@ def _grouped_matmul(option: GroupedMatmulOption, platform: Platform) -> GroupedM
       compiled for an H100 from a CPU host the three products are one dense cuBLAS matmul
       per expert over all rows; with the option on, the same for a cuDNN 9.10 target, and
       the compiler aborts (a failed check on the ``ragged-dot``) for cuDNN 9.22. tokamax's
-      Mosaic GPU kernel is pinned to no jax (it did not trace with 0.11.2).
+      Mosaic GPU kernel is pinned to no jax (it did not trace with 0.11.2). The project's
+      ``pallas`` kernel compiles for an H100 but is not measured yet: named only.
 
     docs/moe.md, "Dropless on GPU"."""
     if option != "auto":

@@ -10,17 +10,20 @@ Its three products run through one kernel, each with its own dimension numbers o
 
 Kernels (``ExecutionConfig.grouped_matmul``, settled by ``execution.resolve_plan``): ``xla``
 is ``jax.lax.ragged_dot_general`` (every platform; XLA:TPU lowers it to a Mosaic grouped
-matmul, XLA:GPU of jaxlib 0.10.2 to one dense matmul per expert over all rows). The others
-are tokamax's Pallas kernels (``tokamax.ragged_dot_general``): ``triton`` and
-``mosaic_gpu`` (NVIDIA GPUs), ``mosaic_tpu``. tokamax (and through it Triton / Mosaic) is
-imported only when a kernel is asked for, so a CPU run never pays for it.
+matmul, XLA:GPU of jaxlib 0.10.2 to one dense matmul per expert over all rows).
+``pallas`` is the project's own Pallas kernel (:mod:`moe_jax.moe.grouped_matmul_pallas`):
+Triton on NVIDIA GPUs, Pallas's interpreter on CPU (slow; for tests); ``auto`` never picks
+it (not yet measured on a GPU). The others are tokamax's Pallas kernels
+(``tokamax.ragged_dot_general``): ``triton`` and ``mosaic_gpu`` (NVIDIA GPUs),
+``mosaic_tpu``. tokamax (and through it Triton / Mosaic) is imported only when a kernel is
+asked for, so a CPU run never pays for it.
 
 A kernel is tied to the jax it was written against: :data:`TOKAMAX_PINS` lists the jax
 versions each tokamax kernel is known to trace and run with, and ``grouped_matmul='auto'``
 picks one only there (:func:`kernel_unsupported`). A kernel that raises while tracing one
-of the three products (tokamax checks the process's device: "Not supported on cpu"; a
-Pallas API that moved) leaves that product to ``xla`` and logs one warning per kernel and
-process naming the kernel, the product and the error.
+of the three products (tokamax checks the process's device: "Not supported on cpu";
+``pallas`` has no TPU lowering; a Pallas API that moved) leaves that product to ``xla`` and
+logs one warning per kernel and process naming the kernel, the product and the error.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from moe_jax.moe.options import GroupedMatmul
 
 Array = jax.Array
 # (rows [m, k] sorted by group, weights [groups, k, n], group_sizes [groups] int32) -> [m, n];
-# rows past sum(group_sizes) are not written (zeros with ``xla``, anything with a kernel).
+# rows past sum(group_sizes) are zeros with ``xla`` and ``pallas``, anything with tokamax.
 RaggedDot = Callable[[Array, Array, Array], Array]
 # One product of ``jax.lax.ragged_dot_general``'s form:
 # (lhs, rhs, group_sizes, dimension numbers, output dtype) -> result.
@@ -86,8 +89,9 @@ def fallbacks() -> dict[str, str]:
 
 def kernel_unsupported(name: GroupedMatmul, jax_version: str | None = None) -> str | None:
     """Why the tokamax kernel ``name`` is not pinned for this process's jax (or
-    ``jax_version``) and installed tokamax: a one-line reason, or None when it is."""
-    if name == "xla":
+    ``jax_version``) and installed tokamax: a one-line reason, or None when it is (and for
+    ``xla`` and ``pallas``, which are no tokamax kernels)."""
+    if name not in TOKAMAX_PINS:
         return None
     try:
         tokamax_version = importlib.metadata.version("tokamax")
@@ -130,14 +134,44 @@ def _tokamax(name: GroupedMatmul) -> RaggedDotGeneral:
     return product
 
 
-def _product(name: GroupedMatmul, part: str) -> RaggedDotGeneral:
-    """The ``part`` product through tokamax kernel ``name``; where the kernel raises while
-    tracing, through ``xla`` (warned once per kernel)."""
+def _pallas(platform: str) -> RaggedDotGeneral:
+    """The project's Pallas kernels (:mod:`moe_jax.moe.grouped_matmul_pallas`) for a
+    ``platform`` (a ``jax.Device.platform`` name or its family): Triton on GPU, Pallas's
+    interpreter on CPU.
+
+    Raises:
+      NotImplementedError: another platform (no Triton there), or dimension numbers other
+        than the three products'.
+    """
+    from moe_jax.moe import grouped_matmul_pallas as kernels
+
+    if platform not in ("cpu", "gpu", "cuda", "rocm"):
+        raise NotImplementedError(f"the pallas grouped matmul has no {platform} lowering")
+    products = (
+        (FORWARD, kernels.forward),
+        (INPUT_GRADIENT, kernels.input_gradient),
+        (WEIGHT_GRADIENT, kernels.weight_gradient),
+    )
+
+    def product(lhs, rhs, sizes, dims, dtype):
+        for known, kernel in products:
+            if dims == known:
+                return kernel(lhs, rhs, sizes, dtype, interpret=platform == "cpu")
+        raise NotImplementedError(f"the pallas grouped matmul has no product {dims}")
+
+    return product
+
+
+def _product(name: GroupedMatmul, part: str, platform: str) -> RaggedDotGeneral:
+    """The ``part`` product through kernel ``name`` (``pallas`` or tokamax's) compiled for
+    ``platform``; where the kernel raises while tracing, through ``xla`` (warned once per
+    kernel)."""
 
     def product(lhs, rhs, sizes, dims, dtype):
         if name not in _FAILED:
             try:
-                return _tokamax(name)(lhs, rhs, sizes, dims, dtype)
+                kernel = _pallas(platform) if name == "pallas" else _tokamax(name)
+                return kernel(lhs, rhs, sizes, dims, dtype)
             except Exception as error:  # any trace failure: the result must still come
                 message = str(error).splitlines()[0] if str(error) else ""
                 _FAILED[name] = f"{part}: {type(error).__name__}: {message}"
@@ -152,27 +186,29 @@ def _product(name: GroupedMatmul, part: str) -> RaggedDotGeneral:
     return product
 
 
-def ragged_dot(name: GroupedMatmul) -> RaggedDot:
-    """The grouped matmul through kernel ``name`` (``options.GROUPED_MATMULS``): forward,
+def ragged_dot(name: GroupedMatmul, platform: str | None = None) -> RaggedDot:
+    """The grouped matmul through kernel ``name`` (``options.GROUPED_MATMULS``) for devices
+    of ``platform`` (``cpu``, ``gpu``, ``tpu``, ...; None: the default device's): forward,
     input gradient and weight gradient each through it (or, where it fails to trace,
     through ``xla``). ``[m, k] x [experts, k, n] -> [m, n]`` in the inputs' dtype. ``xla``
     is ``jax.lax.ragged_dot`` itself, whose gradients are the same two products."""
     if name == "xla":
         return jax.lax.ragged_dot
+    target = jax.devices()[0].platform if platform is None else platform
 
     @jax.custom_vjp
     def matmul(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
-        return _product(name, "forward")(lhs, rhs, group_sizes, FORWARD, lhs.dtype)
+        return _product(name, "forward", target)(lhs, rhs, group_sizes, FORWARD, lhs.dtype)
 
     def forward(lhs, rhs, group_sizes):
         return matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
 
     def backward(residuals, cotangent):
         lhs, rhs, group_sizes = residuals
-        d_lhs = _product(name, "input gradient")(
+        d_lhs = _product(name, "input gradient", target)(
             cotangent, rhs, group_sizes, INPUT_GRADIENT, lhs.dtype
         )
-        d_rhs = _product(name, "weight gradient")(
+        d_rhs = _product(name, "weight gradient", target)(
             lhs, cotangent, group_sizes, WEIGHT_GRADIENT, rhs.dtype
         )
         return d_lhs, d_rhs, None

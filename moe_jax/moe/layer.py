@@ -197,7 +197,7 @@ class MoeLayer(nn.Module):
             """This device's groups and (through ``exchange``) experts."""
             if plan.implementation == "ragged":
                 assert isinstance(plan.grouped_matmul, str)
-                grouped = ragged_dot(plan.grouped_matmul)
+                grouped = ragged_dot(plan.grouped_matmul, plan.platform)
 
                 def ffn(rows: Array, sizes: Array) -> Array:
                     return ragged_expert_ffn(

@@ -30,7 +30,7 @@ Dispatch = Literal["einsum", "sort"]
 DispatchOption = Literal[Dispatch, "auto"]
 # The dropless path's grouped matmul (grouped_matmul.py); ``ExecutionConfig.grouped_matmul``
 # also takes ``auto``.
-GroupedMatmul = Literal["xla", "triton", "mosaic_gpu", "mosaic_tpu"]
+GroupedMatmul = Literal["xla", "pallas", "triton", "mosaic_gpu", "mosaic_tpu"]
 GroupedMatmulOption = Literal[GroupedMatmul, "auto"]
 # ``AuxLossConfig.balance_scope``: the tokens over which the load-balancing loss measures
 # the load (losses.py).

@@ -115,6 +115,7 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
         "gpu", "ragged", False, False, "local", "xla", gather_gradients=True
     )
     assert _plan("gpu", dropless=True, grouped_matmul="triton").grouped_matmul == "triton"
+    assert _plan("gpu", dropless=True, grouped_matmul="pallas").grouped_matmul == "pallas"
     assert _plan("gpu", grouped_matmul="triton").grouped_matmul is False  # not ragged
     with pytest.raises(ValueError, match="grouped_matmul"):
         _plan("gpu", dropless=True, grouped_matmul="cublas")

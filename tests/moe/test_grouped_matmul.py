@@ -1,8 +1,10 @@
 """The dropless path's grouped matmul on CPU: the ragged dispatch with
 ``jax.lax.ragged_dot`` gives the einsum reference's outputs and gradients (empty experts,
-unrouted assignments), and so does a tokamax kernel that fails to trace here (tokamax
-refuses a CPU device), its three products (forward, input gradient, weight gradient) then
-through ``jax.lax.ragged_dot_general``, with one warning; a CPU run never imports tokamax.
+unrouted assignments), and so does the project's Pallas kernel (``pallas``, in Pallas's
+interpreter here), also through the layer, and a kernel that fails to trace here (tokamax
+refuses a CPU device; ``pallas`` has no TPU lowering), its three products (forward, input
+gradient, weight gradient) then through ``jax.lax.ragged_dot_general``, with one warning; a
+CPU run never imports tokamax.
 tokamax's kernels need a GPU: benchmarks/moe_layer.py checks the layer with them against
 the ``xla`` grouped matmul on the device it times."""
 
@@ -19,11 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.moe import ExecutionConfig, grouped_matmul
+from moe_jax.moe import ExecutionConfig, MoeLayer, grouped_matmul
+from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.dispatch import einsum_token_choice, ragged_token_choice
 from moe_jax.moe.experts import expert_ffn, ragged_expert_ffn
 from moe_jax.moe.grouped_matmul import RaggedDot, ragged_dot
 from moe_jax.moe.routers import TokenChoiceRouting
+from tests.moe.moe_testlib import SMALL, init_params, make_inputs, with_execution
 
 GROUPS, TOKENS, D_MODEL, D_FF = 2, 16, 16, 32
 
@@ -96,6 +100,46 @@ def test_kernel_that_fails_to_trace_falls_back_to_the_reference_products(experts
     _check_against_einsum(experts, k, ragged_dot("triton"), seed=experts + k)
 
 
+@pytest.mark.parametrize(
+    ("experts", "k"),
+    [
+        (8, 2),
+        (64, 1),
+        pytest.param(8, 1, marks=pytest.mark.slow),
+        pytest.param(32, 1, marks=pytest.mark.slow),
+        pytest.param(32, 2, marks=pytest.mark.slow),
+        pytest.param(64, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_pallas_kernel_equals_einsum_reference(experts, k):
+    _check_against_einsum(experts, k, ragged_dot("pallas", "cpu"), seed=experts * k)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_layer_with_the_pallas_kernel_has_the_xla_kernels_outputs_and_gradients(k):
+    config = dataclasses.replace(
+        SMALL,
+        num_experts=8,
+        router=dataclasses.replace(SMALL.router, num_selected_experts=k),
+        capacity=dataclasses.replace(SMALL.capacity, dropless=True),
+    )
+    x = make_inputs()
+    xla = with_execution(MoeLayer(config), grouped_matmul="xla")
+    params = init_params(xla, x)
+
+    def loss_and_grads(layer):
+        def loss(p, x):
+            y = layer.apply({"params": p}, x, mutable=[AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION])
+            return jnp.sum(jnp.sin(y[0]))
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+    expected = loss_and_grads(xla)
+    found = loss_and_grads(with_execution(xla, grouped_matmul="pallas"))
+    for a, b in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("experts", "k"), [(8, 2), (64, 1)])
 def test_ragged_dispatch_with_scattered_row_moves_equals_einsum_reference(experts, k):
     _check_against_einsum(experts, k, ragged_dot("xla"), seed=3, scatter_rows=True)
@@ -112,8 +156,22 @@ def test_a_kernel_that_fails_to_trace_says_so_once(monkeypatch, caplog):
     assert "NotImplementedError" in warnings[0], warnings[0]
 
 
+def test_the_pallas_kernel_without_a_lowering_falls_back_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(grouped_matmul, "_FAILED", {})
+    with caplog.at_level(logging.WARNING, logger=grouped_matmul.__name__):
+        _check_against_einsum(8, 2, ragged_dot("pallas", "tpu"))
+        _check_against_einsum(8, 1, ragged_dot("pallas", "tpu"), seed=1)
+    warnings = [r.getMessage() for r in caplog.records if r.name == grouped_matmul.__name__]
+    assert len(warnings) == 1, warnings
+    assert "'pallas'" in warnings[0] and "no tpu lowering" in warnings[0], warnings[0]
+    assert grouped_matmul.fallbacks() == {
+        "pallas": "forward: NotImplementedError: the pallas grouped matmul has no tpu lowering"
+    }
+
+
 def test_tokamax_kernels_are_pinned_to_the_jax_they_run_with():
     assert grouped_matmul.kernel_unsupported("xla") is None
+    assert grouped_matmul.kernel_unsupported("pallas") is None  # no tokamax kernel
     pinned = grouped_matmul.TOKAMAX_PINS["triton"]
     tokamax_version = importlib.metadata.version("tokamax")
     for jax_minor in pinned.get(tokamax_version, ()):
