@@ -210,12 +210,12 @@ def _is_matmul(line: Line) -> bool:
 
 def _flash_kernel(line: Line) -> str:
     """The name of the :mod:`moe_jax.models.flash_attention` kernel a Pallas call runs (its
-    op name: ``.../jvp(<kernel>)/pallas_call``, ``.../transpose(jvp(<kernel>))/pallas_call``),
-    or ``""``."""
-    op_name = re.search(r'op_name="([^"]*/pallas_call)"', line.attributes)
-    if op_name is None:
+    op name: ``.../<kernel>/pallas_call``, ``.../jvp(<kernel>)/pallas_call``,
+    ``.../transpose(jvp(<kernel>))/pallas_call``), or ``""``."""
+    op_name = re.search(r'op_name="[^"]*[/(]([a-z0-9_]+)\)*/pallas_call"', line.attributes)
+    if op_name is None or op_name.group(1) not in KERNEL_MATMULS:
         return ""
-    return next((k for k in KERNEL_MATMULS if f"({k})" in op_name.group(1)), "")
+    return op_name.group(1)
 
 
 def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:

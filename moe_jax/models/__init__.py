@@ -5,6 +5,7 @@ Modules (one job each):
   embedding           token embedding, optionally reused for the logits
   relative_position   T5 relative position buckets -> per-head attention bias
   attention           multi-head dot-product attention, masks, KV cache for decoding
+  flash_attention     the fused (flash) attention Pallas kernel (Triton on NVIDIA GPUs)
   mlp                 gated-GELU / ReLU feed-forward block
   t5                  T5Config, encoder/decoder layers and stacks, MoE placement, scanned runs
   layer_stacking      scanned layers' trees to per-layer ones and back (behind the model and

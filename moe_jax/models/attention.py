@@ -12,6 +12,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from moe_jax.models.flash_attention import flash_attention
+from moe_jax.moe.execution import target_platform
+
 DType = Any
 
 
@@ -335,6 +338,20 @@ def fused_attention(
     )
 
 
+def check_kernel_platform(kernel: AttentionKernel, platform: str) -> None:
+    """Refuses a fused kernel compiled for a platform it does not run on: ``'pallas'``
+    runs Triton on NVIDIA GPUs and Pallas's interpreter on a CPU (tests), never on a TPU.
+
+    Raises:
+      ValueError: naming the option, the platform and what to use instead.
+    """
+    if kernel == "pallas" and platform == "tpu":
+        raise ValueError(
+            "T5Config.attention_kernel='pallas' is a Triton kernel for NVIDIA GPUs; this "
+            "step is compiled for a TPU: use attention_kernel = 'xla'"
+        )
+
+
 def _pallas_attention(
     query: jnp.ndarray,
     key: jnp.ndarray,
@@ -352,8 +369,8 @@ def _pallas_attention(
     ``shard_map``: the batch split as the logical axis rules split ``batch`` and the heads
     as they split ``heads`` (the lengths and head_dim whole: a compiler cannot partition a
     custom kernel itself); the bias gradient is summed over the batch's devices."""
-    from moe_jax.models.flash_attention import flash_attention
-
+    mesh = jax.sharding.get_abstract_mesh()
+    check_kernel_platform("pallas", target_platform(None if mesh.empty else mesh))
     batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
     if mask is None:
         q_segments = jnp.ones((batch, q_len), jnp.int32)
@@ -372,7 +389,6 @@ def _pallas_attention(
 
     query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
     args = (query, key, value, bias, q_segments, k_segments)
-    mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return attend(*args)
     # no rules in force: every device computes the whole (replicated) attention

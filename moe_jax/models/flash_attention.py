@@ -29,6 +29,7 @@ through Pallas's interpreter (the CPU tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -375,92 +376,127 @@ def _flash_backward(
     d_out: Array,
 ) -> tuple[Array, Array, Array, Array | None, None, None]:
     query, key, value, bias, q_segments, k_segments, out, lse = residuals
-    batch, q_len, heads, dim = query.shape
-    k_len = key.shape[1]
     d_out = d_out.astype(query.dtype)
     # delta = sum_d dO * O = sum_k P dP, per row: [batch, heads, q_len]
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out, out, preferred_element_type=jnp.float32).astype(
-        jnp.float32
-    )
-    kernel_args: dict[str, Any] = dict(block_q=block_q, block_k=block_k, causal=causal)
-    params = None if interpret else _compiler_params(num_warps)
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out, out, preferred_element_type=jnp.float32)
+    tiles = _Tiles(block_q, block_k, causal, None if interpret else _compiler_params(num_warps))
     inputs = (query, key, value, bias, q_segments, k_segments, d_out, lse, delta)
-    bias_spec = None if bias is None else _bias_spec(q_len, k_len)
-    all_q = pl.BlockSpec((None, q_len, None, dim), lambda b, h, c: (b, 0, h, 0))
-    all_k = pl.BlockSpec((None, k_len, None, dim), lambda b, h, c: (b, 0, h, 0))
-    q_rows = pl.BlockSpec((None, block_q, None, dim), lambda b, h, i: (b, i, h, 0))
-    k_rows = pl.BlockSpec((None, block_k, None, dim), lambda b, h, j: (b, j, h, 0))
-    q_stats = pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))
-    all_q_stats = pl.BlockSpec((None, None, q_len), lambda b, h, c: (b, h, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **kernel_args),
+    dk, dv = _dkv_call(inputs, tiles, interpret)
+    dq = _dq_call(inputs, tiles, interpret)
+    d_bias = None if bias is None else _dbias_call(inputs, tiles, interpret).astype(bias.dtype)
+    return dq, dk, dv, d_bias, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """How a backward kernel tiles the scores: rows of q and k per tile, causality, and the
+    Triton options (None: the interpreter)."""
+
+    block_q: int
+    block_k: int
+    causal: bool
+    params: Any
+
+    def kernel(self, body: Any) -> Any:
+        return functools.partial(
+            body, block_q=self.block_q, block_k=self.block_k, causal=self.causal
+        )
+
+
+# The backward kernels' inputs: q, k, v, bias, q / k segment ids, dO, lse, delta.
+_BackwardInputs = tuple[Array, Array, Array, Any, Array, Array, Array, Array, Array]
+
+
+def _dkv_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> tuple[Array, Array]:
+    """dK and dV ``[batch, k_len, heads, head_dim]``: one program per (batch, head, key tile)."""
+    query, key, value, bias = inputs[:4]
+    q_len, k_len, dim = query.shape[1], key.shape[1], query.shape[-1]
+    all_q = pl.BlockSpec((None, q_len, None, dim), lambda b, h, j: (b, 0, h, 0))
+    k_rows = pl.BlockSpec((None, tiles.block_k, None, dim), lambda b, h, j: (b, j, h, 0))
+    all_q_stats = pl.BlockSpec((None, None, q_len), lambda b, h, j: (b, h, 0))
+    return pl.pallas_call(
+        tiles.kernel(_dkv_kernel),
         out_shape=(
             jax.ShapeDtypeStruct(key.shape, key.dtype),
             jax.ShapeDtypeStruct(value.shape, value.dtype),
         ),
-        grid=(batch, heads, k_len // block_k),
+        grid=(key.shape[0], key.shape[2], k_len // tiles.block_k),
         in_specs=[
             all_q,
             k_rows,
             k_rows,
-            bias_spec,
+            None if bias is None else _bias_spec(q_len, k_len),
             pl.BlockSpec((None, q_len), lambda b, h, j: (b, 0)),
-            pl.BlockSpec((None, block_k), lambda b, h, j: (b, j)),
+            pl.BlockSpec((None, tiles.block_k), lambda b, h, j: (b, j)),
             all_q,
             all_q_stats,
             all_q_stats,
         ],
         out_specs=(k_rows, k_rows),
-        compiler_params=params,
+        compiler_params=tiles.params,
         interpret=interpret,
         name="t5_flash_attention_dkv",
     )(*inputs)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **kernel_args),
+
+
+def _dq_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> Array:
+    """dQ ``[batch, q_len, heads, head_dim]``: one program per (batch, head, query tile)."""
+    query, key, _, bias = inputs[:4]
+    q_len, k_len, dim = query.shape[1], key.shape[1], query.shape[-1]
+    all_k = pl.BlockSpec((None, k_len, None, dim), lambda b, h, i: (b, 0, h, 0))
+    q_rows = pl.BlockSpec((None, tiles.block_q, None, dim), lambda b, h, i: (b, i, h, 0))
+    q_stats = pl.BlockSpec((None, None, tiles.block_q), lambda b, h, i: (b, h, i))
+    return pl.pallas_call(
+        tiles.kernel(_dq_kernel),
         out_shape=jax.ShapeDtypeStruct(query.shape, query.dtype),
-        grid=(batch, heads, q_len // block_q),
+        grid=(query.shape[0], query.shape[2], q_len // tiles.block_q),
         in_specs=[
             q_rows,
             all_k,
             all_k,
-            bias_spec,
-            pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
+            None if bias is None else _bias_spec(q_len, k_len),
+            pl.BlockSpec((None, tiles.block_q), lambda b, h, i: (b, i)),
             pl.BlockSpec((None, k_len), lambda b, h, i: (b, 0)),
             q_rows,
             q_stats,
             q_stats,
         ],
         out_specs=q_rows,
-        compiler_params=params,
+        compiler_params=tiles.params,
         interpret=interpret,
         name="t5_flash_attention_dq",
     )(*inputs)
-    d_bias = None
-    if bias is not None:
-        batch_q = pl.BlockSpec((batch, block_q, None, dim), lambda h, i, j: (0, i, h, 0))
-        batch_k = pl.BlockSpec((batch, block_k, None, dim), lambda h, i, j: (0, j, h, 0))
-        batch_q_stats = pl.BlockSpec((batch, None, block_q), lambda h, i, j: (0, h, i))
-        d_bias = pl.pallas_call(
-            functools.partial(_dbias_kernel, **kernel_args),
-            out_shape=jax.ShapeDtypeStruct(bias.shape, jnp.float32),
-            grid=(heads, q_len // block_q, k_len // block_k),
-            in_specs=[
-                batch_q,
-                batch_k,
-                batch_k,
-                _bias_spec(q_len, k_len, head_axis=0),
-                pl.BlockSpec((batch, block_q), lambda h, i, j: (0, i)),
-                pl.BlockSpec((batch, block_k), lambda h, i, j: (0, j)),
-                batch_q,
-                batch_q_stats,
-                batch_q_stats,
-            ],
-            out_specs=pl.BlockSpec((None, None, block_q, block_k), lambda h, i, j: (0, h, i, j)),
-            compiler_params=params,
-            interpret=interpret,
-            name="t5_flash_attention_dbias",
-        )(*inputs).astype(bias.dtype)
-    return dq, dk, dv, d_bias, None, None
+
+
+def _dbias_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> Array:
+    """The bias gradient, float32 ``[1, heads, q_len, k_len]``: one program per (head,
+    query tile, key tile), summing over the batch."""
+    query, key, _, bias = inputs[:4]
+    batch, q_len, heads, dim = query.shape
+    k_len, bq, bk = key.shape[1], tiles.block_q, tiles.block_k
+    batch_q = pl.BlockSpec((batch, bq, None, dim), lambda h, i, j: (0, i, h, 0))
+    batch_k = pl.BlockSpec((batch, bk, None, dim), lambda h, i, j: (0, j, h, 0))
+    batch_q_stats = pl.BlockSpec((batch, None, bq), lambda h, i, j: (0, h, i))
+    return pl.pallas_call(
+        tiles.kernel(_dbias_kernel),
+        out_shape=jax.ShapeDtypeStruct(bias.shape, jnp.float32),
+        grid=(heads, q_len // bq, k_len // bk),
+        in_specs=[
+            batch_q,
+            batch_k,
+            batch_k,
+            _bias_spec(q_len, k_len, head_axis=0),
+            pl.BlockSpec((batch, bq), lambda h, i, j: (0, i)),
+            pl.BlockSpec((batch, bk), lambda h, i, j: (0, j)),
+            batch_q,
+            batch_q_stats,
+            batch_q_stats,
+        ],
+        out_specs=pl.BlockSpec((None, None, bq, bk), lambda h, i, j: (0, h, i, j)),
+        compiler_params=tiles.params,
+        interpret=interpret,
+        name="t5_flash_attention_dbias",
+    )(*inputs)
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import jax
 from jax.lax import RaggedDotDimensionNumbers
 
+from moe_jax.moe import grouped_matmul_pallas as kernels
 from moe_jax.moe.options import GroupedMatmul
 
 Array = jax.Array
@@ -143,8 +144,6 @@ def _pallas(platform: str) -> RaggedDotGeneral:
       NotImplementedError: another platform (no Triton there), or dimension numbers other
         than the three products'.
     """
-    from moe_jax.moe import grouped_matmul_pallas as kernels
-
     if platform not in ("cpu", "gpu", "cuda", "rocm"):
         raise NotImplementedError(f"the pallas grouped matmul has no {platform} lowering")
     products = (

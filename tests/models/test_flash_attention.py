@@ -21,6 +21,7 @@ from moe_jax.compile import targets
 from moe_jax.models.attention import (
     AttentionMask,
     MultiHeadDotProductAttention,
+    check_kernel_platform,
     dot_product_attention,
 )
 from moe_jax.models.flash_attention import KERNEL_MATMULS, flash_attention
@@ -107,6 +108,14 @@ def test_packed_segments_are_kept_apart():
     mask = AttentionMask.from_padding(valid, valid, causal=True, segments=(segments, segments))
     assert mask.query_lengths is None  # packed: only the dense form and the ids
     _check_against_xla(mask, q, k, v, bias)
+
+
+def test_the_kernel_is_refused_for_a_tpu_by_name_and_allowed_elsewhere():
+    with pytest.raises(ValueError, match=r"attention_kernel='pallas'.*TPU.*'xla'"):
+        check_kernel_platform("pallas", "tpu")
+    for platform in ("cpu", "gpu", "cuda"):
+        check_kernel_platform("pallas", platform)
+    check_kernel_platform("xla", "tpu")
 
 
 def test_a_bias_per_example_is_refused_by_name():
