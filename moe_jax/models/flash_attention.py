@@ -527,7 +527,8 @@ def flash_attention(
       k_segments: int32 ``[batch, k_len]``; 0 = padding. Query ``i`` sees key ``j`` when
         ``q_segments[i] == k_segments[j] != 0``.
       causal: and only keys ``j <= i``.
-      block_q, block_k: rows of q / k per tile (powers of two; lengths are padded to them).
+      block_q: rows of q per tile (a power of two; the length is padded to it).
+      block_k: rows of k per tile (the same).
       num_warps: Triton warps per program.
       interpret: run through Pallas's interpreter (any platform); None: the Triton kernel
         where the program is lowered for an NVIDIA GPU, the interpreter elsewhere (the

@@ -118,9 +118,10 @@ def scatter_combine(
     Args:
       rows: ``[groups, m, d]`` expert outputs (buffer slots or sorted rows).
       weights: ``[groups, m]`` each row's combine weight.
-      index / valid: ``[groups, m]`` the token each row belongs to, and whether it does.
-      inverse / inverse_valid: ``[groups, tokens, r]`` each token's rows (as in
-        :func:`gather_rows`).
+      index: ``[groups, m]`` the token each row belongs to.
+      valid: ``[groups, m]`` whether it belongs to one.
+      inverse: ``[groups, tokens, r]`` each token's rows (as in :func:`gather_rows`).
+      inverse_valid: ``[groups, tokens, r]`` which of those are rows.
 
     Returns:
       ``[groups, tokens, d]``. Its VJP scatters the output cotangent into the rows
