@@ -156,7 +156,8 @@ def sort_token_choice(
     slots; each slot's one assignment), else they scatter-add rows (JAX's gradient of a
     gather); see ``ExecutionPlan.gather_gradients``. With ``scatter_rows`` both moves and
     their gradients scatter instead (``permute.scatter_rows``;
-    ``ExecutionPlan.scatter_rows``).
+    ``ExecutionPlan.scatter_rows``), and so does the map from buffer slots to the
+    assignments they hold.
 
     Two independent choices: ``capacity_order`` decides which assignments get buffer
     slots (the result); ``choice_major_combine`` only the memory layout of the combine,
@@ -183,8 +184,13 @@ def sort_token_choice(
     # Buffer slot (e, c) holds sorted assignment starts[e] + c when c < counts[e].
     slot = jnp.arange(capacity)
     filled = (slot < counts[..., None]).reshape(groups, num_experts * capacity)
-    source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(groups, num_experts * capacity)
-    assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
+    if scatter_rows:  # the same map scattered: XLA:TPU counts a gathered int32 at a tile
+        assignment = _slot_assignments(flat_slot, kept, num_experts * capacity)
+    else:
+        source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(
+            groups, num_experts * capacity
+        )
+        assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
     buffers = take_rows(x, assignment // k, filled, flat_slot, kept, gather_gradients, scatter_rows)
     outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
     outputs = outputs.reshape(groups, num_experts * capacity, d_model)
@@ -215,6 +221,17 @@ def sort_token_choice(
         scatter_rows,
     ).reshape(groups, tokens, k, d_model)
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
+
+
+def _slot_assignments(flat_slot: Array, kept: Array, slots: int) -> Array:
+    """``[groups, slots]`` the assignment ``t * k + j`` each buffer slot holds (0 where the
+    slot is empty), by scattering each kept assignment's index to its slot ``flat_slot``
+    (``[groups, tokens, k]``, ``kept`` the same shape)."""
+    groups, tokens, k = flat_slot.shape
+    n = tokens * k
+    where = jnp.where(kept, flat_slot, slots).reshape(groups, n)  # past the end: dropped
+    into = jnp.zeros((groups, slots), jnp.int32)
+    return into.at[_groups_index(groups), where].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
 def _inverse_permutation(perm: Array) -> Array:

@@ -172,10 +172,11 @@ def test_scattered_row_moves_access_fewer_bytes_on_tpu():
 
 # The sort layer at the T5-Base shape on one v5p chip (benchmarks/moe_compiled.py, E = 8,
 # fwd+bwd, bf16 compute, the expert weights as bfloat16 compute copies): cost-analysis bytes
-# accessed, 0.975 GiB (with float32 weights cast at each call: 1.325 GiB with gathered row
-# moves, 1.047 GiB scattered; 0.431 GiB for the FLOP-matched dense FFN): docs/moe.md, "The
-# layer on TPU: row moves".
-SORT_T5_BASE_E8_GIB_BOUND = 1.0
+# accessed, 0.959 GiB, 0.975 with the slot -> assignment map gathered (with float32 weights
+# cast at each call and that map gathered: 1.325 GiB with gathered row moves, 1.047 GiB
+# scattered; 0.431 GiB for the FLOP-matched dense FFN): docs/moe.md, "The layer on TPU: row
+# moves".
+SORT_T5_BASE_E8_GIB_BOUND = 0.965
 
 
 @pytest.mark.slow

@@ -183,3 +183,11 @@ def test_sort_gradients_equal_einsum(moves, choice_major_combine, capacity):
     # with scattered rows only int index arrays are gathered
     assert all(ndim <= 2 for ndim in scattered) == (moves == "gather"), scattered
     assert all(ndim <= 2 for ndim in gathered) == (moves == "scatter"), gathered
+    # scattered rows also scatter the slot -> assignment map: the int gathers left read the
+    # experts' start offsets [groups, experts + 1], not the sorted assignments [groups, n]
+    int_gathered = [
+        eqn.invars[0].aval.shape[-1]
+        for eqn in _equations(backward.jaxpr)
+        if eqn.primitive.name == "gather" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer)
+    ]
+    assert all(size <= experts + 1 for size in int_gathered) == (moves == "scatter"), int_gathered
