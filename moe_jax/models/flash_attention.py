@@ -293,7 +293,35 @@ def _pad_to(x: Array, axis: int, multiple: int) -> Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """How the kernels tile the scores: rows of q and k per tile, causality, Triton's warps
+    per program, and whether they run in Pallas's interpreter."""
+
+    block_q: int
+    block_k: int
+    causal: bool
+    num_warps: int
+    interpret: bool
+
+    def kernel(self, body: Any) -> Any:
+        """``body`` with the tiling bound."""
+        return functools.partial(
+            body, block_q=self.block_q, block_k=self.block_k, causal=self.causal
+        )
+
+    @property
+    def params(self) -> Any:
+        """The Triton backend's options (None in the interpreter; the Triton module is
+        imported only when a kernel is built)."""
+        if self.interpret:
+            return None
+        from jax.experimental.pallas import triton as pl_triton
+
+        return pl_triton.CompilerParams(num_warps=self.num_warps, num_stages=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _flash(
     query: Array,
     key: Array,
@@ -301,23 +329,9 @@ def _flash(
     bias: Array | None,
     q_segments: Array,
     k_segments: Array,
-    causal: bool,
-    block_q: int,
-    block_k: int,
-    num_warps: int,
-    interpret: bool,
+    tiles: _Tiles,
 ) -> Array:
-    return _flash_forward(
-        query, key, value, bias, q_segments, k_segments, causal, block_q, block_k, num_warps,
-        interpret,
-    )[0]  # fmt: skip
-
-
-def _compiler_params(num_warps: int) -> Any:
-    """The Triton backend's options (imported only when a kernel is built)."""
-    from jax.experimental.pallas import triton as pl_triton
-
-    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=2)
+    return _flash_forward(query, key, value, bias, q_segments, k_segments, tiles)[0]
 
 
 def _flash_forward(
@@ -327,18 +341,15 @@ def _flash_forward(
     bias: Array | None,
     q_segments: Array,
     k_segments: Array,
-    causal: bool,
-    block_q: int,
-    block_k: int,
-    num_warps: int,
-    interpret: bool,
+    tiles: _Tiles,
 ) -> tuple[Array, tuple[Any, ...]]:
+    block_q = tiles.block_q
     batch, q_len, heads, dim = query.shape
     k_len = key.shape[1]
     row = pl.BlockSpec((None, block_q, None, dim), lambda b, h, i: (b, i, h, 0))
     keys = pl.BlockSpec((None, k_len, None, dim), lambda b, h, i: (b, 0, h, 0))
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, block_q=block_q, block_k=block_k, causal=causal),
+        tiles.kernel(_forward_kernel),
         out_shape=(
             jax.ShapeDtypeStruct(query.shape, query.dtype),
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
@@ -353,8 +364,8 @@ def _flash_forward(
             pl.BlockSpec((None, k_len), lambda b, h, i: (b, 0)),
         ],
         out_specs=(row, pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))),
-        compiler_params=None if interpret else _compiler_params(num_warps),
-        interpret=interpret,
+        compiler_params=tiles.params,
+        interpret=tiles.interpret,
         name="t5_flash_attention_forward",
     )(query, key, value, bias, q_segments, k_segments)
     return out, (query, key, value, bias, q_segments, k_segments, out, lse)
@@ -367,47 +378,24 @@ def _bias_spec(q_len: int, k_len: int, head_axis: int = 1) -> pl.BlockSpec:
 
 
 def _flash_backward(
-    causal: bool,
-    block_q: int,
-    block_k: int,
-    num_warps: int,
-    interpret: bool,
-    residuals: tuple[Any, ...],
-    d_out: Array,
+    tiles: _Tiles, residuals: tuple[Any, ...], d_out: Array
 ) -> tuple[Array, Array, Array, Array | None, None, None]:
     query, key, value, bias, q_segments, k_segments, out, lse = residuals
     d_out = d_out.astype(query.dtype)
     # delta = sum_d dO * O = sum_k P dP, per row: [batch, heads, q_len]
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out, out, preferred_element_type=jnp.float32)
-    tiles = _Tiles(block_q, block_k, causal, None if interpret else _compiler_params(num_warps))
     inputs = (query, key, value, bias, q_segments, k_segments, d_out, lse, delta)
-    dk, dv = _dkv_call(inputs, tiles, interpret)
-    dq = _dq_call(inputs, tiles, interpret)
-    d_bias = None if bias is None else _dbias_call(inputs, tiles, interpret).astype(bias.dtype)
+    dk, dv = _dkv_call(inputs, tiles)
+    dq = _dq_call(inputs, tiles)
+    d_bias = None if bias is None else _dbias_call(inputs, tiles).astype(bias.dtype)
     return dq, dk, dv, d_bias, None, None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-    """How a backward kernel tiles the scores: rows of q and k per tile, causality, and the
-    Triton options (None: the interpreter)."""
-
-    block_q: int
-    block_k: int
-    causal: bool
-    params: Any
-
-    def kernel(self, body: Any) -> Any:
-        return functools.partial(
-            body, block_q=self.block_q, block_k=self.block_k, causal=self.causal
-        )
 
 
 # The backward kernels' inputs: q, k, v, bias, q / k segment ids, dO, lse, delta.
 _BackwardInputs = tuple[Array, Array, Array, Any, Array, Array, Array, Array, Array]
 
 
-def _dkv_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> tuple[Array, Array]:
+def _dkv_call(inputs: _BackwardInputs, tiles: _Tiles) -> tuple[Array, Array]:
     """dK and dV ``[batch, k_len, heads, head_dim]``: one program per (batch, head, key tile)."""
     query, key, value, bias = inputs[:4]
     q_len, k_len, dim = query.shape[1], key.shape[1], query.shape[-1]
@@ -434,12 +422,12 @@ def _dkv_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> tuple[
         ],
         out_specs=(k_rows, k_rows),
         compiler_params=tiles.params,
-        interpret=interpret,
+        interpret=tiles.interpret,
         name="t5_flash_attention_dkv",
     )(*inputs)
 
 
-def _dq_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> Array:
+def _dq_call(inputs: _BackwardInputs, tiles: _Tiles) -> Array:
     """dQ ``[batch, q_len, heads, head_dim]``: one program per (batch, head, query tile)."""
     query, key, _, bias = inputs[:4]
     q_len, k_len, dim = query.shape[1], key.shape[1], query.shape[-1]
@@ -463,12 +451,12 @@ def _dq_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> Array:
         ],
         out_specs=q_rows,
         compiler_params=tiles.params,
-        interpret=interpret,
+        interpret=tiles.interpret,
         name="t5_flash_attention_dq",
     )(*inputs)
 
 
-def _dbias_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> Array:
+def _dbias_call(inputs: _BackwardInputs, tiles: _Tiles) -> Array:
     """The bias gradient, float32 ``[1, heads, q_len, k_len]``: one program per (head,
     query tile, key tile), summing over the batch."""
     query, key, _, bias = inputs[:4]
@@ -494,7 +482,7 @@ def _dbias_call(inputs: _BackwardInputs, tiles: _Tiles, interpret: bool) -> Arra
         ],
         out_specs=pl.BlockSpec((None, None, bq, bk), lambda h, i, j: (0, h, i, j)),
         compiler_params=tiles.params,
-        interpret=interpret,
+        interpret=tiles.interpret,
         name="t5_flash_attention_dbias",
     )(*inputs)
 
@@ -558,10 +546,8 @@ def flash_attention(
         bias = _pad_to(_pad_to(bias, 2, block_q), 3, block_k)
 
     def run(interpreted: bool) -> Array:
-        return _flash(
-            query, key, value, bias, q_segments, k_segments, causal, block_q, block_k,
-            num_warps, interpreted,
-        )  # fmt: skip
+        tiles = _Tiles(block_q, block_k, causal, num_warps, interpreted)
+        return _flash(query, key, value, bias, q_segments, k_segments, tiles)
 
     if interpret is None:
         out = jax.lax.platform_dependent(cuda=lambda: run(False), default=lambda: run(True))
