@@ -168,29 +168,9 @@ def sort_token_choice(
     groups, tokens, k = routing.expert_index.shape
     d_model = x.shape[-1]
     n = tokens * k
-    expert_flat = routing.expert_index.reshape(groups, n)
-    key = expert_flat * n + _assignment_order(routing, capacity_order).reshape(groups, n)
-    perm = jnp.argsort(key, axis=-1)  # assignments sorted by (expert, order); keys are unique
-    counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=1)  # [G, E]
-    starts = jnp.cumsum(counts, axis=-1) - counts
-    # Rank of each assignment in the sorted list, minus its expert's start: its position.
-    rank = _inverse_permutation(perm)
-    starts_or_end = jnp.concatenate([starts, jnp.full((groups, 1), n, starts.dtype)], axis=-1)
-    positions = (rank - jnp.take_along_axis(starts_or_end, expert_flat, axis=-1)).reshape(
-        groups, tokens, k
+    flat_slot, kept, filled, assignment = _buffer_slots(
+        routing, num_experts, capacity, capacity_order, scatter_rows
     )
-    kept = (positions < capacity) & (routing.expert_index < num_experts)  # [G, S, K]
-    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0)  # [G, S, K]
-    # Buffer slot (e, c) holds sorted assignment starts[e] + c when c < counts[e].
-    slot = jnp.arange(capacity)
-    filled = (slot < counts[..., None]).reshape(groups, num_experts * capacity)
-    if scatter_rows:  # the same map scattered: XLA:TPU counts a gathered int32 at a tile
-        assignment = _slot_assignments(flat_slot, kept, num_experts * capacity)
-    else:
-        source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(
-            groups, num_experts * capacity
-        )
-        assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
     buffers = take_rows(x, assignment // k, filled, flat_slot, kept, gather_gradients, scatter_rows)
     outputs = expert_fn(buffers.reshape(groups, num_experts, capacity, d_model))
     outputs = outputs.reshape(groups, num_experts * capacity, d_model)
@@ -221,6 +201,46 @@ def sort_token_choice(
         scatter_rows,
     ).reshape(groups, tokens, k, d_model)
     return jnp.einsum("gsk,gskd->gsd", weights, gathered), kept
+
+
+def _buffer_slots(
+    routing: TokenChoiceRouting,
+    num_experts: int,
+    capacity: int,
+    capacity_order: CapacityOrder,
+    scatter_rows: bool,
+) -> tuple[Array, Array, Array, Array]:
+    """Where :func:`sort_token_choice` puts each assignment: ``(flat_slot [G, S, K]`` its
+    buffer slot ``e * capacity + c``, ``kept [G, S, K]``, ``filled [G, E * C]`` which slots
+    hold one, ``assignment [G, E * C]`` the assignment ``t * k + j`` each slot holds``)``,
+    assignments sorted by (expert, ``capacity_order``); with ``scatter_rows`` the slot map
+    is scattered rather than gathered."""
+    groups, tokens, k = routing.expert_index.shape
+    n = tokens * k
+    expert_flat = routing.expert_index.reshape(groups, n)
+    key = expert_flat * n + _assignment_order(routing, capacity_order).reshape(groups, n)
+    perm = jnp.argsort(key, axis=-1)  # assignments sorted by (expert, order); keys are unique
+    counts = jnp.sum(jax.nn.one_hot(expert_flat, num_experts, dtype=jnp.int32), axis=1)  # [G, E]
+    starts = jnp.cumsum(counts, axis=-1) - counts
+    # Rank of each assignment in the sorted list, minus its expert's start: its position.
+    rank = _inverse_permutation(perm)
+    starts_or_end = jnp.concatenate([starts, jnp.full((groups, 1), n, starts.dtype)], axis=-1)
+    positions = (rank - jnp.take_along_axis(starts_or_end, expert_flat, axis=-1)).reshape(
+        groups, tokens, k
+    )
+    kept = (positions < capacity) & (routing.expert_index < num_experts)  # [G, S, K]
+    flat_slot = jnp.where(kept, routing.expert_index * capacity + positions, 0)  # [G, S, K]
+    # Buffer slot (e, c) holds sorted assignment starts[e] + c when c < counts[e].
+    slot = jnp.arange(capacity)
+    filled = (slot < counts[..., None]).reshape(groups, num_experts * capacity)
+    if scatter_rows:  # the same map scattered: XLA:TPU counts a gathered int32 at a tile
+        assignment = _slot_assignments(flat_slot, kept, num_experts * capacity)
+    else:
+        source = jnp.minimum(starts[..., None] + slot, n - 1).reshape(
+            groups, num_experts * capacity
+        )
+        assignment = jnp.take_along_axis(perm, source, axis=-1)  # [G, E * C]: t * k + j
+    return flat_slot, kept, filled, assignment
 
 
 def _slot_assignments(flat_slot: Array, kept: Array, slots: int) -> Array:
