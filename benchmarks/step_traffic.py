@@ -9,9 +9,11 @@ attention and with the project's Pallas flash kernel (``--attention``), is compi
 ``benchmarks/accelerator_step.py`` measures (a fresh process each; the compile and its HLO
 are ``layer_forms.compile_form``'s), and its optimised HLO read by ``moe_jax.compile.hlo_costs``:
 the bytes of device memory read and written per step, split by the part of the model that
-moves them (``hlo_costs.bytes_by_part``), beside the memory per device and the compile
-report's roofline estimate. Read from executables compiled on this machine, not run: the
-traffic the step's own kernels cannot avoid, whatever their speed.
+moves them (``hlo_costs.bytes_by_part``) and by kind of operation (:func:`bytes_by_kind`:
+the attention's ``[batch, heads, q, k]`` arrays, layout transposes, the rest), beside the
+memory per device and the compile report's roofline estimate. Read from executables
+compiled on this machine, not run: the traffic the step's own kernels cannot avoid,
+whatever their speed.
 """
 
 from __future__ import annotations
@@ -38,6 +40,44 @@ TARGET = "1xH100"
 # cannot be compiled without a GPU: jax asks the device for its cuDNN version)
 KERNELS = ("xla", "pallas")
 PARTS = 6  # the largest parts listed per run
+KINDS = (
+    "[b,h,q,k] arrays",
+    "transposes",
+    "matmuls and kernels",
+    "optimizer and loss",
+    "other",
+)
+# XLA pads a score array's lengths up to this multiple (114 -> 120 or 128)
+_PAD = 16
+
+
+def bytes_by_kind(ops: list[hlo_costs.Op], report: dict) -> dict[str, float]:
+    """Bytes per step by kind of operation (first that applies): it reads or writes an
+    attention ``[batch, heads, q, k]`` array (``q, k`` the run's feature lengths, or up to
+    ``_PAD`` more), it is a layout transpose / concatenation / copy (no matmul), a matmul or
+    a fused kernel (cuBLAS, Triton: the flash-attention kernels count here), element-wise
+    work outside the model (the optimizer's update, the loss), else ``other``."""
+    lengths = report["task_feature_lengths"]
+    pairs = [(lengths["inputs"], lengths["inputs"]), (lengths["targets"], lengths["targets"])]
+    pairs.append((lengths["targets"], lengths["inputs"]))
+    batch_heads = report["batch_size"] * report["model_dims"]["num_heads"]
+    scores = {
+        batch_heads * (q + i) * (k + j) for q, k in pairs for i in range(_PAD) for j in range(_PAD)
+    }
+    totals = dict.fromkeys(KINDS, 0.0)
+    for op in ops:
+        if op.element_counts & scores:
+            kind = KINDS[0]
+        elif op.flops == 0 and (op.opcode == "copy" or {"transpose", "concatenate"} & op.kinds):
+            kind = KINDS[1]
+        elif op.flops > 0:
+            kind = KINDS[2]
+        elif hlo_costs.part(op.source) == "outside the model":
+            kind = KINDS[3]
+        else:
+            kind = KINDS[4]
+        totals[kind] += op.bytes * op.trips
+    return totals
 
 
 def traffic(run: str, kernel: str, keep: pathlib.Path) -> list[str]:
@@ -49,14 +89,16 @@ def traffic(run: str, kernel: str, keep: pathlib.Path) -> list[str]:
     total = hlo_costs.summary(ops)["bytes"]
     parts = sorted(hlo_costs.bytes_by_part(ops).items(), key=lambda kv: -kv[1])[:PARTS]
     with open(keep / "report.json") as f:
-        batch = json.load(f)["batch_size"]
+        compiled = json.load(f)
+    kinds = bytes_by_kind(ops, compiled)
     return [
         run,
         kernel,
-        str(batch),
+        str(compiled["batch_size"]),
         f"{step['bytes']['total'] / 2**30:.2f}",
         f"{total / 1e9:.1f}",
         ", ".join(f"{name} {gb / 1e9:.1f}" for name, gb in parts),
+        ", ".join(f"{name} {gb / 1e9:.1f}" for name, gb in kinds.items()),
         f"{step['estimate']['step_s'] * 1e3:.1f}",
     ]
 
@@ -68,6 +110,7 @@ COLUMNS = [
     "GiB/device",
     "HBM GB per step",
     "largest parts (GB)",
+    "by kind (GB)",
     "estimate ms (compiled, not run)",
 ]
 

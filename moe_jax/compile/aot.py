@@ -315,6 +315,7 @@ def compile_run(
                 "vocab_size",
                 "emb_dim",
                 "mlp_dim",
+                "num_heads",
                 "num_encoder_layers",
                 "num_decoder_layers",
             )
