@@ -132,7 +132,7 @@ def _xla(
     sizes: Array,
     dims: RaggedDotDimensionNumbers,
     dtype,
-    row_index: Array | None = None,
+    row_index: Array | None,
 ) -> Array:
     return jax.lax.ragged_dot_general(
         _gathered(lhs, row_index), rhs, sizes, dims, preferred_element_type=dtype
