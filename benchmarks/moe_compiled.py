@@ -31,7 +31,9 @@ as a ratio to the dense FFN: what the layer would move with a free dispatch. ``-
 lists the N largest operations of each compiled layer; ``--breakdown`` splits each layer's
 HLO bytes into matmuls, gathers / scatters / sorts, whole-weight casts and gradients,
 collectives and the rest, beside the dense FFN's (``hlo_costs.categorize``); ``--options``
-adds the routing options of docs/moe.md ("Routing of current MoE models") as ``sort`` rows.
+adds the routing options of docs/moe.md ("Routing of current MoE models") as ``sort`` rows;
+``--dropless KERNEL ...`` adds the dropless layer (``dropless=True``) with each grouped matmul
+(``ExecutionConfig.grouped_matmul``) as ``dropless:<kernel>`` rows.
 """
 
 from __future__ import annotations
@@ -344,6 +346,13 @@ def main() -> None:
         help="the layer's weights as the train step passes them (bfloat16 compute copies of "
         "those it reads cast), or float32 weights cast at each call",
     )
+    parser.add_argument(
+        "--dropless",
+        nargs="*",
+        default=[],
+        metavar="KERNEL",
+        help="add the dropless layer with each of these grouped matmuls (xla, pallas, ...)",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write the table here")
     parser.add_argument(
         "--expert-parallel",
@@ -383,6 +392,10 @@ def main() -> None:
         for label, options in ROUTING_OPTIONS.items() if args.options else ():
             layer = moe_step(experts, "sort", **options)
             rows.append(compile_row(f"sort, {label}", *layer, mesh, args.weights))
+        for kernel in args.dropless:
+            execution = dict(per_expert_loop=False, grouped_matmul=kernel)
+            layer = moe_step(experts, "sort", capacity={"dropless": True}, execution=execution)
+            rows.append(compile_row(f"dropless:{kernel}", *layer, mesh, args.weights))
         dense = rows[0]
         for row in rows:
             cost_ms, hlo_ms = (

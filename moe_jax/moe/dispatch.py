@@ -45,12 +45,13 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.moe.options import CapacityOrder, Dispatch
-from moe_jax.moe.permute import scatter_combine, take_rows
+from moe_jax.moe.permute import RowMap, scatter_combine, take_rows
 from moe_jax.moe.routers import ExpertChoiceRouting, TokenChoiceRouting
 
 Array = jax.Array
 ExpertFn = Callable[[Array], Array]
-RaggedFn = Callable[[Array, Array], Array]
+# (rows, group_sizes [experts], row map) -> [assignments, d_model] (``ragged_token_choice``).
+RaggedFn = Callable[[Array, Array, RowMap | None], Array]
 
 
 def _assignment_order(routing: TokenChoiceRouting, capacity_order: CapacityOrder) -> Array:
@@ -279,16 +280,19 @@ def ragged_token_choice(
     ragged_fn: RaggedFn,
     gather_gradients: bool = True,
     scatter_rows: bool = False,
+    gather_in_kernel: bool = False,
 ) -> tuple[Array, Array]:
     """Dropless token choice through a grouped matmul over all groups' assignments.
 
-    ``ragged_fn(rows [assignments, d_model] sorted by expert, group_sizes [experts])``
+    ``ragged_fn(rows [assignments, d_model] sorted by expert, group_sizes [experts], None)``
     returns ``[assignments, d_model]``; rows past ``sum(group_sizes)`` (unrouted
     assignments) are zeros going in and are ignored coming out, so a kernel may leave them
     unwritten. Both moves (tokens into sorted rows, rows back to assignments) are
     ``permute.take_rows`` (``gather_gradients``, ``scatter_rows`` as in
-    ``sort_token_choice``). Same contract
-    as ``einsum_token_choice``.
+    ``sort_token_choice``). With ``gather_in_kernel`` the first move is left to
+    ``ragged_fn``: it gets the tokens ``[groups * tokens_per_group, d_model]`` and the
+    ``permute.RowMap`` of the sorted rows into them (rows past ``sum(group_sizes)`` read
+    some token), never a sorted copy. Same contract as ``einsum_token_choice``.
     """
     groups, tokens, k = routing.expert_index.shape
     d_model = x.shape[-1]
@@ -299,16 +303,18 @@ def ragged_token_choice(
     counts = jnp.sum(jax.nn.one_hot(expert_flat[0], num_experts, dtype=jnp.int32), axis=0)
     routed = expert_flat < num_experts  # [1, n], by assignment
     routed_sorted = jnp.arange(n)[None] < jnp.sum(counts)  # [1, n], by sorted row
-    rows = take_rows(
-        x.reshape(1, groups * tokens, d_model),
-        perm // k,
-        routed_sorted,
-        rank.reshape(1, groups * tokens, k),
-        routed.reshape(1, groups * tokens, k),
-        gather_gradients,
-        scatter_rows,
-    )
-    outputs = ragged_fn(rows[0], counts)[None]
+    token = perm // k  # [1, n], the token each sorted row reads
+    token_rows = rank.reshape(1, groups * tokens, k)  # each token's sorted rows
+    token_routed = routed.reshape(1, groups * tokens, k)
+    x = x.reshape(1, groups * tokens, d_model)
+    if gather_in_kernel:
+        row_map = RowMap(token[0], token_rows[0], token_routed[0])
+        outputs = ragged_fn(x[0], counts, row_map)[None]
+    else:
+        rows = take_rows(
+            x, token, routed_sorted, token_rows, token_routed, gather_gradients, scatter_rows
+        )
+        outputs = ragged_fn(rows[0], counts, None)[None]
     outputs = take_rows(
         outputs,
         rank,

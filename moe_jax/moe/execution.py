@@ -67,6 +67,12 @@ class ExecutionPlan:
         (``permute.take_rows``).
       scatter_rows: under ``sort`` / ``ragged`` (token choice), the row moves and their
         gradients scatter rows rather than gather them (``permute.scatter_rows``).
+      gather_in_kernel: under ``ragged`` with the ``pallas`` grouped matmul and a ``local``
+        exchange, the input projections read the token rows through the sorted order's
+        row index in their kernel (``grouped_matmul.gathered_ragged_dot``): no sorted
+        ``[assignments, d_model]`` copy of the tokens; its gradient sums each token's
+        rows by a gather whatever ``gather_gradients`` / ``scatter_rows`` say (they still
+        decide the combine's move).
     """
 
     platform: Platform
@@ -77,6 +83,7 @@ class ExecutionPlan:
     grouped_matmul: GroupedMatmul | Literal[False] = False
     gather_gradients: bool = False
     scatter_rows: bool = False
+    gather_in_kernel: bool = False
 
     @property
     def dispatch(self) -> Dispatch:
@@ -117,15 +124,17 @@ def resolve_plan(config: MoeConfig, target: AbstractMesh | str | None, dtype: An
     exchange: ExchangeKind = "ragged_all_to_all" if ragged else "all_to_all"
     scatter = _scatter_rows(execution.scatter_rows, execution.gather_gradients, platform)
     gather = _gather_gradients(execution.gather_gradients, platform) and not scatter
+    grouped_matmul = _grouped_matmul(execution.grouped_matmul, platform) if ragged else False
     return ExecutionPlan(
         platform=platform,
         implementation="ragged" if ragged else dispatch,
         per_expert_loop=_per_expert_loop(execution.per_expert_loop, platform, dtype) and not ragged,
         choice_major_combine=sort_token_choice and not ragged and _choice_major_combine(platform),
         exchange=exchange if expert_parallel else "local",
-        grouped_matmul=_grouped_matmul(execution.grouped_matmul, platform) if ragged else False,
+        grouped_matmul=grouped_matmul,
         gather_gradients=gather and (sort_token_choice or ragged),
         scatter_rows=scatter and (sort_token_choice or ragged),
+        gather_in_kernel=_gather_in_kernel(grouped_matmul, platform, expert_parallel),
     )
 
 
@@ -238,6 +247,17 @@ def _grouped_matmul(option: GroupedMatmulOption, platform: Platform) -> GroupedM
         return option
     on_gpu = platform == "gpu" and jax.devices()[0].platform == "gpu"
     return "triton" if on_gpu and kernel_unsupported("triton") is None else "xla"
+
+
+def _gather_in_kernel(
+    grouped_matmul: GroupedMatmul | Literal[False], platform: Platform, expert_parallel: bool
+) -> bool:
+    """Whether the dropless input projections gather the token rows in their kernel: with
+    the ``pallas`` grouped matmul, the one whose kernels take a row index, off TPU (it has
+    no TPU lowering) and without expert parallelism (there the rows cross devices sorted).
+    Compiled for one H100 it keeps the sorted ``[assignments, d_model]`` tokens out of
+    memory (docs/moe.md, "Dropless on GPU")."""
+    return grouped_matmul == "pallas" and platform != "tpu" and not expert_parallel
 
 
 def target_platform(mesh: AbstractMesh | None) -> str:

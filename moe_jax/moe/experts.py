@@ -116,18 +116,24 @@ def ragged_expert_ffn(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     ragged_dot: RaggedDot = jax.lax.ragged_dot,
+    in_dot: RaggedDot | None = None,
 ) -> jax.Array:
     """Grouped-matmul form of ``expert_ffn`` (dropless): rows of ``x`` sorted by expert.
 
     Args:
-      x: ``[assignments, d_model]``, the first ``group_sizes[0]`` rows for expert 0, etc.
+      x: ``[assignments, d_model]``, the first ``group_sizes[0]`` rows for expert 0, etc.;
+        or whatever ``in_dot`` reads its rows from.
       group_sizes: ``[experts]`` int32; rows past ``sum(group_sizes)`` are not computed.
       ragged_dot: the grouped matmul (``grouped_matmul.ragged_dot``).
+      in_dot: the input projections' grouped matmul (None: ``ragged_dot``); one that
+        gathers its rows itself (``grouped_matmul.gathered_ragged_dot`` bound to a
+        ``permute.RowMap``) takes ``x`` as the unsorted ``[tokens, d_model]``.
 
     Returns:
       ``[assignments, d_model]``; rows past ``sum(group_sizes)`` undefined (zeros with
       ``jax.lax.ragged_dot``; a kernel may leave them unwritten).
     """
-    h = activate(weights, lambda w: ragged_dot(x, w, group_sizes), activation)
+    first = ragged_dot if in_dot is None else in_dot
+    h = activate(weights, lambda w: first(x, w, group_sizes), activation)
     h = dropout(h, dropout_rate, dropout_rng)
     return ragged_dot(h, weights["wo"], group_sizes)

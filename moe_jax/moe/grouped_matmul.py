@@ -8,6 +8,12 @@ Its three products run through one kernel, each with its own dimension numbers o
 * weight gradient, the transposed ragged product: ``dw[e] = x_e^T @ dy_e``,
   ``[m, k] x [m, n] -> [experts, k, n]``, ragged over the contracted rows.
 
+:func:`gathered_ragged_dot` is the same grouped matmul reading its ``[m, k]`` rows from
+unsorted ``[tokens, k]`` rows through a ``permute.RowMap``: ``pallas`` gathers them in its
+kernels' prologue (forward and weight gradient), so the sorted copy is never written; the
+other kernels gather them first. The input gradient of the unsorted rows sums each token's
+rows of the sorted input gradient (``permute.gather_sum``: a gather, no scatter-add).
+
 Kernels (``ExecutionConfig.grouped_matmul``, settled by ``execution.resolve_plan``): ``xla``
 is ``jax.lax.ragged_dot_general`` (every platform; XLA:TPU lowers it to a Mosaic grouped
 matmul, XLA:GPU of jaxlib 0.10.2 to one dense matmul per expert over all rows).
@@ -34,19 +40,26 @@ import logging
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.lax import RaggedDotDimensionNumbers
 
 from moe_jax.moe import grouped_matmul_pallas as kernels
 from moe_jax.moe.options import GroupedMatmul
+from moe_jax.moe.permute import RowMap, gather_sum
 
 Array = jax.Array
 # (rows [m, k] sorted by group, weights [groups, k, n], group_sizes [groups] int32) -> [m, n];
 # rows past sum(group_sizes) are zeros with ``xla`` and ``pallas``, anything with tokamax.
 RaggedDot = Callable[[Array, Array, Array], Array]
+# (rows [tokens, k] unsorted, weights [groups, k, n], group_sizes [groups] int32, RowMap of
+# the m sorted rows into them) -> [m, n], as RaggedDot of the gathered rows.
+GatheredRaggedDot = Callable[[Array, Array, Array, RowMap], Array]
 # One product of ``jax.lax.ragged_dot_general``'s form:
-# (lhs, rhs, group_sizes, dimension numbers, output dtype) -> result.
+# (lhs, rhs, group_sizes, dimension numbers, output dtype, row index) -> result; with a row
+# index ([m] int32; forward and weight gradient) lhs is [tokens, k] and its row r is
+# lhs[row_index[r]].
 RaggedDotGeneral = Callable[
-    [Array, Array, Array, RaggedDotDimensionNumbers, jax.typing.DTypeLike], Array
+    [Array, Array, Array, RaggedDotDimensionNumbers, jax.typing.DTypeLike, Array | None], Array
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -108,10 +121,22 @@ def kernel_unsupported(name: GroupedMatmul, jax_version: str | None = None) -> s
     return None
 
 
-def _xla(lhs: Array, rhs: Array, sizes: Array, dims: RaggedDotDimensionNumbers, dtype) -> Array:
-    return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims, preferred_element_type=dtype).astype(
-        dtype
-    )
+def _gathered(lhs: Array, row_index: Array | None) -> Array:
+    """``lhs``, or its rows ``row_index`` (for a kernel that cannot gather them itself)."""
+    return lhs if row_index is None else jnp.take(lhs, row_index, axis=0)
+
+
+def _xla(
+    lhs: Array,
+    rhs: Array,
+    sizes: Array,
+    dims: RaggedDotDimensionNumbers,
+    dtype,
+    row_index: Array | None,
+) -> Array:
+    return jax.lax.ragged_dot_general(
+        _gathered(lhs, row_index), rhs, sizes, dims, preferred_element_type=dtype
+    ).astype(dtype)
 
 
 @functools.cache
@@ -127,9 +152,14 @@ def _tokamax(name: GroupedMatmul) -> RaggedDotGeneral:
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
 
-    def product(lhs, rhs, sizes, dims, dtype):
+    def product(lhs, rhs, sizes, dims, dtype, row_index):
         return tokamax.ragged_dot_general(
-            lhs, rhs, sizes, dims, preferred_element_type=dtype, implementation=name
+            _gathered(lhs, row_index),
+            rhs,
+            sizes,
+            dims,
+            preferred_element_type=dtype,
+            implementation=name,
         ).astype(dtype)
 
     return product
@@ -141,36 +171,37 @@ def _pallas(platform: str) -> RaggedDotGeneral:
     interpreter on CPU.
 
     Raises:
-      NotImplementedError: another platform (no Triton there), or dimension numbers other
-        than the three products'.
+      NotImplementedError: another platform (no Triton there), dimension numbers other than
+        the three products', or a row index for the input gradient.
     """
     if platform not in ("cpu", "gpu", "cuda", "rocm"):
         raise NotImplementedError(f"the pallas grouped matmul has no {platform} lowering")
-    products = (
-        (FORWARD, kernels.forward),
-        (INPUT_GRADIENT, kernels.input_gradient),
-        (WEIGHT_GRADIENT, kernels.weight_gradient),
-    )
+    interpret = platform == "cpu"
 
-    def product(lhs, rhs, sizes, dims, dtype):
-        for known, kernel in products:
-            if dims == known:
-                return kernel(lhs, rhs, sizes, dtype, interpret=platform == "cpu")
+    def product(lhs, rhs, sizes, dims, dtype, row_index):
+        if dims == FORWARD:
+            return kernels.forward(lhs, rhs, sizes, dtype, interpret=interpret, row_index=row_index)
+        if dims == WEIGHT_GRADIENT:
+            return kernels.weight_gradient(
+                lhs, rhs, sizes, dtype, interpret=interpret, row_index=row_index
+            )
+        if dims == INPUT_GRADIENT and row_index is None:
+            return kernels.input_gradient(lhs, rhs, sizes, dtype, interpret=interpret)
         raise NotImplementedError(f"the pallas grouped matmul has no product {dims}")
 
     return product
 
 
 def _product(name: GroupedMatmul, part: str, platform: str) -> RaggedDotGeneral:
-    """The ``part`` product through kernel ``name`` (``pallas`` or tokamax's) compiled for
-    ``platform``; where the kernel raises while tracing, through ``xla`` (warned once per
+    """The ``part`` product through kernel ``name`` compiled for ``platform``; where the
+    kernel (``pallas`` or tokamax's) raises while tracing, through ``xla`` (warned once per
     kernel)."""
 
-    def product(lhs, rhs, sizes, dims, dtype):
-        if name not in _FAILED:
+    def product(lhs, rhs, sizes, dims, dtype, row_index):
+        if name != "xla" and name not in _FAILED:
             try:
                 kernel = _pallas(platform) if name == "pallas" else _tokamax(name)
-                return kernel(lhs, rhs, sizes, dims, dtype)
+                return kernel(lhs, rhs, sizes, dims, dtype, row_index)
             except Exception as error:  # any trace failure: the result must still come
                 message = str(error).splitlines()[0] if str(error) else ""
                 _FAILED[name] = f"{part}: {type(error).__name__}: {message}"
@@ -180,7 +211,7 @@ def _product(name: GroupedMatmul, part: str, platform: str) -> RaggedDotGeneral:
                     name,
                     _FAILED[name],
                 )
-        return _xla(lhs, rhs, sizes, dims, dtype)
+        return _xla(lhs, rhs, sizes, dims, dtype, row_index)
 
     return product
 
@@ -193,24 +224,52 @@ def ragged_dot(name: GroupedMatmul, platform: str | None = None) -> RaggedDot:
     is ``jax.lax.ragged_dot`` itself, whose gradients are the same two products."""
     if name == "xla":
         return jax.lax.ragged_dot
+    matmul = _grouped(name, platform)
+    return lambda lhs, rhs, group_sizes: matmul(lhs, rhs, group_sizes, None)
+
+
+def gathered_ragged_dot(name: GroupedMatmul, platform: str | None = None) -> GatheredRaggedDot:
+    """:func:`ragged_dot` of rows gathered from unsorted ones: ``(x [tokens, k], w
+    [experts, k, n], group_sizes [experts], rows: RowMap) -> [m, n]``, row ``r`` being
+    ``x[rows.source[r]] @ w[e(r)]`` (``rows.inverse [tokens, r]``: each token's rows).
+    ``pallas`` gathers in its kernels (forward and weight gradient), every other kernel
+    before its product. ``x``'s gradient sums each token's rows of the input gradient
+    (``permute.gather_sum``), so no product of ``m`` rows of ``x`` is ever written."""
+    return _grouped(name, platform)
+
+
+def _grouped(
+    name: GroupedMatmul, platform: str | None
+) -> Callable[[Array, Array, Array, RowMap | None], Array]:
+    """``(lhs, rhs, group_sizes, rows)``: the grouped matmul through kernel ``name`` and its
+    gradients, of ``lhs`` itself (``rows`` None: ``[m, k]`` sorted) or of its rows
+    ``rows.source`` (:func:`gathered_ragged_dot`)."""
     target = jax.devices()[0].platform if platform is None else platform
 
     @jax.custom_vjp
-    def matmul(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
-        return _product(name, "forward", target)(lhs, rhs, group_sizes, FORWARD, lhs.dtype)
+    def matmul(lhs: Array, rhs: Array, group_sizes: Array, rows: RowMap | None) -> Array:
+        index = None if rows is None else rows.source
+        return _product(name, "forward", target)(lhs, rhs, group_sizes, FORWARD, lhs.dtype, index)
 
-    def forward(lhs, rhs, group_sizes):
-        return matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+    def forward(lhs, rhs, group_sizes, rows):
+        return matmul(lhs, rhs, group_sizes, rows), (lhs, rhs, group_sizes, rows)
 
     def backward(residuals, cotangent):
-        lhs, rhs, group_sizes = residuals
+        lhs, rhs, group_sizes, rows = residuals
         d_lhs = _product(name, "input gradient", target)(
-            cotangent, rhs, group_sizes, INPUT_GRADIENT, lhs.dtype
+            cotangent, rhs, group_sizes, INPUT_GRADIENT, lhs.dtype, None
         )
+        if rows is not None:  # each token's rows, summed
+            d_lhs = gather_sum(d_lhs[None], rows.inverse[None], rows.inverse_valid[None])[0]
         d_rhs = _product(name, "weight gradient", target)(
-            lhs, cotangent, group_sizes, WEIGHT_GRADIENT, rhs.dtype
+            lhs,
+            cotangent,
+            group_sizes,
+            WEIGHT_GRADIENT,
+            rhs.dtype,
+            None if rows is None else rows.source,
         )
-        return d_lhs, d_rhs, None
+        return d_lhs, d_rhs, None, None
 
     matmul.defvjp(forward, backward)
     return matmul

@@ -11,6 +11,13 @@ The three products of the dropless path (``grouped_matmul``), rows sorted by gro
 Rows past ``sum(group_sizes)`` may hold anything (even NaN): they come out as zeros and
 add nothing to the weight gradient.
 
+Gathered rows. Given ``row_index [m] int32``, :func:`forward` and :func:`weight_gradient`
+read their ``lhs`` rows through it: ``lhs`` is then ``[tokens, k]`` (unsorted) and product
+row ``r`` reads ``lhs[row_index[r]]``, a gather-load in the kernel's prologue (per tile, the
+``block_m`` or ``block_k`` row indices, then those rows), so the sorted ``[m, k]`` copy is
+never written. Entries of ``row_index`` past ``sum(group_sizes)`` must be in range; their
+rows are not used.
+
 Tiling. :func:`forward` and :func:`input_gradient` give each program one output tile
 ``[block_m rows, block_n columns]``; the row tiles are aligned, so one may hold the
 boundary between experts. Per tile, the range of experts whose rows it holds is computed
@@ -67,9 +74,12 @@ def forward(
     dtype: jax.typing.DTypeLike,
     blocks: BlockSizes = BlockSizes(),
     interpret: bool = False,
+    row_index: Array | None = None,
 ) -> Array:
-    """``[m, k] x [experts, k, n] -> [m, n]``: each row times its expert's ``[k, n]``."""
-    return _row_tiled(lhs, rhs, group_sizes, dtype, blocks, interpret, transpose_rhs=False)
+    """``[m, k] x [experts, k, n] -> [m, n]``: each row times its expert's ``[k, n]``; with
+    ``row_index [m]``, ``lhs`` is ``[tokens, k]`` and row ``r`` is ``lhs[row_index[r]]``
+    (gathered in the kernel)."""
+    return _row_tiled(lhs, rhs, group_sizes, dtype, blocks, interpret, False, row_index)
 
 
 def input_gradient(
@@ -81,7 +91,7 @@ def input_gradient(
     interpret: bool = False,
 ) -> Array:
     """``[m, n] x [experts, k, n] -> [m, k]``: each row times its expert's ``[k, n]^T``."""
-    return _row_tiled(lhs, rhs, group_sizes, dtype, blocks, interpret, transpose_rhs=True)
+    return _row_tiled(lhs, rhs, group_sizes, dtype, blocks, interpret, True, None)
 
 
 def weight_gradient(
@@ -91,14 +101,16 @@ def weight_gradient(
     dtype: jax.typing.DTypeLike,
     blocks: BlockSizes = BlockSizes(),
     interpret: bool = False,
+    row_index: Array | None = None,
 ) -> Array:
     """``[m, k] x [m, n] -> [experts, k, n]``: ``lhs_e^T @ rhs_e`` over each expert's rows;
-    zeros for an empty expert."""
-    (rows, k), n = lhs.shape, rhs.shape[1]
+    zeros for an empty expert. With ``row_index [m]``, ``lhs`` is ``[tokens, k]`` and row
+    ``r`` is ``lhs[row_index[r]]`` (gathered in the kernel)."""
+    (rows, n), k = rhs.shape, lhs.shape[1]
     experts = group_sizes.shape[0]
     bm, bn, bk = _block(blocks.m, k), _block(blocks.n, n), _block(blocks.k, rows)
     lhs, rhs = _common_dtype(lhs, rhs)
-    lhs = _pad(_pad(lhs, 0, bk), 1, bm)
+    lhs, index = _rows_operand(lhs, row_index, bk, bm)
     rhs = _pad(_pad(rhs, 0, bk), 1, bn)
     starts, ends = _group_bounds(group_sizes)
     out = pl.pallas_call(
@@ -109,7 +121,7 @@ def weight_gradient(
         compiler_params=_triton(blocks),
         interpret=interpret,
         name="grouped_matmul_weight_gradient",
-    )(starts, ends, lhs, rhs)
+    )(starts, ends, lhs, rhs, *index)
     return out[:, :k, :n]
 
 
@@ -121,38 +133,44 @@ def _row_tiled(
     blocks: BlockSizes,
     interpret: bool,
     transpose_rhs: bool,
+    row_index: Array | None,
 ) -> Array:
-    """``lhs [m, c]`` times each row's expert of ``rhs`` (``[experts, c, n]``, or
-    ``[experts, n, c]`` with ``transpose_rhs``) -> ``[m, n]``."""
-    rows, contract = lhs.shape
+    """``lhs [m, c]`` (or its rows ``row_index [m]`` of ``lhs [tokens, c]``) times each
+    row's expert of ``rhs`` (``[experts, c, n]``, or ``[experts, n, c]`` with
+    ``transpose_rhs``) -> ``[m, n]``."""
+    rows, contract = lhs.shape[0] if row_index is None else row_index.shape[0], lhs.shape[1]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = _block(blocks.m, rows), _block(blocks.n, n), _block(blocks.k, contract)
     lhs, rhs = _common_dtype(lhs, rhs)
-    lhs = _pad(_pad(lhs, 0, bm), 1, bk)
+    lhs, index = _rows_operand(lhs, row_index, bm, bk)
     rhs = _pad(_pad(rhs, 2 if transpose_rhs else 1, bk), 1 if transpose_rhs else 2, bn)
+    tiles, cols = -(-rows // bm), rhs.shape[1 if transpose_rhs else 2]
     starts, ends = _group_bounds(group_sizes)
-    first, last = _tile_groups(ends, lhs.shape[0] // bm, bm)
+    first, last = _tile_groups(ends, tiles, bm)
     out = pl.pallas_call(
         functools.partial(_row_tile_kernel, block_k=bk, transpose_rhs=transpose_rhs),
-        out_shape=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]), dtype),
-        grid=(lhs.shape[0] // bm, rhs.shape[1 if transpose_rhs else 2] // bn),
+        out_shape=jax.ShapeDtypeStruct((tiles * bm, cols), dtype),
+        grid=(tiles, cols // bn),
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
         compiler_params=_triton(blocks),
         interpret=interpret,
         name="grouped_matmul_transposed" if transpose_rhs else "grouped_matmul",
-    )(starts, ends, first, last, lhs, rhs)
+    )(starts, ends, first, last, lhs, rhs, *index)
     return out[:rows, :n]
 
 
 def _row_tile_kernel(
-    starts_ref, ends_ref, first_ref, last_ref, lhs_ref, rhs_ref, out_ref, *, block_k, transpose_rhs
+    starts_ref, ends_ref, first_ref, last_ref, lhs_ref, rhs_ref, *refs, block_k, transpose_rhs
 ) -> None:
     """One ``[bm, bn]`` output tile: the sum over the experts of the tile's rows
-    (``first_ref[t]`` to ``last_ref[t]``) of their product, kept on their rows."""
+    (``first_ref[t]`` to ``last_ref[t]``) of their product, kept on their rows. ``refs``:
+    the output, after the row index when ``lhs`` rows are gathered."""
+    *index_ref, out_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     bm, bn = out_ref.shape
     rows = tile * bm + jnp.arange(bm, dtype=jnp.int32)
     cols = pl.ds(col * bn, bn)
+    source = _source_rows(index_ref, pl.ds(tile * bm, bm))
     steps = lhs_ref.shape[1] // block_k
     contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
 
@@ -161,7 +179,7 @@ def _row_tile_kernel(
 
         def step(i, acc):
             depth = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-            x = lhs_ref[pl.ds(tile * bm, bm), depth]
+            x = lhs_ref[source, depth]
             w = rhs_ref[group, cols, depth] if transpose_rhs else rhs_ref[group, depth, cols]
             return acc + jax.lax.dot_general(
                 x, w, (contract, ((), ())), preferred_element_type=jnp.float32
@@ -177,9 +195,11 @@ def _row_tile_kernel(
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _weight_gradient_kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, block_k) -> None:
+def _weight_gradient_kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, block_k) -> None:
     """One ``[bm, bn]`` tile of expert ``e``'s ``[k, n]``: ``lhs^T @ rhs`` over its rows,
-    ``block_k`` rows at a time (rows of other experts masked to zero)."""
+    ``block_k`` rows at a time (rows of other experts masked to zero). ``refs``: the
+    output, after the row index when ``lhs`` rows are gathered."""
+    *index_ref, out_ref = refs
     group, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bn = out_ref.shape
     start, end = starts_ref[group], ends_ref[group]
@@ -190,7 +210,7 @@ def _weight_gradient_kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, 
         rows = chunk * block_k + jnp.arange(block_k, dtype=jnp.int32)
         in_group = ((rows >= start) & (rows < end))[:, None]
         window = pl.ds(pl.multiple_of(chunk * block_k, block_k), block_k)
-        x = jnp.where(in_group, lhs_ref[window, pl.ds(i * bm, bm)], 0)
+        x = jnp.where(in_group, lhs_ref[_source_rows(index_ref, window), pl.ds(i * bm, bm)], 0)
         dy = jnp.where(in_group, rhs_ref[window, pl.ds(j * bn, bn)], 0)
         return acc + jax.lax.dot_general(
             x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
@@ -198,6 +218,23 @@ def _weight_gradient_kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, 
 
     acc = jax.lax.fori_loop(first, stop, step, jnp.zeros((bm, bn), jnp.float32))
     out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _rows_operand(
+    lhs: Array, row_index: Array | None, row_multiple: int, col_multiple: int
+) -> tuple[Array, tuple[Array, ...]]:
+    """``lhs`` zero-padded for its tiles, and the extra kernel operands: none for sorted
+    rows (``lhs`` padded to ``row_multiple`` rows too), else ``row_index`` as int32 padded
+    with row 0 to ``row_multiple`` entries (``lhs`` keeps its rows)."""
+    if row_index is None:
+        return _pad(_pad(lhs, 0, row_multiple), 1, col_multiple), ()
+    return _pad(lhs, 1, col_multiple), (_pad(row_index.astype(jnp.int32), 0, row_multiple),)
+
+
+def _source_rows(index_ref: list, window: slice | pl.Slice) -> slice | pl.Slice | Array:
+    """What indexes ``lhs``' rows for the product rows ``window``: the window itself, or
+    the row indices ``index_ref[0][window]`` (a gather-load of those rows)."""
+    return index_ref[0][window] if index_ref else window
 
 
 def _group_bounds(group_sizes: Array) -> tuple[Array, Array]:

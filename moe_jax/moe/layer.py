@@ -32,11 +32,12 @@ from moe_jax.moe.collections import (
 )
 from moe_jax.moe.config import MoeConfig
 from moe_jax.moe.dispatch import dispatch_combine, ragged_token_choice
-from moe_jax.moe.execution import resolve_plan
+from moe_jax.moe.execution import ExecutionPlan, resolve_plan
 from moe_jax.moe.experts import ExpertWeights, expert_ffn, ragged_expert_ffn
-from moe_jax.moe.grouped_matmul import ragged_dot
+from moe_jax.moe.grouped_matmul import gathered_ragged_dot, ragged_dot
 from moe_jax.moe.options import CapacityOrder
-from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput
+from moe_jax.moe.permute import RowMap
+from moe_jax.moe.routers import ExpertChoiceRouting, RouterOutput, TokenChoiceRouting
 from moe_jax.moe.selection import check_group_limit
 from moe_jax.moe.shared import SharedExperts
 
@@ -196,29 +197,7 @@ class MoeLayer(nn.Module):
         def local_fn(x, routing, w, key, exchange: ep.Exchange) -> tuple[Array, ...]:
             """This device's groups and (through ``exchange``) experts."""
             if plan.implementation == "ragged":
-                assert isinstance(plan.grouped_matmul, str)
-                grouped = ragged_dot(plan.grouped_matmul, plan.platform)
-
-                def ffn(rows: Array, sizes: Array) -> Array:
-                    return ragged_expert_ffn(
-                        w,
-                        rows,
-                        sizes,
-                        cfg.activation,
-                        cfg.expert_dropout_rate,
-                        key if use_dropout else None,
-                        grouped,
-                    )
-
-                tokens = x.shape[0] * x.shape[1]  # a token sends each expert at most one row
-                return ragged_token_choice(
-                    x,
-                    routing,
-                    cfg.routed_experts,
-                    lambda rows, sizes: exchange.rows(rows, sizes, ffn, tokens),
-                    plan.gather_gradients,
-                    plan.scatter_rows,
-                )
+                return self._ragged(plan, x, routing, w, key if use_dropout else None, exchange)
 
             def run_experts(buffers: Array) -> Array:
                 return expert_ffn(
@@ -256,6 +235,56 @@ class MoeLayer(nn.Module):
                 model_axis=axes.model_axis,
             )(x, routing, weights, rng, num_outputs)
         return outputs[0], (outputs[1] if num_outputs == 2 else None)
+
+    def _ragged(
+        self,
+        plan: ExecutionPlan,
+        x: Array,
+        routing: TokenChoiceRouting,
+        w: dict[str, Array],
+        dropout_rng: Array | None,
+        exchange: ep.Exchange,
+    ) -> tuple[Array, Array]:
+        """Dropless token choice (``dispatch.ragged_token_choice``) through ``plan``'s
+        grouped matmul, the rows crossing ``exchange``; with ``plan.gather_in_kernel`` (a
+        local exchange) the input projections gather the token rows themselves.
+        ``[groups, tokens_per_group, d_model]`` -> same, plus the kept mask."""
+        cfg = self.config
+        assert isinstance(plan.grouped_matmul, str)
+        grouped = ragged_dot(plan.grouped_matmul, plan.platform)
+        gathered = gathered_ragged_dot(plan.grouped_matmul, plan.platform)
+
+        def ffn(rows: Array, sizes: Array, row_map: RowMap | None = None) -> Array:
+            def in_dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+                assert row_map is not None
+                return gathered(lhs, rhs, group_sizes, row_map)
+
+            return ragged_expert_ffn(
+                w,
+                rows,
+                sizes,
+                cfg.activation,
+                cfg.expert_dropout_rate,
+                dropout_rng,
+                grouped,
+                None if row_map is None else in_dot,
+            )
+
+        def ragged_fn(rows: Array, sizes: Array, row_map: RowMap | None) -> Array:
+            if row_map is not None:  # plan.gather_in_kernel: a local exchange
+                return ffn(rows, sizes, row_map)
+            # a token sends each expert at most one row
+            return exchange.rows(rows, sizes, ffn, x.shape[0] * x.shape[1])
+
+        return ragged_token_choice(
+            x,
+            routing,
+            cfg.routed_experts,
+            ragged_fn,
+            plan.gather_gradients,
+            plan.scatter_rows,
+            plan.gather_in_kernel,
+        )
 
     def _sow_routing(
         self,

@@ -12,14 +12,35 @@ at about 7x its bytes, a scatter-add of the same rows at about 1x): the forward 
 each source row to the output rows that read it (through the inverse map), the VJP
 scatter-adds the cotangent rows back (through ``index``). :func:`take_rows` chooses
 between them and the plain gather (``ExecutionPlan.gather_gradients`` / ``scatter_rows``).
+A kernel that gathers its rows itself takes the two maps as a :class:`RowMap` instead;
+:func:`gather_sum` is the gradient of either.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+
+
+class RowMap(NamedTuple):
+    """Rows ``[m, d]`` read from source rows ``[n, d]``, as both maps (one group; the
+    contract of :func:`gather_rows`, with the rows that no valid entry of ``inverse`` names
+    left to the reader: it must ignore them, as a grouped matmul does its rows past
+    ``sum(group_sizes)``).
+
+    Attributes:
+      source: ``[m]`` int32, the source row each row reads (in range everywhere).
+      inverse: ``[n, r]`` int32, for each source row the rows that read it.
+      inverse_valid: ``[n, r]`` bool, which entries of ``inverse`` are used.
+    """
+
+    source: Array
+    inverse: Array
+    inverse_valid: Array
 
 
 def _masked_gather(src: Array, index: Array, valid: Array) -> Array:
@@ -57,14 +78,17 @@ def _gather_rows_fwd(src, index, valid, inverse, inverse_valid):
     return _masked_gather(src, index, valid), (inverse, inverse_valid)
 
 
-def _gather_rows_bwd(residuals, cotangent):
-    inverse, inverse_valid = residuals
+def gather_sum(rows: Array, inverse: Array, inverse_valid: Array) -> Array:
+    """``[groups, n, d]``: for each source row, the sum of the ``rows [groups, m, d]`` that
+    read it (``inverse``, ``inverse_valid``: ``[groups, n, r]`` as in :func:`gather_rows`),
+    by gathering them: the gradient of a row gather, without a scatter-add."""
     groups, n, r = inverse.shape
-    back = _masked_gather(
-        cotangent, inverse.reshape(groups, n * r), inverse_valid.reshape(groups, -1)
-    )
-    d_src = jnp.sum(back.reshape(groups, n, r, -1), axis=2, dtype=cotangent.dtype)
-    return d_src, None, None, None, None
+    back = _masked_gather(rows, inverse.reshape(groups, n * r), inverse_valid.reshape(groups, -1))
+    return jnp.sum(back.reshape(groups, n, r, -1), axis=2, dtype=rows.dtype)
+
+
+def _gather_rows_bwd(residuals, cotangent):
+    return gather_sum(cotangent, *residuals), None, None, None, None
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

@@ -139,6 +139,7 @@ def test_export_config_and_compile_choices_pinned():
         "grouped_matmul": False,
         "gather_gradients": False,
         "scatter_rows": False,
+        "gather_in_kernel": False,
     }
     tpu = aot.layer_choices("tpu", "bfloat16", config)
     assert tpu == {
@@ -151,6 +152,7 @@ def test_export_config_and_compile_choices_pinned():
         "grouped_matmul": False,
         "gather_gradients": False,
         "scatter_rows": True,
+        "gather_in_kernel": False,
     }
     # a decoder config of its own: its plan under "decoder", the encoder's keys unchanged
     decoder_moe = dataclasses.replace(
@@ -170,6 +172,7 @@ def test_export_config_and_compile_choices_pinned():
             "grouped_matmul": False,
             "gather_gradients": False,
             "scatter_rows": False,
+            "gather_in_kernel": False,
         },
     }
     same = dataclasses.replace(config, decoder_moe=config.moe)

@@ -121,6 +121,20 @@ def test_resolve_plan_gives_the_documented_choice_per_platform():
         _plan("gpu", dropless=True, grouped_matmul="cublas")
 
 
+def test_resolve_plan_gathers_in_the_kernel_only_with_pallas_off_tpu_and_locally():
+    # the pallas kernels take a row index; the other kernels run on the sorted copy
+    for platform in ("cpu", "gpu"):
+        assert _plan(platform, dropless=True, grouped_matmul="pallas").gather_in_kernel
+        assert not _plan(platform, dropless=True).gather_in_kernel
+        assert not _plan(platform, dropless=True, grouped_matmul="triton").gather_in_kernel
+        assert not _plan(platform, grouped_matmul="pallas").gather_in_kernel  # not ragged
+    assert not _plan("tpu", dropless=True, grouped_matmul="pallas").gather_in_kernel
+    # under expert parallelism the rows cross devices sorted (TPU) or the path is padded
+    for platform in ("cpu", "gpu", "tpu"):
+        plan = _plan(platform, shape=(2, 4, 1), dropless=True, grouped_matmul="pallas")
+        assert not plan.gather_in_kernel
+
+
 def test_resolve_plan_exchange_under_expert_parallelism():
     ep = (2, 4, 1)
     for platform in ("cpu", "gpu", "tpu"):

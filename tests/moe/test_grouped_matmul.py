@@ -24,8 +24,10 @@ import pytest
 from moe_jax.moe import ExecutionConfig, MoeLayer, grouped_matmul
 from moe_jax.moe.collections import AUX_LOSS_COLLECTION, MOE_METRICS_COLLECTION
 from moe_jax.moe.dispatch import einsum_token_choice, ragged_token_choice
+from moe_jax.moe.execution import resolve_plan
 from moe_jax.moe.experts import expert_ffn, ragged_expert_ffn
-from moe_jax.moe.grouped_matmul import RaggedDot, ragged_dot
+from moe_jax.moe.grouped_matmul import GatheredRaggedDot, RaggedDot, gathered_ragged_dot, ragged_dot
+from moe_jax.moe.permute import RowMap
 from moe_jax.moe.routers import TokenChoiceRouting
 from tests.moe.moe_testlib import SMALL, init_params, make_inputs, with_execution
 
@@ -56,28 +58,63 @@ def _loss_and_grads(run, x, weights, combine_weights):
     return grad(x, weights, combine_weights)
 
 
-def _check_against_einsum(
-    experts: int, k: int, matmul: RaggedDot, seed: int = 0, scatter_rows: bool = False
-) -> None:
-    routing = _routing(experts, k, seed)
+def _operands(experts: int, seed: int) -> tuple[jax.Array, dict[str, jax.Array]]:
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
     x = jax.random.normal(keys[0], (GROUPS, TOKENS, D_MODEL))
     weights = {
         "wi": jax.random.normal(keys[1], (experts, D_MODEL, D_FF)) * 0.3,
         "wo": jax.random.normal(keys[2], (experts, D_FF, D_MODEL)) * 0.3,
     }
+    return x, weights
+
+
+def _ragged_loss_and_grads(
+    experts: int,
+    k: int,
+    matmul: RaggedDot,
+    seed: int = 0,
+    scatter_rows: bool = False,
+    gathered: GatheredRaggedDot | None = None,
+):
+    """The ragged dispatch's loss, outputs and gradients (x, weights, combine weights);
+    with ``gathered``, its input projections gather the token rows (``gather_in_kernel``)."""
+    routing = _routing(experts, k, seed)
+
+    def ragged(x, w, cw):
+        def ffn(rows, sizes, row_map: RowMap | None):
+            def in_dot(lhs, rhs, group_sizes):
+                assert gathered is not None and row_map is not None
+                return gathered(lhs, rhs, group_sizes, row_map)
+
+            first = None if row_map is None else in_dot
+            return ragged_expert_ffn(w, rows, sizes, "relu", ragged_dot=matmul, in_dot=first)
+
+        r = dataclasses.replace(routing, combine_weights=cw)
+        return ragged_token_choice(
+            x, r, experts, ffn, scatter_rows=scatter_rows, gather_in_kernel=gathered is not None
+        )[0]
+
+    return _loss_and_grads(ragged, *_operands(experts, seed), routing.combine_weights)
+
+
+def _check_against_einsum(
+    experts: int,
+    k: int,
+    matmul: RaggedDot,
+    seed: int = 0,
+    scatter_rows: bool = False,
+    gathered: GatheredRaggedDot | None = None,
+) -> None:
+    routing = _routing(experts, k, seed)
 
     def reference(x, w, cw):
         r = dataclasses.replace(routing, combine_weights=cw)
         return einsum_token_choice(x, r, experts, TOKENS, lambda b: expert_ffn(w, b, "relu"))[0]
 
-    def ragged(x, w, cw):
-        r = dataclasses.replace(routing, combine_weights=cw)
-        ffn = lambda rows, sizes: ragged_expert_ffn(w, rows, sizes, "relu", ragged_dot=matmul)  # noqa: E731
-        return ragged_token_choice(x, r, experts, ffn, scatter_rows=scatter_rows)[0]
-
-    (_, y_ref), g_ref = _loss_and_grads(reference, x, weights, routing.combine_weights)
-    (_, y), g = _loss_and_grads(ragged, x, weights, routing.combine_weights)
+    (_, y_ref), g_ref = _loss_and_grads(
+        reference, *_operands(experts, seed), routing.combine_weights
+    )
+    (_, y), g = _ragged_loss_and_grads(experts, k, matmul, seed, scatter_rows, gathered)
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -115,8 +152,51 @@ def test_pallas_kernel_equals_einsum_reference(experts, k):
     _check_against_einsum(experts, k, ragged_dot("pallas", "cpu"), seed=experts * k)
 
 
+@pytest.mark.parametrize(
+    ("experts", "k"),
+    [
+        (8, 2),
+        (64, 1),
+        pytest.param(8, 1, marks=pytest.mark.slow),
+        pytest.param(32, 1, marks=pytest.mark.slow),
+        pytest.param(32, 2, marks=pytest.mark.slow),
+        pytest.param(64, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_pallas_kernel_gathering_its_rows_equals_einsum_reference(experts, k):
+    seed = experts * k
+    _check_against_einsum(
+        experts, k, ragged_dot("pallas", "cpu"), seed, False, gathered_ragged_dot("pallas", "cpu")
+    )
+
+
+@pytest.mark.parametrize(("experts", "k"), [(8, 1), (32, 2), (64, 2)])
+def test_gathered_rows_give_the_sorted_rows_outputs_and_gradients(experts, k):
+    """The input projections reading the token rows through the row map (``xla``: a
+    gather, then ``jax.lax.ragged_dot_general``) give what the sorted copy gives."""
+    xla = ragged_dot("xla")
+    gathered = _ragged_loss_and_grads(experts, k, xla, experts, gathered=gathered_ragged_dot("xla"))
+    sorted_rows = _ragged_loss_and_grads(experts, k, xla, experts)
+    for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(sorted_rows), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pallas_kernel_gathering_its_rows_equals_it_on_sorted_rows():
+    pallas = ragged_dot("pallas", "cpu")
+    gathered = gathered_ragged_dot("pallas", "cpu")
+    fused = _ragged_loss_and_grads(32, 2, pallas, 5, gathered=gathered)
+    for a, b in zip(
+        jax.tree.leaves(fused),
+        jax.tree.leaves(_ragged_loss_and_grads(32, 2, pallas, 5)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_layer_with_the_pallas_kernel_has_the_xla_kernels_outputs_and_gradients(k):
+    """With ``pallas`` the layer's input projections gather the token rows in the kernel
+    (``ExecutionPlan.gather_in_kernel``); ``xla`` runs on the sorted copy."""
     config = dataclasses.replace(
         SMALL,
         num_experts=8,
@@ -135,7 +215,10 @@ def test_layer_with_the_pallas_kernel_has_the_xla_kernels_outputs_and_gradients(
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
 
     expected = loss_and_grads(xla)
-    found = loss_and_grads(with_execution(xla, grouped_matmul="pallas"))
+    pallas = with_execution(xla, grouped_matmul="pallas")
+    assert resolve_plan(pallas.config, "cpu", jnp.float32).gather_in_kernel
+    assert not resolve_plan(xla.config, "cpu", jnp.float32).gather_in_kernel
+    found = loss_and_grads(pallas)
     for a, b in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

@@ -67,6 +67,25 @@ def test_each_product_equals_ragged_dot_general(experts):
     assert not np.any(dw[np.asarray(sizes) == 0])
 
 
+@pytest.mark.parametrize("experts", [8, 32, 64])
+def test_gathered_rows_equal_the_products_of_the_sorted_rows(experts):
+    """``row_index``: the forward and weight gradient read ``lhs`` rows through it (75
+    tokens, read in random order, some several times; also past the experts' rows)."""
+    x, dy, w = _operands(jnp.float32, seed=experts)
+    tokens, w, sizes = x[:75], w[:experts], _group_sizes(experts, seed=experts)
+    index = jax.random.randint(jax.random.PRNGKey(experts), (ROWS,), 0, tokens.shape[0])
+    rows = tokens[index]
+    y = kernels.forward(tokens, w, sizes, jnp.float32, BLOCKS, interpret=True, row_index=index)
+    dw = kernels.weight_gradient(
+        tokens, dy, sizes, jnp.float32, BLOCKS, interpret=True, row_index=index
+    )
+    expected_y = kernels.forward(rows, w, sizes, jnp.float32, BLOCKS, interpret=True)
+    expected_dw = kernels.weight_gradient(rows, dy, sizes, jnp.float32, BLOCKS, interpret=True)
+    np.testing.assert_allclose(y, expected_y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dw, expected_dw, rtol=1e-6, atol=1e-6)
+    assert y.shape == (ROWS, N) and dw.shape == (experts, K, N)
+
+
 def test_bfloat16_products_accumulate_in_float32():
     x, dy, w = _operands(jnp.bfloat16)
     w = w[:8]
@@ -91,10 +110,13 @@ def test_bfloat16_products_accumulate_in_float32():
 
 H100_CHILD = """
 import json, re, sys
+from unittest import mock
 from moe_jax.compile import targets
 devices = targets.target_devices(targets.parse_target("gpu:h100:1"))
 import jax, jax.numpy as jnp, numpy as np
-from moe_jax.moe import CapacityConfig, ExecutionConfig, MoeConfig, MoeLayer, grouped_matmul
+from moe_jax.compile import hlo_costs
+from moe_jax.moe import CapacityConfig, ExecutionConfig, MoeConfig, MoeLayer
+from moe_jax.moe import execution, grouped_matmul
 from moe_jax.moe.experts import ragged_expert_ffn
 from moe_jax.moe.grouped_matmul import ragged_dot
 from tests.moe.moe_testlib import compile_fwd_bwd
@@ -109,11 +131,15 @@ config = MoeConfig(
     execution=ExecutionConfig(grouped_matmul="pallas"),
 )
 layer_mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 1), ("data", "expert", "model"))
+# a Triton call's operands: the [1024, 768] tokens, one more, then the s32[2048] row index
+TOKENS_THEN_INDEX = r"bf16\\[1024,768\\]\\{1,0\\}, \\w+\\[[\\d,]+\\]\\{[\\d,]+\\}, s32\\[2048\\]"
 found = {}
 for name in sys.argv[1:]:
-    if name == "layer":  # the dropless MoE layer, its plan's platform from the H100 mesh
+    if name.startswith("layer"):  # the dropless MoE layer, its plan's platform from the mesh
         x = jax.ShapeDtypeStruct((2, 512, d_model), jnp.bfloat16)
-        hlo = compile_fwd_bwd(MoeLayer(config, dtype=jnp.bfloat16), x, layer_mesh).as_text()
+        # layer_sorted: the plan's gather_in_kernel off (the tokens gathered into a sorted copy)
+        with mock.patch.object(execution, "_gather_in_kernel", lambda *_: name == "layer"):
+            hlo = compile_fwd_bwd(MoeLayer(config, dtype=jnp.bfloat16), x, layer_mesh).as_text()
     else:  # the experts' FFN through grouped matmul `name`
         matmul = ragged_dot(name, "gpu")
         def loss(w, x, sizes):
@@ -128,6 +154,11 @@ for name in sys.argv[1:]:
         "dot": len(re.findall(r"= \\S+ dot\\(", hlo)),
         "kernels": sorted(set(re.findall(r"grouped_matmul\\w*", hlo))),
         "fallbacks": grouped_matmul.fallbacks(),
+        # gathers of [assignments = 2048, d_model] rows; Triton calls reading the
+        # [tokens = 1024, d_model] activations through an int32 [assignments] row index
+        "row_gathers": len(re.findall(r"= bf16\\[2048,(?:1,)*768\\]\\S* gather\\(", hlo)),
+        "gathering_calls": len(re.findall(TOKENS_THEN_INDEX, hlo)),
+        "hlo_bytes": hlo_costs.summary(hlo_costs.parse(hlo))["bytes"],
     }
 print(json.dumps(found))
 """
@@ -176,3 +207,17 @@ def test_the_dropless_layer_compiled_for_an_h100_runs_the_pallas_kernels():
     layer = _compiled_for_an_h100("layer")["layer"]
     assert layer["triton"] == 6 and layer["fallbacks"] == {}, layer
     assert layer["dot"] == 3, layer  # the router's logits and their two gradients
+
+
+@NO_GPU_COMPILER
+def test_the_dropless_layer_compiled_for_an_h100_never_writes_the_sorted_tokens():
+    """``pallas`` (E = 32, top-2, 1024 tokens, forward and gradients) compiled for one H100:
+    the ``wi`` forward and weight gradient read the ``[tokens, d_model]`` activations
+    through the row index, one ``[assignments, d_model]`` row gather fewer than with the
+    sorted copy (the combine's and the gradients' gathers stay), and fewer HLO bytes."""
+    found = _compiled_for_an_h100("layer", "layer_sorted")
+    fused, sorted_copy = found["layer"], found["layer_sorted"]
+    assert fused["gathering_calls"] == 2 and sorted_copy["gathering_calls"] == 0, found
+    assert fused["row_gathers"] == sorted_copy["row_gathers"] - 1, found
+    assert fused["hlo_bytes"] < sorted_copy["hlo_bytes"], found
+    assert fused["triton"] == sorted_copy["triton"] == 6 and fused["fallbacks"] == {}, found

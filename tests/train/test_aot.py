@@ -177,6 +177,7 @@ def test_tpu_compile_of_the_smoke_config(tmp_path, mesh, with_eval):
         "grouped_matmul": False,
         "gather_gradients": False,
         "scatter_rows": True,
+        "gather_in_kernel": False,
     }
     assert step["collectives"]["all-to-all"]["count"] >= 2  # experts over the expert axis
     # bound from the shapes: the whole Adam state (params + 2 moments, fp32) twice, plus
@@ -703,6 +704,7 @@ def test_gpu_compile_of_the_smoke_config(tmp_path):
         "grouped_matmul": False,
         "gather_gradients": True,
         "scatter_rows": False,
+        "gather_in_kernel": False,
     }
     step = report["steps"]["train"]
     assert step["collectives"]["all-to-all"]["count"] >= 2
