@@ -137,6 +137,7 @@ def test_kernel_that_fails_to_trace_falls_back_to_the_reference_products(experts
     _check_against_einsum(experts, k, ragged_dot("triton"), seed=experts + k)
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["sorted_rows", "gathered_rows"])
 @pytest.mark.parametrize(
     ("experts", "k"),
     [
@@ -148,26 +149,10 @@ def test_kernel_that_fails_to_trace_falls_back_to_the_reference_products(experts
         pytest.param(64, 2, marks=pytest.mark.slow),
     ],
 )
-def test_pallas_kernel_equals_einsum_reference(experts, k):
-    _check_against_einsum(experts, k, ragged_dot("pallas", "cpu"), seed=experts * k)
-
-
-@pytest.mark.parametrize(
-    ("experts", "k"),
-    [
-        (8, 2),
-        (64, 1),
-        pytest.param(8, 1, marks=pytest.mark.slow),
-        pytest.param(32, 1, marks=pytest.mark.slow),
-        pytest.param(32, 2, marks=pytest.mark.slow),
-        pytest.param(64, 2, marks=pytest.mark.slow),
-    ],
-)
-def test_pallas_kernel_gathering_its_rows_equals_einsum_reference(experts, k):
-    seed = experts * k
-    _check_against_einsum(
-        experts, k, ragged_dot("pallas", "cpu"), seed, False, gathered_ragged_dot("pallas", "cpu")
-    )
+def test_pallas_kernel_equals_einsum_reference(experts, k, gathered):
+    """On the sorted rows, and reading the token rows through the row map in its kernel."""
+    rows = gathered_ragged_dot("pallas", "cpu") if gathered else None
+    _check_against_einsum(experts, k, ragged_dot("pallas", "cpu"), experts * k, gathered=rows)
 
 
 @pytest.mark.parametrize(("experts", "k"), [(8, 1), (32, 2), (64, 2)])
