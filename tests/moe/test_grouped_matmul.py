@@ -97,14 +97,9 @@ def _ragged_loss_and_grads(
     return _loss_and_grads(ragged, *_operands(experts, seed), routing.combine_weights)
 
 
-def _check_against_einsum(
-    experts: int,
-    k: int,
-    matmul: RaggedDot,
-    seed: int = 0,
-    scatter_rows: bool = False,
-    gathered: GatheredRaggedDot | None = None,
-) -> None:
+def _check_against_einsum(experts: int, k: int, matmul: RaggedDot, seed: int = 0, **options):
+    """The ragged dispatch (``_ragged_loss_and_grads`` with ``options``) against the einsum
+    dispatch: outputs and gradients."""
     routing = _routing(experts, k, seed)
 
     def reference(x, w, cw):
@@ -114,7 +109,7 @@ def _check_against_einsum(
     (_, y_ref), g_ref = _loss_and_grads(
         reference, *_operands(experts, seed), routing.combine_weights
     )
-    (_, y), g = _ragged_loss_and_grads(experts, k, matmul, seed, scatter_rows, gathered)
+    (_, y), g = _ragged_loss_and_grads(experts, k, matmul, seed, **options)
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
